@@ -1,0 +1,189 @@
+// Package cudaops is kvfence's only door to KV memory. A Device holds the
+// physical regions that back a pool's page space and fills batches of pages
+// in them; it knows nothing of owners, tenants or policy.
+//
+// # Geometry
+//
+// A pool's logical page space [0, N) is mapped onto several regions, one per
+// layer and per K/V (and per device for tensor-parallel ranks, which share
+// page IDs). Region r places page p at Base_r + p*Stride_r, PageBytes_r
+// long. Scrubbing page p means filling it in every region, so Fill takes a
+// batch of pages and covers pages × regions in one device operation: one
+// kernel launch on CUDA, one pass on the host. There is never a call per
+// page per layer.
+//
+// # Ordering
+//
+// Fill is asynchronous: it returns a Fence that completes when every byte of
+// the batch has been written. A caller must observe the fence complete
+// without error before it hands any of the batch's pages to a new owner. A
+// Fill may be ordered after work the engine has queued on the same device
+// (Ordering names the engine's stream or event), because a release can
+// happen while the engine's kernels still read the pages.
+//
+// # Backends
+//
+// Host (this package, pure Go, the default) keeps regions in host memory;
+// every byte is readable by tests. The CUDA backend lives in its own files
+// and loads the driver at run time.
+package cudaops
+
+import "fmt"
+
+// Region describes where one slice of the page space lives.
+type Region struct {
+	// Base is the device address of page 0. Host regions report 0: their
+	// memory is a Go slice owned by the Host device.
+	Base uint64
+	// Stride is the distance in bytes from page p to page p+1; at least
+	// PageBytes.
+	Stride int64
+	// PageBytes is the length of one page in this region; a multiple of 4,
+	// since fills write 32-bit words.
+	PageBytes int64
+	// Pages is how many pages the region holds: valid IDs are [0, Pages).
+	Pages int
+}
+
+// Validate checks a region description.
+func (r Region) Validate() error {
+	switch {
+	case r.Pages <= 0:
+		return fmt.Errorf("%w: region of %d pages", ErrInvalidArgument, r.Pages)
+	case r.PageBytes <= 0 || r.PageBytes%4 != 0:
+		return fmt.Errorf("%w: region page size %d bytes is not a positive multiple of 4", ErrInvalidArgument, r.PageBytes)
+	case r.Stride < r.PageBytes:
+		return fmt.Errorf("%w: region stride %d is less than its page size %d", ErrInvalidArgument, r.Stride, r.PageBytes)
+	case r.Stride%4 != 0:
+		return fmt.Errorf("%w: region stride %d is not a multiple of 4", ErrInvalidArgument, r.Stride)
+	case r.Stride > (1<<62)/int64(r.Pages):
+		return fmt.Errorf("%w: region of %d pages × %d bytes overflows", ErrInvalidArgument, r.Pages, r.Stride)
+	}
+	return nil
+}
+
+// Bytes is the region's extent from Base: the span of all its pages.
+func (r Region) Bytes() int64 { return int64(r.Pages-1)*r.Stride + r.PageBytes }
+
+// Contiguous reports whether adjacent pages touch, so runs of page IDs are
+// runs of memory.
+func (r Region) Contiguous() bool { return r.Stride == r.PageBytes }
+
+// FillSpec says what a fill writes: a 32-bit word repeated over each page,
+// in little-endian byte order. The word for page p is
+//
+//	(Word ^ uint32(p)*PageSalt) &^ ClearMask
+//
+// With PageSalt = 0 every page gets Word (zero, or a poison). A non-zero
+// PageSalt gives each page its own canary; ClearMask then forces bits that
+// keep the word a finite number in the KV dtype.
+type FillSpec struct {
+	Word      uint32
+	PageSalt  uint32
+	ClearMask uint32
+}
+
+// WordFor returns the word written to page p.
+func (s FillSpec) WordFor(p int32) uint32 {
+	return (s.Word ^ uint32(p)*s.PageSalt) &^ s.ClearMask
+}
+
+// Uniform reports whether every page gets the same word, so a fill may
+// coalesce adjacent pages.
+func (s FillSpec) Uniform() bool { return s.PageSalt == 0 }
+
+// Ordering names engine work a fill must wait for. The zero value means
+// none. Handles are the driver's own (a CUstream, a CUevent) as integers,
+// which is how C, C++ and Python engines pass them.
+type Ordering struct {
+	Stream uintptr // wait for all work queued on this stream so far
+	Event  uintptr // wait for this recorded event
+}
+
+// IsZero reports whether o names no engine work.
+func (o Ordering) IsZero() bool { return o.Stream == 0 && o.Event == 0 }
+
+// Fence is the completion of one Fill.
+type Fence interface {
+	// Done reports, without blocking, whether the work has finished, and
+	// its error if it failed.
+	Done() (bool, error)
+	// Wait blocks until the work has finished and returns its error.
+	Wait() error
+}
+
+// Counters are running totals of a device's fill work.
+type Counters struct {
+	FillCalls   uint64 // Fill calls that reached the device
+	Launches    uint64 // device operations issued by them (kernel launches, memsets, host passes)
+	PagesFilled uint64 // pages filled (each counted once, whatever the region count)
+	BytesFilled uint64 // bytes written, over all regions
+}
+
+// Device is a backend that holds regions and fills pages in them. All
+// methods are safe for concurrent use; concurrent Fills must name disjoint
+// pages.
+type Device interface {
+	// Name describes the device, e.g. "host" or "cuda:0 NVIDIA H200".
+	Name() string
+	// AllocRegion allocates memory for pages pages of pageBytes each
+	// (stride = pageBytes), appends it as a new region and returns its
+	// index. The memory's initial content is unspecified.
+	AllocRegion(pages int, pageBytes int64) (int, error)
+	// Regions returns a copy of the region table.
+	Regions() []Region
+	// Fill writes spec over every byte of every listed page in every
+	// region, after the work named by after. Pages must be valid in every
+	// region; on a validation error nothing is written. A
+	// caller that passes pages in ascending order lets the device coalesce
+	// runs. The pages slice may be reused once Fill returns.
+	Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error)
+	// ReadPage copies page p of region r into dst, which must be exactly
+	// the region's PageBytes long. It waits for fills already issued.
+	ReadPage(r int, p int32, dst []byte) error
+	// WritePage copies src into page p of region r.
+	WritePage(r int, p int32, src []byte) error
+	// Counters returns running totals.
+	Counters() Counters
+	// Close frees memory the device allocated (adopted memory stays the
+	// engine's) and makes every later call fail with ErrClosed.
+	Close() error
+}
+
+// Completed returns a Fence that is already done with err.
+func Completed(err error) Fence {
+	if err == nil {
+		return doneFence{}
+	}
+	return failedFence{err}
+}
+
+type doneFence struct{}
+
+func (doneFence) Done() (bool, error) { return true, nil }
+func (doneFence) Wait() error         { return nil }
+
+type failedFence struct{ err error }
+
+func (f failedFence) Done() (bool, error) { return true, f.err }
+func (f failedFence) Wait() error         { return f.err }
+
+// CheckPages validates a fill batch against a region table: every page in
+// range of every region. Backends call it before touching memory.
+func CheckPages(regions []Region, pages []int32) error {
+	if len(regions) == 0 && len(pages) > 0 {
+		return fmt.Errorf("%w: fill on a device with no regions", ErrInvalidArgument)
+	}
+	limit := int32(0x7fffffff)
+	for _, r := range regions {
+		if int64(r.Pages) < int64(limit) {
+			limit = int32(r.Pages)
+		}
+	}
+	for _, p := range pages {
+		if p < 0 || p >= limit {
+			return fmt.Errorf("%w: page %d outside [0, %d)", ErrInvalidArgument, p, limit)
+		}
+	}
+	return nil
+}

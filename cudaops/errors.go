@@ -1,0 +1,20 @@
+package cudaops
+
+import "errors"
+
+// Sentinel errors of every Device. Match with errors.Is.
+var (
+	// ErrNoDevice: the backend cannot run here (no driver, no GPU, the
+	// driver refused to initialise). The message names the driver's error.
+	ErrNoDevice = errors.New("cudaops: no usable device")
+	// ErrInvalidArgument: a page or region outside the device's regions, a
+	// buffer of the wrong length, a malformed region description.
+	ErrInvalidArgument = errors.New("cudaops: invalid argument")
+	// ErrOutOfMemory: the device could not allocate a region.
+	ErrOutOfMemory = errors.New("cudaops: out of device memory")
+	// ErrClosed: the device has been closed.
+	ErrClosed = errors.New("cudaops: device closed")
+	// ErrDriver: a driver call failed; the message names the call and the
+	// driver's error.
+	ErrDriver = errors.New("cudaops: driver call failed")
+)

@@ -1,0 +1,223 @@
+package cudaops
+
+import (
+	"encoding/binary"
+	"fmt"
+	"sync"
+	"sync/atomic"
+)
+
+// Host is the default Device: regions are Go byte slices and fills are
+// synchronous passes over host memory, so the Fence a Fill returns is
+// already complete. It exists so that every guarantee can be tested byte by
+// byte without a GPU, and so that CPU-only deployments (and the C ABI's
+// tests) have a real backend.
+//
+// Ordering handles are device streams and events; host memory has none, so
+// Host accepts and ignores them.
+type Host struct {
+	mu struct {
+		sync.RWMutex
+		regions []Region
+		mem     [][]byte
+		closed  bool
+	}
+	fillCalls, launches, pagesFilled, bytesFilled atomic.Uint64
+}
+
+var _ Device = (*Host)(nil)
+
+// NewHost returns a Host device with no regions.
+func NewHost() *Host { return &Host{} }
+
+// Name implements Device.
+func (h *Host) Name() string { return "host" }
+
+// AllocRegion implements Device.
+func (h *Host) AllocRegion(pages int, pageBytes int64) (int, error) {
+	r := Region{Stride: pageBytes, PageBytes: pageBytes, Pages: pages}
+	if err := r.Validate(); err != nil {
+		return 0, err
+	}
+	if r.Bytes() > maxHostRegion {
+		return 0, fmt.Errorf("%w: host region of %d bytes exceeds %d", ErrOutOfMemory, r.Bytes(), int64(maxHostRegion))
+	}
+	return h.add(r, make([]byte, r.Bytes()))
+}
+
+// maxHostRegion bounds one host region: 64 GiB.
+const maxHostRegion = 64 << 30
+
+// AdoptRegion registers memory the caller owns as a region of pages pages,
+// stride bytes apart, pageBytes long each. The caller must keep mem alive and
+// must not use the pages except through kvfence leases.
+func (h *Host) AdoptRegion(mem []byte, pages int, stride, pageBytes int64) (int, error) {
+	r := Region{Stride: stride, PageBytes: pageBytes, Pages: pages}
+	if err := r.Validate(); err != nil {
+		return 0, err
+	}
+	if int64(len(mem)) < r.Bytes() {
+		return 0, fmt.Errorf("%w: adopted buffer of %d bytes, region needs %d", ErrInvalidArgument, len(mem), r.Bytes())
+	}
+	return h.add(r, mem[:r.Bytes():r.Bytes()])
+}
+
+func (h *Host) add(r Region, mem []byte) (int, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.mu.closed {
+		return 0, ErrClosed
+	}
+	h.mu.regions = append(h.mu.regions, r)
+	h.mu.mem = append(h.mu.mem, mem)
+	return len(h.mu.regions) - 1, nil
+}
+
+// Regions implements Device.
+func (h *Host) Regions() []Region {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	return append([]Region(nil), h.mu.regions...)
+}
+
+// Fill implements Device. Adjacent page IDs in a contiguous region are
+// filled as one run; a uniform word is written by copying a cache-resident
+// pattern block, which runs at memset speed.
+func (h *Host) Fill(pages []int32, spec FillSpec, _ Ordering) (Fence, error) {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	if h.mu.closed {
+		return nil, ErrClosed
+	}
+	if err := CheckPages(h.mu.regions, pages); err != nil {
+		return nil, err
+	}
+	var written uint64
+	for ri, r := range h.mu.regions {
+		mem := h.mu.mem[ri]
+		for i := 0; i < len(pages); {
+			start := pages[i]
+			j := i + 1
+			if spec.Uniform() && r.Contiguous() {
+				for j < len(pages) && pages[j] == pages[j-1]+1 {
+					j++
+				}
+			}
+			off := int64(start) * r.Stride
+			end := off + int64(j-i-1)*r.Stride + r.PageBytes
+			fillWord(mem[off:end], spec.WordFor(start))
+			written += uint64(end - off)
+			i = j
+		}
+	}
+	h.fillCalls.Add(1)
+	h.launches.Add(1)
+	h.pagesFilled.Add(uint64(len(pages)))
+	h.bytesFilled.Add(written)
+	return Completed(nil), nil
+}
+
+// patternBlock is the size of the pattern copied for non-zero words: small
+// enough to stay in L1, large enough that copy runs at full speed.
+const patternBlock = 4096
+
+var patternPool = sync.Pool{New: func() any { return new([patternBlock]byte) }}
+
+// fillWord writes w (little-endian) over b; len(b) is a multiple of 4.
+func fillWord(b []byte, w uint32) {
+	if w == 0 {
+		clear(b)
+		return
+	}
+	if len(b) <= 64 {
+		for i := 0; i+4 <= len(b); i += 4 {
+			binary.LittleEndian.PutUint32(b[i:], w)
+		}
+		return
+	}
+	blk := patternPool.Get().(*[patternBlock]byte)
+	for i := 0; i < patternBlock; i += 4 {
+		binary.LittleEndian.PutUint32(blk[i:], w)
+	}
+	for len(b) > 0 {
+		b = b[copy(b, blk[:]):]
+	}
+	patternPool.Put(blk)
+}
+
+func (h *Host) page(r int, p int32, n int) ([]byte, error) {
+	if h.mu.closed {
+		return nil, ErrClosed
+	}
+	if r < 0 || r >= len(h.mu.regions) {
+		return nil, fmt.Errorf("%w: region %d of %d", ErrInvalidArgument, r, len(h.mu.regions))
+	}
+	reg := h.mu.regions[r]
+	if p < 0 || int(p) >= reg.Pages {
+		return nil, fmt.Errorf("%w: page %d outside [0, %d)", ErrInvalidArgument, p, reg.Pages)
+	}
+	if int64(n) != reg.PageBytes {
+		return nil, fmt.Errorf("%w: buffer of %d bytes for a page of %d", ErrInvalidArgument, n, reg.PageBytes)
+	}
+	off := int64(p) * reg.Stride
+	return h.mu.mem[r][off : off+reg.PageBytes], nil
+}
+
+// ReadPage implements Device.
+func (h *Host) ReadPage(r int, p int32, dst []byte) error {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	src, err := h.page(r, p, len(dst))
+	if err != nil {
+		return err
+	}
+	copy(dst, src)
+	return nil
+}
+
+// WritePage implements Device.
+func (h *Host) WritePage(r int, p int32, src []byte) error {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	dst, err := h.page(r, p, len(src))
+	if err != nil {
+		return err
+	}
+	copy(dst, src)
+	return nil
+}
+
+// PageBytes returns the live memory of page p in region r, for tests and
+// host-side engines that read and write KV in place. It is nil for an
+// invalid page or a closed device.
+func (h *Host) PageBytes(r int, p int32) []byte {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	if r < 0 || r >= len(h.mu.regions) {
+		return nil
+	}
+	b, err := h.page(r, p, int(h.mu.regions[r].PageBytes))
+	if err != nil {
+		return nil
+	}
+	return b
+}
+
+// Counters implements Device.
+func (h *Host) Counters() Counters {
+	return Counters{
+		FillCalls:   h.fillCalls.Load(),
+		Launches:    h.launches.Load(),
+		PagesFilled: h.pagesFilled.Load(),
+		BytesFilled: h.bytesFilled.Load(),
+	}
+}
+
+// Close implements Device. Closing twice is allowed.
+func (h *Host) Close() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.mu.closed = true
+	h.mu.regions, h.mu.mem = nil, nil
+	return nil
+}

@@ -1,0 +1,3 @@
+module github.com/kvfence/kvfence
+
+go 1.26
