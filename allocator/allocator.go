@@ -181,6 +181,16 @@ func (a *Allocator) Alloc(dst []Handle, n int, owner Owner) ([]Handle, error) {
 	return dst, nil
 }
 
+// PeekFree appends to dst the first n pages Alloc would hand out next (or
+// all free pages if fewer), without changing anything.
+func (a *Allocator) PeekFree(dst []int32, n int) []int32 {
+	for p := a.freeHead; p != noPage && n > 0; p = a.pages[p].next {
+		dst = append(dst, p)
+		n--
+	}
+	return dst
+}
+
 // validateHeld checks that every handle names a page in use by owner at the
 // handle's generation, each page at most once. It leaves no marks behind.
 func (a *Allocator) validateHeld(hs []Handle, owner Owner) error {
@@ -359,7 +369,10 @@ func (a *Allocator) transition(pages []int32, from, to State, op string) error {
 	if err := a.validateState(pages, from, op); err != nil {
 		return err
 	}
-	for _, p := range pages {
+	// Push freed pages in reverse so that Alloc hands them out again in the
+	// order given: a sorted batch comes back sorted, and fills coalesce.
+	for i := len(pages) - 1; i >= 0; i-- {
+		p := pages[i]
 		m := &a.pages[p]
 		m.state = to
 		switch to {

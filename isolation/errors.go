@@ -1,0 +1,88 @@
+package isolation
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvfence/kvfence/allocator"
+)
+
+// Sentinel errors. Match with errors.Is.
+var (
+	// ErrInvalidTenant: an empty or over-long tenant name, a negative
+	// quota or reservation, a reservation above the quota.
+	ErrInvalidTenant = errors.New("isolation: invalid tenant configuration")
+	// ErrDuplicateTenant: a tenant of that name is already registered.
+	ErrDuplicateTenant = errors.New("isolation: tenant already registered")
+	// ErrUnknownTenant: no tenant of that name.
+	ErrUnknownTenant = errors.New("isolation: unknown tenant")
+	// ErrQuotaExceeded: the tenant's pages in use plus the request would
+	// pass its quota.
+	ErrQuotaExceeded = errors.New("isolation: tenant quota exceeded")
+	// ErrReserved: free pages exist, but they are reserved for other
+	// tenants.
+	ErrReserved = errors.New("isolation: free pages are reserved for other tenants")
+	// ErrOverReserved: reservations would exceed the pool.
+	ErrOverReserved = errors.New("isolation: reservations exceed the pool")
+	// ErrInvalidPolicy: an unknown scrub kind or dtype, or a poison pattern
+	// wider than the dtype.
+	ErrInvalidPolicy = errors.New("isolation: invalid scrub policy")
+	// ErrNonFinitePattern: a poison pattern that is NaN or Inf in the KV
+	// dtype (0 × NaN = NaN spreads through masked attention).
+	ErrNonFinitePattern = errors.New("isolation: scrub pattern is not a finite number in the KV dtype")
+	// ErrScrubFailed: a fill failed on the device; its pages are retired.
+	ErrScrubFailed = errors.New("isolation: scrub failed")
+	// ErrCanaryMismatch: a freed page was written before its next
+	// allocation (a use after free somewhere in the engine).
+	ErrCanaryMismatch = errors.New("isolation: canary mismatch on a freed page")
+)
+
+// QuotaError reports a tenant's limit with the numbers behind it.
+type QuotaError struct {
+	Err    error // ErrQuotaExceeded or ErrReserved
+	Tenant string
+	Need   int // pages the request needs
+	Have   int // pages the tenant could still get now
+	Limit  int // the tenant's quota (ErrQuotaExceeded) or the pool's free pages (ErrReserved)
+}
+
+func (e *QuotaError) Error() string {
+	if e.Err == ErrReserved {
+		return fmt.Sprintf("%v: tenant %q needs %d pages, %d of %d free pages are not reserved for others",
+			e.Err, e.Tenant, e.Need, e.Have, e.Limit)
+	}
+	return fmt.Sprintf("%v: tenant %q needs %d pages, has %d left of its quota of %d", e.Err, e.Tenant, e.Need, e.Have, e.Limit)
+}
+
+func (e *QuotaError) Unwrap() error { return e.Err }
+
+// Permanent reports whether the request could never fit, whatever is
+// released.
+func (e *QuotaError) Permanent() bool { return e.Err == ErrQuotaExceeded && e.Need > e.Limit }
+
+// CanaryError names the page a canary audit found written after free.
+type CanaryError struct {
+	Page      int32
+	Region    int
+	Offset    int64 // byte offset of the first wrong word inside the page
+	Want, Got uint32
+	PrevOwner string // tenant that last held the page
+	Gen       uint32 // the page's generation when it was scrubbed
+}
+
+func (e *CanaryError) Error() string {
+	return fmt.Sprintf("%v: page %d (generation %d, last owner %q) region %d offset %d holds %#08x, canary is %#08x",
+		ErrCanaryMismatch, e.Page, e.Gen, e.PrevOwner, e.Region, e.Offset, e.Got, e.Want)
+}
+
+func (e *CanaryError) Unwrap() error { return ErrCanaryMismatch }
+
+// ownerName is used in reports when no registry name is known.
+func ownerName(r *Registry, o allocator.Owner) string {
+	if r != nil {
+		if t := r.byID(o); t != nil {
+			return t.Name
+		}
+	}
+	return fmt.Sprintf("owner#%d", o)
+}

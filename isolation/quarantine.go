@@ -1,0 +1,204 @@
+package isolation
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+
+	"github.com/kvfence/kvfence/allocator"
+	"github.com/kvfence/kvfence/cudaops"
+)
+
+// Quarantine cleans released pages before they can be reused:
+//
+//	released (allocator: Quarantined) ──Issue: one batched Fill──▶ filling
+//	filling ──fence done, no error──▶ FinishLocked: Clean ──▶ Free
+//	filling ──fill or fence error──▶ FinishLocked: Retire, pool faulted
+//
+// A page is never returned to the free list before its fill's fence has
+// completed without error. A failed fill retires its pages (they never come
+// back) and faults the quarantine: every admission must then fail closed
+// until the operator clears the fault.
+//
+// Methods ending in Locked must be called with the owning pool's lock held,
+// the same lock that guards the Allocator and the Registry. Issue needs no
+// lock: it only touches the device, which is why a pool can fill outside
+// its lock.
+type Quarantine struct {
+	alloc        *allocator.Allocator
+	dev          cudaops.Device
+	reg          *Registry
+	spec         cudaops.FillSpec
+	policy       ScrubPolicy
+	bytesPerPage int64 // over all regions
+	regions      []cudaops.Region
+
+	// Guarded by the owner's lock.
+	inFlight  int // pages released and not yet cleaned or retired
+	fault     error
+	stats     ScrubStats
+	verifyBuf []byte
+}
+
+// ScrubStats are running totals of a quarantine.
+type ScrubStats struct {
+	Fills          uint64 // batches filled
+	PagesScrubbed  uint64
+	BytesScrubbed  uint64
+	FillErrors     uint64
+	PagesRetired   uint64
+	CanaryChecks   uint64 // pages verified on allocation
+	CanaryFailures uint64
+}
+
+// NewQuarantine returns the quarantine of a pool whose pages live in dev's
+// regions. The policy is validated against dtype.
+func NewQuarantine(alloc *allocator.Allocator, dev cudaops.Device, reg *Registry, policy ScrubPolicy, dtype DType) (*Quarantine, error) {
+	spec, err := policy.FillSpec(dtype)
+	if err != nil {
+		return nil, err
+	}
+	q := &Quarantine{alloc: alloc, dev: dev, reg: reg, spec: spec, policy: policy}
+	q.regions = dev.Regions()
+	maxPage := int64(0)
+	for _, r := range q.regions {
+		q.bytesPerPage += r.PageBytes
+		maxPage = max(maxPage, r.PageBytes)
+	}
+	if policy.Kind == ScrubCanary {
+		q.verifyBuf = make([]byte, maxPage)
+	}
+	return q, nil
+}
+
+// Spec returns the fill the policy implies.
+func (q *Quarantine) Spec() cudaops.FillSpec { return q.spec }
+
+// Policy returns the scrub policy.
+func (q *Quarantine) Policy() ScrubPolicy { return q.policy }
+
+// BytesPerPage is the bytes one page spans over all regions.
+func (q *Quarantine) BytesPerPage() int64 { return q.bytesPerPage }
+
+// BeginLocked records that n pages just entered quarantine and will be
+// passed to Issue.
+func (q *Quarantine) BeginLocked(n int) { q.inFlight += n }
+
+// Issue starts the fill of pages, ordered after the engine work named by
+// after. It returns the fill's fence; an error means the fill never
+// started, and the caller must pass it to FinishLocked.
+func (q *Quarantine) Issue(pages []int32, after cudaops.Ordering) (cudaops.Fence, error) {
+	if len(pages) == 0 {
+		return cudaops.Completed(nil), nil
+	}
+	f, err := q.dev.Fill(pages, q.spec, after)
+	if err != nil {
+		return nil, fmt.Errorf("%w: fill of %d pages: %w", ErrScrubFailed, len(pages), err)
+	}
+	return f, nil
+}
+
+// FinishLocked ends the scrub of pages with the fence's (or Issue's)
+// result: cleaned pages go to the free list, failed ones are retired and
+// the quarantine faults. It returns the fault it recorded, or nil.
+func (q *Quarantine) FinishLocked(pages []int32, fillErr error) error {
+	q.inFlight -= len(pages)
+	if fillErr == nil {
+		if err := q.alloc.Clean(pages); err != nil {
+			panic(fmt.Sprintf("isolation: cleaning scrubbed pages: %v", err)) // pages were quarantined by us
+		}
+		q.stats.Fills++
+		q.stats.PagesScrubbed += uint64(len(pages))
+		q.stats.BytesScrubbed += uint64(len(pages)) * uint64(q.bytesPerPage)
+		return nil
+	}
+	if err := q.alloc.Retire(pages); err != nil {
+		panic(fmt.Sprintf("isolation: retiring pages of a failed fill: %v", err))
+	}
+	q.stats.FillErrors++
+	q.stats.PagesRetired += uint64(len(pages))
+	if !errors.Is(fillErr, ErrScrubFailed) {
+		fillErr = fmt.Errorf("%w: %w", ErrScrubFailed, fillErr)
+	}
+	err := fmt.Errorf("%w (%d pages retired)", fillErr, len(pages))
+	if q.fault == nil {
+		q.fault = err
+	}
+	return err
+}
+
+// FaultLocked returns the recorded fault, nil while healthy.
+func (q *Quarantine) FaultLocked() error { return q.fault }
+
+// ClearFaultLocked forgets the fault. Retired pages stay retired.
+func (q *Quarantine) ClearFaultLocked() { q.fault = nil }
+
+// InFlightLocked is the number of pages being scrubbed.
+func (q *Quarantine) InFlightLocked() int { return q.inFlight }
+
+// StatsLocked returns running totals.
+func (q *Quarantine) StatsLocked() ScrubStats { return q.stats }
+
+// NeedsVerify reports whether pages must pass VerifyLocked before they
+// are handed out (the canary policy).
+func (q *Quarantine) NeedsVerify() bool { return q.policy.Kind == ScrubCanary }
+
+// VerifyLocked checks that free pages about to be handed out still hold
+// their canary in every byte of every region. Pages found written are
+// retired and the quarantine faults; the first mismatch is returned as a
+// *CanaryError, with the number of pages retired.
+func (q *Quarantine) VerifyLocked(pages []int32) (retired int, err error) {
+	var first error
+	var bad []int32
+	for _, p := range pages {
+		q.stats.CanaryChecks++
+		if err := q.verifyPage(p); err != nil {
+			if first == nil {
+				first = err
+			}
+			bad = append(bad, p)
+		}
+	}
+	if len(bad) == 0 {
+		return 0, nil
+	}
+	if err := q.alloc.Unclean(bad); err != nil {
+		panic(fmt.Sprintf("isolation: taking corrupt free pages back: %v", err))
+	}
+	if err := q.alloc.Retire(bad); err != nil {
+		panic(fmt.Sprintf("isolation: retiring corrupt pages: %v", err))
+	}
+	q.stats.CanaryFailures += uint64(len(bad))
+	q.stats.PagesRetired += uint64(len(bad))
+	if q.fault == nil {
+		q.fault = fmt.Errorf("%w (%d pages retired)", first, len(bad))
+	}
+	return len(bad), first
+}
+
+func (q *Quarantine) verifyPage(p int32) error {
+	want := q.spec.WordFor(p)
+	for ri, r := range q.regions {
+		buf := q.verifyBuf[:r.PageBytes]
+		if err := q.dev.ReadPage(ri, p, buf); err != nil {
+			return fmt.Errorf("%w: reading page %d of region %d: %w", ErrCanaryMismatch, p, ri, err)
+		}
+		for off := 0; off < len(buf); off += 4 {
+			if got := binary.LittleEndian.Uint32(buf[off:]); got != want {
+				info, _ := q.alloc.Info(p)
+				return &CanaryError{Page: p, Region: ri, Offset: int64(off), Want: want, Got: got,
+					PrevOwner: ownerName(q.reg, info.Owner), Gen: info.Gen}
+			}
+		}
+	}
+	return nil
+}
+
+// CheckLocked verifies that every quarantined page is accounted for by a
+// scrub in flight.
+func (q *Quarantine) CheckLocked() error {
+	if n := q.alloc.Count(allocator.Quarantined); n != q.inFlight {
+		return fmt.Errorf("isolation: %d pages quarantined, %d in flight", n, q.inFlight)
+	}
+	return nil
+}

@@ -1,0 +1,193 @@
+package isolation
+
+import (
+	"fmt"
+	"math"
+
+	"github.com/kvfence/kvfence/allocator"
+)
+
+// MaxTenantName bounds tenant names, which travel in errors and events.
+const MaxTenantName = 256
+
+// TenantConfig is what an operator declares for a tenant.
+type TenantConfig struct {
+	Name string
+	// QuotaPages is the most pages the tenant may hold at once (a hard
+	// limit); zero means the whole pool.
+	QuotaPages int
+	// ReservedPages are kept for this tenant: no other tenant may take
+	// them, whether or not this tenant uses them. At most QuotaPages.
+	ReservedPages int
+}
+
+// Tenant is a registered tenant. Its fields are read and written under the
+// owning pool's lock.
+type Tenant struct {
+	ID       allocator.Owner
+	Name     string
+	Quota    int
+	Reserved int
+	Used     int // pages held by the tenant's leases
+}
+
+// unusedReservation is the part of t's reservation it does not hold now.
+func (t *Tenant) unusedReservation() int { return max(0, t.Reserved-t.Used) }
+
+// Registry holds the tenants of one pool of totalPages pages. It is not
+// safe for concurrent use: the pool calls it under its lock.
+type Registry struct {
+	totalPages int
+	byName     map[string]*Tenant
+	list       []*Tenant // index = ID-1
+	// unusedReserved is the sum over tenants of unusedReservation.
+	unusedReserved int
+}
+
+// NewRegistry returns an empty registry for a pool of totalPages pages.
+func NewRegistry(totalPages int) *Registry {
+	return &Registry{totalPages: totalPages, byName: make(map[string]*Tenant)}
+}
+
+func (r *Registry) validate(c TenantConfig) (quota int, err error) {
+	switch {
+	case c.Name == "" || len(c.Name) > MaxTenantName:
+		return 0, fmt.Errorf("%w: name %q must be 1..%d bytes", ErrInvalidTenant, c.Name, MaxTenantName)
+	case c.QuotaPages < 0 || c.ReservedPages < 0:
+		return 0, fmt.Errorf("%w: tenant %q quota %d, reservation %d must not be negative", ErrInvalidTenant, c.Name, c.QuotaPages, c.ReservedPages)
+	}
+	quota = c.QuotaPages
+	if quota == 0 || quota > r.totalPages {
+		quota = r.totalPages
+	}
+	if c.ReservedPages > quota {
+		return 0, fmt.Errorf("%w: tenant %q reserves %d pages, above its quota of %d", ErrInvalidTenant, c.Name, c.ReservedPages, quota)
+	}
+	return quota, nil
+}
+
+func (r *Registry) reservedTotal(except *Tenant) int {
+	n := 0
+	for _, t := range r.list {
+		if t != except {
+			n += t.Reserved
+		}
+	}
+	return n
+}
+
+// Add registers a tenant.
+func (r *Registry) Add(c TenantConfig) (*Tenant, error) {
+	quota, err := r.validate(c)
+	if err != nil {
+		return nil, err
+	}
+	if _, dup := r.byName[c.Name]; dup {
+		return nil, fmt.Errorf("%w: %q", ErrDuplicateTenant, c.Name)
+	}
+	if len(r.list) >= math.MaxUint32-1 {
+		return nil, fmt.Errorf("%w: too many tenants", ErrInvalidTenant)
+	}
+	if total := r.reservedTotal(nil) + c.ReservedPages; total > r.totalPages {
+		return nil, fmt.Errorf("%w: %d pages reserved in all, pool has %d", ErrOverReserved, total, r.totalPages)
+	}
+	t := &Tenant{ID: allocator.Owner(len(r.list) + 1), Name: c.Name, Quota: quota, Reserved: c.ReservedPages}
+	r.byName[c.Name] = t
+	r.list = append(r.list, t)
+	r.unusedReserved += t.unusedReservation()
+	return t, nil
+}
+
+// Update changes a tenant's quota and reservation. Pages it already holds
+// stay with it even above a lowered quota; new admissions see the new
+// limits.
+func (r *Registry) Update(c TenantConfig) error {
+	t, err := r.Lookup(c.Name)
+	if err != nil {
+		return err
+	}
+	quota, err := r.validate(c)
+	if err != nil {
+		return err
+	}
+	if total := r.reservedTotal(t) + c.ReservedPages; total > r.totalPages {
+		return fmt.Errorf("%w: %d pages reserved in all, pool has %d", ErrOverReserved, total, r.totalPages)
+	}
+	r.unusedReserved -= t.unusedReservation()
+	t.Quota, t.Reserved = quota, c.ReservedPages
+	r.unusedReserved += t.unusedReservation()
+	return nil
+}
+
+// Lookup finds a tenant by name.
+func (r *Registry) Lookup(name string) (*Tenant, error) {
+	t, ok := r.byName[name]
+	if !ok {
+		return nil, fmt.Errorf("%w: %q", ErrUnknownTenant, name)
+	}
+	return t, nil
+}
+
+func (r *Registry) byID(o allocator.Owner) *Tenant {
+	if o == 0 || int(o) > len(r.list) {
+		return nil
+	}
+	return r.list[o-1]
+}
+
+// Tenants returns the registered tenants in registration order. The
+// pointers stay owned by the registry.
+func (r *Registry) Tenants() []*Tenant { return r.list }
+
+// Grantable is how many of free pages t could take now: free pages minus
+// other tenants' unused reservations, capped by t's remaining quota.
+func (r *Registry) Grantable(t *Tenant, free int) int {
+	notReserved := free - (r.unusedReserved - t.unusedReservation())
+	return max(0, min(notReserved, t.Quota-t.Used))
+}
+
+// Charge checks that t may take need more pages while free pages are free,
+// and records them as used. On error nothing changes; the error is a
+// *QuotaError.
+func (r *Registry) Charge(t *Tenant, need, free int) error {
+	if t.Used+need > t.Quota {
+		return &QuotaError{Err: ErrQuotaExceeded, Tenant: t.Name, Need: need, Have: max(0, t.Quota-t.Used), Limit: t.Quota}
+	}
+	if notReserved := free - (r.unusedReserved - t.unusedReservation()); need > notReserved {
+		return &QuotaError{Err: ErrReserved, Tenant: t.Name, Need: need, Have: max(0, notReserved), Limit: free}
+	}
+	r.unusedReserved -= t.unusedReservation()
+	t.Used += need
+	r.unusedReserved += t.unusedReservation()
+	return nil
+}
+
+// Uncharge returns n pages of t's usage.
+func (r *Registry) Uncharge(t *Tenant, n int) {
+	if n > t.Used {
+		panic(fmt.Sprintf("isolation: tenant %q uncharged %d pages, holds %d", t.Name, n, t.Used))
+	}
+	r.unusedReserved -= t.unusedReservation()
+	t.Used -= n
+	r.unusedReserved += t.unusedReservation()
+}
+
+// Check verifies the registry's own accounting and returns the pages its
+// tenants hold in all.
+func (r *Registry) Check() (used int, err error) {
+	unused := 0
+	for i, t := range r.list {
+		if t.ID != allocator.Owner(i+1) || r.byName[t.Name] != t {
+			return 0, fmt.Errorf("isolation: registry index broken at tenant %q", t.Name)
+		}
+		if t.Used < 0 {
+			return 0, fmt.Errorf("isolation: tenant %q uses %d pages", t.Name, t.Used)
+		}
+		used += t.Used
+		unused += t.unusedReservation()
+	}
+	if unused != r.unusedReserved {
+		return 0, fmt.Errorf("isolation: unused reservations sum to %d, counter says %d", unused, r.unusedReserved)
+	}
+	return used, nil
+}

@@ -1,0 +1,126 @@
+package kvcache
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvfence/kvfence/isolation"
+)
+
+// Sentinel errors. Every error this package returns wraps one of them;
+// match with errors.Is. Admission refusals are *AdmissionError values that
+// carry the numbers behind the refusal.
+var (
+	// ErrInvalidConfig: a Config that cannot describe a pool (zero or
+	// absurd geometry, no size, a pool larger than addressable, a bad scrub
+	// policy, a device whose regions do not match the geometry).
+	ErrInvalidConfig = errors.New("kvcache: invalid config")
+	// ErrUndersizedPool: the pool cannot hold MaxContextTokens and the
+	// config did not allow that.
+	ErrUndersizedPool = errors.New("kvcache: pool cannot hold the maximum context")
+	// ErrInvalidRequest: an empty or over-long ID or tenant, zero or
+	// negative token counts, token counts whose sum overflows.
+	ErrInvalidRequest = errors.New("kvcache: invalid request")
+	// ErrUnknownTenant: the request names a tenant the pool does not know.
+	ErrUnknownTenant = isolation.ErrUnknownTenant
+	// ErrDuplicateRequest: a live lease already has this request ID.
+	ErrDuplicateRequest = errors.New("kvcache: request ID already has a live lease")
+	// ErrExceedsMaxContext: prompt + max new tokens is above the
+	// configured MaxContextTokens. Permanent.
+	ErrExceedsMaxContext = errors.New("kvcache: request exceeds the maximum context")
+	// ErrExceedsCapacity: the request needs more pages than the pool has
+	// in service. Permanent: no release can make it fit.
+	ErrExceedsCapacity = errors.New("kvcache: request exceeds pool capacity")
+	// ErrExceedsQuota: the tenant's quota cannot take the request now
+	// (retryable) or ever (AdmissionError.Permanent).
+	ErrExceedsQuota = isolation.ErrQuotaExceeded
+	// ErrPoolExhausted: not enough free pages for this tenant now.
+	// Retryable: with a context deadline Admit waits for pages.
+	ErrPoolExhausted = errors.New("kvcache: pool exhausted")
+	// ErrPoolClosed: the pool has been closed.
+	ErrPoolClosed = errors.New("kvcache: pool closed")
+	// ErrPoolFaulted: a scrub failed or a canary audit found a freed page
+	// written; every admission fails until the operator calls ClearFault.
+	ErrPoolFaulted = errors.New("kvcache: pool faulted")
+	// ErrLeaseReleased: the lease has been released.
+	ErrLeaseReleased = errors.New("kvcache: lease released")
+	// ErrInvalidArgument: a bad argument to a lease or pool method (a token
+	// range outside the lease, a watermark going backwards).
+	ErrInvalidArgument = errors.New("kvcache: invalid argument")
+	// ErrScrubFailed: a fill failed on the device; its pages were retired
+	// and the pool faulted.
+	ErrScrubFailed = isolation.ErrScrubFailed
+	// ErrCanaryMismatch: a canary audit found a freed page written. The
+	// error is an *isolation.CanaryError naming the page.
+	ErrCanaryMismatch = isolation.ErrCanaryMismatch
+)
+
+// AdmissionError is a refused admission with its numbers. It wraps one of
+// the sentinels above (Err) and, where a lower layer decided, its cause.
+type AdmissionError struct {
+	Err       error  // the sentinel: ErrExceedsCapacity, ErrPoolExhausted, …
+	Cause     error  // the lower-level error, if any (e.g. isolation.ErrReserved)
+	RequestID string // the refused request
+	Tenant    string
+	// Need, Have and Limit are in pages; for ErrExceedsMaxContext in
+	// tokens. Have is what could be granted now, Limit the ceiling that
+	// applies (pool pages in service, tenant quota, max context).
+	Need, Have, Limit int
+	// NeedTokens and LimitTokens restate capacity refusals in tokens.
+	NeedTokens, LimitTokens int
+}
+
+func (e *AdmissionError) Error() string {
+	prefix := fmt.Sprintf("%v: request %q of tenant %q", e.Err, e.RequestID, e.Tenant)
+	switch e.Err {
+	case ErrExceedsMaxContext:
+		return fmt.Sprintf("%s needs %d tokens, max context is %d", prefix, e.Need, e.Limit)
+	case ErrExceedsCapacity:
+		return fmt.Sprintf("%s needs %d pages (%d tokens), pool has %d pages (%d tokens) in service",
+			prefix, e.Need, e.NeedTokens, e.Limit, e.LimitTokens)
+	case ErrExceedsQuota:
+		return fmt.Sprintf("%s needs %d pages, %d left of quota %d", prefix, e.Need, e.Have, e.Limit)
+	case ErrPoolExhausted:
+		msg := fmt.Sprintf("%s needs %d pages, %d grantable of %d in service", prefix, e.Need, e.Have, e.Limit)
+		if e.Cause != nil {
+			msg += " (" + e.Cause.Error() + ")"
+		}
+		return msg
+	}
+	if e.Cause != nil {
+		return prefix + ": " + e.Cause.Error()
+	}
+	return prefix
+}
+
+// Unwrap exposes both the sentinel and the cause to errors.Is and As.
+func (e *AdmissionError) Unwrap() []error {
+	if e.Cause == nil {
+		return []error{e.Err}
+	}
+	return []error{e.Err, e.Cause}
+}
+
+// Retryable reports whether the same request may succeed later without
+// any configuration change: the pool or the tenant's quota was only busy.
+func (e *AdmissionError) Retryable() bool {
+	switch e.Err {
+	case ErrPoolExhausted:
+		return true
+	case ErrExceedsQuota:
+		return e.Need <= e.Limit
+	}
+	return false
+}
+
+// Permanent reports whether the request can never be admitted by this
+// pool as configured.
+func (e *AdmissionError) Permanent() bool {
+	switch e.Err {
+	case ErrExceedsCapacity, ErrExceedsMaxContext:
+		return true
+	case ErrExceedsQuota:
+		return e.Need > e.Limit
+	}
+	return false
+}

@@ -1,0 +1,160 @@
+package kvcache
+
+import (
+	"fmt"
+	"sync/atomic"
+
+	"github.com/kvfence/kvfence/allocator"
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/isolation"
+)
+
+const (
+	leaseUnused uint32 = iota
+	leaseLive
+	leaseReleased
+)
+
+// Lease is an admitted request's hold on its pages: every page the request
+// can need, from admission until Release. Its page IDs are the only ones an
+// engine may touch on the request's behalf.
+type Lease struct {
+	pool    *Pool
+	id      string
+	tenant  *isolation.Tenant
+	prompt  int
+	maxNew  int
+	handles []allocator.Handle
+	table   []int32 // block table: page IDs in token order
+	scrub   []int32 // scratch for release, reused
+	state   atomic.Uint32
+	written atomic.Int64
+}
+
+func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []allocator.Handle) {
+	l.pool, l.id, l.tenant = p, req.ID, t
+	l.prompt, l.maxNew = req.PromptTokens, req.MaxNewTokens
+	l.handles = handles
+	l.table = l.table[:0]
+	for _, h := range handles {
+		l.table = append(l.table, h.Page)
+	}
+	l.written.Store(0)
+	l.state.Store(leaseLive)
+}
+
+func (l *Lease) live() error {
+	switch l.state.Load() {
+	case leaseLive:
+		return nil
+	case leaseReleased:
+		return ErrLeaseReleased
+	}
+	return fmt.Errorf("%w: lease was never admitted", ErrInvalidArgument)
+}
+
+// ID returns the request ID.
+func (l *Lease) ID() string { return l.id }
+
+// Tenant returns the tenant's name.
+func (l *Lease) Tenant() string {
+	if l.tenant == nil {
+		return ""
+	}
+	return l.tenant.Name
+}
+
+// PromptTokens and MaxNewTokens return the admitted request's sizes.
+func (l *Lease) PromptTokens() int { return l.prompt }
+
+// MaxNewTokens returns the admitted request's output budget.
+func (l *Lease) MaxNewTokens() int { return l.maxNew }
+
+// Pages returns how many pages the lease holds.
+func (l *Lease) Pages() int { return len(l.table) }
+
+// CapacityTokens is the number of token slots the lease's pages hold: at
+// least PromptTokens + MaxNewTokens.
+func (l *Lease) CapacityTokens() int {
+	if l.pool == nil {
+		return 0
+	}
+	return len(l.table) * l.pool.geom.TokensPerPage
+}
+
+// Live reports whether the lease still holds its pages.
+func (l *Lease) Live() bool { return l.state.Load() == leaseLive }
+
+// BlockTable returns a copy of the lease's block table: the page IDs, in
+// token order, that a paged-attention kernel reads.
+func (l *Lease) BlockTable() ([]int32, error) {
+	return l.AppendBlockTable(nil)
+}
+
+// AppendBlockTable appends the block table to dst, so that an engine can
+// fill its own (pinned, reused) buffer without allocating.
+func (l *Lease) AppendBlockTable(dst []int32) ([]int32, error) {
+	if err := l.live(); err != nil {
+		return dst, err
+	}
+	return append(dst, l.table...), nil
+}
+
+// SlotMapping appends to dst the cache slot of each token in [start, end):
+// slot = page × TokensPerPage + offset inside the page, the layout vLLM's
+// reshape_and_cache kernels take.
+func (l *Lease) SlotMapping(start, end int, dst []int64) ([]int64, error) {
+	if err := l.live(); err != nil {
+		return dst, err
+	}
+	if start < 0 || end < start || end > l.CapacityTokens() {
+		return dst, fmt.Errorf("%w: token range [%d, %d) outside the lease's %d slots",
+			ErrInvalidArgument, start, end, l.CapacityTokens())
+	}
+	tpp := l.pool.geom.TokensPerPage
+	for tok := start; tok < end; tok++ {
+		dst = append(dst, int64(l.table[tok/tpp])*int64(tpp)+int64(tok%tpp))
+	}
+	return dst, nil
+}
+
+// Commit records that the first n tokens of the lease have been written
+// to its pages (the written watermark). The watermark only moves forward
+// and stays within the request's prompt + max new tokens.
+func (l *Lease) Commit(n int) error {
+	if err := l.live(); err != nil {
+		return err
+	}
+	limit := l.prompt + l.maxNew
+	for {
+		cur := l.written.Load()
+		switch {
+		case n < 0 || n > limit:
+			return fmt.Errorf("%w: commit of %d tokens, lease holds %d", ErrInvalidArgument, n, limit)
+		case int64(n) < cur:
+			return fmt.Errorf("%w: commit of %d tokens, %d already written", ErrInvalidArgument, n, cur)
+		}
+		if l.written.CompareAndSwap(cur, int64(n)) {
+			return nil
+		}
+	}
+}
+
+// Written returns the written watermark in tokens.
+func (l *Lease) Written() int { return int(l.written.Load()) }
+
+// Release ends the lease. Its pages are scrubbed and return to the pool
+// once the scrub has completed. A second Release returns ErrLeaseReleased;
+// after Pool.Close, ErrPoolClosed (Close released the lease). An error
+// wrapping ErrPoolFaulted means the lease was released but its scrub
+// failed: its pages were retired.
+func (l *Lease) Release() error { return l.ReleaseAfter(cudaops.Ordering{}) }
+
+// ReleaseAfter is Release for pages the engine's device work may still be
+// reading or writing: the scrub is ordered after the named stream or event.
+func (l *Lease) ReleaseAfter(after cudaops.Ordering) error {
+	if l.pool == nil {
+		return fmt.Errorf("%w: lease was never admitted", ErrInvalidArgument)
+	}
+	return l.pool.release(l, after)
+}

@@ -1,0 +1,533 @@
+package kvcache
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	"golang.org/x/sync/semaphore"
+
+	"github.com/kvfence/kvfence/allocator"
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/isolation"
+)
+
+// MaxIDLen bounds request IDs and tenant names.
+const MaxIDLen = 256
+
+// Request is what an engine asks to run.
+type Request struct {
+	ID     string // unique among live leases
+	Tenant string
+	// PromptTokens ≥ 1. MaxNewTokens ≥ 0 (0 for a prefill-only request,
+	// as on the prefill side of a disaggregated deployment).
+	PromptTokens int
+	MaxNewTokens int
+}
+
+// Tokens is the most tokens the request can hold: prompt plus output.
+func (r Request) Tokens() int { return r.PromptTokens + r.MaxNewTokens }
+
+// Pool is a paged KV cache shared by tenants. See the package doc.
+type Pool struct {
+	geom       Geometry
+	total      int
+	maxContext int
+	dev        cudaops.Device
+	ownsDevice bool
+	freePages  *semaphore.Weighted // clean free pages not claimed by an admission
+	closing    context.Context     // cancelled by Close, to wake waiting admissions
+	stopAll    context.CancelFunc
+	scrubs     sync.WaitGroup // asynchronous fills still in flight
+	// q is set once in New. Issue may be called without mu; every method
+	// ending in Locked needs mu.
+	q *isolation.Quarantine
+
+	mu struct {
+		sync.Mutex
+		alloc    *allocator.Allocator
+		tenants  *isolation.Registry
+		leases   map[string]*Lease
+		closed   bool
+		changed  chan struct{} // closed when pages or quotas free up; nil while nobody waits
+		admitted uint64
+		refused  Refusals
+	}
+}
+
+// New builds a pool from cfg. It refuses a pool that cannot hold
+// cfg.MaxContextTokens (ErrUndersizedPool) unless cfg.AllowUndersizedPool.
+func New(cfg Config) (*Pool, error) {
+	pages, err := cfg.validate()
+	if err != nil {
+		return nil, err
+	}
+	alloc, err := allocator.New(pages)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	reg := isolation.NewRegistry(pages)
+	for _, tc := range cfg.Tenants {
+		if _, err := reg.Add(tc); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		}
+	}
+	dev, owned, err := cfg.setupDevice(pages)
+	if err != nil {
+		return nil, err
+	}
+	q, err := isolation.NewQuarantine(alloc, dev, reg, cfg.Scrub, cfg.Geometry.DType)
+	if err != nil { // validated above; kept for safety
+		if owned {
+			dev.Close()
+		}
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	p := &Pool{
+		geom:       cfg.Geometry,
+		total:      pages,
+		maxContext: cfg.MaxContextTokens,
+		dev:        dev,
+		ownsDevice: owned,
+		freePages:  semaphore.NewWeighted(int64(pages)),
+	}
+	p.closing, p.stopAll = context.WithCancel(context.Background())
+	p.mu.alloc, p.mu.tenants, p.q = alloc, reg, q
+	p.mu.leases = make(map[string]*Lease)
+	return p, nil
+}
+
+// Geometry returns the pool's page geometry.
+func (p *Pool) Geometry() Geometry { return p.geom }
+
+// Pages returns the pool size in pages.
+func (p *Pool) Pages() int { return p.total }
+
+// CapacityTokens is the pool size in tokens.
+func (p *Pool) CapacityTokens() int { return p.total * p.geom.TokensPerPage }
+
+// Device returns the device that holds the pages.
+func (p *Pool) Device() cudaops.Device { return p.dev }
+
+// AddTenant registers a tenant.
+func (p *Pool) AddTenant(tc TenantConfig) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.mu.closed {
+		return ErrPoolClosed
+	}
+	_, err := p.mu.tenants.Add(tc)
+	return err
+}
+
+// UpdateTenant changes a tenant's quota and reservation. Leases already
+// admitted keep their pages.
+func (p *Pool) UpdateTenant(tc TenantConfig) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.mu.closed {
+		return ErrPoolClosed
+	}
+	if err := p.mu.tenants.Update(tc); err != nil {
+		return err
+	}
+	p.broadcastLocked()
+	return nil
+}
+
+// Admit reserves every page req can need and returns its lease, or an
+// *AdmissionError (or ErrPoolClosed, ErrPoolFaulted) with nothing
+// allocated. If ctx has a deadline, Admit waits up to it for pages or quota
+// to free up; otherwise a busy pool refuses at once with ErrPoolExhausted
+// or ErrExceedsQuota.
+func (p *Pool) Admit(ctx context.Context, req Request) (*Lease, error) {
+	l := new(Lease)
+	if err := p.AdmitInto(ctx, req, l); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// AdmitInto is Admit into a Lease the caller provides, so that an engine
+// which recycles its request structs admits without allocating. l must be
+// a zero Lease or one that has been released; it must not be in use by
+// anyone else.
+func (p *Pool) AdmitInto(ctx context.Context, req Request, l *Lease) error {
+	if l == nil {
+		return fmt.Errorf("%w: nil lease", ErrInvalidArgument)
+	}
+	if l.state.Load() == leaseLive {
+		return fmt.Errorf("%w: lease %q is still live", ErrInvalidArgument, l.id)
+	}
+	if err := p.precheck(req); err != nil {
+		return err
+	}
+	need := p.geom.PagesFor(req.Tokens())
+	_, wait := ctx.Deadline()
+	wait = wait && ctx.Err() == nil
+	if wait {
+		var stop context.CancelFunc
+		ctx, stop = context.WithCancel(ctx)
+		defer stop()
+		defer context.AfterFunc(p.closing, stop)()
+	}
+	for {
+		if wait {
+			if err := p.freePages.Acquire(ctx, int64(need)); err != nil {
+				return p.refuseWaitEnded(req, need, err)
+			}
+		} else if !p.freePages.TryAcquire(int64(need)) {
+			return p.refuseExhausted(req, need, nil)
+		}
+		retry, err := p.admitLocked(req, need, l, wait)
+		if err == nil {
+			return nil
+		}
+		if retry == nil {
+			return err
+		}
+		select {
+		case <-retry:
+		case <-ctx.Done():
+			if p.closing.Err() != nil {
+				return ErrPoolClosed
+			}
+			p.mu.Lock()
+			p.mu.refused.count(err.(*AdmissionError).Err)
+			p.mu.Unlock()
+			return err
+		}
+	}
+}
+
+// precheck refuses what can be decided without claiming pages.
+func (p *Pool) precheck(req Request) error {
+	refuse := func(e *AdmissionError) error {
+		p.mu.Lock()
+		p.mu.refused.count(e.Err)
+		p.mu.Unlock()
+		e.RequestID, e.Tenant = req.ID, req.Tenant
+		return e
+	}
+	if err := validateRequest(req); err != nil {
+		return refuse(&AdmissionError{Err: ErrInvalidRequest, Cause: err})
+	}
+	if req.Tokens() > p.maxContext {
+		return refuse(&AdmissionError{Err: ErrExceedsMaxContext, Need: req.Tokens(), Limit: p.maxContext})
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.stateErrLocked(); err != nil {
+		return err
+	}
+	var e *AdmissionError
+	need := p.geom.PagesFor(req.Tokens())
+	t, err := p.mu.tenants.Lookup(req.Tenant)
+	inService := p.total - p.mu.alloc.Count(allocator.Retired)
+	switch {
+	case err != nil:
+		e = &AdmissionError{Err: ErrUnknownTenant, Cause: err}
+	case p.mu.leases[req.ID] != nil:
+		e = &AdmissionError{Err: ErrDuplicateRequest}
+	case need > inService:
+		e = &AdmissionError{Err: ErrExceedsCapacity, Need: need, Have: p.mu.alloc.Count(allocator.Free), Limit: inService,
+			NeedTokens: req.Tokens(), LimitTokens: inService * p.geom.TokensPerPage}
+	case need > t.Quota:
+		e = &AdmissionError{Err: ErrExceedsQuota, Need: need, Have: max(0, t.Quota-t.Used), Limit: t.Quota}
+	default:
+		return nil
+	}
+	p.mu.refused.count(e.Err)
+	e.RequestID, e.Tenant = req.ID, req.Tenant
+	return e
+}
+
+func validateRequest(req Request) error {
+	switch {
+	case req.ID == "" || len(req.ID) > MaxIDLen:
+		return fmt.Errorf("request ID of %d bytes, want 1..%d", len(req.ID), MaxIDLen)
+	case req.Tenant == "" || len(req.Tenant) > MaxIDLen:
+		return fmt.Errorf("tenant name of %d bytes, want 1..%d", len(req.Tenant), MaxIDLen)
+	case req.PromptTokens <= 0:
+		return fmt.Errorf("PromptTokens = %d, want ≥ 1", req.PromptTokens)
+	case req.MaxNewTokens < 0:
+		return fmt.Errorf("MaxNewTokens = %d, want ≥ 0", req.MaxNewTokens)
+	case req.PromptTokens > maxRequestTokens-req.MaxNewTokens:
+		return fmt.Errorf("PromptTokens %d + MaxNewTokens %d overflows", req.PromptTokens, req.MaxNewTokens)
+	}
+	return nil
+}
+
+// maxRequestTokens keeps token arithmetic (and slot numbers) far from
+// overflow on every platform.
+const maxRequestTokens = 1 << 40
+
+func (p *Pool) stateErrLocked() error {
+	if p.mu.closed {
+		return ErrPoolClosed
+	}
+	if f := p.q.FaultLocked(); f != nil {
+		return fmt.Errorf("%w: %w", ErrPoolFaulted, f)
+	}
+	return nil
+}
+
+// admitLocked runs with need pages claimed from the semaphore. On success
+// the claim becomes the lease's pages. On failure the claim is given back;
+// if the failure is retryable and the caller waits, it returns a channel
+// closed when pages or quota free up.
+func (p *Pool) admitLocked(req Request, need int, l *Lease, wait bool) (retry <-chan struct{}, err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	giveBack := need
+	defer func() {
+		if giveBack > 0 {
+			p.freePages.Release(int64(giveBack))
+		}
+	}()
+	if err := p.stateErrLocked(); err != nil {
+		return nil, err
+	}
+	// Checked again: another admission may have taken the ID since precheck.
+	if p.mu.leases[req.ID] != nil {
+		p.mu.refused.count(ErrDuplicateRequest)
+		return nil, &AdmissionError{Err: ErrDuplicateRequest, RequestID: req.ID, Tenant: req.Tenant}
+	}
+	t, err := p.mu.tenants.Lookup(req.Tenant)
+	if err != nil { // tenants are never removed, so only a racing bug gets here
+		return nil, &AdmissionError{Err: ErrUnknownTenant, Cause: err, RequestID: req.ID, Tenant: req.Tenant}
+	}
+	free := p.mu.alloc.Count(allocator.Free)
+	if err := p.mu.tenants.Charge(t, need, free); err != nil {
+		var qe *isolation.QuotaError
+		errors.As(err, &qe)
+		e := &AdmissionError{Err: ErrExceedsQuota, RequestID: req.ID, Tenant: req.Tenant, Need: need, Have: qe.Have, Limit: qe.Limit}
+		if errors.Is(err, isolation.ErrReserved) {
+			e.Err, e.Cause, e.Limit = ErrPoolExhausted, err, p.total-p.mu.alloc.Count(allocator.Retired)
+		}
+		if wait {
+			return p.waitChanLocked(), e
+		}
+		p.mu.refused.count(e.Err)
+		return nil, e
+	}
+	if p.q.NeedsVerify() {
+		peek := p.mu.alloc.PeekFree(l.scrub[:0], need)
+		l.scrub = peek[:0]
+		if retired, err := p.q.VerifyLocked(peek); err != nil {
+			p.mu.tenants.Uncharge(t, need)
+			giveBack -= retired // those pages left service for good
+			p.mu.refused.count(ErrPoolFaulted)
+			return nil, fmt.Errorf("%w: %w", ErrPoolFaulted, err)
+		}
+	}
+	handles, err := p.mu.alloc.Alloc(l.handles[:0], need, t.ID)
+	if err != nil {
+		panic(fmt.Sprintf("kvcache: %d pages claimed but allocator refused: %v", need, err))
+	}
+	giveBack = 0
+	l.reset(p, req, t, handles)
+	p.mu.leases[req.ID] = l
+	p.mu.admitted++
+	return nil, nil
+}
+
+// waitChanLocked returns a channel that is closed at the next broadcast.
+func (p *Pool) waitChanLocked() <-chan struct{} {
+	if p.mu.changed == nil {
+		p.mu.changed = make(chan struct{})
+	}
+	return p.mu.changed
+}
+
+// broadcastLocked wakes admissions waiting for quota or reservations.
+func (p *Pool) broadcastLocked() {
+	if p.mu.changed != nil {
+		close(p.mu.changed)
+		p.mu.changed = nil
+	}
+}
+
+func (p *Pool) refuseExhausted(req Request, need int, cause error) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.stateErrLocked(); err != nil {
+		return err
+	}
+	p.mu.refused.count(ErrPoolExhausted)
+	have := p.mu.alloc.Count(allocator.Free)
+	if t, err := p.mu.tenants.Lookup(req.Tenant); err == nil {
+		have = p.mu.tenants.Grantable(t, have)
+	}
+	return &AdmissionError{Err: ErrPoolExhausted, Cause: cause, RequestID: req.ID, Tenant: req.Tenant,
+		Need: need, Have: have, Limit: p.total - p.mu.alloc.Count(allocator.Retired)}
+}
+
+// refuseWaitEnded explains why a waiting admission gave up.
+func (p *Pool) refuseWaitEnded(req Request, need int, cause error) error {
+	if p.closing.Err() != nil {
+		return ErrPoolClosed
+	}
+	return p.refuseExhausted(req, need, cause)
+}
+
+// release ends lease l: its pages enter quarantine and are filled after
+// the engine work named by after.
+func (p *Pool) release(l *Lease, after cudaops.Ordering) error {
+	p.mu.Lock()
+	if p.mu.closed {
+		p.mu.Unlock()
+		return ErrPoolClosed
+	}
+	if !l.state.CompareAndSwap(leaseLive, leaseReleased) {
+		p.mu.Unlock()
+		return ErrLeaseReleased
+	}
+	pages := p.detachLocked(l, l.scrub[:0])
+	l.scrub = pages[:0]
+	p.mu.Unlock()
+	return p.scrub(pages, after)
+}
+
+// detachLocked removes a released lease from the books and appends the
+// pages that now need scrubbing.
+func (p *Pool) detachLocked(l *Lease, pages []int32) []int32 {
+	delete(p.mu.leases, l.id)
+	p.mu.tenants.Uncharge(l.tenant, len(l.handles))
+	before := len(pages)
+	pages, err := p.mu.alloc.Release(pages, l.handles, l.tenant.ID)
+	if err != nil {
+		panic(fmt.Sprintf("kvcache: lease %q held pages the allocator refuses: %v", l.id, err))
+	}
+	p.q.BeginLocked(len(pages) - before)
+	p.broadcastLocked()
+	return pages
+}
+
+// scrub fills pages (already quarantined and counted in flight) and, once
+// the fill has completed, returns them to the free list. pages may be
+// reused by the caller once scrub returns.
+func (p *Pool) scrub(pages []int32, after cudaops.Ordering) error {
+	if len(pages) == 0 {
+		return nil
+	}
+	if !slices.IsSorted(pages) {
+		slices.Sort(pages) // adjacent IDs coalesce into one run per region
+	}
+	fence, err := p.q.Issue(pages, after)
+	if err == nil {
+		var done bool
+		if done, err = fence.Done(); !done {
+			batch := slices.Clone(pages)
+			p.scrubs.Add(1)
+			go func() {
+				defer p.scrubs.Done()
+				p.finishScrub(batch, fence.Wait())
+			}()
+			return nil
+		}
+	}
+	return p.finishScrub(pages, err)
+}
+
+func (p *Pool) finishScrub(pages []int32, fillErr error) error {
+	p.mu.Lock()
+	err := p.q.FinishLocked(pages, fillErr)
+	p.broadcastLocked()
+	p.mu.Unlock()
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrPoolFaulted, err)
+	}
+	p.freePages.Release(int64(len(pages)))
+	return nil
+}
+
+// ClearFault lets admissions run again after a fault. The pages of the
+// failed fill (or the corrupt pages) stay retired; the pool's capacity is
+// smaller by that much.
+func (p *Pool) ClearFault() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.q.ClearFaultLocked()
+	p.broadcastLocked()
+}
+
+// Fault returns the error that faulted the pool, or nil.
+func (p *Pool) Fault() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.q.FaultLocked()
+}
+
+// Close refuses new admissions, releases every live lease (its pages are
+// scrubbed), waits for all fills to complete and, if the pool created its
+// device, closes it. Calls on the pool and its leases then return
+// ErrPoolClosed; Stats and Check keep working.
+func (p *Pool) Close() error {
+	p.mu.Lock()
+	if p.mu.closed {
+		p.mu.Unlock()
+		return ErrPoolClosed
+	}
+	p.mu.closed = true
+	p.stopAll()
+	var pages []int32
+	for _, l := range p.mu.leases {
+		l.state.Store(leaseReleased)
+		pages = p.detachLocked(l, pages)
+	}
+	p.mu.Unlock()
+	err := p.scrub(pages, cudaops.Ordering{})
+	p.scrubs.Wait()
+	if p.ownsDevice {
+		err = errors.Join(err, p.dev.Close())
+	}
+	return err
+}
+
+// Check verifies the pool's accounting: the allocator's invariants, the
+// registry's, that every quarantined page is being scrubbed, and that the
+// live leases hold exactly the in-use pages, each under its tenant at its
+// current generation. It returns the first inconsistency found.
+func (p *Pool) Check() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.checkLocked()
+}
+
+func (p *Pool) checkLocked() error {
+	a := p.mu.alloc
+	if err := a.Check(); err != nil {
+		return err
+	}
+	used, err := p.mu.tenants.Check()
+	if err != nil {
+		return err
+	}
+	if err := p.q.CheckLocked(); err != nil {
+		return err
+	}
+	held := 0
+	for id, l := range p.mu.leases {
+		if l.id != id || l.state.Load() != leaseLive {
+			return fmt.Errorf("kvcache: lease table entry %q holds lease %q in state %d", id, l.id, l.state.Load())
+		}
+		for i, h := range l.handles {
+			info, err := a.Info(h.Page)
+			if err != nil {
+				return err
+			}
+			if info.State != allocator.InUse || info.Owner != l.tenant.ID || info.Gen != h.Gen || l.table[i] != h.Page {
+				return fmt.Errorf("kvcache: lease %q page %d: %+v, want in use by %q at generation %d",
+					id, h.Page, info, l.tenant.Name, h.Gen)
+			}
+		}
+		held += len(l.handles)
+	}
+	if inUse := a.Count(allocator.InUse); held != inUse || used != inUse {
+		return fmt.Errorf("kvcache: %d pages in use, leases hold %d, tenants charged %d", inUse, held, used)
+	}
+	return nil
+}
