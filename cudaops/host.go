@@ -92,6 +92,10 @@ func (h *Host) Fill(pages []int32, spec FillSpec, _ Ordering) (Fence, error) {
 	if err := CheckPages(h.mu.regions, pages); err != nil {
 		return nil, err
 	}
+	fill := fillWord
+	if streamingThreshold(h.mu.regions, len(pages)) {
+		fill = fillWordStreaming
+	}
 	var written uint64
 	for ri, r := range h.mu.regions {
 		mem := h.mu.mem[ri]
@@ -105,7 +109,7 @@ func (h *Host) Fill(pages []int32, spec FillSpec, _ Ordering) (Fence, error) {
 			}
 			off := int64(start) * r.Stride
 			end := off + int64(j-i-1)*r.Stride + r.PageBytes
-			fillWord(mem[off:end], spec.WordFor(start))
+			fill(mem[off:end], spec.WordFor(start))
 			written += uint64(end - off)
 			i = j
 		}
@@ -115,6 +119,18 @@ func (h *Host) Fill(pages []int32, spec FillSpec, _ Ordering) (Fence, error) {
 	h.pagesFilled.Add(uint64(len(pages)))
 	h.bytesFilled.Add(written)
 	return Completed(nil), nil
+}
+
+// streamingBytes is the batch size from which fills bypass the cache: past
+// what the caches hold, cached stores gain nothing and cost a read per line.
+const streamingBytes = 4 << 20
+
+func streamingThreshold(regions []Region, pages int) bool {
+	var perPage int64
+	for _, r := range regions {
+		perPage += r.PageBytes
+	}
+	return perPage*int64(pages) >= streamingBytes
 }
 
 // patternBlock is the size of the pattern copied for non-zero words: small

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
@@ -69,6 +70,26 @@ func NewQuarantine(alloc *allocator.Allocator, dev cudaops.Device, reg *Registry
 		q.verifyBuf = make([]byte, maxPage)
 	}
 	return q, nil
+}
+
+// ScrubAllFree fills every free page and waits for the fill. A pool calls
+// it once at creation: fresh or adopted device memory holds whatever an
+// earlier process or the engine left there, and no lease may see that. It
+// must run before any page is handed out.
+func (q *Quarantine) ScrubAllFree() error {
+	pages := q.alloc.PeekFree(nil, q.alloc.Count(allocator.Free))
+	slices.Sort(pages)
+	f, err := q.Issue(pages, cudaops.Ordering{})
+	if err == nil {
+		err = f.Wait()
+	}
+	if err != nil {
+		return fmt.Errorf("%w: initial scrub of %d pages: %w", ErrScrubFailed, len(pages), err)
+	}
+	q.stats.Fills++
+	q.stats.PagesScrubbed += uint64(len(pages))
+	q.stats.BytesScrubbed += uint64(len(pages)) * uint64(q.bytesPerPage)
+	return nil
 }
 
 // Spec returns the fill the policy implies.

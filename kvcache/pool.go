@@ -85,6 +85,12 @@ func New(cfg Config) (*Pool, error) {
 		}
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
+	if err := q.ScrubAllFree(); err != nil {
+		if owned {
+			dev.Close()
+		}
+		return nil, err
+	}
 	p := &Pool{
 		geom:       cfg.Geometry,
 		total:      pages,

@@ -1,0 +1,352 @@
+package allocator
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"unsafe"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func mustNew(t testing.TB, n int) *Allocator {
+	t.Helper()
+	a, err := New(n)
+	require.NoError(t, err)
+	return a
+}
+
+func pagesOf(hs []Handle) []int32 {
+	out := make([]int32, len(hs))
+	for i, h := range hs {
+		out[i] = h.Page
+	}
+	return out
+}
+
+func TestMetadataIs16Bytes(t *testing.T) {
+	assert.Equal(t, uintptr(16), unsafe.Sizeof(pageMeta{}))
+}
+
+func TestNewRejectsBadSizes(t *testing.T) {
+	for _, n := range []int{0, -1, MaxPages + 1} {
+		_, err := New(n)
+		assert.ErrorIs(t, err, ErrInvalidArgument, "n=%d", n)
+	}
+}
+
+func TestAllocHandsOutLowPagesFirstAndReturnsThemInOrder(t *testing.T) {
+	a := mustNew(t, 8)
+	hs, err := a.Alloc(nil, 3, 1)
+	require.NoError(t, err)
+	assert.Equal(t, []int32{0, 1, 2}, pagesOf(hs))
+	q, err := a.Release(nil, hs, 1)
+	require.NoError(t, err)
+	assert.Equal(t, []int32{0, 1, 2}, q)
+	require.NoError(t, a.Clean(q))
+	again, err := a.Alloc(nil, 3, 2)
+	require.NoError(t, err)
+	assert.Equal(t, []int32{0, 1, 2}, pagesOf(again), "a cleaned batch comes back in the same order")
+	for i := range again {
+		assert.Equal(t, hs[i].Gen+1, again[i].Gen, "generation advanced")
+	}
+	require.NoError(t, a.Check())
+}
+
+// snapshot captures everything observable, to prove failed calls change
+// nothing.
+func snapshot(a *Allocator) string {
+	return fmt.Sprintf("%v|%d|%v", a.pages, a.freeHead, a.count)
+}
+
+func TestBadOperationsChangeNothing(t *testing.T) {
+	a := mustNew(t, 16)
+	held, err := a.Alloc(nil, 4, 7)
+	require.NoError(t, err)
+	other, err := a.Alloc(nil, 2, 9)
+	require.NoError(t, err)
+	gone, err := a.Alloc(nil, 2, 7)
+	require.NoError(t, err)
+	q, err := a.Release(nil, gone, 7)
+	require.NoError(t, err)
+	require.NoError(t, a.Clean(q))
+	stale := gone[0]
+	reused, err := a.Alloc(nil, 2, 7) // same pages again, new generation
+	require.NoError(t, err)
+	require.Equal(t, stale.Page, reused[0].Page)
+
+	cases := []struct {
+		name string
+		op   func() error
+		want error
+	}{
+		{"alloc too many", func() error { _, err := a.Alloc(nil, 100, 7); return err }, ErrNoSpace},
+		{"alloc negative", func() error { _, err := a.Alloc(nil, -1, 7); return err }, ErrInvalidArgument},
+		{"alloc no owner", func() error { _, err := a.Alloc(nil, 1, 0); return err }, ErrInvalidArgument},
+		{"release other owner's page", func() error { _, err := a.Release(nil, other[:1], 7); return err }, ErrNotOwner},
+		{"release stale generation", func() error { _, err := a.Release(nil, []Handle{stale}, 7); return err }, ErrStaleHandle},
+		{"release out of range", func() error { _, err := a.Release(nil, []Handle{{Page: 99}}, 7); return err }, ErrInvalidArgument},
+		{"release negative page", func() error { _, err := a.Release(nil, []Handle{{Page: -1}}, 7); return err }, ErrInvalidArgument},
+		{"release duplicate in batch", func() error { _, err := a.Release(nil, []Handle{held[0], held[1], held[0]}, 7); return err }, ErrDoubleFree},
+		{"release free page", func() error { _, err := a.Release(nil, []Handle{{Page: 15}}, 7); return err }, ErrDoubleFree},
+		{"partly bad batch", func() error { _, err := a.Release(nil, []Handle{held[0], held[1], other[0]}, 7); return err }, ErrNotOwner},
+		{"clean in-use page", func() error { return a.Clean([]int32{held[0].Page}) }, ErrWrongState},
+		{"retire free page", func() error { return a.Retire([]int32{15}) }, ErrWrongState},
+		{"evict in-use page", func() error { return a.Evict([]int32{held[0].Page}) }, ErrWrongState},
+		{"unclean in-use page", func() error { return a.Unclean([]int32{15, held[0].Page}) }, ErrWrongState},
+		{"unclean duplicate", func() error { return a.Unclean([]int32{15, 15}) }, ErrInvalidArgument},
+		{"retain free page", func() error { _, err := a.Retain(15, 7); return err }, ErrWrongState},
+		{"retain other owner's page", func() error { _, err := a.Retain(other[0].Page, 7); return err }, ErrNotOwner},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			before := snapshot(a)
+			assert.ErrorIs(t, tc.op(), tc.want)
+			assert.Equal(t, before, snapshot(a), "a failed call changed the allocator")
+			require.NoError(t, a.Check())
+		})
+	}
+}
+
+func TestDoubleFree(t *testing.T) {
+	a := mustNew(t, 4)
+	hs, err := a.Alloc(nil, 2, 1)
+	require.NoError(t, err)
+	_, err = a.Release(nil, hs, 1)
+	require.NoError(t, err)
+	_, err = a.Release(nil, hs, 1)
+	assert.ErrorIs(t, err, ErrDoubleFree)
+	require.NoError(t, a.Check())
+}
+
+func TestRefcountsAndCaching(t *testing.T) {
+	a := mustNew(t, 4)
+	hs, err := a.Alloc(nil, 1, 3)
+	require.NoError(t, err)
+	h2, err := a.Retain(hs[0].Page, 3)
+	require.NoError(t, err)
+	assert.Equal(t, hs[0], h2)
+	q, err := a.Release(nil, hs, 3)
+	require.NoError(t, err)
+	assert.Empty(t, q, "one reference remains")
+	parked, err := a.Park(nil, hs, 3)
+	require.NoError(t, err)
+	assert.Equal(t, []int32{hs[0].Page}, parked)
+	assert.Equal(t, 1, a.Count(Cached))
+	require.NoError(t, a.Check())
+	back, err := a.Retain(hs[0].Page, 3)
+	require.NoError(t, err)
+	assert.Equal(t, hs[0].Gen, back.Gen, "a cached page keeps its generation")
+	_, err = a.Park(nil, []Handle{back}, 3)
+	require.NoError(t, err)
+	require.NoError(t, a.Evict(parked))
+	info, err := a.Info(hs[0].Page)
+	require.NoError(t, err)
+	assert.Equal(t, Quarantined, info.State)
+	assert.Equal(t, hs[0].Gen+1, info.Gen)
+	require.NoError(t, a.Retire(parked))
+	assert.Equal(t, 1, a.Count(Retired))
+	require.NoError(t, a.Check())
+}
+
+func TestUncleanTakesFreePagesBack(t *testing.T) {
+	a := mustNew(t, 6)
+	require.NoError(t, a.Unclean([]int32{0, 3, 5}))
+	assert.Equal(t, 3, a.Count(Quarantined))
+	require.NoError(t, a.Check())
+	hs, err := a.Alloc(nil, 3, 1)
+	require.NoError(t, err)
+	assert.Equal(t, []int32{1, 2, 4}, pagesOf(hs))
+	assert.Equal(t, []int32(nil), a.PeekFree(nil, 5))
+}
+
+func TestCheckFindsCorruption(t *testing.T) {
+	a := mustNew(t, 4)
+	a.count[Free]--
+	assert.ErrorIs(t, a.Check(), ErrCorrupt)
+	a = mustNew(t, 4)
+	a.pages[2].next = 0 // cycle
+	assert.ErrorIs(t, a.Check(), ErrCorrupt)
+	a = mustNew(t, 4)
+	a.pages[1].state = InUse
+	a.count[Free]--
+	a.count[InUse]++
+	assert.ErrorIs(t, a.Check(), ErrCorrupt, "in use with no references")
+}
+
+// model is the reference: a map from page to its state and holder.
+type model struct {
+	state map[int32]State
+	owner map[int32]Owner
+	gen   map[int32]uint32
+	refs  map[int32]int
+}
+
+func TestRandomOperationsAgainstModel(t *testing.T) {
+	const n = 64
+	for seed := range uint64(20) {
+		rng := rand.New(rand.NewPCG(seed, 1))
+		runModel(t, n, func() int { return rng.IntN(1 << 16) }, 400)
+	}
+}
+
+// runModel drives random operations chosen by next() and compares the
+// allocator with the model after each step.
+func runModel(t *testing.T, n int, next func() int, steps int) {
+	a := mustNew(t, n)
+	m := model{map[int32]State{}, map[int32]Owner{}, map[int32]uint32{}, map[int32]int{}}
+	for p := range int32(n) {
+		m.state[p] = Free
+	}
+	var held []Handle // one entry per reference
+	owners := func(h Handle) Owner { return m.owner[h.Page] }
+	inState := func(s State) []int32 {
+		var out []int32
+		for p := range int32(n) {
+			if m.state[p] == s {
+				out = append(out, p)
+			}
+		}
+		return out
+	}
+	for range steps {
+		switch next() % 7 {
+		case 0: // alloc
+			k := next() % 6
+			owner := Owner(1 + next()%3)
+			hs, err := a.Alloc(nil, k, owner)
+			if k > len(inState(Free)) {
+				require.ErrorIs(t, err, ErrNoSpace)
+				break
+			}
+			require.NoError(t, err)
+			for _, h := range hs {
+				require.Equal(t, Free, m.state[h.Page], "allocated a page that was not free")
+				require.Equal(t, m.gen[h.Page], h.Gen)
+				m.state[h.Page], m.owner[h.Page], m.refs[h.Page] = InUse, owner, 1
+				held = append(held, h)
+			}
+		case 1, 2: // release or park one reference
+			if len(held) == 0 {
+				break
+			}
+			i := next() % len(held)
+			h := held[i]
+			park := next()%2 == 0
+			var out []int32
+			var err error
+			if park {
+				out, err = a.Park(nil, []Handle{h}, owners(h))
+			} else {
+				out, err = a.Release(nil, []Handle{h}, owners(h))
+			}
+			require.NoError(t, err)
+			held = append(held[:i], held[i+1:]...)
+			m.refs[h.Page]--
+			if m.refs[h.Page] == 0 {
+				require.Equal(t, []int32{h.Page}, out)
+				if park {
+					m.state[h.Page] = Cached
+				} else {
+					m.state[h.Page] = Quarantined
+					m.gen[h.Page]++
+				}
+			} else {
+				require.Empty(t, out)
+			}
+		case 3: // retain a held or cached page
+			cands := append(inState(InUse), inState(Cached)...)
+			if len(cands) == 0 {
+				break
+			}
+			p := cands[next()%len(cands)]
+			h, err := a.Retain(p, m.owner[p])
+			require.NoError(t, err)
+			m.state[p] = InUse
+			m.refs[p]++
+			held = append(held, h)
+		case 4: // evict a cached page
+			if c := inState(Cached); len(c) > 0 {
+				p := c[next()%len(c)]
+				require.NoError(t, a.Evict([]int32{p}))
+				m.state[p] = Quarantined
+				m.gen[p]++
+			}
+		case 5: // clean or retire quarantined pages
+			if qs := inState(Quarantined); len(qs) > 0 {
+				if next()%5 == 0 {
+					require.NoError(t, a.Retire(qs[:1]))
+					m.state[qs[0]] = Retired
+				} else {
+					require.NoError(t, a.Clean(qs))
+					for _, p := range qs {
+						m.state[p] = Free
+					}
+				}
+			}
+		case 6: // a bad release: stale or foreign handle
+			if len(held) == 0 {
+				break
+			}
+			h := held[next()%len(held)]
+			before := snapshot(a)
+			_, err := a.Release(nil, []Handle{{Page: h.Page, Gen: h.Gen + 1}}, owners(h))
+			require.True(t, errors.Is(err, ErrStaleHandle))
+			_, err = a.Release(nil, []Handle{h}, owners(h)+7)
+			require.True(t, errors.Is(err, ErrNotOwner))
+			require.Equal(t, before, snapshot(a))
+		}
+		require.NoError(t, a.Check())
+		for p := range int32(n) {
+			info, err := a.Info(p)
+			require.NoError(t, err)
+			require.Equal(t, m.state[p], info.State, "page %d", p)
+			require.Equal(t, m.gen[p], info.Gen, "page %d", p)
+			require.Equal(t, m.refs[p], info.Refs, "page %d", p)
+		}
+	}
+}
+
+// FuzzAllocatorOps drives operation sequences taken from the fuzz input.
+func FuzzAllocatorOps(f *testing.F) {
+	f.Add([]byte{0, 3, 1, 0, 2, 5, 5, 4, 3, 0, 0})
+	f.Add([]byte{0, 5, 0, 5, 1, 1, 2, 2, 3, 4, 5, 6, 6, 6})
+	f.Add([]byte("random allocator operation sequence"))
+	f.Fuzz(func(t *testing.T, ops []byte) {
+		i := 0
+		next := func() int {
+			if i >= len(ops) {
+				return 0
+			}
+			i++
+			return int(ops[i-1])
+		}
+		runModel(t, 8, next, len(ops)/2+1)
+	})
+}
+
+func BenchmarkAllocFree(b *testing.B) {
+	const batch = 128
+	for _, n := range []int{1024, 1 << 20} {
+		b.Run(fmt.Sprintf("pages=%d", n), func(b *testing.B) {
+			a := mustNew(b, n)
+			// Churn once so the free list is not in pristine order.
+			hs, _ := a.Alloc(nil, n/2, 1)
+			rand.New(rand.NewPCG(1, 2)).Shuffle(len(hs), func(i, j int) { hs[i], hs[j] = hs[j], hs[i] })
+			q, _ := a.Release(nil, hs, 1)
+			_ = a.Clean(q)
+			handles := make([]Handle, 0, batch)
+			scratch := make([]int32, 0, batch)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				handles, _ = a.Alloc(handles[:0], batch, 1)
+				scratch, _ = a.Release(scratch[:0], handles, 1)
+				_ = a.Clean(scratch)
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*batch), "ns/page")
+		})
+	}
+}

@@ -1,0 +1,123 @@
+package kvcache
+
+import (
+	"context"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/cudaops"
+)
+
+// tinyGeometry keeps host memory small: 2 layers × K/V, 64 bytes per page
+// per region.
+var tinyGeometry = Geometry{TokensPerPage: 4, Layers: 2, KVHeads: 1, HeadDim: 8, DType: BF16}
+
+func tinyConfig(pages int, tenants ...TenantConfig) Config {
+	if len(tenants) == 0 {
+		tenants = []TenantConfig{{Name: "a"}, {Name: "b"}}
+	}
+	return Config{
+		Geometry:         tinyGeometry,
+		Pages:            pages,
+		MaxContextTokens: pages * tinyGeometry.TokensPerPage,
+		Tenants:          tenants,
+	}
+}
+
+func newPool(t testing.TB, cfg Config) *Pool {
+	t.Helper()
+	p, err := New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+func admit(t testing.TB, p *Pool, id, tenant string, tokens int) *Lease {
+	t.Helper()
+	l, err := p.Admit(context.Background(), Request{ID: id, Tenant: tenant, PromptTokens: tokens})
+	require.NoError(t, err)
+	require.NoError(t, p.Check())
+	return l
+}
+
+// state is everything a refused call must leave as it was: Stats without
+// the refusal counter.
+func state(p *Pool) Stats {
+	s := p.Stats()
+	s.Refused = Refusals{}
+	return s
+}
+
+// hostOf returns the pool's host device.
+func hostOf(t testing.TB, p *Pool) *cudaops.Host {
+	t.Helper()
+	h, ok := p.Device().(*cudaops.Host)
+	require.True(t, ok, "pool device is %T", p.Device())
+	return h
+}
+
+// scriptedDevice wraps a Host and lets a test fail fills or hold their
+// completion, like an asynchronous GPU stream.
+type scriptedDevice struct {
+	*cudaops.Host
+	mu struct {
+		sync.Mutex
+		failNext  error // next Fill returns this error
+		failFence error // next Fill's fence completes with this error
+		hold      bool  // fences stay pending until released
+		pending   []*heldFence
+		orders    []cudaops.Ordering
+	}
+}
+
+type heldFence struct {
+	done chan struct{}
+	err  error
+}
+
+func (f *heldFence) Done() (bool, error) {
+	select {
+	case <-f.done:
+		return true, f.err
+	default:
+		return false, nil
+	}
+}
+
+func (f *heldFence) Wait() error { <-f.done; return f.err }
+
+func newScripted() *scriptedDevice { return &scriptedDevice{Host: cudaops.NewHost()} }
+
+func (d *scriptedDevice) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.Ordering) (cudaops.Fence, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.mu.orders = append(d.mu.orders, after)
+	if err := d.mu.failNext; err != nil {
+		d.mu.failNext = nil
+		return nil, err
+	}
+	if _, err := d.Host.Fill(pages, spec, after); err != nil {
+		return nil, err
+	}
+	f := &heldFence{done: make(chan struct{}), err: d.mu.failFence}
+	d.mu.failFence = nil
+	if d.mu.hold {
+		d.mu.pending = append(d.mu.pending, f)
+	} else {
+		close(f.done)
+	}
+	return f, nil
+}
+
+// complete releases every held fence and stops holding new ones.
+func (d *scriptedDevice) complete() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.mu.hold = false
+	for _, f := range d.mu.pending {
+		close(f.done)
+	}
+	d.mu.pending = nil
+}
