@@ -1,0 +1,142 @@
+// Command incident replays the shape of the KV-cache leak that kvfence was
+// built to prevent, against a kvfence pool on the host backend, and says in
+// plain words what happens at each step.
+//
+// In the incident, a model with a 1,048,576-token context was served from
+// prefill GPUs whose KV pool held 681,280 tokens. An over-long prompt was
+// marked rejected and replaced by a one-token placeholder; prefill still
+// ran and the decode node generated from pages that held other customers'
+// prompts.
+//
+//	go run ./examples/incident
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+const (
+	poolTokens    = 681_280
+	contextTokens = 1_048_576
+	longPrompt    = 700_000
+)
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "incident:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	// The token numbers are the incident's; the per-token KV size is tiny so
+	// that the replay runs in host memory in a blink.
+	cfg := kvcache.Config{
+		Geometry:         kvcache.Geometry{TokensPerPage: 16, Layers: 1, KVHeads: 1, HeadDim: 8, DType: kvcache.BF16},
+		Pages:            poolTokens / 16,
+		MaxContextTokens: contextTokens,
+		Tenants:          []kvcache.TenantConfig{{Name: "customer-a"}, {Name: "customer-b"}},
+	}
+
+	step(1, "Build the incident's pool: %d tokens of KV for a %d-token context window.", poolTokens, contextTokens)
+	if _, err := kvcache.New(cfg); errors.Is(err, kvcache.ErrUndersizedPool) {
+		say("refused at construction: %v", err)
+	} else {
+		return fmt.Errorf("an undersized pool was accepted: %v", err)
+	}
+
+	step(2, "The operator opts in to the undersized pool explicitly (AllowUndersizedPool).")
+	cfg.AllowUndersizedPool = true
+	pool, err := kvcache.New(cfg)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	host := pool.Device().(*cudaops.Host)
+	say("pool of %d pages (%d tokens); requests longer than that will be refused at admission", pool.Pages(), pool.CapacityTokens())
+
+	step(3, "customer-a runs a request and its KV fills every byte of its pages.")
+	a, err := pool.Admit(context.Background(), kvcache.Request{ID: "a-1", Tenant: "customer-a", PromptTokens: 3000, MaxNewTokens: 200})
+	if err != nil {
+		return err
+	}
+	secret := []byte("customer-a's private prompt ")
+	tableA, _ := a.BlockTable()
+	for _, page := range tableA {
+		for r := range host.Regions() {
+			mem := host.PageBytes(r, page)
+			for i := range mem {
+				mem[i] = secret[i%len(secret)]
+			}
+		}
+	}
+	say("lease a-1 holds %d pages (%d..%d), all written with customer-a's data", len(tableA), tableA[0], tableA[len(tableA)-1])
+	if err := a.Release(); err != nil {
+		return err
+	}
+	s := pool.Stats()
+	say("released: %d pages scrubbed (zero fill over every layer's K and V) before returning to the free list", len(tableA))
+	say("pool now: %d free, %d in use, %d quarantined", s.FreePages, s.InUsePages, s.QuarantinedPages)
+
+	step(4, "customer-b sends a %d-token prompt: longer than the pool.", longPrompt)
+	before := pool.Stats()
+	long, err := pool.Admit(context.Background(), kvcache.Request{ID: "b-long", Tenant: "customer-b", PromptTokens: longPrompt, MaxNewTokens: 1})
+	var refusal *kvcache.AdmissionError
+	if long != nil || !errors.As(err, &refusal) || !errors.Is(err, kvcache.ErrExceedsCapacity) {
+		return fmt.Errorf("the over-long request was not refused: lease %v, error %v", long, err)
+	}
+	say("refused: %v", err)
+	after := pool.Stats()
+	say("no lease, no placeholder, no truncated prompt: pages in use %d → %d, free %d → %d",
+		before.InUsePages, after.InUsePages, before.FreePages, after.FreePages)
+
+	step(5, "customer-b runs a request that fits and receives customer-a's old pages.")
+	b, err := pool.Admit(context.Background(), kvcache.Request{ID: "b-1", Tenant: "customer-b", PromptTokens: 3000, MaxNewTokens: 200})
+	if err != nil {
+		return err
+	}
+	tableB, _ := b.BlockTable()
+	reused, dirty := 0, 0
+	inA := map[int32]bool{}
+	for _, p := range tableA {
+		inA[p] = true
+	}
+	for _, page := range tableB {
+		if inA[page] {
+			reused++
+		}
+		for r := range host.Regions() {
+			mem := host.PageBytes(r, page)
+			if !bytes.Equal(mem, make([]byte, len(mem))) {
+				dirty++
+			}
+		}
+	}
+	say("%d of its %d pages held customer-a's KV before the scrub", reused, len(tableB))
+	if dirty != 0 {
+		return fmt.Errorf("LEAK: %d page regions handed to customer-b still hold data", dirty)
+	}
+	say("leak check clean: every byte of every page customer-b received is zero")
+
+	step(6, "Accounting check.")
+	if err := pool.Check(); err != nil {
+		return err
+	}
+	s = pool.Stats()
+	say("Check passed: free %d + in use %d + quarantined %d + retired %d = %d pages; %d refusal(s) for capacity",
+		s.FreePages, s.InUsePages, s.QuarantinedPages, s.RetiredPages, s.TotalPages, s.Refused.ExceedsCapacity)
+	return b.Release()
+}
+
+func step(n int, format string, args ...any) {
+	fmt.Printf("\n%d. %s\n", n, fmt.Sprintf(format, args...))
+}
+
+func say(format string, args ...any) { fmt.Printf("   %s\n", fmt.Sprintf(format, args...)) }
