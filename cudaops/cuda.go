@@ -171,7 +171,7 @@ func OpenCUDAContext(ctx uintptr) (*CUDA, error) {
 
 // openCUDA opens ordinal's primary context, or, with ordinal -1, the
 // context ctx.
-func openCUDA(drv driver, ordinal int, ctx uintptr) (d *CUDA, err error) {
+func openCUDA(drv driver, ordinal int, ctx uintptr) (_ *CUDA, err error) {
 	if ctx == 0 && ordinal < 0 {
 		return nil, fmt.Errorf("%w: device ordinal %d", ErrInvalidArgument, ordinal)
 	}
@@ -180,7 +180,9 @@ func openCUDA(drv driver, ordinal int, ctx uintptr) (d *CUDA, err error) {
 	if err := drv.init(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrNoDevice, err)
 	}
-	d = &CUDA{drv: drv, ordinal: ordinal, ctx: ctx}
+	// d, not the result, so the cleanup below still sees it after a
+	// "return nil, err".
+	d := &CUDA{drv: drv, ordinal: ordinal, ctx: ctx}
 	if ctx == 0 {
 		if d.dev, err = drv.deviceGet(ordinal); err != nil {
 			return nil, fmt.Errorf("%w: cuda:%d: %w", ErrNoDevice, ordinal, err)
@@ -200,7 +202,6 @@ func openCUDA(drv driver, ordinal int, ctx uintptr) (d *CUDA, err error) {
 			d.teardownLocked()
 			_ = drv.ctxPop()
 			d.releaseCtx()
-			d = nil
 		}
 	}()
 	if ctx != 0 {
@@ -228,7 +229,9 @@ func openCUDA(drv driver, ordinal int, ctx uintptr) (d *CUDA, err error) {
 	if d.kernErr != nil {
 		d.mu.mode = FillMemset
 	}
-	return d, drv.ctxPop()
+	// A failed pop leaves nothing to undo that the caller could act on.
+	_ = drv.ctxPop()
+	return d, nil
 }
 
 func (d *CUDA) releaseCtx() {

@@ -24,6 +24,14 @@ func NewFakeDriver() *FakeDriver { return newFakeDriver() }
 func (f *fakeDriver) SetInitError(code int) { f.initErr = code }
 func (f *fakeDriver) SetLoadError(code int) { f.loadErr = code }
 
+// SetStubborn makes event queries answer "not ready" while work is pending,
+// so only waits and synchronizes let queued work run.
+func (f *fakeDriver) SetStubborn(on bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.stubborn = on
+}
+
 // FailNext makes the next call of the named entry point fail with code.
 func (f *fakeDriver) FailNext(call string, code int) {
 	f.mu.Lock()

@@ -34,6 +34,7 @@ type fakeDriver struct {
 	sticky   int            // a fault poisons the context, as on a GPU
 	calls    map[string]int
 	loadErr  int // cuModuleLoadData result
+	stubborn bool // event queries never let work run
 }
 
 type fakeStream struct {
@@ -50,8 +51,9 @@ type fakeOp struct {
 // fakeEvent is what the event captured at its last record: a stream and
 // the number of its ops that must have run.
 type fakeEvent struct {
-	stream *fakeStream
-	upTo   int
+	stream  *fakeStream
+	upTo    int
+	queried bool // an event query has answered "not ready" since the record
 }
 
 func newFakeDriver() *fakeDriver {
@@ -463,7 +465,12 @@ func (f *fakeDriver) eventQuery(ev uintptr) (bool, error) {
 	if !ok {
 		return false, f.errLocked("cuEventQuery", cuErrorInvalidHandle)
 	}
-	// Querying lets the work run: the GPU is never stuck on a poller.
+	// The first query after a record with work pending answers "not
+	// ready"; the next lets the work run, so a poller is never stuck.
+	if e.stream != nil && e.stream.done < e.upTo && (!e.queried || f.stubborn) {
+		e.queried = true
+		return false, nil
+	}
 	if e.stream != nil {
 		if r := f.runLocked(e.stream, e.upTo); r != 0 {
 			return false, f.errLocked("cuEventQuery", r)
@@ -473,8 +480,19 @@ func (f *fakeDriver) eventQuery(ev uintptr) (bool, error) {
 }
 
 func (f *fakeDriver) eventSynchronize(ev uintptr) error {
-	_, err := f.eventQuery(ev)
-	return err
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.enterLocked("cuEventSynchronize"); err != nil {
+		return err
+	}
+	e, ok := f.events[ev]
+	if !ok {
+		return f.errLocked("cuEventSynchronize", cuErrorInvalidHandle)
+	}
+	if e.stream != nil {
+		return f.errLocked("cuEventSynchronize", f.runLocked(e.stream, e.upTo))
+	}
+	return nil
 }
 
 func (f *fakeDriver) eventDestroy(ev uintptr) error {

@@ -65,6 +65,7 @@ func RunWith(t *testing.T, c Config) {
 	t.Run("Fence", func(t *testing.T) { testFence(t, c) })
 	t.Run("Ordering", func(t *testing.T) { testOrdering(t, c) })
 	t.Run("Counters", func(t *testing.T) { testCounters(t, c) })
+	t.Run("Pipelined", func(t *testing.T) { testPipelined(t, c) })
 	t.Run("Concurrent", func(t *testing.T) { testConcurrent(t, c) })
 	t.Run("Closed", func(t *testing.T) { testClosed(t, c) })
 }
@@ -440,6 +441,29 @@ func testCounters(t *testing.T, c Config) {
 		assert.Equal(t, before.PagesFilled+uint64(len(pages)), after.PagesFilled, "PagesFilled")
 		assert.Equal(t, before.BytesFilled+uint64(len(pages))*perPage, after.BytesFilled, "BytesFilled")
 	}
+}
+
+// testPipelined issues many fills before waiting for any: a backend that
+// stages batches for the device must not reuse a batch's staging before
+// the device has read it.
+func testPipelined(t *testing.T, c Config) {
+	d := open(t, c)
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	perm := rng.Perm(geometry.pages)
+	var fences []cudaops.Fence
+	for i := 0; i+2 <= len(perm); i += 2 {
+		pages := []int32{int32(perm[i]), int32(perm[i+1])}
+		spec := cudaops.FillSpec{Word: rng.Uint32(), PageSalt: uint32(i)}
+		f, err := d.Fill(pages, spec, cudaops.Ordering{})
+		require.NoError(t, err)
+		fences = append(fences, f)
+		img.apply(pages, spec)
+	}
+	for i := len(fences) - 1; i >= 0; i-- {
+		require.NoError(t, fences[i].Wait())
+	}
+	verify(t, d, img, fmt.Sprintf("after %d fills in flight", len(fences)))
 }
 
 func testConcurrent(t *testing.T, c Config) {
