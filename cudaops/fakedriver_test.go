@@ -33,7 +33,7 @@ type fakeDriver struct {
 	faultAt  map[string]int // op name → CUresult it raises when it runs
 	sticky   int            // a fault poisons the context, as on a GPU
 	calls    map[string]int
-	loadErr  int // cuModuleLoadData result
+	loadErr  int  // cuModuleLoadData result
 	stubborn bool // event queries never let work run
 }
 

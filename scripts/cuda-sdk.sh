@@ -7,19 +7,22 @@
 # 774 MB) with `apt-get download`, using a private apt configuration under
 # the cache directory so that neither /etc/apt nor the system's package lists
 # change, and extracts only usr/include and the stub libraries
-# (usr/lib/x86_64-linux-gnu/stubs/) from it. The .deb is deleted afterwards;
-# the extracted tree (about 60 MB) is the cache. A second run finds the
+# (usr/lib/x86_64-linux-gnu/stubs/) from it, plus ptxas from
+# nvidia-cuda-toolkit (84 MB) to assemble the fill kernel. The .debs are
+# deleted afterwards; the extracted tree (about 35 MB) is the cache. A second run finds the
 # marker file and only prints the exports.
 #
 # Usage:
 #   eval "$(scripts/cuda-sdk.sh)"      # sets CGO_CFLAGS, CGO_LDFLAGS,
-#                                      # KVFENCE_CUDA_SDK, KVFENCE_CUDA_STUB_LIB
+#                                      # KVFENCE_CUDA_SDK, KVFENCE_CUDA_STUB_LIB,
+#                                      # KVFENCE_PTXAS
 #   CUDA_SDK_DIR=/elsewhere scripts/cuda-sdk.sh
 #
 # Progress goes to stderr; stdout carries only the export lines.
 #
-# KVFENCE_CUDA_STUB_LIB is a directory holding the stub as libcuda.so.1 (the
-# name the driver has on a real machine, and the name kvfence dlopens). Put it
+# KVFENCE_CUDA_STUB_LIB is a directory holding the stubs as libcuda.so.1 and
+# libnvidia-ml.so.1 (the names the driver's libraries have on a real machine,
+# and the names kvfence and go-nvml dlopen). Put it
 # on LD_LIBRARY_PATH to exercise the "driver present, cuInit fails with
 # CUDA_ERROR_STUB_LIBRARY (34)" path. Never put it on LD_LIBRARY_PATH of a GPU
 # machine: it would hide the real driver.
@@ -33,6 +36,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${CUDA_SDK_DIR:-$root/.cache/cuda-sdk}
 pkg=nvidia-cuda-dev
+toolkit=nvidia-cuda-toolkit
 marker=$dir/.complete
 
 log() { printf 'cuda-sdk: %s\n' "$*" >&2; }
@@ -73,8 +77,8 @@ SRC
 	)
 	log "updating a private package list (bookworm non-free)"
 	apt-get "${opts[@]}" -qq update >&2
-	log "downloading $pkg (about 774 MB)"
-	(cd "$apt/dl" && apt-get "${opts[@]}" -qq download "$pkg" >&2)
+	log "downloading $pkg (about 774 MB) and $toolkit (84 MB, for ptxas)"
+	(cd "$apt/dl" && apt-get "${opts[@]}" -qq download "$pkg" "$toolkit" >&2)
 	deb=$(ls "$apt"/dl/"$pkg"_*.deb)
 	version=$(dpkg-deb -f "$deb" Version)
 
@@ -88,8 +92,13 @@ SRC
 		log "the package did not contain usr/include/cuda.h and stubs/libcuda.so"
 		exit 1
 	fi
-	mkdir -p "$dir/libcuda1"
-	cp -L "$stub" "$dir/libcuda1/libcuda.so.1"
+	# The driver's runtime names, for LD_LIBRARY_PATH: cuInit then fails
+	# with CUDA_ERROR_STUB_LIBRARY and nvmlInit with DRIVER_NOT_LOADED.
+	# ptxas assembles fill.ptx in CI, so a PTX error shows up without a GPU.
+	dpkg-deb --fsys-tarfile "$(ls "$apt"/dl/"$toolkit"_*.deb)" | tar -x -C "$dir" ./usr/bin/ptxas
+	mkdir -p "$dir/stub-libs"
+	cp -L "$stub" "$dir/stub-libs/libcuda.so.1"
+	cp -L "${stub%/*}/libnvidia-ml.so" "$dir/stub-libs/libnvidia-ml.so.1"
 	rm -rf "$apt"
 	echo "$pkg $version" >"$marker"
 	log "cached $pkg $version in $dir"
@@ -98,6 +107,7 @@ fi
 inc=$dir/usr/include
 lib=$dir/usr/lib/x86_64-linux-gnu/stubs
 printf 'export KVFENCE_CUDA_SDK=%q\n' "$dir"
-printf 'export KVFENCE_CUDA_STUB_LIB=%q\n' "$dir/libcuda1"
+printf 'export KVFENCE_CUDA_STUB_LIB=%q\n' "$dir/stub-libs"
+printf 'export KVFENCE_PTXAS=%q\n' "$dir/usr/bin/ptxas"
 printf 'export CGO_CFLAGS=%q\n' "-I$inc"
 printf 'export CGO_LDFLAGS=%q\n' "-L$lib"
