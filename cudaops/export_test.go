@@ -174,3 +174,22 @@ func (d *CUDA) Simulated() bool {
 	_, ok := d.drv.(*fakeDriver)
 	return ok
 }
+
+// Scratch allocates n bytes of device memory outside the region table and
+// returns its address and a function that frees it.
+func (d *CUDA) Scratch(n uint64) (uint64, func(), error) {
+	if err := d.enter(); err != nil {
+		return 0, nil, err
+	}
+	defer d.leave()
+	p, err := d.drv.memAlloc(n)
+	if err != nil {
+		return 0, nil, fmt.Errorf("%w: %w", ErrOutOfMemory, err)
+	}
+	return p, func() {
+		if d.enter() == nil {
+			_ = d.drv.memFree(p)
+			d.leave()
+		}
+	}, nil
+}

@@ -109,5 +109,5 @@ lib=$dir/usr/lib/x86_64-linux-gnu/stubs
 printf 'export KVFENCE_CUDA_SDK=%q\n' "$dir"
 printf 'export KVFENCE_CUDA_STUB_LIB=%q\n' "$dir/stub-libs"
 printf 'export KVFENCE_PTXAS=%q\n' "$dir/usr/bin/ptxas"
-printf 'export CGO_CFLAGS=%q\n' "-I$inc"
+printf 'export CGO_CFLAGS=%q\n' "-O2 -g -I$inc"
 printf 'export CGO_LDFLAGS=%q\n' "-L$lib"
