@@ -1,10 +1,11 @@
 package cudaops
 
 import (
-	"encoding/binary"
 	"fmt"
 	"sync"
 	"sync/atomic"
+
+	"github.com/kvfence/kvfence/internal/memfill"
 )
 
 // Host is the default Device: regions are Go byte slices and fills are
@@ -92,9 +93,9 @@ func (h *Host) Fill(pages []int32, spec FillSpec, _ Ordering) (Fence, error) {
 	if err := CheckPages(h.mu.regions, pages); err != nil {
 		return nil, err
 	}
-	fill := fillWord
+	fill := memfill.Words
 	if streamingThreshold(h.mu.regions, len(pages)) {
-		fill = fillWordStreaming
+		fill = memfill.WordsStreaming
 	}
 	var written uint64
 	for ri, r := range h.mu.regions {
@@ -131,34 +132,6 @@ func streamingThreshold(regions []Region, pages int) bool {
 		perPage += r.PageBytes
 	}
 	return perPage*int64(pages) >= streamingBytes
-}
-
-// patternBlock is the size of the pattern copied for non-zero words: small
-// enough to stay in L1, large enough that copy runs at full speed.
-const patternBlock = 4096
-
-var patternPool = sync.Pool{New: func() any { return new([patternBlock]byte) }}
-
-// fillWord writes w (little-endian) over b; len(b) is a multiple of 4.
-func fillWord(b []byte, w uint32) {
-	if w == 0 {
-		clear(b)
-		return
-	}
-	if len(b) <= 64 {
-		for i := 0; i+4 <= len(b); i += 4 {
-			binary.LittleEndian.PutUint32(b[i:], w)
-		}
-		return
-	}
-	blk := patternPool.Get().(*[patternBlock]byte)
-	for i := 0; i < patternBlock; i += 4 {
-		binary.LittleEndian.PutUint32(blk[i:], w)
-	}
-	for len(b) > 0 {
-		b = b[copy(b, blk[:]):]
-	}
-	patternPool.Put(blk)
 }
 
 func (h *Host) page(r int, p int32, n int) ([]byte, error) {

@@ -11,6 +11,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/internal/memfill"
 )
 
 func wordBytes(w uint32, n int64) []byte {
@@ -19,18 +21,6 @@ func wordBytes(w uint32, n int64) []byte {
 		binary.LittleEndian.PutUint32(b[i:], w)
 	}
 	return b
-}
-
-func TestFillWordAllSizes(t *testing.T) {
-	for _, n := range []int{0, 4, 8, 60, 64, 68, 4092, 4096, 4100, 3*4096 + 12} {
-		for _, w := range []uint32{0, 0x80008000, 0xdeadbeef} {
-			b := bytes.Repeat([]byte{0x5a}, n+8)
-			fillWord(b[4:4+n], w)
-			assert.Equal(t, wordBytes(w, int64(n)), b[4:4+n], "n=%d w=%#x", n, w)
-			assert.Equal(t, []byte{0x5a, 0x5a, 0x5a, 0x5a}, b[:4], "wrote before the range")
-			assert.Equal(t, []byte{0x5a, 0x5a, 0x5a, 0x5a}, b[4+n:], "wrote past the range")
-		}
-	}
 }
 
 func TestHostFillCoversEveryRegionAndOnlyTheBatch(t *testing.T) {
@@ -183,7 +173,7 @@ func BenchmarkHostFill(b *testing.B) {
 				t1 := time.Now()
 				clear(baseline)
 				t2 := time.Now()
-				fillWordStreaming(baseline, tc.spec.Word)
+				memfill.WordsStreaming(baseline, tc.spec.Word)
 				contigTime += time.Since(t2)
 				clearTime += t2.Sub(t1)
 				b.StartTimer()

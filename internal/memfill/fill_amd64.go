@@ -1,6 +1,6 @@
 //go:build amd64 && !purego
 
-package cudaops
+package memfill
 
 import (
 	"unsafe"
@@ -18,24 +18,24 @@ func fillNTAVX2(dst unsafe.Pointer, n uintptr, w uint32)
 
 var hasAVX2 = cpu.X86.HasAVX2
 
-// fillWordStreaming is fillWord with non-temporal stores for the aligned
+// WordsStreaming is fillWord with non-temporal stores for the aligned
 // body. A scrubbed page is next written by its new owner, not read, so
 // keeping it in cache only evicts useful data; streaming stores also skip
 // the read-for-ownership, which roughly doubles the bandwidth of large
 // fills. Go's own clear() does the same above 32 MiB.
-func fillWordStreaming(b []byte, w uint32) {
+func WordsStreaming(b []byte, w uint32) {
 	addr := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
 	if len(b) < 512 || addr%4 != 0 {
-		fillWord(b, w) // too small to matter, or a word pattern out of phase
+		Words(b, w) // too small to matter, or a word pattern out of phase
 		return
 	}
 	head := int((32 - addr%32) % 32)
 	body := (len(b) - head) &^ 127
-	fillWord(b[:head], w)
+	Words(b[:head], w)
 	if hasAVX2 {
 		fillNTAVX2(unsafe.Pointer(&b[head]), uintptr(body), w)
 	} else {
 		fillNTSSE2(unsafe.Pointer(&b[head]), uintptr(body), w)
 	}
-	fillWord(b[head+body:], w)
+	Words(b[head+body:], w)
 }

@@ -1,0 +1,113 @@
+package cudaops_test
+
+import (
+	"errors"
+	"os"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/cudaops/devicetest"
+)
+
+func TestHostConformance(t *testing.T) {
+	devicetest.Run(t, func(*testing.T) cudaops.Device { return cudaops.NewHost() })
+}
+
+// cudaEngine adapts cudaops.TestEngine to devicetest.Engine.
+type cudaEngine struct{ e *cudaops.TestEngine }
+
+func (c cudaEngine) Write(t *testing.T, r int, p int32, word uint32) cudaops.Ordering {
+	o, err := c.e.Write(r, p, word)
+	require.NoError(t, err)
+	return o
+}
+
+func (c cudaEngine) Sync(t *testing.T) { require.NoError(t, c.e.Sync()) }
+
+func newCUDAEngine(scratch uint64) func(*testing.T, cudaops.Device) devicetest.Engine {
+	return func(t *testing.T, d cudaops.Device) devicetest.Engine {
+		e, err := d.(*cudaops.CUDA).NewTestEngine(scratch)
+		require.NoError(t, err)
+		t.Cleanup(e.Close) // runs before the device's Close (LIFO)
+		return cudaEngine{e}
+	}
+}
+
+func runCUDAModes(t *testing.T, open func(t *testing.T) *cudaops.CUDA, scratch uint64) {
+	t.Run("kernel", func(t *testing.T) {
+		devicetest.RunWith(t, devicetest.Config{
+			Open:            func(t *testing.T) cudaops.Device { return open(t) },
+			Engine:          newCUDAEngine(scratch),
+			LaunchesPerFill: 1,
+		})
+	})
+	t.Run("memset", func(t *testing.T) {
+		devicetest.RunWith(t, devicetest.Config{
+			Open: func(t *testing.T) cudaops.Device {
+				d := open(t)
+				require.NoError(t, d.SetFillMode(cudaops.FillMemset))
+				return d
+			},
+			Engine: newCUDAEngine(scratch),
+		})
+	})
+}
+
+// TestCUDAConformanceSimulated runs the suite on the CUDA device over the
+// simulated driver: everything but the driver and the PTX itself.
+func TestCUDAConformanceSimulated(t *testing.T) {
+	runCUDAModes(t, func(t *testing.T) *cudaops.CUDA {
+		d, f, err := cudaops.OpenFake()
+		require.NoError(t, err)
+		t.Cleanup(func() {
+			require.Empty(t, f.Leaks(), "after Close")
+		})
+		return d
+	}, 4096)
+}
+
+// openGPU opens CUDA device 0 or skips the test when there is none.
+func openGPU(t testing.TB) *cudaops.CUDA {
+	t.Helper()
+	d, err := cudaops.OpenCUDA(0)
+	if errors.Is(err, cudaops.ErrNoDevice) {
+		t.Skipf("no CUDA device: %v", err)
+	}
+	require.NoError(t, err)
+	if kerr := d.KernelError(); kerr != nil {
+		t.Errorf("fill kernel did not load: %v", kerr)
+	}
+	return d
+}
+
+// TestCUDAConformance runs the suite on a real GPU, and skips without one.
+func TestCUDAConformance(t *testing.T) {
+	d := openGPU(t)
+	t.Logf("device %s", d.Name())
+	require.NoError(t, d.Close())
+	// 64 MiB of engine work before each engine write keeps it pending
+	// while the fill is queued.
+	runCUDAModes(t, func(t *testing.T) *cudaops.CUDA { return openGPU(t) }, 64<<20)
+}
+
+// TestOpenCUDAHere checks what this machine's driver says. Without a GPU it
+// must be ErrNoDevice, and KVFENCE_EXPECT_CUDA_ERROR (CI sets it when the
+// stub library is on LD_LIBRARY_PATH) names the error it must carry.
+func TestOpenCUDAHere(t *testing.T) {
+	d, err := cudaops.OpenCUDA(0)
+	if err == nil {
+		t.Logf("CUDA device present: %s", d.Name())
+		require.NoError(t, d.Close())
+		return
+	}
+	t.Logf("OpenCUDA(0): %v", err)
+	require.ErrorIs(t, err, cudaops.ErrNoDevice)
+	if want := os.Getenv("KVFENCE_EXPECT_CUDA_ERROR"); want != "" {
+		require.ErrorContains(t, err, want)
+	}
+	// A second attempt answers the same, without crashing.
+	_, err2 := cudaops.OpenCUDA(0)
+	require.ErrorIs(t, err2, cudaops.ErrNoDevice)
+}

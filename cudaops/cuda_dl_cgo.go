@@ -1,0 +1,406 @@
+//go:build cgo
+
+package cudaops
+
+// This file is the only place where kvfence touches the CUDA driver. It
+// opens libcuda.so.1 with dlopen at run time (never at link time, so the
+// binary starts on machines without a driver and links only libc and
+// libdl), resolves the versioned entry points with dlsym into a table, and
+// calls through it. No CUDA header is needed: the few types are declared
+// here as the ABI defines them (handles are pointers, CUdeviceptr is a
+// 64-bit integer, CUresult an int).
+//
+// Copies that read or write Go memory (memcpyHtoDSync, memcpyDtoHSync)
+// queue the copy and drain the stream inside one C call, so C never holds a
+// Go pointer after returning (the cgo pointer rules).
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream, *CUevent;
+
+static struct {
+	CUresult (*Init)(unsigned);
+	CUresult (*GetErrorName)(CUresult, const char **);
+	CUresult (*DeviceGet)(CUdevice *, int);
+	CUresult (*DeviceGetName)(char *, int, CUdevice);
+	CUresult (*DeviceTotalMem)(size_t *, CUdevice);
+	CUresult (*PrimaryCtxRetain)(CUcontext *, CUdevice);
+	CUresult (*PrimaryCtxRelease)(CUdevice);
+	CUresult (*CtxPushCurrent)(CUcontext);
+	CUresult (*CtxPopCurrent)(CUcontext *);
+	CUresult (*CtxGetDevice)(CUdevice *);
+	CUresult (*MemGetInfo)(size_t *, size_t *);
+	CUresult (*MemAlloc)(CUdeviceptr *, size_t);
+	CUresult (*MemFree)(CUdeviceptr);
+	CUresult (*MemAllocHost)(void **, size_t);
+	CUresult (*MemFreeHost)(void *);
+	CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+	CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+	CUresult (*MemsetD32Async)(CUdeviceptr, unsigned, size_t, CUstream);
+	CUresult (*MemsetD2D32Async)(CUdeviceptr, size_t, unsigned, size_t, size_t, CUstream);
+	CUresult (*ModuleLoadData)(CUmodule *, const void *);
+	CUresult (*ModuleUnload)(CUmodule);
+	CUresult (*ModuleGetFunction)(CUfunction *, CUmodule, const char *);
+	CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
+	CUresult (*StreamCreate)(CUstream *, unsigned);
+	CUresult (*StreamDestroy)(CUstream);
+	CUresult (*StreamSynchronize)(CUstream);
+	CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
+	CUresult (*EventCreate)(CUevent *, unsigned);
+	CUresult (*EventRecord)(CUevent, CUstream);
+	CUresult (*EventQuery)(CUevent);
+	CUresult (*EventSynchronize)(CUevent);
+	CUresult (*EventDestroy)(CUevent);
+} kvf;
+
+// kvf_load opens the driver and fills kvf. It returns 0, or 1 with the
+// loader's message in msg, or 2 with the missing symbol's name in msg.
+static int kvf_load(char *msg, size_t n) {
+	void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+	if (!lib) {
+		const char *e = dlerror();
+		snprintf(msg, n, "%s", e ? e : "dlopen libcuda.so.1 failed");
+		return 1;
+	}
+#define SYM(field, name) \
+	if (!(*(void **)&kvf.field = dlsym(lib, name))) { snprintf(msg, n, "%s", name); return 2; }
+	SYM(Init, "cuInit")
+	SYM(GetErrorName, "cuGetErrorName")
+	SYM(DeviceGet, "cuDeviceGet")
+	SYM(DeviceGetName, "cuDeviceGetName")
+	SYM(DeviceTotalMem, "cuDeviceTotalMem_v2")
+	SYM(PrimaryCtxRetain, "cuDevicePrimaryCtxRetain")
+	SYM(PrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2")
+	SYM(CtxPushCurrent, "cuCtxPushCurrent_v2")
+	SYM(CtxPopCurrent, "cuCtxPopCurrent_v2")
+	SYM(CtxGetDevice, "cuCtxGetDevice")
+	SYM(MemGetInfo, "cuMemGetInfo_v2")
+	SYM(MemAlloc, "cuMemAlloc_v2")
+	SYM(MemFree, "cuMemFree_v2")
+	SYM(MemAllocHost, "cuMemAllocHost_v2")
+	SYM(MemFreeHost, "cuMemFreeHost")
+	SYM(MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2")
+	SYM(MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2")
+	SYM(MemsetD32Async, "cuMemsetD32Async")
+	SYM(MemsetD2D32Async, "cuMemsetD2D32Async")
+	SYM(ModuleLoadData, "cuModuleLoadData")
+	SYM(ModuleUnload, "cuModuleUnload")
+	SYM(ModuleGetFunction, "cuModuleGetFunction")
+	SYM(LaunchKernel, "cuLaunchKernel")
+	SYM(StreamCreate, "cuStreamCreate")
+	SYM(StreamDestroy, "cuStreamDestroy_v2")
+	SYM(StreamSynchronize, "cuStreamSynchronize")
+	SYM(StreamWaitEvent, "cuStreamWaitEvent")
+	SYM(EventCreate, "cuEventCreate")
+	SYM(EventRecord, "cuEventRecord")
+	SYM(EventQuery, "cuEventQuery")
+	SYM(EventSynchronize, "cuEventSynchronize")
+	SYM(EventDestroy, "cuEventDestroy_v2")
+#undef SYM
+	return 0;
+}
+
+static const char *kvf_error_name(CUresult r) {
+	const char *s = NULL;
+	if (kvf.GetErrorName(r, &s) != 0) return NULL;
+	return s;
+}
+
+static CUresult kvf_init(void) { return kvf.Init(0); }
+static CUresult kvf_device_get(CUdevice *d, int ord) { return kvf.DeviceGet(d, ord); }
+static CUresult kvf_device_name(char *b, int n, CUdevice d) { return kvf.DeviceGetName(b, n, d); }
+static CUresult kvf_device_total_mem(size_t *b, CUdevice d) { return kvf.DeviceTotalMem(b, d); }
+static CUresult kvf_primary_retain(uintptr_t *c, CUdevice d) { return kvf.PrimaryCtxRetain((CUcontext *)c, d); }
+static CUresult kvf_primary_release(CUdevice d) { return kvf.PrimaryCtxRelease(d); }
+static CUresult kvf_ctx_push(uintptr_t c) { return kvf.CtxPushCurrent((CUcontext)c); }
+static CUresult kvf_ctx_pop(void) { CUcontext c; return kvf.CtxPopCurrent(&c); }
+static CUresult kvf_ctx_get_device(CUdevice *d) { return kvf.CtxGetDevice(d); }
+static CUresult kvf_mem_get_info(size_t *f, size_t *t) { return kvf.MemGetInfo(f, t); }
+static CUresult kvf_mem_alloc(CUdeviceptr *p, size_t n) { return kvf.MemAlloc(p, n); }
+static CUresult kvf_mem_free(CUdeviceptr p) { return kvf.MemFree(p); }
+static CUresult kvf_mem_alloc_host(void **p, size_t n) { return kvf.MemAllocHost(p, n); }
+static CUresult kvf_mem_free_host(void *p) { return kvf.MemFreeHost(p); }
+static CUresult kvf_htod_async(CUdeviceptr d, const void *h, size_t n, uintptr_t s) {
+	return kvf.MemcpyHtoDAsync(d, h, n, (CUstream)s);
+}
+static CUresult kvf_htod_sync(CUdeviceptr d, const void *h, size_t n, uintptr_t s, int *which) {
+	CUresult r = kvf.MemcpyHtoDAsync(d, h, n, (CUstream)s);
+	*which = 0;
+	if (r != 0) return r;
+	*which = 1;
+	return kvf.StreamSynchronize((CUstream)s);
+}
+static CUresult kvf_dtoh_sync(void *h, CUdeviceptr d, size_t n, uintptr_t s, int *which) {
+	CUresult r = kvf.MemcpyDtoHAsync(h, d, n, (CUstream)s);
+	*which = 0;
+	if (r != 0) return r;
+	*which = 1;
+	return kvf.StreamSynchronize((CUstream)s);
+}
+static CUresult kvf_memset_d32(CUdeviceptr d, unsigned w, size_t n, uintptr_t s) {
+	return kvf.MemsetD32Async(d, w, n, (CUstream)s);
+}
+static CUresult kvf_memset_d2d32(CUdeviceptr d, size_t pitch, unsigned w, size_t width, size_t height, uintptr_t s) {
+	return kvf.MemsetD2D32Async(d, pitch, w, width, height, (CUstream)s);
+}
+static CUresult kvf_module_load(uintptr_t *m, const void *image) { return kvf.ModuleLoadData((CUmodule *)m, image); }
+static CUresult kvf_module_unload(uintptr_t m) { return kvf.ModuleUnload((CUmodule)m); }
+static CUresult kvf_module_function(uintptr_t *f, uintptr_t m, const char *name) {
+	return kvf.ModuleGetFunction((CUfunction *)f, (CUmodule)m, name);
+}
+// kvf_launch_fill launches kvf_fill. The parameter array points at this
+// frame's copies of the arguments; cuLaunchKernel copies them before it
+// returns.
+static CUresult kvf_launch_fill(uintptr_t f, unsigned grid, unsigned block, uintptr_t s,
+		uint64_t table, uint64_t pages, uint64_t nitems,
+		unsigned nregions, unsigned word, unsigned salt, unsigned clear) {
+	void *params[] = {&table, &pages, &nitems, &nregions, &word, &salt, &clear};
+	return kvf.LaunchKernel((CUfunction)f, grid, 1, 1, block, 1, 1, 0, (CUstream)s, params, NULL);
+}
+static CUresult kvf_stream_create(uintptr_t *s, unsigned flags) { return kvf.StreamCreate((CUstream *)s, flags); }
+static CUresult kvf_stream_destroy(uintptr_t s) { return kvf.StreamDestroy((CUstream)s); }
+static CUresult kvf_stream_sync(uintptr_t s) { return kvf.StreamSynchronize((CUstream)s); }
+static CUresult kvf_stream_wait_event(uintptr_t s, uintptr_t e) {
+	return kvf.StreamWaitEvent((CUstream)s, (CUevent)e, 0);
+}
+static CUresult kvf_event_create(uintptr_t *e, unsigned flags) { return kvf.EventCreate((CUevent *)e, flags); }
+static CUresult kvf_event_record(uintptr_t e, uintptr_t s) { return kvf.EventRecord((CUevent)e, (CUstream)s); }
+static CUresult kvf_event_query(uintptr_t e) { return kvf.EventQuery((CUevent)e); }
+static CUresult kvf_event_sync(uintptr_t e) { return kvf.EventSynchronize((CUevent)e); }
+static CUresult kvf_event_destroy(uintptr_t e) { return kvf.EventDestroy((CUevent)e); }
+*/
+import "C"
+
+import (
+	"fmt"
+	"sync"
+	"unsafe"
+)
+
+// dl is the driver reached through dlopen. It has no state of its own: the
+// function table is process-wide, loaded once and never unloaded (contexts
+// may outlive any one device).
+type dl struct{}
+
+var (
+	dlOnce sync.Once
+	dlErr  error
+)
+
+// loadDriver opens libcuda.so.1 once per process. A missing library or
+// symbol is ErrNoDevice: this machine cannot run the CUDA backend.
+func loadDriver() (driver, error) {
+	dlOnce.Do(func() {
+		var msg [512]C.char
+		switch C.kvf_load(&msg[0], C.size_t(len(msg))) {
+		case 0:
+		case 1:
+			dlErr = fmt.Errorf("%w: %s", ErrNoDevice, C.GoString(&msg[0]))
+		default:
+			dlErr = fmt.Errorf("%w: libcuda.so.1 lacks %s (driver too old)", ErrNoDevice, C.GoString(&msg[0]))
+		}
+	})
+	if dlErr != nil {
+		return nil, dlErr
+	}
+	return dl{}, nil
+}
+
+// check turns a CUresult into nil or a *DriverError naming call.
+func check(call string, r C.CUresult) error {
+	if r == 0 {
+		return nil
+	}
+	name := cuResultName(int(r))
+	if s := C.kvf_error_name(r); s != nil {
+		name = C.GoString(s)
+	}
+	return &DriverError{Call: call, Code: int(r), Name: name}
+}
+
+func (dl) init() error { return check("cuInit", C.kvf_init()) }
+
+func (dl) deviceGet(ordinal int) (int32, error) {
+	var d C.CUdevice
+	err := check("cuDeviceGet", C.kvf_device_get(&d, C.int(ordinal)))
+	return int32(d), err
+}
+
+func (dl) deviceName(dev int32) (string, error) {
+	var b [256]C.char
+	if err := check("cuDeviceGetName", C.kvf_device_name(&b[0], C.int(len(b)), C.CUdevice(dev))); err != nil {
+		return "", err
+	}
+	return C.GoString(&b[0]), nil
+}
+
+func (dl) deviceTotalMem(dev int32) (uint64, error) {
+	var n C.size_t
+	err := check("cuDeviceTotalMem_v2", C.kvf_device_total_mem(&n, C.CUdevice(dev)))
+	return uint64(n), err
+}
+
+func (dl) primaryCtxRetain(dev int32) (uintptr, error) {
+	var c C.uintptr_t
+	err := check("cuDevicePrimaryCtxRetain", C.kvf_primary_retain(&c, C.CUdevice(dev)))
+	return uintptr(c), err
+}
+
+func (dl) primaryCtxRelease(dev int32) error {
+	return check("cuDevicePrimaryCtxRelease_v2", C.kvf_primary_release(C.CUdevice(dev)))
+}
+
+func (dl) ctxPush(ctx uintptr) error {
+	return check("cuCtxPushCurrent_v2", C.kvf_ctx_push(C.uintptr_t(ctx)))
+}
+
+func (dl) ctxPop() error { return check("cuCtxPopCurrent_v2", C.kvf_ctx_pop()) }
+
+func (dl) ctxGetDevice() (int32, error) {
+	var d C.CUdevice
+	err := check("cuCtxGetDevice", C.kvf_ctx_get_device(&d))
+	return int32(d), err
+}
+
+func (dl) memGetInfo() (free, total uint64, err error) {
+	var f, t C.size_t
+	err = check("cuMemGetInfo_v2", C.kvf_mem_get_info(&f, &t))
+	return uint64(f), uint64(t), err
+}
+
+func (dl) memAlloc(n uint64) (uint64, error) {
+	var p C.CUdeviceptr
+	err := check("cuMemAlloc_v2", C.kvf_mem_alloc(&p, C.size_t(n)))
+	return uint64(p), err
+}
+
+func (dl) memFree(p uint64) error { return check("cuMemFree_v2", C.kvf_mem_free(C.CUdeviceptr(p))) }
+
+func (dl) memAllocHost(n int) ([]byte, error) {
+	var p unsafe.Pointer
+	if err := check("cuMemAllocHost_v2", C.kvf_mem_alloc_host(&p, C.size_t(n))); err != nil {
+		return nil, err
+	}
+	return unsafe.Slice((*byte)(p), n), nil
+}
+
+func (dl) memFreeHost(b []byte) error {
+	return check("cuMemFreeHost", C.kvf_mem_free_host(unsafe.Pointer(unsafe.SliceData(b))))
+}
+
+func (dl) memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error {
+	if len(src) == 0 {
+		return nil
+	}
+	return check("cuMemcpyHtoDAsync_v2", C.kvf_htod_async(C.CUdeviceptr(dst),
+		unsafe.Pointer(unsafe.SliceData(src)), C.size_t(len(src)), C.uintptr_t(s)))
+}
+
+func (dl) memcpyHtoDSync(dst uint64, src []byte, s uintptr) error {
+	if len(src) == 0 {
+		return nil
+	}
+	var which C.int
+	r := C.kvf_htod_sync(C.CUdeviceptr(dst), unsafe.Pointer(unsafe.SliceData(src)),
+		C.size_t(len(src)), C.uintptr_t(s), &which)
+	return check([2]string{"cuMemcpyHtoDAsync_v2", "cuStreamSynchronize"}[which], r)
+}
+
+func (dl) memcpyDtoHSync(dst []byte, src uint64, s uintptr) error {
+	if len(dst) == 0 {
+		return nil
+	}
+	var which C.int
+	r := C.kvf_dtoh_sync(unsafe.Pointer(unsafe.SliceData(dst)), C.CUdeviceptr(src),
+		C.size_t(len(dst)), C.uintptr_t(s), &which)
+	return check([2]string{"cuMemcpyDtoHAsync_v2", "cuStreamSynchronize"}[which], r)
+}
+
+func (dl) memsetD32Async(dst uint64, word uint32, n uint64, s uintptr) error {
+	return check("cuMemsetD32Async", C.kvf_memset_d32(C.CUdeviceptr(dst), C.unsigned(word), C.size_t(n), C.uintptr_t(s)))
+}
+
+func (dl) memsetD2D32Async(dst, pitch uint64, word uint32, width, height uint64, s uintptr) error {
+	return check("cuMemsetD2D32Async", C.kvf_memset_d2d32(C.CUdeviceptr(dst), C.size_t(pitch),
+		C.unsigned(word), C.size_t(width), C.size_t(height), C.uintptr_t(s)))
+}
+
+func (dl) moduleLoadData(image []byte) (uintptr, error) {
+	// The driver reads a PTX image up to its NUL; give it a C copy that
+	// has one.
+	p := C.CBytes(append(image[:len(image):len(image)], 0))
+	defer C.free(p)
+	var m C.uintptr_t
+	err := check("cuModuleLoadData", C.kvf_module_load(&m, p))
+	return uintptr(m), err
+}
+
+func (dl) moduleUnload(m uintptr) error {
+	return check("cuModuleUnload", C.kvf_module_unload(C.uintptr_t(m)))
+}
+
+func (dl) moduleGetFunction(m uintptr, name string) (uintptr, error) {
+	cs := C.CString(name)
+	defer C.free(unsafe.Pointer(cs))
+	var f C.uintptr_t
+	err := check("cuModuleGetFunction", C.kvf_module_function(&f, C.uintptr_t(m), cs))
+	return uintptr(f), err
+}
+
+func (dl) launchFill(fn uintptr, grid, block uint32, s uintptr, a fillArgs) error {
+	return check("cuLaunchKernel", C.kvf_launch_fill(C.uintptr_t(fn), C.unsigned(grid), C.unsigned(block),
+		C.uintptr_t(s), C.uint64_t(a.table), C.uint64_t(a.pages), C.uint64_t(a.nitems),
+		C.unsigned(a.nregions), C.unsigned(a.word), C.unsigned(a.salt), C.unsigned(a.clear)))
+}
+
+func (dl) streamCreate(flags uint32) (uintptr, error) {
+	var s C.uintptr_t
+	err := check("cuStreamCreate", C.kvf_stream_create(&s, C.unsigned(flags)))
+	return uintptr(s), err
+}
+
+func (dl) streamDestroy(s uintptr) error {
+	return check("cuStreamDestroy_v2", C.kvf_stream_destroy(C.uintptr_t(s)))
+}
+
+func (dl) streamSynchronize(s uintptr) error {
+	return check("cuStreamSynchronize", C.kvf_stream_sync(C.uintptr_t(s)))
+}
+
+func (dl) streamWaitEvent(s, ev uintptr) error {
+	return check("cuStreamWaitEvent", C.kvf_stream_wait_event(C.uintptr_t(s), C.uintptr_t(ev)))
+}
+
+func (dl) eventCreate(flags uint32) (uintptr, error) {
+	var e C.uintptr_t
+	err := check("cuEventCreate", C.kvf_event_create(&e, C.unsigned(flags)))
+	return uintptr(e), err
+}
+
+func (dl) eventRecord(ev, s uintptr) error {
+	return check("cuEventRecord", C.kvf_event_record(C.uintptr_t(ev), C.uintptr_t(s)))
+}
+
+func (dl) eventQuery(ev uintptr) (bool, error) {
+	r := C.kvf_event_query(C.uintptr_t(ev))
+	if r == cuErrorNotReady {
+		return false, nil
+	}
+	return r == 0, check("cuEventQuery", r)
+}
+
+func (dl) eventSynchronize(ev uintptr) error {
+	return check("cuEventSynchronize", C.kvf_event_sync(C.uintptr_t(ev)))
+}
+
+func (dl) eventDestroy(ev uintptr) error {
+	return check("cuEventDestroy_v2", C.kvf_event_destroy(C.uintptr_t(ev)))
+}

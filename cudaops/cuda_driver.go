@@ -1,0 +1,148 @@
+package cudaops
+
+import (
+	"errors"
+	"fmt"
+)
+
+// driver is the slice of the CUDA driver API the CUDA device uses, in Go
+// types. The real implementation (cuda_dl_cgo.go) forwards each method to
+// one function resolved from libcuda.so.1 with dlsym; tests substitute a
+// simulated driver, so everything above this interface (validation, the
+// region table, staging, ordering, fences, counters) is tested without a
+// GPU. Handles are the driver's opaque pointers as uintptrs; device
+// addresses are uint64 (CUdeviceptr).
+//
+// Every method that needs a context acts on the one current on the calling
+// OS thread; the CUDA device arranges that (see CUDA.enter).
+type driver interface {
+	init() error
+	deviceGet(ordinal int) (int32, error)
+	deviceName(dev int32) (string, error)
+	deviceTotalMem(dev int32) (uint64, error)
+	primaryCtxRetain(dev int32) (uintptr, error)
+	primaryCtxRelease(dev int32) error
+	ctxPush(ctx uintptr) error
+	ctxPop() error
+	ctxGetDevice() (int32, error)
+	memGetInfo() (free, total uint64, err error)
+
+	memAlloc(n uint64) (uint64, error)
+	memFree(p uint64) error
+	// memAllocHost returns page-locked host memory, which async copies
+	// may read after the call that queued them has returned.
+	memAllocHost(n int) ([]byte, error)
+	memFreeHost(b []byte) error
+	// memcpyHtoDAsync queues a copy from page-locked memory (from
+	// memAllocHost) on stream s.
+	memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error
+	// memcpyHtoDSync and memcpyDtoHSync queue a copy on stream s and wait
+	// for s to drain before returning, so the copy is ordered after all
+	// work queued on s and Go memory is never referenced after the call.
+	memcpyHtoDSync(dst uint64, src []byte, s uintptr) error
+	memcpyDtoHSync(dst []byte, src uint64, s uintptr) error
+	memsetD32Async(dst uint64, word uint32, n uint64, s uintptr) error
+	memsetD2D32Async(dst, pitch uint64, word uint32, width, height uint64, s uintptr) error
+
+	moduleLoadData(image []byte) (uintptr, error)
+	moduleUnload(m uintptr) error
+	moduleGetFunction(m uintptr, name string) (uintptr, error)
+	launchFill(fn uintptr, grid, block uint32, s uintptr, a fillArgs) error
+
+	streamCreate(flags uint32) (uintptr, error)
+	streamDestroy(s uintptr) error
+	streamSynchronize(s uintptr) error
+	streamWaitEvent(s, ev uintptr) error
+	eventCreate(flags uint32) (uintptr, error)
+	eventRecord(ev, s uintptr) error
+	// eventQuery reports whether all work captured by ev has completed;
+	// CUDA_ERROR_NOT_READY is (false, nil).
+	eventQuery(ev uintptr) (bool, error)
+	eventSynchronize(ev uintptr) error
+	eventDestroy(ev uintptr) error
+}
+
+// fillArgs are the parameters of the kvf_fill kernel in fill.ptx, in the
+// order it declares them.
+type fillArgs struct {
+	table    uint64 // device address of the region table (regionEntryBytes per region)
+	pages    uint64 // device address of the page list (uint32 each)
+	nitems   uint64 // regions × pages
+	nregions uint32
+	word     uint32
+	salt     uint32
+	clear    uint32
+}
+
+// Driver flag values (cuda.h).
+const (
+	cuStreamNonBlocking     = 0x1 // CU_STREAM_NON_BLOCKING
+	cuEventDisableTiming    = 0x2 // CU_EVENT_DISABLE_TIMING
+	cuErrorOutOfMemory      = 2   // CUDA_ERROR_OUT_OF_MEMORY
+	cuErrorInvalidValue     = 1   // CUDA_ERROR_INVALID_VALUE
+	cuErrorInvalidHandle    = 400 // CUDA_ERROR_INVALID_HANDLE
+	cuErrorNotReady         = 600 // CUDA_ERROR_NOT_READY
+	cuErrorStubLibrary      = 34  // CUDA_ERROR_STUB_LIBRARY
+	cuErrorNoDevice         = 100 // CUDA_ERROR_NO_DEVICE
+	cuErrorInvalidDevice    = 101 // CUDA_ERROR_INVALID_DEVICE
+	cuErrorLaunchOutOfRsrcs = 701 // CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+)
+
+// DriverError is a failed CUDA driver call. Backends wrap it with the
+// sentinel that says what the failure means to the caller (ErrNoDevice,
+// ErrDriver, ErrOutOfMemory, ErrInvalidArgument); errors.As reaches it.
+type DriverError struct {
+	Call string // the driver entry point, e.g. "cuLaunchKernel"
+	Code int    // the CUresult
+	Name string // the CUresult's name, e.g. "CUDA_ERROR_LAUNCH_FAILED"
+}
+
+func (e *DriverError) Error() string {
+	return fmt.Sprintf("%s: %s (%d)", e.Call, e.Name, e.Code)
+}
+
+// driverCode returns the CUresult inside err, or -1.
+func driverCode(err error) int {
+	var de *DriverError
+	if errors.As(err, &de) {
+		return de.Code
+	}
+	return -1
+}
+
+// cuResultNames names the results kvfence can meet. The driver's own
+// cuGetErrorName is asked first; this table answers when it cannot (the
+// stub library, which fails every call).
+var cuResultNames = map[int]string{
+	0:   "CUDA_SUCCESS",
+	1:   "CUDA_ERROR_INVALID_VALUE",
+	2:   "CUDA_ERROR_OUT_OF_MEMORY",
+	3:   "CUDA_ERROR_NOT_INITIALIZED",
+	4:   "CUDA_ERROR_DEINITIALIZED",
+	34:  "CUDA_ERROR_STUB_LIBRARY",
+	35:  "CUDA_ERROR_INSUFFICIENT_DRIVER",
+	36:  "CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER",
+	46:  "CUDA_ERROR_DEVICES_UNAVAILABLE",
+	100: "CUDA_ERROR_NO_DEVICE",
+	101: "CUDA_ERROR_INVALID_DEVICE",
+	200: "CUDA_ERROR_INVALID_IMAGE",
+	201: "CUDA_ERROR_INVALID_CONTEXT",
+	209: "CUDA_ERROR_NO_BINARY_FOR_GPU",
+	218: "CUDA_ERROR_INVALID_PTX",
+	222: "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+	400: "CUDA_ERROR_INVALID_HANDLE",
+	500: "CUDA_ERROR_NOT_FOUND",
+	600: "CUDA_ERROR_NOT_READY",
+	700: "CUDA_ERROR_ILLEGAL_ADDRESS",
+	701: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+	702: "CUDA_ERROR_LAUNCH_TIMEOUT",
+	719: "CUDA_ERROR_LAUNCH_FAILED",
+	999: "CUDA_ERROR_UNKNOWN",
+}
+
+func cuResultName(code int) string {
+	if n, ok := cuResultNames[code]; ok {
+		return n
+	}
+	return "CUDA_ERROR_UNRECOGNIZED"
+}

@@ -1,0 +1,249 @@
+package cudaops_test
+
+import (
+	"bytes"
+	"encoding/binary"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/cudaops"
+)
+
+// Tests of the CUDA device's own behaviour over the simulated driver:
+// failure paths a real GPU cannot be made to take on demand.
+
+func openFake(t *testing.T) (*cudaops.CUDA, *cudaops.FakeDriver) {
+	t.Helper()
+	d, f, err := cudaops.OpenFake()
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = d.Close()
+		assert.Empty(t, f.Leaks(), "driver resources left after Close")
+	})
+	return d, f
+}
+
+func words(b []byte) []uint32 {
+	w := make([]uint32, len(b)/4)
+	for i := range w {
+		w[i] = binary.LittleEndian.Uint32(b[4*i:])
+	}
+	return w
+}
+
+func pageWords(t *testing.T, d cudaops.Device, r int, p int32) []uint32 {
+	t.Helper()
+	b := make([]byte, d.Regions()[r].PageBytes)
+	require.NoError(t, d.ReadPage(r, p, b))
+	return words(b)
+}
+
+func uniform(w uint32, n int) []uint32 {
+	s := make([]uint32, n)
+	for i := range s {
+		s[i] = w
+	}
+	return s
+}
+
+// With every staging buffer busy (the driver never completes work on a
+// query), a fill must wait for the oldest instead of overwriting a batch
+// the device has not read yet.
+func TestCUDAStagingNotReusedEarly(t *testing.T) {
+	for _, mode := range []cudaops.FillMode{cudaops.FillKernel, cudaops.FillMemset} {
+		t.Run(mode.String(), func(t *testing.T) {
+			d, f := openFake(t)
+			require.NoError(t, d.SetFillMode(mode))
+			f.SetStubborn(true)
+			const pages = 64
+			_, err := d.AllocRegion(pages, 64)
+			require.NoError(t, err)
+			var fences []cudaops.Fence
+			for p := range int32(pages) {
+				fc, err := d.Fill([]int32{p}, cudaops.FillSpec{Word: uint32(p) + 1}, cudaops.Ordering{})
+				require.NoError(t, err)
+				fences = append(fences, fc)
+			}
+			for _, fc := range fences {
+				require.NoError(t, fc.Wait())
+			}
+			for p := range int32(pages) {
+				assert.Equal(t, uniform(uint32(p)+1, 16), pageWords(t, d, 0, p), "page %d", p)
+			}
+		})
+	}
+}
+
+func TestCUDAOpenErrors(t *testing.T) {
+	f := cudaops.NewFakeDriver()
+	f.SetInitError(34)
+	_, err := cudaops.OpenOn(f, 0)
+	require.ErrorIs(t, err, cudaops.ErrNoDevice)
+	require.ErrorContains(t, err, "cuInit: CUDA_ERROR_STUB_LIBRARY (34)")
+	var de *cudaops.DriverError
+	require.ErrorAs(t, err, &de)
+	assert.Equal(t, 34, de.Code)
+
+	f = cudaops.NewFakeDriver()
+	_, err = cudaops.OpenOn(f, 3)
+	require.ErrorIs(t, err, cudaops.ErrNoDevice)
+	require.ErrorContains(t, err, "CUDA_ERROR_INVALID_DEVICE")
+	_, err = cudaops.OpenOn(f, -1)
+	require.ErrorIs(t, err, cudaops.ErrInvalidArgument)
+	assert.Empty(t, f.Leaks())
+
+	// A failure half-way through opening releases what was taken.
+	f = cudaops.NewFakeDriver()
+	f.FailNext("cuEventCreate", 2)
+	_, err = cudaops.OpenOn(f, 0)
+	require.ErrorIs(t, err, cudaops.ErrDriver)
+	assert.Empty(t, f.Leaks())
+
+	_, err = cudaops.OpenCUDAContext(0)
+	require.ErrorIs(t, err, cudaops.ErrInvalidArgument)
+}
+
+func TestCUDAKernelUnavailableFallsBackToMemset(t *testing.T) {
+	f := cudaops.NewFakeDriver()
+	f.SetLoadError(222) // CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+	d, err := cudaops.OpenOn(f, 0)
+	require.NoError(t, err)
+	defer d.Close()
+	require.ErrorContains(t, d.KernelError(), "CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
+	require.ErrorIs(t, d.SetFillMode(cudaops.FillKernel), cudaops.ErrDriver)
+	_, err = d.AllocRegion(8, 64)
+	require.NoError(t, err)
+	fc, err := d.Fill([]int32{1, 2, 3, 6}, cudaops.FillSpec{Word: 7}, cudaops.Ordering{})
+	require.NoError(t, err)
+	require.NoError(t, fc.Wait())
+	assert.Equal(t, uniform(7, 16), pageWords(t, d, 0, 6))
+	assert.Equal(t, uint64(2), d.Counters().Launches, "runs {1,2,3} and {6}")
+	assert.Zero(t, f.Calls("cuLaunchKernel"))
+}
+
+func TestCUDAFillDriverErrors(t *testing.T) {
+	for _, call := range []string{"cuMemcpyHtoDAsync_v2", "cuLaunchKernel", "cuEventRecord", "cuMemAllocHost_v2"} {
+		t.Run(call, func(t *testing.T) {
+			d, f := openFake(t)
+			_, err := d.AllocRegion(8, 64)
+			require.NoError(t, err)
+			f.FailNext(call, 719)
+			fc, err := d.Fill([]int32{1, 2}, cudaops.FillSpec{}, cudaops.Ordering{})
+			require.ErrorIs(t, err, cudaops.ErrDriver)
+			require.ErrorContains(t, err, call)
+			assert.Nil(t, fc)
+			assert.Zero(t, d.Counters().FillCalls, "a failed fill is not counted")
+			assert.Zero(t, f.ContextDepth(), "context left pushed")
+			// The device still works afterwards.
+			fc, err = d.Fill([]int32{1, 2}, cudaops.FillSpec{Word: 9}, cudaops.Ordering{})
+			require.NoError(t, err)
+			require.NoError(t, fc.Wait())
+			assert.Equal(t, uniform(9, 16), pageWords(t, d, 0, 2))
+		})
+	}
+}
+
+// A kernel that faults on the device surfaces through the fence.
+func TestCUDAFillFaultsThroughFence(t *testing.T) {
+	d, f := openFake(t)
+	_, err := d.AllocRegion(8, 64)
+	require.NoError(t, err)
+	f.FaultNext("cuLaunchKernel", 700)
+	fc, err := d.Fill([]int32{1}, cudaops.FillSpec{}, cudaops.Ordering{})
+	require.NoError(t, err, "the launch itself is accepted")
+	err = fc.Wait()
+	require.ErrorIs(t, err, cudaops.ErrDriver)
+	require.ErrorContains(t, err, "CUDA_ERROR_ILLEGAL_ADDRESS")
+	done, err2 := fc.Done()
+	assert.True(t, done)
+	assert.Equal(t, err, err2)
+}
+
+func TestCUDAOrderingBadHandle(t *testing.T) {
+	d, _ := openFake(t)
+	_, err := d.AllocRegion(8, 64)
+	require.NoError(t, err)
+	for _, o := range []cudaops.Ordering{{Stream: 0xdead0}, {Event: 0xbeef0}} {
+		_, err = d.Fill([]int32{1}, cudaops.FillSpec{}, o)
+		require.ErrorIs(t, err, cudaops.ErrInvalidArgument, "%+v", o)
+		require.ErrorContains(t, err, "CUDA_ERROR_INVALID_HANDLE")
+	}
+	assert.Zero(t, d.Counters().FillCalls)
+}
+
+func TestCUDAAllocOutOfMemory(t *testing.T) {
+	d, _ := openFake(t)
+	_, err := d.AllocRegion(1<<20, 4096) // 4 GiB: beyond the fake's limit
+	require.ErrorIs(t, err, cudaops.ErrOutOfMemory)
+	require.ErrorContains(t, err, "CUDA_ERROR_OUT_OF_MEMORY")
+	assert.Empty(t, d.Regions())
+}
+
+// Adopted memory with a stride wider than the page: the fill writes the
+// pages and nothing between them, and Close does not free it.
+func TestCUDAAdoptStrided(t *testing.T) {
+	for _, mode := range []cudaops.FillMode{cudaops.FillKernel, cudaops.FillMemset} {
+		t.Run(mode.String(), func(t *testing.T) {
+			d, _ := openFake(t)
+			require.NoError(t, d.SetFillMode(mode))
+			const n, pb = 16, 64
+			// Backing: 2n contiguous pages; adopted page p is backing
+			// page 2p+1.
+			back, err := d.AllocRegion(2*n, pb)
+			require.NoError(t, err)
+			base := d.Regions()[back].Base
+			for q := range int32(2 * n) {
+				require.NoError(t, d.WritePage(back, q, bytes.Repeat([]byte{0xee}, pb)))
+			}
+			for _, bad := range []struct {
+				base              uint64
+				pages             int
+				stride, pageBytes int64
+			}{
+				{0, n, 2 * pb, pb}, {base + 2, n, 2 * pb, pb}, {^uint64(0) - 64, n, 2 * pb, pb},
+				{base, n, pb - 4, pb}, {base, 0, 2 * pb, pb}, {base, n, 2 * pb, 6},
+			} {
+				_, err := d.AdoptRegion(bad.base, bad.pages, bad.stride, bad.pageBytes)
+				assert.ErrorIs(t, err, cudaops.ErrInvalidArgument, "%+v", bad)
+			}
+			ad, err := d.AdoptRegion(base+pb, n, 2*pb, pb)
+			require.NoError(t, err)
+			fc, err := d.Fill([]int32{0, 1, 2, 5, 9}, cudaops.FillSpec{}, cudaops.Ordering{})
+			require.NoError(t, err)
+			require.NoError(t, fc.Wait())
+			filled := map[int32]bool{}
+			for _, p := range []int32{0, 1, 2, 5, 9} {
+				filled[p] = true     // backing region's own page p
+				filled[2*p+1] = true // adopted page p
+			}
+			for q := range int32(2 * n) {
+				want := uniform(0xeeeeeeee, pb/4)
+				if filled[q] {
+					want = uniform(0, pb/4)
+				}
+				assert.Equal(t, want, pageWords(t, d, back, q), "backing page %d", q)
+			}
+			assert.Equal(t, uniform(0, pb/4), pageWords(t, d, ad, 5))
+		})
+	}
+}
+
+func TestCUDAContextBalanced(t *testing.T) {
+	d, f := openFake(t)
+	_, err := d.AllocRegion(8, 64)
+	require.NoError(t, err)
+	fc, err := d.Fill([]int32{1}, cudaops.FillSpec{}, cudaops.Ordering{})
+	require.NoError(t, err)
+	_, _ = fc.Done()
+	require.NoError(t, fc.Wait())
+	_ = pageWords(t, d, 0, 1)
+	_, _, err = d.MemInfo()
+	require.NoError(t, err)
+	assert.Zero(t, f.ContextDepth())
+	require.NoError(t, d.Close())
+	_, _, err = d.MemInfo()
+	assert.ErrorIs(t, err, cudaops.ErrClosed)
+	assert.ErrorIs(t, d.SetFillMode(cudaops.FillMemset), cudaops.ErrClosed)
+}

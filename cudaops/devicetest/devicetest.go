@@ -1,0 +1,518 @@
+// Package devicetest is the conformance suite every cudaops.Device must
+// pass. A backend's tests call Run (or RunWith) with a constructor; the
+// suite allocates its own regions, so each subtest gets a fresh device.
+//
+// Fill correctness is checked on fresh random data every run (the seed is
+// logged, and KVFENCE_SEED=N repeats a run): every page of every region is
+// written with random bytes, a random subset is scrubbed with zero, poison
+// and per-page canary specs in ascending, scattered and run-heavy orders,
+// and then every byte of every page of every region is read back: scrubbed
+// pages must hold the pattern, all others their random bytes.
+package devicetest
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/cudaops"
+)
+
+// Engine stands for the inference engine's own device work, so the suite
+// can check that a fill is ordered after it.
+type Engine interface {
+	// Write queues engine work that writes word over page p of region r
+	// (preceded, on a GPU, by enough other work that it is still pending
+	// when Write returns) and returns the Ordering that names it.
+	Write(t *testing.T, r int, p int32, word uint32) cudaops.Ordering
+	// Sync waits for all engine work queued so far.
+	Sync(t *testing.T)
+}
+
+// Config describes a backend under test.
+type Config struct {
+	// Open returns a new device with no regions. The suite closes it.
+	Open func(t *testing.T) cudaops.Device
+	// Engine returns the engine stand-in for d; nil means writes through
+	// d.WritePage and a dummy Ordering{Stream: 1, Event: 1} (for backends that
+	// ignore ordering handles, like Host).
+	Engine func(t *testing.T, d cudaops.Device) Engine
+	// LaunchesPerFill is the exact Counters.Launches increase per
+	// non-empty Fill; 0 means "at least one".
+	LaunchesPerFill int
+}
+
+// Run runs the suite on a backend that launches once per fill batch.
+func Run(t *testing.T, open func(t *testing.T) cudaops.Device) {
+	RunWith(t, Config{Open: open, LaunchesPerFill: 1})
+}
+
+// RunWith runs the suite with a full Config.
+func RunWith(t *testing.T, c Config) {
+	t.Run("Regions", func(t *testing.T) { testRegions(t, c) })
+	t.Run("FillCorrectness", func(t *testing.T) { testFillCorrectness(t, c) })
+	t.Run("FillOutOfRange", func(t *testing.T) { testFillOutOfRange(t, c) })
+	t.Run("PageBounds", func(t *testing.T) { testPageBounds(t, c) })
+	t.Run("Fence", func(t *testing.T) { testFence(t, c) })
+	t.Run("Ordering", func(t *testing.T) { testOrdering(t, c) })
+	t.Run("Counters", func(t *testing.T) { testCounters(t, c) })
+	t.Run("Pipelined", func(t *testing.T) { testPipelined(t, c) })
+	t.Run("Concurrent", func(t *testing.T) { testConcurrent(t, c) })
+	t.Run("Closed", func(t *testing.T) { testClosed(t, c) })
+}
+
+// geometry is the suite's region layout: pages per region and the page
+// sizes, chosen to cover 16-byte multiples and 4-byte-only multiples.
+var geometry = struct {
+	pages     int
+	pageBytes []int64
+}{pages: 48, pageBytes: []int64{256, 1028, 4096, 36}}
+
+func open(t *testing.T, c Config) cudaops.Device {
+	t.Helper()
+	d := c.Open(t)
+	require.NotNil(t, d)
+	t.Cleanup(func() { _ = d.Close() })
+	for _, pb := range geometry.pageBytes {
+		_, err := d.AllocRegion(geometry.pages, pb)
+		require.NoError(t, err)
+	}
+	return d
+}
+
+func newRand(t *testing.T) *rand.Rand {
+	seed := uint64(time.Now().UnixNano())
+	if s := os.Getenv("KVFENCE_SEED"); s != "" {
+		v, err := strconv.ParseUint(s, 10, 64)
+		require.NoError(t, err, "KVFENCE_SEED")
+		seed = v
+	}
+	t.Logf("seed %d (KVFENCE_SEED=%d repeats it)", seed, seed)
+	return rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
+}
+
+// image is the expected content of every page of every region.
+type image [][][]byte
+
+func randomize(t *testing.T, d cudaops.Device, rng *rand.Rand) image {
+	t.Helper()
+	regs := d.Regions()
+	img := make(image, len(regs))
+	for r, reg := range regs {
+		img[r] = make([][]byte, reg.Pages)
+		for p := range reg.Pages {
+			b := make([]byte, reg.PageBytes)
+			for i := range b {
+				b[i] = byte(rng.Uint32())
+			}
+			require.NoError(t, d.WritePage(r, int32(p), b))
+			img[r][p] = b
+		}
+	}
+	return img
+}
+
+// apply records in img what a fill of pages with spec must leave.
+func (img image) apply(pages []int32, spec cudaops.FillSpec) {
+	for r := range img {
+		for _, p := range pages {
+			fillWord(img[r][p], spec.WordFor(p))
+		}
+	}
+}
+
+func fillWord(b []byte, w uint32) {
+	for i := 0; i+4 <= len(b); i += 4 {
+		binary.LittleEndian.PutUint32(b[i:], w)
+	}
+}
+
+// verify reads every page of every region and compares it with img.
+func verify(t *testing.T, d cudaops.Device, img image, what string) {
+	t.Helper()
+	bad := 0
+	for r := range img {
+		for p, want := range img[r] {
+			got := make([]byte, len(want))
+			require.NoError(t, d.ReadPage(r, int32(p), got))
+			if !bytes.Equal(got, want) {
+				i := 0
+				for got[i] == want[i] {
+					i++
+				}
+				bad++
+				if bad <= 5 {
+					t.Errorf("%s: region %d page %d differs first at byte %d: got %#x, want %#x", what, r, p, i, got[i], want[i])
+				}
+			}
+		}
+	}
+	if bad > 5 {
+		t.Errorf("%s: %d pages differ in all", what, bad)
+	}
+}
+
+func fill(t *testing.T, d cudaops.Device, pages []int32, spec cudaops.FillSpec, after cudaops.Ordering) {
+	t.Helper()
+	f, err := d.Fill(pages, spec, after)
+	require.NoError(t, err)
+	require.NoError(t, f.Wait())
+}
+
+func testRegions(t *testing.T, c Config) {
+	d := open(t, c)
+	regs := d.Regions()
+	require.Len(t, regs, len(geometry.pageBytes))
+	for i, r := range regs {
+		assert.Equal(t, geometry.pages, r.Pages, "region %d pages", i)
+		assert.Equal(t, geometry.pageBytes[i], r.PageBytes, "region %d page bytes", i)
+		assert.GreaterOrEqual(t, r.Stride, r.PageBytes, "region %d stride", i)
+		assert.NoError(t, r.Validate())
+	}
+	regs[0].Pages = 1 // a copy: the device must not change
+	assert.Equal(t, geometry.pages, d.Regions()[0].Pages)
+
+	for _, bad := range []struct {
+		pages     int
+		pageBytes int64
+	}{{0, 64}, {-1, 64}, {4, 0}, {4, -4}, {4, 6}, {4, 3}} {
+		_, err := d.AllocRegion(bad.pages, bad.pageBytes)
+		assert.ErrorIs(t, err, cudaops.ErrInvalidArgument, "AllocRegion(%d, %d)", bad.pages, bad.pageBytes)
+	}
+	assert.Len(t, d.Regions(), len(geometry.pageBytes), "failed allocations added regions")
+}
+
+// batch picks a random subset of [0, n) in the given order.
+func batch(rng *rand.Rand, n int, order string) []int32 {
+	var pages []int32
+	switch order {
+	case "runs": // a few long runs of adjacent pages
+		for p := 0; p < n; {
+			run := 1 + rng.IntN(8)
+			if rng.IntN(2) == 0 {
+				for i := p; i < min(p+run, n); i++ {
+					pages = append(pages, int32(i))
+				}
+			}
+			p += run
+		}
+	default:
+		for p := range n {
+			if rng.IntN(3) == 0 {
+				pages = append(pages, int32(p))
+			}
+		}
+	}
+	if len(pages) == 0 {
+		pages = append(pages, int32(rng.IntN(n)))
+	}
+	if order == "scattered" {
+		rng.Shuffle(len(pages), func(i, j int) { pages[i], pages[j] = pages[j], pages[i] })
+	}
+	return pages
+}
+
+var specs = []struct {
+	name string
+	spec cudaops.FillSpec
+}{
+	{"zero", cudaops.FillSpec{}},
+	{"poison", cudaops.FillSpec{Word: 0x80008000}},
+	{"canary", cudaops.FillSpec{Word: 0x3c5a0f0f, PageSalt: 0x9e3779b9, ClearMask: 0x40004000}},
+}
+
+func testFillCorrectness(t *testing.T, c Config) {
+	for _, order := range []string{"ascending", "scattered", "runs"} {
+		for _, s := range specs {
+			t.Run(order+"/"+s.name, func(t *testing.T) {
+				d := open(t, c)
+				rng := newRand(t)
+				img := randomize(t, d, rng)
+				spec := s.spec
+				if spec.PageSalt != 0 {
+					spec.Word = rng.Uint32() // a fresh canary each run
+				}
+				pages := batch(rng, geometry.pages, order)
+				fill(t, d, pages, spec, cudaops.Ordering{})
+				img.apply(pages, spec)
+				verify(t, d, img, fmt.Sprintf("after filling %d pages", len(pages)))
+
+				// A second batch over the result: fills compose.
+				pages = batch(rng, geometry.pages, order)
+				fill(t, d, pages, cudaops.FillSpec{Word: 0x80}, cudaops.Ordering{})
+				img.apply(pages, cudaops.FillSpec{Word: 0x80})
+				verify(t, d, img, "after a second fill")
+			})
+		}
+	}
+	t.Run("empty", func(t *testing.T) {
+		d := open(t, c)
+		img := randomize(t, d, newRand(t))
+		f, err := d.Fill(nil, cudaops.FillSpec{}, cudaops.Ordering{})
+		require.NoError(t, err)
+		require.NoError(t, f.Wait())
+		verify(t, d, img, "after an empty fill")
+	})
+}
+
+func testFillOutOfRange(t *testing.T, c Config) {
+	d := open(t, c)
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	before := d.Counters()
+	n := int32(geometry.pages)
+	for _, bad := range [][]int32{
+		{n},
+		{0, 1, n},
+		{-1},
+		{2, 3, -7, 4},
+		{1<<31 - 1},
+		{-1 << 31},
+	} {
+		f, err := d.Fill(bad, cudaops.FillSpec{}, cudaops.Ordering{})
+		assert.ErrorIs(t, err, cudaops.ErrInvalidArgument, "Fill(%v)", bad)
+		assert.Nil(t, f, "Fill(%v) returned a fence with its error", bad)
+	}
+	verify(t, d, img, "after rejected fills")
+	assert.Equal(t, before, d.Counters(), "rejected fills were counted")
+
+	// A region smaller than the others bounds the valid pages of all.
+	_, err := d.AllocRegion(geometry.pages/2, 64)
+	require.NoError(t, err)
+	_, err = d.Fill([]int32{int32(geometry.pages/2) + 1}, cudaops.FillSpec{}, cudaops.Ordering{})
+	assert.ErrorIs(t, err, cudaops.ErrInvalidArgument, "page beyond the smallest region")
+	verify(t, d, img, "after a fill beyond the smallest region")
+}
+
+func testPageBounds(t *testing.T, c Config) {
+	d := open(t, c)
+	img := randomize(t, d, newRand(t))
+	regs := d.Regions()
+	pb := int(regs[0].PageBytes)
+	cases := []struct {
+		r int
+		p int32
+		n int
+	}{
+		{-1, 0, pb}, {len(regs), 0, pb},
+		{0, -1, pb}, {0, int32(regs[0].Pages), pb},
+		{0, 0, pb - 4}, {0, 0, pb + 4}, {0, 0, 0},
+		{1, 0, pb}, // region 1 has a different page size
+	}
+	for _, tc := range cases {
+		buf := bytes.Repeat([]byte{0xa5}, tc.n)
+		err := d.WritePage(tc.r, tc.p, buf)
+		assert.ErrorIs(t, err, cudaops.ErrInvalidArgument, "WritePage(%d, %d, %d bytes)", tc.r, tc.p, tc.n)
+		err = d.ReadPage(tc.r, tc.p, buf)
+		assert.ErrorIs(t, err, cudaops.ErrInvalidArgument, "ReadPage(%d, %d, %d bytes)", tc.r, tc.p, tc.n)
+		assert.Equal(t, bytes.Repeat([]byte{0xa5}, tc.n), buf, "failed ReadPage wrote its buffer")
+	}
+	verify(t, d, img, "after rejected page writes")
+
+	// The last page of every region is reachable.
+	for r, reg := range regs {
+		b := bytes.Repeat([]byte{byte(r + 1)}, int(reg.PageBytes))
+		require.NoError(t, d.WritePage(r, int32(reg.Pages-1), b))
+		img[r][reg.Pages-1] = b
+	}
+	verify(t, d, img, "after writing last pages")
+}
+
+func testFence(t *testing.T, c Config) {
+	d := open(t, c)
+	f, err := d.Fill([]int32{0, 5, 7}, cudaops.FillSpec{Word: 1}, cudaops.Ordering{})
+	require.NoError(t, err)
+	require.NoError(t, f.Wait())
+	for range 3 {
+		done, err := f.Done()
+		assert.True(t, done, "Done after Wait")
+		assert.NoError(t, err)
+	}
+	assert.NoError(t, f.Wait(), "second Wait")
+
+	// Polling Done alone reaches completion.
+	f, err = d.Fill([]int32{1, 2, 3}, cudaops.FillSpec{}, cudaops.Ordering{})
+	require.NoError(t, err)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		done, err := f.Done()
+		require.NoError(t, err)
+		if done {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "fence not done after 10s of polling")
+		time.Sleep(50 * time.Microsecond)
+	}
+	assert.NoError(t, f.Wait())
+
+	// Several goroutines may wait on one fence.
+	f, err = d.Fill([]int32{4, 6}, cudaops.FillSpec{}, cudaops.Ordering{})
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() { assert.NoError(t, f.Wait()) })
+		wg.Go(func() { _, err := f.Done(); assert.NoError(t, err) })
+	}
+	wg.Wait()
+}
+
+type hostEngine struct{ d cudaops.Device }
+
+func (e hostEngine) Write(t *testing.T, r int, p int32, word uint32) cudaops.Ordering {
+	b := make([]byte, e.d.Regions()[r].PageBytes)
+	fillWord(b, word)
+	require.NoError(t, e.d.WritePage(r, p, b))
+	return cudaops.Ordering{Stream: 1, Event: 1}
+}
+
+func (hostEngine) Sync(*testing.T) {}
+
+func engine(t *testing.T, c Config, d cudaops.Device) Engine {
+	if c.Engine == nil {
+		return hostEngine{d}
+	}
+	return c.Engine(t, d)
+}
+
+func testOrdering(t *testing.T, c Config) {
+	d := open(t, c)
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	e := engine(t, c, d)
+	nreg := len(d.Regions())
+
+	// The engine writes pages the fill then scrubs; if the fill ran before
+	// the engine's write, the engine's word would survive.
+	for round, kind := range []string{"stream", "event", "both"} {
+		pages := batch(rng, geometry.pages, "scattered")
+		var after cudaops.Ordering
+		for _, p := range pages {
+			for r := range nreg {
+				o := e.Write(t, r, p, 0xe0e0e0e0+uint32(round))
+				after.Stream, after.Event = max(after.Stream, o.Stream), max(after.Event, o.Event)
+			}
+		}
+		switch kind {
+		case "stream":
+			after.Event = 0
+		case "event":
+			after.Stream = 0
+		}
+		if after.IsZero() {
+			t.Fatalf("engine returned a zero Ordering for %s", kind)
+		}
+		spec := cudaops.FillSpec{Word: 0x80008000 + uint32(round)}
+		fill(t, d, pages, spec, after)
+		e.Sync(t)
+		img.apply(pages, spec)
+		verify(t, d, img, "fill ordered after the engine's "+kind)
+	}
+}
+
+func testCounters(t *testing.T, c Config) {
+	d := open(t, c)
+	rng := newRand(t)
+	var perPage uint64
+	for _, r := range d.Regions() {
+		perPage += uint64(r.PageBytes)
+	}
+	for i := range 5 {
+		order := []string{"ascending", "scattered", "runs"}[i%3]
+		pages := batch(rng, geometry.pages, order)
+		before := d.Counters()
+		fill(t, d, pages, specs[i%len(specs)].spec, cudaops.Ordering{})
+		after := d.Counters()
+		assert.Equal(t, before.FillCalls+1, after.FillCalls, "FillCalls")
+		launches := after.Launches - before.Launches
+		if c.LaunchesPerFill > 0 {
+			assert.Equal(t, uint64(c.LaunchesPerFill), launches, "launches for a batch of %d %s pages", len(pages), order)
+		} else {
+			assert.GreaterOrEqual(t, launches, uint64(1), "launches")
+		}
+		assert.Equal(t, before.PagesFilled+uint64(len(pages)), after.PagesFilled, "PagesFilled")
+		assert.Equal(t, before.BytesFilled+uint64(len(pages))*perPage, after.BytesFilled, "BytesFilled")
+	}
+}
+
+// testPipelined issues many fills before waiting for any: a backend that
+// stages batches for the device must not reuse a batch's staging before
+// the device has read it.
+func testPipelined(t *testing.T, c Config) {
+	d := open(t, c)
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	perm := rng.Perm(geometry.pages)
+	var fences []cudaops.Fence
+	for i := 0; i+2 <= len(perm); i += 2 {
+		pages := []int32{int32(perm[i]), int32(perm[i+1])}
+		spec := cudaops.FillSpec{Word: rng.Uint32(), PageSalt: uint32(i)}
+		f, err := d.Fill(pages, spec, cudaops.Ordering{})
+		require.NoError(t, err)
+		fences = append(fences, f)
+		img.apply(pages, spec)
+	}
+	for i := len(fences) - 1; i >= 0; i-- {
+		require.NoError(t, fences[i].Wait())
+	}
+	verify(t, d, img, fmt.Sprintf("after %d fills in flight", len(fences)))
+}
+
+func testConcurrent(t *testing.T, c Config) {
+	d := open(t, c)
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	// Each goroutine owns the pages congruent to it mod workers.
+	const workers = 4
+	var wg sync.WaitGroup
+	for w := range workers {
+		var mine []int32
+		for p := w; p < geometry.pages; p += workers {
+			mine = append(mine, int32(p))
+		}
+		spec := cudaops.FillSpec{Word: 0x01010101 * uint32(w+1)}
+		img.apply(mine, spec)
+		wg.Go(func() {
+			for i := 0; i < len(mine); i += 3 {
+				f, err := d.Fill(mine[i:min(i+3, len(mine))], spec, cudaops.Ordering{})
+				if !assert.NoError(t, err) {
+					return
+				}
+				assert.NoError(t, f.Wait())
+			}
+		})
+	}
+	wg.Wait()
+	verify(t, d, img, "after concurrent fills")
+}
+
+func testClosed(t *testing.T, c Config) {
+	d := open(t, c)
+	f, err := d.Fill([]int32{0, 1}, cudaops.FillSpec{}, cudaops.Ordering{})
+	require.NoError(t, err)
+	require.NoError(t, d.Close())
+	// A fence taken before Close still reports, and reports success: Close
+	// waited for the work.
+	assert.NoError(t, f.Wait())
+	done, err := f.Done()
+	assert.True(t, done)
+	assert.NoError(t, err)
+
+	_, err = d.AllocRegion(4, 64)
+	assert.ErrorIs(t, err, cudaops.ErrClosed, "AllocRegion")
+	_, err = d.Fill([]int32{0}, cudaops.FillSpec{}, cudaops.Ordering{})
+	assert.ErrorIs(t, err, cudaops.ErrClosed, "Fill")
+	b := make([]byte, geometry.pageBytes[0])
+	assert.ErrorIs(t, d.ReadPage(0, 0, b), cudaops.ErrClosed, "ReadPage")
+	assert.ErrorIs(t, d.WritePage(0, 0, b), cudaops.ErrClosed, "WritePage")
+	assert.NoError(t, d.Close(), "second Close")
+	assert.Empty(t, d.Regions(), "regions after Close")
+}
