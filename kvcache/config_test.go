@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"bytes"
 	"math"
 	"testing"
 
@@ -81,13 +82,15 @@ func TestAdoptedRegions(t *testing.T) {
 	defer h.Close()
 	rp := tinyGeometry.RegionPageBytes()
 	for range tinyGeometry.Regions() {
-		_, err := h.AdoptRegion(make([]byte, 20*2*rp), 20, 2*rp, rp)
+		// The engine's memory holds stale KV from before the pool existed.
+		_, err := h.AdoptRegion(bytes.Repeat([]byte{0xee}, int(20*2*rp)), 20, 2*rp, rp)
 		require.NoError(t, err)
 	}
 	cfg := tinyConfig(16)
 	cfg.Device = h
 	p := newPool(t, cfg)
-	l := admit(t, p, "r", "a", 8)
+	l := admit(t, p, "r", "a", 64)
+	require.NoError(t, expectScrubbed(p, h, l), "a new pool hands out stale engine memory")
 	require.NoError(t, l.Release())
 	require.NoError(t, p.Check())
 	require.NoError(t, p.Close())
