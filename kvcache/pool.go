@@ -205,11 +205,14 @@ func (p *Pool) AdmitInto(ctx context.Context, req Request, l *Lease) error {
 			return err
 		}
 		retry, err := p.admitLocked(req, need, fresh, l, wait)
-		if err == nil {
+		if err == nil && retry == nil {
 			return nil
 		}
 		if retry == nil {
 			return err
+		}
+		if err == nil { // retry at once: the prefix or the tenant's domain changed
+			continue
 		}
 		select {
 		case <-retry:
@@ -327,23 +330,31 @@ func (p *Pool) admitLocked(req Request, need, claimed int, l *Lease, wait bool) 
 		return nil, &AdmissionError{Err: ErrUnknownTenant, Cause: err, RequestID: req.ID, Tenant: req.Tenant}
 	}
 	fresh := need
+	p.mu.prefix.matched = p.mu.prefix.matched[:0]
 	if !p.prefixOff(req) {
-		replan := &AdmissionError{Err: ErrPoolExhausted, RequestID: req.ID, Tenant: req.Tenant,
-			Need: need, Have: claimed, Limit: p.total - p.mu.alloc.Count(allocator.Retired)}
 		if len(req.TokenIDs) > 0 && l.keysFor != t.Domain {
-			return retryNow, replan // the tenant moved: derive its keys again
+			return retryNow, nil // the tenant moved: derive its keys again
 		}
 		fresh -= p.matchLocked(t.Domain, l.keys, maxHitPages(req, p.geom.TokensPerPage))
-		if fresh > claimed {
-			// Part of the prefix was evicted since planPrefix.
-			if !p.freePages.TryAcquire(int64(fresh - claimed)) {
-				return retryNow, replan
-			}
-			giveBack = fresh
-		}
 	}
 	newToTenant, cachedHits := p.chargeForMatchLocked(t)
 	charge := fresh + newToTenant
+	if t.Used+charge > t.Quota {
+		e := &AdmissionError{Err: ErrExceedsQuota, RequestID: req.ID, Tenant: req.Tenant, Need: charge, Have: max(0, t.Quota-t.Used), Limit: t.Quota}
+		if wait {
+			return p.waitChanLocked(), e
+		}
+		p.mu.refused.count(e.Err)
+		return nil, e
+	}
+	if fresh > claimed {
+		// Part of the prefix was evicted since planPrefix, or the quota
+		// that blocked the claim has room now.
+		if !p.freePages.TryAcquire(int64(fresh - claimed)) {
+			return retryNow, nil
+		}
+		giveBack = fresh
+	}
 	available := p.mu.alloc.Count(allocator.Free) + p.mu.prefix.lruLen - cachedHits
 	if err := p.mu.tenants.ChargeShared(t, charge, fresh, available); err != nil {
 		var qe *isolation.QuotaError

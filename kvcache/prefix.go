@@ -217,11 +217,9 @@ func (p *Pool) PageKeys(tenant, adapter string, tokens []int32, dst []BlockKey) 
 // planPrefix derives l's page keys if the request carries tokens and the
 // tenant's domain changed since they were derived (hashing runs outside
 // the lock), and returns how many of need pages must come from the free
-// pool once the cached prefix is shared.
+// pool once the cached prefix is shared. A request over its tenant's quota
+// claims nothing, so that it evicts nothing: admitLocked refuses it.
 func (p *Pool) planPrefix(req Request, need int, l *Lease) (fresh int, err error) {
-	if p.prefixOff(req) {
-		return need, nil
-	}
 	for {
 		p.mu.Lock()
 		t, err := p.mu.tenants.Lookup(req.Tenant)
@@ -230,10 +228,20 @@ func (p *Pool) planPrefix(req Request, need int, l *Lease) (fresh int, err error
 			return 0, err
 		}
 		dom := t.Domain
-		if len(req.TokenIDs) == 0 || l.keysFor == dom {
-			hits := p.matchLocked(dom, l.keys, maxHitPages(req, p.geom.TokensPerPage))
+		if p.prefixOff(req) || len(req.TokenIDs) == 0 || l.keysFor == dom {
+			c := &p.mu.prefix
+			c.matched = c.matched[:0]
+			if !p.prefixOff(req) {
+				p.matchLocked(dom, l.keys, maxHitPages(req, p.geom.TokensPerPage))
+			}
+			fresh = need - len(c.matched)
+			newToTenant, _ := p.chargeForMatchLocked(t)
+			if t.Used+fresh+newToTenant > t.Quota {
+				fresh = 0
+			}
+			c.matched = c.matched[:0]
 			p.mu.Unlock()
-			return need - hits, nil
+			return fresh, nil
 		}
 		p.mu.Unlock()
 		l.keys = appendPageKeys(l.keys[:0], prefixRoot(dom.Name, req.Adapter), p.geom.TokensPerPage, req.TokenIDs)
@@ -269,6 +277,9 @@ func (p *Pool) matchLocked(dom *isolation.Domain, keys []BlockKey, limit int) in
 // domain) and waits for their scrub; a waiting admission also wakes up
 // when pages become evictable.
 func (p *Pool) claimPages(ctx context.Context, req Request, fresh int, l *Lease, wait bool) error {
+	if fresh == 0 {
+		return nil // all shared, or refused by quota in admitLocked
+	}
 	for {
 		if p.freePages.TryAcquire(int64(fresh)) {
 			return nil

@@ -399,19 +399,20 @@ func TestPrefixEvictionThroughScrubber(t *testing.T) {
 }
 
 func TestPrefixNoEvictionWhenItCannotHelp(t *testing.T) {
-	p := newPrefixPool(t, 8, PrefixConfig{}, TenantConfig{Name: "a"}, TenantConfig{Name: "b"})
+	p := newPrefixPool(t, 10, PrefixConfig{}, TenantConfig{Name: "a"}, TenantConfig{Name: "b"}, TenantConfig{Name: "c"})
 	l := admitComputeCache(t, p, "a1", "a", tokens(13, 13, 1), 0) // 4 pages, 3 published
 	hold, err := p.Admit(context.Background(), Request{ID: "hold", Tenant: "b", PromptTokens: 12})
-	require.NoError(t, err) // 3 pages; 1 free left
+	require.NoError(t, err) // 3 pages; 3 free left
 	require.NoError(t, l.Release())
 	before := p.Stats()
 	require.Equal(t, 3, before.CachedPages)
-	_, err = p.Admit(context.Background(), Request{ID: "big", Tenant: "b", PromptTokens: 24})
+	require.Equal(t, 4, before.FreePages)
+	_, err = p.Admit(context.Background(), Request{ID: "big", Tenant: "c", PromptTokens: 32})
 	var ae *AdmissionError
 	require.ErrorAs(t, err, &ae)
 	require.ErrorIs(t, err, ErrPoolExhausted)
-	assert.Equal(t, 6, ae.Need)
-	assert.Equal(t, 5, ae.Have) // 1 free + a1's private last page, scrubbed + 3 cached
+	assert.Equal(t, 8, ae.Need)
+	assert.Equal(t, 7, ae.Have) // 4 free + 3 cached
 	after := p.Stats()
 	assert.Equal(t, before.CachedPages, after.CachedPages, "nothing evicted for a request that cannot fit")
 	require.NoError(t, hold.Release())
