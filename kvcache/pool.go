@@ -138,9 +138,9 @@ func (p *Pool) AddTenant(tc TenantConfig) error {
 	return err
 }
 
-// UpdateTenant changes a tenant's quota, reservation and sharing domain.
-// Leases already admitted keep their pages, in the domain they were
-// admitted in.
+// UpdateTenant replaces a tenant's configuration: quota, reservation and
+// sharing domain (an empty Domain moves it back to its own). Leases
+// already admitted keep their pages, in the domain they were admitted in.
 func (p *Pool) UpdateTenant(tc TenantConfig) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
