@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzztime="${FUZZTIME:-10s}"
 
-go test -race -count=1 -run 'Prefix|CachePrefix|Example' ./kvcache ./isolation
+go test -race -count=1 -run 'Prefix|CachePrefix|Example' ./kvcache
+go test -race -count=1 -run 'Domain|ChargeShared' ./isolation
 for target in FuzzPageKeys FuzzPrefixMatch; do
 	go test -run '^$' -fuzz "^${target}\$" -fuzztime "$fuzztime" ./kvcache
 done
