@@ -66,22 +66,23 @@ type CanaryError struct {
 	Region    int
 	Offset    int64 // byte offset of the first wrong word inside the page
 	Want, Got uint32
-	PrevOwner string // tenant that last held the page
+	PrevOwner string // sharing domain whose tenants last held the page
 	Gen       uint32 // the page's generation when it was scrubbed
 }
 
 func (e *CanaryError) Error() string {
-	return fmt.Sprintf("%v: page %d (generation %d, last owner %q) region %d offset %d holds %#08x, canary is %#08x",
+	return fmt.Sprintf("%v: page %d (generation %d, last owner domain %q) region %d offset %d holds %#08x, canary is %#08x",
 		ErrCanaryMismatch, e.Page, e.Gen, e.PrevOwner, e.Region, e.Offset, e.Got, e.Want)
 }
 
 func (e *CanaryError) Unwrap() error { return ErrCanaryMismatch }
 
-// ownerName is used in reports when no registry name is known.
+// ownerName names a page owner in reports. Owners are sharing domains
+// (see Domain); the fallback is used when no registry name is known.
 func ownerName(r *Registry, o allocator.Owner) string {
 	if r != nil {
-		if t := r.byID(o); t != nil {
-			return t.Name
+		if d := r.domains.byID(o); d != nil {
+			return d.Name
 		}
 	}
 	return fmt.Sprintf("owner#%d", o)

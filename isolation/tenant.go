@@ -19,6 +19,9 @@ type TenantConfig struct {
 	// ReservedPages are kept for this tenant: no other tenant may take
 	// them, whether or not this tenant uses them. At most QuotaPages.
 	ReservedPages int
+	// Domain names the sharing domain the tenant belongs to; empty means
+	// its own private domain. See Domain.
+	Domain string
 }
 
 // Tenant is a registered tenant. Its fields are read and written under the
@@ -29,6 +32,7 @@ type Tenant struct {
 	Quota    int
 	Reserved int
 	Used     int // pages held by the tenant's leases
+	Domain   *Domain
 }
 
 // unusedReservation is the part of t's reservation it does not hold now.
@@ -42,6 +46,7 @@ type Registry struct {
 	list       []*Tenant // index = ID-1
 	// unusedReserved is the sum over tenants of unusedReservation.
 	unusedReserved int
+	domains        domainTable
 }
 
 // NewRegistry returns an empty registry for a pool of totalPages pages.
@@ -62,6 +67,9 @@ func (r *Registry) validate(c TenantConfig) (quota int, err error) {
 	}
 	if c.ReservedPages > quota {
 		return 0, fmt.Errorf("%w: tenant %q reserves %d pages, above its quota of %d", ErrInvalidTenant, c.Name, c.ReservedPages, quota)
+	}
+	if err := validateDomainName(c.Domain); err != nil {
+		return 0, err
 	}
 	return quota, nil
 }
@@ -95,12 +103,13 @@ func (r *Registry) Add(c TenantConfig) (*Tenant, error) {
 	r.byName[c.Name] = t
 	r.list = append(r.list, t)
 	r.unusedReserved += t.unusedReservation()
+	r.domains.assign(t, c.Domain)
 	return t, nil
 }
 
-// Update changes a tenant's quota and reservation. Pages it already holds
-// stay with it even above a lowered quota; new admissions see the new
-// limits.
+// Update changes a tenant's quota, reservation and domain. Pages it
+// already holds stay with it even above a lowered quota, and in the domain
+// they were admitted in; new admissions see the new limits and domain.
 func (r *Registry) Update(c TenantConfig) error {
 	t, err := r.Lookup(c.Name)
 	if err != nil {
@@ -116,6 +125,7 @@ func (r *Registry) Update(c TenantConfig) error {
 	r.unusedReserved -= t.unusedReservation()
 	t.Quota, t.Reserved = quota, c.ReservedPages
 	r.unusedReserved += t.unusedReservation()
+	r.domains.assign(t, c.Domain)
 	return nil
 }
 
@@ -126,13 +136,6 @@ func (r *Registry) Lookup(name string) (*Tenant, error) {
 		return nil, fmt.Errorf("%w: %q", ErrUnknownTenant, name)
 	}
 	return t, nil
-}
-
-func (r *Registry) byID(o allocator.Owner) *Tenant {
-	if o == 0 || int(o) > len(r.list) {
-		return nil
-	}
-	return r.list[o-1]
 }
 
 // Tenants returns the registered tenants in registration order. The
@@ -188,6 +191,9 @@ func (r *Registry) Check() (used int, err error) {
 	}
 	if unused != r.unusedReserved {
 		return 0, fmt.Errorf("isolation: unused reservations sum to %d, counter says %d", unused, r.unusedReserved)
+	}
+	if err := r.checkDomains(); err != nil {
+		return 0, err
 	}
 	return used, nil
 }

@@ -346,7 +346,7 @@ func TestCanaryCatchesWriteAfterFree(t *testing.T) {
 	assert.Equal(t, bt[2], ce.Page)
 	assert.Equal(t, 3, ce.Region)
 	assert.Equal(t, int64(8), ce.Offset)
-	assert.Equal(t, "a", ce.PrevOwner)
+	assert.Equal(t, "tenant:a", ce.PrevOwner, "pages belong to sharing domains; a tenant's own is tenant:NAME")
 	assert.Equal(t, uint32(1), ce.Gen)
 	s := p.Stats()
 	assert.Equal(t, 1, s.RetiredPages)

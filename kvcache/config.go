@@ -120,6 +120,9 @@ type Config struct {
 	Tenants []TenantConfig
 	// Scrub is the policy for freed pages; the zero value zeroes them.
 	Scrub ScrubPolicy
+	// Prefix configures prefix sharing; the zero value enables it without
+	// events.
+	Prefix PrefixConfig
 	// Device holds the pages. Nil means a new Host device owned (and
 	// closed) by the pool. A device with no regions gets 2×Layers regions
 	// allocated by the pool; a device that already has regions (adopted
@@ -159,6 +162,9 @@ func (c *Config) validate() (int, error) {
 	}
 	pages, err := c.pages()
 	if err != nil {
+		return 0, err
+	}
+	if err := c.Prefix.validate(); err != nil {
 		return 0, err
 	}
 	if _, err := c.Scrub.FillSpec(c.Geometry.DType); err != nil {

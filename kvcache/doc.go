@@ -26,9 +26,40 @@
 //     pages and faults the pool; every admission then fails with
 //     ErrPoolFaulted until ClearFault.
 //  3. Nothing lost: free + in use + cached + quarantined + retired = total,
-//     every in-use page belongs to exactly one live lease of its tenant, and
-//     tenants' usage equals their leases' pages. Check proves it.
+//     every in-use page's refcount is the number of live leases holding it,
+//     and each tenant is charged once per page its leases hold. Check
+//     proves it.
+//  4. Tenant-scoped sharing only: pages are shared only inside one sharing
+//     domain (isolation.Domain), chosen server-side from the tenant.
 //
+// # Prefix sharing
+//
+// Every tenant belongs to one sharing domain: its own by default, or one
+// the operator names in TenantConfig.Domain for several tenants. A page's
+// allocator owner is its domain's ID (not its tenant's), so the
+// allocator's rule that Retain keeps the owner is the rule that pages are
+// shared only inside a domain. Tenants are charged separately: a tenant
+// pays once for each page its leases hold, however many of them share it
+// (for the default private domains: once per domain).
+//
+// A request may carry its prompt's token IDs (or keys derived by
+// PageKeys). Admit derives BlockKeys, a SHA-256 chain over full pages
+// rooted at the domain and adapter, shares the longest chain cached in the
+// tenant's domain (never the page holding the last prompt token, which the
+// engine writes), and allocates the rest: the lease still holds every page
+// prompt + max new tokens need. Lease.HitTokens tells the engine where to
+// start prefill. After prefill and Commit, Lease.CachePrefix publishes the
+// computed full prompt pages; a published page is immutable.
+//
+// A published page that no lease holds stays Cached, on an LRU list, until
+// an admission short of free pages evicts it: eviction takes least recently
+// used pages of any domain, sends them through the quarantine (filled,
+// fill completed) and only then lets them be handed out, so no other domain
+// ever receives a cached page unscrubbed. Sharing inside the domain needs
+// no scrub. The index is keyed by (domain, key): even a forged or colliding
+// key cannot reach another domain's page. Events (Pool.Events) report
+// stored, removed and cleared keys to KV-aware routers without ever
+// blocking the pool.
 // # Concurrency and lock order
 //
 // Pool and Lease methods are safe for concurrent use. There is one lock,
@@ -37,9 +68,15 @@
 // own except the device's internal one, which is always innermost and never
 // calls back. Device fills run outside Pool.mu. The page semaphore (FIFO,
 // golang.org/x/sync/semaphore) counts clean free pages not yet claimed by an
-// admission; it is acquired without Pool.mu held. So the order is:
+// admission (cached pages are not in it: eviction scrubs them first, and
+// their fill's completion releases them into it); a blocking Acquire runs
+// without Pool.mu held. So the order is:
 //
 //	semaphore → Pool.mu → device
+//
+// TryAcquire and Release never block and may run under Pool.mu. Key
+// hashing runs outside Pool.mu. Events are sent under Pool.mu with a
+// non-blocking send.
 //
 // A Lease's own fields are immutable while it lives, except the written
 // watermark and the state, which are atomics.

@@ -29,10 +29,20 @@ type Lease struct {
 	scrub   []int32 // scratch for release, reused
 	state   atomic.Uint32
 	written atomic.Int64
+
+	// Prefix sharing (prefix.go). domain is where the lease's pages are
+	// owned; keys are its prompt's full-page keys (derived for keysFor, or
+	// supplied by the engine); its first hitPages pages are shared hits;
+	// CachePrefix has considered its pages [0, published).
+	domain    *isolation.Domain
+	keys      []BlockKey
+	keysFor   *isolation.Domain
+	hitPages  int
+	published int
 }
 
 func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []allocator.Handle) {
-	l.pool, l.id, l.tenant = p, req.ID, t
+	l.pool, l.id, l.tenant, l.domain = p, req.ID, t, t.Domain
 	l.prompt, l.maxNew = req.PromptTokens, req.MaxNewTokens
 	l.handles = handles
 	l.table = l.table[:0]

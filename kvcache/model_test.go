@@ -53,12 +53,10 @@ func (m *poolModel) admit(r Request) error {
 		return ErrDuplicateRequest
 	case need > m.pages:
 		return ErrExceedsCapacity
-	case need > quota:
+	case m.used[r.Tenant]+need > quota: // before free pages: a doomed request evicts nothing
 		return ErrExceedsQuota
 	case need > m.free():
 		return ErrPoolExhausted
-	case m.used[r.Tenant]+need > quota:
-		return ErrExceedsQuota
 	}
 	othersReserved := 0
 	for t, res := range m.reserved {

@@ -25,6 +25,16 @@ type Request struct {
 	// as on the prefill side of a disaggregated deployment).
 	PromptTokens int
 	MaxNewTokens int
+	// Prefix material, optional. TokenIDs are the prompt's token IDs
+	// (len = PromptTokens); PageKeys, instead, the keys Pool.PageKeys
+	// derived for its full pages. With either, Admit shares the longest
+	// prefix cached in the tenant's sharing domain (Lease.HitTokens).
+	// Adapter names the weights the KV is computed with (a LoRA ID) and
+	// is part of every key. The domain is the tenant's: a request cannot
+	// name one.
+	TokenIDs []int32
+	PageKeys []BlockKey
+	Adapter  string
 }
 
 // Tokens is the most tokens the request can hold: prompt plus output.
@@ -41,6 +51,9 @@ type Pool struct {
 	closing    context.Context     // cancelled by Close, to wake waiting admissions
 	stopAll    context.CancelFunc
 	scrubs     sync.WaitGroup // asynchronous fills still in flight
+	// prefixDisabled and events are set once in New.
+	prefixDisabled bool
+	events         chan KVEvent
 	// q is set once in New. Issue may be called without mu; every method
 	// ending in Locked needs mu.
 	q *isolation.Quarantine
@@ -54,6 +67,7 @@ type Pool struct {
 		changed  chan struct{} // closed when pages or quotas free up; nil while nobody waits
 		admitted uint64
 		refused  Refusals
+		prefix   prefixCache
 	}
 }
 
@@ -102,6 +116,8 @@ func New(cfg Config) (*Pool, error) {
 	p.closing, p.stopAll = context.WithCancel(context.Background())
 	p.mu.alloc, p.mu.tenants, p.q = alloc, reg, q
 	p.mu.leases = make(map[string]*Lease)
+	p.mu.prefix.init(pages, cfg.Prefix)
+	p.prefixDisabled, p.events = cfg.Prefix.Disable, p.mu.prefix.events.ch
 	return p, nil
 }
 
@@ -117,7 +133,7 @@ func (p *Pool) CapacityTokens() int { return p.total * p.geom.TokensPerPage }
 // Device returns the device that holds the pages.
 func (p *Pool) Device() cudaops.Device { return p.dev }
 
-// AddTenant registers a tenant.
+// AddTenant registers a tenant in the sharing domain its config names.
 func (p *Pool) AddTenant(tc TenantConfig) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -128,8 +144,9 @@ func (p *Pool) AddTenant(tc TenantConfig) error {
 	return err
 }
 
-// UpdateTenant changes a tenant's quota and reservation. Leases already
-// admitted keep their pages.
+// UpdateTenant replaces a tenant's configuration: quota, reservation and
+// sharing domain (an empty Domain moves it back to its own). Leases
+// already admitted keep their pages, in the domain they were admitted in.
 func (p *Pool) UpdateTenant(tc TenantConfig) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -167,8 +184,12 @@ func (p *Pool) AdmitInto(ctx context.Context, req Request, l *Lease) error {
 	if l.state.Load() == leaseLive {
 		return fmt.Errorf("%w: lease %q is still live", ErrInvalidArgument, l.id)
 	}
+	l.keys, l.keysFor = l.keys[:0], nil
 	if err := p.precheck(req); err != nil {
 		return err
+	}
+	if len(req.PageKeys) > 0 && !p.prefixDisabled {
+		l.keys = append(l.keys, req.PageKeys...)
 	}
 	need := p.geom.PagesFor(req.Tokens())
 	_, wait := ctx.Deadline()
@@ -180,19 +201,24 @@ func (p *Pool) AdmitInto(ctx context.Context, req Request, l *Lease) error {
 		defer context.AfterFunc(p.closing, stop)()
 	}
 	for {
-		if wait {
-			if err := p.freePages.Acquire(ctx, int64(need)); err != nil {
-				return p.refuseWaitEnded(req, need, err)
-			}
-		} else if !p.freePages.TryAcquire(int64(need)) {
-			return p.refuseExhausted(req, need, nil)
+		// The cached prefix decides how many fresh pages to claim; it may
+		// change before admitLocked, which then settles the difference.
+		fresh, err := p.planPrefix(req, need, l)
+		if err != nil {
+			return err
 		}
-		retry, err := p.admitLocked(req, need, l, wait)
-		if err == nil {
+		if err := p.claimPages(ctx, req, fresh, l, wait); err != nil {
+			return err
+		}
+		retry, err := p.admitLocked(req, need, fresh, l, wait)
+		if err == nil && retry == nil {
 			return nil
 		}
 		if retry == nil {
 			return err
+		}
+		if err == nil { // retry at once: the prefix or the tenant's domain changed
+			continue
 		}
 		select {
 		case <-retry:
@@ -200,9 +226,11 @@ func (p *Pool) AdmitInto(ctx context.Context, req Request, l *Lease) error {
 			if p.closing.Err() != nil {
 				return ErrPoolClosed
 			}
-			p.mu.Lock()
-			p.mu.refused.count(err.(*AdmissionError).Err)
-			p.mu.Unlock()
+			if ae, ok := err.(*AdmissionError); ok {
+				p.mu.Lock()
+				p.mu.refused.count(ae.Err)
+				p.mu.Unlock()
+			}
 			return err
 		}
 	}
@@ -217,7 +245,7 @@ func (p *Pool) precheck(req Request) error {
 		e.RequestID, e.Tenant = req.ID, req.Tenant
 		return e
 	}
-	if err := validateRequest(req); err != nil {
+	if err := validateRequest(req, p.geom.TokensPerPage); err != nil {
 		return refuse(&AdmissionError{Err: ErrInvalidRequest, Cause: err})
 	}
 	if req.Tokens() > p.maxContext {
@@ -250,7 +278,7 @@ func (p *Pool) precheck(req Request) error {
 	return e
 }
 
-func validateRequest(req Request) error {
+func validateRequest(req Request, tokensPerPage int) error {
 	switch {
 	case req.ID == "" || len(req.ID) > MaxIDLen:
 		return fmt.Errorf("request ID of %d bytes, want 1..%d", len(req.ID), MaxIDLen)
@@ -263,7 +291,7 @@ func validateRequest(req Request) error {
 	case req.PromptTokens > maxRequestTokens-req.MaxNewTokens:
 		return fmt.Errorf("PromptTokens %d + MaxNewTokens %d overflows", req.PromptTokens, req.MaxNewTokens)
 	}
-	return nil
+	return validatePrefix(req, tokensPerPage)
 }
 
 // maxRequestTokens keeps token arithmetic (and slot numbers) far from
@@ -280,14 +308,16 @@ func (p *Pool) stateErrLocked() error {
 	return nil
 }
 
-// admitLocked runs with need pages claimed from the semaphore. On success
-// the claim becomes the lease's pages. On failure the claim is given back;
-// if the failure is retryable and the caller waits, it returns a channel
-// closed when pages or quota free up.
-func (p *Pool) admitLocked(req Request, need int, l *Lease, wait bool) (retry <-chan struct{}, err error) {
+// admitLocked runs with claimed fresh pages taken from the semaphore. It
+// shares the prefix cached in the tenant's domain and allocates the other
+// pages of need; the claim becomes those pages. On failure the claim is
+// given back; if the failure is retryable and the caller waits (or the
+// cached prefix changed under it), it returns a channel closed when the
+// admission should try again.
+func (p *Pool) admitLocked(req Request, need, claimed int, l *Lease, wait bool) (retry <-chan struct{}, err error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	giveBack := need
+	giveBack := claimed
 	defer func() {
 		if giveBack > 0 {
 			p.freePages.Release(int64(giveBack))
@@ -305,11 +335,37 @@ func (p *Pool) admitLocked(req Request, need int, l *Lease, wait bool) (retry <-
 	if err != nil { // tenants are never removed, so only a racing bug gets here
 		return nil, &AdmissionError{Err: ErrUnknownTenant, Cause: err, RequestID: req.ID, Tenant: req.Tenant}
 	}
-	free := p.mu.alloc.Count(allocator.Free)
-	if err := p.mu.tenants.Charge(t, need, free); err != nil {
+	fresh := need
+	p.mu.prefix.matched = p.mu.prefix.matched[:0]
+	if !p.prefixOff(req) {
+		if len(req.TokenIDs) > 0 && l.keysFor != t.Domain {
+			return retryNow, nil // the tenant moved: derive its keys again
+		}
+		fresh -= p.matchLocked(t.Domain, l.keys, maxHitPages(req, p.geom.TokensPerPage))
+	}
+	newToTenant, cachedHits := p.chargeForMatchLocked(t)
+	charge := fresh + newToTenant
+	if t.Used+charge > t.Quota {
+		e := &AdmissionError{Err: ErrExceedsQuota, RequestID: req.ID, Tenant: req.Tenant, Need: charge, Have: max(0, t.Quota-t.Used), Limit: t.Quota}
+		if wait {
+			return p.waitChanLocked(), e
+		}
+		p.mu.refused.count(e.Err)
+		return nil, e
+	}
+	if fresh > claimed {
+		// Part of the prefix was evicted since planPrefix, or the quota
+		// that blocked the claim has room now.
+		if !p.freePages.TryAcquire(int64(fresh - claimed)) {
+			return retryNow, nil
+		}
+		giveBack = fresh
+	}
+	available := p.mu.alloc.Count(allocator.Free) + p.mu.prefix.lruLen - cachedHits
+	if err := p.mu.tenants.ChargeShared(t, charge, fresh, available); err != nil {
 		var qe *isolation.QuotaError
 		errors.As(err, &qe)
-		e := &AdmissionError{Err: ErrExceedsQuota, RequestID: req.ID, Tenant: req.Tenant, Need: need, Have: qe.Have, Limit: qe.Limit}
+		e := &AdmissionError{Err: ErrExceedsQuota, RequestID: req.ID, Tenant: req.Tenant, Need: qe.Need, Have: qe.Have, Limit: qe.Limit}
 		if errors.Is(err, isolation.ErrReserved) {
 			e.Err, e.Cause, e.Limit = ErrPoolExhausted, err, p.total-p.mu.alloc.Count(allocator.Retired)
 		}
@@ -320,25 +376,33 @@ func (p *Pool) admitLocked(req Request, need int, l *Lease, wait bool) (retry <-
 		return nil, e
 	}
 	if p.q.NeedsVerify() {
-		peek := p.mu.alloc.PeekFree(l.scrub[:0], need)
+		peek := p.mu.alloc.PeekFree(l.scrub[:0], fresh)
 		l.scrub = peek[:0]
 		if retired, err := p.q.VerifyLocked(peek); err != nil {
-			p.mu.tenants.Uncharge(t, need)
+			p.mu.tenants.Uncharge(t, charge)
 			giveBack -= retired // those pages left service for good
 			p.mu.refused.count(ErrPoolFaulted)
 			return nil, fmt.Errorf("%w: %w", ErrPoolFaulted, err)
 		}
 	}
-	handles, err := p.mu.alloc.Alloc(l.handles[:0], need, t.ID)
+	hits := len(p.mu.prefix.matched)
+	handles := p.shareMatchedLocked(t, l.handles[:0])
+	handles, err = p.mu.alloc.Alloc(handles, fresh, t.Domain.ID)
 	if err != nil {
-		panic(fmt.Sprintf("kvcache: %d pages claimed but allocator refused: %v", need, err))
+		panic(fmt.Sprintf("kvcache: %d pages claimed but allocator refused: %v", fresh, err))
 	}
-	giveBack = 0
+	giveBack -= fresh
 	l.reset(p, req, t, handles)
+	l.hitPages, l.published = hits, hits
+	p.countMatchLocked(req, t.Domain, len(l.keys))
+	p.mu.prefix.matched = p.mu.prefix.matched[:0]
 	p.mu.leases[req.ID] = l
 	p.mu.admitted++
 	return nil, nil
 }
+
+// retryNow is a closed channel: the admission retries at once.
+var retryNow = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // waitChanLocked returns a channel that is closed at the next broadcast.
 func (p *Pool) waitChanLocked() <-chan struct{} {
@@ -363,7 +427,7 @@ func (p *Pool) refuseExhausted(req Request, need int, cause error) error {
 		return err
 	}
 	p.mu.refused.count(ErrPoolExhausted)
-	have := p.mu.alloc.Count(allocator.Free)
+	have := p.mu.alloc.Count(allocator.Free) + p.mu.prefix.lruLen // cached pages can be evicted
 	if t, err := p.mu.tenants.Lookup(req.Tenant); err == nil {
 		have = p.mu.tenants.Grantable(t, have)
 	}
@@ -401,12 +465,8 @@ func (p *Pool) release(l *Lease, after cudaops.Ordering) error {
 // pages that now need scrubbing.
 func (p *Pool) detachLocked(l *Lease, pages []int32) []int32 {
 	delete(p.mu.leases, l.id)
-	p.mu.tenants.Uncharge(l.tenant, len(l.handles))
 	before := len(pages)
-	pages, err := p.mu.alloc.Release(pages, l.handles, l.tenant.ID)
-	if err != nil {
-		panic(fmt.Sprintf("kvcache: lease %q held pages the allocator refuses: %v", l.id, err))
-	}
+	pages = p.releasePagesLocked(l, pages) // shared pages may stay cached
 	p.q.BeginLocked(len(pages) - before)
 	p.broadcastLocked()
 	return pages
@@ -484,6 +544,8 @@ func (p *Pool) Close() error {
 		l.state.Store(leaseReleased)
 		pages = p.detachLocked(l, pages)
 	}
+	pages = p.clearLocked(pages) // a closed pool keeps no KV
+	p.mu.prefix.events.closeLocked()
 	p.mu.Unlock()
 	err := p.scrub(pages, cudaops.Ordering{})
 	p.scrubs.Wait()
@@ -494,9 +556,12 @@ func (p *Pool) Close() error {
 }
 
 // Check verifies the pool's accounting: the allocator's invariants, the
-// registry's, that every quarantined page is being scrubbed, and that the
-// live leases hold exactly the in-use pages, each under its tenant at its
-// current generation. It returns the first inconsistency found.
+// registry's, that every quarantined page is being scrubbed, that the live
+// leases hold exactly the in-use pages (each page's refcount is the number
+// of leases holding it, each under the lease's domain at its current
+// generation), that tenants are charged once per page they hold, and that
+// the prefix cache's index and LRU list match the allocator's cached pages.
+// It returns the first inconsistency found.
 func (p *Pool) Check() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -508,32 +573,11 @@ func (p *Pool) checkLocked() error {
 	if err := a.Check(); err != nil {
 		return err
 	}
-	used, err := p.mu.tenants.Check()
-	if err != nil {
+	if _, err := p.mu.tenants.Check(); err != nil {
 		return err
 	}
 	if err := p.q.CheckLocked(); err != nil {
 		return err
 	}
-	held := 0
-	for id, l := range p.mu.leases {
-		if l.id != id || l.state.Load() != leaseLive {
-			return fmt.Errorf("kvcache: lease table entry %q holds lease %q in state %d", id, l.id, l.state.Load())
-		}
-		for i, h := range l.handles {
-			info, err := a.Info(h.Page)
-			if err != nil {
-				return err
-			}
-			if info.State != allocator.InUse || info.Owner != l.tenant.ID || info.Gen != h.Gen || l.table[i] != h.Page {
-				return fmt.Errorf("kvcache: lease %q page %d: %+v, want in use by %q at generation %d",
-					id, h.Page, info, l.tenant.Name, h.Gen)
-			}
-		}
-		held += len(l.handles)
-	}
-	if inUse := a.Count(allocator.InUse); held != inUse || used != inUse {
-		return fmt.Errorf("kvcache: %d pages in use, leases hold %d, tenants charged %d", inUse, held, used)
-	}
-	return nil
+	return p.checkSharingLocked()
 }

@@ -68,6 +68,7 @@ type Stats struct {
 	Refused          Refusals
 	Scrub            isolation.ScrubStats
 	Tenants          []TenantStats
+	Prefix           PrefixStats
 	Closed           bool
 	Fault            string // why the pool is faulted; empty while healthy
 }
@@ -96,6 +97,7 @@ func (p *Pool) Stats() Stats {
 	if f := p.q.FaultLocked(); f != nil {
 		s.Fault = f.Error()
 	}
+	s.Prefix = p.prefixStatsLocked()
 	for _, t := range p.mu.tenants.Tenants() {
 		s.Tenants = append(s.Tenants, TenantStats{Name: t.Name, UsedPages: t.Used, QuotaPages: t.Quota, ReservedPages: t.Reserved})
 	}

@@ -1,0 +1,81 @@
+package isolation
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestDomainsAssignAndMove(t *testing.T) {
+	r := NewRegistry(100)
+	a, err := r.Add(TenantConfig{Name: "a", Domain: "org"})
+	require.NoError(t, err)
+	b, err := r.Add(TenantConfig{Name: "b", Domain: "org"})
+	require.NoError(t, err)
+	c, err := r.Add(TenantConfig{Name: "c"})
+	require.NoError(t, err)
+	require.Same(t, a.Domain, b.Domain)
+	assert.Equal(t, "org", a.Domain.Name)
+	assert.True(t, a.Domain.Shared)
+	assert.Equal(t, 2, a.Domain.Tenants)
+	assert.Equal(t, PrivateDomainPrefix+"c", c.Domain.Name)
+	assert.False(t, c.Domain.Shared)
+	require.Same(t, c.Domain, r.DomainByID(c.Domain.ID))
+	_, err = r.Check()
+	require.NoError(t, err)
+
+	org := a.Domain
+	require.NoError(t, r.Update(TenantConfig{Name: "a"})) // back to its own
+	assert.Equal(t, PrivateDomainPrefix+"a", a.Domain.Name)
+	assert.Equal(t, 1, org.Tenants)
+	require.NoError(t, r.Update(TenantConfig{Name: "c", Domain: "org"}))
+	assert.Same(t, org, c.Domain)
+	assert.Equal(t, 0, r.domains.byName[PrivateDomainPrefix+"c"].Tenants, "private domains stay, empty")
+	require.NoError(t, r.Update(TenantConfig{Name: "a"}))
+	assert.Len(t, r.Domains(), 3, "moving back reuses the tenant's own domain")
+	_, err = r.Check()
+	require.NoError(t, err)
+	assert.Nil(t, r.DomainByID(0))
+	assert.Nil(t, r.DomainByID(99))
+}
+
+func TestDomainNameValidation(t *testing.T) {
+	r := NewRegistry(10)
+	for _, tc := range []struct {
+		name, domain string
+	}{
+		{"reserved prefix", PrivateDomainPrefix + "x"},
+		{"too long", string(make([]byte, MaxTenantName+1))},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := r.Add(TenantConfig{Name: "t", Domain: tc.domain})
+			require.ErrorIs(t, err, ErrInvalidTenant)
+			assert.Empty(t, r.Domains(), "a refused tenant creates no domain")
+		})
+	}
+}
+
+func TestChargeShared(t *testing.T) {
+	r := NewRegistry(20)
+	a, err := r.Add(TenantConfig{Name: "a", QuotaPages: 10})
+	require.NoError(t, err)
+	_, err = r.Add(TenantConfig{Name: "b", ReservedPages: 5})
+	require.NoError(t, err)
+	// 8 pages charged, only 2 taken from the pool: of 8 available pages 5
+	// are b's reservation, so the 3 left cover the 2 fresh ones; the
+	// shared 6 need no free page.
+	require.NoError(t, r.ChargeShared(a, 8, 2, 8))
+	assert.Equal(t, 8, a.Used)
+	var qe *QuotaError
+	err = r.ChargeShared(a, 3, 0, 20)
+	require.ErrorAs(t, err, &qe)
+	require.ErrorIs(t, err, ErrQuotaExceeded)
+	assert.Equal(t, QuotaError{Err: ErrQuotaExceeded, Tenant: "a", Need: 3, Have: 2, Limit: 10}, *qe)
+	err = r.ChargeShared(a, 2, 2, 6) // 6 available, 5 reserved for b
+	require.ErrorAs(t, err, &qe)
+	require.ErrorIs(t, err, ErrReserved)
+	assert.Equal(t, 8, a.Used, "a refusal changes nothing")
+	_, err = r.Check()
+	require.NoError(t, err)
+}
