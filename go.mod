@@ -2,4 +2,9 @@ module github.com/kvfence/kvfence
 
 go 1.26.0
 
-require golang.org/x/sync v0.25.0 // indirect
+require (
+	github.com/stretchr/testify v1.12.1
+	golang.org/x/sync v0.25.0
+)
+
+require go.yaml.in/yaml/v3 v3.0.5 // indirect
