@@ -105,7 +105,7 @@ type Manifest struct {
 }
 
 // Pages is the number of pages the manifest describes.
-func (m *Manifest) Pages() int { return len(m.Generations) }
+func (m Manifest) Pages() int { return len(m.Generations) }
 
 // validate checks what a decoder would refuse, so that Encode never
 // produces bytes Decode rejects.
