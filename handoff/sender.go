@@ -143,12 +143,20 @@ func (e *Export) Send(ctx context.Context, t Transport) error {
 func (e *Export) sendPages(st Stream) error {
 	pb := int(e.out.Geometry().PageBytes())
 	n := e.out.Pages()
-	per := max(1, min(n, e.s.cfg.FrameBytes/pb))
-	buf := make([]byte, dataFixed+4*per+per*pb)
+	per := max(1, min(n, (e.s.cfg.FrameBytes-dataFixed)/(pb+4)))
+	bst, lends := st.(BufferedStream)
+	var buf []byte
+	if !lends {
+		buf = make([]byte, dataFixed+4*per+per*pb)
+	}
 	le := binary.LittleEndian
 	for first := 0; first < n; {
 		k := min(per, n-first)
-		frame := buf[:dataFixed+4*k+k*pb]
+		size := dataFixed + 4*k + k*pb
+		if lends {
+			buf = bst.Buffer(size)
+		}
+		frame := buf[:size]
 		frame[0] = msgData
 		copy(frame[1:17], e.m.TransferID[:])
 		le.PutUint32(frame[17:], uint32(first))
@@ -159,7 +167,11 @@ func (e *Export) sendPages(st Stream) error {
 		if err := e.out.ReadPages(first, frame[dataFixed+4*k:]); err != nil {
 			return err
 		}
-		if err := e.send(st, frame); err != nil {
+		send := st.Send
+		if lends {
+			send = bst.SendBuffer
+		}
+		if err := e.check(st, send(frame)); err != nil {
 			return err
 		}
 		first += k
@@ -173,8 +185,10 @@ func (e *Export) sendPages(st Stream) error {
 
 // send transmits msg; if the receiver has already ended the transfer,
 // its verdict explains why better than the transport's error.
-func (e *Export) send(st Stream, msg []byte) error {
-	err := st.Send(msg)
+func (e *Export) send(st Stream, msg []byte) error { return e.check(st, st.Send(msg)) }
+
+// check turns a failed send into the receiver's verdict when there is one.
+func (e *Export) check(st Stream, err error) error {
 	if err == nil {
 		return nil
 	}

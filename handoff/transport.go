@@ -32,6 +32,17 @@ type Stream interface {
 	Close() error
 }
 
+// BufferedStream is a Stream that can send without copying: the sender
+// fills a buffer the stream lends it and passes it back to SendBuffer,
+// which takes ownership (the stream frees it once written). Buffer and
+// SendBuffer alternate; the sender uses them for data frames when the
+// stream offers them.
+type BufferedStream interface {
+	Stream
+	Buffer(n int) []byte
+	SendBuffer(buf []byte) error
+}
+
 // Endpoint is the receiver's end of one transfer, what a transport
 // passes to Receiver.Serve.
 type Endpoint interface {

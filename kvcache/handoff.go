@@ -47,8 +47,11 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/crc32"
+	"runtime"
 	"sync"
 	"time"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
@@ -214,25 +217,47 @@ func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 	o := &Outgoing{pool: p, lease: l, first: l.handles[0], handles: append([]allocator.Handle(nil), l.handles[:n]...)}
 	p.mu.Unlock()
 
-	sums := make([]uint32, n)
-	pb := int(p.geom.PageBytes())
-	buf := make([]byte, pb*max(1, min(n, (1<<20)/pb)))
-	for i := 0; i < n; {
-		k := min(n-i, len(buf)/pb)
-		if err := o.ReadPages(i, buf[:k*pb]); err != nil {
-			o.Abort()
-			return nil, err
-		}
-		for j := range k {
-			sums[i+j] = PageChecksum(buf[j*pb : (j+1)*pb])
-		}
-		i += k
+	sums, err := o.pageSums()
+	if err != nil {
+		o.Abort()
+		return nil, err
 	}
 	o.checksum = ContentChecksum(sums)
 	// The callback must not touch o.timer: it may fire before the
 	// assignment when reclaimAt has passed.
 	o.timer = time.AfterFunc(time.Until(reclaimAt), func() { p.endIf(l, o.owns, PhaseAborted) })
 	return o, nil
+}
+
+// pageSums reads every exported page once and returns its checksum. The
+// pages are split among up to GOMAXPROCS workers: this pass is on the
+// critical path of a handoff, before the first byte can be sent.
+func (o *Outgoing) pageSums() ([]uint32, error) {
+	n := len(o.handles)
+	sums := make([]uint32, n)
+	pb := int(o.pool.geom.PageBytes())
+	batch := max(1, (1<<20)/pb) // pages read per lock hold
+	workers := min(runtime.GOMAXPROCS(0), 8, (n+batch-1)/batch)
+	per := (n + workers - 1) / workers
+	var g errgroup.Group
+	for lo := 0; lo < n; lo += per {
+		hi := min(n, lo+per)
+		g.Go(func() error {
+			buf := make([]byte, pb*min(batch, hi-lo))
+			for i := lo; i < hi; {
+				k := min(hi-i, batch)
+				if err := o.ReadPages(i, buf[:k*pb]); err != nil {
+					return err
+				}
+				for j := range k {
+					sums[i+j] = PageChecksum(buf[j*pb : (j+1)*pb])
+				}
+				i += k
+			}
+			return nil
+		})
+	}
+	return sums, g.Wait()
 }
 
 // owns reports, under Pool.mu, whether the lease is still this export.
