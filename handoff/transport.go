@@ -2,7 +2,6 @@ package handoff
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"sync"
@@ -54,7 +53,8 @@ type Endpoint interface {
 	Send(msg []byte) error
 }
 
-// ErrClosed is what an in-process stream returns once either end closed it.
+// errPipeClosed is what an in-process stream returns once either end
+// closed it: the in-process form of a dropped connection.
 var errPipeClosed = fmt.Errorf("%w: in-process stream closed", ErrTransport)
 
 // InProcess is a Transport to a Receiver in the same process: each Open
@@ -185,11 +185,4 @@ func recvResult(msg []byte, ok bool) ([]byte, error) {
 func (e *pipeEnd) Close() error {
 	e.p.close()
 	return nil
-}
-
-// isTransportErr reports whether err came from the transport rather than
-// from the protocol.
-func isTransportErr(err error) bool {
-	return errors.Is(err, ErrTransport) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
-		errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
 }
