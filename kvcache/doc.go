@@ -79,5 +79,6 @@
 // non-blocking send.
 //
 // A Lease's own fields are immutable while it lives, except the written
-// watermark and the state, which are atomics.
+// watermark, the state and the handoff phase (handoff.go), which are
+// atomics.
 package kvcache

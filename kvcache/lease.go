@@ -29,6 +29,7 @@ type Lease struct {
 	scrub   []int32 // scratch for release, reused
 	state   atomic.Uint32
 	written atomic.Int64
+	phase   atomic.Uint32 // handoff phase (handoff.go); meaningful while state is leaseLive
 
 	// Prefix sharing (prefix.go). domain is where the lease's pages are
 	// owned; keys are its prompt's full-page keys (derived for keysFor, or
@@ -50,6 +51,7 @@ func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []alloc
 		l.table = append(l.table, h.Page)
 	}
 	l.written.Store(0)
+	l.phase.Store(uint32(PhaseAdmitted))
 	l.state.Store(leaseLive)
 }
 

@@ -1,0 +1,261 @@
+// Command disagg runs a prefill pool and a decode pool in two processes on
+// loopback and hands a prompt's KV from one to the other over gRPC, then
+// replays the incident kvfence exists for: an over-long prompt on a prefill
+// pool too small for the model's context window.
+//
+//	go run ./examples/disagg
+//
+// The program re-executes itself with -role=decode for the decode process
+// and drives it over its stdin; every step is printed.
+package main
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/handoff/grpcx"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// A small page (1 layer, 1 KV head of 8 dims, fp16, 16 tokens: 512 bytes)
+// so that the incident's pool sizes fit in a few tens of MB of RAM.
+var geometry = kvcache.Geometry{TokensPerPage: 16, Layers: 1, KVHeads: 1, HeadDim: 8, DType: kvcache.FP16}
+
+const (
+	contextWindow = 1_048_576
+	prefillPages  = 42_580 // 681,280 tokens: the incident's prefill pool
+	decodePages   = 70_000
+)
+
+func main() {
+	role := flag.String("role", "prefill", "prefill (starts the decode process) or decode")
+	secret := flag.String("key", "", "hex HMAC key shared by the pools (the prefill process makes one)")
+	flag.Parse()
+	log.SetFlags(0)
+	var err error
+	if *role == "decode" {
+		err = decode(*secret)
+	} else {
+		err = prefill()
+	}
+	if err != nil {
+		log.Fatalf("%s: %v", *role, err)
+	}
+}
+
+func newPool(pages int, undersized bool) (*kvcache.Pool, error) {
+	return kvcache.New(kvcache.Config{
+		Geometry: geometry, Pages: pages, MaxContextTokens: contextWindow, AllowUndersizedPool: undersized,
+		Tenants: []kvcache.TenantConfig{{Name: "acme"}, {Name: "globex"}},
+	})
+}
+
+func keyFrom(secretHex string) (*handoff.Key, error) {
+	secret, err := hex.DecodeString(secretHex)
+	if err != nil {
+		return nil, err
+	}
+	return handoff.NewKey(secret)
+}
+
+// decode serves imports and answers "take ID" and "stats" on stdin.
+func decode(secretHex string) error {
+	key, err := keyFrom(secretHex)
+	if err != nil {
+		return err
+	}
+	pool, err := newPool(decodePages, false)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	recv, err := handoff.NewReceiver(handoff.ReceiverConfig{Pool: pool, Key: key})
+	if err != nil {
+		return err
+	}
+	srv, err := grpcx.NewServer(recv, insecure.NewCredentials()) // loopback only
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	go srv.Serve(ln)
+	defer srv.Stop()
+	fmt.Printf("decode pool: %d pages (%d tokens), serving handoffs on %s\n", pool.Pages(), pool.CapacityTokens(), ln.Addr())
+	fmt.Println("addr", ln.Addr())
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		cmd, id, _ := strings.Cut(in.Text(), " ")
+		switch cmd {
+		case "take":
+			l, ok := recv.Take(id)
+			if !ok {
+				fmt.Printf("no usable lease for %q\n", id)
+				break
+			}
+			table, _ := l.BlockTable()
+			fmt.Printf("imported %q: phase %v, %d prompt tokens written, %d pages reserved (prompt + %d new tokens); decoding…\n",
+				id, l.Phase(), l.Written(), len(table), l.MaxNewTokens())
+			if err := l.Release(); err != nil {
+				return err
+			}
+			fmt.Printf("released %q: its pages were scrubbed\n", id)
+		case "stats":
+			s := pool.Stats()
+			fmt.Printf("decode stats: %d imported, %d refused; %d pages in use; Check: %v\n",
+				recv.Stats().Imported, recv.Stats().Refused, s.InUsePages, pool.Check())
+		}
+		fmt.Println("done")
+	}
+	return in.Err()
+}
+
+func prefill() error {
+	secret := make([]byte, 32)
+	rand.Read(secret)
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	child := exec.Command(self, "-role=decode", "-key="+hex.EncodeToString(secret))
+	child.Stderr = os.Stderr
+	toChild, _ := child.StdinPipe()
+	fromChild, _ := child.StdoutPipe()
+	if err := child.Start(); err != nil {
+		return err
+	}
+	defer child.Wait()
+	defer toChild.Close()
+	lines := bufio.NewScanner(fromChild)
+	// relay prints the decode process's lines up to its "done" (or "addr").
+	relay := func(cmd string) string {
+		if cmd != "" {
+			io.WriteString(toChild, cmd+"\n")
+		}
+		for lines.Scan() {
+			line := lines.Text()
+			if line == "done" {
+				return ""
+			}
+			if addr, ok := strings.CutPrefix(line, "addr "); ok {
+				return addr
+			}
+			fmt.Println("  [decode]", line)
+		}
+		return ""
+	}
+	addr := relay("")
+
+	key, err := keyFrom(hex.EncodeToString(secret))
+	if err != nil {
+		return err
+	}
+	pool, err := newPool(prefillPages, true)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	fmt.Printf("prefill pool: %d pages (%d tokens) for a %d-token context window: undersized, allowed explicitly\n",
+		pool.Pages(), pool.CapacityTokens(), contextWindow)
+	sender, err := handoff.NewSender(handoff.SenderConfig{Key: key, TTL: 30 * time.Second})
+	if err != nil {
+		return err
+	}
+	tr, err := grpcx.Dial(addr, insecure.NewCredentials())
+	if err != nil {
+		return err
+	}
+	defer tr.Close()
+	ctx := context.Background()
+
+	fmt.Println("\n1. A normal request: 5,000 prompt tokens, up to 1,000 new.")
+	lease, err := pool.Admit(ctx, kvcache.Request{ID: "req-ok", Tenant: "acme", PromptTokens: 5_000})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("   admitted: %d pages, phase %v\n", lease.Pages(), lease.Phase())
+	lease.BeginPrefill()
+	if err := writePrompt(pool, lease); err != nil {
+		return err
+	}
+	lease.Commit(5_000)
+	if err := lease.FinishPrefill(); err != nil {
+		return err
+	}
+	fmt.Printf("   prefill wrote %d tokens: phase %v\n", lease.Written(), lease.Phase())
+	exp, err := sender.Export(lease, 1_000)
+	if err != nil {
+		return err
+	}
+	m := exp.Manifest()
+	fmt.Printf("   exported: manifest for %q of tenant %q, %d pages, checksum %08x, expires in %v, signed (HMAC-SHA256)\n",
+		m.RequestID, m.Tenant, m.Pages(), m.Checksum, time.Until(m.Expires).Round(time.Second))
+	if err := exp.Send(ctx, tr); err != nil {
+		return err
+	}
+	fmt.Printf("   sent over gRPC and acknowledged; prefill pages released and scrubbed: %v\n", !lease.Live())
+	relay("take req-ok")
+
+	fmt.Println("\n2. The incident: a 700,000-token prompt on the 681,280-token prefill pool.")
+	_, err = pool.Admit(ctx, kvcache.Request{ID: "req-long", Tenant: "globex", PromptTokens: 700_000})
+	var ae *kvcache.AdmissionError
+	if !errors.As(err, &ae) {
+		return fmt.Errorf("the over-long prompt was not refused: %v", err)
+	}
+	fmt.Printf("   refused at admission: %v\n", err)
+	fmt.Printf("   permanent: %v; no lease, so no pages, no manifest, nothing to send\n", ae.Permanent())
+
+	fmt.Println("\n3. A placeholder: a lease for 20,000 tokens whose prefill wrote one.")
+	ph, err := pool.Admit(ctx, kvcache.Request{ID: "req-long", Tenant: "globex", PromptTokens: 20_000})
+	if err != nil {
+		return err
+	}
+	ph.BeginPrefill()
+	ph.Commit(1)
+	_, err = sender.Export(ph, 1_000)
+	fmt.Printf("   export refused: %v\n", err)
+	ph.Release()
+	relay("take req-long")
+
+	fmt.Println("\n4. Audit.")
+	fmt.Printf("   prefill: %d pages in use, Check: %v\n", pool.Stats().InUsePages, pool.Check())
+	relay("stats")
+	return nil
+}
+
+// writePrompt stands in for the prefill kernels: it writes the prompt's KV.
+func writePrompt(p *kvcache.Pool, l *kvcache.Lease) error {
+	table, err := l.BlockTable()
+	if err != nil {
+		return err
+	}
+	page := make([]byte, geometry.RegionPageBytes())
+	for i, pg := range table[:geometry.PagesFor(l.PromptTokens())] {
+		for j := range page {
+			page[j] = byte(i + j)
+		}
+		for r := range geometry.Regions() {
+			if err := p.Device().WritePage(r, pg, page); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,76 @@
+// Package handoff moves a prompt's KV from a prefill pool to a decode pool
+// (disaggregated serving) so that nothing but a complete, verified prefill
+// of the right request can ever become a decode lease.
+//
+// It answers the incident in DESIGN.md: a prefill node rejected an
+// over-long prompt, substituted a one-token placeholder, still shipped its
+// "KV", and the decode node generated from pages holding other tenants'
+// data (SGLang 30233, 30325, 36988, 38935, 38704; a late transfer landing
+// in reused pages: SGLang 24578).
+//
+// # Model
+//
+// The page-level state machine lives in kvcache (see kvcache/handoff.go):
+// a lease is admitted → prefilling → prefilled (written watermark = prompt
+// tokens) → exported → released, or aborted from any phase. This package
+// sits above it (a refinement of DESIGN.md's layering: kvcache stays the
+// façade engines embed, handoff is a peer of capi and examples that
+// imports it) and adds what crosses the wire:
+//
+//   - Manifest: request ID, tenant, sharing domain, prompt and max new
+//     tokens, a geometry fingerprint, per-page sender generations, the
+//     content checksum, an expiry, and an HMAC-SHA256 under a key the
+//     prefill and decode pools share. A versioned little-endian encoding;
+//     Decode checks the MAC before it trusts a byte and refuses anything
+//     not exactly a version-1 manifest.
+//   - Sender: Export pins a prefilled lease (nothing else exports: a
+//     refused request has no lease, a placeholder that wrote 1 of N tokens
+//     is not prefilled) and signs its manifest; Send streams the manifest,
+//     waits for the receiver to accept it, streams the pages (device → host
+//     staging → wire) and waits for the receiver's verdict. The pages stay
+//     pinned until that ack, an Abort, or the reclaim deadline; then they
+//     are released through the scrubber.
+//   - Receiver: Serve verifies the MAC, expiry (and an upper bound on it),
+//     geometry, sharing domain and replay (a request ID already imported,
+//     or being imported, is refused), then admits fail-closed in the decode
+//     pool (prompt + max new tokens, the pool's own quota and capacity
+//     checks), receives the pages in order, checks every frame's transfer
+//     ID and generations, and only once every page arrived and the content
+//     checksum matches hands out the lease. Any failure aborts the import
+//     through the scrubber and reports a reason code to the sender.
+//
+// # Invariants
+//
+//   - No decode lease becomes usable unless a manifest signed with the
+//     shared key, unexpired, of the pool's geometry and the tenant's domain,
+//     not seen before, was followed by exactly its pages with its checksum.
+//   - Exported pages are read only while their lease still holds them, and
+//     imported pages are written only while their import lives, each at the
+//     generation it was admitted with: no byte is read from or written to a
+//     page that was released and reused.
+//   - On every path, success or failure, Check passes on both pools and
+//     every page ends in a live lease or scrubbed.
+//
+// Errors are sentinels (errors.go) or kvcache's; the sender sees a
+// receiver's refusal as a *RefusedError wrapping ErrRefused and the
+// receiver's reason.
+//
+// # Transports
+//
+// A Transport carries messages: the manifest, data frames (consecutive
+// whole pages tagged with the transfer ID and their generations), an end
+// frame, and verdicts back. InProcess connects two pools in one process;
+// handoff/grpcx streams over gRPC (TLS or, on a trusted network, plain)
+// between processes and machines.
+//
+// RDMA transports (NIXL, Mooncake's transfer engine, UCX) fit the same
+// protocol with the bytes moved out of band: the manifest and verdicts go
+// over a control stream like this one, the receiver's accept verdict
+// carries the registered addresses of its import pages (kvcache would
+// expose them through an Incoming method, checked against the import's
+// generations under the pool lock exactly as WritePages is), the sender
+// posts one-sided writes device to device, and the end frame is sent once
+// they complete. The receiver then verifies the content checksum by reading
+// back (or on the device) before Complete. The fail-closed admission, the
+// generation checks and the abort-through-scrubber paths stay as they are.
+package handoff

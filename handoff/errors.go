@@ -1,0 +1,108 @@
+package handoff
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// Sentinel errors. Every error this package returns wraps one of them (or
+// one of kvcache's); match with errors.Is. A refusal that comes back from
+// the other side is a *RefusedError wrapping both ErrRefused and the
+// receiver's reason.
+var (
+	// ErrInvalidConfig: a sender or receiver configuration that cannot work
+	// (no pool, a key shorter than MinKeyBytes, negative durations).
+	ErrInvalidConfig = errors.New("handoff: invalid config")
+	// ErrMalformedManifest: bytes that are not a version-1 manifest: wrong
+	// magic, version or length, a field out of range, trailing bytes.
+	ErrMalformedManifest = errors.New("handoff: malformed manifest")
+	// ErrBadMAC: the manifest's MAC does not verify under the shared key
+	// (forged, corrupted, or signed with another key).
+	ErrBadMAC = errors.New("handoff: manifest MAC does not verify")
+	// ErrExpired: the manifest's expiry has passed, or lies further ahead
+	// than the receiver accepts.
+	ErrExpired = errors.New("handoff: manifest expired")
+	// ErrGeometryMismatch: the manifest describes pages of another
+	// geometry than the decode pool's.
+	ErrGeometryMismatch = errors.New("handoff: geometry mismatch")
+	// ErrDomainMismatch: the manifest's sharing domain is not the one the
+	// receiver keys for its tenant.
+	ErrDomainMismatch = errors.New("handoff: sharing domain mismatch")
+	// ErrReplay: a manifest for a request ID that has already been
+	// imported (or is being imported).
+	ErrReplay = errors.New("handoff: manifest replayed")
+	// ErrProtocol: a message out of place or malformed: data before the
+	// manifest, pages out of order, a frame of another transfer, a
+	// generation that differs from the manifest's.
+	ErrProtocol = errors.New("handoff: protocol violation")
+	// ErrTransport: the transport failed (connection dropped, peer gone).
+	ErrTransport = errors.New("handoff: transport failed")
+	// ErrRefused: the receiver refused the transfer; the *RefusedError
+	// also wraps the receiver's reason.
+	ErrRefused = errors.New("handoff: refused by receiver")
+	// ErrInternal: a refusal whose reason the sender cannot map (a newer
+	// receiver, or an unexpected failure on its side).
+	ErrInternal = errors.New("handoff: receiver failed")
+)
+
+// reasons maps the reasons a receiver can give to wire codes. The codes
+// are part of the protocol: never renumber, only append.
+var reasons = []error{
+	0:  nil,
+	1:  ErrMalformedManifest,
+	2:  ErrBadMAC,
+	3:  ErrExpired,
+	4:  ErrGeometryMismatch,
+	5:  ErrDomainMismatch,
+	6:  ErrReplay,
+	7:  ErrProtocol,
+	8:  ErrTransport,
+	9:  kvcache.ErrIncompleteTransfer,
+	10: kvcache.ErrChecksumMismatch,
+	11: kvcache.ErrDuplicatePage,
+	12: kvcache.ErrStaleTransfer,
+	13: kvcache.ErrPoolExhausted,
+	14: kvcache.ErrExceedsQuota,
+	15: kvcache.ErrExceedsCapacity,
+	16: kvcache.ErrExceedsMaxContext,
+	17: kvcache.ErrUnknownTenant,
+	18: kvcache.ErrDuplicateRequest,
+	19: kvcache.ErrInvalidRequest,
+	20: kvcache.ErrPoolFaulted,
+	21: kvcache.ErrPoolClosed,
+	22: ErrInternal,
+}
+
+const codeInternal = 22
+
+func reasonCode(err error) uint8 {
+	for code, r := range reasons {
+		if r != nil && errors.Is(err, r) {
+			return uint8(code)
+		}
+	}
+	return codeInternal
+}
+
+func reasonOf(code uint8) error {
+	if int(code) < len(reasons) && code != 0 {
+		return reasons[code]
+	}
+	return ErrInternal
+}
+
+// RefusedError is the receiver's refusal as the sender sees it.
+type RefusedError struct {
+	Reason  error  // the receiver's sentinel, e.g. ErrBadMAC, kvcache.ErrPoolExhausted
+	Message string // the receiver's full error text, with its numbers
+	Stage   string // "manifest" (before any page moved) or "import"
+}
+
+func (e *RefusedError) Error() string {
+	return fmt.Sprintf("%v at %s: %s", ErrRefused, e.Stage, e.Message)
+}
+
+// Unwrap exposes ErrRefused and the reason to errors.Is.
+func (e *RefusedError) Unwrap() []error { return []error{ErrRefused, e.Reason} }

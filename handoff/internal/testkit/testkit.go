@@ -1,0 +1,206 @@
+// Package testkit builds small pools, prefilled leases with recognisable
+// content, and the end-of-test audit (accounting, canaries, no leaked
+// marker bytes) shared by the handoff tests, the two-process test's peer
+// binary and the benchmarks.
+package testkit
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"hash/fnv"
+	"time"
+
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// Geometry is small so that tests allocate little: 512-byte pages.
+var Geometry = kvcache.Geometry{TokensPerPage: 16, Layers: 1, KVHeads: 1, HeadDim: 8, DType: kvcache.FP16}
+
+// Secret is the HMAC key the test pools share.
+var Secret = []byte("kvfence handoff test key, 32+ bytes long")
+
+// Key returns the key for Secret.
+func Key() *handoff.Key {
+	k, err := handoff.NewKey(Secret)
+	if err != nil {
+		panic(err)
+	}
+	return k
+}
+
+// Auditor is the tenant every testkit pool has for sweeps.
+const Auditor = "audit"
+
+// PoolConfig describes a test pool.
+type PoolConfig struct {
+	Geometry   kvcache.Geometry // zero: Geometry
+	Pages      int
+	MaxContext int // zero: the pool's capacity
+	Undersized bool
+	Tenants    []kvcache.TenantConfig
+}
+
+// NewPool builds a canary-scrubbed pool on its own Host device. The
+// device's pages are filled with the canary first: a fresh pool is not
+// scrubbed at construction, and the canary policy verifies pages when they
+// are first handed out too.
+func NewPool(c PoolConfig) (*kvcache.Pool, error) {
+	g := c.Geometry
+	if g == (kvcache.Geometry{}) {
+		g = Geometry
+	}
+	policy := kvcache.ScrubPolicy{Kind: kvcache.ScrubCanary}
+	dev := cudaops.NewHost()
+	for range g.Regions() {
+		if _, err := dev.AllocRegion(c.Pages, g.RegionPageBytes()); err != nil {
+			return nil, err
+		}
+	}
+	spec, err := policy.FillSpec(g.DType)
+	if err != nil {
+		return nil, err
+	}
+	all := make([]int32, c.Pages)
+	for i := range all {
+		all[i] = int32(i)
+	}
+	if _, err := dev.Fill(all, spec, cudaops.Ordering{}); err != nil {
+		return nil, err
+	}
+	maxCtx := c.MaxContext
+	if maxCtx == 0 {
+		maxCtx = c.Pages * g.TokensPerPage
+	}
+	return kvcache.New(kvcache.Config{
+		Geometry: g, Pages: c.Pages, MaxContextTokens: maxCtx, AllowUndersizedPool: c.Undersized,
+		Tenants: append([]kvcache.TenantConfig{{Name: Auditor}}, c.Tenants...),
+		Scrub:   policy, Device: dev,
+	})
+}
+
+// Marker starts every 16-byte block of test KV: finding it in memory
+// that no live lease holds means a tenant's data survived a release.
+var Marker = []byte("KVFLEAK!")
+
+// fill writes the content of prompt page i of request id into b: blocks of
+// Marker, the page index and a hash of the request and block.
+func fill(b []byte, id string, page int) {
+	h := fnv.New32a()
+	h.Write([]byte(id))
+	seed := h.Sum32()
+	for off := 0; off+16 <= len(b); off += 16 {
+		copy(b[off:], Marker)
+		binary.LittleEndian.PutUint32(b[off+8:], uint32(page))
+		binary.LittleEndian.PutUint32(b[off+12:], seed^uint32(off))
+	}
+}
+
+// Prefill admits a request, writes its prompt's KV and walks it to
+// prefilled, as a prefill engine would.
+func Prefill(p *kvcache.Pool, id, tenant string, prompt int) (*kvcache.Lease, error) {
+	l, err := p.Admit(context.Background(), kvcache.Request{ID: id, Tenant: tenant, PromptTokens: prompt})
+	if err != nil {
+		return nil, err
+	}
+	if err := l.BeginPrefill(); err != nil {
+		return nil, err
+	}
+	g := p.Geometry()
+	table, err := l.BlockTable()
+	if err != nil {
+		return nil, err
+	}
+	buf := make([]byte, g.RegionPageBytes())
+	for i, pg := range table[:g.PagesFor(prompt)] {
+		for r := range g.Regions() {
+			fill(buf, id, i*g.Regions()+r)
+			if err := p.Device().WritePage(r, pg, buf); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if err := l.Commit(prompt); err != nil {
+		return nil, err
+	}
+	return l, l.FinishPrefill()
+}
+
+// VerifyContent checks that lease l holds exactly the prompt KV Prefill
+// wrote for request id.
+func VerifyContent(p *kvcache.Pool, l *kvcache.Lease, id string) error {
+	g := p.Geometry()
+	table, err := l.BlockTable()
+	if err != nil {
+		return err
+	}
+	want := make([]byte, g.RegionPageBytes())
+	got := make([]byte, g.RegionPageBytes())
+	for i, pg := range table[:g.PagesFor(l.PromptTokens())] {
+		for r := range g.Regions() {
+			fill(want, id, i*g.Regions()+r)
+			if err := p.Device().ReadPage(r, pg, got); err != nil {
+				return err
+			}
+			if !bytes.Equal(want, got) {
+				return fmt.Errorf("testkit: request %q page %d (pool page %d) region %d differs from what prefill wrote", id, i, pg, r)
+			}
+		}
+	}
+	return nil
+}
+
+// Sweep audits an idle pool (no live leases): the accounting, and that
+// every page holds exactly its canary, so no Marker (no tenant's KV) and
+// no half-scrubbed page is left anywhere.
+func Sweep(p *kvcache.Pool) error {
+	if err := p.Check(); err != nil {
+		return err
+	}
+	// A release that just happened on another goroutine (a reclaim
+	// deadline) may still be filling its pages.
+	s := p.Stats()
+	for deadline := time.Now().Add(5 * time.Second); s.QuarantinedPages != 0 && time.Now().Before(deadline); s = p.Stats() {
+		time.Sleep(time.Millisecond)
+	}
+	if s.LiveLeases != 0 || s.InUsePages != 0 || s.QuarantinedPages != 0 {
+		return fmt.Errorf("testkit: sweep of a busy pool: %d leases, %d pages in use, %d quarantined",
+			s.LiveLeases, s.InUsePages, s.QuarantinedPages)
+	}
+	if s.RetiredPages != 0 || s.Fault != "" {
+		return fmt.Errorf("testkit: %d pages retired, fault %q", s.RetiredPages, s.Fault)
+	}
+	// Every page must hold exactly its canary: nothing a tenant wrote
+	// (no Marker), nothing half-scrubbed.
+	g := p.Geometry()
+	spec, err := kvcache.ScrubPolicy{Kind: kvcache.ScrubCanary}.FillSpec(g.DType)
+	if err != nil {
+		return err
+	}
+	want := make([]byte, g.RegionPageBytes())
+	got := make([]byte, g.RegionPageBytes())
+	for pg := range int32(p.Pages()) {
+		w := spec.WordFor(pg)
+		for i := 0; i < len(want); i += 4 {
+			binary.LittleEndian.PutUint32(want[i:], w)
+		}
+		for r := range g.Regions() {
+			if err := p.Device().ReadPage(r, pg, got); err != nil {
+				return err
+			}
+			if !bytes.Equal(got, want) {
+				if bytes.Contains(got, Marker) {
+					return fmt.Errorf("testkit: free page %d region %d still holds tenant KV", pg, r)
+				}
+				return fmt.Errorf("testkit: free page %d region %d does not hold its canary %#08x", pg, r, w)
+			}
+		}
+	}
+	if st := p.Stats(); st.Scrub.CanaryFailures != 0 {
+		return fmt.Errorf("testkit: %d canary failures", st.Scrub.CanaryFailures)
+	}
+	return nil
+}

@@ -1,0 +1,288 @@
+package handoff
+
+import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/binary"
+	"fmt"
+	"hash"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// Version is the manifest encoding this package writes and reads.
+const Version = 1
+
+// Manifest encoding, version 1. All integers little-endian.
+//
+//	off  size  field
+//	  0     4  magic "KVFH"
+//	  4     2  version (1)
+//	  6     2  flags (0; any other value is refused)
+//	  8    16  transfer ID (random; tags every data frame)
+//	 24     8  expiry, Unix nanoseconds
+//	 32     8  prompt tokens (≥ 1)
+//	 40     8  max new tokens (≥ 0), what the decode lease reserves beyond the prompt
+//	 48    16  geometry: tokens per page, layers, KV heads, head dim (u32 each)
+//	 64     1  dtype (kvcache.DType)
+//	 65     1  layout (LayoutKVPerLayer)
+//	 66     1  checksum algorithm (ChecksumCRC32C)
+//	 67     1  reserved (0)
+//	 68     4  content checksum
+//	 72     4  page count = ceil(prompt tokens / tokens per page)
+//	 76     2  request ID length (1..kvcache.MaxIDLen)
+//	 78     2  tenant length (1..kvcache.MaxIDLen)
+//	 80     2  sharing domain length (1..kvcache.MaxIDLen)
+//	 82     …  request ID, tenant, domain (UTF-8)
+//	  …  4×n  per-page generation on the sender
+//	  …    32  HMAC-SHA256 over every byte before it
+const (
+	magic       = "KVFH"
+	fixedLen    = 82
+	macLen      = sha256.Size
+	MinKeyBytes = 32 // shared HMAC keys shorter than this are refused
+
+	// MaxManifestBytes bounds what a decoder reads: 4 M pages.
+	MaxManifestBytes = fixedLen + 3*kvcache.MaxIDLen + 4*(4<<20) + macLen
+
+	maxTokens = 1 << 40 // as kvcache: far from overflow everywhere
+)
+
+// Layout names how a page's bytes are laid out over regions.
+const (
+	// LayoutKVPerLayer is kvcache's layout: 2×Layers regions, layer l's K
+	// in region 2l and its V in 2l+1, each page TokensPerPage × KVHeads ×
+	// HeadDim elements.
+	LayoutKVPerLayer uint8 = 1
+)
+
+// ChecksumCRC32C is the content checksum of kvcache.ContentChecksum.
+const ChecksumCRC32C uint8 = 1
+
+// GeometryFingerprint is what must match between prefill and decode pools
+// for page bytes to mean the same thing on both sides.
+type GeometryFingerprint struct {
+	TokensPerPage, Layers, KVHeads, HeadDim uint32
+	DType                                   kvcache.DType
+	Layout                                  uint8
+}
+
+// Fingerprint returns a pool geometry's fingerprint.
+func Fingerprint(g kvcache.Geometry) GeometryFingerprint {
+	return GeometryFingerprint{
+		TokensPerPage: uint32(g.TokensPerPage), Layers: uint32(g.Layers),
+		KVHeads: uint32(g.KVHeads), HeadDim: uint32(g.HeadDim),
+		DType: g.DType, Layout: LayoutKVPerLayer,
+	}
+}
+
+// Geometry returns the kvcache geometry the fingerprint describes.
+func (f GeometryFingerprint) Geometry() kvcache.Geometry {
+	return kvcache.Geometry{TokensPerPage: int(f.TokensPerPage), Layers: int(f.Layers),
+		KVHeads: int(f.KVHeads), HeadDim: int(f.HeadDim), DType: f.DType}
+}
+
+func (f GeometryFingerprint) String() string {
+	return fmt.Sprintf("%d tokens/page, %d layers × %d KV heads × %d dims %v, layout %d",
+		f.TokensPerPage, f.Layers, f.KVHeads, f.HeadDim, f.DType, f.Layout)
+}
+
+// Manifest is what a decode pool needs to accept a prompt's KV.
+type Manifest struct {
+	TransferID   [16]byte
+	RequestID    string
+	Tenant       string
+	Domain       string // sharing domain, keyed server-side from the tenant
+	PromptTokens int
+	MaxNewTokens int
+	Geometry     GeometryFingerprint
+	Expires      time.Time
+	Checksum     uint32   // content checksum of the pages (ChecksumCRC32C)
+	Generations  []uint32 // per page, on the sender: which life of each page the KV came from
+}
+
+// Pages is the number of pages the manifest describes.
+func (m Manifest) Pages() int { return len(m.Generations) }
+
+// validate checks what a decoder would refuse, so that Encode never
+// produces bytes Decode rejects.
+func (m *Manifest) validate() error {
+	str := func(name, s string) error {
+		if len(s) == 0 || len(s) > kvcache.MaxIDLen || !utf8.ValidString(s) {
+			return fmt.Errorf("%w: %s of %d bytes, want 1..%d bytes of UTF-8", ErrMalformedManifest, name, len(s), kvcache.MaxIDLen)
+		}
+		return nil
+	}
+	for _, err := range []error{str("request ID", m.RequestID), str("tenant", m.Tenant), str("domain", m.Domain)} {
+		if err != nil {
+			return err
+		}
+	}
+	g := m.Geometry
+	switch {
+	case m.PromptTokens < 1 || m.PromptTokens > maxTokens:
+		return fmt.Errorf("%w: %d prompt tokens", ErrMalformedManifest, m.PromptTokens)
+	case m.MaxNewTokens < 0 || m.MaxNewTokens > maxTokens:
+		return fmt.Errorf("%w: %d max new tokens", ErrMalformedManifest, m.MaxNewTokens)
+	case g.Layout != LayoutKVPerLayer:
+		return fmt.Errorf("%w: layout %d", ErrMalformedManifest, g.Layout)
+	case m.Expires.IsZero():
+		return fmt.Errorf("%w: no expiry", ErrMalformedManifest)
+	}
+	if err := g.Geometry().Validate(); err != nil {
+		return fmt.Errorf("%w: %w", ErrMalformedManifest, err)
+	}
+	if want := g.Geometry().PagesFor(m.PromptTokens); len(m.Generations) != want {
+		return fmt.Errorf("%w: %d page generations for %d prompt tokens at %d per page (want %d)",
+			ErrMalformedManifest, len(m.Generations), m.PromptTokens, g.TokensPerPage, want)
+	}
+	if n := m.encodedLen(); n > MaxManifestBytes {
+		return fmt.Errorf("%w: %d bytes, limit %d", ErrMalformedManifest, n, MaxManifestBytes)
+	}
+	return nil
+}
+
+func (m *Manifest) encodedLen() int {
+	return fixedLen + len(m.RequestID) + len(m.Tenant) + len(m.Domain) + 4*len(m.Generations) + macLen
+}
+
+// Key is a shared HMAC-SHA256 key. It is safe for concurrent use.
+type Key struct {
+	macs sync.Pool // of hash.Hash keyed with the secret; Reset keeps the key
+}
+
+// NewKey returns a key for secret, which must be at least MinKeyBytes
+// of random bytes shared by the prefill and decode pools.
+func NewKey(secret []byte) (*Key, error) {
+	if len(secret) < MinKeyBytes {
+		return nil, fmt.Errorf("%w: HMAC key of %d bytes, want at least %d", ErrInvalidConfig, len(secret), MinKeyBytes)
+	}
+	s := append([]byte(nil), secret...)
+	k := &Key{}
+	k.macs.New = func() any { return hmac.New(sha256.New, s) }
+	return k, nil
+}
+
+func (k *Key) sum(dst, msg []byte) []byte {
+	h := k.macs.Get().(hash.Hash)
+	h.Reset()
+	h.Write(msg)
+	dst = h.Sum(dst)
+	k.macs.Put(h)
+	return dst
+}
+
+// AppendEncode appends the manifest's encoding, MAC included, to dst.
+func (m *Manifest) AppendEncode(dst []byte, key *Key) ([]byte, error) {
+	if key == nil {
+		return dst, fmt.Errorf("%w: no key", ErrInvalidConfig)
+	}
+	if err := m.validate(); err != nil {
+		return dst, err
+	}
+	start := len(dst)
+	dst = append(dst, magic...)
+	le := binary.LittleEndian
+	dst = le.AppendUint16(dst, Version)
+	dst = le.AppendUint16(dst, 0)
+	dst = append(dst, m.TransferID[:]...)
+	dst = le.AppendUint64(dst, uint64(m.Expires.UnixNano()))
+	dst = le.AppendUint64(dst, uint64(m.PromptTokens))
+	dst = le.AppendUint64(dst, uint64(m.MaxNewTokens))
+	g := m.Geometry
+	dst = le.AppendUint32(dst, g.TokensPerPage)
+	dst = le.AppendUint32(dst, g.Layers)
+	dst = le.AppendUint32(dst, g.KVHeads)
+	dst = le.AppendUint32(dst, g.HeadDim)
+	dst = append(dst, byte(g.DType), g.Layout, ChecksumCRC32C, 0)
+	dst = le.AppendUint32(dst, m.Checksum)
+	dst = le.AppendUint32(dst, uint32(len(m.Generations)))
+	dst = le.AppendUint16(dst, uint16(len(m.RequestID)))
+	dst = le.AppendUint16(dst, uint16(len(m.Tenant)))
+	dst = le.AppendUint16(dst, uint16(len(m.Domain)))
+	dst = append(dst, m.RequestID...)
+	dst = append(dst, m.Tenant...)
+	dst = append(dst, m.Domain...)
+	dst = append(dst, make([]byte, 4*len(m.Generations))...)
+	gens := dst[len(dst)-4*len(m.Generations):]
+	for i, g := range m.Generations {
+		le.PutUint32(gens[4*i:], g)
+	}
+	return key.sum(dst, dst[start:]), nil
+}
+
+// Decode verifies b's MAC under key and parses it. Anything but a
+// well-formed version-1 manifest signed with key is refused: ErrBadMAC
+// for a MAC that does not verify, ErrMalformedManifest for the rest. The
+// MAC is checked before any field is trusted.
+func Decode(b []byte, key *Key) (Manifest, error) {
+	if key == nil {
+		return Manifest{}, fmt.Errorf("%w: no key", ErrInvalidConfig)
+	}
+	if len(b) < fixedLen+3+macLen || len(b) > MaxManifestBytes {
+		return Manifest{}, fmt.Errorf("%w: %d bytes, want %d..%d", ErrMalformedManifest, len(b), fixedLen+3+macLen, MaxManifestBytes)
+	}
+	body, mac := b[:len(b)-macLen], b[len(b)-macLen:]
+	var want [macLen]byte
+	if !hmac.Equal(mac, key.sum(want[:0], body)) {
+		return Manifest{}, ErrBadMAC
+	}
+	return parse(body)
+}
+
+// parse decodes an authenticated manifest body (everything but the MAC).
+func parse(b []byte) (Manifest, error) {
+	var m Manifest
+	bad := func(format string, args ...any) (Manifest, error) {
+		return Manifest{}, fmt.Errorf("%w: "+format, append([]any{ErrMalformedManifest}, args...)...)
+	}
+	if len(b) < fixedLen {
+		return bad("%d bytes, header is %d", len(b), fixedLen)
+	}
+	le := binary.LittleEndian
+	if string(b[:4]) != magic {
+		return bad("magic %q", b[:4])
+	}
+	if v := le.Uint16(b[4:]); v != Version {
+		return bad("version %d, this decoder reads %d", v, Version)
+	}
+	if f := le.Uint16(b[6:]); f != 0 {
+		return bad("flags %#x", f)
+	}
+	copy(m.TransferID[:], b[8:24])
+	m.Expires = time.Unix(0, int64(le.Uint64(b[24:])))
+	prompt, maxNew := le.Uint64(b[32:]), le.Uint64(b[40:])
+	if prompt > maxTokens || maxNew > maxTokens {
+		return bad("%d prompt tokens, %d max new tokens", prompt, maxNew)
+	}
+	m.PromptTokens, m.MaxNewTokens = int(prompt), int(maxNew)
+	m.Geometry = GeometryFingerprint{
+		TokensPerPage: le.Uint32(b[48:]), Layers: le.Uint32(b[52:]),
+		KVHeads: le.Uint32(b[56:]), HeadDim: le.Uint32(b[60:]),
+		DType: kvcache.DType(b[64]), Layout: b[65],
+	}
+	if b[66] != ChecksumCRC32C || b[67] != 0 {
+		return bad("checksum algorithm %d, reserved byte %d", b[66], b[67])
+	}
+	m.Checksum = le.Uint32(b[68:])
+	pages := int64(le.Uint32(b[72:]))
+	idLen, tenantLen, domainLen := int64(le.Uint16(b[76:])), int64(le.Uint16(b[78:])), int64(le.Uint16(b[80:]))
+	if want := fixedLen + idLen + tenantLen + domainLen + 4*pages; int64(len(b)) != want {
+		return bad("%d bytes, fields say %d", len(b), want)
+	}
+	rest := b[fixedLen:]
+	m.RequestID, rest = string(rest[:idLen]), rest[idLen:]
+	m.Tenant, rest = string(rest[:tenantLen]), rest[tenantLen:]
+	m.Domain, rest = string(rest[:domainLen]), rest[domainLen:]
+	m.Generations = make([]uint32, pages)
+	for i := range m.Generations {
+		m.Generations[i] = le.Uint32(rest[4*i:])
+	}
+	if err := m.validate(); err != nil {
+		return Manifest{}, err
+	}
+	return m, nil
+}

@@ -1,0 +1,304 @@
+package handoff
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"time"
+
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// ReceiverConfig configures the decode side.
+type ReceiverConfig struct {
+	// Pool is the decode pool imports are admitted into. Required.
+	Pool *kvcache.Pool
+	// Key is the HMAC key shared with the prefill pools. Required.
+	Key *Key
+	// DomainOf maps a tenant to its sharing domain, server-side; nil means
+	// each tenant is its own domain. A manifest naming another domain for
+	// its tenant is refused.
+	DomainOf func(tenant string) string
+	// MaxTTL refuses manifests that expire further ahead than this (a
+	// sender clock far off, or a manifest minted to be replayed for long);
+	// 0 means 5 minutes. It also bounds how long imported request IDs are
+	// remembered for replay detection.
+	MaxTTL time.Duration
+	// AdmitWait is how long an import waits for decode pages to free up;
+	// 0 refuses at once when the decode pool is full.
+	AdmitWait time.Duration
+	// TransferTimeout aborts an import whose pages have not all arrived
+	// in this time, so a stalled sender cannot hold decode pages; 0 means
+	// 2 minutes.
+	TransferTimeout time.Duration
+	// Deliver receives each verified, usable lease (prefilled, written =
+	// prompt tokens). Nil keeps them for Take.
+	Deliver func(*kvcache.Lease)
+	// Now is the clock; nil means time.Now.
+	Now func() time.Time
+}
+
+// Receiver imports transfers into a decode pool. It is safe for
+// concurrent use: a transport calls Serve once per transfer.
+type Receiver struct {
+	cfg ReceiverConfig
+
+	mu struct {
+		sync.Mutex
+		claims  map[string]claim // request ID → import in progress or done
+		pruneAt int
+		ready   map[string]*kvcache.Lease // imported, waiting for Take
+		stats   ReceiverStats
+	}
+}
+
+type claim struct {
+	done    bool
+	expires time.Time
+}
+
+// ReceiverStats counts a receiver's transfers.
+type ReceiverStats struct {
+	Imported uint64
+	Refused  uint64
+}
+
+// NewReceiver checks cfg and returns a receiver.
+func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
+	switch {
+	case cfg.Pool == nil:
+		return nil, fmt.Errorf("%w: receiver without a pool", ErrInvalidConfig)
+	case cfg.Key == nil:
+		return nil, fmt.Errorf("%w: receiver without a key", ErrInvalidConfig)
+	case cfg.MaxTTL < 0 || cfg.AdmitWait < 0 || cfg.TransferTimeout < 0:
+		return nil, fmt.Errorf("%w: negative duration", ErrInvalidConfig)
+	}
+	if cfg.DomainOf == nil {
+		cfg.DomainOf = func(tenant string) string { return tenant }
+	}
+	if cfg.MaxTTL == 0 {
+		cfg.MaxTTL = 5 * time.Minute
+	}
+	if cfg.TransferTimeout == 0 {
+		cfg.TransferTimeout = 2 * time.Minute
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	r := &Receiver{cfg: cfg}
+	r.mu.claims = make(map[string]claim)
+	r.mu.ready = make(map[string]*kvcache.Lease)
+	r.mu.pruneAt = 64
+	return r, nil
+}
+
+// Take returns the imported lease of a request, once, if Deliver is nil.
+func (r *Receiver) Take(requestID string) (*kvcache.Lease, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	l, ok := r.mu.ready[requestID]
+	delete(r.mu.ready, requestID)
+	return l, ok
+}
+
+// Stats returns running totals.
+func (r *Receiver) Stats() ReceiverStats {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.mu.stats
+}
+
+// Serve runs one transfer on ep: verify the manifest, admit the import
+// fail-closed, receive and write the pages, verify them, and only then
+// deliver the lease. Every failure aborts the import through the
+// scrubber, is reported to the sender when the transport still works,
+// and is returned.
+func (r *Receiver) Serve(ctx context.Context, ep Endpoint) error {
+	err := r.serve(ctx, ep)
+	if err != nil {
+		r.mu.Lock()
+		r.mu.stats.Refused++
+		r.mu.Unlock()
+	}
+	return err
+}
+
+func (r *Receiver) serve(ctx context.Context, ep Endpoint) error {
+	msg, err := ep.Recv()
+	if err != nil {
+		return fmt.Errorf("%w: before the manifest: %w", ErrTransport, err)
+	}
+	m, err := r.check(msg)
+	if err != nil {
+		r.reply(ep, stageManifest, err)
+		return err
+	}
+	in, err := r.admit(ctx, &m)
+	if err != nil {
+		r.unclaim(m.RequestID)
+		r.reply(ep, stageManifest, err)
+		return err
+	}
+	watchdog := time.AfterFunc(r.cfg.TransferTimeout, func() { in.Abort() })
+	defer watchdog.Stop()
+	lease, err := r.receive(ep, &m, in)
+	if err != nil {
+		in.Abort()
+		r.unclaim(m.RequestID)
+		r.reply(ep, stageImport, err)
+		return err
+	}
+	r.deliver(&m, lease)
+	// The import is complete whether or not this verdict arrives: a sender
+	// that misses it reclaims its pages at its deadline.
+	r.reply(ep, stageImport, nil)
+	return nil
+}
+
+// check authenticates and vets a manifest, then claims its request ID.
+func (r *Receiver) check(msg []byte) (Manifest, error) {
+	if len(msg) == 0 || msg[0] != msgManifest {
+		return Manifest{}, fmt.Errorf("%w: first message is kind %q, want a manifest", ErrProtocol, firstByte(msg))
+	}
+	m, err := Decode(msg[1:], r.cfg.Key)
+	if err != nil {
+		return Manifest{}, err
+	}
+	now := r.cfg.Now()
+	switch {
+	case !now.Before(m.Expires):
+		return Manifest{}, fmt.Errorf("%w: request %q expired %v ago", ErrExpired, m.RequestID, now.Sub(m.Expires))
+	case m.Expires.Sub(now) > r.cfg.MaxTTL:
+		return Manifest{}, fmt.Errorf("%w: request %q expires in %v, more than the %v accepted",
+			ErrExpired, m.RequestID, m.Expires.Sub(now), r.cfg.MaxTTL)
+	}
+	if want := Fingerprint(r.cfg.Pool.Geometry()); m.Geometry != want {
+		return Manifest{}, fmt.Errorf("%w: request %q has pages of %v, this pool %v", ErrGeometryMismatch, m.RequestID, m.Geometry, want)
+	}
+	if want := r.cfg.DomainOf(m.Tenant); m.Domain != want {
+		return Manifest{}, fmt.Errorf("%w: request %q of tenant %q names domain %q, the tenant's is %q",
+			ErrDomainMismatch, m.RequestID, m.Tenant, m.Domain, want)
+	}
+	return m, r.claim(m.RequestID, m.Expires, now)
+}
+
+func (r *Receiver) claim(id string, expires, now time.Time) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if c, ok := r.mu.claims[id]; ok {
+		what := "is being imported"
+		if c.done {
+			what = "has been imported"
+		}
+		return fmt.Errorf("%w: request %q %s", ErrReplay, id, what)
+	}
+	if len(r.mu.claims) >= r.mu.pruneAt {
+		// An expired manifest is refused before its ID is looked up, so
+		// IDs whose manifests have expired need not be remembered.
+		for k, c := range r.mu.claims {
+			if c.done && now.After(c.expires) {
+				delete(r.mu.claims, k)
+			}
+		}
+		r.mu.pruneAt = 2*len(r.mu.claims) + 64
+	}
+	r.mu.claims[id] = claim{expires: expires}
+	return nil
+}
+
+func (r *Receiver) unclaim(id string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.mu.claims[id].done {
+		delete(r.mu.claims, id)
+	}
+}
+
+func (r *Receiver) admit(ctx context.Context, m *Manifest) (*kvcache.Incoming, error) {
+	admitCtx := context.Background()
+	if r.cfg.AdmitWait > 0 {
+		var cancel context.CancelFunc
+		admitCtx, cancel = context.WithTimeout(ctx, r.cfg.AdmitWait)
+		defer cancel()
+	}
+	req := kvcache.Request{ID: m.RequestID, Tenant: m.Tenant, PromptTokens: m.PromptTokens, MaxNewTokens: m.MaxNewTokens}
+	return r.cfg.Pool.BeginImport(admitCtx, req, m.Checksum)
+}
+
+func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming) (*kvcache.Lease, error) {
+	if err := r.reply(ep, stageManifest, nil); err != nil {
+		return nil, err
+	}
+	pages := m.Pages()
+	pb := int(m.Geometry.Geometry().PageBytes())
+	var wantGens []byte
+	next := 0
+	for {
+		msg, err := ep.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil, fmt.Errorf("%w: request %q: stream ended after %d of %d pages without an end frame",
+				kvcache.ErrIncompleteTransfer, m.RequestID, next, pages)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%w: request %q after %d of %d pages: %w", ErrTransport, m.RequestID, next, pages, err)
+		}
+		switch firstByte(msg) {
+		case msgData:
+			f, err := parseData(msg)
+			if err != nil {
+				return nil, err
+			}
+			switch {
+			case f.id != m.TransferID:
+				return nil, fmt.Errorf("%w: data frame of transfer %x in transfer %x", ErrProtocol, f.id, m.TransferID)
+			case f.first != next || f.n > pages-next:
+				return nil, fmt.Errorf("%w: pages [%d, %d) after %d of %d", ErrProtocol, f.first, f.first+f.n, next, pages)
+			case len(f.pages) != f.n*pb:
+				return nil, fmt.Errorf("%w: %d bytes for %d pages of %d", ErrProtocol, len(f.pages), f.n, pb)
+			}
+			wantGens = wantGens[:0]
+			for _, g := range m.Generations[f.first : f.first+f.n] {
+				wantGens = binary.LittleEndian.AppendUint32(wantGens, g)
+			}
+			if !bytes.Equal(f.gens, wantGens) {
+				return nil, fmt.Errorf("%w: pages [%d, %d) carry generations the manifest does not name", ErrProtocol, f.first, f.first+f.n)
+			}
+			if err := in.WritePages(f.first, f.pages); err != nil {
+				return nil, err
+			}
+			next += f.n
+		case msgEnd:
+			if len(msg) != endLen || !bytes.Equal(msg[1:17], m.TransferID[:]) {
+				return nil, fmt.Errorf("%w: end frame of %d bytes for another transfer", ErrProtocol, len(msg))
+			}
+			return in.Complete()
+		default:
+			return nil, fmt.Errorf("%w: message kind %q during a transfer", ErrProtocol, firstByte(msg))
+		}
+	}
+}
+
+func (r *Receiver) deliver(m *Manifest, l *kvcache.Lease) {
+	r.mu.Lock()
+	r.mu.claims[m.RequestID] = claim{done: true, expires: m.Expires}
+	r.mu.stats.Imported++
+	if r.cfg.Deliver == nil {
+		r.mu.ready[m.RequestID] = l
+	}
+	r.mu.Unlock()
+	if r.cfg.Deliver != nil {
+		r.cfg.Deliver(l)
+	}
+}
+
+func (r *Receiver) reply(ep Endpoint, stage uint8, err error) error {
+	var buf [3 + maxVerdict]byte
+	if serr := ep.Send(appendVerdict(buf[:0], stage, err)); serr != nil {
+		return fmt.Errorf("%w: verdict: %w", ErrTransport, serr)
+	}
+	return nil
+}

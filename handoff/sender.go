@@ -1,0 +1,216 @@
+package handoff
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// SenderConfig configures the prefill side.
+type SenderConfig struct {
+	// Key is the HMAC key shared with the decode pools. Required.
+	Key *Key
+	// DomainOf maps a tenant to its sharing domain, server-side; nil means
+	// each tenant is its own domain. Must agree with the receivers'.
+	DomainOf func(tenant string) string
+	// TTL is how long a manifest stays valid; 0 means 30 s.
+	TTL time.Duration
+	// ReclaimAfter is how long exported pages stay pinned waiting for the
+	// receiver's ack before they are released through the scrubber
+	// anyway; 0 means 2×TTL.
+	ReclaimAfter time.Duration
+	// FrameBytes is the target size of one data message; 0 means 1 MiB.
+	// A message always holds whole pages, at least one.
+	FrameBytes int
+	// Now is the clock; nil means time.Now.
+	Now func() time.Time
+}
+
+// Sender exports prefilled leases and streams them to decode pools.
+type Sender struct{ cfg SenderConfig }
+
+// NewSender checks cfg and returns a sender.
+func NewSender(cfg SenderConfig) (*Sender, error) {
+	switch {
+	case cfg.Key == nil:
+		return nil, fmt.Errorf("%w: sender without a key", ErrInvalidConfig)
+	case cfg.TTL < 0 || cfg.ReclaimAfter < 0 || cfg.FrameBytes < 0:
+		return nil, fmt.Errorf("%w: negative TTL %v, ReclaimAfter %v or FrameBytes %d", ErrInvalidConfig, cfg.TTL, cfg.ReclaimAfter, cfg.FrameBytes)
+	}
+	if cfg.DomainOf == nil {
+		cfg.DomainOf = func(tenant string) string { return tenant }
+	}
+	if cfg.TTL == 0 {
+		cfg.TTL = 30 * time.Second
+	}
+	if cfg.ReclaimAfter == 0 {
+		cfg.ReclaimAfter = 2 * cfg.TTL
+	}
+	if cfg.FrameBytes == 0 {
+		cfg.FrameBytes = defaultData
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	return &Sender{cfg: cfg}, nil
+}
+
+// Export is a prefilled lease pinned for a transfer, with its manifest.
+type Export struct {
+	s    *Sender
+	out  *kvcache.Outgoing
+	m    Manifest
+	wire []byte // 'M' + encoded manifest
+}
+
+// Export pins lease l (which must be prefilled: kvcache.ErrLeasePhase
+// otherwise, and nothing changes) and signs its manifest. maxNewTokens is
+// the output budget the decode pool must reserve. The pages stay pinned
+// until Send gets the receiver's ack, Abort, or ReclaimAfter passes.
+func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
+	if maxNewTokens < 0 || maxNewTokens > maxTokens {
+		return nil, fmt.Errorf("%w: %d max new tokens", kvcache.ErrInvalidRequest, maxNewTokens)
+	}
+	now := s.cfg.Now()
+	out, err := l.Export(now.Add(s.cfg.ReclaimAfter))
+	if err != nil {
+		return nil, err
+	}
+	m := Manifest{
+		RequestID: out.RequestID(), Tenant: out.Tenant(), Domain: s.cfg.DomainOf(out.Tenant()),
+		PromptTokens: out.PromptTokens(), MaxNewTokens: maxNewTokens,
+		Geometry: Fingerprint(out.Geometry()), Expires: now.Add(s.cfg.TTL),
+		Checksum: out.Checksum(), Generations: out.Generations(nil),
+	}
+	rand.Read(m.TransferID[:])
+	wire, err := m.AppendEncode([]byte{msgManifest}, s.cfg.Key)
+	if err != nil {
+		out.Abort()
+		return nil, err
+	}
+	return &Export{s: s, out: out, m: m, wire: wire}, nil
+}
+
+// Manifest returns the signed manifest.
+func (e *Export) Manifest() Manifest { return e.m }
+
+// Live reports whether the exported pages are still pinned.
+func (e *Export) Live() bool { return e.out.Live() }
+
+// Abort releases the exported pages through the scrubber now.
+func (e *Export) Abort() error { return e.out.Abort() }
+
+// Send streams the manifest and the pages over t and waits for the
+// receiver's verdict. On success the receiver holds a verified, usable
+// lease and the exported pages have been released through the scrubber.
+// On failure the error says why (a *RefusedError with the receiver's
+// reason, ErrTransport, kvcache.ErrReclaimed) and the pages stay pinned
+// until Abort or the reclaim deadline, so that the caller may retry.
+func (e *Export) Send(ctx context.Context, t Transport) error {
+	st, err := t.Open(ctx)
+	if err != nil {
+		return fmt.Errorf("%w: open: %w", ErrTransport, err)
+	}
+	defer st.Close()
+	if err := e.send(st, e.wire); err != nil {
+		return err
+	}
+	if err := e.verdict(st, stageManifest); err != nil {
+		return err
+	}
+	if err := e.sendPages(st); err != nil {
+		return err
+	}
+	if err := st.CloseSend(); err != nil {
+		return fmt.Errorf("%w: close: %w", ErrTransport, err)
+	}
+	if err := e.verdict(st, stageImport); err != nil {
+		return err
+	}
+	// The receiver holds the KV now. If the deadline reclaimed the pages
+	// meanwhile, they have been scrubbed already: nothing is lost.
+	if err := e.out.Ack(); err != nil && !errors.Is(err, kvcache.ErrReclaimed) {
+		return err
+	}
+	return nil
+}
+
+func (e *Export) sendPages(st Stream) error {
+	pb := int(e.out.Geometry().PageBytes())
+	n := e.out.Pages()
+	per := max(1, min(n, (e.s.cfg.FrameBytes-dataFixed)/(pb+4)))
+	bst, lends := st.(BufferedStream)
+	var buf []byte
+	if !lends {
+		buf = make([]byte, dataFixed+4*per+per*pb)
+	}
+	le := binary.LittleEndian
+	for first := 0; first < n; {
+		k := min(per, n-first)
+		size := dataFixed + 4*k + k*pb
+		if lends {
+			buf = bst.Buffer(size)
+		}
+		frame := buf[:size]
+		frame[0] = msgData
+		copy(frame[1:17], e.m.TransferID[:])
+		le.PutUint32(frame[17:], uint32(first))
+		le.PutUint32(frame[21:], uint32(k))
+		for i, g := range e.m.Generations[first : first+k] {
+			le.PutUint32(frame[dataFixed+4*i:], g)
+		}
+		if err := e.out.ReadPages(first, frame[dataFixed+4*k:]); err != nil {
+			return err
+		}
+		send := st.Send
+		if lends {
+			send = bst.SendBuffer
+		}
+		if err := e.check(st, send(frame)); err != nil {
+			return err
+		}
+		first += k
+	}
+	end := make([]byte, endLen)
+	end[0] = msgEnd
+	copy(end[1:17], e.m.TransferID[:])
+	le.PutUint32(end[17:], uint32(n))
+	return e.send(st, end)
+}
+
+// send transmits msg; if the receiver has already ended the transfer,
+// its verdict explains why better than the transport's error.
+func (e *Export) send(st Stream, msg []byte) error { return e.check(st, st.Send(msg)) }
+
+// check turns a failed send into the receiver's verdict when there is one.
+func (e *Export) check(st Stream, err error) error {
+	if err == nil {
+		return nil
+	}
+	if reply, rerr := st.Recv(); rerr == nil {
+		if v := parseVerdict(reply, firstStage(reply)); v != nil {
+			return v
+		}
+	}
+	return fmt.Errorf("%w: send: %w", ErrTransport, err)
+}
+
+func firstStage(msg []byte) uint8 {
+	if len(msg) < 2 {
+		return 0
+	}
+	return msg[1]
+}
+
+func (e *Export) verdict(st Stream, stage uint8) error {
+	reply, err := st.Recv()
+	if err != nil {
+		return fmt.Errorf("%w: waiting for the receiver's verdict: %w", ErrTransport, err)
+	}
+	return parseVerdict(reply, stage)
+}

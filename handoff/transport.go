@@ -1,0 +1,188 @@
+package handoff
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"sync"
+)
+
+// Transport opens transfers from a prefill pool to one decode receiver.
+// Implementations: InProcess (both pools in one process) and
+// handoff/grpcx (gRPC streaming across processes and machines).
+type Transport interface {
+	// Open starts a transfer. The stream ends when ctx is done.
+	Open(ctx context.Context) (Stream, error)
+}
+
+// Stream is the sender's end of one transfer: an ordered, reliable
+// sequence of messages to the receiver and of verdicts back.
+type Stream interface {
+	// Send transmits msg; the stream does not keep msg after Send
+	// returns. It must not be called concurrently with itself or CloseSend.
+	Send(msg []byte) error
+	// CloseSend tells the receiver no more messages follow.
+	CloseSend() error
+	// Recv returns the receiver's next message, valid until the next
+	// Recv; io.EOF once the receiver has finished.
+	Recv() ([]byte, error)
+	// Close abandons the transfer (if it is still going) and frees the
+	// stream. The receiver sees the transfer fail.
+	Close() error
+}
+
+// BufferedStream is a Stream that can send without copying: the sender
+// fills a buffer the stream lends it and passes it back to SendBuffer,
+// which takes ownership (the stream frees it once written). Buffer and
+// SendBuffer alternate; the sender uses them for data frames when the
+// stream offers them.
+type BufferedStream interface {
+	Stream
+	Buffer(n int) []byte
+	SendBuffer(buf []byte) error
+}
+
+// Endpoint is the receiver's end of one transfer, what a transport
+// passes to Receiver.Serve.
+type Endpoint interface {
+	// Recv returns the sender's next message, valid until the next Recv;
+	// io.EOF after the sender's CloseSend, another error if the transfer
+	// broke.
+	Recv() ([]byte, error)
+	// Send transmits msg to the sender; the endpoint does not keep msg.
+	Send(msg []byte) error
+}
+
+// errPipeClosed is what an in-process stream returns once either end
+// closed it: the in-process form of a dropped connection.
+var errPipeClosed = fmt.Errorf("%w: in-process stream closed", ErrTransport)
+
+// InProcess is a Transport to a Receiver in the same process: each Open
+// starts Receiver.Serve on a goroutine, connected by a pair of channels.
+// Messages are copied, so neither side keeps the other's buffers.
+type InProcess struct {
+	r      *Receiver
+	serves sync.WaitGroup
+}
+
+// NewInProcess returns a transport that delivers to r.
+func NewInProcess(r *Receiver) *InProcess { return &InProcess{r: r} }
+
+// Open implements Transport.
+func (t *InProcess) Open(ctx context.Context) (Stream, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrTransport, err)
+	}
+	p := newPipe()
+	stop := context.AfterFunc(ctx, p.close)
+	t.serves.Add(1)
+	go func() {
+		defer t.serves.Done()
+		defer stop()
+		t.r.Serve(ctx, &pipeEnd{p: p, server: true})
+		p.finish()
+	}()
+	return &pipeEnd{p: p}, nil
+}
+
+// Wait blocks until every transfer this transport started has ended on
+// the receiver's side.
+func (t *InProcess) Wait() { t.serves.Wait() }
+
+// pipe is a bidirectional in-process channel pair. toServer is closed by
+// CloseSend; done by Close (a dropped connection); served when the
+// receiver has returned, after its last verdict.
+type pipe struct {
+	toServer, toClient chan []byte
+	done, served       chan struct{}
+	closeOnce          sync.Once
+	finishOnce         sync.Once
+	sendClosed         bool // sender side only
+}
+
+func newPipe() *pipe {
+	return &pipe{toServer: make(chan []byte, 4), toClient: make(chan []byte, 4),
+		done: make(chan struct{}), served: make(chan struct{})}
+}
+
+func (p *pipe) close()  { p.closeOnce.Do(func() { close(p.done) }) }
+func (p *pipe) finish() { p.finishOnce.Do(func() { close(p.served) }) }
+
+type pipeEnd struct {
+	p      *pipe
+	server bool
+}
+
+func (e *pipeEnd) Send(msg []byte) error {
+	out := e.p.toServer
+	if e.server {
+		out = e.p.toClient
+	} else if e.p.sendClosed {
+		return fmt.Errorf("%w: send after CloseSend", ErrTransport)
+	}
+	select {
+	case <-e.p.done:
+		return errPipeClosed
+	default:
+	}
+	select {
+	case out <- append([]byte(nil), msg...):
+		return nil
+	case <-e.p.done:
+		return errPipeClosed
+	case <-e.p.served:
+		return fmt.Errorf("%w: receiver has ended the transfer", ErrTransport)
+	}
+}
+
+func (e *pipeEnd) CloseSend() error {
+	if e.server || e.p.sendClosed {
+		return nil
+	}
+	e.p.sendClosed = true
+	close(e.p.toServer)
+	return nil
+}
+
+func (e *pipeEnd) Recv() ([]byte, error) {
+	in := e.p.toClient
+	if e.server {
+		in = e.p.toServer
+	}
+	// Messages already delivered are read before a close is noticed, as
+	// on a socket.
+	select {
+	case msg, ok := <-in:
+		return recvResult(msg, ok)
+	default:
+	}
+	var ended <-chan struct{}
+	if !e.server {
+		ended = e.p.served
+	}
+	select {
+	case msg, ok := <-in:
+		return recvResult(msg, ok)
+	case <-e.p.done:
+		return nil, errPipeClosed
+	case <-ended:
+		select {
+		case msg, ok := <-in:
+			return recvResult(msg, ok)
+		default:
+			return nil, io.EOF
+		}
+	}
+}
+
+func recvResult(msg []byte, ok bool) ([]byte, error) {
+	if !ok {
+		return nil, io.EOF
+	}
+	return msg, nil
+}
+
+func (e *pipeEnd) Close() error {
+	e.p.close()
+	return nil
+}

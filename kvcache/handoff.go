@@ -1,0 +1,525 @@
+package kvcache
+
+// Handoff: the page-level half of disaggregated prefill → decode.
+//
+// A lease moves through phases that say what its pages hold:
+//
+//	admitted ──BeginPrefill──▶ prefilling ──FinishPrefill──▶ prefilled ──Export──▶ exported ──Ack──▶ released
+//	   │                           │       (written = prompt)     │                     │
+//	   └───────────────────────────┴────────── Abort ─────────────┴─────────────────────┴──▶ aborted
+//	                                                            (reclaim deadline = Abort)
+//
+// and, on the decode side, an import:
+//
+//	BeginImport: admitted fail-closed ──▶ importing ──every page written, checksum matches──▶ prefilled
+//	                                          └──────────── any failure, Abort ─────────────▶ aborted
+//
+// Invariants:
+//
+//   - Only a prefilled lease (written watermark = prompt tokens) can be
+//     exported. A refused request has no lease, so there is nothing to
+//     export: no placeholder can travel.
+//   - An exported lease's pages are read only while the lease still holds
+//     them: each read checks, under Pool.mu, that the lease is exported,
+//     still this export's (its first handle's generation), and that every
+//     page is at the handle's generation. Release takes Pool.mu too, so no
+//     read overlaps a release, and no byte of a reused page is ever sent.
+//   - An importing lease is never handed out: BeginImport returns an
+//     *Incoming, not the *Lease. The Lease exists (its pages are in use,
+//     charged to the tenant, counted by Check) but no engine can see its
+//     block table until Complete has verified that every page arrived and
+//     the content checksum matches. Any failure aborts the import: the
+//     pages go through the scrubber.
+//   - Writes into an import check, under Pool.mu, that the import is live
+//     and each page still at its generation, so a late (stale) transfer
+//     never lands in a page that was released and reused (SGLang 24578).
+//
+// The content checksum is CRC32C (Castagnoli, hardware-accelerated) of the
+// per-page CRC32Cs, little-endian, in page order; a page's CRC32C covers its
+// bytes in every region, region 0 first. Being computed per page, it lets
+// pages arrive in any order and on several streams. It guards integrity
+// (corruption, truncation, misplaced pages); authenticity comes from the
+// manifest's MAC and the transport (TLS). A cryptographic hash of every
+// byte would cap the handoff at one core's SHA-256 speed.
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"hash/crc32"
+	"runtime"
+	"sync"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvfence/kvfence/allocator"
+	"github.com/kvfence/kvfence/cudaops"
+)
+
+// Phase is a lease's place in the handoff state machine.
+type Phase uint32
+
+const (
+	PhaseAdmitted   Phase = iota // admitted, nothing written yet
+	PhasePrefilling              // the engine is writing the prompt's KV
+	PhasePrefilled               // the prompt's KV is complete: written = prompt tokens
+	PhaseExported                // pinned for a transfer; released on ack or at the reclaim deadline
+	PhaseImporting               // decode side: receiving page bytes; not usable
+	PhaseReleased                // ended normally
+	PhaseAborted                 // ended by a failure, an abort or the reclaim deadline
+)
+
+var phaseNames = [...]string{"admitted", "prefilling", "prefilled", "exported", "importing", "released", "aborted"}
+
+func (ph Phase) String() string {
+	if int(ph) < len(phaseNames) {
+		return phaseNames[ph]
+	}
+	return fmt.Sprintf("Phase(%d)", uint32(ph))
+}
+
+// Phase returns the lease's handoff phase.
+func (l *Lease) Phase() Phase {
+	ph := Phase(l.phase.Load())
+	switch l.state.Load() {
+	case leaseLive:
+		return ph
+	case leaseReleased:
+		if ph == PhaseAborted {
+			return ph
+		}
+		return PhaseReleased
+	}
+	return PhaseAdmitted
+}
+
+// advance moves a live lease from one phase to the next.
+func (l *Lease) advance(from, to Phase) error {
+	if err := l.live(); err != nil {
+		return err
+	}
+	if !l.phase.CompareAndSwap(uint32(from), uint32(to)) {
+		return fmt.Errorf("%w: lease %q is %v, %v needs %v", ErrLeasePhase, l.id, l.Phase(), to, from)
+	}
+	return nil
+}
+
+// BeginPrefill records that the engine starts writing the prompt's KV.
+func (l *Lease) BeginPrefill() error { return l.advance(PhaseAdmitted, PhasePrefilling) }
+
+// FinishPrefill records that prefill is complete. The written watermark
+// must equal the prompt: a prefill that stopped short (or a placeholder
+// that wrote one token) cannot become exportable.
+func (l *Lease) FinishPrefill() error {
+	if err := l.live(); err != nil {
+		return err
+	}
+	if w := l.Written(); w != l.prompt {
+		return fmt.Errorf("%w: lease %q has %d of %d prompt tokens written", ErrLeasePhase, l.id, w, l.prompt)
+	}
+	return l.advance(PhasePrefilling, PhasePrefilled)
+}
+
+// Abort ends the lease from any phase, releasing its pages through the
+// scrubber, and records it as aborted.
+func (l *Lease) Abort() error {
+	if l.pool == nil {
+		return fmt.Errorf("%w: lease was never admitted", ErrInvalidArgument)
+	}
+	ended, err := l.pool.endIf(l, func() bool { return true }, PhaseAborted)
+	if err == nil && !ended {
+		return ErrLeaseReleased
+	}
+	return err
+}
+
+// endIf releases l through the scrubber if it is live and owned() holds,
+// both decided under Pool.mu so that nothing can release or recycle the
+// lease in between. It records phase as the lease's final phase.
+func (p *Pool) endIf(l *Lease, owned func() bool, phase Phase) (ended bool, err error) {
+	p.mu.Lock()
+	if p.mu.closed {
+		p.mu.Unlock()
+		return false, ErrPoolClosed
+	}
+	if l.state.Load() != leaseLive || !owned() {
+		p.mu.Unlock()
+		return false, nil
+	}
+	l.phase.Store(uint32(phase))
+	l.state.Store(leaseReleased)
+	pages := p.detachLocked(l, l.scrub[:0])
+	l.scrub = pages[:0]
+	p.mu.Unlock()
+	return true, p.scrub(pages, cudaops.Ordering{})
+}
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// PageChecksum is the CRC32C of one page's bytes over all regions, region
+// 0 first: the per-page term of a content checksum.
+func PageChecksum(page []byte) uint32 { return crc32.Checksum(page, castagnoli) }
+
+// ContentChecksum folds per-page checksums, in page order, into the
+// content checksum of a transfer.
+func ContentChecksum(pageSums []uint32) uint32 {
+	var buf [256]byte
+	crc := uint32(0)
+	for len(pageSums) > 0 {
+		n := min(len(pageSums), len(buf)/4)
+		for i, s := range pageSums[:n] {
+			binary.LittleEndian.PutUint32(buf[4*i:], s)
+		}
+		crc = crc32.Update(crc, castagnoli, buf[:4*n])
+		pageSums = pageSums[n:]
+	}
+	return crc
+}
+
+// Outgoing is an exported lease: the prompt's pages pinned for a transfer
+// until Ack, Abort or the reclaim deadline.
+type Outgoing struct {
+	pool     *Pool
+	lease    *Lease
+	first    allocator.Handle // identifies this export of the lease
+	handles  []allocator.Handle
+	checksum uint32
+	timer    *time.Timer
+}
+
+// Export pins a prefilled lease's prompt pages for a transfer and computes
+// their content checksum. The pages stay pinned until Ack or Abort, or
+// until reclaimAt, when they are released through the scrubber whatever
+// the transfer's state. A lease that is not prefilled, or whose watermark
+// is not its prompt, is refused with ErrLeasePhase and left as it was.
+func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
+	p := l.pool
+	if p == nil {
+		return nil, fmt.Errorf("%w: lease was never admitted", ErrInvalidArgument)
+	}
+	p.mu.Lock()
+	if err := p.stateErrLocked(); err != nil {
+		p.mu.Unlock()
+		return nil, err
+	}
+	if err := l.live(); err != nil {
+		p.mu.Unlock()
+		return nil, err
+	}
+	if ph := l.Phase(); ph != PhasePrefilled || l.Written() != l.prompt {
+		p.mu.Unlock()
+		return nil, fmt.Errorf("%w: lease %q is %v with %d of %d prompt tokens written; only a prefilled lease can be exported",
+			ErrLeasePhase, l.id, ph, l.Written(), l.prompt)
+	}
+	l.phase.Store(uint32(PhaseExported))
+	n := p.geom.PagesFor(l.prompt)
+	o := &Outgoing{pool: p, lease: l, first: l.handles[0], handles: append([]allocator.Handle(nil), l.handles[:n]...)}
+	p.mu.Unlock()
+
+	sums, err := o.pageSums()
+	if err != nil {
+		o.Abort()
+		return nil, err
+	}
+	o.checksum = ContentChecksum(sums)
+	// The callback must not touch o.timer: it may fire before the
+	// assignment when reclaimAt has passed.
+	o.timer = time.AfterFunc(time.Until(reclaimAt), func() { p.endIf(l, o.owns, PhaseAborted) })
+	return o, nil
+}
+
+// pageSums reads every exported page once and returns its checksum. The
+// pages are split among up to GOMAXPROCS workers: this pass is on the
+// critical path of a handoff, before the first byte can be sent.
+func (o *Outgoing) pageSums() ([]uint32, error) {
+	n := len(o.handles)
+	sums := make([]uint32, n)
+	pb := int(o.pool.geom.PageBytes())
+	batch := max(1, (1<<20)/pb) // pages read per lock hold
+	workers := min(runtime.GOMAXPROCS(0), 8, (n+batch-1)/batch)
+	per := (n + workers - 1) / workers
+	var g errgroup.Group
+	for lo := 0; lo < n; lo += per {
+		hi := min(n, lo+per)
+		g.Go(func() error {
+			buf := make([]byte, pb*min(batch, hi-lo))
+			for i := lo; i < hi; {
+				k := min(hi-i, batch)
+				if err := o.ReadPages(i, buf[:k*pb]); err != nil {
+					return err
+				}
+				for j := range k {
+					sums[i+j] = PageChecksum(buf[j*pb : (j+1)*pb])
+				}
+				i += k
+			}
+			return nil
+		})
+	}
+	return sums, g.Wait()
+}
+
+// owns reports, under Pool.mu, whether the lease is still this export.
+func (o *Outgoing) owns() bool {
+	l := o.lease
+	return l.state.Load() == leaseLive && Phase(l.phase.Load()) == PhaseExported && l.handles[0] == o.first
+}
+
+func (o *Outgoing) end(phase Phase) (bool, error) {
+	if o.timer != nil {
+		o.timer.Stop()
+	}
+	return o.pool.endIf(o.lease, o.owns, phase)
+}
+
+// RequestID, Tenant, PromptTokens and Pages describe what is exported.
+func (o *Outgoing) RequestID() string { return o.lease.id }
+
+// Tenant is the exporting lease's tenant.
+func (o *Outgoing) Tenant() string { return o.lease.Tenant() }
+
+// PromptTokens is the number of tokens whose KV the pages hold.
+func (o *Outgoing) PromptTokens() int { return o.lease.prompt }
+
+// Pages is the number of exported pages: those that hold the prompt.
+func (o *Outgoing) Pages() int { return len(o.handles) }
+
+// Generations appends each exported page's generation to dst.
+func (o *Outgoing) Generations(dst []uint32) []uint32 {
+	for _, h := range o.handles {
+		dst = append(dst, h.Gen)
+	}
+	return dst
+}
+
+// Checksum is the content checksum of the exported pages.
+func (o *Outgoing) Checksum() uint32 { return o.checksum }
+
+// Geometry is the page geometry of the exporting pool.
+func (o *Outgoing) Geometry() Geometry { return o.pool.geom }
+
+// Live reports whether the pages are still pinned.
+func (o *Outgoing) Live() bool {
+	o.pool.mu.Lock()
+	defer o.pool.mu.Unlock()
+	return !o.pool.mu.closed && o.owns()
+}
+
+// ReadPages copies exported pages first, first+1, … into dst, each page
+// PageBytes long with its regions in order; len(dst) must be a multiple of
+// PageBytes. It fails with ErrReclaimed once the pages are no longer this
+// export's, and then copies nothing.
+func (o *Outgoing) ReadPages(first int, dst []byte) error {
+	p := o.pool
+	pb := int(p.geom.PageBytes())
+	n := len(dst) / pb
+	if n == 0 || len(dst)%pb != 0 || first < 0 || first+n > len(o.handles) {
+		return fmt.Errorf("%w: read of %d bytes at page %d of %d (pages are %d bytes)",
+			ErrInvalidArgument, len(dst), first, len(o.handles), pb)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := o.checkLocked(); err != nil {
+		return err
+	}
+	return p.copyPagesLocked(o.handles[first:first+n], dst, false)
+}
+
+func (o *Outgoing) checkLocked() error {
+	if o.pool.mu.closed {
+		return ErrPoolClosed
+	}
+	if !o.owns() {
+		return fmt.Errorf("%w: request %q", ErrReclaimed, o.lease.id)
+	}
+	return nil
+}
+
+// copyPagesLocked moves whole pages between buf and the device, after
+// checking that each page is still in use at its handle's generation.
+func (p *Pool) copyPagesLocked(hs []allocator.Handle, buf []byte, write bool) error {
+	for _, h := range hs {
+		info, err := p.mu.alloc.Info(h.Page)
+		if err != nil || info.State != allocator.InUse || info.Gen != h.Gen {
+			return fmt.Errorf("%w: page %d is at generation %d (%v), transfer expects %d",
+				ErrStaleTransfer, h.Page, info.Gen, info.State, h.Gen)
+		}
+	}
+	rb := int(p.geom.RegionPageBytes())
+	off := 0
+	for _, h := range hs {
+		for r := range p.geom.Regions() {
+			var err error
+			if write {
+				err = p.dev.WritePage(r, h.Page, buf[off:off+rb])
+			} else {
+				err = p.dev.ReadPage(r, h.Page, buf[off:off+rb])
+			}
+			if err != nil {
+				return fmt.Errorf("kvcache: page %d region %d: %w", h.Page, r, err)
+			}
+			off += rb
+		}
+	}
+	return nil
+}
+
+// Ack ends the export after the receiver confirmed the import: the pages
+// are released through the scrubber. It returns ErrReclaimed if they had
+// already been reclaimed.
+func (o *Outgoing) Ack() error {
+	ended, err := o.end(PhaseReleased)
+	if err == nil && !ended {
+		return fmt.Errorf("%w: request %q before its ack", ErrReclaimed, o.lease.id)
+	}
+	return err
+}
+
+// Abort ends the export now (the transfer failed and will not be
+// retried): the pages are released through the scrubber. Aborting an
+// export that already ended does nothing.
+func (o *Outgoing) Abort() error {
+	_, err := o.end(PhaseAborted)
+	return err
+}
+
+// Incoming is an import in progress on the decode side. Its lease holds
+// every page the request needs (prompt + max new tokens) but is not
+// handed out until Complete has verified the transfer.
+type Incoming struct {
+	pool    *Pool
+	lease   *Lease
+	first   allocator.Handle
+	pages   int // prompt pages to receive
+	want    uint32
+	pageLen int
+
+	mu struct {
+		sync.Mutex
+		sums     []uint32
+		got      []bool
+		received int
+	}
+}
+
+// BeginImport admits req fail-closed (exactly as Admit: the same errors,
+// nothing allocated on refusal) for the KV of a prompt arriving from a
+// prefill pool, whose content checksum is checksum. The returned import
+// receives the prompt's pages with WritePages and becomes a usable lease
+// only through Complete.
+func (p *Pool) BeginImport(ctx context.Context, req Request, checksum uint32) (*Incoming, error) {
+	l := new(Lease)
+	if err := p.AdmitInto(ctx, req, l); err != nil {
+		return nil, err
+	}
+	l.phase.Store(uint32(PhaseImporting))
+	in := &Incoming{pool: p, lease: l, first: l.handles[0], pages: p.geom.PagesFor(req.PromptTokens),
+		want: checksum, pageLen: int(p.geom.PageBytes())}
+	in.mu.sums = make([]uint32, in.pages)
+	in.mu.got = make([]bool, in.pages)
+	return in, nil
+}
+
+// Pages is the number of pages the import expects.
+func (in *Incoming) Pages() int { return in.pages }
+
+// RequestID is the imported request's ID.
+func (in *Incoming) RequestID() string { return in.lease.id }
+
+func (in *Incoming) owns() bool {
+	l := in.lease
+	return l.state.Load() == leaseLive && Phase(l.phase.Load()) == PhaseImporting && l.handles[0] == in.first
+}
+
+// fail aborts the import and returns err.
+func (in *Incoming) fail(err error) error {
+	in.Abort()
+	return err
+}
+
+// WritePages writes received pages first, first+1, … from src, each page
+// PageBytes long with its regions in order. Any error aborts the import:
+// a malformed range, a page received twice, or an import that has already
+// ended (ErrStaleTransfer: nothing is written).
+func (in *Incoming) WritePages(first int, src []byte) error {
+	pb := in.pageLen
+	n := len(src) / pb
+	if n == 0 || len(src)%pb != 0 || first < 0 || first+n > in.pages {
+		return in.fail(fmt.Errorf("%w: write of %d bytes at page %d of %d (pages are %d bytes)",
+			ErrInvalidArgument, len(src), first, in.pages, pb))
+	}
+	// Summed before the write: the bytes written are exactly these.
+	sums := make([]uint32, n)
+	for i := range n {
+		sums[i] = PageChecksum(src[i*pb : (i+1)*pb])
+	}
+	in.mu.Lock()
+	for i := first; i < first+n; i++ {
+		if in.mu.got[i] {
+			in.mu.Unlock()
+			return in.fail(fmt.Errorf("%w: page %d of request %q", ErrDuplicatePage, i, in.lease.id))
+		}
+		in.mu.got[i] = true
+	}
+	in.mu.Unlock()
+
+	p := in.pool
+	p.mu.Lock()
+	err := p.stateErrLocked()
+	if err == nil && !in.owns() {
+		err = fmt.Errorf("%w: import of request %q has ended", ErrStaleTransfer, in.lease.id)
+	}
+	if err == nil {
+		err = p.copyPagesLocked(in.lease.handles[first:first+n], src, true)
+	}
+	p.mu.Unlock()
+	if err != nil {
+		return in.fail(err)
+	}
+	// Counted only once the bytes have landed, so that Complete never
+	// vouches for a page still being written.
+	in.mu.Lock()
+	copy(in.mu.sums[first:], sums)
+	in.mu.received += n
+	in.mu.Unlock()
+	return nil
+}
+
+// Complete verifies that every page arrived and that the content checksum
+// matches, then makes the lease usable: prefilled, written watermark =
+// prompt tokens. On failure the import is aborted (its pages scrubbed) and
+// the error wraps ErrIncompleteTransfer or ErrChecksumMismatch.
+func (in *Incoming) Complete() (*Lease, error) {
+	in.mu.Lock()
+	received := in.mu.received
+	sum := ContentChecksum(in.mu.sums)
+	in.mu.Unlock()
+	if received != in.pages {
+		return nil, in.fail(fmt.Errorf("%w: request %q received %d of %d pages",
+			ErrIncompleteTransfer, in.lease.id, received, in.pages))
+	}
+	if sum != in.want {
+		return nil, in.fail(fmt.Errorf("%w: request %q content checksum %08x, manifest says %08x",
+			ErrChecksumMismatch, in.lease.id, sum, in.want))
+	}
+	p := in.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.stateErrLocked(); err != nil {
+		return nil, err
+	}
+	if !in.owns() {
+		return nil, fmt.Errorf("%w: import of request %q has ended", ErrStaleTransfer, in.lease.id)
+	}
+	in.lease.written.Store(int64(in.lease.prompt))
+	in.lease.phase.Store(uint32(PhasePrefilled))
+	return in.lease, nil
+}
+
+// Abort ends the import: its pages go through the scrubber. Aborting an
+// import that already ended does nothing.
+func (in *Incoming) Abort() error {
+	_, err := in.pool.endIf(in.lease, in.owns, PhaseAborted)
+	return err
+}
