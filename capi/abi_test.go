@@ -264,3 +264,26 @@ func TestCProgramArchive(t *testing.T) {
 	gcc(t, lib, "-lpthread", "-o", bin)
 	runCTest(t, bin)
 }
+
+// TestPythonExample runs examples/python/demo.py against the library: it
+// loads it with dlopen (ctypes), which fails if the library's static TLS
+// outgrows glibc's surplus for dlopened libraries.
+func TestPythonExample(t *testing.T) {
+	dir := buildShared(t)
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skip("python3 not found")
+	}
+	cmd := exec.Command(py, "../examples/python/demo.py")
+	cmd.Env = append(os.Environ(), "KVFENCE_LIB="+filepath.Join(dir, "libkvfence.so"))
+	out, err := cmd.CombinedOutput()
+	t.Logf("%s", out)
+	if err != nil {
+		t.Fatalf("demo.py: %v", err)
+	}
+	for _, want := range []string{"block table", "KVF_ERR_EXCEEDS_QUOTA need=125 limit=64", "free=256/256"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("demo output lacks %q", want)
+		}
+	}
+}
