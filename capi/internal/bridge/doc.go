@@ -28,4 +28,6 @@
 //     is written.
 //
 // Lock order: leaseEntry.mu → (kvcache) semaphore → Pool.mu → device.
+// poolEntry.mu only guards the interned tenant names and is never held
+// across a call into kvcache.
 package bridge

@@ -28,23 +28,35 @@ var (
 
 type poolEntry struct {
 	pool *kvcache.Pool
-	// names interns tenant names, so that an admission naming a known
-	// tenant does not copy the name out of C memory.
-	names sync.Map // string → string
+	mu   struct {
+		sync.RWMutex
+		// names interns tenant names, so that an admission naming a
+		// known tenant does not copy the name out of C memory. A typed
+		// map, unlike sync.Map, looks a string up without boxing it.
+		names map[string]string
+	}
 }
 
 // intern returns name as a Go string that owns its bytes. name may alias
 // C memory; it is not retained.
 func (pe *poolEntry) intern(name string) string {
-	if s, ok := pe.names.Load(name); ok {
-		return s.(string)
+	pe.mu.RLock()
+	s, ok := pe.mu.names[name]
+	pe.mu.RUnlock()
+	if ok {
+		return s
 	}
 	return strings.Clone(name)
 }
 
 func (pe *poolEntry) remember(name string) {
 	name = strings.Clone(name)
-	pe.names.Store(name, name)
+	pe.mu.Lock()
+	defer pe.mu.Unlock()
+	if pe.mu.names == nil {
+		pe.mu.names = make(map[string]string)
+	}
+	pe.mu.names[name] = name
 }
 
 type leaseEntry struct {
