@@ -45,11 +45,11 @@ func BenchmarkCAdmitRelease(b *testing.B) {
 	pages := benchTokens / 16
 	table := make([]int32, pages)
 
+	ctx := context.Background()
+	var l kvcache.Lease // recycled, with its page slices, across all cycles
+	req := kvcache.Request{ID: "bench", Tenant: "bench", PromptTokens: benchTokens}
+	dst := make([]int32, 0, pages)
 	goCycles := func(n int) time.Duration {
-		ctx := context.Background()
-		var l kvcache.Lease
-		req := kvcache.Request{ID: "bench", Tenant: "bench", PromptTokens: benchTokens}
-		dst := make([]int32, 0, pages)
 		start := time.Now()
 		for range n {
 			if err := goPool.AdmitInto(ctx, req, &l); err != nil {
