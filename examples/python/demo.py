@@ -8,6 +8,7 @@
 import os
 import sys
 
+sys.dont_write_bytecode = True  # keep the source tree clean when CI runs this
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kvfence  # noqa: E402
