@@ -1,0 +1,102 @@
+//go:build cgo
+
+package main
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/kvfence/kvfence/capi/internal/bridge"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// benchConfig is the core benchmark's request shape: 2,048 tokens at 16
+// tokens per page (128 pages), zero scrub. The geometry is small so that
+// the host fill, which both sides pay alike, does not drown the per-call
+// cost being compared.
+const benchConfig = `{"geometry": {"tokens_per_page": 16, "layers": 1, "kv_heads": 1, "head_dim": 8, "dtype": "fp16"},
+ "pages": 1024, "max_context_tokens": 16384, "tenants": [{"name": "bench"}]}`
+
+const benchTokens = 2048
+
+// BenchmarkCAdmitRelease measures admit → block table → release → free of
+// a 2,048-token request through the C ABI (a C loop calling the exported
+// functions), and the same cycle in pure Go (AdmitInto a recycled lease,
+// AppendBlockTable, Release) on an identical pool in the same run.
+// Metrics: ns/op (C), go-ns/op, x-go = C ÷ Go (target ≤ 1.5), ns/page (C);
+// allocs/op are the C path's (the Go path allocates nothing).
+func BenchmarkCAdmitRelease(b *testing.B) {
+	b.ReportAllocs()
+	cfg, err := bridge.ParseConfig([]byte(benchConfig))
+	if err != nil {
+		b.Fatal(err)
+	}
+	goPool, err := kvcache.New(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer goPool.Close()
+	cPool, err := bridge.CreatePool([]byte(benchConfig))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer bridge.DestroyPool(cPool)
+	pages := benchTokens / 16
+	table := make([]int32, pages)
+
+	ctx := context.Background()
+	var l kvcache.Lease // recycled, with its page slices, across all cycles
+	req := kvcache.Request{ID: "bench", Tenant: "bench", PromptTokens: benchTokens}
+	dst := make([]int32, 0, pages)
+	goCycles := func(n int) time.Duration {
+		start := time.Now()
+		for range n {
+			if err := goPool.AdmitInto(ctx, req, &l); err != nil {
+				b.Fatal(err)
+			}
+			var err error
+			if dst, err = l.AppendBlockTable(dst[:0]); err != nil {
+				b.Fatal(err)
+			}
+			if err := l.Release(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		return time.Since(start)
+	}
+	// Warm both paths (lease recycling, interned names) before timing.
+	goCycles(100)
+	if st := cAdmitRelease(cPool, "bench", "bench", benchTokens, table, 100); st != 0 {
+		b.Fatalf("C warm-up: %v", bridge.Status(st))
+	}
+
+	// Alternate chunks of Go and C cycles so that both see the same
+	// machine load; on a shared box a load change between two long phases
+	// would otherwise move the ratio.
+	const chunk = 512
+	var goElapsed, cElapsed time.Duration
+	b.ResetTimer()
+	for done := 0; done < b.N; done += chunk {
+		n := min(chunk, b.N-done)
+		goElapsed += goCycles(n)
+		start := time.Now()
+		if st := cAdmitRelease(cPool, "bench", "bench", benchTokens, table, n); st != 0 {
+			b.Fatalf("C loop: %v", bridge.Status(st))
+		}
+		cElapsed += time.Since(start)
+	}
+	b.StopTimer()
+	cNs := float64(cElapsed.Nanoseconds()) / float64(b.N)
+	goNs := float64(goElapsed.Nanoseconds()) / float64(b.N)
+	b.ReportMetric(cNs, "ns/op") // the C figure, not C + Go
+	b.ReportMetric(goNs, "go-ns/op")
+	b.ReportMetric(cNs/goNs, "x-go")
+	b.ReportMetric(cNs/float64(pages), "ns/page")
+	if err := goPool.Check(); err != nil {
+		b.Fatal(err)
+	}
+	if err := bridge.Check(cPool); err != nil {
+		b.Fatal(err)
+	}
+}

@@ -1,0 +1,127 @@
+package bridge
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+
+	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// ConfigJSON is the JSON form of kvcache.Config that kvf_pool_create
+// takes. Field for field it is the Go Config; the dtype and scrub kind are
+// names, and the scrub pattern is a number or a string in any Go integer
+// syntax ("0x8000"). Unknown fields are an error. The pool is always
+// backed by a new Host device owned by the pool.
+type ConfigJSON struct {
+	Geometry            GeometryJSON `json:"geometry"`
+	Pages               int          `json:"pages,omitempty"`
+	PoolBytes           int64        `json:"pool_bytes,omitempty"`
+	MaxContextTokens    int          `json:"max_context_tokens"`
+	AllowUndersizedPool bool         `json:"allow_undersized_pool,omitempty"`
+	Tenants             []TenantJSON `json:"tenants,omitempty"`
+	Scrub               ScrubJSON    `json:"scrub,omitzero"`
+}
+
+// GeometryJSON is kvcache.Geometry with the dtype by name
+// (isolation.ParseDType: fp8_e4m3, fp8_e5m2, fp16, bf16, fp32 and aliases).
+type GeometryJSON struct {
+	TokensPerPage int    `json:"tokens_per_page"`
+	Layers        int    `json:"layers"`
+	KVHeads       int    `json:"kv_heads"`
+	HeadDim       int    `json:"head_dim"`
+	DType         string `json:"dtype"`
+}
+
+// TenantJSON is kvcache.TenantConfig.
+type TenantJSON struct {
+	Name          string `json:"name"`
+	QuotaPages    int    `json:"quota_pages,omitempty"`
+	ReservedPages int    `json:"reserved_pages,omitempty"`
+}
+
+// ScrubJSON is kvcache.ScrubPolicy; an empty kind means zero.
+type ScrubJSON struct {
+	Kind    string  `json:"kind,omitempty"`
+	Pattern Pattern `json:"pattern,omitempty"`
+}
+
+// Pattern is a 32-bit scrub pattern written as a JSON number or string.
+type Pattern uint32
+
+// UnmarshalJSON accepts 32768, "32768", "0x8000".
+func (p *Pattern) UnmarshalJSON(b []byte) error {
+	s := string(b)
+	if len(b) > 0 && b[0] == '"' {
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+	}
+	v, err := strconv.ParseUint(s, 0, 32)
+	if err != nil {
+		return fmt.Errorf("scrub pattern %s is not a 32-bit unsigned integer", b)
+	}
+	*p = Pattern(v)
+	return nil
+}
+
+// maxConfigBytes bounds the JSON a caller may hand over.
+const maxConfigBytes = 1 << 20
+
+// ParseConfig decodes a ConfigJSON into a kvcache.Config. It checks only
+// what JSON can get wrong (syntax, unknown fields, names of dtypes and
+// scrub kinds); everything else is left to kvcache.New, so C callers get
+// exactly the Go validation and errors. Every error wraps
+// kvcache.ErrInvalidConfig.
+func ParseConfig(data []byte) (kvcache.Config, error) {
+	fail := func(format string, args ...any) (kvcache.Config, error) {
+		return kvcache.Config{}, fmt.Errorf("%w: "+format, append([]any{kvcache.ErrInvalidConfig}, args...)...)
+	}
+	if len(data) > maxConfigBytes {
+		return fail("config JSON of %d bytes, limit %d", len(data), maxConfigBytes)
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	var cj ConfigJSON
+	if err := dec.Decode(&cj); err != nil {
+		return fail("config JSON: %v", err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return fail("config JSON: trailing data after the object")
+	}
+	if cj.Geometry.DType == "" {
+		return fail("geometry.dtype missing")
+	}
+	dtype, err := isolation.ParseDType(cj.Geometry.DType)
+	if err != nil {
+		return fail("geometry.dtype: %w", err)
+	}
+	kind := kvcache.ScrubZero
+	if cj.Scrub.Kind != "" {
+		if kind, err = isolation.ParseScrubKind(cj.Scrub.Kind); err != nil {
+			return fail("scrub.kind: %w", err)
+		}
+	}
+	cfg := kvcache.Config{
+		Geometry: kvcache.Geometry{
+			TokensPerPage: cj.Geometry.TokensPerPage,
+			Layers:        cj.Geometry.Layers,
+			KVHeads:       cj.Geometry.KVHeads,
+			HeadDim:       cj.Geometry.HeadDim,
+			DType:         dtype,
+		},
+		Pages:               cj.Pages,
+		PoolBytes:           cj.PoolBytes,
+		MaxContextTokens:    cj.MaxContextTokens,
+		AllowUndersizedPool: cj.AllowUndersizedPool,
+		Scrub:               kvcache.ScrubPolicy{Kind: kind, Pattern: uint32(cj.Scrub.Pattern)},
+	}
+	for _, t := range cj.Tenants {
+		cfg.Tenants = append(cfg.Tenants, kvcache.TenantConfig{Name: t.Name, QuotaPages: t.QuotaPages, ReservedPages: t.ReservedPages})
+	}
+	return cfg, nil
+}

@@ -1,0 +1,130 @@
+package bridge
+
+import (
+	"errors"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+const geom = `"geometry": {"tokens_per_page": 16, "layers": 2, "kv_heads": 2, "head_dim": 8, "dtype": "bf16"}`
+
+func TestParseConfig(t *testing.T) {
+	g := kvcache.Geometry{TokensPerPage: 16, Layers: 2, KVHeads: 2, HeadDim: 8, DType: kvcache.BF16}
+	tests := []struct {
+		name    string
+		json    string
+		want    kvcache.Config
+		wantErr string // substring; every error wraps ErrInvalidConfig
+	}{
+		{name: "minimal", json: `{` + geom + `, "pages": 64, "max_context_tokens": 1024}`,
+			want: kvcache.Config{Geometry: g, Pages: 64, MaxContextTokens: 1024}},
+		{name: "everything", json: `{` + geom + `, "pool_bytes": 1048576, "max_context_tokens": 99999,
+			"allow_undersized_pool": true, "tenants": [{"name": "a", "quota_pages": 8, "reserved_pages": 2}, {"name": "b"}],
+			"scrub": {"kind": "poison", "pattern": "0x8000"}}`,
+			want: kvcache.Config{Geometry: g, PoolBytes: 1 << 20, MaxContextTokens: 99999, AllowUndersizedPool: true,
+				Tenants: []kvcache.TenantConfig{{Name: "a", QuotaPages: 8, ReservedPages: 2}, {Name: "b"}},
+				Scrub:   kvcache.ScrubPolicy{Kind: kvcache.ScrubPoison, Pattern: 0x8000}}},
+		{name: "pattern as number", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "scrub": {"kind": "CANARY", "pattern": 7}}`,
+			want: kvcache.Config{Geometry: g, Pages: 1, MaxContextTokens: 1, Scrub: kvcache.ScrubPolicy{Kind: kvcache.ScrubCanary, Pattern: 7}}},
+		{name: "dtype alias", json: `{"geometry": {"tokens_per_page": 1, "layers": 1, "kv_heads": 1, "head_dim": 4, "dtype": "float16"}, "pages": 1, "max_context_tokens": 1}`,
+			want: kvcache.Config{Geometry: kvcache.Geometry{TokensPerPage: 1, Layers: 1, KVHeads: 1, HeadDim: 4, DType: kvcache.FP16}, Pages: 1, MaxContextTokens: 1}},
+		{name: "empty", json: ``, wantErr: "config JSON"},
+		{name: "not an object", json: `42`, wantErr: "config JSON"},
+		{name: "unknown top field", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "device": "cuda:0"}`, wantErr: `unknown field "device"`},
+		{name: "unknown nested field", json: `{"geometry": {"tokens_per_page": 16, "layers": 2, "kv_heads": 2, "head_dim": 8, "dtype": "bf16", "heads": 3}, "pages": 1, "max_context_tokens": 1}`, wantErr: `unknown field "heads"`},
+		{name: "unknown tenant field", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "tenants": [{"name": "a", "salt": "x"}]}`, wantErr: `unknown field "salt"`},
+		{name: "trailing data", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1} {}`, wantErr: "trailing data"},
+		{name: "missing dtype", json: `{"geometry": {"tokens_per_page": 16, "layers": 2, "kv_heads": 2, "head_dim": 8}, "pages": 1, "max_context_tokens": 1}`, wantErr: "dtype missing"},
+		{name: "bad dtype", json: `{"geometry": {"tokens_per_page": 16, "layers": 2, "kv_heads": 2, "head_dim": 8, "dtype": "int4"}, "pages": 1, "max_context_tokens": 1}`, wantErr: `unknown dtype "int4"`},
+		{name: "bad scrub kind", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "scrub": {"kind": "shred"}}`, wantErr: `unknown scrub kind "shred"`},
+		{name: "bad pattern", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "scrub": {"kind": "poison", "pattern": "0x1FFFFFFFF"}}`, wantErr: "not a 32-bit"},
+		{name: "negative pattern", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "scrub": {"kind": "poison", "pattern": -1}}`, wantErr: "not a 32-bit"},
+		{name: "pages as string", json: `{` + geom + `, "pages": "64", "max_context_tokens": 1}`, wantErr: "config JSON"},
+		{name: "too large", json: `{"tenants": [` + strings.Repeat(`{"name": "x"},`, 100000) + `{}]}`, wantErr: "limit"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := ParseConfig([]byte(tt.json))
+			if tt.wantErr != "" {
+				if !errors.Is(err, kvcache.ErrInvalidConfig) || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("err = %v, want ErrInvalidConfig containing %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, tt.want) {
+				t.Errorf("got %+v\nwant %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+// TestCreatePoolValidatesLikeGo checks that errors kvcache.New decides
+// reach C unchanged: the same sentinel and the same message.
+func TestCreatePoolValidatesLikeGo(t *testing.T) {
+	for _, js := range []string{
+		`{` + geom + `, "pages": 64, "max_context_tokens": 4096}`,                                                 // undersized
+		`{` + geom + `, "pages": 64, "pool_bytes": 4096, "max_context_tokens": 64}`,                               // both sizes
+		`{` + geom + `, "max_context_tokens": 64}`,                                                                // no size
+		`{` + geom + `, "pages": 64, "max_context_tokens": 0}`,                                                    // no context
+		`{` + geom + `, "pages": 64, "max_context_tokens": 64, "scrub": {"kind": "poison", "pattern": "0x7fc0"}}`, // NaN
+		`{` + geom + `, "pages": 64, "max_context_tokens": 64, "tenants": [{"name": "a", "quota_pages": 4, "reserved_pages": 5}]}`,
+		`{"geometry": {"tokens_per_page": 0, "layers": 2, "kv_heads": 2, "head_dim": 8, "dtype": "bf16"}, "pages": 64, "max_context_tokens": 64}`,
+	} {
+		cfg, err := ParseConfig([]byte(js))
+		if err != nil {
+			t.Fatalf("%s: %v", js, err)
+		}
+		_, goErr := kvcache.New(cfg)
+		if goErr == nil {
+			t.Fatalf("%s: kvcache.New accepted it", js)
+		}
+		h, cErr := CreatePool([]byte(js))
+		if h != 0 || cErr == nil || cErr.Error() != goErr.Error() || Classify(cErr) != Classify(goErr) {
+			t.Errorf("%s:\nC  %v (%v)\nGo %v (%v)", js, cErr, Classify(cErr).Status, goErr, Classify(goErr).Status)
+		}
+	}
+	_, err := CreatePool([]byte(`{` + geom + `, "pages": 64, "max_context_tokens": 4096}`))
+	if Classify(err).Status != StatusUndersizedPool {
+		t.Errorf("undersized pool: %v", Classify(err).Status)
+	}
+}
+
+// FuzzParseConfig: any input either parses into a Config that kvcache.New
+// judges, or fails with ErrInvalidConfig; nothing panics.
+func FuzzParseConfig(f *testing.F) {
+	f.Add([]byte(`{` + geom + `, "pages": 64, "max_context_tokens": 1024}`))
+	f.Add([]byte(`{` + geom + `, "pool_bytes": 65536, "max_context_tokens": 100000, "allow_undersized_pool": true}`))
+	f.Add([]byte(`{` + geom + `, "pages": 8, "max_context_tokens": 128, "scrub": {"kind": "poison", "pattern": "0x8000"}, "tenants": [{"name": "t", "quota_pages": 4}]}`))
+	f.Add([]byte(`{"scrub": {"pattern": null}}`))
+	f.Add([]byte(`{"geometry": {"dtype": "fp8"}, "pages": -1}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		cfg, err := ParseConfig(data)
+		if err != nil {
+			if !errors.Is(err, kvcache.ErrInvalidConfig) {
+				t.Fatalf("error %v does not wrap ErrInvalidConfig", err)
+			}
+			return
+		}
+		if cfg.Geometry.Validate() == nil {
+			// Valid configs can ask for gigabytes; keep the fuzz loop small.
+			const maxBytes = 8 << 20
+			if cfg.Pages > maxBytes || cfg.PoolBytes > maxBytes || int64(cfg.Pages)*cfg.Geometry.PageBytes() > maxBytes {
+				return
+			}
+		}
+		if p, err := kvcache.New(cfg); err == nil {
+			if err := p.Check(); err != nil {
+				t.Fatal(err)
+			}
+			p.Close()
+		} else if st := Classify(err).Status; st != StatusInvalidConfig && st != StatusUndersizedPool {
+			t.Fatalf("kvcache.New: %v classified %v", err, st)
+		}
+	})
+}

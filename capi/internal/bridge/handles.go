@@ -1,0 +1,319 @@
+package bridge
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// Handle names a pool or a lease across the C boundary. Zero is never
+// issued.
+type Handle = uint64
+
+// nextHandle is shared by pools and leases so that a value names at most
+// one object, ever.
+var nextHandle atomic.Uint64
+
+var (
+	pools  sync.Map // Handle → *poolEntry
+	leases sync.Map // Handle → *leaseEntry
+)
+
+type poolEntry struct {
+	pool *kvcache.Pool
+	mu   struct {
+		sync.RWMutex
+		// names interns tenant names, so that an admission naming a
+		// known tenant does not copy the name out of C memory. A typed
+		// map, unlike sync.Map, looks a string up without boxing it.
+		names map[string]string
+	}
+}
+
+// intern returns name as a Go string that owns its bytes. name may alias
+// C memory; it is not retained.
+func (pe *poolEntry) intern(name string) string {
+	pe.mu.RLock()
+	s, ok := pe.mu.names[name]
+	pe.mu.RUnlock()
+	if ok {
+		return s
+	}
+	return strings.Clone(name)
+}
+
+func (pe *poolEntry) remember(name string) {
+	name = strings.Clone(name)
+	pe.mu.Lock()
+	defer pe.mu.Unlock()
+	if pe.mu.names == nil {
+		pe.mu.names = make(map[string]string)
+	}
+	pe.mu.names[name] = name
+}
+
+type leaseEntry struct {
+	pool *poolEntry
+	mu   struct {
+		sync.RWMutex
+		lease *kvcache.Lease // nil once freed
+	}
+}
+
+// spareLeases recycles freed leases (and their page slices) for new
+// admissions; see invariant 1 in the package doc.
+var spareLeases = sync.Pool{New: func() any { return new(kvcache.Lease) }}
+
+func lookupPool(h Handle) (*poolEntry, error) {
+	if v, ok := pools.Load(h); ok {
+		return v.(*poolEntry), nil
+	}
+	return nil, fmt.Errorf("%w: %#x is not a live pool", ErrInvalidHandle, h)
+}
+
+// withLease runs f on the live entry of h under its read lock.
+func withLease(h Handle, f func(pe *poolEntry, l *kvcache.Lease) error) error {
+	v, ok := leases.Load(h)
+	if !ok {
+		return fmt.Errorf("%w: %#x is not a live lease", ErrInvalidHandle, h)
+	}
+	e := v.(*leaseEntry)
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.mu.lease == nil { // freed after our Load
+		return fmt.Errorf("%w: %#x is not a live lease", ErrInvalidHandle, h)
+	}
+	return f(e.pool, e.mu.lease)
+}
+
+// CreatePool builds a pool from a ConfigJSON document.
+func CreatePool(configJSON []byte) (Handle, error) {
+	cfg, err := ParseConfig(configJSON)
+	if err != nil {
+		return 0, err
+	}
+	p, err := kvcache.New(cfg)
+	if err != nil {
+		return 0, err
+	}
+	pe := &poolEntry{pool: p}
+	for _, t := range cfg.Tenants {
+		pe.remember(t.Name)
+	}
+	h := nextHandle.Add(1)
+	pools.Store(h, pe)
+	return h, nil
+}
+
+// DestroyPool closes the pool (its live leases are released and scrubbed,
+// fills are waited for) and invalidates its handle. Lease handles of the
+// pool stay valid until freed; calls on them report ErrLeaseReleased or
+// ErrPoolClosed. The error is Close's: the handle is gone either way.
+func DestroyPool(h Handle) error {
+	v, ok := pools.LoadAndDelete(h)
+	if !ok {
+		return fmt.Errorf("%w: %#x is not a live pool", ErrInvalidHandle, h)
+	}
+	return v.(*poolEntry).pool.Close()
+}
+
+// AddTenant registers a tenant; UpdateTenant changes one. name may alias C
+// memory.
+func AddTenant(h Handle, tc kvcache.TenantConfig) error {
+	pe, err := lookupPool(h)
+	if err != nil {
+		return err
+	}
+	tc.Name = strings.Clone(tc.Name)
+	if err := pe.pool.AddTenant(tc); err != nil {
+		return err
+	}
+	pe.remember(tc.Name)
+	return nil
+}
+
+// UpdateTenant changes a tenant's quota and reservation.
+func UpdateTenant(h Handle, tc kvcache.TenantConfig) error {
+	pe, err := lookupPool(h)
+	if err != nil {
+		return err
+	}
+	tc.Name = pe.intern(tc.Name)
+	return pe.pool.UpdateTenant(tc)
+}
+
+// Admit admits a request and returns its lease handle. id and tenant may
+// alias C memory: they are copied (or interned) before the pool keeps
+// them. wait > 0 lets the admission wait that long for pages or quota; 0
+// refuses a busy pool at once.
+func Admit(h Handle, id, tenant string, promptTokens, maxNewTokens int64, wait time.Duration) (Handle, error) {
+	pe, err := lookupPool(h)
+	if err != nil {
+		return 0, err
+	}
+	if wait < 0 {
+		return 0, fmt.Errorf("%w: negative wait %v", kvcache.ErrInvalidArgument, wait)
+	}
+	req := kvcache.Request{
+		ID:           strings.Clone(id),
+		Tenant:       pe.intern(tenant),
+		PromptTokens: clampInt(promptTokens),
+		MaxNewTokens: clampInt(maxNewTokens),
+	}
+	ctx := context.Background()
+	if wait > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, wait)
+		defer cancel()
+	}
+	l := spareLeases.Get().(*kvcache.Lease)
+	if err := pe.pool.AdmitInto(ctx, req, l); err != nil {
+		spareLeases.Put(l)
+		return 0, err
+	}
+	e := &leaseEntry{pool: pe}
+	e.mu.lease = l
+	lh := nextHandle.Add(1)
+	leases.Store(lh, e)
+	return lh, nil
+}
+
+// clampInt keeps an int64 token count meaningful on 32-bit platforms: a
+// count beyond int is as invalid as it is absurd, and kvcache refuses it.
+func clampInt(v int64) int {
+	if int64(int(v)) != v {
+		if v < 0 {
+			return -1
+		}
+		return int(^uint(0) >> 1)
+	}
+	return int(v)
+}
+
+// BlockTable copies the lease's block table into dst and returns its
+// length. A short dst gets nothing and a *BufferError.
+func BlockTable(h Handle, dst []int32) (int, error) {
+	n := 0
+	err := withLease(h, func(_ *poolEntry, l *kvcache.Lease) error {
+		n = l.Pages()
+		if !l.Live() {
+			_, err := l.AppendBlockTable(nil) // the lease's own error
+			return err
+		}
+		if n > len(dst) {
+			return &BufferError{What: "block table", Need: n, Have: len(dst)}
+		}
+		_, err := l.AppendBlockTable(dst[:0])
+		return err
+	})
+	return n, err
+}
+
+// SlotMapping copies the cache slot of each token in [start, end) into dst.
+func SlotMapping(h Handle, start, end int64, dst []int64) (int, error) {
+	n := 0
+	err := withLease(h, func(_ *poolEntry, l *kvcache.Lease) error {
+		s, e := clampInt(start), clampInt(end)
+		if e > s {
+			n = e - s
+		}
+		if l.Live() && s >= 0 && e >= s && e <= l.CapacityTokens() && n > len(dst) {
+			return &BufferError{What: "slot mapping", Need: n, Have: len(dst)}
+		}
+		_, err := l.SlotMapping(s, e, dst[:0])
+		return err
+	})
+	return n, err
+}
+
+// Commit moves the lease's written watermark.
+func Commit(h Handle, tokens int64) error {
+	return withLease(h, func(_ *poolEntry, l *kvcache.Lease) error { return l.Commit(clampInt(tokens)) })
+}
+
+// LeaseInfo is a lease's shape (kvf_lease_info).
+type LeaseInfo struct {
+	Pages, CapacityTokens, PromptTokens, MaxNewTokens, Written int64
+	Live                                                       bool
+}
+
+// DescribeLease reports a lease's shape; it works on released leases too.
+func DescribeLease(h Handle) (LeaseInfo, error) {
+	var li LeaseInfo
+	err := withLease(h, func(_ *poolEntry, l *kvcache.Lease) error {
+		li = LeaseInfo{
+			Pages: int64(l.Pages()), CapacityTokens: int64(l.CapacityTokens()),
+			PromptTokens: int64(l.PromptTokens()), MaxNewTokens: int64(l.MaxNewTokens()),
+			Written: int64(l.Written()), Live: l.Live(),
+		}
+		return nil
+	})
+	return li, err
+}
+
+// Release ends the lease; its scrub is ordered after the engine work in
+// after. The handle stays valid (for Info) until Free.
+func Release(h Handle, after cudaops.Ordering) error {
+	return withLease(h, func(_ *poolEntry, l *kvcache.Lease) error { return l.ReleaseAfter(after) })
+}
+
+// Free releases the lease if it is still live and invalidates its handle.
+// The error is the release's, if one was due and failed; the handle is
+// gone either way. A lease that its pool's Close already released is not
+// an error.
+func Free(h Handle) error {
+	v, ok := leases.LoadAndDelete(h)
+	if !ok {
+		return fmt.Errorf("%w: %#x is not a live lease", ErrInvalidHandle, h)
+	}
+	e := v.(*leaseEntry)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	l := e.mu.lease
+	e.mu.lease = nil
+	var err error
+	if l.Live() {
+		if err = l.Release(); err == kvcache.ErrPoolClosed || err == kvcache.ErrLeaseReleased {
+			err = nil // Close or a racing Release got there first
+		}
+	}
+	if !l.Live() {
+		spareLeases.Put(l)
+	}
+	return err
+}
+
+// Check runs the pool's accounting check.
+func Check(h Handle) error {
+	pe, err := lookupPool(h)
+	if err != nil {
+		return err
+	}
+	return pe.pool.Check()
+}
+
+// ClearFault lets a faulted pool admit again.
+func ClearFault(h Handle) error {
+	pe, err := lookupPool(h)
+	if err != nil {
+		return err
+	}
+	pe.pool.ClearFault()
+	return nil
+}
+
+// StatsJSON returns the pool's Stats as a StatsDoc in JSON.
+func StatsJSON(h Handle) ([]byte, error) {
+	pe, err := lookupPool(h)
+	if err != nil {
+		return nil, err
+	}
+	return json.Marshal(statsJSON(pe.pool.Stats()))
+}

@@ -1,0 +1,194 @@
+package bridge
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// Status is the integer every C function returns (kvf_status in
+// kvfence.h). The values are part of the ABI: never renumber, only add.
+type Status int32
+
+// Status codes; kvfence.h repeats them and a test keeps both in step.
+const (
+	OK Status = 0
+
+	// Errors of the C boundary itself.
+	StatusInvalidArgument Status = 1 // kvcache.ErrInvalidArgument and bad C arguments
+	StatusNullPointer     Status = 2
+	StatusInvalidHandle   Status = 3
+	StatusBufferTooSmall  Status = 4
+	StatusInternal        Status = 5 // a bug in kvfence (a recovered panic)
+
+	// Pool construction.
+	StatusInvalidConfig  Status = 10
+	StatusUndersizedPool Status = 11
+
+	// Admission refusals (kvcache.AdmissionError.Err).
+	StatusInvalidRequest    Status = 20
+	StatusUnknownTenant     Status = 21
+	StatusDuplicateRequest  Status = 22
+	StatusExceedsMaxContext Status = 23
+	StatusExceedsCapacity   Status = 24
+	StatusExceedsQuota      Status = 25
+	StatusPoolExhausted     Status = 26
+
+	// Pool and lease state.
+	StatusPoolClosed     Status = 30
+	StatusPoolFaulted    Status = 31
+	StatusLeaseReleased  Status = 32
+	StatusScrubFailed    Status = 33
+	StatusCanaryMismatch Status = 34
+
+	// Tenant administration.
+	StatusInvalidTenant   Status = 40
+	StatusDuplicateTenant Status = 41
+	StatusOverReserved    Status = 42
+)
+
+// Errors of the C boundary. Match with errors.Is.
+var (
+	// ErrNullPointer: a required pointer argument was NULL.
+	ErrNullPointer = errors.New("kvfence: NULL pointer argument")
+	// ErrInvalidHandle: zero, never issued, already destroyed or freed, or
+	// a handle of the other kind.
+	ErrInvalidHandle = errors.New("kvfence: invalid handle")
+	// ErrBufferTooSmall: the caller's buffer cannot hold the result; the
+	// error is a *BufferError with the size needed.
+	ErrBufferTooSmall = errors.New("kvfence: buffer too small")
+	// ErrInternal: a panic inside kvfence, recovered at the boundary.
+	ErrInternal = errors.New("kvfence: internal error")
+)
+
+// BufferError reports a short caller buffer.
+type BufferError struct {
+	What string
+	Need int // elements (or bytes, for text) the result needs
+	Have int // the buffer's capacity
+}
+
+func (e *BufferError) Error() string {
+	return fmt.Sprintf("%v: %s needs %d, buffer holds %d", ErrBufferTooSmall, e.What, e.Need, e.Have)
+}
+
+func (e *BufferError) Unwrap() error { return ErrBufferTooSmall }
+
+// sentinels maps errors to statuses in priority order: an error can wrap
+// several sentinels (ErrPoolFaulted wraps the ErrScrubFailed that caused
+// it, ErrInvalidConfig wraps the isolation error behind it), and the
+// outermost, the one the Go API documents for the call, wins.
+var sentinels = []struct {
+	err    error
+	status Status
+}{
+	{ErrNullPointer, StatusNullPointer},
+	{ErrInvalidHandle, StatusInvalidHandle},
+	{ErrBufferTooSmall, StatusBufferTooSmall},
+	{ErrInternal, StatusInternal},
+	{kvcache.ErrPoolClosed, StatusPoolClosed},
+	{kvcache.ErrPoolFaulted, StatusPoolFaulted},
+	{kvcache.ErrLeaseReleased, StatusLeaseReleased},
+	{kvcache.ErrUndersizedPool, StatusUndersizedPool},
+	{kvcache.ErrInvalidConfig, StatusInvalidConfig},
+	{kvcache.ErrInvalidRequest, StatusInvalidRequest},
+	{kvcache.ErrInvalidArgument, StatusInvalidArgument},
+	{kvcache.ErrDuplicateRequest, StatusDuplicateRequest},
+	{kvcache.ErrUnknownTenant, StatusUnknownTenant},
+	{kvcache.ErrExceedsMaxContext, StatusExceedsMaxContext},
+	{kvcache.ErrExceedsCapacity, StatusExceedsCapacity},
+	{kvcache.ErrExceedsQuota, StatusExceedsQuota},
+	{kvcache.ErrPoolExhausted, StatusPoolExhausted},
+	{kvcache.ErrScrubFailed, StatusScrubFailed},
+	{kvcache.ErrCanaryMismatch, StatusCanaryMismatch},
+	{isolation.ErrInvalidTenant, StatusInvalidTenant},
+	{isolation.ErrDuplicateTenant, StatusDuplicateTenant},
+	{isolation.ErrOverReserved, StatusOverReserved},
+}
+
+// Info is what kvf_last_error reports besides the message.
+type Info struct {
+	Status    Status
+	Retryable bool // the same admission may succeed later unchanged
+	Permanent bool // it can never succeed on this pool as configured
+	// Need, Have and Limit: pages for admission refusals (tokens for
+	// ErrExceedsMaxContext), elements or bytes for a short buffer.
+	Need, Have, Limit       int64
+	NeedTokens, LimitTokens int64
+}
+
+// Classify returns the status of err and the numbers it carries. A nil
+// error is OK; an error wrapping no known sentinel is StatusInternal.
+func Classify(err error) Info {
+	if err == nil {
+		return Info{Status: OK}
+	}
+	if ae, ok := errors.AsType[*kvcache.AdmissionError](err); ok {
+		return Info{
+			Status:    statusOf(ae.Err),
+			Retryable: ae.Retryable(),
+			Permanent: ae.Permanent(),
+			Need:      int64(ae.Need), Have: int64(ae.Have), Limit: int64(ae.Limit),
+			NeedTokens: int64(ae.NeedTokens), LimitTokens: int64(ae.LimitTokens),
+		}
+	}
+	info := Info{Status: statusOf(err)}
+	if be, ok := errors.AsType[*BufferError](err); ok {
+		info.Need, info.Have, info.Limit = int64(be.Need), int64(be.Have), int64(be.Have)
+	}
+	return info
+}
+
+func statusOf(err error) Status {
+	for _, s := range sentinels {
+		if errors.Is(err, s.err) {
+			return s.status
+		}
+	}
+	return StatusInternal
+}
+
+// statusNames are the C enumerator names, for messages and tests.
+var statusNames = map[Status]string{
+	OK:                      "KVF_OK",
+	StatusInvalidArgument:   "KVF_ERR_INVALID_ARGUMENT",
+	StatusNullPointer:       "KVF_ERR_NULL_POINTER",
+	StatusInvalidHandle:     "KVF_ERR_INVALID_HANDLE",
+	StatusBufferTooSmall:    "KVF_ERR_BUFFER_TOO_SMALL",
+	StatusInternal:          "KVF_ERR_INTERNAL",
+	StatusInvalidConfig:     "KVF_ERR_INVALID_CONFIG",
+	StatusUndersizedPool:    "KVF_ERR_UNDERSIZED_POOL",
+	StatusInvalidRequest:    "KVF_ERR_INVALID_REQUEST",
+	StatusUnknownTenant:     "KVF_ERR_UNKNOWN_TENANT",
+	StatusDuplicateRequest:  "KVF_ERR_DUPLICATE_REQUEST",
+	StatusExceedsMaxContext: "KVF_ERR_EXCEEDS_MAX_CONTEXT",
+	StatusExceedsCapacity:   "KVF_ERR_EXCEEDS_CAPACITY",
+	StatusExceedsQuota:      "KVF_ERR_EXCEEDS_QUOTA",
+	StatusPoolExhausted:     "KVF_ERR_POOL_EXHAUSTED",
+	StatusPoolClosed:        "KVF_ERR_POOL_CLOSED",
+	StatusPoolFaulted:       "KVF_ERR_POOL_FAULTED",
+	StatusLeaseReleased:     "KVF_ERR_LEASE_RELEASED",
+	StatusScrubFailed:       "KVF_ERR_SCRUB_FAILED",
+	StatusCanaryMismatch:    "KVF_ERR_CANARY_MISMATCH",
+	StatusInvalidTenant:     "KVF_ERR_INVALID_TENANT",
+	StatusDuplicateTenant:   "KVF_ERR_DUPLICATE_TENANT",
+	StatusOverReserved:      "KVF_ERR_OVER_RESERVED",
+}
+
+// Statuses returns every status with its C name.
+func Statuses() map[Status]string {
+	m := make(map[Status]string, len(statusNames))
+	for k, v := range statusNames {
+		m[k] = v
+	}
+	return m
+}
+
+func (s Status) String() string {
+	if n, ok := statusNames[s]; ok {
+		return n
+	}
+	return fmt.Sprintf("kvf_status(%d)", int32(s))
+}

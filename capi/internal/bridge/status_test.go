@@ -1,0 +1,127 @@
+package bridge
+
+import (
+	"errors"
+	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"strings"
+	"testing"
+
+	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// sentinelsOf lists the Err* variables declared in a package's errors.go.
+func sentinelsOf(t *testing.T, path string) []string {
+	t.Helper()
+	f, err := parser.ParseFile(token.NewFileSet(), path, nil, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, d := range f.Decls {
+		gd, ok := d.(*ast.GenDecl)
+		if !ok || gd.Tok != token.VAR {
+			continue
+		}
+		for _, s := range gd.Specs {
+			for _, n := range s.(*ast.ValueSpec).Names {
+				if strings.HasPrefix(n.Name, "Err") {
+					names = append(names, n.Name)
+				}
+			}
+		}
+	}
+	return names
+}
+
+// TestEverySentinelHasAStatus fails when a sentinel is added to kvcache or
+// isolation without deciding its C status here.
+func TestEverySentinelHasAStatus(t *testing.T) {
+	kv := map[string]error{
+		"ErrInvalidConfig": kvcache.ErrInvalidConfig, "ErrUndersizedPool": kvcache.ErrUndersizedPool,
+		"ErrInvalidRequest": kvcache.ErrInvalidRequest, "ErrUnknownTenant": kvcache.ErrUnknownTenant,
+		"ErrDuplicateRequest": kvcache.ErrDuplicateRequest, "ErrExceedsMaxContext": kvcache.ErrExceedsMaxContext,
+		"ErrExceedsCapacity": kvcache.ErrExceedsCapacity, "ErrExceedsQuota": kvcache.ErrExceedsQuota,
+		"ErrPoolExhausted": kvcache.ErrPoolExhausted, "ErrPoolClosed": kvcache.ErrPoolClosed,
+		"ErrPoolFaulted": kvcache.ErrPoolFaulted, "ErrLeaseReleased": kvcache.ErrLeaseReleased,
+		"ErrInvalidArgument": kvcache.ErrInvalidArgument, "ErrScrubFailed": kvcache.ErrScrubFailed,
+		"ErrCanaryMismatch": kvcache.ErrCanaryMismatch,
+	}
+	iso := map[string]error{
+		"ErrInvalidTenant": isolation.ErrInvalidTenant, "ErrDuplicateTenant": isolation.ErrDuplicateTenant,
+		"ErrUnknownTenant": isolation.ErrUnknownTenant, "ErrQuotaExceeded": isolation.ErrQuotaExceeded,
+		"ErrOverReserved": isolation.ErrOverReserved, "ErrScrubFailed": isolation.ErrScrubFailed,
+		"ErrCanaryMismatch": isolation.ErrCanaryMismatch,
+		// Only ever reported inside another sentinel: ErrReserved as the
+		// cause of ErrPoolExhausted, policy errors inside ErrInvalidConfig.
+		"ErrReserved": nil, "ErrInvalidPolicy": nil, "ErrNonFinitePattern": nil,
+	}
+	for _, c := range []struct {
+		file string
+		errs map[string]error
+	}{{"../../../kvcache/errors.go", kv}, {"../../../isolation/errors.go", iso}} {
+		for _, name := range sentinelsOf(t, c.file) {
+			err, known := c.errs[name]
+			switch {
+			case !known:
+				t.Errorf("%s: %s has no C status: add it to sentinels, kvfence.h and this test", c.file, name)
+			case err != nil && Classify(fmt.Errorf("wrapped: %w", err)).Status == StatusInternal:
+				t.Errorf("%s: %s classifies as internal", c.file, name)
+			}
+		}
+	}
+}
+
+func TestClassify(t *testing.T) {
+	tests := []struct {
+		name string
+		err  error
+		want Info
+	}{
+		{"nil", nil, Info{Status: OK}},
+		{"unknown", errors.New("boom"), Info{Status: StatusInternal}},
+		{"handle", fmt.Errorf("%w: 0x1", ErrInvalidHandle), Info{Status: StatusInvalidHandle}},
+		{"buffer", &BufferError{What: "block table", Need: 8, Have: 4}, Info{Status: StatusBufferTooSmall, Need: 8, Have: 4, Limit: 4}},
+		{"faulted wins over its cause", fmt.Errorf("%w: %w", kvcache.ErrPoolFaulted, kvcache.ErrScrubFailed), Info{Status: StatusPoolFaulted}},
+		{"undersized", fmt.Errorf("%w: pool holds", kvcache.ErrUndersizedPool), Info{Status: StatusUndersizedPool}},
+		{"config wins over policy", fmt.Errorf("%w: %w", kvcache.ErrInvalidConfig, isolation.ErrNonFinitePattern), Info{Status: StatusInvalidConfig}},
+		{"exhausted with reserved cause", &kvcache.AdmissionError{Err: kvcache.ErrPoolExhausted, Cause: isolation.ErrReserved, Need: 8, Have: 2, Limit: 64},
+			Info{Status: StatusPoolExhausted, Retryable: true, Need: 8, Have: 2, Limit: 64}},
+		{"capacity", &kvcache.AdmissionError{Err: kvcache.ErrExceedsCapacity, Need: 125, Have: 64, Limit: 64, NeedTokens: 2000, LimitTokens: 1024},
+			Info{Status: StatusExceedsCapacity, Permanent: true, Need: 125, Have: 64, Limit: 64, NeedTokens: 2000, LimitTokens: 1024}},
+		{"quota, retryable", &kvcache.AdmissionError{Err: kvcache.ErrExceedsQuota, Need: 8, Have: 2, Limit: 32},
+			Info{Status: StatusExceedsQuota, Retryable: true, Need: 8, Have: 2, Limit: 32}},
+		{"admission error wrapped", fmt.Errorf("outer: %w", &kvcache.AdmissionError{Err: kvcache.ErrUnknownTenant}), Info{Status: StatusUnknownTenant}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := Classify(tt.err); got != tt.want {
+				t.Errorf("Classify = %+v, want %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestStatusNamesUnique(t *testing.T) {
+	seen := make(map[string]Status)
+	for s, n := range Statuses() {
+		if prev, dup := seen[n]; dup {
+			t.Errorf("%s names %d and %d", n, prev, s)
+		}
+		seen[n] = s
+		if s.String() != n {
+			t.Errorf("Status(%d).String() = %q, want %q", s, s.String(), n)
+		}
+	}
+	for _, s := range sentinels {
+		if _, ok := Statuses()[s.status]; !ok {
+			t.Errorf("sentinel %v maps to unnamed status %d", s.err, s.status)
+		}
+	}
+	if got := Status(999).String(); got != "kvf_status(999)" {
+		t.Errorf("unknown status prints %q", got)
+	}
+}

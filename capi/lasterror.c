@@ -1,0 +1,133 @@
+//go:build cgo
+
+// The C half of libkvfence: what needs no Go (version, status names) and
+// the per-thread last error, which lives on the C side because Go has no
+// notion of the calling OS thread.
+//
+// The last error is kept in a heap block per thread, reached through a
+// pthread key, not in __thread storage: a Go c-shared library is marked
+// STATIC_TLS, and glibc has only a small surplus of static TLS for
+// libraries loaded with dlopen (Python's ctypes), so kilobytes of __thread
+// data would make dlopen fail. The key's destructor frees the block when
+// the thread exits; a thread that never failed never allocates one.
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvfence.h"
+#include "lasterror.h"
+
+#define KVF_VERSION_STRING "0.1.0"
+
+struct last_error {
+    kvf_error_info info;
+    char message[KVF_ERROR_MESSAGE_MAX];
+};
+
+static pthread_key_t last_error_key;
+static pthread_once_t last_error_once = PTHREAD_ONCE_INIT;
+static int last_error_key_ok;
+
+static void last_error_init(void) { last_error_key_ok = pthread_key_create(&last_error_key, free) == 0; }
+
+// current returns this thread's block, allocating it if create is set; NULL
+// if there is none (or no memory, in which case the error is dropped).
+static struct last_error *current(int create) {
+    pthread_once(&last_error_once, last_error_init);
+    if (!last_error_key_ok) {
+        return NULL;
+    }
+    struct last_error *e = pthread_getspecific(last_error_key);
+    if (e == NULL && create) {
+        e = calloc(1, sizeof *e);
+        if (e != NULL && pthread_setspecific(last_error_key, e) != 0) {
+            free(e);
+            e = NULL;
+        }
+    }
+    return e;
+}
+
+void kvf__set_last_error(const kvf_error_info *info, const char *msg, size_t len) {
+    struct last_error *e = current(1);
+    if (e == NULL) {
+        return;
+    }
+    e->info = *info;
+    if (len > KVF_ERROR_MESSAGE_MAX - 1) {
+        len = KVF_ERROR_MESSAGE_MAX - 1;
+    }
+    if (len > 0) {
+        memcpy(e->message, msg, len);
+    }
+    e->message[len] = '\0';
+    e->info.message_len = len;
+}
+
+const char *kvf_version(void) { return KVF_VERSION_STRING; }
+
+uint32_t kvf_abi_version(void) { return KVF_ABI_VERSION; }
+
+kvf_status kvf_last_error(kvf_error_info *info) {
+    if (info == NULL) {
+        return KVF_ERR_NULL_POINTER;
+    }
+    const struct last_error *e = current(0);
+    if (e == NULL) {
+        memset(info, 0, sizeof *info);
+    } else {
+        *info = e->info;
+    }
+    return KVF_OK;
+}
+
+kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *needed) {
+    const struct last_error *e = current(0);
+    const char *message = e == NULL ? "" : e->message;
+    size_t len = e == NULL ? 0 : (size_t)e->info.message_len;
+    if (needed != NULL) {
+        *needed = len + 1;
+    }
+    if (buf == NULL && buf_len > 0) {
+        return KVF_ERR_NULL_POINTER;
+    }
+    if (buf_len < len + 1) {
+        if (buf_len > 0) {
+            memcpy(buf, message, buf_len - 1);
+            buf[buf_len - 1] = '\0';
+        }
+        return KVF_ERR_BUFFER_TOO_SMALL;
+    }
+    memcpy(buf, message, len + 1);
+    return KVF_OK;
+}
+
+const char *kvf_status_name(kvf_status status) {
+    switch (status) {
+    case KVF_OK: return "KVF_OK";
+    case KVF_ERR_INVALID_ARGUMENT: return "KVF_ERR_INVALID_ARGUMENT";
+    case KVF_ERR_NULL_POINTER: return "KVF_ERR_NULL_POINTER";
+    case KVF_ERR_INVALID_HANDLE: return "KVF_ERR_INVALID_HANDLE";
+    case KVF_ERR_BUFFER_TOO_SMALL: return "KVF_ERR_BUFFER_TOO_SMALL";
+    case KVF_ERR_INTERNAL: return "KVF_ERR_INTERNAL";
+    case KVF_ERR_INVALID_CONFIG: return "KVF_ERR_INVALID_CONFIG";
+    case KVF_ERR_UNDERSIZED_POOL: return "KVF_ERR_UNDERSIZED_POOL";
+    case KVF_ERR_INVALID_REQUEST: return "KVF_ERR_INVALID_REQUEST";
+    case KVF_ERR_UNKNOWN_TENANT: return "KVF_ERR_UNKNOWN_TENANT";
+    case KVF_ERR_DUPLICATE_REQUEST: return "KVF_ERR_DUPLICATE_REQUEST";
+    case KVF_ERR_EXCEEDS_MAX_CONTEXT: return "KVF_ERR_EXCEEDS_MAX_CONTEXT";
+    case KVF_ERR_EXCEEDS_CAPACITY: return "KVF_ERR_EXCEEDS_CAPACITY";
+    case KVF_ERR_EXCEEDS_QUOTA: return "KVF_ERR_EXCEEDS_QUOTA";
+    case KVF_ERR_POOL_EXHAUSTED: return "KVF_ERR_POOL_EXHAUSTED";
+    case KVF_ERR_POOL_CLOSED: return "KVF_ERR_POOL_CLOSED";
+    case KVF_ERR_POOL_FAULTED: return "KVF_ERR_POOL_FAULTED";
+    case KVF_ERR_LEASE_RELEASED: return "KVF_ERR_LEASE_RELEASED";
+    case KVF_ERR_SCRUB_FAILED: return "KVF_ERR_SCRUB_FAILED";
+    case KVF_ERR_CANARY_MISMATCH: return "KVF_ERR_CANARY_MISMATCH";
+    case KVF_ERR_INVALID_TENANT: return "KVF_ERR_INVALID_TENANT";
+    case KVF_ERR_DUPLICATE_TENANT: return "KVF_ERR_DUPLICATE_TENANT";
+    case KVF_ERR_OVER_RESERVED: return "KVF_ERR_OVER_RESERVED";
+    }
+    return "KVF_ERR_UNKNOWN_STATUS";
+}

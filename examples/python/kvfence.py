@@ -1,0 +1,260 @@
+"""kvfence: a ctypes wrapper of libkvfence (capi/include/kvfence.h).
+
+Standard library only. The shared library is found through $KVFENCE_LIB,
+then ../../capi/libkvfence.so next to this file (the repository layout),
+then the system's library path. Build it with
+
+    go build -buildmode=c-shared -o capi/libkvfence.so ./capi
+
+Every failed call raises KvfenceError carrying the C status, the message
+and the numbers of the refusal (need, have, limit ...), read from the
+library's per-thread last error right after the call, on the same thread.
+"""
+
+import ctypes
+import ctypes.util
+import json
+import os
+
+ABI_VERSION = 1
+
+# Status codes, as in kvfence.h.
+OK = 0
+ERR_INVALID_ARGUMENT = 1
+ERR_NULL_POINTER = 2
+ERR_INVALID_HANDLE = 3
+ERR_BUFFER_TOO_SMALL = 4
+ERR_INTERNAL = 5
+ERR_INVALID_CONFIG = 10
+ERR_UNDERSIZED_POOL = 11
+ERR_INVALID_REQUEST = 20
+ERR_UNKNOWN_TENANT = 21
+ERR_DUPLICATE_REQUEST = 22
+ERR_EXCEEDS_MAX_CONTEXT = 23
+ERR_EXCEEDS_CAPACITY = 24
+ERR_EXCEEDS_QUOTA = 25
+ERR_POOL_EXHAUSTED = 26
+ERR_POOL_CLOSED = 30
+ERR_POOL_FAULTED = 31
+ERR_LEASE_RELEASED = 32
+ERR_SCRUB_FAILED = 33
+ERR_CANARY_MISMATCH = 34
+ERR_INVALID_TENANT = 40
+ERR_DUPLICATE_TENANT = 41
+ERR_OVER_RESERVED = 42
+
+
+class _ErrorInfo(ctypes.Structure):
+    _fields_ = [
+        ("status", ctypes.c_int32),
+        ("retryable", ctypes.c_int32),
+        ("permanent", ctypes.c_int32),
+        ("reserved0", ctypes.c_int32),
+        ("need", ctypes.c_int64),
+        ("have", ctypes.c_int64),
+        ("limit", ctypes.c_int64),
+        ("need_tokens", ctypes.c_int64),
+        ("limit_tokens", ctypes.c_int64),
+        ("message_len", ctypes.c_uint64),
+    ]
+
+
+class _LeaseInfo(ctypes.Structure):
+    _fields_ = [
+        ("pages", ctypes.c_int64),
+        ("capacity_tokens", ctypes.c_int64),
+        ("prompt_tokens", ctypes.c_int64),
+        ("max_new_tokens", ctypes.c_int64),
+        ("written_tokens", ctypes.c_int64),
+        ("live", ctypes.c_int32),
+        ("reserved0", ctypes.c_int32),
+    ]
+
+
+def _find_library():
+    env = os.environ.get("KVFENCE_LIB")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    local = os.path.join(here, "..", "..", "capi", "libkvfence.so")
+    if os.path.exists(local):
+        return local
+    found = ctypes.util.find_library("kvfence")
+    if found:
+        return found
+    raise OSError("libkvfence not found: build it (go build -buildmode=c-shared "
+                  "-o capi/libkvfence.so ./capi) or set KVFENCE_LIB")
+
+
+_lib = ctypes.CDLL(_find_library())
+
+_status = ctypes.c_int32
+_handle = ctypes.c_uint64
+_i64 = ctypes.c_int64
+_size = ctypes.c_size_t
+_P = ctypes.POINTER
+
+
+def _fn(name, restype, *argtypes):
+    f = getattr(_lib, name)
+    f.restype = restype
+    f.argtypes = list(argtypes)
+    return f
+
+
+_version = _fn("kvf_version", ctypes.c_char_p)
+_abi_version = _fn("kvf_abi_version", ctypes.c_uint32)
+_status_name = _fn("kvf_status_name", ctypes.c_char_p, _status)
+_last_error = _fn("kvf_last_error", _status, _P(_ErrorInfo))
+_last_error_message = _fn("kvf_last_error_message", _status, ctypes.c_char_p, _size, _P(_size))
+_pool_create = _fn("kvf_pool_create", _status, ctypes.c_char_p, _P(_handle))
+_pool_destroy = _fn("kvf_pool_destroy", _status, _handle)
+_pool_add_tenant = _fn("kvf_pool_add_tenant", _status, _handle, ctypes.c_char_p, _i64, _i64)
+_pool_update_tenant = _fn("kvf_pool_update_tenant", _status, _handle, ctypes.c_char_p, _i64, _i64)
+_pool_stats_json = _fn("kvf_pool_stats_json", _status, _handle, ctypes.c_char_p, _size, _P(_size))
+_pool_check = _fn("kvf_pool_check", _status, _handle)
+_pool_clear_fault = _fn("kvf_pool_clear_fault", _status, _handle)
+_admit = _fn("kvf_admit", _status, _handle, ctypes.c_char_p, ctypes.c_char_p, _i64, _i64, _i64, _P(_handle))
+_block_table = _fn("kvf_lease_block_table", _status, _handle, _P(ctypes.c_int32), _size, _P(_size))
+_slot_mapping = _fn("kvf_lease_slot_mapping", _status, _handle, _i64, _i64, _P(ctypes.c_int64), _size, _P(_size))
+_commit = _fn("kvf_lease_commit", _status, _handle, _i64)
+_describe = _fn("kvf_lease_describe", _status, _handle, _P(_LeaseInfo))
+_release = _fn("kvf_lease_release", _status, _handle, ctypes.c_size_t, ctypes.c_size_t)
+_free = _fn("kvf_lease_free", _status, _handle)
+
+if _abi_version() != ABI_VERSION:
+    raise ImportError("libkvfence ABI %d, this module speaks %d" % (_abi_version(), ABI_VERSION))
+
+
+def version():
+    return _version().decode()
+
+
+def status_name(status):
+    return _status_name(status).decode()
+
+
+class KvfenceError(Exception):
+    """A failed kvfence call: status (int), name, message and numbers."""
+
+    def __init__(self, status):
+        info = _ErrorInfo()
+        _last_error(ctypes.byref(info))
+        buf = ctypes.create_string_buffer(int(info.message_len) + 1)
+        _last_error_message(buf, len(buf), None)
+        self.status = status
+        self.name = status_name(status)
+        self.message = buf.value.decode(errors="replace")
+        self.retryable = bool(info.retryable)
+        self.permanent = bool(info.permanent)
+        self.need, self.have, self.limit = info.need, info.have, info.limit
+        self.need_tokens, self.limit_tokens = info.need_tokens, info.limit_tokens
+        super().__init__(self.message)
+
+
+def _check(status):
+    if status != OK:
+        raise KvfenceError(status)
+
+
+def _bytes(s):
+    return s.encode() if isinstance(s, str) else s
+
+
+class Pool:
+    """A kvfence pool. config is a dict or a JSON string (kvfence.h)."""
+
+    def __init__(self, config):
+        if not isinstance(config, (str, bytes)):
+            config = json.dumps(config)
+        h = _handle()
+        _check(_pool_create(_bytes(config), ctypes.byref(h)))
+        self._h = h.value
+
+    def close(self):
+        """Destroys the pool; its live leases are released and scrubbed."""
+        if self._h:
+            h, self._h = self._h, 0
+            _check(_pool_destroy(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def add_tenant(self, name, quota_pages=0, reserved_pages=0):
+        _check(_pool_add_tenant(self._h, _bytes(name), quota_pages, reserved_pages))
+
+    def update_tenant(self, name, quota_pages=0, reserved_pages=0):
+        _check(_pool_update_tenant(self._h, _bytes(name), quota_pages, reserved_pages))
+
+    def admit(self, request_id, tenant, prompt_tokens, max_new_tokens=0, wait_ms=0):
+        """Returns a Lease holding every page the request can need, or
+        raises KvfenceError (nothing allocated)."""
+        h = _handle()
+        _check(_admit(self._h, _bytes(request_id), _bytes(tenant), prompt_tokens, max_new_tokens,
+                      wait_ms, ctypes.byref(h)))
+        return Lease(h.value)
+
+    def stats(self):
+        need = _size()
+        st = _pool_stats_json(self._h, None, 0, ctypes.byref(need))
+        if st != ERR_BUFFER_TOO_SMALL:
+            _check(st)
+        buf = ctypes.create_string_buffer(need.value)
+        _check(_pool_stats_json(self._h, buf, len(buf), None))
+        return json.loads(buf.value)
+
+    def check(self):
+        _check(_pool_check(self._h))
+
+    def clear_fault(self):
+        _check(_pool_clear_fault(self._h))
+
+
+class Lease:
+    """An admitted request's pages. Use as a context manager, or call
+    release() and free()."""
+
+    def __init__(self, handle):
+        self._h = handle
+
+    def block_table(self):
+        n = _size()
+        st = _block_table(self._h, None, 0, ctypes.byref(n))
+        if st != ERR_BUFFER_TOO_SMALL:
+            _check(st)
+        buf = (ctypes.c_int32 * n.value)()
+        _check(_block_table(self._h, buf, n.value, ctypes.byref(n)))
+        return list(buf[: n.value])
+
+    def slot_mapping(self, start, end):
+        buf = (ctypes.c_int64 * max(0, end - start))()
+        n = _size()
+        _check(_slot_mapping(self._h, start, end, buf, len(buf), ctypes.byref(n)))
+        return list(buf[: n.value])
+
+    def commit(self, tokens):
+        _check(_commit(self._h, tokens))
+
+    def info(self):
+        li = _LeaseInfo()
+        _check(_describe(self._h, ctypes.byref(li)))
+        return {f: getattr(li, f) for f, _ in _LeaseInfo._fields_ if f != "reserved0"}
+
+    def release(self, stream=0, event=0):
+        """Ends the lease; the scrub runs after the engine's CUDA stream or
+        event (integer handles, e.g. torch.cuda.current_stream().cuda_stream)."""
+        _check(_release(self._h, stream, event))
+
+    def free(self):
+        if self._h:
+            h, self._h = self._h, 0
+            _check(_free(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
