@@ -2,15 +2,6 @@ package cudaops
 
 import "fmt"
 
-// DeviceInfo is what the NVML probe reports about one GPU.
-type DeviceInfo struct {
-	Index      int    // NVML index (all GPUs, not CUDA_VISIBLE_DEVICES order)
-	Name       string // e.g. "NVIDIA H200"
-	UUID       string // e.g. "GPU-…"
-	TotalBytes uint64
-	FreeBytes  uint64
-}
-
 // PagesForMemory returns how many pages of bytesPerPage (the bytes one page
 // occupies over all its regions on this device) fit in free memory after
 // keeping headroom for the engine's weights, activations and workspace.

@@ -228,11 +228,14 @@ static void test_admission(kvf_pool pool) {
     EXPECT(kvf_admit(pool, "r1", "globex", 16, 0, 0, &junk), KVF_ERR_DUPLICATE_REQUEST);
     EXPECT(kvf_admit(pool, "r2", "globex", 500, 0, 0, &b), KVF_OK); /* 32 pages */
 
-    /* 24 pages left: globex asks for 64 (the whole context). */
-    EXPECT(kvf_admit(pool, "r3", "globex", 1024, 0, 0, &junk), KVF_ERR_POOL_EXHAUSTED);
+    /* 24 pages left: globex asks for 32, within its quota (64, 32 used). */
+    EXPECT(kvf_admit(pool, "r3", "globex", 512, 0, 0, &junk), KVF_ERR_POOL_EXHAUSTED);
     info = last();
-    CHECK(info.need == 64 && info.have == 24 && info.limit == 64 && info.retryable == 1 && info.permanent == 0);
-    EXPECT(kvf_admit(pool, "r3", "globex", 1024, 0, 20, &junk), KVF_ERR_POOL_EXHAUSTED);
+    CHECK(info.need == 32 && info.have == 24 && info.limit == 64 && info.retryable == 1 && info.permanent == 0);
+    EXPECT(kvf_admit(pool, "r3", "globex", 512, 0, 20, &junk), KVF_ERR_POOL_EXHAUSTED);
+    /* 64 more would pass its quota: the quota is checked first. */
+    EXPECT(kvf_admit(pool, "r3", "globex", 1024, 0, 0, &junk), KVF_ERR_EXCEEDS_QUOTA);
+    CHECK(last().retryable == 1 && last().permanent == 0);
 
     /* Block table: size query, short buffer, NULL buffer, success. */
     size_t n = 99;
@@ -287,7 +290,7 @@ static void test_admission(kvf_pool pool) {
     CHECK(strlen(js) == need - 1);
     CHECK(strstr(js, "\"live_leases\":2") != NULL);
     CHECK(strstr(js, "\"in_use_pages\":40") != NULL);
-    CHECK(strstr(js, "\"exceeds_quota\":1") != NULL);
+    CHECK(strstr(js, "\"exceeds_quota\":2") != NULL);
     free(js);
     EXPECT(kvf_pool_stats_json(pool, NULL, 5, NULL), KVF_ERR_NULL_POINTER);
     EXPECT(kvf_pool_check(pool), KVF_OK);

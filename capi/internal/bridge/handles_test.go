@@ -116,7 +116,7 @@ func TestHandlesDoNotCross(t *testing.T) {
 
 func TestAdmissionRefusals(t *testing.T) {
 	p := newTestPool(t)
-	if _, err := Admit(p, "hold", "b", 500, 0, 0); err != nil { // 32 pages
+	if _, err := Admit(p, "hold", "a", 500, 0, 0); err != nil { // 32 pages: all of a's quota
 		t.Fatal(err)
 	}
 	tests := []struct {
@@ -257,7 +257,7 @@ func TestStatsJSON(t *testing.T) {
 	want := `{"device":"host","total_pages":64,"free_pages":62,"in_use_pages":2,"cached_pages":0,"quarantined_pages":0,` +
 		`"retired_pages":0,"tokens_per_page":16,"page_bytes":512,"live_leases":1,"admitted":1,"refused":{"invalid_request":0,` +
 		`"unknown_tenant":1,"duplicate_request":0,"exceeds_max_context":0,"exceeds_capacity":0,"exceeds_quota":0,` +
-		`"pool_exhausted":0,"pool_faulted":0,"total":1},"scrub":{"fills":0,"pages_scrubbed":0,"bytes_scrubbed":0,` +
+		`"pool_exhausted":0,"pool_faulted":0,"total":1},"scrub":{"fills":1,"pages_scrubbed":64,"bytes_scrubbed":32768,` +
 		`"fill_errors":0,"pages_retired":0,"canary_checks":0,"canary_failures":0},"tenants":[{"name":"a","used_pages":2,` +
 		`"quota_pages":32,"reserved_pages":0},{"name":"b","used_pages":0,"quota_pages":64,"reserved_pages":0}],"closed":false,"fault":""}`
 	if string(js) != want {

@@ -1,47 +1,48 @@
 //go:build cgo
 
-package cudaops
+package gpuinfo
 
 import (
 	"fmt"
+	"github.com/kvfence/kvfence/cudaops"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 )
 
-// ProbeNVML reports the name, UUID and memory of GPU index through NVML
+// Probe reports the name, UUID and memory of GPU index through NVML
 // (libnvidia-ml.so.1, loaded at run time by go-nvml). Without the library
-// it returns ErrNoDevice. It calls nothing but nvml.Init unless Init
+// it returns cudaops.ErrNoDevice. It calls nothing but nvml.Init unless Init
 // succeeded: any other NVML call after a failed Init ends the process.
-func ProbeNVML(index int) (DeviceInfo, error) {
+func Probe(index int) (Info, error) {
 	if index < 0 {
-		return DeviceInfo{}, fmt.Errorf("%w: NVML index %d", ErrInvalidArgument, index)
+		return Info{}, fmt.Errorf("%w: NVML index %d", cudaops.ErrInvalidArgument, index)
 	}
 	if ret := nvml.Init(); ret != nvml.SUCCESS {
 		// Only the number: Return.String may call into a library that
 		// failed to initialise.
 		if ret == nvml.ERROR_LIBRARY_NOT_FOUND {
-			return DeviceInfo{}, fmt.Errorf("%w: nvml.Init: library libnvidia-ml.so.1 not found", ErrNoDevice)
+			return Info{}, fmt.Errorf("%w: nvml.Init: library libnvidia-ml.so.1 not found", cudaops.ErrNoDevice)
 		}
-		return DeviceInfo{}, fmt.Errorf("%w: nvml.Init: %s", ErrNoDevice, nvmlReturnName(ret))
+		return Info{}, fmt.Errorf("%w: nvml.Init: %s", cudaops.ErrNoDevice, nvmlReturnName(ret))
 	}
 	defer nvml.Shutdown()
 	dev, ret := nvml.DeviceGetHandleByIndex(index)
 	if ret != nvml.SUCCESS {
 		if ret == nvml.ERROR_INVALID_ARGUMENT || ret == nvml.ERROR_NOT_FOUND {
-			return DeviceInfo{}, fmt.Errorf("%w: NVML device %d: %s", ErrNoDevice, index, nvml.ErrorString(ret))
+			return Info{}, fmt.Errorf("%w: NVML device %d: %s", cudaops.ErrNoDevice, index, nvml.ErrorString(ret))
 		}
-		return DeviceInfo{}, fmt.Errorf("%w: nvml.DeviceGetHandleByIndex(%d): %s", ErrDriver, index, nvml.ErrorString(ret))
+		return Info{}, fmt.Errorf("%w: nvml.DeviceGetHandleByIndex(%d): %s", cudaops.ErrDriver, index, nvml.ErrorString(ret))
 	}
-	info := DeviceInfo{Index: index}
+	info := Info{Index: index}
 	if info.Name, ret = dev.GetName(); ret != nvml.SUCCESS {
-		return DeviceInfo{}, fmt.Errorf("%w: nvml GetName: %s", ErrDriver, nvml.ErrorString(ret))
+		return Info{}, fmt.Errorf("%w: nvml GetName: %s", cudaops.ErrDriver, nvml.ErrorString(ret))
 	}
 	if info.UUID, ret = dev.GetUUID(); ret != nvml.SUCCESS {
-		return DeviceInfo{}, fmt.Errorf("%w: nvml GetUUID: %s", ErrDriver, nvml.ErrorString(ret))
+		return Info{}, fmt.Errorf("%w: nvml GetUUID: %s", cudaops.ErrDriver, nvml.ErrorString(ret))
 	}
 	mem, ret := dev.GetMemoryInfo()
 	if ret != nvml.SUCCESS {
-		return DeviceInfo{}, fmt.Errorf("%w: nvml GetMemoryInfo: %s", ErrDriver, nvml.ErrorString(ret))
+		return Info{}, fmt.Errorf("%w: nvml GetMemoryInfo: %s", cudaops.ErrDriver, nvml.ErrorString(ret))
 	}
 	info.TotalBytes, info.FreeBytes = mem.Total, mem.Free
 	return info, nil
