@@ -409,7 +409,8 @@ func writeTrace(path string, tr *kvsim.Trace) error {
 // kvbench-<time>-* directory in the working directory.
 func outDir(dir string) (string, error) {
 	if dir == "" {
-		return os.MkdirTemp(".", "kvbench-"+time.Now().Format("20060102-150405")+"-")
+		dir, err := os.MkdirTemp(".", "kvbench-"+time.Now().Format("20060102-150405")+"-")
+		return filepath.Clean(dir), err
 	}
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return "", &usageError{fmt.Sprintf("flag -out: %v", err)}

@@ -83,7 +83,7 @@ type Workload struct {
 	OutputP50       int     `json:"output_p50"`
 	OutputP99       int     `json:"output_p99"`
 	MaxNewP50       int     `json:"max_new_p50"`
-	OverMaxContext  int     `json:"over_max_context"`  // prompt + max_new above the context window
+	OverMaxContext  int     `json:"over_max_context"`   // prompt + max_new above the context window
 	OverCapacity    int     `json:"over_pool_capacity"` // within the window, above the smallest pool
 	Aborting        int     `json:"aborting"`
 	SharedPrefixPct float64 `json:"shared_prefix_percent"` // of prompt tokens
@@ -185,7 +185,7 @@ func (r *Report) WriteTable(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	gpuHead := ""
 	if r.DeviceBandwidth > 0 {
-		gpuHead = fmt.Sprintf("GPU fill/s @%s/s\t", FormatBytes(r.DeviceBandwidth))
+		gpuHead = fmt.Sprintf("GPU fill/s @%.3gGB/s\t", r.DeviceBandwidth/1e9)
 	}
 	fmt.Fprintf(tw, "policy\tpool\tadmit/s\tadmit p50\tp99\tp999\tscrubbed\tB/gen tok\tscrub÷KV\tfill share\t%srun×base\tp99×base\tmean use\taudit\t\n", gpuHead)
 	for _, run := range r.Runs {

@@ -36,9 +36,9 @@ type RunResult struct {
 	Dropped          map[string]uint64 `json:"dropped"`  // requests never served, by reason
 	QueueWaitSeconds float64           `json:"queue_wait_seconds"`
 
-	AdmissionsPerServingSecond float64        `json:"admissions_per_serving_second"`
-	AdmitThroughput            float64        `json:"admit_throughput_per_cpu_second"`
-	AdmitLatency               LatencySummary `json:"admit_latency"`
+	AdmissionsPerServingSecond float64         `json:"admissions_per_serving_second"`
+	AdmitThroughput            float64         `json:"admit_throughput_per_cpu_second"`
+	AdmitLatency               LatencySummary  `json:"admit_latency"`
 	Latencies                  []time.Duration `json:"-"`
 
 	PromptTokens                uint64  `json:"prompt_tokens"`

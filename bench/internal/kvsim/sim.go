@@ -150,7 +150,7 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 	}
 	s.spec = spec
 	if cfg.WriteKV {
-		if h, ok := base.(*cudaops.Host); ok {
+		if h, ok := base.(hostMemory); ok {
 			s.host = h
 		} else {
 			s.res.KVWritesSimulated = false // the engine's writes live on the device
@@ -169,6 +169,12 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		return s.res, fmt.Errorf("%w: policy %s: %s", ErrAuditFailed, cfg.Policy, s.res.Audit.Summary)
 	}
 	return s.res, nil
+}
+
+// hostMemory is a device whose pages the simulated engine can write in
+// place (cudaops.Host).
+type hostMemory interface {
+	PageBytes(region int, page int32) []byte
 }
 
 type queued struct {
@@ -191,7 +197,7 @@ type sim struct {
 	tr        *Trace
 	pool      *kvcache.Pool
 	dev       *meteredDevice
-	host      *cudaops.Host // set when the engine's KV writes are simulated
+	host      hostMemory // set when the engine's KV writes are simulated
 	spec      cudaops.FillSpec
 	tenantIdx map[string]int
 	reused    []bool // page was held by a lease before

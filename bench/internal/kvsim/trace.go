@@ -179,9 +179,6 @@ func (p *traceParser) parseLine(line []byte) error {
 	if err := dec.Decode(&rec); err != nil {
 		return p.jsonError(err)
 	}
-	if dec.More() {
-		return p.fail("", "more than one JSON value on the line")
-	}
 	if f := p.foreignField(&rec); f != "" {
 		return p.fail(f, "not a field of a %q record (fields: %s)", rec.Type, strings.Join(fieldsOf[rec.Type], ", "))
 	}
