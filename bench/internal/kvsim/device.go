@@ -16,6 +16,10 @@ import (
 // stale pages it hands out. Never serve with it.
 type unsafeNoScrubDevice struct{ cudaops.Device }
 
+// UnsafeNoScrub wraps dev in the "none" baseline device: its Fill checks
+// the pages and writes nothing. UNSAFE, for measuring only.
+func UnsafeNoScrub(dev cudaops.Device) cudaops.Device { return unsafeNoScrubDevice{dev} }
+
 func (d unsafeNoScrubDevice) Name() string { return d.Device.Name() + " (UNSAFE: fills skipped)" }
 
 func (d unsafeNoScrubDevice) Fill(pages []int32, _ cudaops.FillSpec, _ cudaops.Ordering) (cudaops.Fence, error) {
