@@ -160,6 +160,18 @@ func FormatBytes(n float64) string {
 	return fmt.Sprintf("%.1f %s", n, units[i])
 }
 
+// FormatRate prints bytes per second in decimal units, as bandwidths are
+// quoted.
+func FormatRate(bps float64) string {
+	units := []string{"B/s", "kB/s", "MB/s", "GB/s", "TB/s", "PB/s"}
+	i := 0
+	for bps >= 1000 && i < len(units)-1 {
+		bps /= 1000
+		i++
+	}
+	return fmt.Sprintf("%.3g %s", bps, units[i])
+}
+
 func fmtRatio(v float64) string {
 	if v == 0 {
 		return "-"
@@ -185,7 +197,7 @@ func (r *Report) WriteTable(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	gpuHead := ""
 	if r.DeviceBandwidth > 0 {
-		gpuHead = fmt.Sprintf("GPU fill/s @%.3gGB/s\t", r.DeviceBandwidth/1e9)
+		gpuHead = fmt.Sprintf("GPU fill/s @%s\t", FormatRate(r.DeviceBandwidth))
 	}
 	fmt.Fprintf(tw, "policy\tpool\tadmit/s\tadmit p50\tp99\tp999\tscrubbed\tB/gen tok\tscrub÷KV\tfill share\t%srun×base\tp99×base\tmean use\taudit\t\n", gpuHead)
 	for _, run := range r.Runs {

@@ -489,11 +489,11 @@ func (s *sim) audit(a *active) {
 				off += 4
 			}
 			got := binary.LittleEndian.Uint32(s.auditBuf[off:])
-			prev := "an unknown writer"
+			prev := "of an unknown writer"
 			if got&markerBit != 0 {
 				pt := int(got>>16) & 0xff
 				if pt < len(s.tr.Tenants) {
-					prev = s.tr.Tenants[pt].Name
+					prev = fmt.Sprintf("of tenant %q", s.tr.Tenants[pt].Name)
 				}
 				if pt != a.tenant {
 					au.CrossTenantPages++
@@ -502,7 +502,7 @@ func (s *sim) audit(a *active) {
 			if !example && len(au.Examples) < maxAuditExamples {
 				example = true
 				au.Examples = append(au.Examples, fmt.Sprintf(
-					"page %d region %d byte %d: %#08x (KV of %s), want %#08x, handed to tenant %s",
+					"page %d region %d byte %d: %#08x (KV %s), want %#08x, handed to tenant %q",
 					p, r, off, got, prev, want, a.req.Tenant))
 			}
 			break

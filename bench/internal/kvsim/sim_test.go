@@ -63,7 +63,7 @@ func TestRunHandTrace(t *testing.T) {
 				assert.False(t, res.Audit.Passed, "the baseline hands out stale KV")
 				assert.Positive(t, res.Audit.StalePages)
 				assert.Positive(t, res.Audit.CrossTenantPages, "r7 (b) gets pages r1 (a) wrote")
-				assert.Contains(t, res.Audit.Examples[0], "KV of a")
+				assert.Contains(t, res.Audit.Examples[0], `KV of tenant "a"`)
 				return
 			}
 			assert.Equal(t, 21*uint64(tinyGeometry.PageBytes()), res.BytesScrubbed)
