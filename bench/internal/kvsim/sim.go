@@ -301,6 +301,9 @@ func (s *sim) admit() error {
 	for i < len(s.queue) && len(s.running) < s.cfg.MaxBatch {
 		q := s.queue[i]
 		a := s.newActive(q.req)
+		// When the pool gains a prefix cache, this is where q.req.Prefix
+		// (the tenant's shared system prompt) is offered to it and hits
+		// are counted into RunResult.PrefixCacheHitRate.
 		start := time.Now()
 		err := s.pool.AdmitInto(ctx, kvcache.Request{ID: q.req.ID, Tenant: q.req.Tenant,
 			PromptTokens: q.req.Prompt, MaxNewTokens: q.req.MaxNew}, a.lease)
