@@ -1,0 +1,125 @@
+package kvsim
+
+import (
+	"math/bits"
+	"sync"
+	"time"
+
+	"github.com/kvfence/kvfence/cudaops"
+)
+
+// unsafeNoScrubDevice is the "none" baseline: a Device whose Fill checks its
+// arguments and writes nothing, so freed pages keep their previous owner's
+// KV. UNSAFE. It exists only so that kvbench can measure what scrubbing
+// costs against an engine that does not scrub (which is how engines run
+// today, and how the incident in DESIGN.md happened); the audit shows the
+// stale pages it hands out. Never serve with it.
+type unsafeNoScrubDevice struct{ cudaops.Device }
+
+// UnsafeNoScrub wraps dev in the "none" baseline device: its Fill checks
+// the pages and writes nothing. UNSAFE, for measuring only.
+func UnsafeNoScrub(dev cudaops.Device) cudaops.Device { return unsafeNoScrubDevice{dev} }
+
+func (d unsafeNoScrubDevice) Name() string { return d.Device.Name() + " (UNSAFE: fills skipped)" }
+
+func (d unsafeNoScrubDevice) Fill(pages []int32, _ cudaops.FillSpec, _ cudaops.Ordering) (cudaops.Fence, error) {
+	if err := cudaops.CheckPages(d.Regions(), pages); err != nil {
+		return nil, err
+	}
+	return cudaops.Completed(nil), nil
+}
+
+// batchBuckets groups fills by pages per batch: bucket b holds batches of
+// [2^b, 2^(b+1)) pages.
+const batchBuckets = 32
+
+// FillBucket sums the fills of one batch-size bucket.
+type FillBucket struct {
+	MinPages int     `json:"min_pages"`
+	MaxPages int     `json:"max_pages"`
+	Fills    uint64  `json:"fills"`
+	Pages    uint64  `json:"pages"`
+	Bytes    uint64  `json:"bytes"`
+	Seconds  float64 `json:"seconds"`
+	// GBps is bytes ÷ seconds in 10^9 bytes per second; 0 when no bytes
+	// were written (the unsafe baseline).
+	GBps float64 `json:"gb_per_s"`
+}
+
+// meteredDevice times every Fill to its completion and groups the fills
+// by batch size. It waits for each fence inside Fill, which the Host
+// backend does anyway; on an asynchronous backend that serialises the
+// fills, which is what a per-batch bandwidth figure needs.
+type meteredDevice struct {
+	cudaops.Device
+	mu struct {
+		sync.Mutex
+		total   time.Duration
+		buckets [batchBuckets]struct {
+			fills, pages, bytes uint64
+			time                time.Duration
+		}
+	}
+}
+
+func (d *meteredDevice) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.Ordering) (cudaops.Fence, error) {
+	start := time.Now()
+	before := d.Device.Counters().BytesFilled
+	f, err := d.Device.Fill(pages, spec, after)
+	if err != nil {
+		return nil, err
+	}
+	err = f.Wait()
+	elapsed := time.Since(start)
+	written := d.Device.Counters().BytesFilled - before
+	if len(pages) > 0 {
+		b := bits.Len(uint(len(pages))) - 1
+		d.mu.Lock()
+		d.mu.total += elapsed
+		bk := &d.mu.buckets[b]
+		bk.fills++
+		bk.pages += uint64(len(pages))
+		bk.bytes += written
+		bk.time += elapsed
+		d.mu.Unlock()
+	}
+	return cudaops.Completed(err), nil
+}
+
+// reset forgets what was measured so far.
+func (d *meteredDevice) reset() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.mu.total = 0
+	clear(d.mu.buckets[:])
+}
+
+// totals returns the time spent in fills and the bytes they wrote.
+func (d *meteredDevice) totals() (time.Duration, uint64) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var n uint64
+	for _, bk := range d.mu.buckets {
+		n += bk.bytes
+	}
+	return d.mu.total, n
+}
+
+// report returns the non-empty buckets.
+func (d *meteredDevice) report() []FillBucket {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	var out []FillBucket
+	for b, bk := range d.mu.buckets {
+		if bk.fills == 0 {
+			continue
+		}
+		fb := FillBucket{MinPages: 1 << b, MaxPages: 1<<(b+1) - 1, Fills: bk.fills, Pages: bk.pages,
+			Bytes: bk.bytes, Seconds: bk.time.Seconds()}
+		if bk.bytes > 0 && bk.time > 0 {
+			fb.GBps = float64(bk.bytes) / bk.time.Seconds() / 1e9
+		}
+		out = append(out, fb)
+	}
+	return out
+}

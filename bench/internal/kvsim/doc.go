@@ -1,0 +1,41 @@
+// Package kvsim is the serving simulator behind kvbench: it replays a
+// multi-tenant trace against a kvfence pool and measures what the pool
+// and its scrubbing cost.
+//
+// # Model
+//
+// Time is virtual. A Trace lists tenants and requests (arrival, prompt,
+// prefix shared with the tenant's other requests, output, output budget,
+// client abort); it comes from ParseTrace (JSONL, see TraceFormat) or from
+// Generate (seeded and deterministic: Poisson arrivals, Zipf tenant
+// popularity, lognormal prompt and output lengths, round max_tokens
+// budgets, a share of over-long requests and of aborts).
+//
+// Run replays it as an engine with continuous batching would: every Step
+// the arrived requests are offered to the pool in arrival order (Admit
+// with no deadline: a busy pool refuses at once; lack of pages holds the
+// queue, quota waits only hold that request, permanent refusals drop the
+// request and count its reason), admitted ones write their prompt's KV,
+// and every running request writes one token's KV. A request that reached
+// its output or its client's abort releases its lease; at the end of the
+// serving window the live ones are released too (shutdown). Only the
+// engine's compute is simulated: the pool calls, the device fills and the
+// KV writes are real and timed on the wall clock.
+//
+// # What a run guarantees
+//
+//   - The same trace and config give the same sequence of pool calls, so
+//     runs under different policies differ only in what the policy does.
+//   - Every run ends with Pool.Check passing, or Run fails with
+//     ErrAuditFailed.
+//   - With Audit, every page a lease receives that an earlier lease held
+//     is read back, before the engine writes, and must hold exactly the
+//     policy's scrub pattern in every region. The engine's KV carries a
+//     marker naming its tenant, so a stale page is attributed. A safe
+//     policy that hands out a stale page fails the run; the unsafe "none"
+//     baseline is expected to and reports what it leaked.
+//
+// The "none" baseline runs the zero policy's bookkeeping on a device whose
+// Fill does nothing (UnsafeNoScrub): it is what an engine that does not
+// scrub costs, and it is never safe to serve with.
+package kvsim

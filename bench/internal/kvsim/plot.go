@@ -1,0 +1,195 @@
+package kvsim
+
+import (
+	"fmt"
+	"math"
+	"path/filepath"
+	"slices"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/plotutil"
+	"gonum.org/v1/plot/vg"
+)
+
+// Plot files WritePlots writes.
+const (
+	UtilisationPlot = "utilisation.png"
+	LatencyCDFPlot  = "admission-latency-cdf.png"
+	ScrubBWPlot     = "scrub-bandwidth.png"
+)
+
+// RunLabel names a run in legends and tables.
+func RunLabel(r *RunResult, manyPools bool) string {
+	if manyPools {
+		return fmt.Sprintf("%s/%dp", r.Policy, r.PoolPages)
+	}
+	return r.Policy
+}
+
+func manyPools(runs []*RunResult) bool {
+	for _, r := range runs {
+		if r.PoolPages != runs[0].PoolPages {
+			return true
+		}
+	}
+	return false
+}
+
+// WritePlots writes the three PNG plots into dir and returns their paths.
+func WritePlots(dir string, runs []*RunResult) ([]string, error) {
+	var paths []string
+	for _, pl := range []struct {
+		file string
+		make func([]*RunResult) (*plot.Plot, error)
+	}{
+		{UtilisationPlot, utilisationPlot},
+		{LatencyCDFPlot, latencyCDFPlot},
+		{ScrubBWPlot, scrubBandwidthPlot},
+	} {
+		p, err := pl.make(runs)
+		if err != nil {
+			return paths, fmt.Errorf("plot %s: %w", pl.file, err)
+		}
+		path := filepath.Join(dir, pl.file)
+		if err := p.Save(20*vg.Centimeter, 12*vg.Centimeter, path); err != nil {
+			return paths, fmt.Errorf("saving %s: %w", path, err)
+		}
+		paths = append(paths, path)
+	}
+	return paths, nil
+}
+
+func addLine(p *plot.Plot, xys plotter.XYs, i int, label string, dashed bool) error {
+	if len(xys) == 0 {
+		return nil
+	}
+	l, err := plotter.NewLine(xys)
+	if err != nil {
+		return err
+	}
+	l.Color = plotutil.Color(i)
+	l.Width = vg.Points(1.5)
+	if dashed {
+		l.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
+	}
+	p.Add(l)
+	p.Legend.Add(label, l)
+	return nil
+}
+
+func utilisationPlot(runs []*RunResult) (*plot.Plot, error) {
+	p := plot.New()
+	p.Title.Text = "Pool utilisation over serving time"
+	p.X.Label.Text = "serving time (s)"
+	p.Y.Label.Text = "fraction of pool pages"
+	p.Y.Min, p.Y.Max = 0, 1
+	p.Add(plotter.NewGrid())
+	p.Legend.Left, p.Legend.Top = true, true // the pool fills from empty: the top left stays clear
+	many := manyPools(runs)
+	for i, r := range runs {
+		xys := make(plotter.XYs, len(r.Utilisation))
+		for j, u := range r.Utilisation {
+			xys[j] = plotter.XY{X: u.T, Y: u.InUse}
+		}
+		if err := addLine(p, xys, i, RunLabel(r, many)+" reserved", false); err != nil {
+			return nil, err
+		}
+	}
+	// The written fraction depends only on the trace and the pool size,
+	// so one line per pool size says it.
+	seen := map[int]bool{}
+	for i, r := range runs {
+		if seen[r.PoolPages] {
+			continue
+		}
+		seen[r.PoolPages] = true
+		xys := make(plotter.XYs, len(r.Utilisation))
+		for j, u := range r.Utilisation {
+			xys[j] = plotter.XY{X: u.T, Y: u.Written}
+		}
+		label := "KV written"
+		if many {
+			label = fmt.Sprintf("KV written/%dp", r.PoolPages)
+		}
+		if err := addLine(p, xys, i, label, true); err != nil {
+			return nil, err
+		}
+	}
+	return p, nil
+}
+
+// maxCDFPoints bounds the points drawn per CDF.
+const maxCDFPoints = 400
+
+func latencyCDFPlot(runs []*RunResult) (*plot.Plot, error) {
+	p := plot.New()
+	p.Title.Text = "Admission latency (CDF)"
+	p.X.Label.Text = "Admit latency (µs, log scale)"
+	p.Y.Label.Text = "fraction of admissions"
+	p.Y.Min, p.Y.Max = 0, 1
+	p.X.Scale = plot.LogScale{}
+	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
+	p.Add(plotter.NewGrid())
+	p.Legend.Left, p.Legend.Top = true, true
+	many := manyPools(runs)
+	for i, r := range runs {
+		lat := slices.Clone(r.Latencies)
+		slices.Sort(lat)
+		n := len(lat)
+		if n == 0 {
+			continue
+		}
+		step := max(1, n/maxCDFPoints)
+		var xys plotter.XYs
+		for j := 0; j < n; j += step {
+			xys = append(xys, plotter.XY{X: math.Max(lat[j].Seconds()*1e6, 0.01), Y: float64(j+1) / float64(n)})
+		}
+		xys = append(xys, plotter.XY{X: math.Max(lat[n-1].Seconds()*1e6, 0.01), Y: 1})
+		if err := addLine(p, xys, i, RunLabel(r, many), false); err != nil {
+			return nil, err
+		}
+	}
+	return p, nil
+}
+
+func scrubBandwidthPlot(runs []*RunResult) (*plot.Plot, error) {
+	p := plot.New()
+	p.Title.Text = "Scrub bandwidth per fill batch size"
+	p.X.Label.Text = "pages per fill batch (log2 buckets)"
+	p.Y.Label.Text = "fill bandwidth (GB/s)"
+	p.X.Scale = plot.LogScale{}
+	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
+	p.Y.Min = 0
+	p.Add(plotter.NewGrid())
+	p.Legend.Left, p.Legend.Top = true, true
+	many := manyPools(runs)
+	drawn := false
+	for i, r := range runs {
+		var xys plotter.XYs
+		for _, b := range r.ScrubByBatch {
+			if b.GBps > 0 {
+				xys = append(xys, plotter.XY{X: float64(b.Pages) / float64(b.Fills), Y: b.GBps})
+			}
+		}
+		if len(xys) == 0 {
+			continue // the unsafe baseline writes nothing
+		}
+		l, s, err := plotter.NewLinePoints(xys)
+		if err != nil {
+			return nil, err
+		}
+		l.Color, s.Color = plotutil.Color(i), plotutil.Color(i)
+		s.Shape = plotutil.Shape(i)
+		p.Add(l, s)
+		p.Legend.Add(RunLabel(r, many), l, s)
+		drawn = true
+	}
+	if !drawn {
+		p.Title.Text += " (no fills measured)"
+		p.X.Scale = plot.LinearScale{}
+		p.X.Tick.Marker = plot.DefaultTicks{}
+		p.X.Min, p.X.Max, p.Y.Max = 1, 2, 1
+	}
+	return p, nil
+}

@@ -1,0 +1,283 @@
+package kvsim
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"slices"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// ReportVersion changes when the JSON report's shape does.
+const ReportVersion = 1
+
+// Report is the whole output of one kvbench invocation.
+type Report struct {
+	Tool            string         `json:"tool"`
+	Version         int            `json:"version"`
+	Started         time.Time      `json:"started"`
+	Args            []string       `json:"args"`
+	Machine         Machine        `json:"machine"`
+	Workload        Workload       `json:"workload"`
+	Geometry        GeometryReport `json:"geometry"`
+	MaxContext      int            `json:"max_context_tokens"`
+	Step            float64        `json:"decode_step_seconds"`
+	MaxBatch        int            `json:"max_batch"`
+	DeviceBandwidth float64        `json:"device_bandwidth_bytes_per_s,omitempty"`
+	// PrefixCache says whether prefix caching was measured; until the pool
+	// has one it is "n/a".
+	PrefixCache string       `json:"prefix_cache"`
+	Runs        []*RunResult `json:"runs"`
+	Plots       []string     `json:"plots"`
+}
+
+// Machine identifies where the figures were measured.
+type Machine struct {
+	GOOS   string `json:"goos"`
+	GOARCH string `json:"goarch"`
+	CPUs   int    `json:"cpus"`
+	Go     string `json:"go"`
+	Host   string `json:"host"`
+}
+
+// ThisMachine describes the running machine.
+func ThisMachine() Machine {
+	h, _ := os.Hostname()
+	return Machine{GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, CPUs: runtime.NumCPU(), Go: runtime.Version(), Host: h}
+}
+
+// GeometryReport is the simulated model's KV geometry.
+type GeometryReport struct {
+	TokensPerPage int    `json:"tokens_per_page"`
+	Layers        int    `json:"layers"`
+	KVHeads       int    `json:"kv_heads"`
+	HeadDim       int    `json:"head_dim"`
+	DType         string `json:"dtype"`
+	PageBytes     int64  `json:"page_bytes"`
+	TokenBytes    int64  `json:"token_bytes"`
+}
+
+// ReportGeometry describes g.
+func ReportGeometry(g kvcache.Geometry) GeometryReport {
+	return GeometryReport{TokensPerPage: g.TokensPerPage, Layers: g.Layers, KVHeads: g.KVHeads, HeadDim: g.HeadDim,
+		DType: g.DType.String(), PageBytes: g.PageBytes(), TokenBytes: g.TokenBytes()}
+}
+
+// Workload summarises a trace.
+type Workload struct {
+	Source          string  `json:"source"` // "synthetic" or the trace file
+	Seed            *uint64 `json:"seed,omitempty"`
+	Requests        int     `json:"requests"`
+	Tenants         int     `json:"tenants"`
+	SpanSeconds     float64 `json:"arrival_span_seconds"`
+	PromptP50       int     `json:"prompt_p50"`
+	PromptP99       int     `json:"prompt_p99"`
+	PromptMax       int     `json:"prompt_max"`
+	OutputP50       int     `json:"output_p50"`
+	OutputP99       int     `json:"output_p99"`
+	MaxNewP50       int     `json:"max_new_p50"`
+	OverMaxContext  int     `json:"over_max_context"`   // prompt + max_new above the context window
+	OverCapacity    int     `json:"over_pool_capacity"` // within the window, above the smallest pool
+	Aborting        int     `json:"aborting"`
+	SharedPrefixPct float64 `json:"shared_prefix_percent"` // of prompt tokens
+}
+
+// SummarizeWorkload describes tr as replayed against pools of at least
+// capacityTokens with a context window of maxContext.
+func SummarizeWorkload(tr *Trace, source string, capacityTokens, maxContext int) Workload {
+	w := Workload{Source: source, Requests: len(tr.Requests), Tenants: len(tr.Tenants), SpanSeconds: tr.Duration().Seconds()}
+	var prompts, outputs, maxNew []int
+	var prefix, prompt int64
+	for _, r := range tr.Requests {
+		prompts = append(prompts, r.Prompt)
+		outputs = append(outputs, r.Output)
+		maxNew = append(maxNew, r.MaxNew)
+		prefix += int64(r.Prefix)
+		prompt += int64(r.Prompt)
+		switch total := r.Prompt + r.MaxNew; {
+		case total > maxContext:
+			w.OverMaxContext++
+		case total > capacityTokens:
+			w.OverCapacity++
+		}
+		if r.AbortAfter >= 0 {
+			w.Aborting++
+		}
+	}
+	slices.Sort(prompts)
+	slices.Sort(outputs)
+	slices.Sort(maxNew)
+	w.PromptP50, w.PromptP99 = Percentile(prompts, 0.5), Percentile(prompts, 0.99)
+	if len(prompts) > 0 {
+		w.PromptMax = prompts[len(prompts)-1]
+	}
+	w.OutputP50, w.OutputP99 = Percentile(outputs, 0.5), Percentile(outputs, 0.99)
+	w.MaxNewP50 = Percentile(maxNew, 0.5)
+	if prompt > 0 {
+		w.SharedPrefixPct = 100 * float64(prefix) / float64(prompt)
+	}
+	return w
+}
+
+// WriteJSON writes the report, indented.
+func (r *Report) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+func fmtNs(ns int64) string {
+	d := time.Duration(ns)
+	switch {
+	case d == 0:
+		return "-"
+	case d < time.Microsecond:
+		return fmt.Sprintf("%dns", ns)
+	case d < time.Millisecond:
+		return fmt.Sprintf("%.1fµs", float64(ns)/1e3)
+	}
+	return fmt.Sprintf("%.2fms", float64(ns)/1e6)
+}
+
+// FormatBytes prints n in binary units.
+func FormatBytes(n float64) string {
+	units := []string{"B", "KiB", "MiB", "GiB", "TiB"}
+	i := 0
+	for n >= 1024 && i < len(units)-1 {
+		n /= 1024
+		i++
+	}
+	if i == 0 {
+		return fmt.Sprintf("%.0f B", n)
+	}
+	return fmt.Sprintf("%.1f %s", n, units[i])
+}
+
+// FormatRate prints bytes per second in decimal units, as bandwidths are
+// quoted.
+func FormatRate(bps float64) string {
+	units := []string{"B/s", "kB/s", "MB/s", "GB/s", "TB/s", "PB/s"}
+	i := 0
+	for bps >= 1000 && i < len(units)-1 {
+		bps /= 1000
+		i++
+	}
+	return fmt.Sprintf("%.3g %s", bps, units[i])
+}
+
+func fmtRatio(v float64) string {
+	if v == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("×%.2f", v)
+}
+
+// WriteTable prints the report for people.
+func (r *Report) WriteTable(w io.Writer) {
+	wl := r.Workload
+	fmt.Fprintf(w, "workload: %s, %d requests from %d tenants over %.1fs; prompt p50/p99/max %d/%d/%d tokens, "+
+		"output p50/p99 %d/%d, max_new p50 %d; %d over the context window, %d over the pool, %d aborting; "+
+		"%.0f%% of prompt tokens are shared system prompts\n",
+		wl.Source, wl.Requests, wl.Tenants, wl.SpanSeconds, wl.PromptP50, wl.PromptP99, wl.PromptMax,
+		wl.OutputP50, wl.OutputP99, wl.MaxNewP50, wl.OverMaxContext, wl.OverCapacity, wl.Aborting, wl.SharedPrefixPct)
+	g := r.Geometry
+	fmt.Fprintf(w, "geometry: %d layers × %d KV heads × %d dim %s, %d tokens/page: %s/page, %s/token; max context %d tokens; step %v, batch ≤ %d\n",
+		g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, FormatBytes(float64(g.PageBytes)), FormatBytes(float64(g.TokenBytes)),
+		r.MaxContext, time.Duration(r.Step*1e9), r.MaxBatch)
+	fmt.Fprintf(w, "machine: %s/%s, %d CPUs, %s\n\n", r.Machine.GOOS, r.Machine.GOARCH, r.Machine.CPUs, r.Machine.Go)
+
+	many := manyPools(r.Runs)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	gpuHead := ""
+	if r.DeviceBandwidth > 0 {
+		gpuHead = fmt.Sprintf("GPU fill/s @%s\t", FormatRate(r.DeviceBandwidth))
+	}
+	fmt.Fprintf(tw, "policy\tpool\tadmit/s\tadmit p50\tp99\tp999\tscrubbed\tB/gen tok\tscrub÷KV\tfill share\t%srun×base\tp99×base\tmean use\taudit\t\n", gpuHead)
+	for _, run := range r.Runs {
+		label := RunLabel(run, many)
+		if run.Unsafe {
+			label += " (UNSAFE)"
+		}
+		gpu := ""
+		if r.DeviceBandwidth > 0 {
+			gpu = "-\t"
+			if run.GPUFillPerServingSecond != nil {
+				gpu = fmt.Sprintf("%.3f%%\t", 100**run.GPUFillPerServingSecond)
+			}
+		}
+		var rt, p99 string = "-", "-"
+		if run.VsBaseline != nil {
+			rt, p99 = fmtRatio(run.VsBaseline.RunTime), fmtRatio(run.VsBaseline.AdmitP99)
+		} else if run.Unsafe {
+			rt, p99 = "×1.00", "×1.00"
+		}
+		audit := "off"
+		if run.Audit.Enabled {
+			audit = "pass"
+			if !run.Audit.Passed {
+				audit = fmt.Sprintf("LEAK %d pages", run.Audit.StalePages+run.Audit.CanaryFailures+run.Audit.PoolCanaryFaults)
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%.1f\t%s\t%s\t%s\t%s\t%.0f\t%.2f\t%.1f%%\t%s%s\t%s\t%.0f%%\t%s\t\n",
+			label, FormatBytes(float64(run.PoolBytes)), run.AdmissionsPerServingSecond,
+			fmtNs(run.AdmitLatency.P50), fmtNs(run.AdmitLatency.P99), fmtNs(run.AdmitLatency.P999),
+			FormatBytes(float64(run.BytesScrubbed)), run.ScrubBytesPerGeneratedToken, run.ScrubPerKVWritten,
+			100*run.FillShare, gpu, rt, p99, 100*run.MeanInUse, audit)
+	}
+	tw.Flush()
+
+	fmt.Fprintln(w)
+	reasons := map[string]bool{}
+	for _, run := range r.Runs {
+		for k := range run.Refusals {
+			reasons["refused:"+k] = true
+		}
+		for k, v := range run.Dropped {
+			if v > 0 {
+				reasons["dropped:"+k] = true
+			}
+		}
+	}
+	keys := make([]string, 0, len(reasons))
+	for k := range reasons {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(tw, "policy\tarrived\tadmitted\tcompleted\taborted\tshutdown\t%s\t\n", strings.Join(keys, "\t"))
+	for _, run := range r.Runs {
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t", RunLabel(run, many), run.Arrived, run.Admitted, run.Completed, run.Aborted, run.ShutdownReleases)
+		for _, k := range keys {
+			kind, name, _ := strings.Cut(k, ":")
+			m := run.Refusals
+			if kind == "dropped" {
+				m = run.Dropped
+			}
+			fmt.Fprintf(tw, "%d\t", m[name])
+		}
+		fmt.Fprintln(tw)
+	}
+	tw.Flush()
+	fmt.Fprintln(w, "  (refused: admission attempts the pool refused, retries included; dropped: requests never served)")
+
+	fmt.Fprintln(w)
+	for _, run := range r.Runs {
+		fmt.Fprintf(w, "audit %s: %s [%s]\n", RunLabel(run, many), run.Audit.Summary, run.Audit.Method)
+		for _, ex := range run.Audit.Examples {
+			fmt.Fprintf(w, "    %s\n", ex)
+		}
+	}
+	fmt.Fprintf(w, "prefix cache hit rate: %s\n", r.PrefixCache)
+	if r.DeviceBandwidth == 0 {
+		fmt.Fprintln(w, "GPU estimate: pass -device-bandwidth (e.g. 4TB/s) to estimate device fill time per second of serving")
+	}
+	fmt.Fprintln(w, "fill share and run× are CPU figures of this host simulation (Host backend); "+
+		"B/gen tok and scrub÷KV hold on any device")
+}

@@ -1,0 +1,173 @@
+package kvsim
+
+import (
+	"math"
+	"slices"
+	"time"
+)
+
+// RunResult is what one replay measured. Times called "serving" are
+// virtual (the trace's clock); the others are wall-clock times of this
+// process, on its device.
+type RunResult struct {
+	Policy            string `json:"policy"`
+	Unsafe            bool   `json:"unsafe"` // the "none" baseline: fills skipped
+	Device            string `json:"device"`
+	PoolPages         int    `json:"pool_pages"`
+	PoolBytes         int64  `json:"pool_bytes"`
+	KVWritesSimulated bool   `json:"kv_writes_simulated"`
+
+	ServingSeconds    float64 `json:"serving_seconds"`     // virtual time replayed
+	WallSeconds       float64 `json:"wall_seconds"`        // the replay loop, everything included
+	ServingCPUSeconds float64 `json:"serving_cpu_seconds"` // wall minus audit and sampling: the run time
+	AdmitSeconds      float64 `json:"admit_seconds"`
+	ReleaseSeconds    float64 `json:"release_seconds"` // includes the fills
+	FillSeconds       float64 `json:"fill_seconds"`
+	KVWriteSeconds    float64 `json:"kv_write_seconds"`
+	AuditSeconds      float64 `json:"audit_seconds"`
+
+	Arrived          uint64            `json:"arrived"`
+	Admitted         uint64            `json:"admitted"`
+	Completed        uint64            `json:"completed"`
+	Aborted          uint64            `json:"aborted"`
+	ShutdownReleases uint64            `json:"shutdown_releases"`
+	Releases         uint64            `json:"releases"`
+	Refusals         map[string]uint64 `json:"refusals"` // admission attempts refused, by reason (pool counters)
+	Dropped          map[string]uint64 `json:"dropped"`  // requests never served, by reason
+	QueueWaitSeconds float64           `json:"queue_wait_seconds"`
+
+	AdmissionsPerServingSecond float64         `json:"admissions_per_serving_second"`
+	AdmitThroughput            float64         `json:"admit_throughput_per_cpu_second"`
+	AdmitLatency               LatencySummary  `json:"admit_latency"`
+	Latencies                  []time.Duration `json:"-"`
+
+	PromptTokens                uint64  `json:"prompt_tokens"`
+	TokensGenerated             uint64  `json:"tokens_generated"`
+	KVBytesWritten              uint64  `json:"kv_bytes_written"`
+	ScrubFills                  uint64  `json:"scrub_fills"`
+	PagesScrubbed               uint64  `json:"pages_scrubbed"`
+	BytesScrubbed               uint64  `json:"bytes_scrubbed"` // bytes the device actually wrote
+	ScrubBytesPerGeneratedToken float64 `json:"scrub_bytes_per_generated_token"`
+	ScrubPerKVWritten           float64 `json:"scrub_bytes_per_kv_byte_written"`
+	FillShare                   float64 `json:"fill_share_of_run_time"`
+	// GPUFillPerServingSecond estimates the device seconds the fills
+	// would take per second of serving, at the -device-bandwidth given.
+	GPUFillPerServingSecond *float64     `json:"gpu_fill_seconds_per_serving_second"`
+	ScrubByBatch            []FillBucket `json:"scrub_by_batch"`
+
+	PrefixShareableTokens   uint64  `json:"prefix_shareable_tokens"`
+	PrefixShareableFraction float64 `json:"prefix_shareable_fraction"`
+	// PrefixCacheHitRate is nil until the pool has a prefix cache.
+	PrefixCacheHitRate *float64 `json:"prefix_cache_hit_rate"`
+
+	Utilisation []UtilSample `json:"utilisation"`
+	PeakInUse   float64      `json:"peak_in_use"`
+	MeanInUse   float64      `json:"mean_in_use"`
+
+	Audit      AuditResult `json:"audit"`
+	VsBaseline *Ratios     `json:"vs_baseline,omitempty"`
+}
+
+// UtilSample is the pool at one virtual instant, as fractions of its pages.
+type UtilSample struct {
+	T           float64 `json:"t"`
+	InUse       float64 `json:"in_use"`  // pages held by leases
+	Written     float64 `json:"written"` // token slots holding KV
+	Quarantined float64 `json:"quarantined"`
+	Queued      int     `json:"queued"`
+	Running     int     `json:"running"`
+}
+
+// AuditResult is the isolation audit of a run.
+type AuditResult struct {
+	Enabled          bool     `json:"enabled"`
+	Method           string   `json:"method"`
+	Passed           bool     `json:"passed"`
+	Summary          string   `json:"summary"`
+	PagesChecked     uint64   `json:"pages_checked"`
+	StalePages       uint64   `json:"stale_pages"`
+	CrossTenantPages uint64   `json:"cross_tenant_pages"`
+	ReadErrors       uint64   `json:"read_errors"`
+	CanaryChecks     uint64   `json:"canary_checks"`
+	CanaryFailures   uint64   `json:"canary_failures"`
+	PoolCanaryFaults uint64   `json:"pool_canary_faults"`
+	Examples         []string `json:"examples,omitempty"`
+}
+
+// LatencySummary are nearest-rank percentiles, in nanoseconds.
+type LatencySummary struct {
+	N    int   `json:"n"`
+	P50  int64 `json:"p50_ns"`
+	P99  int64 `json:"p99_ns"`
+	P999 int64 `json:"p999_ns"`
+	Max  int64 `json:"max_ns"`
+	Mean int64 `json:"mean_ns"`
+}
+
+// Ratios compare a run with the unsafe baseline of the same pool size.
+type Ratios struct {
+	RunTime         float64 `json:"run_time"`
+	AdmitP50        float64 `json:"admit_p50"`
+	AdmitP99        float64 `json:"admit_p99"`
+	AdmitThroughput float64 `json:"admit_throughput"`
+	ReleaseTime     float64 `json:"release_time"`
+}
+
+func latencySummary(lat []time.Duration) LatencySummary {
+	if len(lat) == 0 {
+		return LatencySummary{}
+	}
+	s := slices.Clone(lat)
+	slices.Sort(s)
+	var sum time.Duration
+	for _, d := range s {
+		sum += d
+	}
+	return LatencySummary{N: len(s), P50: int64(Percentile(s, 0.50)), P99: int64(Percentile(s, 0.99)),
+		P999: int64(Percentile(s, 0.999)), Max: int64(s[len(s)-1]), Mean: int64(sum) / int64(len(s))}
+}
+
+// Percentile is the nearest-rank q-quantile of sorted values.
+func Percentile[T any](sorted []T, q float64) T {
+	var zero T
+	if len(sorted) == 0 {
+		return zero
+	}
+	i := int(math.Ceil(q*float64(len(sorted)))) - 1
+	return sorted[min(max(i, 0), len(sorted)-1)]
+}
+
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return a / b
+}
+
+// CompareWithBaseline fills in every run's ratios to the unsafe baseline
+// of the same pool size (runs without one are left alone) and, with a
+// device bandwidth in bytes/s, its estimated device fill time per second
+// of serving.
+func CompareWithBaseline(runs []*RunResult, deviceBandwidth float64) {
+	for _, r := range runs {
+		if deviceBandwidth > 0 && r.ServingSeconds > 0 {
+			v := float64(r.BytesScrubbed) / deviceBandwidth / r.ServingSeconds
+			r.GPUFillPerServingSecond = &v
+		}
+		if r.Unsafe {
+			continue
+		}
+		for _, b := range runs {
+			if b.Unsafe && b.PoolPages == r.PoolPages {
+				r.VsBaseline = &Ratios{
+					RunTime:         ratio(r.ServingCPUSeconds, b.ServingCPUSeconds),
+					AdmitP50:        ratio(float64(r.AdmitLatency.P50), float64(b.AdmitLatency.P50)),
+					AdmitP99:        ratio(float64(r.AdmitLatency.P99), float64(b.AdmitLatency.P99)),
+					AdmitThroughput: ratio(r.AdmitThroughput, b.AdmitThroughput),
+					ReleaseTime:     ratio(r.ReleaseSeconds, b.ReleaseSeconds),
+				}
+				break
+			}
+		}
+	}
+}

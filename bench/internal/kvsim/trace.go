@@ -1,0 +1,393 @@
+package kvsim
+
+import (
+	"bufio"
+	"bytes"
+	"cmp"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// TraceFormat documents the JSONL trace format; kvbench -help prints it
+// and bench/README.md repeats it.
+const TraceFormat = `Trace format (JSONL): one JSON object per line; blank lines and lines
+starting with # are ignored. Every object has a "type".
+
+  {"type":"tenant","name":"acme","quota_pages":0,"reserved_pages":0,"system_prompt":512}
+    name            required, 1..256 bytes, unique
+    quota_pages     most pages the tenant may hold at once (0 = whole pool)
+    reserved_pages  pages kept for the tenant (≤ quota_pages when that is set)
+    system_prompt   tokens of the tenant's shared system prompt (informational)
+
+  {"type":"request","at":0.125,"id":"r1","tenant":"acme","prompt":1834,
+   "prefix":512,"output":211,"max_new":512,"abort_after":40}
+    at              arrival, seconds from the start of the trace (≥ 0)
+    id              optional, unique in the trace (default "L<line>")
+    tenant          required; must be declared by an earlier tenant line
+    prompt          prompt tokens, ≥ 1
+    prefix          leading prompt tokens shared with the tenant's other
+                    requests (its system prompt), 0..prompt; default 0
+    output          tokens the request generates if not aborted, ≥ 0
+    max_new         output budget reserved at admission, ≥ output;
+                    default output
+    abort_after     optional: the client aborts after this many generated
+                    tokens, 0 ≤ abort_after < output
+
+Integers must be JSON integers. Unknown fields are errors. Requests may
+appear in any order of "at"; they are replayed sorted by it (stable).`
+
+// Tenant is a tenant declared by a trace.
+type Tenant struct {
+	Name          string `json:"name"`
+	QuotaPages    int    `json:"quota_pages,omitempty"`
+	ReservedPages int    `json:"reserved_pages,omitempty"`
+	SystemPrompt  int    `json:"system_prompt,omitempty"`
+}
+
+// Request is one request of a trace.
+type Request struct {
+	Line   int           // source line, 0 for generated requests not yet written
+	At     time.Duration // arrival, from the start of the trace
+	ID     string
+	Tenant string
+	Prompt int // prompt tokens
+	Prefix int // leading prompt tokens shared with the tenant's other requests
+	Output int // tokens generated unless aborted
+	MaxNew int // output budget reserved at admission, ≥ Output
+	// AbortAfter is the number of generated tokens after which the client
+	// aborts; -1 when it does not.
+	AbortAfter int
+}
+
+// Generated is the number of tokens the request produces before it ends.
+func (r Request) Generated() int {
+	if r.AbortAfter >= 0 {
+		return r.AbortAfter
+	}
+	return r.Output
+}
+
+// Trace is a replayable workload: tenants, then requests sorted by arrival.
+type Trace struct {
+	Tenants  []Tenant
+	Requests []Request
+}
+
+// Duration is the arrival time of the last request.
+func (t *Trace) Duration() time.Duration {
+	if len(t.Requests) == 0 {
+		return 0
+	}
+	return t.Requests[len(t.Requests)-1].At
+}
+
+// Limits beyond which a trace value is taken for a mistake.
+const (
+	maxTraceTokens = 1 << 30
+	maxTraceAt     = 365 * 24 * time.Hour
+	maxTraceLine   = 1 << 20
+	maxNameLen     = 256
+)
+
+// record is the union of all record types. Pointers tell a missing field
+// from a zero one.
+type record struct {
+	Type string `json:"type"`
+	// tenant
+	Name          *string `json:"name"`
+	QuotaPages    *int64  `json:"quota_pages"`
+	ReservedPages *int64  `json:"reserved_pages"`
+	SystemPrompt  *int64  `json:"system_prompt"`
+	// request
+	At         *float64 `json:"at"`
+	ID         *string  `json:"id"`
+	Tenant     *string  `json:"tenant"`
+	Prompt     *int64   `json:"prompt"`
+	Prefix     *int64   `json:"prefix"`
+	Output     *int64   `json:"output"`
+	MaxNew     *int64   `json:"max_new"`
+	AbortAfter *int64   `json:"abort_after"`
+}
+
+var fieldsOf = map[string][]string{
+	"tenant":  {"type", "name", "quota_pages", "reserved_pages", "system_prompt"},
+	"request": {"type", "at", "id", "tenant", "prompt", "prefix", "output", "max_new", "abort_after"},
+}
+
+// ParseTrace reads a JSONL trace (see TraceFormat). name labels errors
+// (usually the file name). Any bad line is reported as a *TraceError
+// wrapping ErrBadTrace.
+func ParseTrace(r io.Reader, name string) (*Trace, error) {
+	p := traceParser{file: name, tenants: map[string]int{}, ids: map[string]int{}}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 64<<10), maxTraceLine)
+	for sc.Scan() {
+		p.line++
+		line := bytes.TrimSpace(sc.Bytes())
+		if len(line) == 0 || line[0] == '#' {
+			continue
+		}
+		if err := p.parseLine(line); err != nil {
+			return nil, err
+		}
+	}
+	if err := sc.Err(); err != nil {
+		if errors.Is(err, bufio.ErrTooLong) {
+			return nil, p.fail("", "line longer than %d bytes", maxTraceLine)
+		}
+		return nil, fmt.Errorf("reading trace %s: %w", name, err)
+	}
+	slices.SortStableFunc(p.trace.Requests, func(a, b Request) int { return cmp.Compare(a.At, b.At) })
+	return &p.trace, nil
+}
+
+type traceParser struct {
+	file    string
+	line    int
+	trace   Trace
+	tenants map[string]int // name → declaring line
+	ids     map[string]int // request ID → line
+}
+
+func (p *traceParser) fail(field, format string, args ...any) error {
+	return &TraceError{File: p.file, Line: p.line, Field: field, Msg: fmt.Sprintf(format, args...)}
+}
+
+func (p *traceParser) parseLine(line []byte) error {
+	var head struct {
+		Type *string `json:"type"`
+	}
+	if err := json.Unmarshal(line, &head); err != nil {
+		return p.jsonError(err)
+	}
+	if head.Type == nil {
+		return p.fail("type", "missing (want \"tenant\" or \"request\")")
+	}
+	if _, ok := fieldsOf[*head.Type]; !ok {
+		return p.fail("type", "unknown record type %q (want \"tenant\" or \"request\")", *head.Type)
+	}
+	var rec record
+	dec := json.NewDecoder(bytes.NewReader(line))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&rec); err != nil {
+		return p.jsonError(err)
+	}
+	if f := p.foreignField(&rec); f != "" {
+		return p.fail(f, "not a field of a %q record (fields: %s)", rec.Type, strings.Join(fieldsOf[rec.Type], ", "))
+	}
+	if rec.Type == "tenant" {
+		return p.tenant(&rec)
+	}
+	return p.request(&rec)
+}
+
+// foreignField returns a field that the union struct accepted but that
+// does not belong to the record's type.
+func (p *traceParser) foreignField(r *record) string {
+	type field struct {
+		name string
+		set  bool
+	}
+	var foreign []field
+	if r.Type == "tenant" {
+		foreign = []field{{"at", r.At != nil}, {"id", r.ID != nil}, {"tenant", r.Tenant != nil}, {"prompt", r.Prompt != nil},
+			{"prefix", r.Prefix != nil}, {"output", r.Output != nil}, {"max_new", r.MaxNew != nil}, {"abort_after", r.AbortAfter != nil}}
+	} else {
+		foreign = []field{{"name", r.Name != nil}, {"quota_pages", r.QuotaPages != nil},
+			{"reserved_pages", r.ReservedPages != nil}, {"system_prompt", r.SystemPrompt != nil}}
+	}
+	for _, f := range foreign {
+		if f.set {
+			return f.name
+		}
+	}
+	return ""
+}
+
+// jsonError turns a decoding error into a TraceError naming the field
+// where encoding/json knows it.
+func (p *traceParser) jsonError(err error) error {
+	var te *json.UnmarshalTypeError
+	var se *json.SyntaxError
+	switch {
+	case errors.As(err, &te):
+		want := te.Type.String()
+		switch want {
+		case "int64":
+			want = "an integer"
+		case "float64":
+			want = "a number"
+		case "string":
+			want = "a string"
+		}
+		field := te.Field
+		if field == "" {
+			return p.fail("", "not a JSON object (got a JSON %s)", te.Value)
+		}
+		return p.fail(field, "want %s, got %s", want, te.Value)
+	case errors.As(err, &se):
+		return p.fail("", "malformed JSON at byte %d: %v", se.Offset, err)
+	}
+	if name, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
+		name, _ = strconv.Unquote(name)
+		return p.fail(name, "unknown field")
+	}
+	if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
+		return p.fail("", "malformed JSON: unexpected end of line")
+	}
+	return p.fail("", "malformed JSON: %v", err)
+}
+
+func (p *traceParser) intField(name string, v *int64, def, lo, hi int64) (int, error) {
+	if v == nil {
+		if def < lo {
+			return 0, p.fail(name, "missing")
+		}
+		return int(def), nil
+	}
+	if *v < lo || *v > hi {
+		if *v < 0 {
+			return 0, p.fail(name, "%d is negative, want %d..%d", *v, lo, hi)
+		}
+		return 0, p.fail(name, "%d out of range, want %d..%d", *v, lo, hi)
+	}
+	return int(*v), nil
+}
+
+func (p *traceParser) name(field string, v *string) (string, error) {
+	if v == nil {
+		return "", p.fail(field, "missing")
+	}
+	if *v == "" || len(*v) > maxNameLen {
+		return "", p.fail(field, "%d bytes, want 1..%d", len(*v), maxNameLen)
+	}
+	return *v, nil
+}
+
+func (p *traceParser) tenant(r *record) error {
+	name, err := p.name("name", r.Name)
+	if err != nil {
+		return err
+	}
+	if prev, dup := p.tenants[name]; dup {
+		return p.fail("name", "tenant %q already declared on line %d", name, prev)
+	}
+	t := Tenant{Name: name}
+	if t.QuotaPages, err = p.intField("quota_pages", r.QuotaPages, 0, 0, math.MaxInt32); err != nil {
+		return err
+	}
+	if t.ReservedPages, err = p.intField("reserved_pages", r.ReservedPages, 0, 0, math.MaxInt32); err != nil {
+		return err
+	}
+	if t.QuotaPages > 0 && t.ReservedPages > t.QuotaPages {
+		return p.fail("reserved_pages", "%d above quota_pages %d", t.ReservedPages, t.QuotaPages)
+	}
+	if t.SystemPrompt, err = p.intField("system_prompt", r.SystemPrompt, 0, 0, maxTraceTokens); err != nil {
+		return err
+	}
+	p.tenants[name] = p.line
+	p.trace.Tenants = append(p.trace.Tenants, t)
+	return nil
+}
+
+func (p *traceParser) request(r *record) error {
+	req := Request{Line: p.line, AbortAfter: -1}
+	if r.At == nil {
+		return p.fail("at", "missing")
+	}
+	at := *r.At
+	if at < 0 || at > maxTraceAt.Seconds() || math.IsNaN(at) {
+		if at < 0 {
+			return p.fail("at", "%v is negative, want seconds ≥ 0", at)
+		}
+		return p.fail("at", "%v out of range, want 0..%v seconds", at, maxTraceAt.Seconds())
+	}
+	req.At = time.Duration(math.Round(at * 1e9))
+	if r.ID != nil {
+		id, err := p.name("id", r.ID)
+		if err != nil {
+			return err
+		}
+		req.ID = id
+	} else {
+		req.ID = "L" + strconv.Itoa(p.line)
+	}
+	if prev, dup := p.ids[req.ID]; dup {
+		return p.fail("id", "request %q already on line %d", req.ID, prev)
+	}
+	tenant, err := p.name("tenant", r.Tenant)
+	if err != nil {
+		return err
+	}
+	if _, ok := p.tenants[tenant]; !ok {
+		return p.fail("tenant", "unknown tenant %q (declare it with a tenant line before its first request)", tenant)
+	}
+	req.Tenant = tenant
+	if req.Prompt, err = p.intField("prompt", r.Prompt, -1, 1, maxTraceTokens); err != nil {
+		return err
+	}
+	if req.Prefix, err = p.intField("prefix", r.Prefix, 0, 0, int64(req.Prompt)); err != nil {
+		return err
+	}
+	if req.Output, err = p.intField("output", r.Output, -1, 0, maxTraceTokens); err != nil {
+		return err
+	}
+	if req.MaxNew, err = p.intField("max_new", r.MaxNew, int64(req.Output), int64(req.Output), maxTraceTokens); err != nil {
+		return err
+	}
+	if r.AbortAfter != nil {
+		if req.Output == 0 {
+			return p.fail("abort_after", "a request with output 0 cannot abort mid-generation")
+		}
+		if req.AbortAfter, err = p.intField("abort_after", r.AbortAfter, 0, 0, int64(req.Output)-1); err != nil {
+			return err
+		}
+	}
+	p.ids[req.ID] = p.line
+	p.trace.Requests = append(p.trace.Requests, req)
+	return nil
+}
+
+// WriteTrace writes t in the format ParseTrace reads. Arrival times are
+// written in microseconds' precision.
+func WriteTrace(w io.Writer, t *Trace) error {
+	bw := bufio.NewWriter(w)
+	enc := json.NewEncoder(bw)
+	for _, tn := range t.Tenants {
+		rec := struct {
+			Type string `json:"type"`
+			Tenant
+		}{"tenant", tn}
+		if err := enc.Encode(rec); err != nil {
+			return err
+		}
+	}
+	for _, r := range t.Requests {
+		rec := struct {
+			Type       string      `json:"type"`
+			At         json.Number `json:"at"`
+			ID         string      `json:"id"`
+			Tenant     string      `json:"tenant"`
+			Prompt     int         `json:"prompt"`
+			Prefix     int         `json:"prefix,omitempty"`
+			Output     int         `json:"output"`
+			MaxNew     int         `json:"max_new"`
+			AbortAfter *int        `json:"abort_after,omitempty"`
+		}{Type: "request", At: json.Number(strconv.FormatFloat(r.At.Round(time.Microsecond).Seconds(), 'f', -1, 64)),
+			ID: r.ID, Tenant: r.Tenant, Prompt: r.Prompt, Prefix: r.Prefix, Output: r.Output, MaxNew: r.MaxNew}
+		if r.AbortAfter >= 0 {
+			rec.AbortAfter = &r.AbortAfter
+		}
+		if err := enc.Encode(rec); err != nil {
+			return err
+		}
+	}
+	return bw.Flush()
+}

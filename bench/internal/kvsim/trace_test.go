@@ -1,0 +1,145 @@
+package kvsim
+
+import (
+	"bytes"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+const tenantsHeader = `{"type":"tenant","name":"acme"}
+{"type":"tenant","name":"beta","quota_pages":64,"reserved_pages":8,"system_prompt":300}
+`
+
+func TestParseTraceBadInput(t *testing.T) {
+	tests := []struct {
+		name  string
+		line  string // appended after the two tenant lines, so it is line 3
+		field string
+		msg   string
+	}{
+		{"malformed JSON", `{"type":"request",`, "", "malformed JSON"},
+		{"not JSON", `hello`, "", "malformed JSON"},
+		{"not an object", `[1,2]`, "", "not a JSON object"},
+		{"missing type", `{"at":1}`, "type", "missing"},
+		{"unknown type", `{"type":"reqest"}`, "type", "unknown record type"},
+		{"type not a string", `{"type":5}`, "type", "want a string"},
+		{"unknown field", `{"type":"request","at":0,"tenant":"acme","prompt":1,"output":1,"promt":3}`, "promt", "unknown field"},
+		{"tenant field on request", `{"type":"request","at":0,"tenant":"acme","prompt":1,"output":1,"quota_pages":3}`, "quota_pages", "not a field"},
+		{"missing at", `{"type":"request","tenant":"acme","prompt":1,"output":1}`, "at", "missing"},
+		{"negative at", `{"type":"request","at":-0.5,"tenant":"acme","prompt":1,"output":1}`, "at", "negative"},
+		{"at a string", `{"type":"request","at":"soon","tenant":"acme","prompt":1,"output":1}`, "at", "want a number"},
+		{"missing tenant", `{"type":"request","at":0,"prompt":1,"output":1}`, "tenant", "missing"},
+		{"unknown tenant", `{"type":"request","at":0,"tenant":"gamma","prompt":1,"output":1}`, "tenant", `unknown tenant "gamma"`},
+		{"missing prompt", `{"type":"request","at":0,"tenant":"acme","output":1}`, "prompt", "missing"},
+		{"negative prompt", `{"type":"request","at":0,"tenant":"acme","prompt":-5,"output":1}`, "prompt", "-5 is negative"},
+		{"zero prompt", `{"type":"request","at":0,"tenant":"acme","prompt":0,"output":1}`, "prompt", "out of range"},
+		{"fractional prompt", `{"type":"request","at":0,"tenant":"acme","prompt":1.5,"output":1}`, "prompt", "want an integer"},
+		{"huge prompt", `{"type":"request","at":0,"tenant":"acme","prompt":99999999999999999999,"output":1}`, "prompt", "want an integer"},
+		{"missing output", `{"type":"request","at":0,"tenant":"acme","prompt":1}`, "output", "missing"},
+		{"negative output", `{"type":"request","at":0,"tenant":"acme","prompt":1,"output":-1}`, "output", "negative"},
+		{"prefix above prompt", `{"type":"request","at":0,"tenant":"acme","prompt":10,"prefix":11,"output":1}`, "prefix", "out of range"},
+		{"max_new below output", `{"type":"request","at":0,"tenant":"acme","prompt":10,"output":5,"max_new":4}`, "max_new", "out of range"},
+		{"abort_after at output", `{"type":"request","at":0,"tenant":"acme","prompt":10,"output":5,"abort_after":5}`, "abort_after", "out of range"},
+		{"abort_after without output", `{"type":"request","at":0,"tenant":"acme","prompt":10,"output":0,"abort_after":0}`, "abort_after", "cannot abort"},
+		{"empty id", `{"type":"request","at":0,"id":"","tenant":"acme","prompt":1,"output":1}`, "id", "want 1..256"},
+		{"duplicate tenant", `{"type":"tenant","name":"acme"}`, "name", "already declared on line 1"},
+		{"negative quota", `{"type":"tenant","name":"c","quota_pages":-1}`, "quota_pages", "negative"},
+		{"reservation over quota", `{"type":"tenant","name":"c","quota_pages":4,"reserved_pages":5}`, "reserved_pages", "above quota_pages"},
+		{"two values on a line", `{"type":"tenant","name":"c"} {"type":"tenant","name":"d"}`, "", "after top-level value"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := ParseTrace(strings.NewReader(tenantsHeader+tt.line+"\n"), "t.jsonl")
+			require.Error(t, err)
+			assert.ErrorIs(t, err, ErrBadTrace)
+			var te *TraceError
+			require.ErrorAs(t, err, &te)
+			assert.Equal(t, 3, te.Line, "line of %v", err)
+			assert.Equal(t, tt.field, te.Field, "field of %v", err)
+			assert.Contains(t, err.Error(), tt.msg)
+			assert.Contains(t, err.Error(), "t.jsonl:3")
+		})
+	}
+}
+
+func TestParseTraceDuplicateID(t *testing.T) {
+	in := tenantsHeader + `{"type":"request","at":0,"id":"x","tenant":"acme","prompt":1,"output":1}
+# a comment, then a blank line
+
+{"type":"request","at":1,"id":"x","tenant":"acme","prompt":1,"output":1}
+`
+	_, err := ParseTrace(strings.NewReader(in), "")
+	var te *TraceError
+	require.ErrorAs(t, err, &te)
+	assert.Equal(t, 6, te.Line)
+	assert.Equal(t, "id", te.Field)
+	assert.Contains(t, err.Error(), "already on line 3")
+}
+
+func TestParseTraceGood(t *testing.T) {
+	in := tenantsHeader + `
+{"type":"request","at":2.5,"tenant":"acme","prompt":100,"output":10}
+  {"type":"request","at":0.000001,"id":"b1","tenant":"beta","prompt":400,"prefix":300,"output":20,"max_new":64,"abort_after":7}
+`
+	tr, err := ParseTrace(strings.NewReader(in), "")
+	require.NoError(t, err)
+	assert.Equal(t, []Tenant{{Name: "acme"}, {Name: "beta", QuotaPages: 64, ReservedPages: 8, SystemPrompt: 300}}, tr.Tenants)
+	require.Len(t, tr.Requests, 2)
+	// Sorted by arrival.
+	assert.Equal(t, Request{Line: 5, At: time.Microsecond, ID: "b1", Tenant: "beta", Prompt: 400, Prefix: 300,
+		Output: 20, MaxNew: 64, AbortAfter: 7}, tr.Requests[0])
+	assert.Equal(t, Request{Line: 4, At: 2500 * time.Millisecond, ID: "L4", Tenant: "acme", Prompt: 100,
+		Output: 10, MaxNew: 10, AbortAfter: -1}, tr.Requests[1])
+	assert.Equal(t, 7, tr.Requests[0].Generated())
+	assert.Equal(t, 10, tr.Requests[1].Generated())
+	assert.Equal(t, 2500*time.Millisecond, tr.Duration())
+}
+
+func TestWriteParseRoundTrip(t *testing.T) {
+	tr, err := Generate(testGenConfig(7))
+	require.NoError(t, err)
+	require.NotEmpty(t, tr.Requests)
+	var buf bytes.Buffer
+	require.NoError(t, WriteTrace(&buf, tr))
+	back, err := ParseTrace(&buf, "")
+	require.NoError(t, err)
+	for i := range back.Requests {
+		back.Requests[i].Line = 0
+	}
+	assert.Equal(t, tr, back)
+}
+
+func FuzzParseTrace(f *testing.F) {
+	f.Add(tenantsHeader + `{"type":"request","at":1,"tenant":"acme","prompt":5,"output":2,"abort_after":1}`)
+	f.Add(`{"type":"tenant","name":"x","quota_pages":1}` + "\n" + `{"type":"request","at":0,"tenant":"x","prompt":1,"output":0}`)
+	f.Add(`{"type":"request","at":1e400}`)
+	f.Add("{\"type\":\"tenant\",\"name\":\"\xff\"}\n#\n\n[]")
+	f.Fuzz(func(t *testing.T, in string) {
+		tr, err := ParseTrace(strings.NewReader(in), "fuzz")
+		if err != nil {
+			var te *TraceError
+			if errors.As(err, &te) {
+				require.ErrorIs(t, err, ErrBadTrace)
+				require.Positive(t, te.Line)
+			}
+			return
+		}
+		// Whatever parses writes back to a trace that parses the same.
+		var buf bytes.Buffer
+		require.NoError(t, WriteTrace(&buf, tr))
+		back, err := ParseTrace(&buf, "")
+		require.NoError(t, err, "re-parsing\n%s", buf.String())
+		require.Len(t, back.Requests, len(tr.Requests))
+		for i, r := range tr.Requests {
+			b := back.Requests[i]
+			b.Line, r.Line = 0, 0
+			r.At = r.At.Round(time.Microsecond)
+			require.Equal(t, r, b)
+		}
+	})
+}
