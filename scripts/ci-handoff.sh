@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# CI steps for the prefill → decode handoff (issue 5). Run from the repo root.
+# CI steps for the prefill → decode handoff (issue 5) beyond `go test -race
+# ./...` (which .ci/run runs): fuzzing of the manifest codec past its seeds,
+# and the two-process example. FUZZTIME overrides the fuzzing budget.
 set -euo pipefail
-go test -race -count=1 ./handoff/... 
-go test -race -count=1 -run 'Phase|Export|Import|Reclaim' ./kvcache
+cd "$(dirname "$0")/.."
+fuzztime="${FUZZTIME:-10s}"
 # Fuzz the manifest decoder and parser briefly beyond their seed corpus.
-go test -run '^$' -fuzz '^FuzzDecode$' -fuzztime 10s ./handoff
-go test -run '^$' -fuzz '^FuzzParse$' -fuzztime 10s ./handoff
+go test -run '^$' -fuzz '^FuzzDecode$' -fuzztime "$fuzztime" ./handoff
+go test -run '^$' -fuzz '^FuzzParse$' -fuzztime "$fuzztime" ./handoff
 go run ./examples/disagg >/dev/null

@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# CI steps of the prefix cache (issue 4): race-enabled tests of the prefix
-# cache and sharing domains, short fuzzing of key derivation and matching,
-# and a one-iteration run of its benchmarks so they keep compiling and
-# passing their own checks. FUZZTIME overrides the fuzzing budget.
+# CI steps of the prefix cache (issue 4) beyond `go test -race ./...`
+# (which .ci/run runs): short fuzzing of key derivation and matching, and a
+# one-iteration run of its benchmarks so they keep compiling and passing
+# their own checks. FUZZTIME overrides the fuzzing budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzztime="${FUZZTIME:-10s}"
 
-go test -race -count=1 -run 'Prefix|CachePrefix|Example' ./kvcache
-go test -race -count=1 -run 'Domain|ChargeShared' ./isolation
 for target in FuzzPageKeys FuzzPrefixMatch; do
 	go test -run '^$' -fuzz "^${target}\$" -fuzztime "$fuzztime" ./kvcache
 done
