@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/internal/invariants"
 	"github.com/kvfence/kvfence/isolation"
 )
 
@@ -398,6 +399,7 @@ func (p *Pool) admitLocked(req Request, need, claimed int, l *Lease, wait bool) 
 	p.mu.prefix.matched = p.mu.prefix.matched[:0]
 	p.mu.leases[req.ID] = l
 	p.mu.admitted++
+	p.assertLocked("admit")
 	return nil, nil
 }
 
@@ -469,6 +471,7 @@ func (p *Pool) detachLocked(l *Lease, pages []int32) []int32 {
 	pages = p.releasePagesLocked(l, pages) // shared pages may stay cached
 	p.q.BeginLocked(len(pages) - before)
 	p.broadcastLocked()
+	p.assertLocked("release")
 	return pages
 }
 
@@ -502,6 +505,7 @@ func (p *Pool) finishScrub(pages []int32, fillErr error) error {
 	p.mu.Lock()
 	err := p.q.FinishLocked(pages, fillErr)
 	p.broadcastLocked()
+	p.assertLocked("scrub")
 	p.mu.Unlock()
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrPoolFaulted, err)
@@ -566,6 +570,19 @@ func (p *Pool) Check() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.checkLocked()
+}
+
+// assertLocked runs checkLocked after a state change when expensive
+// self-checks are on (build tag invariants, or -race) and panics on the
+// first inconsistency: a broken invariant is a kvfence bug that no caller
+// can handle.
+func (p *Pool) assertLocked(after string) {
+	if !invariants.Enabled {
+		return
+	}
+	if err := p.checkLocked(); err != nil {
+		panic(fmt.Sprintf("kvcache: invariant broken after %s: %v", after, err))
+	}
 }
 
 func (p *Pool) checkLocked() error {

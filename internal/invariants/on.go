@@ -1,0 +1,6 @@
+//go:build invariants || race
+
+package invariants
+
+// Enabled reports whether expensive self-checks run.
+const Enabled = true
