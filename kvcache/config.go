@@ -98,6 +98,17 @@ func (g Geometry) PageBytes() int64 { return g.RegionPageBytes() * int64(g.Regio
 // TokenBytes is the KV size of one token over all layers.
 func (g Geometry) TokenBytes() int64 { return g.PageBytes() / int64(g.TokensPerPage) }
 
+// PagesForMemory is how many pages fit in free device bytes after keeping
+// headroom for the engine's weights, activations and workspace (for
+// example free from cudaops/gpuinfo.Probe). Set Config.Pages to it, and
+// New refuses the pool if those pages cannot hold MaxContextTokens.
+func (g Geometry) PagesForMemory(free, headroom int64) (int, error) {
+	if err := g.Validate(); err != nil {
+		return 0, err
+	}
+	return cudaops.PagesForMemory(free, headroom, g.PageBytes())
+}
+
 // PagesFor returns the pages that hold tokens tokens.
 func (g Geometry) PagesFor(tokens int) int {
 	return int((int64(tokens) + int64(g.TokensPerPage) - 1) / int64(g.TokensPerPage))

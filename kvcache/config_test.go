@@ -2,6 +2,7 @@ package kvcache
 
 import (
 	"bytes"
+	"fmt"
 	"math"
 	"testing"
 
@@ -126,4 +127,21 @@ func TestUndersizedPoolAllowedRefusesLongRequests(t *testing.T) {
 	assert.False(t, ae.Retryable())
 	assert.Equal(t, before, state(p))
 	require.NoError(t, p.Check())
+}
+
+func TestPagesForMemorySizesPoolFromFreeDeviceMemory(t *testing.T) {
+	// An H200-like device: 141 GB free, 20 GB kept for weights and workspace.
+	g := Geometry{TokensPerPage: 16, Layers: 80, KVHeads: 8, HeadDim: 128, DType: BF16} // 5 MiB per page
+	pages, err := g.PagesForMemory(141e9, 20e9)
+	require.NoError(t, err)
+	assert.Equal(t, int(int64(121e9)/(5<<20)), pages)
+	cfg := Config{Geometry: g, Pages: pages, MaxContextTokens: 1 << 20, Tenants: []TenantConfig{{Name: "a"}}}
+	_, err = cfg.validate()
+	require.ErrorIs(t, err, ErrUndersizedPool, "369k tokens of KV cannot hold a 1M context")
+	assert.Contains(t, err.Error(), fmt.Sprintf("pool holds %d tokens", pages*16))
+
+	_, err = g.PagesForMemory(10e9, 20e9)
+	assert.ErrorIs(t, err, cudaops.ErrOutOfMemory)
+	_, err = Geometry{}.PagesForMemory(1e9, 0)
+	assert.ErrorIs(t, err, ErrInvalidConfig)
 }
