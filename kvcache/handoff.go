@@ -19,6 +19,16 @@ package kvcache
 //   - Only a prefilled lease (written watermark = prompt tokens) can be
 //     exported. A refused request has no lease, so there is nothing to
 //     export: no placeholder can travel.
+//   - An exported lease takes no writes: Export seals its watermark at the
+//     prompt, and Commit and SlotMapping then fail with ErrLeasePhase, so
+//     the bytes a transfer reads are the bytes Export summed. An import's
+//     lease is sealed until Complete, which leaves the decode lease open to
+//     commits of generated tokens.
+//   - An import is admitted only in the sharing domain its KV was computed
+//     in (the exporting lease's, Outgoing.Domain): BeginImport refuses with
+//     ErrDomainMismatch when the tenant is in another domain here, before
+//     and in the admission. The decode lease then belongs to that domain
+//     and, given its tokens (AttachTokens), publishes there like any lease.
 //   - An exported lease's pages are read only while the lease still holds
 //     them: each read checks, under Pool.mu, that the lease is exported,
 //     still this export's (its first handle's generation), and that every
