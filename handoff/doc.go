@@ -31,19 +31,41 @@
 //     pinned until that ack, an Abort, or the reclaim deadline; then they
 //     are released through the scrubber.
 //   - Receiver: Serve verifies the MAC, expiry (and an upper bound on it),
-//     geometry, sharing domain and replay (a request ID already imported,
-//     or being imported, is refused), then admits fail-closed in the decode
-//     pool (prompt + max new tokens, the pool's own quota and capacity
-//     checks), receives the pages in order, checks every frame's transfer
-//     ID and generations, and only once every page arrived and the content
-//     checksum matches hands out the lease. Any failure aborts the import
-//     through the scrubber and reports a reason code to the sender.
+//     geometry and replay (a request ID already imported, or being
+//     imported, is refused), then admits fail-closed in the decode pool
+//     (prompt + max new tokens, the pool's own quota and capacity checks,
+//     and the sharing domain: see below), receives the pages in order,
+//     checks every frame's transfer ID and generations, and only once every
+//     page arrived and the content checksum matches hands out the lease.
+//     Any failure aborts the import through the scrubber and reports a
+//     reason code to the sender.
+//
+// # Sharing domains
+//
+// KV crosses only inside one sharing domain (kvcache's package doc), and
+// both ends take the domain from their own pool's tenant configuration,
+// never from the request: the manifest names the domain the exporting
+// lease was admitted in (kvcache.Lease.Domain; a tenant moved after the
+// admission does not relabel its pages), and the decode pool admits the
+// import only if the tenant is in that domain there, checked before the
+// admission and again on the admitted lease (kvcache.Pool.BeginImport), so
+// a tenant moved at any point before the import is refused with
+// ErrDomainMismatch. Operators therefore name shared domains alike on the
+// prefill and decode pools; a tenant's own domain is "tenant:<name>" on
+// both. The decode lease is a prefilled lease of that domain: once the
+// engine attaches the prompt's tokens (kvcache.Lease.AttachTokens, keys
+// derived in the lease's domain) CachePrefix publishes its verified pages
+// there like any other lease's. The manifest does not carry token IDs: the
+// decode engine has them, and the pages' keys are a decode-pool matter.
 //
 // # Invariants
 //
 //   - No decode lease becomes usable unless a manifest signed with the
-//     shared key, unexpired, of the pool's geometry and the tenant's domain,
-//     not seen before, was followed by exactly its pages with its checksum.
+//     shared key, unexpired, of the pool's geometry and of the domain the
+//     tenant is in on the decode pool, not seen before, was followed by
+//     exactly its pages with its checksum.
+//   - An exported lease takes no writes (Commit and SlotMapping fail with
+//     kvcache.ErrLeasePhase): the bytes sent are the bytes summed.
 //   - Exported pages are read only while their lease still holds them, and
 //     imported pages are written only while their import lives, each at the
 //     generation it was admitted with: no byte is read from or written to a

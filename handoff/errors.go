@@ -27,9 +27,10 @@ var (
 	// ErrGeometryMismatch: the manifest describes pages of another
 	// geometry than the decode pool's.
 	ErrGeometryMismatch = errors.New("handoff: geometry mismatch")
-	// ErrDomainMismatch: the manifest's sharing domain is not the one the
-	// receiver keys for its tenant.
-	ErrDomainMismatch = errors.New("handoff: sharing domain mismatch")
+	// ErrDomainMismatch: the manifest's sharing domain (the exporting
+	// lease's) is not the one its tenant is in on the decode pool. It is
+	// kvcache.ErrDomainMismatch, which the decode pool's import returns.
+	ErrDomainMismatch = kvcache.ErrDomainMismatch
 	// ErrReplay: a manifest for a request ID that has already been
 	// imported (or is being imported).
 	ErrReplay = errors.New("handoff: manifest replayed")

@@ -142,6 +142,9 @@ func TestIncident(t *testing.T) {
 	// Every way a manifest or its pages can be wrong is refused with its
 	// own error, and no decode lease becomes usable.
 	other := pool(t, testkit.PoolConfig{Pages: 200, Geometry: kvcache.Geometry{TokensPerPage: 16, Layers: 1, KVHeads: 1, HeadDim: 16, DType: kvcache.FP16}})
+	// The victim in a shared domain on this prefill pool, in its own on
+	// the decode pool.
+	shared := pool(t, testkit.PoolConfig{Pages: 200, Tenants: []kvcache.TenantConfig{{Name: "victim", Domain: "org"}, {Name: "other"}}})
 	recv := receiver(t, decode)
 	inproc := handoff.NewInProcess(recv)
 	flipPayload := func(st handoff.Stream, n int, msg []byte) error {
@@ -210,9 +213,7 @@ func TestIncident(t *testing.T) {
 				}
 			}
 		}, want: kvcache.ErrPoolExhausted},
-		{name: "unknown tenant on decode", prepare: func(t *testing.T) func() { return func() {} }, from: nil,
-			sender: sender(t, func(c *handoff.SenderConfig) { c.DomainOf = func(string) string { return "shared" } }),
-			want:   handoff.ErrDomainMismatch},
+		{name: "another sharing domain", from: shared, want: handoff.ErrDomainMismatch},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -254,7 +255,7 @@ func TestIncident(t *testing.T) {
 			require.NoError(t, from.Check())
 		})
 	}
-	sweep(t, prefill, decode, other)
+	sweep(t, prefill, decode, other, shared)
 }
 
 // TestSGLang30233Boundary: a limit of 284,928 tokens and prompts of the

@@ -19,10 +19,6 @@ type ReceiverConfig struct {
 	Pool *kvcache.Pool
 	// Key is the HMAC key shared with the prefill pools. Required.
 	Key *Key
-	// DomainOf maps a tenant to its sharing domain, server-side; nil means
-	// each tenant is its own domain. A manifest naming another domain for
-	// its tenant is refused.
-	DomainOf func(tenant string) string
 	// MaxTTL refuses manifests that expire further ahead than this (a
 	// sender clock far off, or a manifest minted to be replayed for long);
 	// 0 means 5 minutes. It also bounds how long imported request IDs are
@@ -76,9 +72,6 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 		return nil, fmt.Errorf("%w: receiver without a key", ErrInvalidConfig)
 	case cfg.MaxTTL < 0 || cfg.AdmitWait < 0 || cfg.TransferTimeout < 0:
 		return nil, fmt.Errorf("%w: negative duration", ErrInvalidConfig)
-	}
-	if cfg.DomainOf == nil {
-		cfg.DomainOf = func(tenant string) string { return tenant }
 	}
 	if cfg.MaxTTL == 0 {
 		cfg.MaxTTL = 5 * time.Minute
@@ -179,10 +172,6 @@ func (r *Receiver) check(msg []byte) (Manifest, error) {
 	if want := Fingerprint(r.cfg.Pool.Geometry()); m.Geometry != want {
 		return Manifest{}, fmt.Errorf("%w: request %q has pages of %v, this pool %v", ErrGeometryMismatch, m.RequestID, m.Geometry, want)
 	}
-	if want := r.cfg.DomainOf(m.Tenant); m.Domain != want {
-		return Manifest{}, fmt.Errorf("%w: request %q of tenant %q names domain %q, the tenant's is %q",
-			ErrDomainMismatch, m.RequestID, m.Tenant, m.Domain, want)
-	}
 	return m, r.claim(m.RequestID, m.Expires, now)
 }
 
@@ -226,7 +215,9 @@ func (r *Receiver) admit(ctx context.Context, m *Manifest) (*kvcache.Incoming, e
 		defer cancel()
 	}
 	req := kvcache.Request{ID: m.RequestID, Tenant: m.Tenant, PromptTokens: m.PromptTokens, MaxNewTokens: m.MaxNewTokens}
-	return r.cfg.Pool.BeginImport(admitCtx, req, m.Checksum)
+	// The pool refuses the import unless the tenant is in the manifest's
+	// domain here, before and in the admission (ErrDomainMismatch).
+	return r.cfg.Pool.BeginImport(admitCtx, req, m.Domain, m.Checksum)
 }
 
 func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming) (*kvcache.Lease, error) {

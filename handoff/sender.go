@@ -15,9 +15,6 @@ import (
 type SenderConfig struct {
 	// Key is the HMAC key shared with the decode pools. Required.
 	Key *Key
-	// DomainOf maps a tenant to its sharing domain, server-side; nil means
-	// each tenant is its own domain. Must agree with the receivers'.
-	DomainOf func(tenant string) string
 	// TTL is how long a manifest stays valid; 0 means 30 s.
 	TTL time.Duration
 	// ReclaimAfter is how long exported pages stay pinned waiting for the
@@ -41,9 +38,6 @@ func NewSender(cfg SenderConfig) (*Sender, error) {
 		return nil, fmt.Errorf("%w: sender without a key", ErrInvalidConfig)
 	case cfg.TTL < 0 || cfg.ReclaimAfter < 0 || cfg.FrameBytes < 0:
 		return nil, fmt.Errorf("%w: negative TTL %v, ReclaimAfter %v or FrameBytes %d", ErrInvalidConfig, cfg.TTL, cfg.ReclaimAfter, cfg.FrameBytes)
-	}
-	if cfg.DomainOf == nil {
-		cfg.DomainOf = func(tenant string) string { return tenant }
 	}
 	if cfg.TTL == 0 {
 		cfg.TTL = 30 * time.Second
@@ -69,7 +63,9 @@ type Export struct {
 }
 
 // Export pins lease l (which must be prefilled: kvcache.ErrLeasePhase
-// otherwise, and nothing changes) and signs its manifest. maxNewTokens is
+// otherwise, and nothing changes) and signs its manifest, which names the
+// sharing domain the lease was admitted in (kvcache.Lease.Domain), taken
+// from the prefill pool's own tenant configuration. maxNewTokens is
 // the output budget the decode pool must reserve. The pages stay pinned
 // until Send gets the receiver's ack, Abort, or ReclaimAfter passes.
 func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
@@ -82,7 +78,7 @@ func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
 		return nil, err
 	}
 	m := Manifest{
-		RequestID: out.RequestID(), Tenant: out.Tenant(), Domain: s.cfg.DomainOf(out.Tenant()),
+		RequestID: out.RequestID(), Tenant: out.Tenant(), Domain: out.Domain(),
 		PromptTokens: out.PromptTokens(), MaxNewTokens: maxNewTokens,
 		Geometry: Fingerprint(out.Geometry()), Expires: now.Add(s.cfg.TTL),
 		Checksum: out.Checksum(), Generations: out.Generations(nil),

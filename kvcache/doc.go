@@ -80,5 +80,7 @@
 //
 // A Lease's own fields are immutable while it lives, except the written
 // watermark, the state and the handoff phase (handoff.go), which are
-// atomics.
+// atomics, and its prefix-publication fields (how far CachePrefix got; the
+// keys AttachTokens sets once on a lease admitted without them), which
+// change only under Pool.mu.
 package kvcache

@@ -25,4 +25,9 @@ var (
 	// ErrChecksumMismatch: the bytes an import received do not match the
 	// content checksum it was promised.
 	ErrChecksumMismatch = errors.New("kvcache: transfer checksum mismatch")
+	// ErrDomainMismatch: an import's KV was computed in another sharing
+	// domain than the one its tenant is in on this pool (the pools are
+	// configured differently, or the tenant moved since the export).
+	// Nothing is imported.
+	ErrDomainMismatch = errors.New("kvcache: sharing domain mismatch")
 )

@@ -19,6 +19,16 @@ package kvcache
 //   - Only a prefilled lease (written watermark = prompt tokens) can be
 //     exported. A refused request has no lease, so there is nothing to
 //     export: no placeholder can travel.
+//   - An exported lease takes no writes: Export seals its watermark at the
+//     prompt, and Commit and SlotMapping then fail with ErrLeasePhase, so
+//     the bytes a transfer reads are the bytes Export summed. An import's
+//     lease is sealed until Complete, which leaves the decode lease open to
+//     commits of generated tokens.
+//   - An import is admitted only in the sharing domain its KV was computed
+//     in (the exporting lease's, Outgoing.Domain): BeginImport refuses with
+//     ErrDomainMismatch when the tenant is in another domain here, before
+//     and in the admission. The decode lease then belongs to that domain
+//     and, given its tokens (AttachTokens), publishes there like any lease.
 //   - An exported lease's pages are read only while the lease still holds
 //     them: each read checks, under Pool.mu, that the lease is exported,
 //     still this export's (its first handle's generation), and that every
@@ -157,6 +167,10 @@ func (p *Pool) endIf(l *Lease, owned func() bool, phase Phase) (ended bool, err 
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
+// testHookBeforeImportAdmit, if set (by tests only), runs in BeginImport
+// between the domain pre-check and the admission.
+var testHookBeforeImportAdmit func()
+
 // PageChecksum is the CRC32C of one page's bytes over all regions, region
 // 0 first: the per-page term of a content checksum.
 func PageChecksum(page []byte) uint32 { return crc32.Checksum(page, castagnoli) }
@@ -207,7 +221,9 @@ func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 		p.mu.Unlock()
 		return nil, err
 	}
-	if ph := l.Phase(); ph != PhasePrefilled || l.Written() != l.prompt {
+	// Sealing the watermark at exactly the prompt both checks it and stops
+	// every later Commit: the pages are read and summed from here on.
+	if ph := l.Phase(); ph != PhasePrefilled || !l.written.CompareAndSwap(int64(l.prompt), int64(l.prompt)|writeSealed) {
 		p.mu.Unlock()
 		return nil, fmt.Errorf("%w: lease %q is %v with %d of %d prompt tokens written; only a prefilled lease can be exported",
 			ErrLeasePhase, l.id, ph, l.Written(), l.prompt)
@@ -278,6 +294,10 @@ func (o *Outgoing) RequestID() string { return o.lease.id }
 
 // Tenant is the exporting lease's tenant.
 func (o *Outgoing) Tenant() string { return o.lease.Tenant() }
+
+// Domain is the sharing domain the exporting lease was admitted in: the
+// domain its pages belong to, whatever the tenant's domain is now.
+func (o *Outgoing) Domain() string { return o.lease.Domain() }
 
 // PromptTokens is the number of tokens whose KV the pages hold.
 func (o *Outgoing) PromptTokens() int { return o.lease.prompt }
@@ -405,15 +425,45 @@ type Incoming struct {
 
 // BeginImport admits req fail-closed (exactly as Admit: the same errors,
 // nothing allocated on refusal) for the KV of a prompt arriving from a
-// prefill pool, whose content checksum is checksum. The returned import
-// receives the prompt's pages with WritePages and becomes a usable lease
-// only through Complete.
-func (p *Pool) BeginImport(ctx context.Context, req Request, checksum uint32) (*Incoming, error) {
+// prefill pool, computed in sharing domain domain, whose content checksum
+// is checksum. The returned import receives the prompt's pages with
+// WritePages and becomes a usable lease only through Complete.
+//
+// The tenant must be in domain in this pool, both before admission (else
+// ErrDomainMismatch with nothing allocated) and in the admission itself (a
+// tenant moved meanwhile: the pages just admitted are scrubbed and the
+// error is ErrDomainMismatch), so that KV never enters another domain than
+// the one it was computed in. Domain names are the operator's: the pools
+// on both sides must name a shared domain alike (a tenant's own domain is
+// isolation.PrivateDomainPrefix + its name everywhere).
+func (p *Pool) BeginImport(ctx context.Context, req Request, domain string, checksum uint32) (*Incoming, error) {
+	if domain == "" {
+		return nil, fmt.Errorf("%w: import of request %q names no sharing domain", ErrInvalidArgument, req.ID)
+	}
+	mismatch := func(have, when string) error {
+		return fmt.Errorf("%w: request %q of tenant %q was computed in domain %q, the tenant is in %q here%s",
+			ErrDomainMismatch, req.ID, req.Tenant, domain, have, when)
+	}
+	// An unknown tenant is left to the admission, which refuses it with
+	// its usual error and count.
+	if have, err := p.TenantDomain(req.Tenant); err == nil && have != domain {
+		return nil, mismatch(have, "")
+	}
+	if testHookBeforeImportAdmit != nil {
+		testHookBeforeImportAdmit()
+	}
 	l := new(Lease)
 	if err := p.AdmitInto(ctx, req, l); err != nil {
 		return nil, err
 	}
+	// Sealed at zero: nothing may write the pages but WritePages, and the
+	// watermark is set only by Complete.
+	l.written.Store(writeSealed)
 	l.phase.Store(uint32(PhaseImporting))
+	if have := l.Domain(); have != domain {
+		l.Abort()
+		return nil, mismatch(have, " (moved during admission)")
+	}
 	in := &Incoming{pool: p, lease: l, first: l.handles[0], pages: p.geom.PagesFor(req.PromptTokens),
 		want: checksum, pageLen: int(p.geom.PageBytes())}
 	in.mu.sums = make([]uint32, in.pages)
@@ -512,7 +562,7 @@ func (in *Incoming) Complete() (*Lease, error) {
 	if !in.owns() {
 		return nil, fmt.Errorf("%w: import of request %q has ended", ErrStaleTransfer, in.lease.id)
 	}
-	in.lease.written.Store(int64(in.lease.prompt))
+	in.lease.written.Store(int64(in.lease.prompt)) // unsealed: decode commits generated tokens
 	in.lease.phase.Store(uint32(PhasePrefilled))
 	return in.lease, nil
 }

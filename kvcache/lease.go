@@ -28,7 +28,7 @@ type Lease struct {
 	table   []int32 // block table: page IDs in token order
 	scrub   []int32 // scratch for release, reused
 	state   atomic.Uint32
-	written atomic.Int64
+	written atomic.Int64  // watermark in tokens, | writeSealed while the pages take no writes
 	phase   atomic.Uint32 // handoff phase (handoff.go); meaningful while state is leaseLive
 
 	// Prefix sharing (prefix.go). domain is where the lease's pages are
@@ -114,10 +114,14 @@ func (l *Lease) AppendBlockTable(dst []int32) ([]int32, error) {
 
 // SlotMapping appends to dst the cache slot of each token in [start, end):
 // slot = page × TokensPerPage + offset inside the page, the layout vLLM's
-// reshape_and_cache kernels take.
+// reshape_and_cache kernels take. Slots are where KV is written, so an
+// exported lease refuses with ErrLeasePhase (its block table still reads).
 func (l *Lease) SlotMapping(start, end int, dst []int64) ([]int64, error) {
 	if err := l.live(); err != nil {
 		return dst, err
+	}
+	if l.written.Load()&writeSealed != 0 {
+		return dst, l.sealedErr("slot mapping")
 	}
 	if start < 0 || end < start || end > l.CapacityTokens() {
 		return dst, fmt.Errorf("%w: token range [%d, %d) outside the lease's %d slots",
@@ -130,9 +134,24 @@ func (l *Lease) SlotMapping(start, end int, dst []int64) ([]int64, error) {
 	return dst, nil
 }
 
+// writeSealed, set in the written watermark, means the lease's pages take
+// no writes: they are exported (pinned for a transfer that reads them, and
+// whose checksum is already computed) or still being imported. Export sets
+// it with a compare-and-swap on the watermark itself, so a Commit racing
+// an Export either lands before it (and the export, seeing a watermark
+// past the prompt, is refused) or is refused.
+const writeSealed int64 = 1 << 62
+
+// sealedErr is the error of a write-path call on a sealed lease.
+func (l *Lease) sealedErr(what string) error {
+	return fmt.Errorf("%w: %s on lease %q, which is %v: its pages take no writes", ErrLeasePhase, what, l.id, l.Phase())
+}
+
 // Commit records that the first n tokens of the lease have been written
 // to its pages (the written watermark). The watermark only moves forward
-// and stays within the request's prompt + max new tokens.
+// and stays within the request's prompt + max new tokens. An exported
+// lease refuses with ErrLeasePhase: its pages belong to the transfer. A
+// lease delivered by an import takes commits for the tokens it generates.
 func (l *Lease) Commit(n int) error {
 	if err := l.live(); err != nil {
 		return err
@@ -140,6 +159,9 @@ func (l *Lease) Commit(n int) error {
 	limit := l.prompt + l.maxNew
 	for {
 		cur := l.written.Load()
+		if cur&writeSealed != 0 {
+			return l.sealedErr(fmt.Sprintf("commit of %d tokens", n))
+		}
 		switch {
 		case n < 0 || n > limit:
 			return fmt.Errorf("%w: commit of %d tokens, lease holds %d", ErrInvalidArgument, n, limit)
@@ -153,7 +175,7 @@ func (l *Lease) Commit(n int) error {
 }
 
 // Written returns the written watermark in tokens.
-func (l *Lease) Written() int { return int(l.written.Load()) }
+func (l *Lease) Written() int { return int(l.written.Load() &^ writeSealed) }
 
 // Release ends the lease. Its pages are scrubbed and return to the pool
 // once the scrub has completed. A second Release returns ErrLeaseReleased;

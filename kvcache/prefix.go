@@ -214,6 +214,63 @@ func (p *Pool) PageKeys(tenant, adapter string, tokens []int32, dst []BlockKey) 
 	return appendPageKeys(dst, prefixRoot(domain, adapter), p.geom.TokensPerPage, tokens), nil
 }
 
+// TenantDomain returns the name of the sharing domain tenant is in now:
+// where its next admission looks up and publishes pages, and the domain an
+// import for it must come from. Leases keep the domain they were admitted
+// in (Lease.Domain).
+func (p *Pool) TenantDomain(tenant string) (string, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.mu.closed {
+		return "", ErrPoolClosed
+	}
+	t, err := p.mu.tenants.Lookup(tenant)
+	if err != nil {
+		return "", err
+	}
+	return t.Domain.Name, nil
+}
+
+// AttachTokens gives a lease admitted without prefix material (an imported
+// decode lease, typically) its prompt's token IDs, computed under adapter,
+// so that CachePrefix can publish its prompt pages. The keys are derived in
+// the lease's own domain (Lease.Domain), not the tenant's current one: the
+// pages belong to the domain they were admitted in. Like TokenIDs given to
+// Admit, the tokens are the engine's word for what its pages hold. It
+// refuses (ErrInvalidArgument) a lease that already has prefix material
+// and tokens that are not exactly the prompt; with prefix caching
+// disabled it does nothing.
+func (l *Lease) AttachTokens(adapter string, tokens []int32) error {
+	if err := l.live(); err != nil {
+		return err
+	}
+	p := l.pool
+	if p.prefixDisabled {
+		return nil
+	}
+	if len(tokens) == 0 {
+		return fmt.Errorf("%w: lease %q: no tokens to attach", ErrInvalidArgument, l.id)
+	}
+	if err := validatePrefix(Request{PromptTokens: l.prompt, TokenIDs: tokens, Adapter: adapter}, p.geom.TokensPerPage); err != nil {
+		return fmt.Errorf("%w: lease %q: %w", ErrInvalidArgument, l.id, err)
+	}
+	// Hashed outside Pool.mu; the domain never changes while l lives.
+	keys := appendPageKeys(nil, prefixRoot(l.Domain(), adapter), p.geom.TokensPerPage, tokens)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.mu.closed {
+		return ErrPoolClosed
+	}
+	if err := l.live(); err != nil {
+		return err
+	}
+	if len(l.keys) > 0 || l.published > 0 {
+		return fmt.Errorf("%w: lease %q already has prefix material", ErrInvalidArgument, l.id)
+	}
+	l.keys, l.keysFor = keys, l.domain
+	return nil
+}
+
 // planPrefix derives l's page keys if the request carries tokens and the
 // tenant's domain changed since they were derived (hashing runs outside
 // the lock), and returns how many of need pages must come from the free

@@ -205,8 +205,8 @@ func prefill() error {
 		return err
 	}
 	m := exp.Manifest()
-	fmt.Printf("   exported: manifest for %q of tenant %q, %d pages, checksum %08x, expires in %v, signed (HMAC-SHA256)\n",
-		m.RequestID, m.Tenant, m.Pages(), m.Checksum, time.Until(m.Expires).Round(time.Second))
+	fmt.Printf("   exported: manifest for %q of tenant %q in sharing domain %q, %d pages, checksum %08x, expires in %v, signed (HMAC-SHA256)\n",
+		m.RequestID, m.Tenant, m.Domain, m.Pages(), m.Checksum, time.Until(m.Expires).Round(time.Second))
 	if err := exp.Send(ctx, tr); err != nil {
 		return err
 	}
