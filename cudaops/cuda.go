@@ -677,32 +677,27 @@ func (d *CUDA) pageLocked(r int, p int32, n int) (uint64, error) {
 
 // ReadPage implements Device: it waits for every fill already issued.
 func (d *CUDA) ReadPage(r int, p int32, dst []byte) error {
-	d.life.RLock()
-	defer d.life.RUnlock()
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	addr, err := d.pageLocked(r, p, len(dst))
-	if err != nil {
-		return err
-	}
-	if err := d.enter(); err != nil {
-		return err
-	}
-	defer d.leave()
-	if err := d.drv.memcpyDtoHSync(dst, addr, d.stream); err != nil {
-		return fmt.Errorf("%w: reading page %d of region %d: %w", ErrDriver, p, r, err)
-	}
-	return nil
+	return d.copyPage(r, p, len(dst), "reading", func(addr uint64) error {
+		return d.drv.memcpyDtoHSync(dst, addr, d.stream)
+	})
 }
 
 // WritePage implements Device: the write lands after every fill already
 // issued, and has landed when WritePage returns.
 func (d *CUDA) WritePage(r int, p int32, src []byte) error {
+	return d.copyPage(r, p, len(src), "writing", func(addr uint64) error {
+		return d.drv.memcpyHtoDSync(addr, src, d.stream)
+	})
+}
+
+// copyPage runs a synchronous copy of page p of region r on the device's
+// stream, so that it is ordered after every fill already issued.
+func (d *CUDA) copyPage(r int, p int32, n int, verb string, copyAt func(addr uint64) error) error {
 	d.life.RLock()
 	defer d.life.RUnlock()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	addr, err := d.pageLocked(r, p, len(src))
+	addr, err := d.pageLocked(r, p, n)
 	if err != nil {
 		return err
 	}
@@ -710,8 +705,8 @@ func (d *CUDA) WritePage(r int, p int32, src []byte) error {
 		return err
 	}
 	defer d.leave()
-	if err := d.drv.memcpyHtoDSync(addr, src, d.stream); err != nil {
-		return fmt.Errorf("%w: writing page %d of region %d: %w", ErrDriver, p, r, err)
+	if err := copyAt(addr); err != nil {
+		return fmt.Errorf("%w: %s page %d of region %d: %w", ErrDriver, verb, p, r, err)
 	}
 	return nil
 }
