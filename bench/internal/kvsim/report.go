@@ -196,14 +196,14 @@ func (r *Report) writePrefixTable(w io.Writer, many Variety) {
 		fmt.Fprintln(w, "prefix cache: off (-prefix-cache on to measure hits)")
 		return
 	}
-	fmt.Fprintf(w, "prefix cache (shareable: %.0f%% of prompt tokens are shared system prompts; "+
-		"hit rate: full prompt pages found in the tenant's domain ÷ looked up):\n", r.Workload.SharedPrefixPct)
+	fmt.Fprintln(w, "prefix cache (hit rate: full prompt pages found in the tenant's domain ÷ looked up; "+
+		"of prompt: hit tokens ÷ prompt tokens admitted; shareable: system-prompt tokens ÷ prompt tokens admitted):")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\tdomains\thit rate\thit tokens\tof prompt\tprefill avoided\tstored\tevicted\tTTFT p50\tp99\t")
+	fmt.Fprintln(tw, "policy\tdomains\thit rate\thit tokens\tof prompt\tshareable\tprefill avoided\tstored\tevicted\tTTFT p50\tp99\t")
 	for _, run := range r.Runs {
 		px := run.Prefix
-		fmt.Fprintf(tw, "%s\t%d %s\t%.1f%%\t%d\t%.1f%%\t%s\t%d\t%d\t%s\t%s\t\n", RunLabel(run, many), px.Domains, run.Domains,
-			100*px.HitRate, px.HitTokens, 100*px.PromptHitShare, FormatBytes(float64(px.PrefillBytesAvoided)),
+		fmt.Fprintf(tw, "%s\t%d %s\t%.1f%%\t%d\t%.1f%%\t%.1f%%\t%s\t%d\t%d\t%s\t%s\t\n", RunLabel(run, many), px.Domains, run.Domains,
+			100*px.HitRate, px.HitTokens, 100*px.PromptHitShare, 100*run.PrefixShareableFraction, FormatBytes(float64(px.PrefillBytesAvoided)),
 			px.StoredPages, px.EvictedPages, fmtSeconds(run.TTFT.P50), fmtSeconds(run.TTFT.P99))
 	}
 	tw.Flush()
