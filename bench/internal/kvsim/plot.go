@@ -105,9 +105,9 @@ func utilisationPlot(runs []*RunResult) (*plot.Plot, error) {
 			return nil, err
 		}
 	}
-	// The written fraction depends only on the trace, the pool size and
-	// the domain layout (prefix hits are not written again), so one line
-	// per pool size and layout says it.
+	// The written and cached fractions depend only on the trace, the pool
+	// size and the domain layout, not on the policy, so one line per pool
+	// size and layout says each.
 	type poolLayout struct {
 		pages   int
 		domains string
@@ -122,14 +122,24 @@ func utilisationPlot(runs []*RunResult) (*plot.Plot, error) {
 		for j, u := range r.Utilisation {
 			xys[j] = plotter.XY{X: u.T, Y: u.Written}
 		}
-		label := "KV written"
+		suffix := ""
 		if many.Pools {
-			label += fmt.Sprintf("/%dp", r.PoolPages)
+			suffix += fmt.Sprintf("/%dp", r.PoolPages)
 		}
 		if many.Domains {
-			label += "/" + r.Domains
+			suffix += "/" + r.Domains
 		}
-		if err := addLine(p, xys, i, label, true); err != nil {
+		if err := addLine(p, xys, i, "KV written"+suffix, true); err != nil {
+			return nil, err
+		}
+		if !r.Prefix.Enabled {
+			continue
+		}
+		cached := make(plotter.XYs, len(r.Utilisation))
+		for j, u := range r.Utilisation {
+			cached[j] = plotter.XY{X: u.T, Y: u.Cached}
+		}
+		if err := addLine(p, cached, i+1, "prefix cached"+suffix, true); err != nil {
 			return nil, err
 		}
 	}

@@ -77,6 +77,7 @@ type UtilSample struct {
 	InUse       float64 `json:"in_use"`  // pages held by leases
 	Written     float64 `json:"written"` // token slots holding KV
 	Quarantined float64 `json:"quarantined"`
+	Cached      float64 `json:"cached"` // published pages no lease holds: evictable
 	Queued      int     `json:"queued"`
 	Running     int     `json:"running"`
 }
