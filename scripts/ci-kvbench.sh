@@ -4,7 +4,7 @@
 # written, audit of every safe policy passes, the unsafe baseline's fails,
 # the layouts compared), and one iteration of every benchmark so that they
 # keep compiling and running.
-# Takes about 30 s on a 2-core machine; needs ~600 MiB of memory.
+# Takes about 30 s on a 2-core machine; needs ~300 MiB of memory.
 set -eu
 cd "$(dirname "$0")/.."
 
@@ -12,7 +12,7 @@ go test ./bench/...
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-go run ./bench/cmd/kvbench -duration 2s -audit -domains per-tenant,shared -out "$out" >"$out/stdout.txt"
+go run ./bench/cmd/kvbench -duration 5s -pool-pages 2048 -audit -domains per-tenant,shared -out "$out" >"$out/stdout.txt"
 test -s "$out/report.json"
 plots=$(find "$out" -name '*.png' | wc -l)
 if [ "$plots" -lt 2 ]; then
