@@ -240,13 +240,15 @@ func usage(fs *flag.FlagSet) {
 
 kvbench replays a multi-tenant serving workload (synthetic, or a JSONL
 trace) against kvfence pools on a virtual clock with continuous batching,
-once per scrub policy and pool size, and reports admissions per second,
-admission latency percentiles, pages and bytes scrubbed, the share of run
-time spent filling, pool utilisation over time, refusals by reason, and the
-isolation audit. Each policy is compared with the UNSAFE "none" baseline,
-which skips the fills. It prints a table and writes report.json and PNG
-plots (utilisation, admission latency CDF, scrub bandwidth per batch size)
-into -out.
+once per scrub policy, pool size and sharing-domain layout, and reports
+admissions per second, admission latency percentiles, pages and bytes
+scrubbed, the share of run time spent filling, pool utilisation over
+time, refusals by reason, the prefix cache's hit rate and prefill avoided
+(-domains per-tenant,shared compares the layouts), time to first token,
+and the isolation audit. Each policy is compared with the UNSAFE "none"
+baseline, which skips the fills. It prints a table and writes report.json
+and PNG plots (utilisation, admission latency CDF, scrub bandwidth per
+batch size) into -out.
 
 Flags:
 `)
@@ -335,6 +337,9 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 			return err
 		}
 		seed = &o.seed
+	}
+	if contains(o.domains, kvsim.DomainsShared) && !namesDomains(tr) {
+		fmt.Fprintln(stdout, "kvbench: note: the trace's tenants name no domain, so -domains shared is per-tenant")
 	}
 	if o.emitTrace != "" {
 		if err := writeTrace(o.emitTrace, tr); err != nil {
@@ -425,6 +430,15 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	rep.WriteTable(stdout)
 	fmt.Fprintf(stdout, "\nwrote %s, %s\n", jsonPath, strings.Join(plots, ", "))
 	return auditErr
+}
+
+func namesDomains(tr *kvsim.Trace) bool {
+	for _, t := range tr.Tenants {
+		if t.Domain != "" {
+			return true
+		}
+	}
+	return false
 }
 
 func readTrace(path string) (*kvsim.Trace, error) {

@@ -145,6 +145,7 @@ func FuzzParseTrace(f *testing.F) {
 	f.Add(tenantsHeader + `{"type":"request","at":1,"tenant":"acme","prompt":5,"output":2,"abort_after":1}`)
 	f.Add(`{"type":"tenant","name":"x","quota_pages":1}` + "\n" + `{"type":"request","at":0,"tenant":"x","prompt":1,"output":0}`)
 	f.Add(`{"type":"request","at":1e400}`)
+	f.Add(`{"type":"tenant","name":"x","domain":"org"}` + "\n" + `{"type":"request","at":0,"tenant":"x","prompt":9,"prefix":3,"prefix_id":"p","output":0}`)
 	f.Add("{\"type\":\"tenant\",\"name\":\"\xff\"}\n#\n\n[]")
 	f.Fuzz(func(t *testing.T, in string) {
 		tr, err := ParseTrace(strings.NewReader(in), "fuzz")
