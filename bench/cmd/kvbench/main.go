@@ -4,12 +4,15 @@
 // It simulates an inference engine with continuous batching on a virtual
 // clock: requests arrive (from a synthetic generator or a JSONL trace),
 // are admitted by a kvfence pool (or refused, with the reason counted),
-// write their prompt's KV at admission and one token's KV per decode step,
-// and release their pages when they finish or their client aborts. The
-// kvfence calls and the KV writes run for real, on the chosen device, and
-// are timed; the engine's compute is not simulated. The same trace is
-// replayed once per scrub policy and pool size, and each policy is compared
-// with the unsafe "none" baseline, which skips the fills.
+// compute their prompts within a per-step prefill budget (skipping the
+// prefix shared from kvfence's prefix cache and publishing the prompt for
+// later requests of their sharing domain), write one token's KV per
+// decode step, and release their pages when they finish or their client
+// aborts. The kvfence calls and the KV writes run for real, on the chosen
+// device, and are timed; the engine's compute is not simulated. The same
+// trace is replayed once per scrub policy, pool size and sharing-domain
+// layout, and each policy is compared with the unsafe "none" baseline,
+// which skips the fills.
 //
 //	go run ./bench/cmd/kvbench -duration 5s -out DIR
 //
@@ -63,7 +66,10 @@ type options struct {
 	trace, emitTrace, out        string
 	seed                         uint64
 	rate, overlong, abort        float64
-	tenants                      int
+	tenants, orgSize             int
+	prefixCache                  bool
+	domains                      []string
+	prefillTokens                int
 	policies                     []string
 	poolPages                    []int
 	maxContext, maxBatch         int
@@ -84,6 +90,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the synthetic workload (same seed, same workload)")
 	fs.Float64Var(&o.rate, "rate", 10, "synthetic mean arrivals per second (Poisson)")
 	fs.IntVar(&o.tenants, "tenants", 8, "synthetic tenants (Zipf popularity; the last has a quota of 1/4 of the pool)")
+	fs.IntVar(&o.orgSize, "org-size", 4, "synthetic tenants per organisation: they share a system prompt and, with -domains shared, a sharing domain (1: every tenant alone)")
+	prefixCache := fs.String("prefix-cache", "on", "prefix caching: on (requests carry token IDs, hits skip prefill, prompts are published after prefill) or off")
+	domains := fs.String("domains", kvsim.DomainsPerTenant, "sharing-domain layouts to compare, comma-separated: per-tenant (one domain per tenant), shared (the trace's or the organisations' domains)")
+	fs.IntVar(&o.prefillTokens, "prefill-tokens", 8192, "engine prefill budget in tokens per step, shared by running prompts (0: no limit)")
 	fs.Float64Var(&o.overlong, "overlong", 0.02, "synthetic share of requests longer than the pool or the context window")
 	fs.Float64Var(&o.abort, "abort", 0.05, "synthetic share of requests aborted by their client")
 	policies := fs.String("policies", strings.Join(kvsim.Policies, ","), "scrub policies to compare: zero, poison, canary, none (none = UNSAFE baseline that skips fills)")
@@ -120,6 +130,24 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 			o.policies = append(o.policies, p)
 		}
 	}
+	switch *prefixCache {
+	case "on", "off":
+		o.prefixCache = *prefixCache == "on"
+	default:
+		return nil, badFlag("prefix-cache", "unknown value %q (want on or off)", *prefixCache)
+	}
+	for _, d := range strings.Split(*domains, ",") {
+		d = strings.TrimSpace(d)
+		if !contains(kvsim.DomainModes, d) {
+			return nil, badFlag("domains", "unknown layout %q (want %s)", d, strings.Join(kvsim.DomainModes, ", "))
+		}
+		if !contains(o.domains, d) {
+			o.domains = append(o.domains, d)
+		}
+	}
+	if !o.prefixCache && len(o.domains) > 1 {
+		return nil, badFlag("domains", "%s compares prefix sharing, which -prefix-cache off turns off", *domains)
+	}
 	for _, s := range strings.Split(*pools, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))
 		if err != nil || n < 1 {
@@ -151,6 +179,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		{"step", o.step > 0, "want > 0"},
 		{"rate", o.rate > 0 && o.rate <= 1e6, "want (0, 1e6] requests/s"},
 		{"tenants", o.tenants >= 1 && o.tenants <= 255, "want 1..255"},
+		{"org-size", o.orgSize >= 1 && o.orgSize <= 255, "want 1..255 tenants"},
+		{"prefill-tokens", o.prefillTokens >= 0, "want ≥ 0 tokens per step (0: no limit)"},
 		{"overlong", o.overlong >= 0 && o.overlong < 1, "want a share in [0, 1)"},
 		{"abort", o.abort >= 0 && o.abort < 1, "want a share in [0, 1)"},
 		{"max-context", o.maxContext >= 1, "want ≥ 1 token"},
@@ -210,13 +240,15 @@ func usage(fs *flag.FlagSet) {
 
 kvbench replays a multi-tenant serving workload (synthetic, or a JSONL
 trace) against kvfence pools on a virtual clock with continuous batching,
-once per scrub policy and pool size, and reports admissions per second,
-admission latency percentiles, pages and bytes scrubbed, the share of run
-time spent filling, pool utilisation over time, refusals by reason, and the
-isolation audit. Each policy is compared with the UNSAFE "none" baseline,
-which skips the fills. It prints a table and writes report.json and PNG
-plots (utilisation, admission latency CDF, scrub bandwidth per batch size)
-into -out.
+once per scrub policy, pool size and sharing-domain layout, and reports
+admissions per second, admission latency percentiles, pages and bytes
+scrubbed, the share of run time spent filling, pool utilisation over
+time, refusals by reason, the prefix cache's hit rate and prefill avoided
+(-domains per-tenant,shared compares the layouts), time to first token,
+and the isolation audit. Each policy is compared with the UNSAFE "none"
+baseline, which skips the fills. It prints a table and writes report.json
+and PNG plots (utilisation, admission latency CDF, scrub bandwidth per
+batch size) into -out.
 
 Flags:
 `)
@@ -298,13 +330,16 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 			o.duration = tr.Duration() + time.Minute
 		}
 	} else {
-		tr, err = kvsim.Generate(kvsim.GenConfig{Seed: o.seed, Duration: o.duration, Rate: o.rate, Tenants: o.tenants,
+		tr, err = kvsim.Generate(kvsim.GenConfig{Seed: o.seed, Duration: o.duration, Rate: o.rate, Tenants: o.tenants, OrgSize: o.orgSize,
 			OverlongFraction: o.overlong, AbortFraction: o.abort, CapacityTokens: capTokens,
 			MaxContext: o.maxContext, TokensPerPage: o.geometry.TokensPerPage})
 		if err != nil {
 			return err
 		}
 		seed = &o.seed
+	}
+	if contains(o.domains, kvsim.DomainsShared) && !namesDomains(tr) {
+		fmt.Fprintln(stdout, "kvbench: note: the trace's tenants name no domain, so -domains shared is per-tenant")
 	}
 	if o.emitTrace != "" {
 		if err := writeTrace(o.emitTrace, tr); err != nil {
@@ -319,49 +354,58 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	if o.out == "" {
 		fmt.Fprintf(stdout, "kvbench: writing into %s\n", dir)
 	}
-	fmt.Fprintf(stdout, "kvbench: %d requests, %v of serving, policies %s, pools of %v pages (up to %s of host memory)\n",
+	cacheState := "off"
+	if o.prefixCache {
+		cacheState = "on"
+	}
+	fmt.Fprintf(stdout, "kvbench: %d requests, %v of serving, policies %s, pools of %v pages (up to %s of host memory), prefix cache %s, domains %s\n",
 		len(tr.Requests), o.duration, strings.Join(o.policies, ","), o.poolPages,
-		kvsim.FormatBytes(float64(int64(maxPool)*o.geometry.PageBytes())))
+		kvsim.FormatBytes(float64(int64(maxPool)*o.geometry.PageBytes())), cacheState, strings.Join(o.domains, ","))
 
 	rep := &kvsim.Report{Tool: "kvbench", Version: kvsim.ReportVersion, Started: time.Now().UTC(), Args: args,
 		Machine: kvsim.ThisMachine(), Workload: kvsim.SummarizeWorkload(tr, source, capTokens, o.maxContext),
 		Geometry: kvsim.ReportGeometry(o.geometry), MaxContext: o.maxContext, Step: o.step.Seconds(),
-		MaxBatch: o.maxBatch, DeviceBandwidth: o.bandwidth, PrefixCache: "n/a (no prefix cache in this build)"}
+		MaxBatch: o.maxBatch, DeviceBandwidth: o.bandwidth, PrefixCache: cacheState, Domains: o.domains,
+		PrefillTokens: o.prefillTokens}
 	rep.Workload.Seed = seed
 
 	steps := int64((o.duration + o.step - 1) / o.step)
 	var bar *progressbar.ProgressBar
 	if tty {
-		bar = progressbar.NewOptions64(steps*int64(len(o.policies)*len(o.poolPages)),
+		bar = progressbar.NewOptions64(steps*int64(len(o.policies)*len(o.poolPages)*len(o.domains)),
 			progressbar.OptionSetWriter(stderr), progressbar.OptionSetDescription("kvbench"),
 			progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionClearOnFinish(),
 			progressbar.OptionShowElapsedTimeOnFinish(), progressbar.OptionSetPredictTime(true))
 	}
 	var auditErr error
 	for _, pages := range o.poolPages {
-		for _, policy := range o.policies {
-			cfg := kvsim.RunConfig{Geometry: o.geometry, PoolPages: pages, MaxContext: o.maxContext, Policy: policy,
-				Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
-				Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open}
-			if bar != nil {
-				bar.Describe(fmt.Sprintf("%s/%dp", policy, pages))
-				cfg.Progress = func(n int) { _ = bar.Add(n) }
+		for _, domains := range o.domains {
+			for _, policy := range o.policies {
+				cfg := kvsim.RunConfig{Geometry: o.geometry, PoolPages: pages, MaxContext: o.maxContext, Policy: policy,
+					Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
+					Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open, PrefixCache: o.prefixCache,
+					Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens}
+				if bar != nil {
+					bar.Describe(fmt.Sprintf("%s/%dp/%s", policy, pages, domains))
+					cfg.Progress = func(n int) { _ = bar.Add(n) }
+				}
+				res, err := kvsim.Run(tr, cfg)
+				switch {
+				case errors.Is(err, kvsim.ErrAuditFailed) && res != nil:
+					auditErr = errors.Join(auditErr, err)
+				case err != nil:
+					return fmt.Errorf("policy %s, pool of %d pages, %s domains: %w", policy, pages, domains, err)
+				}
+				rep.Runs = append(rep.Runs, res)
+				debug.FreeOSMemory() // the next pool allocates afresh
 			}
-			res, err := kvsim.Run(tr, cfg)
-			switch {
-			case errors.Is(err, kvsim.ErrAuditFailed) && res != nil:
-				auditErr = errors.Join(auditErr, err)
-			case err != nil:
-				return fmt.Errorf("policy %s, pool of %d pages: %w", policy, pages, err)
-			}
-			rep.Runs = append(rep.Runs, res)
-			debug.FreeOSMemory() // the next pool allocates afresh
 		}
 	}
 	if bar != nil {
 		_ = bar.Finish()
 	}
 	kvsim.CompareWithBaseline(rep.Runs, o.bandwidth)
+	rep.DomainComparison = kvsim.CompareDomains(rep.Runs)
 
 	plots, err := kvsim.WritePlots(dir, rep.Runs)
 	if err != nil {
@@ -386,6 +430,15 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	rep.WriteTable(stdout)
 	fmt.Fprintf(stdout, "\nwrote %s, %s\n", jsonPath, strings.Join(plots, ", "))
 	return auditErr
+}
+
+func namesDomains(tr *kvsim.Trace) bool {
+	for _, t := range tr.Tenants {
+		if t.Domain != "" {
+			return true
+		}
+	}
+	return false
 }
 
 func readTrace(path string) (*kvsim.Trace, error) {

@@ -30,7 +30,7 @@ func TestEndToEnd(t *testing.T) {
 	code, stdout, stderr := runKvbench(t, args...)
 	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
 	assert.Empty(t, stderr, "no progress bar when stderr is not a terminal")
-	for _, want := range []string{"policy", "zero", "poison", "canary", "none (UNSAFE)", "GPU fill/s", "prefix cache hit rate: n/a",
+	for _, want := range []string{"policy", "zero", "poison", "canary", "none (UNSAFE)", "GPU fill/s", "prefix cache (", "hit rate", "prefill avoided",
 		"audit none: FAILED", "audit zero: passed"} {
 		assert.Contains(t, stdout, want)
 	}
@@ -48,7 +48,12 @@ func TestEndToEnd(t *testing.T) {
 	for _, r := range rep.Runs {
 		assert.Contains(t, r, "admit_latency")
 		assert.Contains(t, r, "scrub_bytes_per_kv_byte_written")
-		assert.Nil(t, r["prefix_cache_hit_rate"], "n/a until the prefix cache exists")
+		px, ok := r["prefix_cache"].(map[string]any)
+		require.True(t, ok, "prefix_cache in every run")
+		assert.Equal(t, true, px["enabled"])
+		assert.Contains(t, px, "hit_rate")
+		assert.Contains(t, px, "prefill_bytes_avoided")
+		assert.Equal(t, "per-tenant", r["domains"])
 		if r["policy"] != "none" {
 			assert.NotNil(t, r["vs_baseline"], "%s compared with the baseline", r["policy"])
 		}
@@ -72,6 +77,57 @@ func TestEndToEnd(t *testing.T) {
 	assert.Equal(t, firstLine(stdout), firstLine(stdout2))
 }
 
+// -domains per-tenant,shared replays the trace with both layouts and
+// compares them; organisations share system prompts, so shared domains
+// hit more.
+func TestDomainComparison(t *testing.T) {
+	dir := t.TempDir()
+	args := append([]string{"-duration", "2s", "-out", dir, "-audit", "-policies", "zero,none", "-domains", "per-tenant,shared"}, small...)
+	code, stdout, stderr := runKvbench(t, args...)
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	for _, want := range []string{"zero/per-tenant", "zero/shared", "none/shared", "shared vs per-tenant domains (1024 pages, zero): hit rate",
+		"audit zero/shared: passed", "audit none/shared: FAILED"} {
+		assert.Contains(t, stdout, want)
+	}
+	raw, err := os.ReadFile(filepath.Join(dir, "report.json"))
+	require.NoError(t, err)
+	var rep struct {
+		Domains          []string
+		DomainComparison []struct {
+			Policy              string
+			PerTenant           prefixFigures `json:"per_tenant"`
+			Shared              prefixFigures
+			PrefillAvoidedRatio float64 `json:"prefill_avoided_ratio"`
+		} `json:"domain_comparison"`
+		Runs []struct {
+			Domains    string
+			VsBaseline map[string]any `json:"vs_baseline"`
+		}
+	}
+	require.NoError(t, json.Unmarshal(raw, &rep))
+	assert.Equal(t, []string{"per-tenant", "shared"}, rep.Domains)
+	require.Len(t, rep.Runs, 4)
+	assert.NotNil(t, rep.Runs[0].VsBaseline, "zero/per-tenant against none/per-tenant")
+	require.Len(t, rep.DomainComparison, 2, "zero and none")
+	c := rep.DomainComparison[0]
+	assert.Equal(t, "zero", c.Policy)
+	assert.Greater(t, c.Shared.HitRate, c.PerTenant.HitRate)
+	assert.Greater(t, c.Shared.PrefillBytesAvoided, c.PerTenant.PrefillBytesAvoided)
+	assert.InDelta(t, float64(c.Shared.PrefillBytesAvoided)/float64(c.PerTenant.PrefillBytesAvoided), c.PrefillAvoidedRatio, 1e-9)
+}
+
+type prefixFigures struct {
+	HitRate             float64 `json:"hit_rate"`
+	PrefillBytesAvoided uint64  `json:"prefill_bytes_avoided"`
+}
+
+func TestPrefixCacheOff(t *testing.T) {
+	dir := t.TempDir()
+	code, stdout, stderr := runKvbench(t, append([]string{"-duration", "1s", "-out", dir, "-policies", "zero", "-prefix-cache", "off"}, small...)...)
+	require.Equal(t, 0, code, stderr)
+	assert.Contains(t, stdout, "prefix cache: off")
+}
+
 func TestDefaultOutDir(t *testing.T) {
 	t.Chdir(t.TempDir())
 	code, stdout, stderr := runKvbench(t, append([]string{"-duration", "200ms", "-policies", "zero"}, small...)...)
@@ -90,6 +146,8 @@ func TestBadInput(t *testing.T) {
 		"malformed":      header + `{"type":"request","at":0,` + "\n",
 		"negative":       header + `{"type":"request","at":0,"tenant":"acme","prompt":10,"output":-3}` + "\n",
 		"unknown-tenant": header + "\n" + `{"type":"request","at":0,"tenant":"zed","prompt":10,"output":3}` + "\n",
+		"bad-domain":     header + `{"type":"tenant","name":"b","domain":"tenant:acme"}` + "\n",
+		"bad-prefix-id":  header + `{"type":"request","at":0,"tenant":"acme","prompt":10,"prefix_id":"sys","output":3}` + "\n",
 	}
 	for name, body := range traces {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644))
@@ -102,6 +160,13 @@ func TestBadInput(t *testing.T) {
 		{"malformed trace line", []string{"-trace", filepath.Join(dir, "malformed")}, []string{"malformed:2:", "malformed JSON"}},
 		{"negative length", []string{"-trace", filepath.Join(dir, "negative")}, []string{"negative:2:", `field "output"`, "negative"}},
 		{"unknown tenant", []string{"-trace", filepath.Join(dir, "unknown-tenant")}, []string{"unknown-tenant:3:", `field "tenant"`, `"zed"`}},
+		{"reserved domain", []string{"-trace", filepath.Join(dir, "bad-domain")}, []string{"bad-domain:2:", `field "domain"`, "reserved"}},
+		{"prefix_id without prefix", []string{"-trace", filepath.Join(dir, "bad-prefix-id")}, []string{"bad-prefix-id:2:", `field "prefix_id"`, "no prefix"}},
+		{"unknown prefix-cache value", []string{"-prefix-cache", "maybe"}, []string{"flag -prefix-cache", `"maybe"`}},
+		{"unknown domains layout", []string{"-domains", "per-tenant,global"}, []string{"flag -domains", `"global"`}},
+		{"domains compared without cache", []string{"-domains", "per-tenant,shared", "-prefix-cache", "off"}, []string{"flag -domains", "-prefix-cache off"}},
+		{"bad org size", []string{"-org-size", "0"}, []string{"flag -org-size"}},
+		{"negative prefill budget", []string{"-prefill-tokens", "-1"}, []string{"flag -prefill-tokens"}},
 		{"missing trace file", []string{"-trace", filepath.Join(dir, "nope")}, []string{"flag -trace", "no such file"}},
 		{"unknown policy", []string{"-policies", "zero,bleach"}, []string{"flag -policies", `"bleach"`}},
 		{"unknown dtype", []string{"-dtype", "fp7"}, []string{"flag -dtype", `"fp7"`}},
@@ -138,7 +203,7 @@ func TestCUDAWithoutDriver(t *testing.T) {
 func TestHelp(t *testing.T) {
 	code, _, stderr := runKvbench(t, "-help")
 	assert.Equal(t, 0, code)
-	for _, want := range []string{"Usage: kvbench", "-policies", "Exit status", "Trace format (JSONL)", "abort_after"} {
+	for _, want := range []string{"Usage: kvbench", "-policies", "Exit status", "Trace format (JSONL)", "abort_after", "-prefix-cache", "-domains", "prefix_id"} {
 		assert.Contains(t, stderr, want)
 	}
 }

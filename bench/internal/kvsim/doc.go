@@ -4,19 +4,27 @@
 //
 // # Model
 //
-// Time is virtual. A Trace lists tenants and requests (arrival, prompt,
-// prefix shared with the tenant's other requests, output, output budget,
-// client abort); it comes from ParseTrace (JSONL, see TraceFormat) or from
-// Generate (seeded and deterministic: Poisson arrivals, Zipf tenant
-// popularity, lognormal prompt and output lengths, round max_tokens
-// budgets, a share of over-long requests and of aborts).
+// Time is virtual. A Trace lists tenants (with the sharing domain they
+// join when domains are shared) and requests (arrival, prompt, prefix
+// shared with other requests and the prefix's identity, output, output
+// budget, client abort); it comes from ParseTrace (JSONL, see
+// TraceFormat) or from Generate (seeded and deterministic: Poisson
+// arrivals, Zipf tenant popularity, organisations sharing a system
+// prompt, lognormal prompt and output lengths, round max_tokens budgets,
+// a share of over-long requests and of aborts). Prompts get token IDs
+// from the seed (AppendPromptTokens): equal over a shared prefix, unique
+// elsewhere.
 //
 // Run replays it as an engine with continuous batching would: every Step
 // the arrived requests are offered to the pool in arrival order (Admit
 // with no deadline: a busy pool refuses at once; lack of pages holds the
 // queue, quota waits only hold that request, permanent refusals drop the
-// request and count its reason), admitted ones write their prompt's KV,
-// and every running request writes one token's KV. A request that reached
+// request and count its reason). With the prefix cache on, requests carry
+// their token IDs and the pool shares the longest prefix cached in the
+// tenant's domain. Running requests compute their prompts, after the
+// shared prefix, within a per-step prefill budget, then publish them
+// (Lease.CachePrefix); every request past its prompt writes one token's
+// KV per step. A request that reached
 // its output or its client's abort releases its lease; at the end of the
 // serving window the live ones are released too (shutdown). Only the
 // engine's compute is simulated: the pool calls, the device fills and the
@@ -28,12 +36,19 @@
 //     runs under different policies differ only in what the policy does.
 //   - Every run ends with Pool.Check passing, or Run fails with
 //     ErrAuditFailed.
-//   - With Audit, every page a lease receives that an earlier lease held
-//     is read back, before the engine writes, and must hold exactly the
-//     policy's scrub pattern in every region. The engine's KV carries a
-//     marker naming its tenant, so a stale page is attributed. A safe
-//     policy that hands out a stale page fails the run; the unsafe "none"
-//     baseline is expected to and reports what it leaked.
+//   - With Audit, every freshly allocated page a lease receives that an
+//     earlier lease held is read back, before the engine writes, and must
+//     hold exactly the policy's scrub pattern in every region. The
+//     engine's KV carries a marker naming its tenant, so a stale page is
+//     attributed. A safe policy that hands out a stale page fails the
+//     run; the unsafe "none" baseline is expected to and reports what it
+//     leaked.
+//   - With Audit, every page a lease shares from the prefix cache must
+//     hold, in every region, KV of a tenant of the lease's own sharing
+//     domain: another domain's KV, or no KV, fails any run, the baseline
+//     included (sharing does not depend on scrubbing).
+//   - Prefix hits depend on the trace, the pool size and the domain
+//     layout, never on the scrub policy.
 //
 // The "none" baseline runs the zero policy's bookkeeping on a device whose
 // Fill does nothing (UnsafeNoScrub): it is what an engine that does not

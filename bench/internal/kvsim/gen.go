@@ -13,6 +13,12 @@ type GenConfig struct {
 	Duration time.Duration // arrivals fall in [0, Duration)
 	Rate     float64       // mean arrivals per second (Poisson)
 	Tenants  int
+	// OrgSize groups tenants into organisations of this many (the last
+	// may be smaller): an organisation's tenants use the same system
+	// prompt, and its Domain names them a sharing domain for runs with
+	// shared domains. 0 or 1: every tenant is on its own, with a system
+	// prompt of its own.
+	OrgSize int
 	// OverlongFraction of requests ask for more than the pool can ever
 	// give: half of them (when the pool is smaller than the context window)
 	// fit the context window but not the pool (ErrExceedsCapacity), the rest
@@ -39,6 +45,8 @@ func (c GenConfig) validate() error {
 		return bad("rate %v requests/s, want (0, 1e6]", c.Rate)
 	case c.Tenants < 1 || c.Tenants > 255:
 		return bad("%d tenants, want 1..255", c.Tenants)
+	case c.OrgSize < 0 || c.OrgSize > 255:
+		return bad("organisation size %d, want 0..255", c.OrgSize)
 	case !(c.OverlongFraction >= 0 && c.OverlongFraction < 1):
 		return bad("over-long fraction %v, want [0, 1)", c.OverlongFraction)
 	case !(c.AbortFraction >= 0 && c.AbortFraction < 1):
@@ -79,13 +87,22 @@ func Generate(c GenConfig) (*Trace, error) {
 		return int(math.Max(float64(lo), math.Min(float64(hi), math.Round(v))))
 	}
 	tr := &Trace{}
+	// One system prompt per organisation (a tenant alone is its own).
+	orgSize := max(1, c.OrgSize)
+	orgPrompts := make([]int, (c.Tenants+orgSize-1)/orgSize)
+	for k := range orgPrompts {
+		orgPrompts[k] = lognormal(systemPromptMedian, systemPromptSigma, 32, 6000)
+	}
 	// Zipf-like tenant popularity; every fourth tenant has no system prompt.
 	weights := make([]float64, c.Tenants)
 	var sum float64
 	for i := range c.Tenants {
 		t := Tenant{Name: fmt.Sprintf("tenant-%02d", i)}
+		if orgSize > 1 {
+			t.Domain = fmt.Sprintf("org-%02d", i/orgSize)
+		}
 		if i%4 != 3 {
-			t.SystemPrompt = lognormal(systemPromptMedian, systemPromptSigma, 32, 6000)
+			t.SystemPrompt = orgPrompts[i/orgSize]
 		}
 		// The last tenant is a batch customer held to a quarter of the pool.
 		if i == c.Tenants-1 && c.Tenants > 1 {
@@ -117,6 +134,7 @@ func Generate(c GenConfig) (*Trace, error) {
 		r := Request{At: arrival, ID: fmt.Sprintf("g%07d", n), Tenant: tn.Name, AbortAfter: -1}
 		if tn.SystemPrompt > 0 && rng.Float64() < systemPromptUse {
 			r.Prefix = tn.SystemPrompt
+			r.PrefixID = DefaultPrefixID(tn.Name, tn.Domain)
 		}
 		r.Prompt = r.Prefix + lognormal(userPromptMedian, userPromptSigma, 1, maxUserPrompt)
 		r.Output = lognormal(outputMedian, outputSigma, 1, maxOutput)

@@ -79,6 +79,80 @@ func TestGenerateShape(t *testing.T) {
 	assert.Greater(t, Percentile(prompts, 0.99), 5*Percentile(prompts, 0.5))
 }
 
+// Organisations share a system prompt and name a domain; token IDs are
+// deterministic, equal over a shared prefix and unique elsewhere.
+func TestGenerateOrganisationsAndTokens(t *testing.T) {
+	cfg := testGenConfig(9)
+	cfg.Tenants, cfg.OrgSize, cfg.OverlongFraction = 10, 4, 0
+	tr, err := Generate(cfg)
+	require.NoError(t, err)
+	wantDomains := []string{"org-00", "org-00", "org-00", "org-00", "org-01", "org-01", "org-01", "org-01", "org-02", "org-02"}
+	for i, tn := range tr.Tenants {
+		assert.Equal(t, wantDomains[i], tn.Domain, tn.Name)
+		if i%4 == 3 {
+			assert.Zero(t, tn.SystemPrompt, "%s uses no system prompt", tn.Name)
+		} else {
+			assert.Equal(t, tr.Tenants[i/4*4].SystemPrompt, tn.SystemPrompt, "%s uses its organisation's prompt", tn.Name)
+		}
+	}
+	// Two requests of different tenants of one organisation, both with
+	// the system prompt.
+	var first, other *Request
+	for i := range tr.Requests {
+		r := &tr.Requests[i]
+		switch {
+		case r.Prefix == 0:
+		case r.Tenant == "tenant-00" && first == nil:
+			first = r
+		case r.Tenant == "tenant-01" && other == nil:
+			other = r
+		}
+	}
+	require.NotNil(t, first)
+	require.NotNil(t, other)
+	assert.Equal(t, "org-00", first.PrefixID)
+	assert.Equal(t, first.PrefixID, other.PrefixID)
+	assert.Equal(t, first.Prefix, other.Prefix)
+
+	a := AppendPromptTokens(nil, 1, first)
+	b := AppendPromptTokens(nil, 1, other)
+	require.Len(t, a, first.Prompt)
+	require.Len(t, b, other.Prompt)
+	assert.Equal(t, a, AppendPromptTokens(nil, 1, first), "same seed, same tokens")
+	assert.Equal(t, a[:first.Prefix], b[:first.Prefix], "the shared system prompt")
+	assert.NotEqual(t, a[first.Prefix:min(len(a), len(b))], b[first.Prefix:min(len(a), len(b))], "the users' prompts differ")
+	assert.NotEqual(t, a[:first.Prefix], AppendPromptTokens(nil, 2, first)[:first.Prefix], "another seed, other tokens")
+	for _, tok := range a {
+		require.True(t, tok >= 0 && tok < Vocab)
+	}
+	// No two requests share a full page outside their prefix.
+	seen := map[[16]int32]string{}
+	for i := range tr.Requests[:min(len(tr.Requests), 200)] {
+		r := &tr.Requests[i]
+		toks := AppendPromptTokens(nil, 1, r)
+		for p := (r.Prefix + 15) / 16 * 16; p+16 <= len(toks); p += 16 {
+			k := [16]int32(toks[p : p+16])
+			if prev, dup := seen[k]; dup {
+				t.Fatalf("page at token %d of %s also in %s", p, r.ID, prev)
+			}
+			seen[k] = r.ID
+		}
+	}
+
+	// OrgSize 0 or 1: tenants alone, each with a prompt of its own.
+	cfg.OrgSize = 1
+	alone, err := Generate(cfg)
+	require.NoError(t, err)
+	for _, tn := range alone.Tenants {
+		assert.Empty(t, tn.Domain)
+	}
+	for _, r := range alone.Requests {
+		if r.Prefix > 0 {
+			assert.Equal(t, r.Tenant, r.PrefixID)
+		}
+	}
+}
+
 func TestGenerateBadConfig(t *testing.T) {
 	tests := []struct {
 		name string
@@ -93,6 +167,8 @@ func TestGenerateBadConfig(t *testing.T) {
 		{"negative abort", func(c *GenConfig) { c.AbortFraction = -0.1 }},
 		{"no capacity", func(c *GenConfig) { c.CapacityTokens = 0 }},
 		{"too many requests", func(c *GenConfig) { c.Rate, c.Duration = 1e6, time.Minute }},
+		{"negative org size", func(c *GenConfig) { c.OrgSize = -1 }},
+		{"org size too big", func(c *GenConfig) { c.OrgSize = 256 }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -19,21 +19,30 @@ const (
 	ScrubBWPlot     = "scrub-bandwidth.png"
 )
 
-// RunLabel names a run in legends and tables.
-func RunLabel(r *RunResult, manyPools bool) string {
-	if manyPools {
-		return fmt.Sprintf("%s/%dp", r.Policy, r.PoolPages)
+// Variety says what differs between the runs of a report besides the
+// policy, so that labels name it.
+type Variety struct{ Pools, Domains bool }
+
+// VarietyOf looks at runs.
+func VarietyOf(runs []*RunResult) Variety {
+	var v Variety
+	for _, r := range runs {
+		v.Pools = v.Pools || r.PoolPages != runs[0].PoolPages
+		v.Domains = v.Domains || r.Domains != runs[0].Domains
 	}
-	return r.Policy
+	return v
 }
 
-func manyPools(runs []*RunResult) bool {
-	for _, r := range runs {
-		if r.PoolPages != runs[0].PoolPages {
-			return true
-		}
+// RunLabel names a run in legends and tables.
+func RunLabel(r *RunResult, v Variety) string {
+	label := r.Policy
+	if v.Pools {
+		label += fmt.Sprintf("/%dp", r.PoolPages)
 	}
-	return false
+	if v.Domains {
+		label += "/" + r.Domains
+	}
+	return label
 }
 
 // WritePlots writes the three PNG plots into dir and returns their paths.
@@ -86,7 +95,7 @@ func utilisationPlot(runs []*RunResult) (*plot.Plot, error) {
 	p.Y.Min, p.Y.Max = 0, 1
 	p.Add(plotter.NewGrid())
 	p.Legend.Left, p.Legend.Top = true, true // the pool fills from empty: the top left stays clear
-	many := manyPools(runs)
+	many := VarietyOf(runs)
 	for i, r := range runs {
 		xys := make(plotter.XYs, len(r.Utilisation))
 		for j, u := range r.Utilisation {
@@ -96,23 +105,41 @@ func utilisationPlot(runs []*RunResult) (*plot.Plot, error) {
 			return nil, err
 		}
 	}
-	// The written fraction depends only on the trace and the pool size,
-	// so one line per pool size says it.
-	seen := map[int]bool{}
+	// The written and cached fractions depend only on the trace, the pool
+	// size and the domain layout, not on the policy, so one line per pool
+	// size and layout says each.
+	type poolLayout struct {
+		pages   int
+		domains string
+	}
+	seen := map[poolLayout]bool{}
 	for i, r := range runs {
-		if seen[r.PoolPages] {
+		if seen[poolLayout{r.PoolPages, r.Domains}] {
 			continue
 		}
-		seen[r.PoolPages] = true
+		seen[poolLayout{r.PoolPages, r.Domains}] = true
 		xys := make(plotter.XYs, len(r.Utilisation))
 		for j, u := range r.Utilisation {
 			xys[j] = plotter.XY{X: u.T, Y: u.Written}
 		}
-		label := "KV written"
-		if many {
-			label = fmt.Sprintf("KV written/%dp", r.PoolPages)
+		suffix := ""
+		if many.Pools {
+			suffix += fmt.Sprintf("/%dp", r.PoolPages)
 		}
-		if err := addLine(p, xys, i, label, true); err != nil {
+		if many.Domains {
+			suffix += "/" + r.Domains
+		}
+		if err := addLine(p, xys, i, "KV written"+suffix, true); err != nil {
+			return nil, err
+		}
+		if !r.Prefix.Enabled {
+			continue
+		}
+		cached := make(plotter.XYs, len(r.Utilisation))
+		for j, u := range r.Utilisation {
+			cached[j] = plotter.XY{X: u.T, Y: u.Cached}
+		}
+		if err := addLine(p, cached, i+1, "prefix cached"+suffix, true); err != nil {
 			return nil, err
 		}
 	}
@@ -132,7 +159,7 @@ func latencyCDFPlot(runs []*RunResult) (*plot.Plot, error) {
 	p.X.Tick.Marker = plot.LogTicks{Prec: -1}
 	p.Add(plotter.NewGrid())
 	p.Legend.Left, p.Legend.Top = true, true
-	many := manyPools(runs)
+	many := VarietyOf(runs)
 	for i, r := range runs {
 		lat := slices.Clone(r.Latencies)
 		slices.Sort(lat)
@@ -163,7 +190,7 @@ func scrubBandwidthPlot(runs []*RunResult) (*plot.Plot, error) {
 	p.Y.Min = 0
 	p.Add(plotter.NewGrid())
 	p.Legend.Left, p.Legend.Top = true, true
-	many := manyPools(runs)
+	many := VarietyOf(runs)
 	drawn := false
 	for i, r := range runs {
 		var xys plotter.XYs

@@ -16,7 +16,7 @@ import (
 )
 
 // ReportVersion changes when the JSON report's shape does.
-const ReportVersion = 1
+const ReportVersion = 2
 
 // Report is the whole output of one kvbench invocation.
 type Report struct {
@@ -31,11 +31,17 @@ type Report struct {
 	Step            float64        `json:"decode_step_seconds"`
 	MaxBatch        int            `json:"max_batch"`
 	DeviceBandwidth float64        `json:"device_bandwidth_bytes_per_s,omitempty"`
-	// PrefixCache says whether prefix caching was measured; until the pool
-	// has one it is "n/a".
-	PrefixCache string       `json:"prefix_cache"`
-	Runs        []*RunResult `json:"runs"`
-	Plots       []string     `json:"plots"`
+	// PrefixCache is "on" or "off"; Domains the sharing-domain layouts
+	// replayed; PrefillTokens the engine's prefill budget per step (0: no
+	// limit).
+	PrefixCache   string   `json:"prefix_cache"`
+	Domains       []string `json:"domains"`
+	PrefillTokens int      `json:"prefill_tokens_per_step"`
+	// DomainComparison sets, for every pool size and policy replayed with
+	// both layouts, shared domains against one domain per tenant.
+	DomainComparison []DomainComparison `json:"domain_comparison,omitempty"`
+	Runs             []*RunResult       `json:"runs"`
+	Plots            []string           `json:"plots"`
 }
 
 // Machine identifies where the figures were measured.
@@ -126,11 +132,97 @@ func SummarizeWorkload(tr *Trace, source string, capacityTokens, maxContext int)
 	return w
 }
 
+// DomainComparison is one pool size and policy replayed with one domain
+// per tenant and with shared domains.
+type DomainComparison struct {
+	PoolPages int           `json:"pool_pages"`
+	Policy    string        `json:"policy"`
+	PerTenant PrefixFigures `json:"per_tenant"`
+	Shared    PrefixFigures `json:"shared"`
+	// PrefillAvoidedRatio is shared ÷ per-tenant prefill bytes avoided
+	// (0 when per-tenant avoided none).
+	PrefillAvoidedRatio float64 `json:"prefill_avoided_ratio"`
+}
+
+// PrefixFigures are the headline prefix-cache figures of one run.
+type PrefixFigures struct {
+	Domains             int     `json:"domains"`
+	HitRate             float64 `json:"hit_rate"`
+	HitTokens           uint64  `json:"hit_tokens"`
+	PromptHitShare      float64 `json:"prompt_hit_share"`
+	PrefillBytesAvoided uint64  `json:"prefill_bytes_avoided"`
+	EvictedPages        uint64  `json:"evicted_pages"`
+	TTFTP99             float64 `json:"ttft_p99_s"`
+}
+
+func figuresOf(r *RunResult) PrefixFigures {
+	return PrefixFigures{Domains: r.Prefix.Domains, HitRate: r.Prefix.HitRate, HitTokens: r.Prefix.HitTokens,
+		PromptHitShare: r.Prefix.PromptHitShare, PrefillBytesAvoided: r.Prefix.PrefillBytesAvoided,
+		EvictedPages: r.Prefix.EvictedPages, TTFTP99: r.TTFT.P99}
+}
+
+// CompareDomains pairs the runs of each pool size and policy replayed
+// with both domain layouts.
+func CompareDomains(runs []*RunResult) []DomainComparison {
+	var out []DomainComparison
+	for _, pt := range runs {
+		if pt.Domains != DomainsPerTenant {
+			continue
+		}
+		for _, sh := range runs {
+			if sh.Domains == DomainsShared && sh.PoolPages == pt.PoolPages && sh.Policy == pt.Policy {
+				c := DomainComparison{PoolPages: pt.PoolPages, Policy: pt.Policy, PerTenant: figuresOf(pt), Shared: figuresOf(sh)}
+				c.PrefillAvoidedRatio = ratio(float64(sh.Prefix.PrefillBytesAvoided), float64(pt.Prefix.PrefillBytesAvoided))
+				out = append(out, c)
+				break
+			}
+		}
+	}
+	return out
+}
+
 // WriteJSON writes the report, indented.
 func (r *Report) WriteJSON(w io.Writer) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	return enc.Encode(r)
+}
+
+// writePrefixTable prints what the prefix cache saved, per run, and the
+// domain layouts against each other.
+func (r *Report) writePrefixTable(w io.Writer, many Variety) {
+	fmt.Fprintln(w)
+	if r.PrefixCache != "on" {
+		fmt.Fprintln(w, "prefix cache: off (-prefix-cache on to measure hits)")
+		return
+	}
+	fmt.Fprintln(w, "prefix cache (hit rate: full prompt pages found in the tenant's domain ÷ looked up; "+
+		"of prompt: hit tokens ÷ prompt tokens admitted; shareable: system-prompt tokens ÷ prompt tokens admitted):")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "policy\tdomains\thit rate\thit tokens\tof prompt\tshareable\tprefill avoided\tstored\tevicted\tTTFT p50\tp99\t")
+	for _, run := range r.Runs {
+		px := run.Prefix
+		fmt.Fprintf(tw, "%s\t%d %s\t%.1f%%\t%d\t%.1f%%\t%.1f%%\t%s\t%d\t%d\t%s\t%s\t\n", RunLabel(run, many), px.Domains, run.Domains,
+			100*px.HitRate, px.HitTokens, 100*px.PromptHitShare, 100*run.PrefixShareableFraction, FormatBytes(float64(px.PrefillBytesAvoided)),
+			px.StoredPages, px.EvictedPages, fmtSeconds(run.TTFT.P50), fmtSeconds(run.TTFT.P99))
+	}
+	tw.Flush()
+	for _, c := range r.DomainComparison {
+		if c.Policy != r.DomainComparison[0].Policy {
+			continue // hits do not depend on the scrub policy: one line per pool says it
+		}
+		fmt.Fprintf(w, "shared vs per-tenant domains (%d pages, %s): hit rate %.1f%% vs %.1f%%, prefill avoided %s vs %s (×%.2f), "+
+			"%d vs %d domains, TTFT p99 %s vs %s\n", c.PoolPages, c.Policy, 100*c.Shared.HitRate, 100*c.PerTenant.HitRate,
+			FormatBytes(float64(c.Shared.PrefillBytesAvoided)), FormatBytes(float64(c.PerTenant.PrefillBytesAvoided)),
+			c.PrefillAvoidedRatio, c.Shared.Domains, c.PerTenant.Domains, fmtSeconds(c.Shared.TTFTP99), fmtSeconds(c.PerTenant.TTFTP99))
+	}
+}
+
+func fmtSeconds(s float64) string {
+	if s == 0 {
+		return "-"
+	}
+	return fmtNs(int64(s * 1e9))
 }
 
 func fmtNs(ns int64) string {
@@ -193,7 +285,7 @@ func (r *Report) WriteTable(w io.Writer) {
 		r.MaxContext, time.Duration(r.Step*1e9), r.MaxBatch)
 	fmt.Fprintf(w, "machine: %s/%s, %d CPUs, %s\n\n", r.Machine.GOOS, r.Machine.GOARCH, r.Machine.CPUs, r.Machine.Go)
 
-	many := manyPools(r.Runs)
+	many := VarietyOf(r.Runs)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	gpuHead := ""
 	if r.DeviceBandwidth > 0 {
@@ -274,7 +366,7 @@ func (r *Report) WriteTable(w io.Writer) {
 			fmt.Fprintf(w, "    %s\n", ex)
 		}
 	}
-	fmt.Fprintf(w, "prefix cache hit rate: %s\n", r.PrefixCache)
+	r.writePrefixTable(w, many)
 	if r.DeviceBandwidth == 0 {
 		fmt.Fprintln(w, "GPU estimate: pass -device-bandwidth (e.g. 4TB/s) to estimate device fill time per second of serving")
 	}

@@ -15,6 +15,7 @@ type RunResult struct {
 	Device            string `json:"device"`
 	PoolPages         int    `json:"pool_pages"`
 	PoolBytes         int64  `json:"pool_bytes"`
+	Domains           string `json:"domains"` // DomainsPerTenant or DomainsShared
 	KVWritesSimulated bool   `json:"kv_writes_simulated"`
 
 	ServingSeconds    float64 `json:"serving_seconds"`     // virtual time replayed
@@ -55,10 +56,12 @@ type RunResult struct {
 	GPUFillPerServingSecond *float64     `json:"gpu_fill_seconds_per_serving_second"`
 	ScrubByBatch            []FillBucket `json:"scrub_by_batch"`
 
-	PrefixShareableTokens   uint64  `json:"prefix_shareable_tokens"`
-	PrefixShareableFraction float64 `json:"prefix_shareable_fraction"`
-	// PrefixCacheHitRate is nil until the pool has a prefix cache.
-	PrefixCacheHitRate *float64 `json:"prefix_cache_hit_rate"`
+	PrefixShareableTokens   uint64       `json:"prefix_shareable_tokens"`
+	PrefixShareableFraction float64      `json:"prefix_shareable_fraction"`
+	Prefix                  PrefixResult `json:"prefix_cache"`
+	// TTFT is the virtual time from arrival to the first generated token
+	// (queueing and prefill), of requests that generate one.
+	TTFT TTFTSummary `json:"ttft"`
 
 	Utilisation []UtilSample `json:"utilisation"`
 	PeakInUse   float64      `json:"peak_in_use"`
@@ -74,24 +77,86 @@ type UtilSample struct {
 	InUse       float64 `json:"in_use"`  // pages held by leases
 	Written     float64 `json:"written"` // token slots holding KV
 	Quarantined float64 `json:"quarantined"`
+	Cached      float64 `json:"cached"` // published pages no lease holds: evictable
 	Queued      int     `json:"queued"`
 	Running     int     `json:"running"`
 }
 
 // AuditResult is the isolation audit of a run.
 type AuditResult struct {
-	Enabled          bool     `json:"enabled"`
-	Method           string   `json:"method"`
-	Passed           bool     `json:"passed"`
-	Summary          string   `json:"summary"`
-	PagesChecked     uint64   `json:"pages_checked"`
-	StalePages       uint64   `json:"stale_pages"`
-	CrossTenantPages uint64   `json:"cross_tenant_pages"`
-	ReadErrors       uint64   `json:"read_errors"`
-	CanaryChecks     uint64   `json:"canary_checks"`
-	CanaryFailures   uint64   `json:"canary_failures"`
-	PoolCanaryFaults uint64   `json:"pool_canary_faults"`
-	Examples         []string `json:"examples,omitempty"`
+	Enabled          bool   `json:"enabled"`
+	Method           string `json:"method"`
+	Passed           bool   `json:"passed"`
+	Summary          string `json:"summary"`
+	PagesChecked     uint64 `json:"pages_checked"`
+	StalePages       uint64 `json:"stale_pages"`
+	CrossTenantPages uint64 `json:"cross_tenant_pages"`
+	ReadErrors       uint64 `json:"read_errors"`
+	CanaryChecks     uint64 `json:"canary_checks"`
+	CanaryFailures   uint64 `json:"canary_failures"`
+	PoolCanaryFaults uint64 `json:"pool_canary_faults"`
+	// Prefix hits: pages shared from the cache, checked for the KV of
+	// the lease's own domain.
+	HitPagesChecked uint64   `json:"hit_pages_checked"`
+	ForeignHitPages uint64   `json:"foreign_hit_pages"` // another domain's KV
+	EmptyHitPages   uint64   `json:"empty_hit_pages"`   // no KV: scrubbed or never written
+	Examples        []string `json:"examples,omitempty"`
+}
+
+// PrefixResult is what the prefix cache saved in a run. Pages are full
+// prompt pages that admitted requests looked up (the page holding the
+// last prompt token is never shared, so it is not looked up).
+type PrefixResult struct {
+	Enabled        bool    `json:"enabled"`
+	Domains        int     `json:"domains"` // sharing domains in the pool
+	LookupPages    uint64  `json:"lookup_pages"`
+	HitPages       uint64  `json:"hit_pages"`
+	MissPages      uint64  `json:"miss_pages"`
+	HitRate        float64 `json:"hit_rate"` // hit ÷ looked-up pages
+	HitTokens      uint64  `json:"hit_tokens"`
+	PromptHitShare float64 `json:"prompt_hit_share"` // hit tokens ÷ prompt tokens admitted
+	// PrefillBytesAvoided is the KV the engine did not write (or compute)
+	// because it was shared: hit tokens × bytes per token.
+	PrefillBytesAvoided uint64 `json:"prefill_bytes_avoided"`
+	StoredPages         uint64 `json:"stored_pages"`
+	EvictedPages        uint64 `json:"evicted_pages"`
+	CachedPagesAtEnd    int    `json:"cached_pages_at_end"`
+	// LeaseHitTokensMatch: the pool's hit-token counters equal the sum of
+	// the leases' HitTokens.
+	LeaseHitTokensMatch bool           `json:"lease_hit_tokens_match"`
+	PerDomain           []DomainPrefix `json:"per_domain,omitempty"`
+}
+
+// DomainPrefix is one sharing domain's prefix-cache counters.
+type DomainPrefix struct {
+	Name         string `json:"name"`
+	Shared       bool   `json:"shared"`
+	Tenants      int    `json:"tenants"`
+	HitPages     uint64 `json:"hit_pages"`
+	MissPages    uint64 `json:"miss_pages"`
+	HitTokens    uint64 `json:"hit_tokens"`
+	StoredPages  uint64 `json:"stored_pages"`
+	EvictedPages uint64 `json:"evicted_pages"`
+}
+
+// TTFTSummary are nearest-rank percentiles of virtual times, in seconds.
+type TTFTSummary struct {
+	N    int     `json:"n"`
+	P50  float64 `json:"p50_s"`
+	P99  float64 `json:"p99_s"`
+	Mean float64 `json:"mean_s"`
+}
+
+func ttftSummary(sorted []time.Duration) TTFTSummary {
+	if len(sorted) == 0 {
+		return TTFTSummary{}
+	}
+	var sum time.Duration
+	for _, d := range sorted {
+		sum += d
+	}
+	return TTFTSummary{N: len(sorted), P50: Percentile(sorted, 0.5).Seconds(), P99: Percentile(sorted, 0.99).Seconds(),
+		Mean: (sum / time.Duration(len(sorted))).Seconds()}
 }
 
 // LatencySummary are nearest-rank percentiles, in nanoseconds.
@@ -145,7 +210,7 @@ func ratio(a, b float64) float64 {
 }
 
 // CompareWithBaseline fills in every run's ratios to the unsafe baseline
-// of the same pool size (runs without one are left alone) and, with a
+// of the same pool size and domain layout (runs without one are left alone) and, with a
 // device bandwidth in bytes/s, its estimated device fill time per second
 // of serving.
 func CompareWithBaseline(runs []*RunResult, deviceBandwidth float64) {
@@ -158,7 +223,7 @@ func CompareWithBaseline(runs []*RunResult, deviceBandwidth float64) {
 			continue
 		}
 		for _, b := range runs {
-			if b.Unsafe && b.PoolPages == r.PoolPages {
+			if b.Unsafe && b.PoolPages == r.PoolPages && b.Domains == r.Domains {
 				r.VsBaseline = &Ratios{
 					RunTime:         ratio(r.ServingCPUSeconds, b.ServingCPUSeconds),
 					AdmitP50:        ratio(float64(r.AdmitLatency.P50), float64(b.AdmitLatency.P50)),

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -21,6 +22,21 @@ var Policies = []string{"zero", "poison", "canary", "none"}
 
 // Baseline is the policy the others are compared against.
 const Baseline = "none"
+
+// Sharing-domain layouts a run can use.
+const (
+	// DomainsPerTenant gives every tenant its own sharing domain (the
+	// pool's default): prefixes are shared only among one tenant's
+	// requests.
+	DomainsPerTenant = "per-tenant"
+	// DomainsShared puts each tenant into the domain its trace line names
+	// (Tenant.Domain; the synthetic workload's organisations), or its own
+	// when it names none.
+	DomainsShared = "shared"
+)
+
+// DomainModes are the layouts kvbench compares.
+var DomainModes = []string{DomainsPerTenant, DomainsShared}
 
 // ParsePolicy maps a policy name to the pool's scrub policy; unsafe is
 // true for "none", which keeps the zero policy's bookkeeping but runs on a
@@ -58,12 +74,32 @@ type RunConfig struct {
 	// WriteKV makes the simulated engine write each token's KV (a marker
 	// naming its tenant) into the pages, as a real engine would.
 	WriteKV bool
+	// PrefixCache gives every request its prompt's token IDs (see
+	// AppendPromptTokens), so that the pool shares the longest prefix
+	// cached in the tenant's domain and the engine skips its prefill
+	// (Lease.HitTokens); after prefill the engine publishes the prompt's
+	// full pages (Lease.CachePrefix). Off: the pool's prefix cache is
+	// disabled and requests carry no tokens.
+	PrefixCache bool
+	// Domains is DomainsPerTenant (also when empty) or DomainsShared.
+	Domains string
+	// Seed derives the prompts' token IDs.
+	Seed uint64
+	// PrefillTokens is the engine's prefill budget per step (chunked
+	// prefill): running requests compute their prompts, oldest first, up
+	// to this many tokens in all per step; a request whose prompt
+	// completes generates its first token in the same step. 0: no limit,
+	// every prompt is computed in the step that admits it.
+	PrefillTokens int
 	// OpenDevice returns the device for one run's pool; nil means a new
 	// Host. The run closes it.
 	OpenDevice func() (cudaops.Device, error)
 	// Progress, if set, is called after every step with the steps done.
 	Progress   func(steps int)
 	MaxSamples int // utilisation samples kept (default 1000)
+
+	// afterAdmit, in tests, runs after each admission, before the audit.
+	afterAdmit func(s *sim, a *active)
 }
 
 func (c *RunConfig) validate() error {
@@ -84,6 +120,10 @@ func (c *RunConfig) validate() error {
 		return bad("queue timeout %v, want > 0", c.QueueTimeout)
 	case c.PoolPages < 1:
 		return bad("pool of %d pages", c.PoolPages)
+	case c.Domains != "" && !slices.Contains(DomainModes, c.Domains):
+		return bad("domains %q, want %s", c.Domains, strings.Join(DomainModes, " or "))
+	case c.PrefillTokens < 0:
+		return bad("prefill budget of %d tokens per step, want ≥ 0 (0: no limit)", c.PrefillTokens)
 	}
 	return c.Geometry.Validate()
 }
@@ -125,27 +165,46 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		dev = unsafeNoScrubDevice{base}
 	}
 	metered := &meteredDevice{Device: dev}
+	if cfg.Domains == "" {
+		cfg.Domains = DomainsPerTenant
+	}
 	tenants := make([]kvcache.TenantConfig, len(tr.Tenants))
 	tenantIdx := make(map[string]int, len(tr.Tenants))
+	domainOf := make([]string, len(tr.Tenants))
 	for i, t := range tr.Tenants {
 		tenants[i] = kvcache.TenantConfig{Name: t.Name, QuotaPages: t.QuotaPages, ReservedPages: t.ReservedPages}
+		domainOf[i] = isolation.PrivateDomainPrefix + t.Name
+		if cfg.Domains == DomainsShared && t.Domain != "" {
+			tenants[i].Domain, domainOf[i] = t.Domain, t.Domain
+		}
 		tenantIdx[t.Name] = i
 	}
 	pool, err := kvcache.New(kvcache.Config{
 		Geometry: cfg.Geometry, Pages: cfg.PoolPages, MaxContextTokens: cfg.MaxContext,
 		AllowUndersizedPool: true, Tenants: tenants, Scrub: policy, Device: metered,
+		Prefix: kvcache.PrefixConfig{Disable: !cfg.PrefixCache},
 	})
 	if err != nil {
 		return nil, err
 	}
 	s := &sim{
-		cfg: cfg, tr: tr, pool: pool, dev: metered, tenantIdx: tenantIdx,
+		cfg: cfg, tr: tr, pool: pool, dev: metered, tenantIdx: tenantIdx, domainOf: domainOf,
 		reused: make([]bool, cfg.PoolPages),
 		res: &RunResult{Policy: cfg.Policy, Unsafe: unsafe, Device: metered.Name(), PoolPages: cfg.PoolPages,
 			PoolBytes: int64(cfg.PoolPages) * cfg.Geometry.PageBytes(), KVWritesSimulated: cfg.WriteKV,
-			Dropped: map[string]uint64{}},
+			Domains: cfg.Domains, Dropped: map[string]uint64{}},
 	}
 	s.spec = spec
+	if unsafe {
+		// The safe pools scrubbed every page at creation, which also
+		// faulted their memory in; do the same for the baseline behind its
+		// back, or its first KV writes would pay the page faults and make
+		// scrubbing look cheaper than it is.
+		if err := prefault(base, cfg.PoolPages, spec); err != nil {
+			pool.Close()
+			return nil, err
+		}
+	}
 	// The pool scrubbed every page at creation; serving figures start after.
 	s.scrub0 = pool.Stats().Scrub
 	metered.reset()
@@ -165,10 +224,26 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		return nil, err
 	}
 	s.finish()
-	if s.res.Audit.Enabled && !s.res.Audit.Passed && !unsafe {
-		return s.res, fmt.Errorf("%w: policy %s: %s", ErrAuditFailed, cfg.Policy, s.res.Audit.Summary)
+	au := &s.res.Audit
+	// Prefix sharing does not depend on scrubbing: a hit page with
+	// another domain's KV fails even the unsafe baseline.
+	if au.Enabled && !au.Passed && (!unsafe || au.ForeignHitPages+au.EmptyHitPages > 0) {
+		return s.res, fmt.Errorf("%w: policy %s: %s", ErrAuditFailed, cfg.Policy, au.Summary)
 	}
 	return s.res, nil
+}
+
+// prefault fills every page of dev's regions once and waits.
+func prefault(dev cudaops.Device, pages int, spec cudaops.FillSpec) error {
+	all := make([]int32, pages)
+	for i := range all {
+		all[i] = int32(i)
+	}
+	f, err := dev.Fill(all, spec, cudaops.Ordering{})
+	if err == nil {
+		err = f.Wait()
+	}
+	return err
 }
 
 // hostMemory is a device whose pages the simulated engine can write in
@@ -183,31 +258,40 @@ type queued struct {
 }
 
 type active struct {
-	req     *Request
-	tenant  int
-	lease   *kvcache.Lease
-	table   []int32
-	written int // tokens whose KV is in the pages
-	target  int // prompt + tokens generated before the request ends
-	marker  []byte
+	req       *Request
+	tenant    int
+	lease     *kvcache.Lease
+	table     []int32
+	tokens    []int32  // prompt token IDs, with the prefix cache on
+	tokensFor *Request // the request tokens were derived for
+	hit       int      // leading prompt tokens shared from the prefix cache
+	written   int      // tokens whose KV is in the pages (hit ones included)
+	target    int      // prompt + tokens generated before the request ends
+	marker    []byte
 }
 
 type sim struct {
-	cfg       RunConfig
-	tr        *Trace
-	pool      *kvcache.Pool
-	dev       *meteredDevice
-	host      hostMemory // set when the engine's KV writes are simulated
-	spec      cudaops.FillSpec
-	scrub0    isolation.ScrubStats // the pool's own scrub at creation, not part of serving
-	tenantIdx map[string]int
-	reused    []bool // page was held by a lease before
-	queue     []queued
-	running   []*active
-	spare     []*active
-	now       time.Duration
-	lat       []time.Duration
-	res       *RunResult
+	cfg         RunConfig
+	tr          *Trace
+	pool        *kvcache.Pool
+	dev         *meteredDevice
+	host        hostMemory // set when the engine's KV writes are simulated
+	spec        cudaops.FillSpec
+	scrub0      isolation.ScrubStats // the pool's own scrub at creation, not part of serving
+	tenantIdx   map[string]int
+	domainOf    []string // tenant index → its sharing domain's name in the pool
+	ttft        []time.Duration
+	endStats    kvcache.Stats // at the end of serving, before Close
+	fillTime    time.Duration
+	filled      uint64
+	fillBuckets []FillBucket
+	reused      []bool // page was held by a lease before
+	queue       []queued
+	running     []*active
+	spare       []*active
+	now         time.Duration
+	lat         []time.Duration
+	res         *RunResult
 
 	auditBuf, wantBuf []byte
 	auditTime         time.Duration
@@ -259,6 +343,11 @@ func (s *sim) run() error {
 	if err := s.pool.Check(); err != nil {
 		return fmt.Errorf("%w: pool Check after the run: %w", ErrAuditFailed, err)
 	}
+	// The figures end here: Close scrubs the pages still cached, which
+	// is not serving (CachedPagesAtEnd counts them).
+	s.endStats = s.pool.Stats()
+	s.fillTime, s.filled = s.dev.totals()
+	s.fillBuckets = s.dev.report()
 	return nil
 }
 
@@ -302,12 +391,17 @@ func (s *sim) admit() error {
 	for i < len(s.queue) && len(s.running) < s.cfg.MaxBatch {
 		q := s.queue[i]
 		a := s.newActive(q.req)
-		// When the pool gains a prefix cache, this is where q.req.Prefix
-		// (the tenant's shared system prompt) is offered to it and hits
-		// are counted into RunResult.PrefixCacheHitRate.
+		req := kvcache.Request{ID: q.req.ID, Tenant: q.req.Tenant, PromptTokens: q.req.Prompt, MaxNewTokens: q.req.MaxNew}
+		if s.cfg.PrefixCache {
+			// The engine has tokenised the prompt before it asks; a
+			// request that waits keeps its tokens.
+			if a.tokensFor != q.req {
+				a.tokens, a.tokensFor = AppendPromptTokens(a.tokens[:0], s.cfg.Seed, q.req), q.req
+			}
+			req.TokenIDs = a.tokens
+		}
 		start := time.Now()
-		err := s.pool.AdmitInto(ctx, kvcache.Request{ID: q.req.ID, Tenant: q.req.Tenant,
-			PromptTokens: q.req.Prompt, MaxNewTokens: q.req.MaxNew}, a.lease)
+		err := s.pool.AdmitInto(ctx, req, a.lease)
 		took := time.Since(start)
 		s.admitTime += took
 		if err == nil {
@@ -356,16 +450,23 @@ func (s *sim) newActive(r *Request) *active {
 	return a
 }
 
-// start runs an admitted request's prefill.
+// start sets an admitted request running; its prefill starts in this
+// step's decode.
 func (s *sim) start(a *active, q queued) error {
 	var err error
 	if a.table, err = a.lease.AppendBlockTable(a.table[:0]); err != nil {
 		return err
 	}
+	a.hit = a.lease.HitTokens()
 	s.res.Admitted++
 	s.res.QueueWaitSeconds += (s.now - q.since).Seconds()
 	s.res.PromptTokens += uint64(a.req.Prompt)
 	s.res.PrefixShareableTokens += uint64(a.req.Prefix)
+	s.res.Prefix.HitTokens += uint64(a.hit)
+	s.res.Prefix.PrefillBytesAvoided += uint64(a.hit) * uint64(s.cfg.Geometry.TokenBytes())
+	if s.cfg.afterAdmit != nil {
+		s.cfg.afterAdmit(s, a)
+	}
 	if s.cfg.Audit {
 		s.audit(a)
 	}
@@ -380,20 +481,49 @@ func (s *sim) start(a *active, q queued) error {
 			binary.LittleEndian.PutUint32(a.marker[off:], w)
 		}
 	}
-	a.written, a.target = 0, a.req.Prompt+a.req.Generated()
-	if err := s.write(a, a.req.Prompt); err != nil {
-		return err
-	}
+	// The shared prefix's KV is in the first pages already: prefill
+	// starts after it.
+	a.written, a.target = a.hit, a.req.Prompt+a.req.Generated()
 	s.running = append(s.running, a)
 	return nil
 }
 
-// decode is one continuous-batching step: every running request writes
-// one token; those that reached their end (or their client's abort) are
-// released.
+// decode is one continuous-batching step: running requests compute their
+// prompts, oldest first, within the step's prefill budget (and publish
+// them to the prefix cache when complete); every request past its prompt
+// writes one token; those that reached their end (or their client's
+// abort) are released.
 func (s *sim) decode() error {
+	budget := s.cfg.PrefillTokens
+	if budget == 0 {
+		budget = math.MaxInt
+	}
 	kept := s.running[:0]
 	for _, a := range s.running {
+		if prompt := a.req.Prompt; a.written < prompt {
+			n := min(prompt-a.written, budget)
+			if n == 0 {
+				kept = append(kept, a)
+				continue
+			}
+			budget -= n
+			if err := s.write(a, n); err != nil {
+				return err
+			}
+			if a.written < prompt {
+				kept = append(kept, a)
+				continue
+			}
+			if s.cfg.PrefixCache {
+				if _, err := a.lease.CachePrefix(prompt); err != nil {
+					return fmt.Errorf("publishing the prompt of %s: %w", a.req.ID, err)
+				}
+			}
+			if a.target > prompt {
+				// The step that completes the prompt samples the first token.
+				s.ttft = append(s.ttft, s.now+s.cfg.Step-a.req.At)
+			}
+		}
 		if a.written < a.target {
 			if err := s.write(a, 1); err != nil {
 				return err
@@ -470,7 +600,14 @@ func (s *sim) audit(a *active) {
 		s.auditBuf, s.wantBuf = make([]byte, rb), make([]byte, rb)
 	}
 	example := false // one example per lease keeps the report varied
-	for _, p := range a.table {
+	hitPages := a.hit / s.cfg.Geometry.TokensPerPage
+	for i, p := range a.table {
+		if i < hitPages {
+			if s.host != nil {
+				s.auditHit(a, p)
+			}
+			continue
+		}
 		if !s.reused[p] {
 			continue
 		}
@@ -514,6 +651,63 @@ func (s *sim) audit(a *active) {
 	}
 }
 
+// auditHit checks a page the lease shares from the prefix cache: it must
+// hold, in every region, the KV of one request of the lease's own sharing
+// domain (pages are only written by the request that published them, so
+// one marker word fills the page), never another domain's KV nor a scrub
+// pattern.
+func (s *sim) auditHit(a *active, p int32) {
+	au := &s.res.Audit
+	au.HitPagesChecked++
+	rb := len(s.auditBuf)
+	for r := range s.cfg.Geometry.Regions() {
+		if err := s.dev.ReadPage(r, p, s.auditBuf); err != nil {
+			au.ReadErrors++
+			return
+		}
+		first := binary.LittleEndian.Uint32(s.auditBuf)
+		if s.ownMarker(a, first) {
+			for off := 0; off < rb; off += 4 {
+				binary.LittleEndian.PutUint32(s.wantBuf[off:], first)
+			}
+			if bytes.Equal(s.auditBuf, s.wantBuf) {
+				continue
+			}
+		}
+		off := 0
+		for off < rb && s.ownMarker(a, binary.LittleEndian.Uint32(s.auditBuf[off:])) {
+			off += 4
+		}
+		got := binary.LittleEndian.Uint32(s.auditBuf[off:])
+		what := "no KV (a scrub pattern or never written)"
+		if got&markerBit != 0 {
+			au.ForeignHitPages++
+			what = "KV of an unknown writer"
+			if pt := int(got>>16) & 0xff; pt < len(s.tr.Tenants) {
+				what = fmt.Sprintf("KV of tenant %q of domain %q", s.tr.Tenants[pt].Name, s.domainOf[pt])
+			}
+		} else {
+			au.EmptyHitPages++
+		}
+		if len(au.Examples) < maxAuditExamples {
+			au.Examples = append(au.Examples, fmt.Sprintf(
+				"prefix hit page %d region %d byte %d: %#08x (%s), shared to tenant %q of domain %q",
+				p, r, off, got, what, a.req.Tenant, s.domainOf[a.tenant]))
+		}
+		return
+	}
+}
+
+// ownMarker reports whether w is KV the simulated engine wrote for a
+// tenant of a's sharing domain.
+func (s *sim) ownMarker(a *active, w uint32) bool {
+	if w&markerBit == 0 {
+		return false
+	}
+	pt := int(w>>16) & 0xff
+	return pt < len(s.domainOf) && s.domainOf[pt] == s.domainOf[a.tenant]
+}
+
 func (s *sim) sample() {
 	start := time.Now()
 	st := s.pool.Stats()
@@ -526,6 +720,7 @@ func (s *sim) sample() {
 		InUse:       float64(st.InUsePages) / float64(st.TotalPages),
 		Written:     float64(written) / float64(st.TotalPages*st.TokensPerPage),
 		Quarantined: float64(st.QuarantinedPages) / float64(st.TotalPages),
+		Cached:      float64(st.CachedPages) / float64(st.TotalPages),
 		Queued:      len(s.queue),
 		Running:     len(s.running),
 	})
@@ -535,18 +730,17 @@ func (s *sim) sample() {
 // finish turns the counters into the result's figures.
 func (s *sim) finish() {
 	r := s.res
-	st := s.pool.Stats()
+	st := s.endStats
 	r.ServingSeconds = s.cfg.Duration.Seconds()
 	r.Refusals = refusalsMap(st.Refused)
 	r.PagesScrubbed = st.Scrub.PagesScrubbed - s.scrub0.PagesScrubbed
 	r.ScrubFills = st.Scrub.Fills - s.scrub0.Fills
-	fillTime, filled := s.dev.totals()
-	r.BytesScrubbed, r.FillSeconds = filled, fillTime.Seconds()
+	r.BytesScrubbed, r.FillSeconds = s.filled, s.fillTime.Seconds()
 	r.AdmitSeconds = s.admitTime.Seconds()
 	r.ReleaseSeconds = s.releaseTime.Seconds()
 	r.KVWriteSeconds = s.writeTime.Seconds()
 	r.AuditSeconds = s.auditTime.Seconds()
-	r.ScrubByBatch = s.dev.report()
+	r.ScrubByBatch = s.fillBuckets
 	r.Latencies = s.lat
 	r.AdmitLatency = latencySummary(s.lat)
 	if r.ServingSeconds > 0 {
@@ -567,6 +761,9 @@ func (s *sim) finish() {
 	if r.PromptTokens > 0 {
 		r.PrefixShareableFraction = float64(r.PrefixShareableTokens) / float64(r.PromptTokens)
 	}
+	s.finishPrefix()
+	slices.Sort(s.ttft)
+	r.TTFT = ttftSummary(s.ttft)
 	var inUse float64
 	for _, u := range r.Utilisation {
 		inUse += u.InUse
@@ -580,24 +777,60 @@ func (s *sim) finish() {
 	au.CanaryChecks, au.CanaryFailures = st.Scrub.CanaryChecks, st.Scrub.CanaryFailures
 	switch {
 	case s.cfg.Audit && st.Scrub.CanaryChecks > 0:
-		au.Method = "canary (pool, every allocation) + marker check (every reuse)"
+		au.Method = "canary (pool, every allocation) + marker check (every reuse, every prefix hit)"
 	case s.cfg.Audit:
-		au.Method = "marker check (every reuse)"
+		au.Method = "marker check (every reuse, every prefix hit)"
 	case st.Scrub.CanaryChecks > 0:
 		au.Method = "canary (pool, every allocation)"
 	default:
 		au.Method = "off"
 	}
-	bad := au.StalePages + au.CanaryFailures + au.ReadErrors + au.PoolCanaryFaults
+	bad := au.StalePages + au.CanaryFailures + au.ReadErrors + au.PoolCanaryFaults + au.ForeignHitPages + au.EmptyHitPages
 	au.Passed = bad == 0
 	switch {
 	case !au.Enabled:
 		au.Summary = "not audited (run with -audit)"
 	case au.Passed:
-		au.Summary = fmt.Sprintf("passed: %d reused pages checked, %d canary checks, none held data", au.PagesChecked, au.CanaryChecks)
+		au.Summary = fmt.Sprintf("passed: %d reused pages checked, %d canary checks, none held data; "+
+			"%d prefix-hit pages checked, all held their own domain's KV", au.PagesChecked, au.CanaryChecks, au.HitPagesChecked)
 	default:
 		au.Summary = fmt.Sprintf("FAILED: %d of %d reused pages held stale KV (%d another tenant's), %d canary failures",
 			au.StalePages, au.PagesChecked, au.CrossTenantPages, au.CanaryFailures+au.PoolCanaryFaults)
+		if n := au.ForeignHitPages + au.EmptyHitPages; n > 0 {
+			au.Summary += fmt.Sprintf("; %d of %d prefix-hit pages held another domain's KV (%d) or none (%d)",
+				n, au.HitPagesChecked, au.ForeignHitPages, au.EmptyHitPages)
+		}
+	}
+}
+
+// finishPrefix fills in the prefix-cache figures from the pool's
+// per-domain counters, taken at the end of the run.
+func (s *sim) finishPrefix() {
+	px := &s.res.Prefix
+	px.Enabled = s.endStats.Prefix.Enabled && s.cfg.PrefixCache
+	hitTokens := px.HitTokens // counted from the leases
+	px.HitTokens = 0
+	for _, d := range s.endStats.Prefix.Domains {
+		px.Domains++
+		px.HitPages += d.HitPages
+		px.MissPages += d.MissPages
+		px.HitTokens += d.HitTokens
+		px.StoredPages += d.StoredPages
+		px.EvictedPages += d.EvictedPages
+		px.CachedPagesAtEnd += d.CachedPages
+		if d.HitPages+d.MissPages+d.StoredPages > 0 {
+			px.PerDomain = append(px.PerDomain, DomainPrefix{Name: d.Name, Shared: d.Shared, Tenants: d.Tenants,
+				HitPages: d.HitPages, MissPages: d.MissPages, HitTokens: d.HitTokens,
+				StoredPages: d.StoredPages, EvictedPages: d.EvictedPages})
+		}
+	}
+	px.LeaseHitTokensMatch = px.HitTokens == hitTokens
+	px.LookupPages = px.HitPages + px.MissPages
+	if px.LookupPages > 0 {
+		px.HitRate = float64(px.HitPages) / float64(px.LookupPages)
+	}
+	if s.res.PromptTokens > 0 {
+		px.PromptHitShare = float64(hitTokens) / float64(s.res.PromptTokens)
 	}
 }
 

@@ -141,7 +141,9 @@ func TestRunSyntheticAccounting(t *testing.T) {
 	assert.LessOrEqual(t, res.PeakInUse, 1.0)
 	assert.Positive(t, res.PeakInUse)
 	assert.NotEmpty(t, res.ScrubByBatch)
-	assert.Nil(t, res.PrefixCacheHitRate)
+	assert.False(t, res.Prefix.Enabled, "prefix cache off")
+	assert.Zero(t, res.Prefix.HitTokens)
+	assert.Zero(t, res.Prefix.LookupPages)
 }
 
 func TestRunBadConfig(t *testing.T) {

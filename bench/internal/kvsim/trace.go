@@ -13,6 +13,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/kvfence/kvfence/isolation"
 )
 
 // TraceFormat documents the JSONL trace format; kvbench -help prints it
@@ -20,20 +22,31 @@ import (
 const TraceFormat = `Trace format (JSONL): one JSON object per line; blank lines and lines
 starting with # are ignored. Every object has a "type".
 
-  {"type":"tenant","name":"acme","quota_pages":0,"reserved_pages":0,"system_prompt":512}
+  {"type":"tenant","name":"acme","quota_pages":0,"reserved_pages":0,
+   "system_prompt":512,"domain":"acme-org"}
     name            required, 1..256 bytes, unique
     quota_pages     most pages the tenant may hold at once (0 = whole pool)
     reserved_pages  pages kept for the tenant (≤ quota_pages when that is set)
     system_prompt   tokens of the tenant's shared system prompt (informational)
+    domain          optional: the sharing domain the tenant joins when run
+                    with -domains shared (1..256 bytes, not starting with
+                    "tenant:"); without it, or with -domains per-tenant,
+                    the tenant has its own
 
   {"type":"request","at":0.125,"id":"r1","tenant":"acme","prompt":1834,
-   "prefix":512,"output":211,"max_new":512,"abort_after":40}
+   "prefix":512,"prefix_id":"acme-org","output":211,"max_new":512,"abort_after":40}
     at              arrival, seconds from the start of the trace (≥ 0)
     id              optional, unique in the trace (default "L<line>")
     tenant          required; must be declared by an earlier tenant line
     prompt          prompt tokens, ≥ 1
     prefix          leading prompt tokens shared with the tenant's other
                     requests (its system prompt), 0..prompt; default 0
+    prefix_id       optional, needs prefix ≥ 1: names the shared prefix's
+                    content; requests with the same prefix_id start with
+                    the same token IDs (default: the tenant's domain if it
+                    names one, else the tenant's name). The other prompt
+                    tokens are unique to the request. Token IDs are derived
+                    from -seed, prefix_id and id
     output          tokens the request generates if not aborted, ≥ 0
     max_new         output budget reserved at admission, ≥ output;
                     default output
@@ -49,6 +62,9 @@ type Tenant struct {
 	QuotaPages    int    `json:"quota_pages,omitempty"`
 	ReservedPages int    `json:"reserved_pages,omitempty"`
 	SystemPrompt  int    `json:"system_prompt,omitempty"`
+	// Domain is the sharing domain the tenant joins when domains are
+	// shared; empty: its own.
+	Domain string `json:"domain,omitempty"`
 }
 
 // Request is one request of a trace.
@@ -59,8 +75,12 @@ type Request struct {
 	Tenant string
 	Prompt int // prompt tokens
 	Prefix int // leading prompt tokens shared with the tenant's other requests
-	Output int // tokens generated unless aborted
-	MaxNew int // output budget reserved at admission, ≥ Output
+	// PrefixID names the content of the shared prefix: requests with the
+	// same PrefixID start with the same Prefix token IDs. Set when Prefix
+	// > 0 (ParseTrace and Generate fill in the default).
+	PrefixID string
+	Output   int // tokens generated unless aborted
+	MaxNew   int // output budget reserved at admission, ≥ Output
 	// AbortAfter is the number of generated tokens after which the client
 	// aborts; -1 when it does not.
 	AbortAfter int
@@ -105,27 +125,29 @@ type record struct {
 	QuotaPages    *int64  `json:"quota_pages"`
 	ReservedPages *int64  `json:"reserved_pages"`
 	SystemPrompt  *int64  `json:"system_prompt"`
+	Domain        *string `json:"domain"`
 	// request
 	At         *float64 `json:"at"`
 	ID         *string  `json:"id"`
 	Tenant     *string  `json:"tenant"`
 	Prompt     *int64   `json:"prompt"`
 	Prefix     *int64   `json:"prefix"`
+	PrefixID   *string  `json:"prefix_id"`
 	Output     *int64   `json:"output"`
 	MaxNew     *int64   `json:"max_new"`
 	AbortAfter *int64   `json:"abort_after"`
 }
 
 var fieldsOf = map[string][]string{
-	"tenant":  {"type", "name", "quota_pages", "reserved_pages", "system_prompt"},
-	"request": {"type", "at", "id", "tenant", "prompt", "prefix", "output", "max_new", "abort_after"},
+	"tenant":  {"type", "name", "quota_pages", "reserved_pages", "system_prompt", "domain"},
+	"request": {"type", "at", "id", "tenant", "prompt", "prefix", "prefix_id", "output", "max_new", "abort_after"},
 }
 
 // ParseTrace reads a JSONL trace (see TraceFormat). name labels errors
 // (usually the file name). Any bad line is reported as a *TraceError
 // wrapping ErrBadTrace.
 func ParseTrace(r io.Reader, name string) (*Trace, error) {
-	p := traceParser{file: name, tenants: map[string]int{}, ids: map[string]int{}}
+	p := traceParser{file: name, tenants: map[string]int{}, domains: map[string]string{}, ids: map[string]int{}}
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 64<<10), maxTraceLine)
 	for sc.Scan() {
@@ -152,8 +174,9 @@ type traceParser struct {
 	file    string
 	line    int
 	trace   Trace
-	tenants map[string]int // name → declaring line
-	ids     map[string]int // request ID → line
+	tenants map[string]int    // name → declaring line
+	domains map[string]string // tenant name → its domain field
+	ids     map[string]int    // request ID → line
 }
 
 func (p *traceParser) fail(field, format string, args ...any) error {
@@ -198,10 +221,10 @@ func (p *traceParser) foreignField(r *record) string {
 	var foreign []field
 	if r.Type == "tenant" {
 		foreign = []field{{"at", r.At != nil}, {"id", r.ID != nil}, {"tenant", r.Tenant != nil}, {"prompt", r.Prompt != nil},
-			{"prefix", r.Prefix != nil}, {"output", r.Output != nil}, {"max_new", r.MaxNew != nil}, {"abort_after", r.AbortAfter != nil}}
+			{"prefix", r.Prefix != nil}, {"prefix_id", r.PrefixID != nil}, {"output", r.Output != nil}, {"max_new", r.MaxNew != nil}, {"abort_after", r.AbortAfter != nil}}
 	} else {
 		foreign = []field{{"name", r.Name != nil}, {"quota_pages", r.QuotaPages != nil},
-			{"reserved_pages", r.ReservedPages != nil}, {"system_prompt", r.SystemPrompt != nil}}
+			{"reserved_pages", r.ReservedPages != nil}, {"system_prompt", r.SystemPrompt != nil}, {"domain", r.Domain != nil}}
 	}
 	for _, f := range foreign {
 		if f.set {
@@ -292,7 +315,16 @@ func (p *traceParser) tenant(r *record) error {
 	if t.SystemPrompt, err = p.intField("system_prompt", r.SystemPrompt, 0, 0, maxTraceTokens); err != nil {
 		return err
 	}
+	if r.Domain != nil {
+		if t.Domain, err = p.name("domain", r.Domain); err != nil {
+			return err
+		}
+		if strings.HasPrefix(t.Domain, isolation.PrivateDomainPrefix) {
+			return p.fail("domain", "%q starts with %q, which is reserved for tenants' own domains", t.Domain, isolation.PrivateDomainPrefix)
+		}
+	}
 	p.tenants[name] = p.line
+	p.domains[name] = t.Domain
 	p.trace.Tenants = append(p.trace.Tenants, t)
 	return nil
 }
@@ -336,6 +368,16 @@ func (p *traceParser) request(r *record) error {
 	if req.Prefix, err = p.intField("prefix", r.Prefix, 0, 0, int64(req.Prompt)); err != nil {
 		return err
 	}
+	switch {
+	case r.PrefixID != nil && req.Prefix == 0:
+		return p.fail("prefix_id", "given for a request with no prefix (set prefix ≥ 1)")
+	case r.PrefixID != nil:
+		if req.PrefixID, err = p.name("prefix_id", r.PrefixID); err != nil {
+			return err
+		}
+	case req.Prefix > 0:
+		req.PrefixID = DefaultPrefixID(tenant, p.domains[tenant])
+	}
 	if req.Output, err = p.intField("output", r.Output, -1, 0, maxTraceTokens); err != nil {
 		return err
 	}
@@ -353,6 +395,15 @@ func (p *traceParser) request(r *record) error {
 	p.ids[req.ID] = p.line
 	p.trace.Requests = append(p.trace.Requests, req)
 	return nil
+}
+
+// DefaultPrefixID is the prefix_id of a request that names none: its
+// tenant's domain if that names one, else the tenant.
+func DefaultPrefixID(tenant, domain string) string {
+	if domain != "" {
+		return domain
+	}
+	return tenant
 }
 
 // WriteTrace writes t in the format ParseTrace reads. Arrival times are
@@ -377,11 +428,15 @@ func WriteTrace(w io.Writer, t *Trace) error {
 			Tenant     string      `json:"tenant"`
 			Prompt     int         `json:"prompt"`
 			Prefix     int         `json:"prefix,omitempty"`
+			PrefixID   string      `json:"prefix_id,omitempty"`
 			Output     int         `json:"output"`
 			MaxNew     int         `json:"max_new"`
 			AbortAfter *int        `json:"abort_after,omitempty"`
 		}{Type: "request", At: json.Number(strconv.FormatFloat(r.At.Round(time.Microsecond).Seconds(), 'f', -1, 64)),
 			ID: r.ID, Tenant: r.Tenant, Prompt: r.Prompt, Prefix: r.Prefix, Output: r.Output, MaxNew: r.MaxNew}
+		if r.Prefix > 0 {
+			rec.PrefixID = r.PrefixID
+		}
 		if r.AbortAfter >= 0 {
 			rec.AbortAfter = &r.AbortAfter
 		}

@@ -50,6 +50,14 @@ func TestParseTraceBadInput(t *testing.T) {
 		{"duplicate tenant", `{"type":"tenant","name":"acme"}`, "name", "already declared on line 1"},
 		{"negative quota", `{"type":"tenant","name":"c","quota_pages":-1}`, "quota_pages", "negative"},
 		{"reservation over quota", `{"type":"tenant","name":"c","quota_pages":4,"reserved_pages":5}`, "reserved_pages", "above quota_pages"},
+		{"empty domain", `{"type":"tenant","name":"c","domain":""}`, "domain", "want 1..256"},
+		{"reserved domain", `{"type":"tenant","name":"c","domain":"tenant:acme"}`, "domain", "reserved for tenants' own domains"},
+		{"domain not a string", `{"type":"tenant","name":"c","domain":3}`, "domain", "want a string"},
+		{"domain on a request", `{"type":"request","at":0,"tenant":"acme","prompt":1,"output":1,"domain":"x"}`, "domain", "not a field"},
+		{"prefix_id on a tenant", `{"type":"tenant","name":"c","prefix_id":"x"}`, "prefix_id", "not a field"},
+		{"prefix_id without prefix", `{"type":"request","at":0,"tenant":"acme","prompt":10,"prefix_id":"sys","output":1}`, "prefix_id", "no prefix"},
+		{"empty prefix_id", `{"type":"request","at":0,"tenant":"acme","prompt":10,"prefix":4,"prefix_id":"","output":1}`, "prefix_id", "want 1..256"},
+		{"long prefix_id", `{"type":"request","at":0,"tenant":"acme","prompt":10,"prefix":4,"prefix_id":"` + strings.Repeat("x", 257) + `","output":1}`, "prefix_id", "257 bytes"},
 		{"two values on a line", `{"type":"tenant","name":"c"} {"type":"tenant","name":"d"}`, "", "after top-level value"},
 	}
 	for _, tt := range tests {
@@ -91,13 +99,32 @@ func TestParseTraceGood(t *testing.T) {
 	assert.Equal(t, []Tenant{{Name: "acme"}, {Name: "beta", QuotaPages: 64, ReservedPages: 8, SystemPrompt: 300}}, tr.Tenants)
 	require.Len(t, tr.Requests, 2)
 	// Sorted by arrival.
-	assert.Equal(t, Request{Line: 5, At: time.Microsecond, ID: "b1", Tenant: "beta", Prompt: 400, Prefix: 300,
+	assert.Equal(t, Request{Line: 5, At: time.Microsecond, ID: "b1", Tenant: "beta", Prompt: 400, Prefix: 300, PrefixID: "beta",
 		Output: 20, MaxNew: 64, AbortAfter: 7}, tr.Requests[0])
 	assert.Equal(t, Request{Line: 4, At: 2500 * time.Millisecond, ID: "L4", Tenant: "acme", Prompt: 100,
 		Output: 10, MaxNew: 10, AbortAfter: -1}, tr.Requests[1])
 	assert.Equal(t, 7, tr.Requests[0].Generated())
 	assert.Equal(t, 10, tr.Requests[1].Generated())
 	assert.Equal(t, 2500*time.Millisecond, tr.Duration())
+}
+
+func TestParseTracePrefixIDs(t *testing.T) {
+	in := `{"type":"tenant","name":"a","domain":"org"}
+{"type":"tenant","name":"b"}
+{"type":"request","at":0,"id":"a1","tenant":"a","prompt":10,"prefix":4,"output":1}
+{"type":"request","at":0,"id":"a2","tenant":"a","prompt":10,"prefix":4,"prefix_id":"public","output":1}
+{"type":"request","at":0,"id":"b1","tenant":"b","prompt":10,"prefix":4,"output":1}
+{"type":"request","at":0,"id":"b2","tenant":"b","prompt":10,"output":1}
+`
+	tr, err := ParseTrace(strings.NewReader(in), "")
+	require.NoError(t, err)
+	assert.Equal(t, "org", tr.Tenants[0].Domain)
+	assert.Empty(t, tr.Tenants[1].Domain)
+	var ids []string
+	for _, r := range tr.Requests {
+		ids = append(ids, r.PrefixID)
+	}
+	assert.Equal(t, []string{"org", "public", "b", ""}, ids, "default: the tenant's domain, else its name; none without a prefix")
 }
 
 func TestWriteParseRoundTrip(t *testing.T) {
@@ -118,6 +145,7 @@ func FuzzParseTrace(f *testing.F) {
 	f.Add(tenantsHeader + `{"type":"request","at":1,"tenant":"acme","prompt":5,"output":2,"abort_after":1}`)
 	f.Add(`{"type":"tenant","name":"x","quota_pages":1}` + "\n" + `{"type":"request","at":0,"tenant":"x","prompt":1,"output":0}`)
 	f.Add(`{"type":"request","at":1e400}`)
+	f.Add(`{"type":"tenant","name":"x","domain":"org"}` + "\n" + `{"type":"request","at":0,"tenant":"x","prompt":9,"prefix":3,"prefix_id":"p","output":0}`)
 	f.Add("{\"type\":\"tenant\",\"name\":\"\xff\"}\n#\n\n[]")
 	f.Fuzz(func(t *testing.T, in string) {
 		tr, err := ParseTrace(strings.NewReader(in), "fuzz")
