@@ -157,7 +157,13 @@ func (r *Receiver) check(msg []byte) (Manifest, error) {
 	if len(msg) == 0 || msg[0] != msgManifest {
 		return Manifest{}, fmt.Errorf("%w: first message is kind %q, want a manifest", ErrProtocol, firstByte(msg))
 	}
-	m, err := Decode(msg[1:], r.cfg.Key)
+	return r.vet(msg[1:])
+}
+
+// vet authenticates and vets an encoded manifest (no message kind byte),
+// then claims its request ID.
+func (r *Receiver) vet(b []byte) (Manifest, error) {
+	m, err := Decode(b, r.cfg.Key)
 	if err != nil {
 		return Manifest{}, err
 	}

@@ -1,0 +1,163 @@
+package handoff
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// Transport-free handoff. Send and Serve drive a whole transfer over a
+// Transport; an engine that already has its own channel between the
+// prefill and decode nodes (or a foreign-language binding, such as the C
+// ABI) moves the bytes itself instead:
+//
+//	prefill:  e := sender.Export(lease, maxNew)
+//	          ship e.ManifestBytes(); for each page range: e.ReadPages(first, buf), ship buf
+//	          after the decode side confirmed: e.Ack()   (or e.Abort())
+//	decode:   in := receiver.Begin(ctx, manifestBytes)   (verify, claim, admit fail-closed)
+//	          for each page range received: in.WritePages(first, buf)
+//	          lease := in.Complete()                      (every page, checksum verified)
+//
+// The checks are the same as Serve's (MAC, expiry, geometry, domain,
+// replay, fail-closed admission, checksum); only the per-frame transfer ID
+// and generation checks have no frames to apply to, and the content
+// checksum over every page still catches misplaced or foreign bytes.
+
+// ManifestBytes returns the signed, encoded manifest to hand to the
+// decode side's Receiver.Begin. The slice is the export's: do not modify
+// it.
+func (e *Export) ManifestBytes() []byte { return e.wire[1:] }
+
+// PageBytes is the size of one exported page, all regions.
+func (e *Export) PageBytes() int { return int(e.out.Geometry().PageBytes()) }
+
+// ReadPages copies exported pages first, first+1, … into dst (a whole
+// number of pages, regions in order). It fails with kvcache.ErrReclaimed
+// once the pages are no longer pinned, and then copies nothing.
+func (e *Export) ReadPages(first int, dst []byte) error { return e.out.ReadPages(first, dst) }
+
+// Ack ends the export once the decode side has confirmed the import: the
+// pages are released through the scrubber. kvcache.ErrReclaimed means the
+// reclaim deadline (or an Abort) came first; the pages are scrubbed
+// either way.
+func (e *Export) Ack() error { return e.out.Ack() }
+
+// Import is a transfer the caller moves itself, begun by Receiver.Begin.
+// Its methods may be called from any goroutine; WritePages calls may run
+// concurrently for disjoint pages.
+type Import struct {
+	r     *Receiver
+	in    *kvcache.Incoming
+	m     Manifest
+	pb    int
+	timer *time.Timer
+	// mu serialises Complete and Abort, so that exactly one of them
+	// decides the request ID's claim. Lock order: mu → Receiver.mu, and
+	// mu → Pool.mu.
+	mu struct {
+		sync.Mutex
+		ended bool // completed or aborted
+	}
+}
+
+// Begin verifies an encoded manifest (the MAC first, then expiry,
+// geometry, sharing domain and replay, exactly as Serve does), claims its
+// request ID and admits the import fail-closed in the receiver's pool. On
+// any error nothing stays allocated or claimed. The import aborts itself
+// if it has not completed within the receiver's TransferTimeout.
+func (r *Receiver) Begin(ctx context.Context, manifest []byte) (*Import, error) {
+	m, err := r.vet(manifest)
+	if err != nil {
+		r.refused()
+		return nil, err
+	}
+	in, err := r.admit(ctx, &m)
+	if err != nil {
+		r.unclaim(m.RequestID)
+		r.refused()
+		return nil, err
+	}
+	imp := &Import{r: r, in: in, m: m, pb: int(m.Geometry.Geometry().PageBytes())}
+	// Under mu, so that a timer firing at once finds imp.timer set.
+	imp.mu.Lock()
+	imp.timer = time.AfterFunc(r.cfg.TransferTimeout, func() { imp.Abort() })
+	imp.mu.Unlock()
+	return imp, nil
+}
+
+func (r *Receiver) refused() {
+	r.mu.Lock()
+	r.mu.stats.Refused++
+	r.mu.Unlock()
+}
+
+// Manifest is the verified manifest of the import.
+func (imp *Import) Manifest() Manifest { return imp.m }
+
+// Pages is the number of pages to write; PageBytes the size of each.
+func (imp *Import) Pages() int { return imp.in.Pages() }
+
+// PageBytes is the size of one page, all regions.
+func (imp *Import) PageBytes() int { return imp.pb }
+
+// WritePages writes received pages first, first+1, … from src (a whole
+// number of pages, regions in order). Any error aborts the import.
+func (imp *Import) WritePages(first int, src []byte) error {
+	if err := imp.in.WritePages(first, src); err != nil {
+		imp.Abort() // the Incoming aborted itself; this settles the claim
+		return err
+	}
+	return nil
+}
+
+// Complete verifies that every page arrived and the content checksum
+// matches and returns the usable lease (prefilled, written = prompt
+// tokens). On failure the import is aborted.
+func (imp *Import) Complete() (*kvcache.Lease, error) {
+	imp.mu.Lock()
+	defer imp.mu.Unlock()
+	if imp.mu.ended {
+		return nil, fmt.Errorf("%w: import of request %q has ended", kvcache.ErrStaleTransfer, imp.m.RequestID)
+	}
+	l, err := imp.in.Complete()
+	if err != nil {
+		imp.abortLocked()
+		return nil, err
+	}
+	imp.mu.ended = true
+	imp.timer.Stop()
+	r := imp.r
+	r.mu.Lock()
+	r.mu.claims[imp.m.RequestID] = claim{done: true, expires: imp.m.Expires}
+	r.mu.stats.Imported++
+	r.mu.Unlock()
+	return l, nil
+}
+
+// Abort ends an import that has not completed: its pages go through the
+// scrubber and its request ID may be imported again. After Complete (or a
+// first Abort) it does nothing: a completed lease is the caller's to
+// release.
+func (imp *Import) Abort() error {
+	imp.mu.Lock()
+	defer imp.mu.Unlock()
+	if imp.mu.ended {
+		return nil
+	}
+	return imp.abortLocked()
+}
+
+func (imp *Import) abortLocked() error {
+	imp.mu.ended = true
+	imp.timer.Stop()
+	err := imp.in.Abort()
+	imp.r.unclaim(imp.m.RequestID)
+	imp.r.refused()
+	if err != nil {
+		return fmt.Errorf("handoff: aborting import of %q: %w", imp.m.RequestID, err)
+	}
+	return nil
+}
