@@ -161,3 +161,11 @@ func (imp *Import) abortLocked() error {
 	}
 	return nil
 }
+
+// Ended reports whether the import has completed or been aborted (by the
+// caller, a failed write or check, or the transfer timeout).
+func (imp *Import) Ended() bool {
+	imp.mu.Lock()
+	defer imp.mu.Unlock()
+	return imp.mu.ended
+}

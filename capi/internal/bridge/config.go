@@ -15,8 +15,10 @@ import (
 // ConfigJSON is the JSON form of kvcache.Config that kvf_pool_create
 // takes. Field for field it is the Go Config; the dtype and scrub kind are
 // names, and the scrub pattern is a number or a string in any Go integer
-// syntax ("0x8000"). Unknown fields are an error. The pool is always
-// backed by a new Host device owned by the pool.
+// syntax ("0x8000"). Unknown fields are an error. Device selects where
+// the pages live: host memory (the default) or a CUDA device's memory,
+// allocated by the pool; the bridge owns the device and closes it after
+// the pool.
 type ConfigJSON struct {
 	Geometry            GeometryJSON `json:"geometry"`
 	Pages               int          `json:"pages,omitempty"`
@@ -25,7 +27,28 @@ type ConfigJSON struct {
 	AllowUndersizedPool bool         `json:"allow_undersized_pool,omitempty"`
 	Tenants             []TenantJSON `json:"tenants,omitempty"`
 	Scrub               ScrubJSON    `json:"scrub,omitzero"`
+	Prefix              PrefixJSON   `json:"prefix,omitzero"`
+	Device              DeviceJSON   `json:"device,omitzero"`
 }
+
+// PrefixJSON is kvcache.PrefixConfig.
+type PrefixJSON struct {
+	Disable     bool `json:"disable,omitempty"`
+	EventBuffer int  `json:"event_buffer,omitempty"`
+}
+
+// DeviceJSON selects the device: kind "host" (or empty) or "cuda" with
+// the driver's device ordinal.
+type DeviceJSON struct {
+	Kind    string `json:"kind,omitempty"`
+	Ordinal int    `json:"ordinal,omitempty"`
+}
+
+// Device kinds.
+const (
+	DeviceHost = "host"
+	DeviceCUDA = "cuda"
+)
 
 // GeometryJSON is kvcache.Geometry with the dtype by name
 // (isolation.ParseDType: fp8_e4m3, fp8_e5m2, fp16, bf16, fp32 and aliases).
@@ -42,6 +65,7 @@ type TenantJSON struct {
 	Name          string `json:"name"`
 	QuotaPages    int    `json:"quota_pages,omitempty"`
 	ReservedPages int    `json:"reserved_pages,omitempty"`
+	Domain        string `json:"domain,omitempty"` // sharing domain; empty: the tenant's own
 }
 
 // ScrubJSON is kvcache.ScrubPolicy; an empty kind means zero.
@@ -78,8 +102,36 @@ const maxConfigBytes = 1 << 20
 // exactly the Go validation and errors. Every error wraps
 // kvcache.ErrInvalidConfig.
 func ParseConfig(data []byte) (kvcache.Config, error) {
-	fail := func(format string, args ...any) (kvcache.Config, error) {
-		return kvcache.Config{}, fmt.Errorf("%w: "+format, append([]any{kvcache.ErrInvalidConfig}, args...)...)
+	cfg, _, err := parseConfig(data)
+	return cfg, err
+}
+
+// parseConfig is ParseConfig that also returns the device selection, with
+// its kind checked and normalised.
+func parseConfig(data []byte) (kvcache.Config, DeviceJSON, error) {
+	cfg, dev, err := parseConfigDoc(data)
+	if err != nil {
+		return kvcache.Config{}, DeviceJSON{}, err
+	}
+	switch dev.Kind {
+	case "", DeviceHost:
+		if dev.Ordinal != 0 {
+			return kvcache.Config{}, DeviceJSON{}, fmt.Errorf("%w: device.ordinal %d for a host device", kvcache.ErrInvalidConfig, dev.Ordinal)
+		}
+		dev.Kind = DeviceHost
+	case DeviceCUDA:
+		if dev.Ordinal < 0 {
+			return kvcache.Config{}, DeviceJSON{}, fmt.Errorf("%w: device.ordinal %d", kvcache.ErrInvalidConfig, dev.Ordinal)
+		}
+	default:
+		return kvcache.Config{}, DeviceJSON{}, fmt.Errorf("%w: device.kind %q, want %q or %q", kvcache.ErrInvalidConfig, dev.Kind, DeviceHost, DeviceCUDA)
+	}
+	return cfg, dev, nil
+}
+
+func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
+	fail := func(format string, args ...any) (kvcache.Config, DeviceJSON, error) {
+		return kvcache.Config{}, DeviceJSON{}, fmt.Errorf("%w: "+format, append([]any{kvcache.ErrInvalidConfig}, args...)...)
 	}
 	if len(data) > maxConfigBytes {
 		return fail("config JSON of %d bytes, limit %d", len(data), maxConfigBytes)
@@ -119,9 +171,32 @@ func ParseConfig(data []byte) (kvcache.Config, error) {
 		MaxContextTokens:    cj.MaxContextTokens,
 		AllowUndersizedPool: cj.AllowUndersizedPool,
 		Scrub:               kvcache.ScrubPolicy{Kind: kind, Pattern: uint32(cj.Scrub.Pattern)},
+		Prefix:              kvcache.PrefixConfig{Disable: cj.Prefix.Disable, EventBuffer: cj.Prefix.EventBuffer},
 	}
 	for _, t := range cj.Tenants {
-		cfg.Tenants = append(cfg.Tenants, kvcache.TenantConfig{Name: t.Name, QuotaPages: t.QuotaPages, ReservedPages: t.ReservedPages})
+		cfg.Tenants = append(cfg.Tenants, t.config())
 	}
-	return cfg, nil
+	return cfg, cj.Device, nil
+}
+
+func (t TenantJSON) config() kvcache.TenantConfig {
+	return kvcache.TenantConfig{Name: t.Name, QuotaPages: t.QuotaPages, ReservedPages: t.ReservedPages, Domain: t.Domain}
+}
+
+// ParseTenant decodes one tenant object, as in the config's "tenants"
+// list. Errors wrap isolation.ErrInvalidTenant.
+func ParseTenant(data []byte) (kvcache.TenantConfig, error) {
+	if len(data) > maxConfigBytes {
+		return kvcache.TenantConfig{}, fmt.Errorf("%w: tenant JSON of %d bytes, limit %d", isolation.ErrInvalidTenant, len(data), maxConfigBytes)
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	var tj TenantJSON
+	if err := dec.Decode(&tj); err != nil {
+		return kvcache.TenantConfig{}, fmt.Errorf("%w: tenant JSON: %v", isolation.ErrInvalidTenant, err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return kvcache.TenantConfig{}, fmt.Errorf("%w: tenant JSON: trailing data after the object", isolation.ErrInvalidTenant)
+	}
+	return tj.config(), nil
 }

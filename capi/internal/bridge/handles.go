@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/isolation"
 	"github.com/kvfence/kvfence/kvcache"
 )
 
@@ -27,14 +28,22 @@ var (
 )
 
 type poolEntry struct {
-	pool *kvcache.Pool
-	mu   struct {
+	pool   *kvcache.Pool
+	device cudaops.Device // owned by the entry, closed after the pool; nil: the pool's own host device
+	// admin serialises tenant changes, so that the domains recorded in mu
+	// are the registry's. Held across the call into kvcache.
+	admin sync.Mutex
+	mu    struct {
 		sync.RWMutex
 		// names interns tenant names, so that an admission naming a
 		// known tenant does not copy the name out of C memory. A typed
 		// map, unlike sync.Map, looks a string up without boxing it.
 		names map[string]string
+		// domains is each tenant's configured sharing domain ("" for
+		// its own), for the legacy update call and for handoff.
+		domains map[string]string
 	}
+	events eventQueue
 }
 
 // intern returns name as a Go string that owns its bytes. name may alias
@@ -49,21 +58,39 @@ func (pe *poolEntry) intern(name string) string {
 	return strings.Clone(name)
 }
 
-func (pe *poolEntry) remember(name string) {
-	name = strings.Clone(name)
+func (pe *poolEntry) remember(tc kvcache.TenantConfig) {
+	name := strings.Clone(tc.Name)
 	pe.mu.Lock()
 	defer pe.mu.Unlock()
 	if pe.mu.names == nil {
 		pe.mu.names = make(map[string]string)
+		pe.mu.domains = make(map[string]string)
 	}
 	pe.mu.names[name] = name
+	pe.mu.domains[name] = strings.Clone(tc.Domain)
+}
+
+// domainOf is the name of tenant's sharing domain as kvcache names it
+// (Lease.Domain): the configured domain, or the tenant's own.
+func (pe *poolEntry) domainOf(tenant string) string {
+	pe.mu.RLock()
+	d := pe.mu.domains[tenant]
+	pe.mu.RUnlock()
+	if d == "" {
+		return isolation.PrivateDomainPrefix + tenant
+	}
+	return d
 }
 
 type leaseEntry struct {
 	pool *poolEntry
-	mu   struct {
+	// noRecycle: the lease was exported or imported, so a handoff object
+	// (and its reclaim timer) may still refer to it after Free; it must
+	// not be reused for another admission. Set under mu.
+	mu struct {
 		sync.RWMutex
-		lease *kvcache.Lease // nil once freed
+		lease     *kvcache.Lease // nil once freed
+		noRecycle bool
 	}
 }
 
@@ -93,19 +120,63 @@ func withLease(h Handle, f func(pe *poolEntry, l *kvcache.Lease) error) error {
 	return f(e.pool, e.mu.lease)
 }
 
+// withLeaseEntry is withLease under the entry's write lock, for calls
+// that change the entry itself.
+func withLeaseEntry(h Handle, f func(e *leaseEntry) error) error {
+	v, ok := leases.Load(h)
+	if !ok {
+		return fmt.Errorf("%w: %#x is not a live lease", ErrInvalidHandle, h)
+	}
+	e := v.(*leaseEntry)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.mu.lease == nil {
+		return fmt.Errorf("%w: %#x is not a live lease", ErrInvalidHandle, h)
+	}
+	return f(e)
+}
+
+// newLease registers a lease handle for l in pe.
+func newLease(pe *poolEntry, l *kvcache.Lease, noRecycle bool) Handle {
+	e := &leaseEntry{pool: pe}
+	e.mu.lease = l
+	e.mu.noRecycle = noRecycle
+	lh := nextHandle.Add(1)
+	leases.Store(lh, e)
+	return lh
+}
+
+// openDevice opens the device a config selects; nil for host memory,
+// which the pool allocates and owns itself.
+func openDevice(d DeviceJSON) (cudaops.Device, error) {
+	if d.Kind != DeviceCUDA {
+		return nil, nil
+	}
+	return cudaops.OpenCUDA(d.Ordinal)
+}
+
 // CreatePool builds a pool from a ConfigJSON document.
 func CreatePool(configJSON []byte) (Handle, error) {
-	cfg, err := ParseConfig(configJSON)
+	cfg, devSel, err := parseConfig(configJSON)
 	if err != nil {
 		return 0, err
 	}
+	dev, err := openDevice(devSel)
+	if err != nil {
+		return 0, err
+	}
+	cfg.Device = dev
 	p, err := kvcache.New(cfg)
 	if err != nil {
+		if dev != nil {
+			dev.Close()
+		}
 		return 0, err
 	}
-	pe := &poolEntry{pool: p}
+	pe := &poolEntry{pool: p, device: dev}
+	pe.events.ch = p.Events()
 	for _, t := range cfg.Tenants {
-		pe.remember(t.Name)
+		pe.remember(t)
 	}
 	h := nextHandle.Add(1)
 	pools.Store(h, pe)
@@ -121,32 +192,65 @@ func DestroyPool(h Handle) error {
 	if !ok {
 		return fmt.Errorf("%w: %#x is not a live pool", ErrInvalidHandle, h)
 	}
-	return v.(*poolEntry).pool.Close()
+	pe := v.(*poolEntry)
+	err := pe.pool.Close()
+	if pe.device != nil {
+		// After Close: every fill has completed, nothing reads the pages.
+		if derr := pe.device.Close(); err == nil {
+			err = derr
+		}
+	}
+	return err
 }
 
-// AddTenant registers a tenant; UpdateTenant changes one. name may alias C
-// memory.
+// AddTenant registers a tenant; UpdateTenant changes one. Strings may
+// alias C memory.
 func AddTenant(h Handle, tc kvcache.TenantConfig) error {
 	pe, err := lookupPool(h)
 	if err != nil {
 		return err
 	}
-	tc.Name = strings.Clone(tc.Name)
+	tc.Name, tc.Domain = strings.Clone(tc.Name), strings.Clone(tc.Domain)
+	pe.admin.Lock()
+	defer pe.admin.Unlock()
 	if err := pe.pool.AddTenant(tc); err != nil {
 		return err
 	}
-	pe.remember(tc.Name)
+	pe.remember(tc)
 	return nil
 }
 
-// UpdateTenant changes a tenant's quota and reservation.
+// UpdateTenant replaces a tenant's configuration, domain included (empty:
+// its own), as kvcache.Pool.UpdateTenant does.
 func UpdateTenant(h Handle, tc kvcache.TenantConfig) error {
+	return updateTenant(h, tc, false)
+}
+
+// UpdateTenantKeepDomain changes a tenant's quota and reservation and
+// leaves its sharing domain as it is: the call of ABI 1, which cannot
+// name a domain, must not move a tenant out of a shared one.
+func UpdateTenantKeepDomain(h Handle, tc kvcache.TenantConfig) error {
+	return updateTenant(h, tc, true)
+}
+
+func updateTenant(h Handle, tc kvcache.TenantConfig, keepDomain bool) error {
 	pe, err := lookupPool(h)
 	if err != nil {
 		return err
 	}
-	tc.Name = pe.intern(tc.Name)
-	return pe.pool.UpdateTenant(tc)
+	tc.Name, tc.Domain = pe.intern(tc.Name), strings.Clone(tc.Domain)
+	pe.admin.Lock()
+	defer pe.admin.Unlock()
+	if keepDomain {
+		pe.mu.RLock()
+		tc.Domain = pe.mu.domains[tc.Name]
+		pe.mu.RUnlock()
+	}
+	if err := pe.pool.UpdateTenant(tc); err != nil {
+		return err
+	}
+	pe.remember(tc)
+	return nil
 }
 
 // Admit admits a request and returns its lease handle. id and tenant may
@@ -154,6 +258,20 @@ func UpdateTenant(h Handle, tc kvcache.TenantConfig) error {
 // them. wait > 0 lets the admission wait that long for pages or quota; 0
 // refuses a busy pool at once.
 func Admit(h Handle, id, tenant string, promptTokens, maxNewTokens int64, wait time.Duration) (Handle, error) {
+	return admit(h, kvcache.Request{ID: id, Tenant: tenant, PromptTokens: clampInt(promptTokens), MaxNewTokens: clampInt(maxNewTokens)}, wait)
+}
+
+// AdmitTokens admits a request whose prompt is tokens (its token IDs), so
+// that it shares the longest prefix cached in its tenant's sharing domain
+// (Lease.HitTokens); adapter names the weights (a LoRA ID), "" for the
+// base model. tokens and the strings may alias C memory: kvcache hashes
+// the tokens during the call and keeps only the keys.
+func AdmitTokens(h Handle, id, tenant string, tokens []int32, maxNewTokens int64, adapter string, wait time.Duration) (Handle, error) {
+	return admit(h, kvcache.Request{ID: id, Tenant: tenant, PromptTokens: len(tokens), MaxNewTokens: clampInt(maxNewTokens),
+		TokenIDs: tokens, Adapter: strings.Clone(adapter)}, wait)
+}
+
+func admit(h Handle, req kvcache.Request, wait time.Duration) (Handle, error) {
 	pe, err := lookupPool(h)
 	if err != nil {
 		return 0, err
@@ -161,12 +279,8 @@ func Admit(h Handle, id, tenant string, promptTokens, maxNewTokens int64, wait t
 	if wait < 0 {
 		return 0, fmt.Errorf("%w: negative wait %v", kvcache.ErrInvalidArgument, wait)
 	}
-	req := kvcache.Request{
-		ID:           strings.Clone(id),
-		Tenant:       pe.intern(tenant),
-		PromptTokens: clampInt(promptTokens),
-		MaxNewTokens: clampInt(maxNewTokens),
-	}
+	req.ID = strings.Clone(req.ID)
+	req.Tenant = pe.intern(req.Tenant)
 	ctx := context.Background()
 	if wait > 0 {
 		var cancel context.CancelFunc
@@ -178,11 +292,7 @@ func Admit(h Handle, id, tenant string, promptTokens, maxNewTokens int64, wait t
 		spareLeases.Put(l)
 		return 0, err
 	}
-	e := &leaseEntry{pool: pe}
-	e.mu.lease = l
-	lh := nextHandle.Add(1)
-	leases.Store(lh, e)
-	return lh, nil
+	return newLease(pe, l, false), nil
 }
 
 // clampInt keeps an int64 token count meaningful on 32-bit platforms: a
@@ -284,7 +394,7 @@ func Free(h Handle) error {
 			err = nil // Close or a racing Release got there first
 		}
 	}
-	if !l.Live() {
+	if !l.Live() && !e.mu.noRecycle {
 		spareLeases.Put(l)
 	}
 	return err
@@ -315,5 +425,5 @@ func StatsJSON(h Handle) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return json.Marshal(statsJSON(pe.pool.Stats()))
+	return json.Marshal(statsJSON(pe.pool.Stats(), pe.domainOf))
 }

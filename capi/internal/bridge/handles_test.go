@@ -259,7 +259,11 @@ func TestStatsJSON(t *testing.T) {
 		`"unknown_tenant":1,"duplicate_request":0,"exceeds_max_context":0,"exceeds_capacity":0,"exceeds_quota":0,` +
 		`"pool_exhausted":0,"pool_faulted":0,"total":1},"scrub":{"fills":1,"pages_scrubbed":64,"bytes_scrubbed":32768,` +
 		`"fill_errors":0,"pages_retired":0,"canary_checks":0,"canary_failures":0},"tenants":[{"name":"a","used_pages":2,` +
-		`"quota_pages":32,"reserved_pages":0},{"name":"b","used_pages":0,"quota_pages":64,"reserved_pages":0}],"closed":false,"fault":""}`
+		`"quota_pages":32,"reserved_pages":0,"domain":"tenant:a"},{"name":"b","used_pages":0,"quota_pages":64,"reserved_pages":0,` +
+		`"domain":"tenant:b"}],"prefix":{"enabled":true,"domains":[{"name":"tenant:a","shared":false,"tenants":1,"indexed_pages":0,` +
+		`"cached_pages":0,"hit_pages":0,"miss_pages":0,"hit_tokens":0,"stored_pages":0,"evicted_pages":0},{"name":"tenant:b",` +
+		`"shared":false,"tenants":1,"indexed_pages":0,"cached_pages":0,"hit_pages":0,"miss_pages":0,"hit_tokens":0,` +
+		`"stored_pages":0,"evicted_pages":0}],"events_sent":0,"events_dropped":0},"closed":false,"fault":""}`
 	if string(js) != want {
 		t.Errorf("stats\n%s\nwant\n%s", js, want)
 	}

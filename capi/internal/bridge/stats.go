@@ -19,6 +19,7 @@ type StatsDoc struct {
 	Refused          RefusalsDoc   `json:"refused"`
 	Scrub            ScrubStatsDoc `json:"scrub"`
 	Tenants          []TenantDoc   `json:"tenants"`
+	Prefix           PrefixDoc     `json:"prefix"`
 	Closed           bool          `json:"closed"`
 	Fault            string        `json:"fault"`
 }
@@ -53,9 +54,32 @@ type TenantDoc struct {
 	UsedPages     int    `json:"used_pages"`
 	QuotaPages    int    `json:"quota_pages"`
 	ReservedPages int    `json:"reserved_pages"`
+	Domain        string `json:"domain"` // the sharing domain its new admissions use
 }
 
-func statsJSON(s kvcache.Stats) StatsDoc {
+// PrefixDoc is kvcache.PrefixStats.
+type PrefixDoc struct {
+	Enabled       bool        `json:"enabled"`
+	Domains       []DomainDoc `json:"domains"`
+	EventsSent    uint64      `json:"events_sent"`
+	EventsDropped uint64      `json:"events_dropped"`
+}
+
+// DomainDoc is kvcache.DomainStats.
+type DomainDoc struct {
+	Name         string `json:"name"`
+	Shared       bool   `json:"shared"`
+	Tenants      int    `json:"tenants"`
+	IndexedPages int    `json:"indexed_pages"`
+	CachedPages  int    `json:"cached_pages"`
+	HitPages     uint64 `json:"hit_pages"`
+	MissPages    uint64 `json:"miss_pages"`
+	HitTokens    uint64 `json:"hit_tokens"`
+	StoredPages  uint64 `json:"stored_pages"`
+	EvictedPages uint64 `json:"evicted_pages"`
+}
+
+func statsJSON(s kvcache.Stats, domainOf func(tenant string) string) StatsDoc {
 	d := StatsDoc{
 		Device: s.Device, TotalPages: s.TotalPages, FreePages: s.FreePages, InUsePages: s.InUsePages,
 		CachedPages: s.CachedPages, QuarantinedPages: s.QuarantinedPages, RetiredPages: s.RetiredPages,
@@ -72,10 +96,18 @@ func statsJSON(s kvcache.Stats) StatsDoc {
 			CanaryChecks: s.Scrub.CanaryChecks, CanaryFailures: s.Scrub.CanaryFailures,
 		},
 		Tenants: []TenantDoc{},
-		Closed:  s.Closed, Fault: s.Fault,
+		Prefix: PrefixDoc{Enabled: s.Prefix.Enabled, Domains: []DomainDoc{},
+			EventsSent: s.Prefix.EventsSent, EventsDropped: s.Prefix.EventsDropped},
+		Closed: s.Closed, Fault: s.Fault,
 	}
 	for _, t := range s.Tenants {
-		d.Tenants = append(d.Tenants, TenantDoc{Name: t.Name, UsedPages: t.UsedPages, QuotaPages: t.QuotaPages, ReservedPages: t.ReservedPages})
+		d.Tenants = append(d.Tenants, TenantDoc{Name: t.Name, UsedPages: t.UsedPages, QuotaPages: t.QuotaPages,
+			ReservedPages: t.ReservedPages, Domain: domainOf(t.Name)})
+	}
+	for _, x := range s.Prefix.Domains {
+		d.Prefix.Domains = append(d.Prefix.Domains, DomainDoc{Name: x.Name, Shared: x.Shared, Tenants: x.Tenants,
+			IndexedPages: x.IndexedPages, CachedPages: x.CachedPages, HitPages: x.HitPages, MissPages: x.MissPages,
+			HitTokens: x.HitTokens, StoredPages: x.StoredPages, EvictedPages: x.EvictedPages})
 	}
 	return d
 }

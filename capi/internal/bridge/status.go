@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/isolation"
 	"github.com/kvfence/kvfence/kvcache"
 )
@@ -47,6 +49,25 @@ const (
 	StatusInvalidTenant   Status = 40
 	StatusDuplicateTenant Status = 41
 	StatusOverReserved    Status = 42
+
+	// Devices (pool config "device").
+	StatusNoDevice          Status = 50 // cudaops.ErrNoDevice: no driver or GPU; the message has the driver's reason
+	StatusDeviceOutOfMemory Status = 51
+	StatusDeviceFailed      Status = 52 // cudaops.ErrDriver: a driver call failed
+
+	// Lease phases and handoff (kvcache/handoff.go, package handoff).
+	StatusLeasePhase         Status = 60
+	StatusReclaimed          Status = 61
+	StatusStaleTransfer      Status = 62
+	StatusDuplicatePage      Status = 63
+	StatusIncompleteTransfer Status = 64
+	StatusChecksumMismatch   Status = 65
+	StatusMalformedManifest  Status = 66
+	StatusBadMAC             Status = 67
+	StatusManifestExpired    Status = 68
+	StatusGeometryMismatch   Status = 69
+	StatusDomainMismatch     Status = 70
+	StatusReplay             Status = 71
 )
 
 // Errors of the C boundary. Match with errors.Is.
@@ -91,8 +112,25 @@ var sentinels = []struct {
 	{kvcache.ErrPoolClosed, StatusPoolClosed},
 	{kvcache.ErrPoolFaulted, StatusPoolFaulted},
 	{kvcache.ErrLeaseReleased, StatusLeaseReleased},
+	{handoff.ErrReplay, StatusReplay},
+	{handoff.ErrBadMAC, StatusBadMAC},
+	{handoff.ErrMalformedManifest, StatusMalformedManifest},
+	{handoff.ErrExpired, StatusManifestExpired},
+	{handoff.ErrGeometryMismatch, StatusGeometryMismatch},
+	{handoff.ErrDomainMismatch, StatusDomainMismatch},
+	{kvcache.ErrLeasePhase, StatusLeasePhase},
+	{kvcache.ErrReclaimed, StatusReclaimed},
+	{kvcache.ErrStaleTransfer, StatusStaleTransfer},
+	{kvcache.ErrDuplicatePage, StatusDuplicatePage},
+	{kvcache.ErrIncompleteTransfer, StatusIncompleteTransfer},
+	{kvcache.ErrChecksumMismatch, StatusChecksumMismatch},
+	// Before ErrInvalidConfig: a pool whose regions do not fit on the
+	// device wraps both.
+	{cudaops.ErrOutOfMemory, StatusDeviceOutOfMemory},
+	{cudaops.ErrNoDevice, StatusNoDevice},
 	{kvcache.ErrUndersizedPool, StatusUndersizedPool},
 	{kvcache.ErrInvalidConfig, StatusInvalidConfig},
+	{handoff.ErrInvalidConfig, StatusInvalidConfig},
 	{kvcache.ErrInvalidRequest, StatusInvalidRequest},
 	{kvcache.ErrInvalidArgument, StatusInvalidArgument},
 	{kvcache.ErrDuplicateRequest, StatusDuplicateRequest},
@@ -106,6 +144,9 @@ var sentinels = []struct {
 	{isolation.ErrInvalidTenant, StatusInvalidTenant},
 	{isolation.ErrDuplicateTenant, StatusDuplicateTenant},
 	{isolation.ErrOverReserved, StatusOverReserved},
+	{cudaops.ErrInvalidArgument, StatusInvalidArgument},
+	// Last: a failed fill wraps it inside ErrScrubFailed/ErrPoolFaulted.
+	{cudaops.ErrDriver, StatusDeviceFailed},
 }
 
 // Info is what kvf_last_error reports besides the message.
@@ -175,6 +216,23 @@ var statusNames = map[Status]string{
 	StatusInvalidTenant:     "KVF_ERR_INVALID_TENANT",
 	StatusDuplicateTenant:   "KVF_ERR_DUPLICATE_TENANT",
 	StatusOverReserved:      "KVF_ERR_OVER_RESERVED",
+
+	StatusNoDevice:          "KVF_ERR_NO_DEVICE",
+	StatusDeviceOutOfMemory: "KVF_ERR_DEVICE_OUT_OF_MEMORY",
+	StatusDeviceFailed:      "KVF_ERR_DEVICE_FAILED",
+
+	StatusLeasePhase:         "KVF_ERR_LEASE_PHASE",
+	StatusReclaimed:          "KVF_ERR_RECLAIMED",
+	StatusStaleTransfer:      "KVF_ERR_STALE_TRANSFER",
+	StatusDuplicatePage:      "KVF_ERR_DUPLICATE_PAGE",
+	StatusIncompleteTransfer: "KVF_ERR_INCOMPLETE_TRANSFER",
+	StatusChecksumMismatch:   "KVF_ERR_CHECKSUM_MISMATCH",
+	StatusMalformedManifest:  "KVF_ERR_MALFORMED_MANIFEST",
+	StatusBadMAC:             "KVF_ERR_BAD_MAC",
+	StatusManifestExpired:    "KVF_ERR_MANIFEST_EXPIRED",
+	StatusGeometryMismatch:   "KVF_ERR_GEOMETRY_MISMATCH",
+	StatusDomainMismatch:     "KVF_ERR_DOMAIN_MISMATCH",
+	StatusReplay:             "KVF_ERR_REPLAY",
 }
 
 // Statuses returns every status with its C name.

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/isolation"
 	"github.com/kvfence/kvfence/kvcache"
 )
@@ -59,10 +61,34 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		// cause of ErrPoolExhausted, policy errors inside ErrInvalidConfig.
 		"ErrReserved": nil, "ErrInvalidPolicy": nil, "ErrNonFinitePattern": nil,
 	}
+	kvHandoff := map[string]error{
+		"ErrLeasePhase": kvcache.ErrLeasePhase, "ErrReclaimed": kvcache.ErrReclaimed,
+		"ErrStaleTransfer": kvcache.ErrStaleTransfer, "ErrDuplicatePage": kvcache.ErrDuplicatePage,
+		"ErrIncompleteTransfer": kvcache.ErrIncompleteTransfer, "ErrChecksumMismatch": kvcache.ErrChecksumMismatch,
+	}
+	ho := map[string]error{
+		"ErrInvalidConfig": handoff.ErrInvalidConfig, "ErrMalformedManifest": handoff.ErrMalformedManifest,
+		"ErrBadMAC": handoff.ErrBadMAC, "ErrExpired": handoff.ErrExpired,
+		"ErrGeometryMismatch": handoff.ErrGeometryMismatch, "ErrDomainMismatch": handoff.ErrDomainMismatch,
+		"ErrReplay": handoff.ErrReplay,
+		// Errors of transports and of a refusal seen by a sender: the C
+		// ABI moves the bytes through the caller, never a Transport.
+		"ErrProtocol": nil, "ErrTransport": nil, "ErrRefused": nil, "ErrInternal": nil,
+	}
+	dev := map[string]error{
+		"ErrNoDevice": cudaops.ErrNoDevice, "ErrOutOfMemory": cudaops.ErrOutOfMemory,
+		"ErrDriver": cudaops.ErrDriver, "ErrInvalidArgument": cudaops.ErrInvalidArgument,
+		// The bridge owns the device and closes it only after the pool:
+		// a closed device in use is a bug, reported as internal.
+		"ErrClosed": nil,
+	}
 	for _, c := range []struct {
 		file string
 		errs map[string]error
-	}{{"../../../kvcache/errors.go", kv}, {"../../../isolation/errors.go", iso}} {
+	}{
+		{"../../../kvcache/errors.go", kv}, {"../../../kvcache/errors_handoff.go", kvHandoff},
+		{"../../../isolation/errors.go", iso}, {"../../../handoff/errors.go", ho}, {"../../../cudaops/errors.go", dev},
+	} {
 		for _, name := range sentinelsOf(t, c.file) {
 			err, known := c.errs[name]
 			switch {
@@ -94,6 +120,13 @@ func TestClassify(t *testing.T) {
 			Info{Status: StatusExceedsCapacity, Permanent: true, Need: 125, Have: 64, Limit: 64, NeedTokens: 2000, LimitTokens: 1024}},
 		{"quota, retryable", &kvcache.AdmissionError{Err: kvcache.ErrExceedsQuota, Need: 8, Have: 2, Limit: 32},
 			Info{Status: StatusExceedsQuota, Retryable: true, Need: 8, Have: 2, Limit: 32}},
+		{"device memory wins over config", fmt.Errorf("%w: allocating: %w", kvcache.ErrInvalidConfig, cudaops.ErrOutOfMemory), Info{Status: StatusDeviceOutOfMemory}},
+		{"no device", fmt.Errorf("%w: cuInit: CUDA_ERROR_NO_DEVICE (100)", cudaops.ErrNoDevice), Info{Status: StatusNoDevice}},
+		{"scrub wins over the driver", fmt.Errorf("%w: %w", kvcache.ErrScrubFailed, cudaops.ErrDriver), Info{Status: StatusScrubFailed}},
+		{"driver", fmt.Errorf("%w: cuMemcpy", cudaops.ErrDriver), Info{Status: StatusDeviceFailed}},
+		{"replay", fmt.Errorf("%w: request", handoff.ErrReplay), Info{Status: StatusReplay}},
+		{"short key", fmt.Errorf("%w: HMAC key", handoff.ErrInvalidConfig), Info{Status: StatusInvalidConfig}},
+		{"import aborted by checksum", fmt.Errorf("%w: request", kvcache.ErrChecksumMismatch), Info{Status: StatusChecksumMismatch}},
 		{"admission error wrapped", fmt.Errorf("outer: %w", &kvcache.AdmissionError{Err: kvcache.ErrUnknownTenant}), Info{Status: StatusUnknownTenant}},
 	}
 	for _, tt := range tests {
