@@ -18,7 +18,7 @@
 #include "kvfence.h"
 #include "lasterror.h"
 
-#define KVF_VERSION_STRING "0.1.0"
+#define KVF_VERSION_STRING "0.2.0"
 
 struct last_error {
     kvf_error_info info;
@@ -128,6 +128,21 @@ const char *kvf_status_name(kvf_status status) {
     case KVF_ERR_INVALID_TENANT: return "KVF_ERR_INVALID_TENANT";
     case KVF_ERR_DUPLICATE_TENANT: return "KVF_ERR_DUPLICATE_TENANT";
     case KVF_ERR_OVER_RESERVED: return "KVF_ERR_OVER_RESERVED";
+    case KVF_ERR_NO_DEVICE: return "KVF_ERR_NO_DEVICE";
+    case KVF_ERR_DEVICE_OUT_OF_MEMORY: return "KVF_ERR_DEVICE_OUT_OF_MEMORY";
+    case KVF_ERR_DEVICE_FAILED: return "KVF_ERR_DEVICE_FAILED";
+    case KVF_ERR_LEASE_PHASE: return "KVF_ERR_LEASE_PHASE";
+    case KVF_ERR_RECLAIMED: return "KVF_ERR_RECLAIMED";
+    case KVF_ERR_STALE_TRANSFER: return "KVF_ERR_STALE_TRANSFER";
+    case KVF_ERR_DUPLICATE_PAGE: return "KVF_ERR_DUPLICATE_PAGE";
+    case KVF_ERR_INCOMPLETE_TRANSFER: return "KVF_ERR_INCOMPLETE_TRANSFER";
+    case KVF_ERR_CHECKSUM_MISMATCH: return "KVF_ERR_CHECKSUM_MISMATCH";
+    case KVF_ERR_MALFORMED_MANIFEST: return "KVF_ERR_MALFORMED_MANIFEST";
+    case KVF_ERR_BAD_MAC: return "KVF_ERR_BAD_MAC";
+    case KVF_ERR_MANIFEST_EXPIRED: return "KVF_ERR_MANIFEST_EXPIRED";
+    case KVF_ERR_GEOMETRY_MISMATCH: return "KVF_ERR_GEOMETRY_MISMATCH";
+    case KVF_ERR_DOMAIN_MISMATCH: return "KVF_ERR_DOMAIN_MISMATCH";
+    case KVF_ERR_REPLAY: return "KVF_ERR_REPLAY";
     }
     return "KVF_ERR_UNKNOWN_STATUS";
 }

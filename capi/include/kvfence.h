@@ -47,8 +47,11 @@
 extern "C" {
 #endif
 
-/* The ABI this header describes; compare with kvf_abi_version(). */
-#define KVF_ABI_VERSION 1
+/* The ABI this header describes; compare with kvf_abi_version(). Version 2
+ * adds functions, types and status codes to version 1 and changes none:
+ * a program built against version 1 runs unchanged on a version-2
+ * library. */
+#define KVF_ABI_VERSION 2
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -90,12 +93,46 @@ enum {
     /* Tenant administration. */
     KVF_ERR_INVALID_TENANT = 40,   /* empty or over-long name, negative quota, reservation above quota */
     KVF_ERR_DUPLICATE_TENANT = 41, /* kvf_pool_add_tenant of a registered name */
-    KVF_ERR_OVER_RESERVED = 42     /* reservations would exceed the pool */
+    KVF_ERR_OVER_RESERVED = 42,    /* reservations would exceed the pool */
+
+    /* Devices (pool config "device"). Since ABI 2. */
+    KVF_ERR_NO_DEVICE = 50,            /* no CUDA driver or device; the message has the driver's reason */
+    KVF_ERR_DEVICE_OUT_OF_MEMORY = 51, /* the pool's pages do not fit in device memory */
+    KVF_ERR_DEVICE_FAILED = 52,        /* a driver call failed */
+
+    /* Lease phases and handoff. Since ABI 2. */
+    KVF_ERR_LEASE_PHASE = 60,         /* the lease is not in the phase the call needs (e.g. export before finish_prefill) */
+    KVF_ERR_RECLAIMED = 61,           /* the exported pages were released (ack, abort, reclaim deadline, release) */
+    KVF_ERR_STALE_TRANSFER = 62,      /* the import has ended (aborted, timed out, completed); nothing was written */
+    KVF_ERR_DUPLICATE_PAGE = 63,      /* an import received the same page twice; the import is aborted */
+    KVF_ERR_INCOMPLETE_TRANSFER = 64, /* complete before every page arrived; the import is aborted */
+    KVF_ERR_CHECKSUM_MISMATCH = 65,   /* the pages do not match the manifest's checksum; the import is aborted */
+    KVF_ERR_MALFORMED_MANIFEST = 66,  /* not a version-1 manifest (length, magic, fields) */
+    KVF_ERR_BAD_MAC = 67,             /* the manifest's MAC does not verify under the key: forged, corrupted, other key */
+    KVF_ERR_MANIFEST_EXPIRED = 68,    /* expired, or expiring further ahead than the receiver's max_ttl_ms */
+    KVF_ERR_GEOMETRY_MISMATCH = 69,   /* the manifest's pages have another geometry than the decode pool's */
+    KVF_ERR_DOMAIN_MISMATCH = 70,     /* the manifest names another sharing domain than its tenant has here */
+    KVF_ERR_REPLAY = 71               /* this request ID was imported (or is being imported) by this receiver */
 };
 
-/* Handles. 0 is never valid. */
+/* Handles. 0 is never valid. All kinds share one counter: a value names
+ * at most one object, ever. */
 typedef uint64_t kvf_pool;
 typedef uint64_t kvf_lease;
+typedef uint64_t kvf_export;   /* since ABI 2 */
+typedef uint64_t kvf_receiver; /* since ABI 2 */
+typedef uint64_t kvf_import;   /* since ABI 2 */
+
+/* A lease's handoff phase (kvf_lease_phase). Since ABI 2. */
+enum {
+    KVF_PHASE_ADMITTED = 0,   /* admitted, nothing written yet */
+    KVF_PHASE_PREFILLING = 1, /* kvf_lease_begin_prefill: the engine writes the prompt's KV */
+    KVF_PHASE_PREFILLED = 2,  /* kvf_lease_finish_prefill (written = prompt), or an import completed */
+    KVF_PHASE_EXPORTED = 3,   /* pinned by kvf_export_create until ack, abort or the reclaim deadline */
+    KVF_PHASE_IMPORTING = 4,  /* never seen through a lease handle */
+    KVF_PHASE_RELEASED = 5,
+    KVF_PHASE_ABORTED = 6
+};
 
 /* What the last failed call on this thread reported. Numbers that do not
  * apply are 0. */
@@ -122,6 +159,17 @@ typedef struct kvf_lease_info {
     int32_t live;            /* 1 until released */
     int32_t reserved0;
 } kvf_lease_info;
+
+/* What an export holds or an import expects (kvf_export_describe,
+ * kvf_import_describe). Since ABI 2. */
+typedef struct kvf_transfer_info {
+    int64_t pages;          /* prompt pages to move */
+    int64_t page_bytes;     /* bytes of one page, all layers' K and V, layer 0's K first */
+    int64_t prompt_tokens;
+    int64_t max_new_tokens; /* what the decode lease reserves beyond the prompt */
+    uint32_t checksum;      /* CRC32C content checksum the manifest promises */
+    int32_t live;           /* export: pages still pinned; import: neither completed nor aborted */
+} kvf_transfer_info;
 
 #ifndef KVFENCE_TYPES_ONLY
 
@@ -166,12 +214,19 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  *    "pages": 4096,                    (or "pool_bytes": N, not both)
  *    "max_context_tokens": 32768,
  *    "allow_undersized_pool": false,
- *    "tenants": [{"name": "acme", "quota_pages": 2048, "reserved_pages": 0}],
- *    "scrub": {"kind": "poison", "pattern": "0x8000"}}
+ *    "tenants": [{"name": "acme", "quota_pages": 2048, "reserved_pages": 0,
+ *                 "domain": "team-a"}],
+ *    "scrub": {"kind": "poison", "pattern": "0x8000"},
+ *    "prefix": {"disable": false, "event_buffer": 0},
+ *    "device": {"kind": "host"}}      (or {"kind": "cuda", "ordinal": 0})
  *
  * Unknown fields are rejected. A pool that cannot hold max_context_tokens
  * returns KVF_ERR_UNDERSIZED_POOL unless allow_undersized_pool is true.
- * Pages live in host memory owned by the pool. */
+ * A tenant's "domain" names the sharing domain whose prefix cache it
+ * shares (omitted: its own). Pages live in host memory, or, with
+ * "device": {"kind": "cuda"}, in memory the pool allocates on that CUDA
+ * device (the driver is loaded at run time; without one the call returns
+ * KVF_ERR_NO_DEVICE with the driver's reason). The pool owns either. */
 KVF_API kvf_status kvf_pool_create(const char *config_json, kvf_pool *out);
 
 /* Closes the pool: live leases are released and scrubbed, fills are
@@ -185,8 +240,17 @@ KVF_API kvf_status kvf_pool_destroy(kvf_pool pool);
 KVF_API kvf_status kvf_pool_add_tenant(kvf_pool pool, const char *name, int64_t quota_pages, int64_t reserved_pages);
 
 /* Changes a registered tenant's quota and reservation; leases already
- * admitted keep their pages. */
+ * admitted keep their pages. The tenant keeps its sharing domain. */
 KVF_API kvf_status kvf_pool_update_tenant(kvf_pool pool, const char *name, int64_t quota_pages, int64_t reserved_pages);
+
+/* kvf_pool_add_tenant and a full replacement of a tenant's configuration,
+ * taking one object of the config's "tenants" list, e.g.
+ * {"name": "acme", "quota_pages": 64, "domain": "team-a"}. The update
+ * replaces every field: an omitted "domain" moves the tenant back to its
+ * own domain (its live leases stay where they were admitted). Bad JSON is
+ * KVF_ERR_INVALID_TENANT. Since ABI 2. */
+KVF_API kvf_status kvf_pool_add_tenant_json(kvf_pool pool, const char *tenant_json);
+KVF_API kvf_status kvf_pool_update_tenant_json(kvf_pool pool, const char *tenant_json);
 
 /* Writes the pool's statistics as NUL-terminated JSON into buf; *needed
  * (if not NULL) gets the JSON's length + 1. */
@@ -199,6 +263,18 @@ KVF_API kvf_status kvf_pool_check(kvf_pool pool);
 
 /* Lets a faulted pool admit again. Pages of the failed fill stay retired. */
 KVF_API kvf_status kvf_pool_clear_fault(kvf_pool pool);
+
+/* Writes the next batch (up to 256) of prefix-cache events as
+ * NUL-terminated JSON, for a KV-aware router:
+ *   {"enabled": true, "events": [{"kind": "stored"|"removed"|"cleared",
+ *     "seq": 7, "domain": "team-a", "keys": ["<64 hex>", ...],
+ *     "parent": "<64 hex>" (stored, not a prompt's first page), "tokens": 32}]}
+ * A short buffer returns KVF_ERR_BUFFER_TOO_SMALL with the size in
+ * *needed and keeps the batch for the next call. Events flow only with
+ * "prefix": {"event_buffer": N > 0}; when the buffer is full the pool drops
+ * events (a gap in seq; counted in the stats) rather than stall. Since
+ * ABI 2. */
+KVF_API kvf_status kvf_pool_events_json(kvf_pool pool, char *buf, size_t buf_len, size_t *needed);
 
 /* ---- Leases ------------------------------------------------------------ */
 
@@ -239,6 +315,148 @@ KVF_API kvf_status kvf_lease_release(kvf_lease lease, uintptr_t stream, uintptr_
 /* Frees the handle, releasing the lease first (with no ordering) if it is
  * still live. The handle is invalid afterwards, whatever the status. */
 KVF_API kvf_status kvf_lease_free(kvf_lease lease);
+
+/* ---- Prefix cache (since ABI 2) ---------------------------------------- */
+
+/* kvf_admit for a prompt given as its token IDs (n_tokens = prompt
+ * tokens): the lease shares the longest prefix of full pages already
+ * cached in the tenant's sharing domain under the same adapter (a LoRA ID;
+ * NULL or "" for the base model). kvf_lease_hit_tokens says how many
+ * leading tokens that is; their KV is in the lease's first pages and
+ * prefill starts after them. The token array is read during the call
+ * only. */
+KVF_API kvf_status kvf_admit_tokens(kvf_pool pool, const char *request_id, const char *tenant,
+                                    const int32_t *token_ids, size_t n_tokens, int64_t max_new_tokens,
+                                    const char *adapter, int64_t wait_ms, kvf_lease *out);
+
+/* Leading prompt tokens the lease shares from the prefix cache (a multiple
+ * of tokens_per_page; never the page holding the last prompt token). */
+KVF_API kvf_status kvf_lease_hit_tokens(kvf_lease lease, int64_t *out);
+
+/* Publishes the lease's full prompt pages holding its first `tokens`
+ * tokens to its domain's prefix cache. `tokens` must not pass the written
+ * watermark (kvf_lease_commit) or the prompt (KVF_ERR_INVALID_ARGUMENT).
+ * Published pages are immutable: the engine must not write them again.
+ * *shared_tokens (if not NULL) gets the prompt tokens now shared or
+ * published; 0 for a lease admitted without token IDs or with the prefix
+ * cache disabled. */
+KVF_API kvf_status kvf_lease_cache_prefix(kvf_lease lease, int64_t tokens, int64_t *shared_tokens);
+
+/* ---- Lease phases (since ABI 2) ---------------------------------------- */
+
+/* The lease's KVF_PHASE_*; works on a released lease until it is freed. */
+KVF_API kvf_status kvf_lease_phase(kvf_lease lease, int32_t *out);
+
+/* admitted -> prefilling. KVF_ERR_LEASE_PHASE from any other phase. */
+KVF_API kvf_status kvf_lease_begin_prefill(kvf_lease lease);
+
+/* prefilling -> prefilled; the written watermark must equal the prompt
+ * (KVF_ERR_LEASE_PHASE otherwise: a prefill that stopped short, or a
+ * placeholder, can never be exported). */
+KVF_API kvf_status kvf_lease_finish_prefill(kvf_lease lease);
+
+/* Ends the lease from any phase, its pages scrubbed, recorded as aborted.
+ * KVF_ERR_LEASE_RELEASED if it had already ended. */
+KVF_API kvf_status kvf_lease_abort(kvf_lease lease);
+
+/* ---- Handoff: prefill side (since ABI 2) ------------------------------- *
+ *
+ * Moves a prompt's KV from a prefill pool to a decode pool, the bytes
+ * carried by the caller (any transport). Prefill:
+ *
+ *   kvf_export_create(lease, key, key_len, max_new, ttl_ms, &exp);
+ *   kvf_export_manifest(exp, buf, len, &n);          -> send the manifest
+ *   kvf_export_read_pages(exp, first, buf, k * page_bytes);  -> send pages
+ *   ... once the decode side reports kvf_import_complete succeeded:
+ *   kvf_export_ack(exp); kvf_export_free(exp); kvf_lease_free(lease);
+ *
+ * The key is a secret of at least 32 bytes shared by both sides (shorter:
+ * KVF_ERR_INVALID_CONFIG); the manifest is HMAC-SHA256 signed with it.
+ */
+
+/* Pins a prefilled lease's prompt pages (KVF_ERR_LEASE_PHASE if it is not
+ * prefilled: nothing changes) and signs their manifest. max_new_tokens is
+ * the output budget the decode pool must reserve. The manifest is valid
+ * for ttl_ms (0: 30 s); the pages stay pinned until kvf_export_ack,
+ * kvf_export_abort, kvf_export_free, or 2 x ttl, then are scrubbed. */
+KVF_API kvf_status kvf_export_create(kvf_lease lease, const uint8_t *key, size_t key_len,
+                                     int64_t max_new_tokens, int64_t ttl_ms, kvf_export *out);
+
+/* Copies the signed manifest (binary) into buf; *len (if not NULL) gets
+ * its length. */
+KVF_API kvf_status kvf_export_manifest(kvf_export exp, uint8_t *buf, size_t buf_len, size_t *len);
+
+/* Pages, page size, sizes, checksum, and whether the pages are pinned. */
+KVF_API kvf_status kvf_export_describe(kvf_export exp, kvf_transfer_info *out);
+
+/* Copies exported pages first_page, first_page+1, ... into buf; buf_len
+ * must be a positive multiple of page_bytes within the export
+ * (KVF_ERR_INVALID_ARGUMENT). KVF_ERR_RECLAIMED once the pages were
+ * released: nothing is copied. */
+KVF_API kvf_status kvf_export_read_pages(kvf_export exp, int64_t first_page, uint8_t *buf, size_t buf_len);
+
+/* Ends the export after the decode side confirmed: the prefill pages are
+ * scrubbed. KVF_ERR_RECLAIMED if they had been released already. */
+KVF_API kvf_status kvf_export_ack(kvf_export exp);
+
+/* Ends the export now (the transfer failed): the pages are scrubbed. Does
+ * nothing if it had already ended. */
+KVF_API kvf_status kvf_export_abort(kvf_export exp);
+
+/* Aborts the export unless it was acked, and frees the handle. */
+KVF_API kvf_status kvf_export_free(kvf_export exp);
+
+/* ---- Handoff: decode side (since ABI 2) -------------------------------- *
+ *
+ *   kvf_receiver_create(decode_pool, key, key_len, NULL, &rcv);   once
+ *   kvf_import_begin(rcv, manifest, manifest_len, &imp);   verify + admit
+ *   kvf_import_write_pages(imp, first, buf, k * page_bytes);  as they come
+ *   kvf_import_complete(imp, &lease);   every page + checksum verified
+ *   kvf_import_free(imp);  ... decode with lease ...
+ */
+
+/* A receiver imports into pool and verifies manifests with key. It
+ * remembers the request IDs it imported (replay protection) while it
+ * lives. config_json (NULL for defaults): {"max_ttl_ms": 300000 (refuse
+ * manifests expiring further ahead), "admit_wait_ms": 0 (wait for decode
+ * pages), "transfer_timeout_ms": 120000 (abort an import not completed in
+ * time)}. */
+KVF_API kvf_status kvf_receiver_create(kvf_pool pool, const uint8_t *key, size_t key_len,
+                                       const char *config_json, kvf_receiver *out);
+
+/* Frees the receiver handle; imports it began stay valid until freed. */
+KVF_API kvf_status kvf_receiver_destroy(kvf_receiver receiver);
+
+/* Verifies a manifest (MAC first, then expiry, geometry, the tenant's
+ * sharing domain in this pool, replay) and admits its import fail-closed:
+ * prompt + max new tokens, with this pool's quota and capacity checks and
+ * the admission statuses of kvf_admit. On any error nothing is allocated. */
+KVF_API kvf_status kvf_import_begin(kvf_receiver receiver, const uint8_t *manifest, size_t manifest_len,
+                                    kvf_import *out);
+
+/* Pages and sizes the import expects; live until completed or aborted. */
+KVF_API kvf_status kvf_import_describe(kvf_import imp, kvf_transfer_info *out);
+
+/* Writes received pages first_page, first_page+1, ... from buf (a
+ * positive multiple of page_bytes). Any error aborts the import: a bad
+ * range (KVF_ERR_INVALID_ARGUMENT), a page twice (KVF_ERR_DUPLICATE_PAGE),
+ * an import that has ended (KVF_ERR_STALE_TRANSFER, nothing written). */
+KVF_API kvf_status kvf_import_write_pages(kvf_import imp, int64_t first_page, const uint8_t *buf, size_t buf_len);
+
+/* Verifies that every page arrived and the checksum matches, and returns
+ * the decode lease: phase prefilled, written = prompt tokens, its pages
+ * holding prompt + max new tokens. On failure the import is aborted
+ * (KVF_ERR_INCOMPLETE_TRANSFER, KVF_ERR_CHECKSUM_MISMATCH) and its pages
+ * scrubbed. */
+KVF_API kvf_status kvf_import_complete(kvf_import imp, kvf_lease *out);
+
+/* Ends an import that has not completed; its pages are scrubbed and its
+ * request ID may be imported again. Does nothing after complete. */
+KVF_API kvf_status kvf_import_abort(kvf_import imp);
+
+/* Aborts the import unless it completed, and frees the handle; a
+ * completed import's lease is unaffected. */
+KVF_API kvf_status kvf_import_free(kvf_import imp);
 
 #endif /* KVFENCE_TYPES_ONLY */
 

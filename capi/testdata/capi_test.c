@@ -100,6 +100,21 @@ static void test_library(void) {
         {KVF_ERR_INVALID_TENANT, "KVF_ERR_INVALID_TENANT"},
         {KVF_ERR_DUPLICATE_TENANT, "KVF_ERR_DUPLICATE_TENANT"},
         {KVF_ERR_OVER_RESERVED, "KVF_ERR_OVER_RESERVED"},
+        {KVF_ERR_NO_DEVICE, "KVF_ERR_NO_DEVICE"},
+        {KVF_ERR_DEVICE_OUT_OF_MEMORY, "KVF_ERR_DEVICE_OUT_OF_MEMORY"},
+        {KVF_ERR_DEVICE_FAILED, "KVF_ERR_DEVICE_FAILED"},
+        {KVF_ERR_LEASE_PHASE, "KVF_ERR_LEASE_PHASE"},
+        {KVF_ERR_RECLAIMED, "KVF_ERR_RECLAIMED"},
+        {KVF_ERR_STALE_TRANSFER, "KVF_ERR_STALE_TRANSFER"},
+        {KVF_ERR_DUPLICATE_PAGE, "KVF_ERR_DUPLICATE_PAGE"},
+        {KVF_ERR_INCOMPLETE_TRANSFER, "KVF_ERR_INCOMPLETE_TRANSFER"},
+        {KVF_ERR_CHECKSUM_MISMATCH, "KVF_ERR_CHECKSUM_MISMATCH"},
+        {KVF_ERR_MALFORMED_MANIFEST, "KVF_ERR_MALFORMED_MANIFEST"},
+        {KVF_ERR_BAD_MAC, "KVF_ERR_BAD_MAC"},
+        {KVF_ERR_MANIFEST_EXPIRED, "KVF_ERR_MANIFEST_EXPIRED"},
+        {KVF_ERR_GEOMETRY_MISMATCH, "KVF_ERR_GEOMETRY_MISMATCH"},
+        {KVF_ERR_DOMAIN_MISMATCH, "KVF_ERR_DOMAIN_MISMATCH"},
+        {KVF_ERR_REPLAY, "KVF_ERR_REPLAY"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         CHECK(strcmp(kvf_status_name(names[i].s), names[i].name) == 0);
@@ -424,6 +439,8 @@ static void test_threads(void) {
     EXPECT(kvf_pool_destroy(pool), KVF_OK);
 }
 
+#include "capi_test_v2.inc"
+
 int main(void) {
     test_library();
     test_pool_create();
@@ -435,6 +452,10 @@ int main(void) {
     test_last_error_message();
     test_destroy();
     test_threads();
+    test_prefix();
+    test_phases();
+    test_handoff();
+    test_device();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);
         return 1;
