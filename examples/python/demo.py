@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Two tenants share one kvfence pool through the C ABI.
+"""Two tenants share one kvfence pool through the C ABI; a prefix is
+shared between two requests of one tenant; a prompt's KV is handed off
+from a prefill pool to a decode pool.
 
     go build -buildmode=c-shared -o capi/libkvfence.so ./capi
     python3 examples/python/demo.py
@@ -54,6 +56,75 @@ def main():
                  s["scrub"]["pages_scrubbed"], s["scrub"]["fills"]))
         for t in s["tenants"]:
             print("  tenant %-7s used %d of %d pages" % (t["name"], t["used_pages"], t["quota_pages"]))
+
+        prefix_demo(pool)
+    handoff_demo()
+
+
+def prefix_demo(pool):
+    """Two requests of acme with the same system prompt: the second shares
+    the first's computed pages instead of recomputing them."""
+    system = list(range(5000, 5000 + 96))  # 6 pages of 16 tokens
+    first = pool.admit_tokens("chat-1", "acme", system + [1, 2, 3, 4], max_new_tokens=32)
+    print("prefix: chat-1 hit %d tokens (cold)" % first.hit_tokens())
+    first.commit(100)  # the engine computed the whole prompt
+    print("prefix: chat-1 published %d tokens" % first.cache_prefix(100))
+    second = pool.admit_tokens("chat-2", "acme", system + [9, 8, 7, 6, 5], max_new_tokens=32)
+    hit = second.hit_tokens()
+    print("prefix: chat-2 hit %d tokens, prefill starts at token %d" % (hit, hit))
+    assert hit == 96 and first.block_table()[:6] == second.block_table()[:6]
+    other = pool.admit_tokens("chat-3", "globex", system + [1, 2, 3, 4], max_new_tokens=32)
+    print("prefix: globex's identical prompt hit %d tokens (another domain)" % other.hit_tokens())
+    assert other.hit_tokens() == 0
+    for lease in (first, second, other):
+        lease.free()
+    dom = [d for d in pool.stats()["prefix"]["domains"] if d["name"] == "tenant:acme"][0]
+    print("prefix: domain %s hit %d pages, missed %d" % (dom["name"], dom["hit_pages"], dom["miss_pages"]))
+
+
+KEY = b"demo handoff key: 32 or more secret bytes"
+
+
+def handoff_demo():
+    """Prefill in one pool, decode in another, bytes carried by the caller
+    (here in memory; in a deployment over any transport)."""
+    with kvfence.Pool(CONFIG) as prefill, kvfence.Pool(CONFIG) as decode, decode.receiver(KEY) as rcv:
+        lease = prefill.admit("req-7", "acme", prompt_tokens=300, max_new_tokens=0)
+        lease.begin_prefill()
+        lease.commit(300)  # ... the engine writes the prompt's KV ...
+        lease.finish_prefill()
+        with lease.export(KEY, max_new_tokens=200, ttl_ms=10000) as exp:
+            manifest = exp.manifest()
+            info = exp.info()
+            pages = exp.read_pages(0, info["pages"])
+            print("handoff: manifest %d bytes, %d pages of %d bytes, checksum %08x"
+                  % (len(manifest), info["pages"], info["page_bytes"], info["checksum"]))
+
+            forged = bytearray(manifest)
+            forged[40] ^= 1
+            try:
+                rcv.begin(bytes(forged))
+            except kvfence.KvfenceError as e:
+                print("handoff: forged manifest refused:", e.name)
+
+            with rcv.begin(manifest) as imp:
+                imp.write_pages(0, pages)
+                decoded = imp.complete()
+            exp.ack()
+        li = decoded.info()
+        print("handoff: decode lease %s, %d pages, %d prompt tokens written, room for %d new"
+              % (decoded.phase(), li["pages"], li["written_tokens"], li["max_new_tokens"]))
+        try:
+            rcv.begin(manifest)
+        except kvfence.KvfenceError as e:
+            print("handoff: replay refused:", e.name)
+        decoded.free()
+        lease.free()
+        prefill.check()
+        decode.check()
+        print("handoff: prefill pool %d/%d pages free, decode pool %d/%d"
+              % (prefill.stats()["free_pages"], prefill.stats()["total_pages"],
+                 decode.stats()["free_pages"], decode.stats()["total_pages"]))
 
 
 if __name__ == "__main__":

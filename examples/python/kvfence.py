@@ -16,7 +16,7 @@ import ctypes.util
 import json
 import os
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # the library must implement at least this
 
 # Status codes, as in kvfence.h.
 OK = 0
@@ -42,6 +42,24 @@ ERR_CANARY_MISMATCH = 34
 ERR_INVALID_TENANT = 40
 ERR_DUPLICATE_TENANT = 41
 ERR_OVER_RESERVED = 42
+ERR_NO_DEVICE = 50
+ERR_DEVICE_OUT_OF_MEMORY = 51
+ERR_DEVICE_FAILED = 52
+ERR_LEASE_PHASE = 60
+ERR_RECLAIMED = 61
+ERR_STALE_TRANSFER = 62
+ERR_DUPLICATE_PAGE = 63
+ERR_INCOMPLETE_TRANSFER = 64
+ERR_CHECKSUM_MISMATCH = 65
+ERR_MALFORMED_MANIFEST = 66
+ERR_BAD_MAC = 67
+ERR_MANIFEST_EXPIRED = 68
+ERR_GEOMETRY_MISMATCH = 69
+ERR_DOMAIN_MISMATCH = 70
+ERR_REPLAY = 71
+
+# Lease phases (kvf_lease_phase).
+PHASES = ("admitted", "prefilling", "prefilled", "exported", "importing", "released", "aborted")
 
 
 class _ErrorInfo(ctypes.Structure):
@@ -68,6 +86,17 @@ class _LeaseInfo(ctypes.Structure):
         ("written_tokens", ctypes.c_int64),
         ("live", ctypes.c_int32),
         ("reserved0", ctypes.c_int32),
+    ]
+
+
+class _TransferInfo(ctypes.Structure):
+    _fields_ = [
+        ("pages", ctypes.c_int64),
+        ("page_bytes", ctypes.c_int64),
+        ("prompt_tokens", ctypes.c_int64),
+        ("max_new_tokens", ctypes.c_int64),
+        ("checksum", ctypes.c_uint32),
+        ("live", ctypes.c_int32),
     ]
 
 
@@ -122,8 +151,37 @@ _describe = _fn("kvf_lease_describe", _status, _handle, _P(_LeaseInfo))
 _release = _fn("kvf_lease_release", _status, _handle, ctypes.c_size_t, ctypes.c_size_t)
 _free = _fn("kvf_lease_free", _status, _handle)
 
-if _abi_version() != ABI_VERSION:
-    raise ImportError("libkvfence ABI %d, this module speaks %d" % (_abi_version(), ABI_VERSION))
+if _abi_version() < ABI_VERSION:
+    raise ImportError("libkvfence ABI %d, this module needs %d" % (_abi_version(), ABI_VERSION))
+
+# ABI 2.
+_u8p = _P(ctypes.c_uint8)
+_pool_add_tenant_json = _fn("kvf_pool_add_tenant_json", _status, _handle, ctypes.c_char_p)
+_pool_update_tenant_json = _fn("kvf_pool_update_tenant_json", _status, _handle, ctypes.c_char_p)
+_pool_events_json = _fn("kvf_pool_events_json", _status, _handle, ctypes.c_char_p, _size, _P(_size))
+_admit_tokens = _fn("kvf_admit_tokens", _status, _handle, ctypes.c_char_p, ctypes.c_char_p, _P(ctypes.c_int32), _size,
+                    _i64, ctypes.c_char_p, _i64, _P(_handle))
+_hit_tokens = _fn("kvf_lease_hit_tokens", _status, _handle, _P(_i64))
+_cache_prefix = _fn("kvf_lease_cache_prefix", _status, _handle, _i64, _P(_i64))
+_phase = _fn("kvf_lease_phase", _status, _handle, _P(ctypes.c_int32))
+_begin_prefill = _fn("kvf_lease_begin_prefill", _status, _handle)
+_finish_prefill = _fn("kvf_lease_finish_prefill", _status, _handle)
+_abort = _fn("kvf_lease_abort", _status, _handle)
+_export_create = _fn("kvf_export_create", _status, _handle, ctypes.c_char_p, _size, _i64, _i64, _P(_handle))
+_export_manifest = _fn("kvf_export_manifest", _status, _handle, ctypes.c_char_p, _size, _P(_size))
+_export_describe = _fn("kvf_export_describe", _status, _handle, _P(_TransferInfo))
+_export_read_pages = _fn("kvf_export_read_pages", _status, _handle, _i64, ctypes.c_char_p, _size)
+_export_ack = _fn("kvf_export_ack", _status, _handle)
+_export_abort = _fn("kvf_export_abort", _status, _handle)
+_export_free = _fn("kvf_export_free", _status, _handle)
+_receiver_create = _fn("kvf_receiver_create", _status, _handle, ctypes.c_char_p, _size, ctypes.c_char_p, _P(_handle))
+_receiver_destroy = _fn("kvf_receiver_destroy", _status, _handle)
+_import_begin = _fn("kvf_import_begin", _status, _handle, ctypes.c_char_p, _size, _P(_handle))
+_import_describe = _fn("kvf_import_describe", _status, _handle, _P(_TransferInfo))
+_import_write_pages = _fn("kvf_import_write_pages", _status, _handle, _i64, ctypes.c_char_p, _size)
+_import_complete = _fn("kvf_import_complete", _status, _handle, _P(_handle))
+_import_abort = _fn("kvf_import_abort", _status, _handle)
+_import_free = _fn("kvf_import_free", _status, _handle)
 
 
 def version():
@@ -161,6 +219,24 @@ def _bytes(s):
     return s.encode() if isinstance(s, str) else s
 
 
+def _sized(call):
+    """Runs call(buf, len, &needed) with the size-query protocol and returns
+    the bytes written (NUL excluded for text)."""
+    need = _size()
+    st = call(None, 0, ctypes.byref(need))
+    if st != ERR_BUFFER_TOO_SMALL:
+        _check(st)
+    buf = ctypes.create_string_buffer(need.value)
+    _check(call(buf, len(buf), ctypes.byref(need)))
+    return buf.raw[: need.value]
+
+
+def _info(describe, h):
+    ti = _TransferInfo()
+    _check(describe(h, ctypes.byref(ti)))
+    return {f: getattr(ti, f) for f, _ in _TransferInfo._fields_}
+
+
 class Pool:
     """A kvfence pool. config is a dict or a JSON string (kvfence.h)."""
 
@@ -187,7 +263,34 @@ class Pool:
         _check(_pool_add_tenant(self._h, _bytes(name), quota_pages, reserved_pages))
 
     def update_tenant(self, name, quota_pages=0, reserved_pages=0):
+        """Changes quota and reservation; the tenant keeps its domain."""
         _check(_pool_update_tenant(self._h, _bytes(name), quota_pages, reserved_pages))
+
+    def add_tenant_config(self, tenant):
+        """Registers a tenant from a dict like the config's "tenants" items
+        (name, quota_pages, reserved_pages, domain)."""
+        _check(_pool_add_tenant_json(self._h, _bytes(json.dumps(tenant))))
+
+    def replace_tenant_config(self, tenant):
+        """Replaces a tenant's whole configuration; no "domain" means its own."""
+        _check(_pool_update_tenant_json(self._h, _bytes(json.dumps(tenant))))
+
+    def admit_tokens(self, request_id, tenant, token_ids, max_new_tokens=0, adapter=None, wait_ms=0):
+        """Admits a prompt given as token IDs; the lease shares the longest
+        prefix cached in the tenant's domain (Lease.hit_tokens())."""
+        arr = (ctypes.c_int32 * len(token_ids))(*token_ids)
+        h = _handle()
+        _check(_admit_tokens(self._h, _bytes(request_id), _bytes(tenant), arr, len(token_ids), max_new_tokens,
+                             _bytes(adapter) if adapter else None, wait_ms, ctypes.byref(h)))
+        return Lease(h.value)
+
+    def events(self):
+        """The next batch of prefix-cache events (needs prefix.event_buffer)."""
+        return json.loads(_sized(lambda b, n, need: _pool_events_json(self._h, b, n, need)).rstrip(b"\0"))["events"]
+
+    def receiver(self, key, config=None):
+        """A Receiver importing handoffs into this pool, verifying with key."""
+        return Receiver(self, key, config)
 
     def admit(self, request_id, tenant, prompt_tokens, max_new_tokens=0, wait_ms=0):
         """Returns a Lease holding every page the request can need, or
@@ -198,13 +301,7 @@ class Pool:
         return Lease(h.value)
 
     def stats(self):
-        need = _size()
-        st = _pool_stats_json(self._h, None, 0, ctypes.byref(need))
-        if st != ERR_BUFFER_TOO_SMALL:
-            _check(st)
-        buf = ctypes.create_string_buffer(need.value)
-        _check(_pool_stats_json(self._h, buf, len(buf), None))
-        return json.loads(buf.value)
+        return json.loads(_sized(lambda b, n, need: _pool_stats_json(self._h, b, n, need)).rstrip(b"\0"))
 
     def check(self):
         _check(_pool_check(self._h))
@@ -243,6 +340,39 @@ class Lease:
         _check(_describe(self._h, ctypes.byref(li)))
         return {f: getattr(li, f) for f, _ in _LeaseInfo._fields_ if f != "reserved0"}
 
+    def hit_tokens(self):
+        n = _i64()
+        _check(_hit_tokens(self._h, ctypes.byref(n)))
+        return n.value
+
+    def cache_prefix(self, tokens):
+        """Publishes the computed prompt pages holding the first tokens
+        tokens to the domain's prefix cache; returns the tokens shared."""
+        n = _i64()
+        _check(_cache_prefix(self._h, tokens, ctypes.byref(n)))
+        return n.value
+
+    def phase(self):
+        ph = ctypes.c_int32()
+        _check(_phase(self._h, ctypes.byref(ph)))
+        return PHASES[ph.value] if 0 <= ph.value < len(PHASES) else ph.value
+
+    def begin_prefill(self):
+        _check(_begin_prefill(self._h))
+
+    def finish_prefill(self):
+        _check(_finish_prefill(self._h))
+
+    def abort(self):
+        _check(_abort(self._h))
+
+    def export(self, key, max_new_tokens, ttl_ms=0):
+        """Pins this prefilled lease's prompt pages for a handoff."""
+        key = _bytes(key)
+        h = _handle()
+        _check(_export_create(self._h, key, len(key), max_new_tokens, ttl_ms, ctypes.byref(h)))
+        return Export(h.value)
+
     def release(self, stream=0, event=0):
         """Ends the lease; the scrub runs after the engine's CUDA stream or
         event (integer handles, e.g. torch.cuda.current_stream().cuda_stream)."""
@@ -252,6 +382,103 @@ class Lease:
         if self._h:
             h, self._h = self._h, 0
             _check(_free(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+
+class Export:
+    """The prefill side of a handoff: manifest() and read_pages() give the
+    bytes to carry; ack() once the decode side completed the import."""
+
+    def __init__(self, handle):
+        self._h = handle
+
+    def manifest(self):
+        return _sized(lambda b, n, need: _export_manifest(self._h, b, n, need))
+
+    def info(self):
+        return _info(_export_describe, self._h)
+
+    def read_pages(self, first, count):
+        pb = self.info()["page_bytes"]
+        buf = ctypes.create_string_buffer(count * pb)
+        _check(_export_read_pages(self._h, first, buf, len(buf)))
+        return buf.raw
+
+    def ack(self):
+        _check(_export_ack(self._h))
+
+    def abort(self):
+        _check(_export_abort(self._h))
+
+    def free(self):
+        if self._h:
+            h, self._h = self._h, 0
+            _check(_export_free(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+
+class Receiver:
+    """The decode side of a handoff for one pool."""
+
+    def __init__(self, pool, key, config=None):
+        key = _bytes(key)
+        cfg = _bytes(json.dumps(config)) if config else None
+        h = _handle()
+        _check(_receiver_create(pool._h, key, len(key), cfg, ctypes.byref(h)))
+        self._h = h.value
+
+    def begin(self, manifest):
+        """Verifies the manifest and admits its import fail-closed."""
+        h = _handle()
+        _check(_import_begin(self._h, manifest, len(manifest), ctypes.byref(h)))
+        return Import(h.value)
+
+    def close(self):
+        if self._h:
+            h, self._h = self._h, 0
+            _check(_receiver_destroy(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Import:
+    """An import in progress; complete() returns the decode Lease."""
+
+    def __init__(self, handle):
+        self._h = handle
+
+    def info(self):
+        return _info(_import_describe, self._h)
+
+    def write_pages(self, first, data):
+        _check(_import_write_pages(self._h, first, data, len(data)))
+
+    def complete(self):
+        h = _handle()
+        _check(_import_complete(self._h, ctypes.byref(h)))
+        return Lease(h.value)
+
+    def abort(self):
+        _check(_import_abort(self._h))
+
+    def free(self):
+        if self._h:
+            h, self._h = self._h, 0
+            _check(_import_free(h))
 
     def __enter__(self):
         return self
