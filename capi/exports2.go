@@ -17,6 +17,7 @@ import (
 	"unsafe"
 
 	"github.com/kvfence/kvfence/capi/internal/bridge"
+	"github.com/kvfence/kvfence/cudaops"
 )
 
 func waitDuration(waitMS C.int64_t) time.Duration {
@@ -352,4 +353,25 @@ func kvf_import_abort(imp C.kvf_import) (st C.kvf_status) {
 func kvf_import_free(imp C.kvf_import) (st C.kvf_status) {
 	defer guard(&st)
 	return result(bridge.FreeImport(uint64(imp)))
+}
+
+//export kvf_pool_regions
+func kvf_pool_regions(pool C.kvf_pool, buf *C.kvf_region, bufLen C.size_t, length *C.size_t) (st C.kvf_status) {
+	defer guard(&st)
+	dst, err := cSlice(buf, bufLen, "buf")
+	if err != nil {
+		return fail(err)
+	}
+	rs := make([]cudaops.Region, len(dst))
+	n, err := bridge.Regions(uint64(pool), rs)
+	if length != nil && n > 0 {
+		*length = C.size_t(n)
+	}
+	if err != nil {
+		return fail(err)
+	}
+	for i, r := range rs[:n] {
+		dst[i] = C.kvf_region{base: C.uint64_t(r.Base), stride: C.int64_t(r.Stride), page_bytes: C.int64_t(r.PageBytes), pages: C.int64_t(r.Pages)}
+	}
+	return C.KVF_OK
 }

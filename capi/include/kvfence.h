@@ -160,6 +160,14 @@ typedef struct kvf_lease_info {
     int32_t reserved0;
 } kvf_lease_info;
 
+/* Where a pool's pages live (kvf_pool_regions). Since ABI 2. */
+typedef struct kvf_region {
+    uint64_t base;      /* device address of page 0 (CUdeviceptr); 0 for host memory */
+    int64_t stride;     /* bytes from page p to page p+1 */
+    int64_t page_bytes; /* bytes of one page in this region */
+    int64_t pages;
+} kvf_region;
+
 /* What an export holds or an import expects (kvf_export_describe,
  * kvf_import_describe). Since ABI 2. */
 typedef struct kvf_transfer_info {
@@ -263,6 +271,13 @@ KVF_API kvf_status kvf_pool_check(kvf_pool pool);
 
 /* Lets a faulted pool admit again. Pages of the failed fill stay retired. */
 KVF_API kvf_status kvf_pool_clear_fault(kvf_pool pool);
+
+/* Copies the pool's regions into buf: 2 x layers of them, layer l's K in
+ * region 2l and its V in 2l+1; page p of a region starts at
+ * base + p * stride. *len (if not NULL) gets the count. For a CUDA pool the
+ * bases are device addresses the engine's kernels write the KV to (in the
+ * pages of its leases only); a host pool reports base 0. Since ABI 2. */
+KVF_API kvf_status kvf_pool_regions(kvf_pool pool, kvf_region *buf, size_t buf_len, size_t *len);
 
 /* Writes the next batch (up to 256) of prefix-cache events as
  * NUL-terminated JSON, for a KV-aware router:

@@ -455,6 +455,7 @@ int main(void) {
     test_prefix();
     test_phases();
     test_handoff();
+    test_regions();
     test_device();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);

@@ -57,6 +57,9 @@ def main():
         for t in s["tenants"]:
             print("  tenant %-7s used %d of %d pages" % (t["name"], t["used_pages"], t["quota_pages"]))
 
+        rs = pool.regions()
+        print("regions: %d (K and V of 4 layers), %d pages of %d bytes each"
+              % (len(rs), rs[0]["pages"], rs[0]["page_bytes"]))
         prefix_demo(pool)
     handoff_demo()
 

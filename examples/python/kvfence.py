@@ -89,6 +89,15 @@ class _LeaseInfo(ctypes.Structure):
     ]
 
 
+class _Region(ctypes.Structure):
+    _fields_ = [
+        ("base", ctypes.c_uint64),
+        ("stride", ctypes.c_int64),
+        ("page_bytes", ctypes.c_int64),
+        ("pages", ctypes.c_int64),
+    ]
+
+
 class _TransferInfo(ctypes.Structure):
     _fields_ = [
         ("pages", ctypes.c_int64),
@@ -158,6 +167,7 @@ if _abi_version() < ABI_VERSION:
 _u8p = _P(ctypes.c_uint8)
 _pool_add_tenant_json = _fn("kvf_pool_add_tenant_json", _status, _handle, ctypes.c_char_p)
 _pool_update_tenant_json = _fn("kvf_pool_update_tenant_json", _status, _handle, ctypes.c_char_p)
+_pool_regions = _fn("kvf_pool_regions", _status, _handle, _P(_Region), _size, _P(_size))
 _pool_events_json = _fn("kvf_pool_events_json", _status, _handle, ctypes.c_char_p, _size, _P(_size))
 _admit_tokens = _fn("kvf_admit_tokens", _status, _handle, ctypes.c_char_p, ctypes.c_char_p, _P(ctypes.c_int32), _size,
                     _i64, ctypes.c_char_p, _i64, _P(_handle))
@@ -283,6 +293,17 @@ class Pool:
         _check(_admit_tokens(self._h, _bytes(request_id), _bytes(tenant), arr, len(token_ids), max_new_tokens,
                              _bytes(adapter) if adapter else None, wait_ms, ctypes.byref(h)))
         return Lease(h.value)
+
+    def regions(self):
+        """The pool's regions (layer l's K = 2l, V = 2l+1) as dicts with the
+        device address of page 0 ("base", 0 for host memory) and "stride"."""
+        n = _size()
+        st = _pool_regions(self._h, None, 0, ctypes.byref(n))
+        if st != ERR_BUFFER_TOO_SMALL:
+            _check(st)
+        buf = (_Region * n.value)()
+        _check(_pool_regions(self._h, buf, n.value, ctypes.byref(n)))
+        return [{f: getattr(r, f) for f, _ in _Region._fields_} for r in buf[: n.value]]
 
     def events(self):
         """The next batch of prefix-cache events (needs prefix.event_buffer)."""

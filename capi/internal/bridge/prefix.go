@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"sync"
 
+	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/kvcache"
 )
 
@@ -139,4 +140,20 @@ func eventDoc(ev kvcache.KVEvent) EventDoc {
 		d.Parent = hex.EncodeToString(ev.Parent[:])
 	}
 	return d
+}
+
+// Regions copies the pool device's regions (layer l's K is region 2l, its
+// V 2l+1) into dst and returns how many there are; a short dst gets
+// nothing and a *BufferError.
+func Regions(h Handle, dst []cudaops.Region) (int, error) {
+	pe, err := lookupPool(h)
+	if err != nil {
+		return 0, err
+	}
+	rs := pe.pool.Device().Regions()
+	if len(dst) < len(rs) {
+		return len(rs), &BufferError{What: "regions", Need: len(rs), Have: len(dst)}
+	}
+	copy(dst, rs)
+	return len(rs), nil
 }

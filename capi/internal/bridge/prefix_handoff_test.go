@@ -323,3 +323,84 @@ func TestReceiverConfig(t *testing.T) {
 	_, err = BeginImport(p, nil) // a pool handle is not a receiver
 	wantStatus(t, err, StatusInvalidHandle)
 }
+
+func TestRegions(t *testing.T) {
+	p := newTestPool(t)
+	n, err := Regions(p, nil)
+	wantStatus(t, err, StatusBufferTooSmall)
+	if n != 2 {
+		t.Fatalf("%d regions, want K and V of 1 layer", n)
+	}
+	rs := make([]cudaops.Region, 2)
+	if _, err := Regions(p, rs); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rs {
+		if r.Pages != 64 || r.PageBytes != 256 || r.Base != 0 {
+			t.Errorf("region %+v", r)
+		}
+	}
+	_, err = Regions(999999, rs)
+	wantStatus(t, err, StatusInvalidHandle)
+}
+
+// FuzzBeginImport: any bytes offered as a manifest are refused with a
+// status (or, for a genuine manifest, admitted), never a panic, and the
+// decode pool stays consistent.
+func FuzzBeginImport(f *testing.F) {
+	src, err := CreatePool([]byte(testPool))
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer DestroyPool(src)
+	l := must(Admit(src, "seed", "a", 40, 0, 0))
+	for _, err := range []error{BeginPrefill(l), Commit(l, 40), FinishPrefill(l)} {
+		if err != nil {
+			f.Fatal(err)
+		}
+	}
+	exp := must(Export(l, testKey, 8, 0))
+	n, _ := ExportManifest(exp, nil) // size query
+	good := make([]byte, n)
+	must(ExportManifest(exp, good))
+	f.Add(good)
+	f.Add(good[:len(good)-1])
+	f.Add([]byte{})
+	f.Add([]byte("KVFH"))
+	dst := must(CreatePool([]byte(testPool)))
+	defer DestroyPool(dst)
+	recv := must(CreateReceiver(dst, testKey, nil))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		imp, err := BeginImport(recv, b)
+		if err == nil {
+			noErr(t, FreeImport(imp)) // aborts: the request ID may come again
+		} else if st := Classify(err).Status; st == StatusInternal {
+			t.Fatalf("unclassified: %v", err)
+		}
+		noErr(t, Check(dst))
+	})
+}
+
+// FuzzParseTenant: tenant JSON parses or fails with ErrInvalidTenant's
+// status; what parses is judged by the registry without panicking.
+func FuzzParseTenant(f *testing.F) {
+	f.Add([]byte(`{"name": "x", "quota_pages": 4, "domain": "d"}`))
+	f.Add([]byte(`{"name": "", "domain": "tenant:y"}`))
+	f.Add([]byte(`{"quota_pages": -1}`))
+	p, err := CreatePool([]byte(testPool))
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer DestroyPool(p)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		tc, err := ParseTenant(b)
+		if err != nil {
+			wantStatus(t, err, StatusInvalidTenant)
+			return
+		}
+		if err := AddTenant(p, tc); err != nil && Classify(err).Status == StatusInternal {
+			t.Fatalf("unclassified: %v", err)
+		}
+		noErr(t, Check(p))
+	})
+}
