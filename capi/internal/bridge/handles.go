@@ -40,7 +40,7 @@ type poolEntry struct {
 		// map, unlike sync.Map, looks a string up without boxing it.
 		names map[string]string
 		// domains is each tenant's configured sharing domain ("" for
-		// its own), for the legacy update call and for handoff.
+		// its own), for the legacy update call and the stats.
 		domains map[string]string
 	}
 	events eventQueue

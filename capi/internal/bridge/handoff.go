@@ -68,7 +68,8 @@ func transferInfo(m handoff.Manifest, pageBytes int, live bool) TransferInfo {
 // with key. maxNewTokens is what the decode pool must reserve; the
 // manifest is valid for ttl (0: 30 s) and the pages stay pinned until
 // ExportAck, ExportAbort or 2×ttl. The manifest names the lease's sharing
-// domain.
+// domain; the decode pool refuses it unless the tenant is in that domain
+// there too.
 func Export(lease Handle, key []byte, maxNewTokens int64, ttl time.Duration) (Handle, error) {
 	if ttl < 0 {
 		return 0, fmt.Errorf("%w: negative TTL %v", kvcache.ErrInvalidArgument, ttl)
@@ -80,7 +81,7 @@ func Export(lease Handle, key []byte, maxNewTokens int64, ttl time.Duration) (Ha
 	var exp *handoff.Export
 	err = withLeaseEntry(lease, func(e *leaseEntry) error {
 		l := e.mu.lease
-		s, err := handoff.NewSender(handoff.SenderConfig{Key: k, TTL: ttl, DomainOf: func(string) string { return l.Domain() }})
+		s, err := handoff.NewSender(handoff.SenderConfig{Key: k, TTL: ttl})
 		if err != nil {
 			return err
 		}
@@ -202,7 +203,7 @@ func ParseReceiverConfig(data []byte) (handoff.ReceiverConfig, error) {
 // CreateReceiver makes a receiver that imports into pool, verifying
 // manifests with key. It remembers imported request IDs (replay
 // protection) for its lifetime. A manifest must name the sharing domain
-// its tenant has in this pool.
+// its tenant has in this pool (kvcache checks it at admission).
 func CreateReceiver(pool Handle, key []byte, configJSON []byte) (Handle, error) {
 	pe, err := lookupPool(pool)
 	if err != nil {
@@ -215,7 +216,7 @@ func CreateReceiver(pool Handle, key []byte, configJSON []byte) (Handle, error) 
 	if cfg.Key, err = handoff.NewKey(key); err != nil {
 		return 0, err
 	}
-	cfg.Pool, cfg.DomainOf = pe.pool, pe.domainOf
+	cfg.Pool = pe.pool
 	r, err := handoff.NewReceiver(cfg)
 	if err != nil {
 		return 0, err

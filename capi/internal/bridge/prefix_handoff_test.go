@@ -404,3 +404,33 @@ func FuzzParseTenant(f *testing.F) {
 		noErr(t, Check(p))
 	})
 }
+
+// TestHandoffDomains: KV computed in a shared domain on the prefill pool
+// is only imported where the tenant is in that same domain.
+func TestHandoffDomains(t *testing.T) {
+	const cfg = `{"geometry": {"tokens_per_page": 16, "layers": 1, "kv_heads": 1, "head_dim": 4, "dtype": "fp32"},
+	 "pages": 64, "max_context_tokens": 1024, "tenants": [{"name": "a", "domain": %s}]}`
+	src := must(CreatePool([]byte(strings.Replace(cfg, "%s", `"team"`, 1))))
+	defer DestroyPool(src)
+	private := must(CreatePool([]byte(strings.Replace(cfg, "%s", `""`, 1))))
+	defer DestroyPool(private)
+	team := must(CreatePool([]byte(strings.Replace(cfg, "%s", `"team"`, 1))))
+	defer DestroyPool(team)
+	l := must(Admit(src, "r", "a", 20, 0, 0))
+	prefill(t, l, 20)
+	exp := must(Export(l, testKey, 0, 0))
+	n, _ := ExportManifest(exp, nil)
+	m := make([]byte, n)
+	must(ExportManifest(exp, m))
+	rp := must(CreateReceiver(private, testKey, nil))
+	_, err := BeginImport(rp, m)
+	wantStatus(t, err, StatusDomainMismatch)
+	rt := must(CreateReceiver(team, testKey, nil))
+	imp := must(BeginImport(rt, m))
+	noErr(t, FreeImport(imp))
+	noErr(t, FreeExport(exp))
+	noErr(t, Free(l))
+	for _, p := range []Handle{src, private, team} {
+		mustCheck(t, p)
+	}
+}

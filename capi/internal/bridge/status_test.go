@@ -65,6 +65,7 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		"ErrLeasePhase": kvcache.ErrLeasePhase, "ErrReclaimed": kvcache.ErrReclaimed,
 		"ErrStaleTransfer": kvcache.ErrStaleTransfer, "ErrDuplicatePage": kvcache.ErrDuplicatePage,
 		"ErrIncompleteTransfer": kvcache.ErrIncompleteTransfer, "ErrChecksumMismatch": kvcache.ErrChecksumMismatch,
+		"ErrDomainMismatch": kvcache.ErrDomainMismatch,
 	}
 	ho := map[string]error{
 		"ErrInvalidConfig": handoff.ErrInvalidConfig, "ErrMalformedManifest": handoff.ErrMalformedManifest,
