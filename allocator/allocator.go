@@ -192,7 +192,9 @@ func (a *Allocator) PeekFree(dst []int32, n int) []int32 {
 }
 
 // validateHeld checks that every handle names a page in use by owner at the
-// handle's generation, each page at most once. It leaves no marks behind.
+// handle's generation, each page at most once. On error it leaves no marks
+// behind; on success every page of hs is marked, and the caller's apply
+// loop clears each mark as it passes (one pass less over the metadata).
 func (a *Allocator) validateHeld(hs []Handle, owner Owner) error {
 	var err error
 	i := 0
@@ -217,8 +219,10 @@ func (a *Allocator) validateHeld(hs []Handle, owner Owner) error {
 		}
 		m.mark = 1
 	}
-	for _, h := range hs[:i] {
-		a.pages[h.Page].mark = 0
+	if err != nil {
+		for _, h := range hs[:i] {
+			a.pages[h.Page].mark = 0
+		}
 	}
 	return err
 }
@@ -233,6 +237,7 @@ func (a *Allocator) Release(quarantined []int32, hs []Handle, owner Owner) ([]in
 	}
 	for _, h := range hs {
 		m := &a.pages[h.Page]
+		m.mark = 0
 		m.refs--
 		if m.refs == 0 {
 			m.state = Quarantined
@@ -279,6 +284,7 @@ func (a *Allocator) Park(parked []int32, hs []Handle, owner Owner) ([]int32, err
 	}
 	for _, h := range hs {
 		m := &a.pages[h.Page]
+		m.mark = 0
 		m.refs--
 		if m.refs == 0 {
 			m.state = Cached
@@ -315,10 +321,8 @@ func (a *Allocator) Unclean(pages []int32) error {
 	if err := a.validateState(pages, Free, "unclean"); err != nil {
 		return err
 	}
-	for _, p := range pages {
-		a.pages[p].mark = 1
-	}
-	// Unlink marked pages from the free list in one pass.
+	// validateState marked the pages: unlink them from the free list in
+	// one pass, clearing the marks.
 	prev := int32(noPage)
 	for p := a.freeHead; p != noPage; {
 		next := a.pages[p].next
@@ -340,6 +344,8 @@ func (a *Allocator) Unclean(pages []int32) error {
 	return nil
 }
 
+// validateState checks that every page is in state from, each at most
+// once. Like validateHeld it leaves the pages marked on success only.
 func (a *Allocator) validateState(pages []int32, from State, op string) error {
 	var err error
 	i := 0
@@ -359,8 +365,10 @@ func (a *Allocator) validateState(pages []int32, from State, op string) error {
 		}
 		m.mark = 1
 	}
-	for _, p := range pages[:i] {
-		a.pages[p].mark = 0
+	if err != nil {
+		for _, p := range pages[:i] {
+			a.pages[p].mark = 0
+		}
 	}
 	return err
 }
@@ -374,6 +382,7 @@ func (a *Allocator) transition(pages []int32, from, to State, op string) error {
 	for i := len(pages) - 1; i >= 0; i-- {
 		p := pages[i]
 		m := &a.pages[p]
+		m.mark = 0
 		m.state = to
 		switch to {
 		case Free:
