@@ -150,6 +150,18 @@ type Device interface {
 	Close() error
 }
 
+// PartWriter is implemented by devices that can write part of a page in
+// place. kvcache uses it to write received pages straight from the
+// buffers they arrived in (a gRPC message is a list of 16 KiB buffers, so
+// a page's bytes are rarely contiguous); for other devices it assembles
+// each page region in host memory first and calls WritePage.
+type PartWriter interface {
+	// WritePagePart copies src into page p of region r from byte offset
+	// off on; off+len(src) must not exceed the region's PageBytes. The
+	// write is ordered as WritePage's.
+	WritePagePart(r int, p int32, off int, src []byte) error
+}
+
 // Completed returns a Fence that is already done with err.
 func Completed(err error) Fence {
 	if err == nil {

@@ -176,6 +176,30 @@ func (h *Host) WritePage(r int, p int32, src []byte) error {
 	return nil
 }
 
+// WritePagePart implements PartWriter.
+func (h *Host) WritePagePart(r int, p int32, off int, src []byte) error {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	if !h.mu.closed && (r < 0 || r >= len(h.mu.regions)) {
+		return fmt.Errorf("%w: region %d of %d", ErrInvalidArgument, r, len(h.mu.regions))
+	}
+	var pageBytes int64
+	if !h.mu.closed {
+		pageBytes = h.mu.regions[r].PageBytes
+	}
+	dst, err := h.page(r, p, int(pageBytes))
+	if err != nil {
+		return err
+	}
+	if off < 0 || off > len(dst) || len(src) > len(dst)-off {
+		return fmt.Errorf("%w: %d bytes at offset %d of a page of %d", ErrInvalidArgument, len(src), off, len(dst))
+	}
+	copy(dst[off:], src)
+	return nil
+}
+
+var _ PartWriter = (*Host)(nil)
+
 // PageBytes returns the live memory of page p in region r, for tests and
 // host-side engines that read and write KV in place. It is nil for an
 // invalid page or a closed device.

@@ -189,3 +189,35 @@ func BenchmarkHostFill(b *testing.B) {
 		})
 	}
 }
+
+func TestHostWritePagePart(t *testing.T) {
+	h := NewHost()
+	_, err := h.AllocRegion(3, 16)
+	require.NoError(t, err)
+	require.NoError(t, h.WritePage(0, 1, bytes.Repeat([]byte{1}, 16)))
+
+	require.NoError(t, h.WritePagePart(0, 1, 4, []byte{7, 8, 9}))
+	require.NoError(t, h.WritePagePart(0, 1, 13, []byte{5, 5, 5}), "a part that ends the page")
+	require.NoError(t, h.WritePagePart(0, 1, 16, nil), "an empty part at the end")
+	want := []byte{1, 1, 1, 1, 7, 8, 9, 1, 1, 1, 1, 1, 1, 5, 5, 5}
+	assert.Equal(t, want, h.PageBytes(0, 1))
+	page2 := make([]byte, 16)
+	require.NoError(t, h.ReadPage(0, 2, page2))
+
+	for name, err := range map[string]error{
+		"past the end":    h.WritePagePart(0, 1, 14, []byte{1, 2, 3}),
+		"negative offset": h.WritePagePart(0, 1, -1, []byte{1}),
+		"offset past end": h.WritePagePart(0, 1, 17, nil),
+		"bad region":      h.WritePagePart(1, 0, 0, []byte{1}),
+		"bad page":        h.WritePagePart(0, 3, 0, []byte{1}),
+	} {
+		assert.ErrorIs(t, err, ErrInvalidArgument, name)
+	}
+	assert.Equal(t, want, h.PageBytes(0, 1), "a refused part wrote")
+	after := make([]byte, 16)
+	require.NoError(t, h.ReadPage(0, 2, after))
+	assert.Equal(t, page2, after, "a write spilled into the next page")
+
+	require.NoError(t, h.Close())
+	assert.ErrorIs(t, h.WritePagePart(0, 1, 0, []byte{1}), ErrClosed)
+}

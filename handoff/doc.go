@@ -83,7 +83,11 @@
 // whole pages tagged with the transfer ID and their generations), an end
 // frame, and verdicts back. InProcess connects two pools in one process;
 // handoff/grpcx streams over gRPC (TLS or, on a trusted network, plain)
-// between processes and machines.
+// between processes and machines. Two optional interfaces save copies of
+// the page bytes: an OwningStream takes over the sender's data frames
+// instead of copying them, and a PartsEndpoint hands the receiver each
+// message in the buffers it arrived in, from which the pages are written
+// into the decode pool directly (kvcache.Incoming.WritePagesFrom).
 //
 // RDMA transports (NIXL, Mooncake's transfer engine, UCX) fit the same
 // protocol with the bytes moved out of band: the manifest and verdicts go

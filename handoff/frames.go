@@ -3,6 +3,7 @@ package handoff
 import (
 	"encoding/binary"
 	"fmt"
+	"sync"
 )
 
 // Messages of a transfer. The first byte names the kind.
@@ -32,29 +33,91 @@ const (
 	defaultData = 1 << 20
 )
 
-// dataFrame is a parsed 'D' message; its slices alias the message.
+// A received message may come as consecutive parts (PartsEndpoint): the
+// parsers below read a message's head contiguously, copying it only when
+// it straddles parts, and hand the page bytes on as parts.
+
+// messageParts is a received message: parts, concatenated, are its bytes.
+type messageParts struct {
+	parts   [][]byte
+	len     int
+	scratch []byte // holds a head that straddles parts
+}
+
+func (m *messageParts) reset(parts [][]byte) {
+	m.parts, m.len = parts, 0
+	for _, p := range parts {
+		m.len += len(p)
+	}
+}
+
+// kind is the message's first byte, 0 for an empty message.
+func (m *messageParts) kind() byte {
+	for _, p := range m.parts {
+		if len(p) > 0 {
+			return p[0]
+		}
+	}
+	return 0
+}
+
+// head returns the message's first k ≤ m.len bytes, contiguous: a slice
+// of the first part when it holds them, else a copy, valid until the next
+// head.
+func (m *messageParts) head(k int) []byte {
+	if len(m.parts) > 0 && len(m.parts[0]) >= k {
+		return m.parts[0][:k]
+	}
+	if cap(m.scratch) < k {
+		m.scratch = make([]byte, k)
+	}
+	h := m.scratch[:k]
+	for i, off := 0, 0; off < k; i++ {
+		off += copy(h[off:], m.parts[i])
+	}
+	return h
+}
+
+// tail appends to dst the parts that hold the message's bytes from
+// offset off on.
+func (m *messageParts) tail(dst [][]byte, off int) [][]byte {
+	for _, p := range m.parts {
+		if off >= len(p) {
+			off -= len(p)
+			continue
+		}
+		dst = append(dst, p[off:])
+		off = 0
+	}
+	return dst
+}
+
+// dataFrame is a parsed 'D' message; its slices alias the message (or
+// its head's scratch copy).
 type dataFrame struct {
 	id    [16]byte
 	first int
-	gens  []byte // n little-endian u32
-	pages []byte
+	gens  []byte   // n little-endian u32
+	pages [][]byte // n pages, regions in order, in parts
 	n     int
 }
 
-func parseData(msg []byte) (dataFrame, error) {
+// parseData parses m, a 'D' message; f.pages reuses pages' storage.
+func parseData(m *messageParts, pages [][]byte) (dataFrame, error) {
 	var f dataFrame
-	if len(msg) < dataFixed {
-		return f, fmt.Errorf("%w: data frame of %d bytes", ErrProtocol, len(msg))
+	if m.len < dataFixed {
+		return f, fmt.Errorf("%w: data frame of %d bytes", ErrProtocol, m.len)
 	}
-	copy(f.id[:], msg[1:17])
-	f.first = int(binary.LittleEndian.Uint32(msg[17:]))
-	n := int64(binary.LittleEndian.Uint32(msg[21:]))
-	if n == 0 || int64(len(msg)-dataFixed) < 4*n {
-		return f, fmt.Errorf("%w: data frame of %d bytes claims %d pages", ErrProtocol, len(msg), n)
+	h := m.head(dataFixed)
+	copy(f.id[:], h[1:17])
+	f.first = int(binary.LittleEndian.Uint32(h[17:]))
+	n := int64(binary.LittleEndian.Uint32(h[21:]))
+	if n == 0 || int64(m.len-dataFixed) < 4*n {
+		return f, fmt.Errorf("%w: data frame of %d bytes claims %d pages", ErrProtocol, m.len, n)
 	}
 	f.n = int(n)
-	f.gens = msg[dataFixed : dataFixed+4*f.n]
-	f.pages = msg[dataFixed+4*f.n:]
+	f.gens = m.head(dataFixed + 4*f.n)[dataFixed:]
+	f.pages = m.tail(pages[:0], dataFixed+4*f.n)
 	return f, nil
 }
 
@@ -89,4 +152,32 @@ func firstByte(b []byte) byte {
 		return 0
 	}
 	return b[0]
+}
+
+// frameBuffers recycles data-frame buffers by capacity: every frame of an
+// export is allocated with the capacity of a full one, so a process has
+// one size class per geometry. A handoff moves hundreds of MiB of frames,
+// which fresh allocations would have the kernel zero first.
+var frameBuffers framePool
+
+type framePool struct{ byCap sync.Map } // capacity → *sync.Pool of *[]byte
+
+// get returns a buffer of length n and capacity c ≥ n.
+func (fp *framePool) get(n, c int) *[]byte {
+	if p, ok := fp.byCap.Load(c); ok {
+		if b, ok := p.(*sync.Pool).Get().(*[]byte); ok {
+			*b = (*b)[:n]
+			return b
+		}
+	}
+	b := make([]byte, n, c)
+	return &b
+}
+
+func (fp *framePool) put(b *[]byte) {
+	p, ok := fp.byCap.Load(cap(*b))
+	if !ok {
+		p, _ = fp.byCap.LoadOrStore(cap(*b), new(sync.Pool))
+	}
+	p.(*sync.Pool).Put(b)
 }

@@ -232,10 +232,24 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming) (*kvc
 	}
 	pages := m.Pages()
 	pb := int(m.Geometry.Geometry().PageBytes())
-	var wantGens []byte
+	split, _ := ep.(PartsEndpoint)
+	var (
+		msg       messageParts
+		one       [1][]byte
+		pageParts [][]byte
+		wantGens  []byte
+	)
 	next := 0
 	for {
-		msg, err := ep.Recv()
+		var err error
+		if split != nil {
+			var parts [][]byte
+			parts, err = split.RecvParts()
+			msg.reset(parts)
+		} else {
+			one[0], err = ep.Recv()
+			msg.reset(one[:])
+		}
 		if errors.Is(err, io.EOF) {
 			return nil, fmt.Errorf("%w: request %q: stream ended after %d of %d pages without an end frame",
 				kvcache.ErrIncompleteTransfer, m.RequestID, next, pages)
@@ -243,19 +257,20 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming) (*kvc
 		if err != nil {
 			return nil, fmt.Errorf("%w: request %q after %d of %d pages: %w", ErrTransport, m.RequestID, next, pages, err)
 		}
-		switch firstByte(msg) {
+		switch msg.kind() {
 		case msgData:
-			f, err := parseData(msg)
+			f, err := parseData(&msg, pageParts)
 			if err != nil {
 				return nil, err
 			}
+			pageParts = f.pages
 			switch {
 			case f.id != m.TransferID:
 				return nil, fmt.Errorf("%w: data frame of transfer %x in transfer %x", ErrProtocol, f.id, m.TransferID)
 			case f.first != next || f.n > pages-next:
 				return nil, fmt.Errorf("%w: pages [%d, %d) after %d of %d", ErrProtocol, f.first, f.first+f.n, next, pages)
-			case len(f.pages) != f.n*pb:
-				return nil, fmt.Errorf("%w: %d bytes for %d pages of %d", ErrProtocol, len(f.pages), f.n, pb)
+			case msg.len-dataFixed-4*f.n != f.n*pb:
+				return nil, fmt.Errorf("%w: %d bytes for %d pages of %d", ErrProtocol, msg.len-dataFixed-4*f.n, f.n, pb)
 			}
 			wantGens = wantGens[:0]
 			for _, g := range m.Generations[f.first : f.first+f.n] {
@@ -264,17 +279,17 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming) (*kvc
 			if !bytes.Equal(f.gens, wantGens) {
 				return nil, fmt.Errorf("%w: pages [%d, %d) carry generations the manifest does not name", ErrProtocol, f.first, f.first+f.n)
 			}
-			if err := in.WritePages(f.first, f.pages); err != nil {
+			if err := in.WritePagesFrom(f.first, f.pages); err != nil {
 				return nil, err
 			}
 			next += f.n
 		case msgEnd:
-			if len(msg) != endLen || !bytes.Equal(msg[1:17], m.TransferID[:]) {
-				return nil, fmt.Errorf("%w: end frame of %d bytes for another transfer", ErrProtocol, len(msg))
+			if msg.len != endLen || !bytes.Equal(msg.head(endLen)[1:17], m.TransferID[:]) {
+				return nil, fmt.Errorf("%w: end frame of %d bytes for another transfer", ErrProtocol, msg.len)
 			}
 			return in.Complete()
 		default:
-			return nil, fmt.Errorf("%w: message kind %q during a transfer", ErrProtocol, firstByte(msg))
+			return nil, fmt.Errorf("%w: message kind %q during a transfer", ErrProtocol, msg.kind())
 		}
 	}
 }

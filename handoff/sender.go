@@ -140,19 +140,15 @@ func (e *Export) sendPages(st Stream) error {
 	pb := int(e.out.Geometry().PageBytes())
 	n := e.out.Pages()
 	per := max(1, min(n, (e.s.cfg.FrameBytes-dataFixed)/(pb+4)))
-	bst, lends := st.(BufferedStream)
-	var buf []byte
-	if !lends {
-		buf = make([]byte, dataFixed+4*per+per*pb)
-	}
+	// Every frame buffer has a full frame's capacity: one size class in
+	// the pool per geometry and frame size.
+	full := dataFixed + per*(4+pb)
+	owning, _ := st.(OwningStream)
 	le := binary.LittleEndian
 	for first := 0; first < n; {
 		k := min(per, n-first)
-		size := dataFixed + 4*k + k*pb
-		if lends {
-			buf = bst.Buffer(size)
-		}
-		frame := buf[:size]
+		b := frameBuffers.get(dataFixed+k*(4+pb), full)
+		frame := *b
 		frame[0] = msgData
 		copy(frame[1:17], e.m.TransferID[:])
 		le.PutUint32(frame[17:], uint32(first))
@@ -161,13 +157,17 @@ func (e *Export) sendPages(st Stream) error {
 			le.PutUint32(frame[dataFixed+4*i:], g)
 		}
 		if err := e.out.ReadPages(first, frame[dataFixed+4*k:]); err != nil {
+			frameBuffers.put(b)
 			return err
 		}
-		send := st.Send
-		if lends {
-			send = bst.SendBuffer
+		var err error
+		if owning != nil {
+			err = owning.SendOwned(frame, func() { frameBuffers.put(b) })
+		} else {
+			err = st.Send(frame)
+			frameBuffers.put(b)
 		}
-		if err := e.check(st, send(frame)); err != nil {
+		if err := e.check(st, err); err != nil {
 			return err
 		}
 		first += k

@@ -31,15 +31,17 @@ type Stream interface {
 	Close() error
 }
 
-// BufferedStream is a Stream that can send without copying: the sender
-// fills a buffer the stream lends it and passes it back to SendBuffer,
-// which takes ownership (the stream frees it once written). Buffer and
-// SendBuffer alternate; the sender uses them for data frames when the
-// stream offers them.
-type BufferedStream interface {
+// OwningStream is a Stream that can take over a message instead of
+// copying it. The sender transmits its data frames this way when the
+// stream offers it: a frame the checksum pass staged goes to the wire
+// without another copy.
+type OwningStream interface {
 	Stream
-	Buffer(n int) []byte
-	SendBuffer(buf []byte) error
+	// SendOwned transmits msg, which the stream owns from the call on:
+	// it calls done exactly once, when it no longer needs msg's bytes,
+	// whether or not the send succeeds (possibly before SendOwned
+	// returns). The caller does not touch msg after the call.
+	SendOwned(msg []byte, done func()) error
 }
 
 // Endpoint is the receiver's end of one transfer, what a transport
@@ -51,6 +53,16 @@ type Endpoint interface {
 	Recv() ([]byte, error)
 	// Send transmits msg to the sender; the endpoint does not keep msg.
 	Send(msg []byte) error
+}
+
+// PartsEndpoint is an Endpoint that can hand over a message in the parts
+// it arrived in, saving the copy into one buffer: the receiver writes
+// page bytes from the parts straight into the decode pool's pages.
+type PartsEndpoint interface {
+	Endpoint
+	// RecvParts returns the sender's next message as consecutive parts,
+	// valid until the next Recv or RecvParts; errors as Recv's.
+	RecvParts() ([][]byte, error)
 }
 
 // errPipeClosed is what an in-process stream returns once either end

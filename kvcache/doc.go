@@ -76,7 +76,10 @@
 //
 // TryAcquire and Release never block and may run under Pool.mu. Key
 // hashing runs outside Pool.mu. Events are sent under Pool.mu with a
-// non-blocking send.
+// non-blocking send. Handoff page copies (Outgoing.ReadPages,
+// Incoming.WritePages) are vetted under Pool.mu and run outside it, with
+// the lease pinned: a release of a pinned lease, and Close, wait on a
+// condition variable of Pool.mu until the copies are done (handoff.go).
 //
 // A Lease's own fields are immutable while it lives, except the written
 // watermark, the state and the handoff phase (handoff.go), which are

@@ -32,8 +32,11 @@ package kvcache
 //   - An exported lease's pages are read only while the lease still holds
 //     them: each read checks, under Pool.mu, that the lease is exported,
 //     still this export's (its first handle's generation), and that every
-//     page is at the handle's generation. Release takes Pool.mu too, so no
-//     read overlaps a release, and no byte of a reused page is ever sent.
+//     page is at the handle's generation, and pins the lease for the copy,
+//     which then runs without the lock. Every release of a lease waits
+//     for its pins and refuses new ones from when it starts (drainLocked),
+//     so no read overlaps a release, and no byte of a reused page is ever
+//     sent.
 //   - An importing lease is never handed out: BeginImport returns an
 //     *Incoming, not the *Lease. The Lease exists (its pages are in use,
 //     charged to the tenant, counted by Check) but no engine can see its
@@ -41,8 +44,9 @@ package kvcache
 //     the content checksum matches. Any failure aborts the import: the
 //     pages go through the scrubber.
 //   - Writes into an import check, under Pool.mu, that the import is live
-//     and each page still at its generation, so a late (stale) transfer
-//     never lands in a page that was released and reused (SGLang 24578).
+//     and each page still at its generation, and pin it as reads do, so a
+//     late (stale) transfer never lands in a page that was released and
+//     reused (SGLang 24578).
 //
 // The content checksum is CRC32C (Castagnoli, hardware-accelerated) of the
 // per-page CRC32Cs, little-endian, in page order; a page's CRC32C covers its
@@ -149,13 +153,18 @@ func (l *Lease) Abort() error {
 // lease in between. It records phase as the lease's final phase.
 func (p *Pool) endIf(l *Lease, owned func() bool, phase Phase) (ended bool, err error) {
 	p.mu.Lock()
-	if p.mu.closed {
-		p.mu.Unlock()
-		return false, ErrPoolClosed
-	}
-	if l.state.Load() != leaseLive || !owned() {
-		p.mu.Unlock()
-		return false, nil
+	for {
+		if p.mu.closed {
+			p.mu.Unlock()
+			return false, ErrPoolClosed
+		}
+		if l.state.Load() != leaseLive || !owned() {
+			p.mu.Unlock()
+			return false, nil
+		}
+		if !p.drainLocked(l) {
+			break
+		}
 	}
 	l.phase.Store(uint32(phase))
 	l.state.Store(leaseReleased)
@@ -246,13 +255,15 @@ func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 }
 
 // pageSums reads every exported page once and returns its checksum. The
-// pages are split among up to GOMAXPROCS workers: this pass is on the
-// critical path of a handoff, before the first byte can be sent.
+// pages are split among up to GOMAXPROCS workers in contiguous runs: this
+// pass is on the critical path of a handoff, before the first byte can be
+// sent, and the reads run in parallel (ReadPages pins the lease, it does
+// not hold the pool lock while copying).
 func (o *Outgoing) pageSums() ([]uint32, error) {
 	n := len(o.handles)
 	sums := make([]uint32, n)
 	pb := int(o.pool.geom.PageBytes())
-	batch := max(1, (1<<20)/pb) // pages read per lock hold
+	batch := max(1, (1<<20)/pb) // pages read at a time, into a cache-sized buffer
 	workers := min(runtime.GOMAXPROCS(0), 8, (n+batch-1)/batch)
 	per := (n + workers - 1) / workers
 	var g errgroup.Group
@@ -329,7 +340,9 @@ func (o *Outgoing) Live() bool {
 // ReadPages copies exported pages first, first+1, … into dst, each page
 // PageBytes long with its regions in order; len(dst) must be a multiple of
 // PageBytes. It fails with ErrReclaimed once the pages are no longer this
-// export's, and then copies nothing.
+// export's, and then copies nothing. Reads may run concurrently with each
+// other and with the pool's other work: the pool lock is held only while
+// the read is vetted, and the lease cannot be released until it is done.
 func (o *Outgoing) ReadPages(first int, dst []byte) error {
 	p := o.pool
 	pb := int(p.geom.PageBytes())
@@ -338,27 +351,42 @@ func (o *Outgoing) ReadPages(first int, dst []byte) error {
 		return fmt.Errorf("%w: read of %d bytes at page %d of %d (pages are %d bytes)",
 			ErrInvalidArgument, len(dst), first, len(o.handles), pb)
 	}
+	hs := o.handles[first : first+n]
 	p.mu.Lock()
-	defer p.mu.Unlock()
-	if err := o.checkLocked(); err != nil {
+	err := o.checkLocked()
+	if err == nil {
+		err = p.pinPagesLocked(o.lease, hs)
+	}
+	p.mu.Unlock()
+	if err != nil {
 		return err
 	}
-	return p.copyPagesLocked(o.handles[first:first+n], dst, false)
+	defer p.unpin(o.lease)
+	return p.readPages(hs, dst)
 }
 
 func (o *Outgoing) checkLocked() error {
 	if o.pool.mu.closed {
 		return ErrPoolClosed
 	}
-	if !o.owns() {
+	if !o.owns() || o.lease.draining {
 		return fmt.Errorf("%w: request %q", ErrReclaimed, o.lease.id)
 	}
 	return nil
 }
 
-// copyPagesLocked moves whole pages between buf and the device, after
-// checking that each page is still in use at its handle's generation.
-func (p *Pool) copyPagesLocked(hs []allocator.Handle, buf []byte, write bool) error {
+// Page copies between a lease's pages and host memory run outside
+// Pool.mu, so that a handoff moving hundreds of MiB neither serializes its
+// own readers nor stalls admissions. A copy is vetted and pinned under
+// Pool.mu; every release of the lease (Release, Abort, the reclaim
+// deadline, Close) first waits, in drainLocked, until its pins are gone,
+// and from then on refuses new ones. So a copy only ever touches pages
+// that the vetted lease still holds: none is scrubbed, reused or closed
+// under it.
+
+// pinPagesLocked checks that each page is still in use at its handle's
+// generation and, if so, pins l for one copy; unpin ends it.
+func (p *Pool) pinPagesLocked(l *Lease, hs []allocator.Handle) error {
 	for _, h := range hs {
 		info, err := p.mu.alloc.Info(h.Page)
 		if err != nil || info.State != allocator.InUse || info.Gen != h.Gen {
@@ -366,17 +394,43 @@ func (p *Pool) copyPagesLocked(hs []allocator.Handle, buf []byte, write bool) er
 				ErrStaleTransfer, h.Page, info.Gen, info.State, h.Gen)
 		}
 	}
+	l.pins++
+	p.mu.pins++
+	return nil
+}
+
+func (p *Pool) unpin(l *Lease) {
+	p.mu.Lock()
+	l.pins--
+	p.mu.pins--
+	if l.pins == 0 && (l.draining || p.mu.closed) {
+		p.unpinned.Broadcast()
+	}
+	p.mu.Unlock()
+}
+
+// drainLocked is called by a release of live lease l with Pool.mu held.
+// If copies are in flight on l's pages it refuses new ones, waits for
+// them (releasing Pool.mu meanwhile) and returns true: the caller must
+// then look at the lease again, as anything may have happened to it.
+func (p *Pool) drainLocked(l *Lease) bool {
+	if l.pins == 0 {
+		return false
+	}
+	l.draining = true
+	for l.pins > 0 {
+		p.unpinned.Wait()
+	}
+	return true
+}
+
+// readPages copies whole pages into buf; the caller has pinned them.
+func (p *Pool) readPages(hs []allocator.Handle, buf []byte) error {
 	rb := int(p.geom.RegionPageBytes())
 	off := 0
 	for _, h := range hs {
 		for r := range p.geom.Regions() {
-			var err error
-			if write {
-				err = p.dev.WritePage(r, h.Page, buf[off:off+rb])
-			} else {
-				err = p.dev.ReadPage(r, h.Page, buf[off:off+rb])
-			}
-			if err != nil {
+			if err := p.dev.ReadPage(r, h.Page, buf[off:off+rb]); err != nil {
 				return fmt.Errorf("kvcache: page %d region %d: %w", h.Page, r, err)
 			}
 			off += rb
@@ -493,16 +547,24 @@ func (in *Incoming) fail(err error) error {
 // a malformed range, a page received twice, or an import that has already
 // ended (ErrStaleTransfer: nothing is written).
 func (in *Incoming) WritePages(first int, src []byte) error {
+	return in.WritePagesFrom(first, [][]byte{src})
+}
+
+// WritePagesFrom is WritePages for pages that arrived in pieces: parts,
+// concatenated, are the pages (a gRPC message, for one, is a list of
+// 16 KiB buffers). On a device that writes parts of pages in place
+// (cudaops.PartWriter) the bytes go from the parts to the pages without
+// another copy.
+func (in *Incoming) WritePagesFrom(first int, parts [][]byte) error {
 	pb := in.pageLen
-	n := len(src) / pb
-	if n == 0 || len(src)%pb != 0 || first < 0 || first+n > in.pages {
-		return in.fail(fmt.Errorf("%w: write of %d bytes at page %d of %d (pages are %d bytes)",
-			ErrInvalidArgument, len(src), first, in.pages, pb))
+	total := 0
+	for _, part := range parts {
+		total += len(part)
 	}
-	// Summed before the write: the bytes written are exactly these.
-	sums := make([]uint32, n)
-	for i := range n {
-		sums[i] = PageChecksum(src[i*pb : (i+1)*pb])
+	n := total / pb
+	if n == 0 || total%pb != 0 || first < 0 || first+n > in.pages {
+		return in.fail(fmt.Errorf("%w: write of %d bytes at page %d of %d (pages are %d bytes)",
+			ErrInvalidArgument, total, first, in.pages, pb))
 	}
 	in.mu.Lock()
 	for i := first; i < first+n; i++ {
@@ -515,15 +577,21 @@ func (in *Incoming) WritePages(first int, src []byte) error {
 	in.mu.Unlock()
 
 	p := in.pool
+	hs := in.lease.handles[first : first+n]
 	p.mu.Lock()
 	err := p.stateErrLocked()
-	if err == nil && !in.owns() {
+	if err == nil && (!in.owns() || in.lease.draining) {
 		err = fmt.Errorf("%w: import of request %q has ended", ErrStaleTransfer, in.lease.id)
 	}
 	if err == nil {
-		err = p.copyPagesLocked(in.lease.handles[first:first+n], src, true)
+		err = p.pinPagesLocked(in.lease, hs)
 	}
 	p.mu.Unlock()
+	sums := make([]uint32, n)
+	if err == nil {
+		err = p.writeParts(hs, parts, sums)
+		p.unpin(in.lease)
+	}
 	if err != nil {
 		return in.fail(err)
 	}
@@ -533,6 +601,76 @@ func (in *Incoming) WritePages(first int, src []byte) error {
 	copy(in.mu.sums[first:], sums)
 	in.mu.received += n
 	in.mu.Unlock()
+	return nil
+}
+
+// partCursor walks the concatenation of parts.
+type partCursor struct {
+	parts [][]byte
+	off   int // into parts[0]
+}
+
+// next returns the next contiguous run of at most max bytes and moves
+// past it; the caller asks for no more than is left.
+func (c *partCursor) next(max int) []byte {
+	for len(c.parts[0]) == c.off {
+		c.parts, c.off = c.parts[1:], 0
+	}
+	seg := c.parts[0][c.off:min(len(c.parts[0]), c.off+max)]
+	c.off += len(seg)
+	return seg
+}
+
+// writeParts writes pages hs, region by region, from the concatenation
+// of parts, and sets sums[i] to the checksum of page i's bytes; the caller
+// has pinned the pages. Each page is summed just before it is written,
+// while its bytes are in cache, so the bytes written are the bytes summed.
+// A region that lies in one part is written from it; one split across
+// parts is written in pieces on a cudaops.PartWriter and assembled in
+// scratch memory elsewhere.
+func (p *Pool) writeParts(hs []allocator.Handle, parts [][]byte, sums []uint32) error {
+	rb := int(p.geom.RegionPageBytes())
+	partial, _ := p.dev.(cudaops.PartWriter)
+	var scratch []byte
+	cur := partCursor{parts: parts}
+	for i, h := range hs {
+		sum := cur // a copy: walks the page once more, ahead of the writes
+		for left := rb * p.geom.Regions(); left > 0; {
+			seg := sum.next(left)
+			sums[i] = crc32.Update(sums[i], castagnoli, seg)
+			left -= len(seg)
+		}
+		for r := range p.geom.Regions() {
+			var err error
+			seg := cur.next(rb)
+			switch {
+			case len(seg) == rb:
+				err = p.dev.WritePage(r, h.Page, seg)
+			case partial != nil:
+				off := 0
+				for {
+					if err = partial.WritePagePart(r, h.Page, off, seg); err != nil {
+						break
+					}
+					if off += len(seg); off == rb {
+						break
+					}
+					seg = cur.next(rb - off)
+				}
+			default:
+				if scratch == nil {
+					scratch = make([]byte, rb)
+				}
+				for off := copy(scratch, seg); off < rb; {
+					off += copy(scratch[off:], cur.next(rb-off))
+				}
+				err = p.dev.WritePage(r, h.Page, scratch)
+			}
+			if err != nil {
+				return fmt.Errorf("kvcache: page %d region %d: %w", h.Page, r, err)
+			}
+		}
+	}
 	return nil
 }
 

@@ -30,6 +30,10 @@ type Lease struct {
 	state   atomic.Uint32
 	written atomic.Int64  // watermark in tokens, | writeSealed while the pages take no writes
 	phase   atomic.Uint32 // handoff phase (handoff.go); meaningful while state is leaseLive
+	// Copies in flight on the pages outside Pool.mu (handoff.go), and
+	// whether a release is waiting for them; both guarded by Pool.mu.
+	pins     int
+	draining bool
 
 	// Prefix sharing (prefix.go). domain is where the lease's pages are
 	// owned; keys are its prompt's full-page keys (derived for keysFor, or
@@ -52,6 +56,7 @@ func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []alloc
 	}
 	l.written.Store(0)
 	l.phase.Store(uint32(PhaseAdmitted))
+	l.pins, l.draining = 0, false
 	l.state.Store(leaseLive)
 }
 

@@ -58,6 +58,9 @@ type Pool struct {
 	// q is set once in New. Issue may be called without mu; every method
 	// ending in Locked needs mu.
 	q *isolation.Quarantine
+	// unpinned is signalled (with mu) when a lease's last page copy ends
+	// while a release or Close waits for it.
+	unpinned sync.Cond
 
 	mu struct {
 		sync.Mutex
@@ -65,6 +68,7 @@ type Pool struct {
 		tenants  *isolation.Registry
 		leases   map[string]*Lease
 		closed   bool
+		pins     int           // page copies in flight outside mu, all leases
 		changed  chan struct{} // closed when pages or quotas free up; nil while nobody waits
 		admitted uint64
 		refused  Refusals
@@ -115,6 +119,7 @@ func New(cfg Config) (*Pool, error) {
 		freePages:  semaphore.NewWeighted(int64(pages)),
 	}
 	p.closing, p.stopAll = context.WithCancel(context.Background())
+	p.unpinned.L = &p.mu.Mutex
 	p.mu.alloc, p.mu.tenants, p.q = alloc, reg, q
 	p.mu.leases = make(map[string]*Lease)
 	p.mu.prefix.init(pages, cfg.Prefix)
@@ -449,14 +454,20 @@ func (p *Pool) refuseWaitEnded(req Request, need int, cause error) error {
 // the engine work named by after.
 func (p *Pool) release(l *Lease, after cudaops.Ordering) error {
 	p.mu.Lock()
-	if p.mu.closed {
-		p.mu.Unlock()
-		return ErrPoolClosed
+	for {
+		if p.mu.closed {
+			p.mu.Unlock()
+			return ErrPoolClosed
+		}
+		if l.state.Load() != leaseLive {
+			p.mu.Unlock()
+			return ErrLeaseReleased
+		}
+		if !p.drainLocked(l) {
+			break
+		}
 	}
-	if !l.state.CompareAndSwap(leaseLive, leaseReleased) {
-		p.mu.Unlock()
-		return ErrLeaseReleased
-	}
+	l.state.Store(leaseReleased)
 	pages := p.detachLocked(l, l.scrub[:0])
 	l.scrub = pages[:0]
 	p.mu.Unlock()
@@ -543,6 +554,9 @@ func (p *Pool) Close() error {
 	}
 	p.mu.closed = true
 	p.stopAll()
+	for p.mu.pins > 0 { // no copy may outlive the pages or the device
+		p.unpinned.Wait()
+	}
 	var pages []int32
 	for _, l := range p.mu.leases {
 		l.state.Store(leaseReleased)

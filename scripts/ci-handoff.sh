@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # CI steps for the prefill → decode handoff (issue 5) beyond `go test -race
-# ./...` (which .ci/run runs): fuzzing of the manifest codec past its seeds,
+# ./...` (which .ci/run runs): fuzzing of the manifest codec and the
+# data-frame parser past their seeds,
 # and the two-process example. FUZZTIME overrides the fuzzing budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzztime="${FUZZTIME:-20000x}" # inputs, not seconds: see .ci/run
-# Fuzz the manifest decoder and parser briefly beyond their seed corpus.
+# Fuzz the manifest decoder and parser, and the data-frame parser over
+# messages in parts, briefly beyond their seed corpus.
 go test -run '^$' -fuzz '^FuzzDecode$' -fuzztime "$fuzztime" ./handoff
 go test -run '^$' -fuzz '^FuzzParse$' -fuzztime "$fuzztime" ./handoff
+go test -run '^$' -fuzz '^FuzzParseData$' -fuzztime "$fuzztime" ./handoff
 go run ./examples/disagg >/dev/null

@@ -19,7 +19,14 @@
 //
 // Flow-control windows are large (WindowBytes) because a transfer is one
 // long bulk stream: the default 64 KiB window would cap a loopback
-// transfer far below memory bandwidth.
+// transfer far below memory bandwidth. They are not larger than that,
+// because the window is also how far gRPC's reader runs ahead of the
+// receiver: within a few MiB, the bytes the receiver sums and writes are
+// still in cache (on loopback, 4–8 MiB moved a 256 MiB handoff 10–15%
+// faster than 32 MiB). A link whose bandwidth-delay product is larger
+// (hundreds of Gb/s at more than ~150 µs) wants a larger window: pass
+// grpc.InitialWindowSize and grpc.WithInitialWindowSize (and the
+// connection variants) as extra options, which override these.
 package grpcx
 
 import (
@@ -44,8 +51,9 @@ const (
 	// MaxMessageBytes bounds one message: a data frame holds at least one
 	// whole page, so pages (over all regions) must be smaller than this.
 	MaxMessageBytes = 256 << 20
-	// WindowBytes is the per-stream and per-connection flow-control window.
-	WindowBytes = 32 << 20
+	// WindowBytes is the per-stream and per-connection flow-control
+	// window: the most bytes in flight.
+	WindowBytes = 8 << 20
 	// bufferBytes sizes the connection's read and write buffers: fewer,
 	// larger syscalls for bulk data.
 	bufferBytes = 1 << 20
@@ -55,16 +63,31 @@ const (
 var ErrNoCredentials = errors.New("grpcx: transport credentials required (TLS, or insecure for loopback)")
 
 // frame is what passes through the codec: one handoff message, either
-// bytes to copy or a pooled buffer gRPC takes over.
+// bytes to copy or a pooled buffer gRPC takes over; received, either
+// copied into b or, if keep is set, kept as the buffers it arrived in.
 type frame struct {
 	b     []byte
 	owned mem.Buffer
+	keep  bool
+	kept  mem.BufferSlice // referenced until release
+	parts [][]byte        // kept's bytes
+}
+
+// release frees the buffers a received frame kept.
+func (f *frame) release() {
+	if f.kept != nil {
+		f.kept.Free()
+		f.kept, f.parts = nil, f.parts[:0]
+	}
 }
 
 // rawCodec moves frames as their bytes. Marshal copies into a pooled
-// buffer, which gRPC frees once written: the caller may reuse its slice as
-// soon as Send returns, as handoff.Stream promises. Unmarshal copies into
-// the frame's own buffer, reused from message to message.
+// buffer, which gRPC frees once written (the caller may reuse its slice as
+// soon as Send returns, as handoff.Stream promises), unless the frame
+// carries a buffer gRPC owns. Unmarshal copies into the frame's own
+// buffer, reused from message to message, or keeps gRPC's buffers
+// (16 KiB each, one per HTTP/2 data frame) for the receiver to write
+// pages from without that copy.
 type rawCodec struct{}
 
 func (rawCodec) Name() string { return "kvfence-raw" }
@@ -84,6 +107,14 @@ func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	f, ok := v.(*frame)
 	if !ok {
 		return fmt.Errorf("grpcx: cannot unmarshal into %T", v)
+	}
+	if f.keep {
+		data.Ref() // gRPC frees its reference when Unmarshal returns
+		f.kept = data
+		for _, b := range data {
+			f.parts = append(f.parts, b.ReadOnlyData())
+		}
+		return nil
 	}
 	n := data.Len()
 	if cap(f.b) < n {
@@ -116,7 +147,9 @@ type service struct{ r *handoff.Receiver }
 // transfer serves one stream. The receiver's verdicts already told the
 // sender how it ended, so the RPC itself ends without a status error.
 func (s *service) transfer(stream grpc.ServerStream) error {
-	s.r.Serve(stream.Context(), &serverEnd{stream: stream})
+	e := &serverEnd{stream: stream}
+	defer e.in.release()
+	s.r.Serve(stream.Context(), e)
 	return nil
 }
 
@@ -125,11 +158,26 @@ type serverEnd struct {
 	in     frame
 }
 
+var _ handoff.PartsEndpoint = (*serverEnd)(nil)
+
 func (e *serverEnd) Recv() ([]byte, error) {
+	e.in.release()
+	e.in.keep = false
 	if err := e.stream.RecvMsg(&e.in); err != nil {
 		return nil, err
 	}
 	return e.in.b, nil
+}
+
+// RecvParts implements handoff.PartsEndpoint: the message stays in gRPC's
+// receive buffers until the next receive.
+func (e *serverEnd) RecvParts() ([][]byte, error) {
+	e.in.release()
+	e.in.keep = true
+	if err := e.stream.RecvMsg(&e.in); err != nil {
+		return nil, err
+	}
+	return e.in.parts, nil
 }
 
 func (e *serverEnd) Send(msg []byte) error { return e.stream.SendMsg(&frame{b: msg}) }
@@ -217,17 +265,15 @@ type clientStream struct {
 	st     grpc.ClientStream
 	cancel context.CancelFunc
 	in     frame
-	lent   *[]byte
 }
 
-var _ handoff.BufferedStream = (*clientStream)(nil)
+var _ handoff.OwningStream = (*clientStream)(nil)
 
-// bufferPool is the connection's buffer pool (gRPC reads every incoming
-// HTTP/2 frame into one of its buffers) and lends the sender its data
-// frames. gRPC's default pool clears each buffer it hands out and keeps
-// none above 1 MiB; a transfer moves hundreds of MiB, and every buffer
-// this pool hands out is overwritten up to its length before anyone reads
-// it (io.ReadFull of a frame, or a sender filling a data frame), so the
+// bufferPool is the connection's buffer pool: gRPC reads every incoming
+// HTTP/2 frame into one of its buffers. gRPC's default pool clears each
+// buffer it hands out and keeps none above 1 MiB; a transfer moves
+// hundreds of MiB, and every buffer this pool hands out is overwritten up
+// to its length before anyone reads it (io.ReadFull of a frame), so the
 // clearing is pure cost. Buffers come in power-of-two size classes.
 type bufferPool struct{ classes [40]sync.Pool }
 
@@ -254,22 +300,25 @@ func (bp *bufferPool) Put(b *[]byte) {
 	}
 }
 
-// Buffer lends a pooled buffer of n bytes for the next SendBuffer.
-func (s *clientStream) Buffer(n int) []byte {
-	s.lent = buffers.Get(n)
-	return *s.lent
-}
+// donePool is the "pool" of one owned message: gRPC puts the buffer back
+// once it has written it (or dropped it), which is when the sender may
+// have it back.
+type donePool struct{ done func() }
 
-// SendBuffer sends the lent buffer without copying it; gRPC returns it to
-// the pool once it has been written.
-func (s *clientStream) SendBuffer(buf []byte) error {
-	if s.lent == nil {
-		return fmt.Errorf("%w: SendBuffer without Buffer", handoff.ErrTransport)
+func (donePool) Get(int) *[]byte { panic("grpcx: donePool lends nothing") }
+func (d donePool) Put(*[]byte)   { d.done() }
+
+// SendOwned sends msg without copying it: gRPC writes the frames of the
+// message straight from msg and frees it through done.
+func (s *clientStream) SendOwned(msg []byte, done func()) error {
+	var err error
+	if mem.IsBelowBufferPoolingThreshold(cap(msg)) {
+		err = s.st.SendMsg(&frame{b: msg}) // mem.NewBuffer would not report back
+		done()
+	} else {
+		err = s.st.SendMsg(&frame{owned: mem.NewBuffer(&msg, donePool{done})})
 	}
-	*s.lent = buf
-	b := mem.NewBuffer(s.lent, buffers)
-	s.lent = nil
-	if err := s.st.SendMsg(&frame{owned: b}); err != nil {
+	if err != nil {
 		return fmt.Errorf("%w: %w", handoff.ErrTransport, err)
 	}
 	return nil

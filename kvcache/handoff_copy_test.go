@@ -1,0 +1,243 @@
+package kvcache
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/cudaops"
+)
+
+// wholePagesOnly hides the Host's PartWriter: the pool must then assemble
+// split regions itself.
+type wholePagesOnly struct{ cudaops.Device }
+
+// split cuts b into parts of random lengths, some empty, with a given
+// seed.
+func split(b []byte, seed uint64, maxPart int) [][]byte {
+	rng := rand.New(rand.NewPCG(seed, 1))
+	var parts [][]byte
+	for len(b) > 0 {
+		n := min(len(b), rng.IntN(maxPart+1))
+		parts = append(parts, b[:n])
+		b = b[n:]
+	}
+	return parts
+}
+
+func TestImportWritePagesFromParts(t *testing.T) {
+	src := handoffPool(t, 16)
+	l := prefilled(t, src, "r", 10) // 3 pages
+	out, err := l.Export(time.Now().Add(time.Minute))
+	require.NoError(t, err)
+	defer out.Abort()
+	pb := int(src.Geometry().PageBytes())
+	rb := int(src.Geometry().RegionPageBytes())
+	want := make([]byte, 3*pb)
+	require.NoError(t, out.ReadPages(0, want))
+
+	for _, dev := range []struct {
+		name string
+		wrap func(cudaops.Device) cudaops.Device
+	}{
+		{"part writer", func(d cudaops.Device) cudaops.Device { return d }},
+		{"whole pages only", func(d cudaops.Device) cudaops.Device { return wholePagesOnly{d} }},
+	} {
+		for _, maxPart := range []int{1, 3, rb - 1, rb + 5, 3 * pb} {
+			host := canaryDevice(t, src.Geometry(), 8, ScrubPolicy{Kind: ScrubCanary})
+			dst, err := New(Config{Device: dev.wrap(host), Geometry: src.Geometry(), Pages: 8,
+				MaxContextTokens: 32, Tenants: []TenantConfig{{Name: "a"}}, Scrub: ScrubPolicy{Kind: ScrubCanary}})
+			require.NoError(t, err)
+			in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), out.Checksum())
+			require.NoError(t, err)
+			// Page 0 alone, then pages 1 and 2 in one call.
+			require.NoError(t, in.WritePagesFrom(0, split(want[:pb], uint64(maxPart), maxPart)), "%s, parts ≤ %d", dev.name, maxPart)
+			require.NoError(t, in.WritePagesFrom(1, split(want[pb:], uint64(maxPart)+1, maxPart)))
+			got, err := in.Complete()
+			require.NoError(t, err, "%s, parts ≤ %d", dev.name, maxPart)
+			table, err := got.BlockTable()
+			require.NoError(t, err)
+			back := make([]byte, 0, len(want))
+			for _, pg := range table[:3] {
+				for r := range dst.Geometry().Regions() {
+					back = append(back, host.(*cudaops.Host).PageBytes(r, pg)...)
+				}
+			}
+			assert.True(t, bytes.Equal(want, back), "%s, parts ≤ %d: pages differ", dev.name, maxPart)
+			require.NoError(t, got.Release())
+			require.NoError(t, dst.Check())
+			require.NoError(t, dst.Close())
+		}
+	}
+}
+
+func TestImportWritePagesFromRefusesBadParts(t *testing.T) {
+	src := handoffPool(t, 16)
+	l := prefilled(t, src, "r", 10)
+	out, err := l.Export(time.Now().Add(time.Minute))
+	require.NoError(t, err)
+	defer out.Abort()
+	pb := int(src.Geometry().PageBytes())
+	good := make([]byte, 3*pb)
+	require.NoError(t, out.ReadPages(0, good))
+
+	for name, parts := range map[string][][]byte{
+		"no parts":       nil,
+		"empty parts":    {{}, {}},
+		"a page short":   split(good[:2*pb-1], 7, 100),
+		"a byte over":    append(split(good, 8, 100), []byte{0}),
+		"past the end":   split(append(bytes.Clone(good), good[:pb]...), 9, 100),
+		"checksum stays": {good[:pb], good[pb : 2*pb-1]}, // not whole pages
+	} {
+		dst := handoffPool(t, 32)
+		in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), out.Checksum())
+		require.NoError(t, err)
+		assert.ErrorIs(t, in.WritePagesFrom(0, parts), ErrInvalidArgument, name)
+		_, err = in.Complete()
+		assert.Error(t, err, "%s: an aborted import completed", name)
+		assert.Equal(t, 0, dst.Stats().InUsePages, name)
+		require.NoError(t, dst.Check(), name)
+	}
+}
+
+// gatedReads is a device whose ReadPage waits at a gate, so that a test
+// can hold a page copy in flight.
+type gatedReads struct {
+	cudaops.Device
+	entered chan struct{} // one send per ReadPage that reached the gate
+	open    chan struct{} // closed to let them through
+}
+
+func (d *gatedReads) ReadPage(r int, p int32, dst []byte) error {
+	d.entered <- struct{}{}
+	<-d.open
+	return d.Device.ReadPage(r, p, dst)
+}
+
+// TestReleaseWaitsForCopyInFlight: page copies run outside the pool lock,
+// so a release (here the export's Abort, the reclaim path and Close)
+// must wait for them: the pages of a copy in flight are never scrubbed or
+// handed to another lease, and once the release has begun no new copy
+// starts.
+func TestReleaseWaitsForCopyInFlight(t *testing.T) {
+	for _, how := range []string{"abort", "engine release", "close"} {
+		t.Run(how, func(t *testing.T) {
+			g := Geometry{TokensPerPage: 4, Layers: 1, KVHeads: 1, HeadDim: 4, DType: FP16}
+			host := canaryDevice(t, g, 8, ScrubPolicy{Kind: ScrubZero})
+			dev := &gatedReads{Device: host, entered: make(chan struct{}, 64), open: make(chan struct{})}
+			p, err := New(Config{Device: dev, Geometry: g, Pages: 8, MaxContextTokens: 32,
+				Tenants: []TenantConfig{{Name: "a"}}})
+			require.NoError(t, err)
+			defer p.Close()
+			l, err := p.Admit(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 4})
+			require.NoError(t, err)
+			table, _ := l.BlockTable()
+			for r := range g.Regions() {
+				page := host.(*cudaops.Host).PageBytes(r, table[0])
+				for i := range page {
+					page[i] = 0xAB
+				}
+			}
+			require.NoError(t, l.BeginPrefill())
+			require.NoError(t, l.Commit(4))
+			require.NoError(t, l.FinishPrefill())
+
+			// Export's own checksum pass reads through the gate too.
+			exported := make(chan *Outgoing, 1)
+			go func() {
+				o, err := l.Export(time.Now().Add(time.Hour))
+				assert.NoError(t, err)
+				exported <- o
+			}()
+			for range g.Regions() {
+				<-dev.entered
+				dev.open <- struct{}{}
+			}
+			out := <-exported
+			dev.open = make(chan struct{})
+
+			buf := make([]byte, g.PageBytes())
+			read := make(chan error, 1)
+			go func() { read <- out.ReadPages(0, buf) }()
+			<-dev.entered // the copy is in flight, pinned
+
+			ended := make(chan error, 1)
+			go func() {
+				switch how {
+				case "abort":
+					ended <- out.Abort()
+				case "engine release":
+					ended <- l.Release()
+				case "close":
+					ended <- p.Close()
+				}
+			}()
+			select {
+			case err := <-ended:
+				t.Errorf("%s returned (%v) while a copy of the pages was in flight", how, err)
+				ended <- err
+			case <-time.After(50 * time.Millisecond):
+			}
+			assert.Equal(t, 1, p.Stats().InUsePages, "the page left the lease under a copy")
+			if how != "close" {
+				// The release has begun: a new read is refused at once.
+				assert.ErrorIs(t, out.ReadPages(0, make([]byte, g.PageBytes())), ErrReclaimed)
+			}
+			close(dev.open)
+			require.NoError(t, <-read)
+			require.NoError(t, <-ended)
+			assert.Equal(t, bytes.Repeat([]byte{0xAB}, len(buf)), buf, "the copy saw the page change under it")
+			assert.Equal(t, 0, p.Stats().InUsePages)
+			require.NoError(t, p.Check())
+		})
+	}
+}
+
+// TestConcurrentExportReadsAndReleases races many readers of one export
+// against its release, under -race: every read either copies the
+// exported bytes whole or fails with ErrReclaimed, and the pool ends
+// consistent.
+func TestConcurrentExportReadsAndReleases(t *testing.T) {
+	p := handoffPool(t, 16)
+	for round := range 20 {
+		l := prefilled(t, p, "r", 10)
+		out, err := l.Export(time.Now().Add(time.Hour))
+		require.NoError(t, err)
+		pb := int(p.Geometry().PageBytes())
+		want := make([]byte, 3*pb)
+		require.NoError(t, out.ReadPages(0, want))
+		var wg sync.WaitGroup
+		for range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				buf := make([]byte, 3*pb)
+				for {
+					err := out.ReadPages(0, buf)
+					if err != nil {
+						assert.ErrorIs(t, err, ErrReclaimed)
+						return
+					}
+					if !assert.True(t, bytes.Equal(want, buf), "round %d: a read saw other bytes", round) {
+						return
+					}
+				}
+			}()
+		}
+		time.Sleep(time.Millisecond)
+		if round%2 == 0 {
+			require.NoError(t, out.Abort())
+		} else {
+			require.NoError(t, l.Release())
+		}
+		wg.Wait()
+		require.NoError(t, p.Check())
+		assert.Equal(t, 0, p.Stats().InUsePages)
+	}
+}
