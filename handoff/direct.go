@@ -27,9 +27,26 @@ import (
 // checksum over every page still catches misplaced or foreign bytes.
 
 // ManifestBytes returns the signed, encoded manifest to hand to the
-// decode side's Receiver.Begin. The slice is the export's: do not modify
-// it.
-func (e *Export) ManifestBytes() []byte { return e.wire[1:] }
+// decode side's Receiver.Begin, with the content checksum in it: the
+// first call reads every page once to compute it (kvcache.ErrReclaimed if
+// the pages are no longer pinned). The slice is the export's: do not
+// modify it.
+func (e *Export) ManifestBytes() ([]byte, error) {
+	e.full.Lock()
+	defer e.full.Unlock()
+	if e.full.wire == nil {
+		sum, err := e.out.Checksum()
+		if err != nil {
+			return nil, err
+		}
+		m := e.m
+		m.Checksum, m.ChecksumSealed = sum, false
+		if e.full.wire, err = m.AppendEncode(nil, e.s.cfg.Key); err != nil {
+			return nil, err
+		}
+	}
+	return e.full.wire, nil
+}
 
 // PageBytes is the size of one exported page, all regions.
 func (e *Export) PageBytes() int { return int(e.out.Geometry().PageBytes()) }
@@ -73,6 +90,12 @@ func (r *Receiver) Begin(ctx context.Context, manifest []byte) (*Import, error) 
 	if err != nil {
 		r.refused()
 		return nil, err
+	}
+	if m.ChecksumSealed {
+		r.unclaim(m.RequestID)
+		r.refused()
+		return nil, fmt.Errorf("%w: request %q has its checksum sealed after the pages, which only a transfer over a Transport carries; "+
+			"a direct import takes the manifest of Export.ManifestBytes", ErrProtocol, m.RequestID)
 	}
 	in, err := r.admit(ctx, &m)
 	if err != nil {

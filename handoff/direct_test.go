@@ -86,7 +86,7 @@ func TestDirect(t *testing.T) {
 			require.NoError(t, err)
 			exp, err := sender(t).Export(l, 16)
 			require.NoError(t, err)
-			mb := bytes.Clone(exp.ManifestBytes())
+			mb := bytes.Clone(mustManifest(t, exp))
 			if tt.manifest != nil {
 				mb = tt.manifest(mb)
 			}
@@ -144,16 +144,16 @@ func TestDirectRetryAfterAbort(t *testing.T) {
 	require.NoError(t, err)
 	exp, err := sender(t).Export(l, 0)
 	require.NoError(t, err)
-	imp, err := recv.Begin(ctx, exp.ManifestBytes())
+	imp, err := recv.Begin(ctx, mustManifest(t, exp))
 	require.NoError(t, err)
-	_, err = recv.Begin(ctx, exp.ManifestBytes())
+	_, err = recv.Begin(ctx, mustManifest(t, exp))
 	require.ErrorIs(t, err, handoff.ErrReplay, "a second Begin while the first is in progress")
 	require.NoError(t, imp.Abort())
 	require.NoError(t, imp.Abort(), "abort twice")
 	_, err = imp.Complete()
 	require.ErrorIs(t, err, kvcache.ErrStaleTransfer)
 
-	imp, err = recv.Begin(ctx, exp.ManifestBytes())
+	imp, err = recv.Begin(ctx, mustManifest(t, exp))
 	require.NoError(t, err)
 	require.NoError(t, moveDirect(exp, imp, 100, nil))
 	dl, err := imp.Complete()
@@ -176,11 +176,65 @@ func TestDirectTimeout(t *testing.T) {
 	require.NoError(t, err)
 	exp, err := sender(t).Export(l, 0)
 	require.NoError(t, err)
-	imp, err := recv.Begin(ctx, exp.ManifestBytes())
+	imp, err := recv.Begin(ctx, mustManifest(t, exp))
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return decode.Stats().LiveLeases == 0 }, 5*time.Second, time.Millisecond)
 	_, err = imp.Complete()
 	require.ErrorIs(t, err, kvcache.ErrStaleTransfer)
 	require.NoError(t, exp.Abort())
+	sweep(t, prefill, decode)
+}
+
+// mustManifest is exp's manifest with the checksum in it.
+func mustManifest(t testing.TB, exp *handoff.Export) []byte {
+	t.Helper()
+	b, err := exp.ManifestBytes()
+	require.NoError(t, err)
+	return b
+}
+
+// TestDirectRefusesSealedManifest: the manifest Send sends has its
+// checksum sealed after the pages, which a direct import never receives;
+// Begin refuses it without claiming the request, and the manifest with
+// the checksum (ManifestBytes) then imports. ManifestBytes fails once the
+// pages are no longer pinned.
+func TestDirectRefusesSealedManifest(t *testing.T) {
+	ctx := context.Background()
+	prefill := pool(t, testkit.PoolConfig{Pages: 64})
+	decode := pool(t, testkit.PoolConfig{Pages: 64})
+	recv := receiver(t, decode)
+	l, err := testkit.Prefill(prefill, "r1", "victim", 50)
+	require.NoError(t, err)
+	exp, err := sender(t).Export(l, 0)
+	require.NoError(t, err)
+
+	// What Send would put on the wire first, caught on its way.
+	var sealed []byte
+	cut := &hooked{inner: handoff.NewInProcess(recv), send: func(st handoff.Stream, n int, msg []byte) error {
+		sealed = bytes.Clone(msg[1:]) // without the message kind
+		st.Close()
+		return handoff.ErrTransport
+	}}
+	require.Error(t, exp.Send(ctx, cut))
+	_, err = recv.Begin(ctx, sealed)
+	require.ErrorIs(t, err, handoff.ErrProtocol)
+	assert.Equal(t, 0, decode.Stats().InUsePages)
+
+	imp, err := recv.Begin(ctx, mustManifest(t, exp))
+	require.NoError(t, err, "the refused manifest claimed the request")
+	require.NoError(t, moveDirect(exp, imp, 7, nil))
+	dl, err := imp.Complete()
+	require.NoError(t, err)
+	require.NoError(t, testkit.VerifyContent(decode, dl, "r1"))
+	require.NoError(t, exp.Ack())
+	require.NoError(t, dl.Release())
+
+	l2, err := testkit.Prefill(prefill, "r2", "victim", 50)
+	require.NoError(t, err)
+	exp2, err := sender(t).Export(l2, 0)
+	require.NoError(t, err)
+	require.NoError(t, exp2.Abort())
+	_, err = exp2.ManifestBytes()
+	require.ErrorIs(t, err, kvcache.ErrReclaimed)
 	sweep(t, prefill, decode)
 }

@@ -22,21 +22,30 @@
 //     content checksum, an expiry, and an HMAC-SHA256 under a key the
 //     prefill and decode pools share. A versioned little-endian encoding;
 //     Decode checks the MAC before it trusts a byte and refuses anything
-//     not exactly a version-1 manifest.
+//     not exactly a version-1 manifest. The checksum travels either in the
+//     manifest or, for a streamed transfer, sealed after the pages: the
+//     manifest says which (FlagChecksumSealed), and the seal carries the
+//     checksum under an HMAC with the same key, bound to the manifest's
+//     transfer ID.
 //   - Sender: Export pins a prefilled lease (nothing else exports: a
 //     refused request has no lease, a placeholder that wrote 1 of N tokens
 //     is not prefilled) and signs its manifest; Send streams the manifest,
 //     waits for the receiver to accept it, streams the pages (device → host
-//     staging → wire) and waits for the receiver's verdict. The pages stay
-//     pinned until that ack, an Abort, or the reclaim deadline; then they
-//     are released through the scrubber.
+//     staging → wire), summing each as it is staged, seals the sum, and
+//     waits for the receiver's verdict. So the first page leaves as soon
+//     as the receiver has admitted the import, and each byte leaves the
+//     device once (a manifest carrying the checksum would need a whole
+//     pass over the pages first). The pages stay pinned until that ack, an
+//     Abort, or the reclaim deadline; then they are released through the
+//     scrubber.
 //   - Receiver: Serve verifies the MAC, expiry (and an upper bound on it),
 //     geometry and replay (a request ID already imported, or being
 //     imported, is refused), then admits fail-closed in the decode pool
 //     (prompt + max new tokens, the pool's own quota and capacity checks,
 //     and the sharing domain: see below), receives the pages in order,
 //     checks every frame's transfer ID and generations, and only once every
-//     page arrived and the content checksum matches hands out the lease.
+//     page arrived and the content checksum (the manifest's, or the seal's
+//     once its MAC verifies) matches hands out the lease.
 //     Any failure aborts the import through the scrubber and reports a
 //     reason code to the sender.
 //
@@ -63,7 +72,8 @@
 //   - No decode lease becomes usable unless a manifest signed with the
 //     shared key, unexpired, of the pool's geometry and of the domain the
 //     tenant is in on the decode pool, not seen before, was followed by
-//     exactly its pages with its checksum.
+//     exactly its pages with its checksum (in the manifest, or in a seal
+//     signed with the same key for the manifest's transfer).
 //   - An exported lease takes no writes (Commit and SlotMapping fail with
 //     kvcache.ErrLeasePhase): the bytes sent are the bytes summed.
 //   - Exported pages are read only while their lease still holds them, and

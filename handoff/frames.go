@@ -1,6 +1,7 @@
 package handoff
 
 import (
+	"crypto/hmac"
 	"encoding/binary"
 	"fmt"
 	"sync"
@@ -14,6 +15,13 @@ import (
 //	                                     n consecutive pages from page index first,
 //	                                     each PageBytes long, regions in order
 //	  'E' transfer ID[16] pages u32      no more pages follow
+//	  'S' transfer ID[16] pages u32 checksum u32 MAC[32]
+//	                                     seal: no more pages follow, and the
+//	                                     content checksum of a manifest with
+//	                                     FlagChecksumSealed (which ends with a
+//	                                     seal, never an end frame); MAC =
+//	                                     HMAC-SHA256(key, "KVFS" ‖ the 24 bytes
+//	                                     after 'S')
 //	receiver → sender
 //	  'V' stage u8 code u8 text          verdict: stage 1 after the manifest
 //	                                     (accepted: pages may flow), stage 2 after
@@ -22,6 +30,7 @@ const (
 	msgManifest = 'M'
 	msgData     = 'D'
 	msgEnd      = 'E'
+	msgSeal     = 'S'
 	msgVerdict  = 'V'
 
 	stageManifest = 1
@@ -29,7 +38,9 @@ const (
 
 	dataFixed   = 1 + 16 + 4 + 4
 	endLen      = 1 + 16 + 4
-	maxVerdict  = 1024 // bytes of error text a verdict carries
+	sealLen     = endLen + 4 + macLen
+	sealMagic   = "KVFS" // separates seal MACs from manifest MACs ("KVFH")
+	maxVerdict  = 1024   // bytes of error text a verdict carries
 	defaultData = 1 << 20
 )
 
@@ -119,6 +130,44 @@ func parseData(m *messageParts, pages [][]byte) (dataFrame, error) {
 	f.gens = m.head(dataFixed + 4*f.n)[dataFixed:]
 	f.pages = m.tail(pages[:0], dataFixed+4*f.n)
 	return f, nil
+}
+
+// appendSeal appends the seal of transfer id: pages pages whose content
+// checksum is checksum.
+func appendSeal(dst []byte, key *Key, id [16]byte, pages int, checksum uint32) []byte {
+	start := len(dst)
+	dst = append(dst, msgSeal)
+	dst = append(dst, id[:]...)
+	dst = binary.LittleEndian.AppendUint32(dst, uint32(pages))
+	dst = binary.LittleEndian.AppendUint32(dst, checksum)
+	return sealMAC(dst, key, dst[start+1:])
+}
+
+// sealMAC appends the MAC of a seal's 24 signed bytes.
+func sealMAC(dst []byte, key *Key, signed []byte) []byte {
+	var msg [len(sealMagic) + sealLen - 1 - macLen]byte
+	copy(msg[:], sealMagic)
+	copy(msg[len(sealMagic):], signed)
+	return key.sum(dst, msg[:])
+}
+
+// parseSeal verifies a seal under key, then that it closes transfer id
+// of pages pages, and returns its checksum.
+func parseSeal(msg []byte, key *Key, id [16]byte, pages int) (uint32, error) {
+	if len(msg) != sealLen || msg[0] != msgSeal {
+		return 0, fmt.Errorf("%w: seal of %d bytes (kind %q)", ErrProtocol, len(msg), firstByte(msg))
+	}
+	signed, mac := msg[1:sealLen-macLen], msg[sealLen-macLen:]
+	var want [macLen]byte
+	if !hmac.Equal(mac, sealMAC(want[:0], key, signed)) {
+		return 0, fmt.Errorf("%w: the seal of transfer %x", ErrBadMAC, id)
+	}
+	le := binary.LittleEndian
+	if [16]byte(signed[:16]) != id || int64(le.Uint32(signed[16:])) != int64(pages) {
+		return 0, fmt.Errorf("%w: seal of transfer %x (%d pages) in transfer %x (%d pages)",
+			ErrProtocol, signed[:16], le.Uint32(signed[16:]), id, pages)
+	}
+	return le.Uint32(signed[20:]), nil
 }
 
 func appendVerdict(dst []byte, stage uint8, err error) []byte {

@@ -342,8 +342,8 @@ func TestFaults(t *testing.T) {
 		}},
 		{name: "sender gone before the end", via: func(e env) handoff.Transport {
 			return &hooked{inner: e.in, send: func(st handoff.Stream, n int, msg []byte) error {
-				if msg[0] == 'E' {
-					st.Close() // died after the pages, before saying so
+				if msg[0] == 'S' {
+					st.Close() // died after the pages, before sealing them
 					return fmt.Errorf("%w: sender died", handoff.ErrTransport)
 				}
 				return st.Send(msg)
@@ -454,4 +454,132 @@ func ExampleExport_Send() {
 	// decode lease: prefilled 100 tokens written, 160 slots
 	// prefill pages pinned: false
 	// again: true
+}
+
+// TestTransferEnds: a transfer's checksum comes either sealed after the
+// pages (what Export.Send sends) or in the manifest (ManifestBytes' form,
+// which a transport's transfer may carry too, ended by a plain end
+// frame). Each must end the way its manifest says, with a seal that
+// verifies and belongs to it; anything else is refused and leaves no
+// decode lease.
+func TestTransferEnds(t *testing.T) {
+	ctx := context.Background()
+	prefill := pool(t, testkit.PoolConfig{Pages: 512})
+	decode := pool(t, testkit.PoolConfig{Pages: 1024})
+	recv := receiver(t, decode)
+	inproc := handoff.NewInProcess(recv)
+
+	// A seal from another, completed transfer.
+	var otherSeal []byte
+	l, err := testkit.Prefill(prefill, "other", "victim", 40*16)
+	require.NoError(t, err)
+	exp, err := sender(t).Export(l, 10)
+	require.NoError(t, err)
+	require.NoError(t, exp.Send(ctx, &hooked{inner: inproc, send: func(st handoff.Stream, n int, msg []byte) error {
+		if msg[0] == 'S' {
+			otherSeal = bytes.Clone(msg)
+		}
+		return st.Send(msg)
+	}}))
+	dl, ok := recv.Take("other")
+	require.True(t, ok)
+	require.NoError(t, dl.Release())
+	require.Len(t, otherSeal, 1+16+4+4+32)
+
+	endFrame := func(seal []byte) []byte { return append([]byte{'E'}, seal[1:21]...) }
+	cases := []struct {
+		name string
+		// rewrite replaces a message the sender sends; full is the
+		// export's manifest with the checksum in it, 'M'-prefixed.
+		rewrite func(msg, full []byte) []byte
+		want    error // nil: imported
+	}{
+		{"sealed", nil, nil},
+		{"checksum in the manifest, end frame", func(msg, full []byte) []byte {
+			switch msg[0] {
+			case 'M':
+				return full
+			case 'S':
+				return endFrame(msg)
+			}
+			return msg
+		}, nil},
+		{"forged seal", func(msg, _ []byte) []byte {
+			if msg[0] == 'S' {
+				msg = bytes.Clone(msg)
+				msg[len(msg)-1] ^= 1
+			}
+			return msg
+		}, handoff.ErrBadMAC},
+		{"sealed checksum changed", func(msg, _ []byte) []byte {
+			if msg[0] == 'S' {
+				msg = bytes.Clone(msg)
+				msg[21] ^= 1 // the checksum, under the MAC
+			}
+			return msg
+		}, handoff.ErrBadMAC},
+		{"seal of another transfer", func(msg, _ []byte) []byte {
+			if msg[0] == 'S' {
+				return otherSeal
+			}
+			return msg
+		}, handoff.ErrProtocol},
+		{"end frame instead of a seal", func(msg, _ []byte) []byte {
+			if msg[0] == 'S' {
+				return endFrame(msg)
+			}
+			return msg
+		}, handoff.ErrProtocol},
+		{"seal after a manifest with the checksum", func(msg, full []byte) []byte {
+			if msg[0] == 'M' {
+				return full
+			}
+			return msg
+		}, handoff.ErrProtocol},
+		{"seal cut short", func(msg, _ []byte) []byte {
+			if msg[0] == 'S' {
+				return msg[:len(msg)-1]
+			}
+			return msg
+		}, handoff.ErrProtocol},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			id := "req-" + tc.name
+			l, err := testkit.Prefill(prefill, id, "victim", 50*16-3)
+			require.NoError(t, err)
+			exp, err := sender(t).Export(l, 10)
+			require.NoError(t, err)
+			assert.True(t, exp.Manifest().ChecksumSealed)
+			full, err := exp.ManifestBytes()
+			require.NoError(t, err)
+			full = append([]byte{'M'}, full...)
+			via := handoff.Transport(inproc)
+			if tc.rewrite != nil {
+				via = &hooked{inner: inproc, send: func(st handoff.Stream, n int, msg []byte) error {
+					return st.Send(tc.rewrite(msg, full))
+				}}
+			}
+			err = exp.Send(ctx, via)
+			inproc.Wait()
+			if tc.want == nil {
+				require.NoError(t, err)
+				dl, ok := recv.Take(id)
+				require.True(t, ok)
+				require.NoError(t, testkit.VerifyContent(decode, dl, id))
+				require.NoError(t, dl.Release())
+				assert.False(t, exp.Live(), "acked pages still pinned")
+			} else {
+				var re *handoff.RefusedError
+				require.ErrorAs(t, err, &re, "got %v", err)
+				assert.ErrorIs(t, err, tc.want)
+				t.Logf("refused: %v", err)
+				assertNoImport(t, recv, decode, id)
+				require.NoError(t, exp.Abort())
+			}
+			require.NoError(t, prefill.Check())
+			require.NoError(t, decode.Check())
+		})
+	}
+	sweep(t, prefill, decode)
 }

@@ -21,7 +21,7 @@ const Version = 1
 //	off  size  field
 //	  0     4  magic "KVFH"
 //	  4     2  version (1)
-//	  6     2  flags (0; any other value is refused)
+//	  6     2  flags: bit 0 FlagChecksumSealed; any other bit is refused
 //	  8    16  transfer ID (random; tags every data frame)
 //	 24     8  expiry, Unix nanoseconds
 //	 32     8  prompt tokens (≥ 1)
@@ -31,7 +31,7 @@ const Version = 1
 //	 65     1  layout (LayoutKVPerLayer)
 //	 66     1  checksum algorithm (ChecksumCRC32C)
 //	 67     1  reserved (0)
-//	 68     4  content checksum
+//	 68     4  content checksum (0 when FlagChecksumSealed)
 //	 72     4  page count = ceil(prompt tokens / tokens per page)
 //	 76     2  request ID length (1..kvcache.MaxIDLen)
 //	 78     2  tenant length (1..kvcache.MaxIDLen)
@@ -61,6 +61,14 @@ const (
 
 // ChecksumCRC32C is the content checksum of kvcache.ContentChecksum.
 const ChecksumCRC32C uint8 = 1
+
+// FlagChecksumSealed marks a manifest whose content checksum is not in it
+// but follows the pages, in the transfer's seal (see frames.go), MAC'd
+// with the same key and bound to the manifest's transfer ID. A sender
+// that streams the pages (Export.Send) sums them as it reads them to send
+// them, so no pass over the pages delays the manifest, and each byte
+// leaves the device once.
+const FlagChecksumSealed uint16 = 1
 
 // GeometryFingerprint is what must match between prefill and decode pools
 // for page bytes to mean the same thing on both sides.
@@ -92,16 +100,17 @@ func (f GeometryFingerprint) String() string {
 
 // Manifest is what a decode pool needs to accept a prompt's KV.
 type Manifest struct {
-	TransferID   [16]byte
-	RequestID    string
-	Tenant       string
-	Domain       string // sharing domain, keyed server-side from the tenant
-	PromptTokens int
-	MaxNewTokens int
-	Geometry     GeometryFingerprint
-	Expires      time.Time
-	Checksum     uint32   // content checksum of the pages (ChecksumCRC32C)
-	Generations  []uint32 // per page, on the sender: which life of each page the KV came from
+	TransferID     [16]byte
+	RequestID      string
+	Tenant         string
+	Domain         string // sharing domain, keyed server-side from the tenant
+	PromptTokens   int
+	MaxNewTokens   int
+	Geometry       GeometryFingerprint
+	Expires        time.Time
+	Checksum       uint32   // content checksum of the pages (ChecksumCRC32C); 0 if ChecksumSealed
+	ChecksumSealed bool     // the checksum follows the pages, in the transfer's seal (FlagChecksumSealed)
+	Generations    []uint32 // per page, on the sender: which life of each page the KV came from
 }
 
 // Pages is the number of pages the manifest describes.
@@ -131,6 +140,8 @@ func (m *Manifest) validate() error {
 		return fmt.Errorf("%w: layout %d", ErrMalformedManifest, g.Layout)
 	case m.Expires.IsZero():
 		return fmt.Errorf("%w: no expiry", ErrMalformedManifest)
+	case m.ChecksumSealed && m.Checksum != 0:
+		return fmt.Errorf("%w: checksum %08x in a manifest whose checksum is sealed", ErrMalformedManifest, m.Checksum)
 	}
 	if err := g.Geometry().Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrMalformedManifest, err)
@@ -187,7 +198,11 @@ func (m *Manifest) AppendEncode(dst []byte, key *Key) ([]byte, error) {
 	dst = append(dst, magic...)
 	le := binary.LittleEndian
 	dst = le.AppendUint16(dst, Version)
-	dst = le.AppendUint16(dst, 0)
+	var flags uint16
+	if m.ChecksumSealed {
+		flags |= FlagChecksumSealed
+	}
+	dst = le.AppendUint16(dst, flags)
 	dst = append(dst, m.TransferID[:]...)
 	dst = le.AppendUint64(dst, uint64(m.Expires.UnixNano()))
 	dst = le.AppendUint64(dst, uint64(m.PromptTokens))
@@ -249,9 +264,11 @@ func parse(b []byte) (Manifest, error) {
 	if v := le.Uint16(b[4:]); v != Version {
 		return bad("version %d, this decoder reads %d", v, Version)
 	}
-	if f := le.Uint16(b[6:]); f != 0 {
-		return bad("flags %#x", f)
+	flags := le.Uint16(b[6:])
+	if flags&^FlagChecksumSealed != 0 {
+		return bad("flags %#x", flags)
 	}
+	m.ChecksumSealed = flags&FlagChecksumSealed != 0
 	copy(m.TransferID[:], b[8:24])
 	m.Expires = time.Unix(0, int64(le.Uint64(b[24:])))
 	prompt, maxNew := le.Uint64(b[32:]), le.Uint64(b[40:])

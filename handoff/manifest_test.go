@@ -36,10 +36,16 @@ func sampleManifest(pages int) Manifest {
 	return m
 }
 
+// sealedManifest is a manifest whose checksum follows in a seal.
+func sealedManifest(pages int) Manifest {
+	m := sampleManifest(pages)
+	m.Checksum, m.ChecksumSealed = 0, true
+	return m
+}
+
 func TestManifestRoundTrip(t *testing.T) {
 	k := testKey(t)
-	for _, pages := range []int{1, 2, 2048} {
-		m := sampleManifest(pages)
+	for _, m := range []Manifest{sampleManifest(1), sampleManifest(2), sampleManifest(2048), sealedManifest(1), sealedManifest(7)} {
 		b, err := m.AppendEncode(nil, k)
 		require.NoError(t, err)
 		assert.Equal(t, m.encodedLen(), len(b))
@@ -80,7 +86,8 @@ func TestManifestRefusesMalformed(t *testing.T) {
 		}(), ErrBadMAC},
 		{"magic", edit(func(b []byte) []byte { b[0] = 'X'; return b }), ErrMalformedManifest},
 		{"version 2", edit(func(b []byte) []byte { le.PutUint16(b[4:], 2); return b }), ErrMalformedManifest},
-		{"flags", edit(func(b []byte) []byte { le.PutUint16(b[6:], 1); return b }), ErrMalformedManifest},
+		{"unknown flag", edit(func(b []byte) []byte { le.PutUint16(b[6:], 2); return b }), ErrMalformedManifest},
+		{"sealed with a checksum", edit(func(b []byte) []byte { le.PutUint16(b[6:], FlagChecksumSealed); return b }), ErrMalformedManifest},
 		{"zero prompt", edit(func(b []byte) []byte { le.PutUint64(b[32:], 0); return b }), ErrMalformedManifest},
 		{"huge prompt", edit(func(b []byte) []byte { le.PutUint64(b[32:], 1<<62); return b }), ErrMalformedManifest},
 		{"prompt vs pages", edit(func(b []byte) []byte { le.PutUint64(b[32:], 16*5); return b }), ErrMalformedManifest},
@@ -119,6 +126,7 @@ func TestManifestEncodeRefusesInvalid(t *testing.T) {
 		"pages vs prompt": func(m *Manifest) { m.PromptTokens = 1 },
 		"bad geometry":    func(m *Manifest) { m.Geometry.HeadDim = 0 },
 		"bad layout":      func(m *Manifest) { m.Geometry.Layout = 0 },
+		"sealed checksum": func(m *Manifest) { m.ChecksumSealed = true },
 	}
 	for name, f := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -133,8 +141,7 @@ func TestManifestEncodeRefusesInvalid(t *testing.T) {
 }
 
 func fuzzSeeds(f *testing.F, k *Key) {
-	for _, pages := range []int{1, 3, 64} {
-		m := sampleManifest(pages)
+	for _, m := range []Manifest{sampleManifest(1), sampleManifest(3), sampleManifest(64), sealedManifest(2)} {
 		b, err := m.AppendEncode(nil, k)
 		if err != nil {
 			f.Fatal(err)

@@ -284,10 +284,25 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming) (*kvc
 			}
 			next += f.n
 		case msgEnd:
+			if m.ChecksumSealed {
+				return nil, fmt.Errorf("%w: end frame in transfer %x, whose checksum must follow in a seal", ErrProtocol, m.TransferID)
+			}
 			if msg.len != endLen || !bytes.Equal(msg.head(endLen)[1:17], m.TransferID[:]) {
 				return nil, fmt.Errorf("%w: end frame of %d bytes for another transfer", ErrProtocol, msg.len)
 			}
 			return in.Complete()
+		case msgSeal:
+			if !m.ChecksumSealed {
+				return nil, fmt.Errorf("%w: seal in transfer %x, whose manifest carries its checksum", ErrProtocol, m.TransferID)
+			}
+			if msg.len != sealLen {
+				return nil, fmt.Errorf("%w: seal of %d bytes", ErrProtocol, msg.len)
+			}
+			sum, err := parseSeal(msg.head(sealLen), r.cfg.Key, m.TransferID, pages)
+			if err != nil {
+				return nil, err
+			}
+			return in.CompleteWithChecksum(sum)
 		default:
 			return nil, fmt.Errorf("%w: message kind %q during a transfer", ErrProtocol, msg.kind())
 		}

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/kvfence/kvfence/kvcache"
@@ -58,8 +59,15 @@ func NewSender(cfg SenderConfig) (*Sender, error) {
 type Export struct {
 	s    *Sender
 	out  *kvcache.Outgoing
-	m    Manifest
-	wire []byte // 'M' + encoded manifest
+	m    Manifest // as Send sends it: the checksum follows in the seal
+	wire []byte   // 'M' + m encoded
+
+	// full is m with the checksum in it, made by ManifestBytes for
+	// engines that move the bytes themselves.
+	full struct {
+		sync.Mutex
+		wire []byte
+	}
 }
 
 // Export pins lease l (which must be prefilled: kvcache.ErrLeasePhase
@@ -68,6 +76,12 @@ type Export struct {
 // from the prefill pool's own tenant configuration. maxNewTokens is
 // the output budget the decode pool must reserve. The pages stay pinned
 // until Send gets the receiver's ack, Abort, or ReclaimAfter passes.
+//
+// Export reads no page. Send sums the pages as it reads them to send
+// them and seals the sum after the last one (FlagChecksumSealed), so the
+// first page leaves at once and each byte leaves the device once;
+// ManifestBytes, for engines that move the bytes themselves, reads the
+// pages once more to put the checksum in the manifest.
 func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
 	if maxNewTokens < 0 || maxNewTokens > maxTokens {
 		return nil, fmt.Errorf("%w: %d max new tokens", kvcache.ErrInvalidRequest, maxNewTokens)
@@ -81,7 +95,7 @@ func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
 		RequestID: out.RequestID(), Tenant: out.Tenant(), Domain: out.Domain(),
 		PromptTokens: out.PromptTokens(), MaxNewTokens: maxNewTokens,
 		Geometry: Fingerprint(out.Geometry()), Expires: now.Add(s.cfg.TTL),
-		Checksum: out.Checksum(), Generations: out.Generations(nil),
+		ChecksumSealed: true, Generations: out.Generations(nil),
 	}
 	rand.Read(m.TransferID[:])
 	wire, err := m.AppendEncode([]byte{msgManifest}, s.cfg.Key)
@@ -92,7 +106,8 @@ func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
 	return &Export{s: s, out: out, m: m, wire: wire}, nil
 }
 
-// Manifest returns the signed manifest.
+// Manifest returns the manifest Send sends: its checksum follows the
+// pages, in the transfer's seal (ChecksumSealed).
 func (e *Export) Manifest() Manifest { return e.m }
 
 // Live reports whether the exported pages are still pinned.
@@ -136,6 +151,8 @@ func (e *Export) Send(ctx context.Context, t Transport) error {
 	return nil
 }
 
+// sendPages sends the pages in data frames, summing each page as it is
+// read (while it is in cache), and then the seal with their checksum.
 func (e *Export) sendPages(st Stream) error {
 	pb := int(e.out.Geometry().PageBytes())
 	n := e.out.Pages()
@@ -144,6 +161,7 @@ func (e *Export) sendPages(st Stream) error {
 	// the pool per geometry and frame size.
 	full := dataFixed + per*(4+pb)
 	owning, _ := st.(OwningStream)
+	sums := make([]uint32, n)
 	le := binary.LittleEndian
 	for first := 0; first < n; {
 		k := min(per, n-first)
@@ -156,9 +174,13 @@ func (e *Export) sendPages(st Stream) error {
 		for i, g := range e.m.Generations[first : first+k] {
 			le.PutUint32(frame[dataFixed+4*i:], g)
 		}
-		if err := e.out.ReadPages(first, frame[dataFixed+4*k:]); err != nil {
+		pages := frame[dataFixed+4*k:]
+		if err := e.out.ReadPages(first, pages); err != nil {
 			frameBuffers.put(b)
 			return err
+		}
+		for i := range k {
+			sums[first+i] = kvcache.PageChecksum(pages[i*pb : (i+1)*pb])
 		}
 		var err error
 		if owning != nil {
@@ -172,11 +194,7 @@ func (e *Export) sendPages(st Stream) error {
 		}
 		first += k
 	}
-	end := make([]byte, endLen)
-	end[0] = msgEnd
-	copy(end[1:17], e.m.TransferID[:])
-	le.PutUint32(end[17:], uint32(n))
-	return e.send(st, end)
+	return e.send(st, appendSeal(nil, e.s.cfg.Key, e.m.TransferID, n, kvcache.ContentChecksum(sums)))
 }
 
 // send transmits msg; if the receiver has already ended the transfer,

@@ -21,9 +21,9 @@ package kvcache
 //     export: no placeholder can travel.
 //   - An exported lease takes no writes: Export seals its watermark at the
 //     prompt, and Commit and SlotMapping then fail with ErrLeasePhase, so
-//     the bytes a transfer reads are the bytes Export summed. An import's
-//     lease is sealed until Complete, which leaves the decode lease open to
-//     commits of generated tokens.
+//     every read of the pages, for the checksum or for the transfer,
+//     sees the same bytes. An import's lease is sealed until Complete,
+//     which leaves the decode lease open to commits of generated tokens.
 //   - An import is admitted only in the sharing domain its KV was computed
 //     in (the exporting lease's, Outgoing.Domain): BeginImport refuses with
 //     ErrDomainMismatch when the tenant is in another domain here, before
@@ -51,7 +51,11 @@ package kvcache
 // The content checksum is CRC32C (Castagnoli, hardware-accelerated) of the
 // per-page CRC32Cs, little-endian, in page order; a page's CRC32C covers its
 // bytes in every region, region 0 first. Being computed per page, it lets
-// pages arrive in any order and on several streams. It guards integrity
+// pages arrive in any order and on several streams, and lets a sender sum
+// each page as it reads it to send it (PageChecksum, ContentChecksum)
+// instead of reading every page once more beforehand (Outgoing.Checksum);
+// the decode side checks either with Complete or CompleteWithChecksum.
+// It guards integrity
 // (corruption, truncation, misplaced pages); authenticity comes from the
 // manifest's MAC and the transport (TLS). A cryptographic hash of every
 // byte would cap the handoff at one core's SHA-256 speed.
@@ -203,19 +207,26 @@ func ContentChecksum(pageSums []uint32) uint32 {
 // Outgoing is an exported lease: the prompt's pages pinned for a transfer
 // until Ack, Abort or the reclaim deadline.
 type Outgoing struct {
-	pool     *Pool
-	lease    *Lease
-	first    allocator.Handle // identifies this export of the lease
-	handles  []allocator.Handle
-	checksum uint32
-	timer    *time.Timer
+	pool    *Pool
+	lease   *Lease
+	first   allocator.Handle // identifies this export of the lease
+	handles []allocator.Handle
+	timer   *time.Timer
+
+	checksum struct {
+		sync.Mutex
+		done  bool
+		value uint32
+	}
 }
 
-// Export pins a prefilled lease's prompt pages for a transfer and computes
-// their content checksum. The pages stay pinned until Ack or Abort, or
-// until reclaimAt, when they are released through the scrubber whatever
-// the transfer's state. A lease that is not prefilled, or whose watermark
-// is not its prompt, is refused with ErrLeasePhase and left as it was.
+// Export pins a prefilled lease's prompt pages for a transfer. The pages
+// stay pinned until Ack or Abort, or until reclaimAt, when they are
+// released through the scrubber whatever the transfer's state. A lease
+// that is not prefilled, or whose watermark is not its prompt, is refused
+// with ErrLeasePhase and left as it was. Export reads no page: the content
+// checksum comes from Checksum (one pass over the pages) or from a sender
+// that sums the pages as it reads them to send them.
 func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 	p := l.pool
 	if p == nil {
@@ -241,13 +252,6 @@ func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 	n := p.geom.PagesFor(l.prompt)
 	o := &Outgoing{pool: p, lease: l, first: l.handles[0], handles: append([]allocator.Handle(nil), l.handles[:n]...)}
 	p.mu.Unlock()
-
-	sums, err := o.pageSums()
-	if err != nil {
-		o.Abort()
-		return nil, err
-	}
-	o.checksum = ContentChecksum(sums)
 	// The callback must not touch o.timer: it may fire before the
 	// assignment when reclaimAt has passed.
 	o.timer = time.AfterFunc(time.Until(reclaimAt), func() { p.endIf(l, o.owns, PhaseAborted) })
@@ -255,10 +259,10 @@ func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 }
 
 // pageSums reads every exported page once and returns its checksum. The
-// pages are split among up to GOMAXPROCS workers in contiguous runs: this
-// pass is on the critical path of a handoff, before the first byte can be
-// sent, and the reads run in parallel (ReadPages pins the lease, it does
-// not hold the pool lock while copying).
+// pages are split among up to GOMAXPROCS workers in contiguous runs: a
+// manifest that carries the checksum cannot leave before this pass ends,
+// and the reads run in parallel (ReadPages pins the lease, it does not
+// hold the pool lock while copying).
 func (o *Outgoing) pageSums() ([]uint32, error) {
 	n := len(o.handles)
 	sums := make([]uint32, n)
@@ -324,8 +328,22 @@ func (o *Outgoing) Generations(dst []uint32) []uint32 {
 	return dst
 }
 
-// Checksum is the content checksum of the exported pages.
-func (o *Outgoing) Checksum() uint32 { return o.checksum }
+// Checksum returns the content checksum of the exported pages, reading
+// each once on the first call (in parallel: see pageSums); later calls
+// return the same value. It fails as ReadPages does once the export has
+// ended, unless the sum was already known.
+func (o *Outgoing) Checksum() (uint32, error) {
+	o.checksum.Lock()
+	defer o.checksum.Unlock()
+	if !o.checksum.done {
+		sums, err := o.pageSums()
+		if err != nil {
+			return 0, err
+		}
+		o.checksum.value, o.checksum.done = ContentChecksum(sums), true
+	}
+	return o.checksum.value, nil
+}
 
 // Geometry is the page geometry of the exporting pool.
 func (o *Outgoing) Geometry() Geometry { return o.pool.geom }
@@ -678,7 +696,17 @@ func (p *Pool) writeParts(hs []allocator.Handle, parts [][]byte, sums []uint32) 
 // matches, then makes the lease usable: prefilled, written watermark =
 // prompt tokens. On failure the import is aborted (its pages scrubbed) and
 // the error wraps ErrIncompleteTransfer or ErrChecksumMismatch.
-func (in *Incoming) Complete() (*Lease, error) {
+func (in *Incoming) Complete() (*Lease, error) { return in.complete(in.want) }
+
+// CompleteWithChecksum is Complete for an import whose content checksum
+// arrived after its pages (a sender sums the pages as it sends them, and
+// seals the sum in the transfer's last message): checksum is checked
+// instead of the one BeginImport was given.
+func (in *Incoming) CompleteWithChecksum(checksum uint32) (*Lease, error) {
+	return in.complete(checksum)
+}
+
+func (in *Incoming) complete(want uint32) (*Lease, error) {
 	in.mu.Lock()
 	received := in.mu.received
 	sum := ContentChecksum(in.mu.sums)
@@ -687,9 +715,9 @@ func (in *Incoming) Complete() (*Lease, error) {
 		return nil, in.fail(fmt.Errorf("%w: request %q received %d of %d pages",
 			ErrIncompleteTransfer, in.lease.id, received, in.pages))
 	}
-	if sum != in.want {
-		return nil, in.fail(fmt.Errorf("%w: request %q content checksum %08x, manifest says %08x",
-			ErrChecksumMismatch, in.lease.id, sum, in.want))
+	if sum != want {
+		return nil, in.fail(fmt.Errorf("%w: request %q content checksum %08x, the sender's is %08x",
+			ErrChecksumMismatch, in.lease.id, sum, want))
 	}
 	p := in.pool
 	p.mu.Lock()

@@ -5,6 +5,7 @@ import (
 	"context"
 	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -54,7 +55,7 @@ func TestImportWritePagesFromParts(t *testing.T) {
 			dst, err := New(Config{Device: dev.wrap(host), Geometry: src.Geometry(), Pages: 8,
 				MaxContextTokens: 32, Tenants: []TenantConfig{{Name: "a"}}, Scrub: ScrubPolicy{Kind: ScrubCanary}})
 			require.NoError(t, err)
-			in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), out.Checksum())
+			in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), mustChecksum(t, out))
 			require.NoError(t, err)
 			// Page 0 alone, then pages 1 and 2 in one call.
 			require.NoError(t, in.WritePagesFrom(0, split(want[:pb], uint64(maxPart), maxPart)), "%s, parts ≤ %d", dev.name, maxPart)
@@ -96,7 +97,7 @@ func TestImportWritePagesFromRefusesBadParts(t *testing.T) {
 		"checksum stays": {good[:pb], good[pb : 2*pb-1]}, // not whole pages
 	} {
 		dst := handoffPool(t, 32)
-		in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), out.Checksum())
+		in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), mustChecksum(t, out))
 		require.NoError(t, err)
 		assert.ErrorIs(t, in.WritePagesFrom(0, parts), ErrInvalidArgument, name)
 		_, err = in.Complete()
@@ -148,19 +149,8 @@ func TestReleaseWaitsForCopyInFlight(t *testing.T) {
 			require.NoError(t, l.Commit(4))
 			require.NoError(t, l.FinishPrefill())
 
-			// Export's own checksum pass reads through the gate too.
-			exported := make(chan *Outgoing, 1)
-			go func() {
-				o, err := l.Export(time.Now().Add(time.Hour))
-				assert.NoError(t, err)
-				exported <- o
-			}()
-			for range g.Regions() {
-				<-dev.entered
-				dev.open <- struct{}{}
-			}
-			out := <-exported
-			dev.open = make(chan struct{})
+			out, err := l.Export(time.Now().Add(time.Hour))
+			require.NoError(t, err)
 
 			buf := make([]byte, g.PageBytes())
 			read := make(chan error, 1)
@@ -240,4 +230,76 @@ func TestConcurrentExportReadsAndReleases(t *testing.T) {
 		require.NoError(t, p.Check())
 		assert.Equal(t, 0, p.Stats().InUsePages)
 	}
+}
+
+// TestExportChecksumIsLazy: Export reads no page; Checksum reads them
+// once, then keeps its value, and fails as ReadPages does when the export
+// ended before it was computed. An import checked against a checksum that
+// arrived after the pages accepts only that checksum.
+func TestExportChecksumIsLazy(t *testing.T) {
+	p := handoffPool(t, 16)
+	l := prefilled(t, p, "r", 10)
+	host := p.dev
+	counted := &countingReads{Device: host}
+	p.dev = counted // before any copy: only this test sees the pool
+	out, err := l.Export(time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	assert.Zero(t, counted.reads.Load(), "Export read pages")
+	sum, err := out.Checksum()
+	require.NoError(t, err)
+	regions := int64(p.Geometry().Regions())
+	assert.Equal(t, 3*regions, counted.reads.Load(), "Checksum reads each page once")
+	_, err = out.Checksum()
+	require.NoError(t, err)
+	assert.Equal(t, 3*regions, counted.reads.Load(), "a second Checksum read again")
+	p.dev = host
+	buf := make([]byte, 3*p.Geometry().PageBytes())
+	require.NoError(t, out.ReadPages(0, buf))
+	pb := int(p.Geometry().PageBytes())
+	want := ContentChecksum([]uint32{PageChecksum(buf[:pb]), PageChecksum(buf[pb : 2*pb]), PageChecksum(buf[2*pb:])})
+	assert.Equal(t, want, sum)
+
+	for _, tc := range []struct {
+		name  string
+		claim uint32
+		ok    bool
+	}{{"sealed sum", sum, true}, {"another sum", sum ^ 1, false}} {
+		dst := handoffPool(t, 32)
+		in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), 0)
+		require.NoError(t, err)
+		require.NoError(t, in.WritePages(0, buf))
+		got, err := in.CompleteWithChecksum(tc.claim)
+		if tc.ok {
+			require.NoError(t, err, tc.name)
+			require.NoError(t, got.Release())
+		} else {
+			assert.ErrorIs(t, err, ErrChecksumMismatch, tc.name)
+			assert.Equal(t, 0, dst.Stats().InUsePages)
+		}
+		require.NoError(t, dst.Check())
+	}
+
+	require.NoError(t, out.Ack())
+	again, err := out.Checksum()
+	require.NoError(t, err, "a known checksum outlives the export")
+	assert.Equal(t, sum, again)
+
+	l2 := prefilled(t, p, "r2", 10)
+	out2, err := l2.Export(time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	require.NoError(t, out2.Abort())
+	_, err = out2.Checksum()
+	assert.ErrorIs(t, err, ErrReclaimed)
+	require.NoError(t, p.Check())
+}
+
+// countingReads counts ReadPage calls.
+type countingReads struct {
+	cudaops.Device
+	reads atomic.Int64
+}
+
+func (d *countingReads) ReadPage(r int, p int32, dst []byte) error {
+	d.reads.Add(1)
+	return d.Device.ReadPage(r, p, dst)
 }

@@ -128,7 +128,7 @@ func TestImportDomain(t *testing.T) {
 				testHookBeforeImportAdmit = func() { require.NoError(t, tt.during(dst)) }
 				t.Cleanup(func() { testHookBeforeImportAdmit = nil })
 			}
-			in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 8}, domain, out.Checksum())
+			in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 8}, domain, mustChecksum(t, out))
 			testHookBeforeImportAdmit = nil
 			if tt.want != nil {
 				require.ErrorIs(t, err, tt.want)
@@ -185,7 +185,7 @@ func TestExportSealsWrites(t *testing.T) {
 	require.NoError(t, err)
 	assert.Len(t, table, 4)
 
-	in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 6}, out.Domain(), out.Checksum())
+	in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 6}, out.Domain(), mustChecksum(t, out))
 	require.NoError(t, err)
 	got, err := transfer(t, out, in)
 	require.NoError(t, err)
@@ -274,7 +274,7 @@ func TestImportedLeasePrefixCache(t *testing.T) {
 		require.NoError(t, l.FinishPrefill())
 		out, err := l.Export(time.Now().Add(time.Minute))
 		require.NoError(t, err)
-		in, err := dst.BeginImport(context.Background(), Request{ID: id, Tenant: "a", PromptTokens: 10, MaxNewTokens: 4}, out.Domain(), out.Checksum())
+		in, err := dst.BeginImport(context.Background(), Request{ID: id, Tenant: "a", PromptTokens: 10, MaxNewTokens: 4}, out.Domain(), mustChecksum(t, out))
 		require.NoError(t, err)
 		sent := make([]byte, out.Pages()*pb)
 		require.NoError(t, out.ReadPages(0, sent))

@@ -120,7 +120,7 @@ func TestExportImportMovesBytes(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 3, out.Pages())
 
-	in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 20}, out.Domain(), out.Checksum())
+	in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 20}, out.Domain(), mustChecksum(t, out))
 	require.NoError(t, err)
 	buf := make([]byte, 3*src.Geometry().PageBytes())
 	require.NoError(t, out.ReadPages(0, buf))
@@ -191,7 +191,7 @@ func TestImportFailuresAbort(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			dst := handoffPool(t, 32)
-			in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 4}, out.Domain(), out.Checksum())
+			in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 4}, out.Domain(), mustChecksum(t, out))
 			require.NoError(t, err)
 			err = tt.run(in)
 			assert.ErrorIs(t, err, tt.want)
@@ -247,4 +247,12 @@ func TestExportReadAfterEngineRelease(t *testing.T) {
 	assert.True(t, errors.Is(err, ErrReclaimed), "read of released pages: %v", err)
 	require.NoError(t, other.Release())
 	require.NoError(t, p.Check())
+}
+
+// mustChecksum is out's content checksum.
+func mustChecksum(t testing.TB, out *Outgoing) uint32 {
+	t.Helper()
+	sum, err := out.Checksum()
+	require.NoError(t, err)
+	return sum
 }

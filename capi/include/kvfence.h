@@ -398,7 +398,9 @@ KVF_API kvf_status kvf_export_create(kvf_lease lease, const uint8_t *key, size_t
                                      int64_t max_new_tokens, int64_t ttl_ms, kvf_export *out);
 
 /* Copies the signed manifest (binary) into buf; *len (if not NULL) gets
- * its length. */
+ * its length. The first call reads every exported page once to put the
+ * content checksum in the manifest: KVF_ERR_RECLAIMED if the pages are no
+ * longer pinned. */
 KVF_API kvf_status kvf_export_manifest(kvf_export exp, uint8_t *buf, size_t buf_len, size_t *len);
 
 /* Pages, page size, sizes, checksum, and whether the pages are pinned. */

@@ -100,13 +100,17 @@ func Export(lease Handle, key []byte, maxNewTokens int64, ttl time.Duration) (Ha
 }
 
 // ExportManifest copies the signed manifest into dst and returns its
-// length; a short dst gets nothing and a *BufferError.
+// length; a short dst gets nothing and a *BufferError. The first call
+// reads the pages once for the content checksum the manifest carries.
 func ExportManifest(h Handle, dst []byte) (int, error) {
 	exp, err := lookupExport(h)
 	if err != nil {
 		return 0, err
 	}
-	b := exp.ManifestBytes()
+	b, err := exp.ManifestBytes()
+	if err != nil {
+		return 0, err
+	}
 	if len(dst) < len(b) {
 		return len(b), &BufferError{What: "manifest (bytes)", Need: len(b), Have: len(dst)}
 	}
