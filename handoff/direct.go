@@ -48,6 +48,11 @@ func (e *Export) ManifestBytes() ([]byte, error) {
 	return e.full.wire, nil
 }
 
+// Checksum returns the content checksum of the exported pages, reading
+// each once on the first call (as ManifestBytes does); kvcache.ErrReclaimed
+// if it was not known yet and the pages are no longer pinned.
+func (e *Export) Checksum() (uint32, error) { return e.out.Checksum() }
+
 // PageBytes is the size of one exported page, all regions.
 func (e *Export) PageBytes() int { return int(e.out.Geometry().PageBytes()) }
 

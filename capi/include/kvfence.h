@@ -390,7 +390,8 @@ KVF_API kvf_status kvf_lease_abort(kvf_lease lease);
  */
 
 /* Pins a prefilled lease's prompt pages (KVF_ERR_LEASE_PHASE if it is not
- * prefilled: nothing changes) and signs their manifest. max_new_tokens is
+ * prefilled: nothing changes), reads each once for the content checksum
+ * and signs their manifest. max_new_tokens is
  * the output budget the decode pool must reserve. The manifest is valid
  * for ttl_ms (0: 30 s); the pages stay pinned until kvf_export_ack,
  * kvf_export_abort, kvf_export_free, or 2 x ttl, then are scrubbed. */
@@ -398,9 +399,7 @@ KVF_API kvf_status kvf_export_create(kvf_lease lease, const uint8_t *key, size_t
                                      int64_t max_new_tokens, int64_t ttl_ms, kvf_export *out);
 
 /* Copies the signed manifest (binary) into buf; *len (if not NULL) gets
- * its length. The first call reads every exported page once to put the
- * content checksum in the manifest: KVF_ERR_RECLAIMED if the pages are no
- * longer pinned. */
+ * its length. */
 KVF_API kvf_status kvf_export_manifest(kvf_export exp, uint8_t *buf, size_t buf_len, size_t *len);
 
 /* Pages, page size, sizes, checksum, and whether the pages are pinned. */

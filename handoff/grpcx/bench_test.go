@@ -123,8 +123,13 @@ func (c *tcpCopy) run(b *testing.B) time.Duration {
 	done := make(chan error, 1)
 	start := time.Now()
 	go func() {
-		_, err := io.ReadFull(c.r, c.dst)
-		done <- err
+		for off := 0; off < len(c.dst); off += 1 << 20 {
+			if _, err := io.ReadFull(c.r, c.dst[off:min(off+1<<20, len(c.dst))]); err != nil {
+				done <- err
+				return
+			}
+		}
+		done <- nil
 	}()
 	for off := 0; off < len(c.src); off += 1 << 20 {
 		_, err := c.w.Write(c.src[off:min(off+1<<20, len(c.src))])

@@ -88,7 +88,15 @@ func Export(lease Handle, key []byte, maxNewTokens int64, ttl time.Duration) (Ha
 		// From here the export's reclaim timer may refer to the lease
 		// after Free: it must never serve another admission.
 		e.mu.noRecycle = true
-		exp, err = s.Export(l, clampInt(maxNewTokens))
+		if exp, err = s.Export(l, clampInt(maxNewTokens)); err != nil {
+			return err
+		}
+		// The C caller moves the bytes itself: it needs the manifest
+		// with the checksum, which takes a pass over the pages. Made now,
+		// the manifest and the description never fail later.
+		if _, err = exp.ManifestBytes(); err != nil {
+			exp.Abort()
+		}
 		return err
 	})
 	if err != nil {
@@ -99,9 +107,9 @@ func Export(lease Handle, key []byte, maxNewTokens int64, ttl time.Duration) (Ha
 	return h, nil
 }
 
-// ExportManifest copies the signed manifest into dst and returns its
-// length; a short dst gets nothing and a *BufferError. The first call
-// reads the pages once for the content checksum the manifest carries.
+// ExportManifest copies the signed manifest, with the content checksum
+// Export computed, into dst and returns its length; a short dst gets
+// nothing and a *BufferError.
 func ExportManifest(h Handle, dst []byte) (int, error) {
 	exp, err := lookupExport(h)
 	if err != nil {
@@ -124,7 +132,11 @@ func DescribeExport(h Handle) (TransferInfo, error) {
 	if err != nil {
 		return TransferInfo{}, err
 	}
-	return transferInfo(exp.Manifest(), exp.PageBytes(), exp.Live()), nil
+	m := exp.Manifest()
+	if sum, err := exp.Checksum(); err == nil { // computed by Export: cached
+		m.Checksum, m.ChecksumSealed = sum, false
+	}
+	return transferInfo(m, exp.PageBytes(), exp.Live()), nil
 }
 
 // ExportReadPages copies exported pages first, first+1, … into dst, a

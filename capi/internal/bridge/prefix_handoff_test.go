@@ -230,6 +230,9 @@ func TestHandoffThroughBridge(t *testing.T) {
 	imp := must(BeginImport(recv, manifest))
 	_, err = BeginImport(recv, manifest)
 	wantStatus(t, err, StatusReplay)
+	if in := must(DescribeImport(imp)); in.Checksum != info.Checksum || info.Checksum == 0 {
+		t.Fatalf("export describes checksum %08x, the import's manifest %08x", info.Checksum, in.Checksum)
+	}
 	pages := make([]byte, info.Pages*info.PageBytes)
 	wantStatus(t, ExportReadPages(exp, 0, pages[:5]), StatusInvalidArgument)
 	wantStatus(t, ExportReadPages(exp, -1, pages[:pb]), StatusInvalidArgument)
