@@ -10,11 +10,13 @@ cd "$(dirname "$0")/.."
 count=${1:-3}
 out=bench/results/$(date -u +%Y-%m-%d)-host.txt
 mkdir -p bench/results
+# Decided before the output file is truncated: that file is not a change.
+dirty=$(git diff --quiet -- . ':!bench/results' || echo ' (dirty)')
 {
 	echo "# kvfence CPU benchmarks, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 	echo "# $(go version); $(nproc) cores; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 	echo "# load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-	echo "# commit $(git rev-parse --short HEAD)$(git diff --quiet || echo ' (dirty)')"
+	echo "# commit $(git rev-parse --short HEAD)$dirty"
 } >"$out"
 run() {
 	echo "== $*" >&2
