@@ -29,7 +29,7 @@ const Version = 1
 //	 48    16  geometry: tokens per page, layers, KV heads, head dim (u32 each)
 //	 64     1  dtype (kvcache.DType)
 //	 65     1  layout (LayoutKVPerLayer)
-//	 66     1  checksum algorithm (ChecksumCRC32C)
+//	 66     1  checksum algorithm (ChecksumXXH3)
 //	 67     1  reserved (0)
 //	 68     4  content checksum (0 when FlagChecksumSealed)
 //	 72     4  page count = ceil(prompt tokens / tokens per page)
@@ -59,8 +59,10 @@ const (
 	LayoutKVPerLayer uint8 = 1
 )
 
-// ChecksumCRC32C is the content checksum of kvcache.ContentChecksum.
-const ChecksumCRC32C uint8 = 1
+// ChecksumXXH3 is the content checksum of kvcache.ContentChecksum: per-page
+// XXH3-64 hashes folded into 32 bits. (1 named CRC32C, the algorithm of
+// earlier builds; it is refused, as any other value is.)
+const ChecksumXXH3 uint8 = 2
 
 // FlagChecksumSealed marks a manifest whose content checksum is not in it
 // but follows the pages, in the transfer's seal (see frames.go), MAC'd
@@ -108,7 +110,7 @@ type Manifest struct {
 	MaxNewTokens   int
 	Geometry       GeometryFingerprint
 	Expires        time.Time
-	Checksum       uint32   // content checksum of the pages (ChecksumCRC32C); 0 if ChecksumSealed
+	Checksum       uint32   // content checksum of the pages (ChecksumXXH3); 0 if ChecksumSealed
 	ChecksumSealed bool     // the checksum follows the pages, in the transfer's seal (FlagChecksumSealed)
 	Generations    []uint32 // per page, on the sender: which life of each page the KV came from
 }
@@ -212,7 +214,7 @@ func (m *Manifest) AppendEncode(dst []byte, key *Key) ([]byte, error) {
 	dst = le.AppendUint32(dst, g.Layers)
 	dst = le.AppendUint32(dst, g.KVHeads)
 	dst = le.AppendUint32(dst, g.HeadDim)
-	dst = append(dst, byte(g.DType), g.Layout, ChecksumCRC32C, 0)
+	dst = append(dst, byte(g.DType), g.Layout, ChecksumXXH3, 0)
 	dst = le.AppendUint32(dst, m.Checksum)
 	dst = le.AppendUint32(dst, uint32(len(m.Generations)))
 	dst = le.AppendUint16(dst, uint16(len(m.RequestID)))
@@ -281,7 +283,7 @@ func parse(b []byte) (Manifest, error) {
 		KVHeads: le.Uint32(b[56:]), HeadDim: le.Uint32(b[60:]),
 		DType: kvcache.DType(b[64]), Layout: b[65],
 	}
-	if b[66] != ChecksumCRC32C || b[67] != 0 {
+	if b[66] != ChecksumXXH3 || b[67] != 0 {
 		return bad("checksum algorithm %d, reserved byte %d", b[66], b[67])
 	}
 	m.Checksum = le.Uint32(b[68:])

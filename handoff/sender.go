@@ -161,7 +161,7 @@ func (e *Export) sendPages(st Stream) error {
 	// the pool per geometry and frame size.
 	full := dataFixed + per*(4+pb)
 	owning, _ := st.(OwningStream)
-	sums := make([]uint32, n)
+	sums := make([]uint64, n)
 	le := binary.LittleEndian
 	for first := 0; first < n; {
 		k := min(per, n-first)

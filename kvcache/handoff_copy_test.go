@@ -256,7 +256,7 @@ func TestExportChecksumIsLazy(t *testing.T) {
 	buf := make([]byte, 3*p.Geometry().PageBytes())
 	require.NoError(t, out.ReadPages(0, buf))
 	pb := int(p.Geometry().PageBytes())
-	want := ContentChecksum([]uint32{PageChecksum(buf[:pb]), PageChecksum(buf[pb : 2*pb]), PageChecksum(buf[2*pb:])})
+	want := ContentChecksum([]uint64{PageChecksum(buf[:pb]), PageChecksum(buf[pb : 2*pb]), PageChecksum(buf[2*pb:])})
 	assert.Equal(t, want, sum)
 
 	for _, tc := range []struct {

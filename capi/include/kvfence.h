@@ -175,7 +175,7 @@ typedef struct kvf_transfer_info {
     int64_t page_bytes;     /* bytes of one page, all layers' K and V, layer 0's K first */
     int64_t prompt_tokens;
     int64_t max_new_tokens; /* what the decode lease reserves beyond the prompt */
-    uint32_t checksum;      /* CRC32C content checksum the manifest promises */
+    uint32_t checksum;      /* content checksum the manifest promises (XXH3-64 per page, folded) */
     int32_t live;           /* export: pages still pinned; import: neither completed nor aborted */
 } kvf_transfer_info;
 
