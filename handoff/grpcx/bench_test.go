@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/handoff/grpcx"
 	"github.com/kvfence/kvfence/handoff/internal/testkit"
@@ -88,16 +89,23 @@ func BenchmarkHandoff(b *testing.B) {
 }
 
 // tcpCopy is the baseline: a loopback TCP connection that copies bytes
-// from one buffer of the handoff's size to another (memory as cold as the
-// pools' pages, not a cache-resident scratch buffer), 1 MiB per write and
-// read.
+// from one buffer of the handoff's size to another, 1 MiB per write and
+// read. The buffers are memory of the pools' kind (Host device regions:
+// as cold as the pages, and backed alike, huge pages included), not
+// cache-resident scratch buffers.
 type tcpCopy struct {
+	mem      *cudaops.Host
 	src, dst []byte
 	w, r     net.Conn
 }
 
 func newTCPCopy(b *testing.B, bytes int64) *tcpCopy {
-	c := &tcpCopy{src: make([]byte, bytes), dst: make([]byte, bytes)}
+	c := &tcpCopy{mem: cudaops.NewHost()}
+	for range 2 {
+		_, err := c.mem.AllocRegion(1, bytes)
+		require.NoError(b, err)
+	}
+	c.src, c.dst = c.mem.PageBytes(0, 0), c.mem.PageBytes(1, 0)
 	for i := range c.src {
 		c.src[i] = byte(i)
 	}
@@ -142,4 +150,5 @@ func (c *tcpCopy) run(b *testing.B) time.Duration {
 func (c *tcpCopy) close() {
 	c.w.Close()
 	c.r.Close()
+	c.mem.Close()
 }
