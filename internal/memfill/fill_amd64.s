@@ -44,3 +44,57 @@ avx2loop:
 	SFENCE
 	VZEROUPPER
 	RET
+
+// Streaming copy. dst must be 32-byte aligned (16 for SSE2) and n a
+// positive multiple of 128; src may have any alignment.
+
+// func copyNTSSE2(dst, src unsafe.Pointer, n uintptr)
+TEXT ·copyNTSSE2(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+sse2copy:
+	MOVOU 0(SI), X0
+	MOVOU 16(SI), X1
+	MOVOU 32(SI), X2
+	MOVOU 48(SI), X3
+	MOVOU 64(SI), X4
+	MOVOU 80(SI), X5
+	MOVOU 96(SI), X6
+	MOVOU 112(SI), X7
+	MOVNTO X0, 0(DI)
+	MOVNTO X1, 16(DI)
+	MOVNTO X2, 32(DI)
+	MOVNTO X3, 48(DI)
+	MOVNTO X4, 64(DI)
+	MOVNTO X5, 80(DI)
+	MOVNTO X6, 96(DI)
+	MOVNTO X7, 112(DI)
+	ADDQ $128, SI
+	ADDQ $128, DI
+	SUBQ $128, CX
+	JNZ sse2copy
+	SFENCE
+	RET
+
+// func copyNTAVX2(dst, src unsafe.Pointer, n uintptr)
+TEXT ·copyNTAVX2(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+avx2copy:
+	VMOVDQU 0(SI), Y0
+	VMOVDQU 32(SI), Y1
+	VMOVDQU 64(SI), Y2
+	VMOVDQU 96(SI), Y3
+	VMOVNTDQ Y0, 0(DI)
+	VMOVNTDQ Y1, 32(DI)
+	VMOVNTDQ Y2, 64(DI)
+	VMOVNTDQ Y3, 96(DI)
+	ADDQ $128, SI
+	ADDQ $128, DI
+	SUBQ $128, CX
+	JNZ avx2copy
+	SFENCE
+	VZEROUPPER
+	RET

@@ -1,6 +1,8 @@
-// Package memfill writes a repeated 32-bit word over byte slices as fast as
-// the machine allows. It is the host backend's fill primitive, kept apart
-// from cudaops because Go assembly and cgo cannot share a package.
+// Package memfill writes host memory as fast as the machine allows: a
+// repeated 32-bit word over byte slices (the host backend's fill
+// primitive), and copies with streaming stores (its write path for
+// received pages). It is kept apart from cudaops because Go assembly and
+// cgo cannot share a package.
 package memfill
 
 import (

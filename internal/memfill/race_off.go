@@ -1,0 +1,5 @@
+//go:build !race
+
+package memfill
+
+const raceEnabled = false
