@@ -49,8 +49,9 @@ package kvcache
 //     reused (SGLang 24578).
 //
 // The content checksum folds, in page order, one 64-bit XXH3 hash per page
-// (over its bytes in every region, region 0 first): the XXH3 of the
-// little-endian per-page hashes, its two halves XORed into 32 bits. Being
+// (PageChecksum: over its bytes in every region, region 0 first, in 4 KiB
+// blocks): the XXH3 of the little-endian per-page hashes, its two halves
+// XORed into 32 bits. Being
 // computed per page, it lets pages arrive in any order and on several
 // streams, and lets a sender sum each page as it reads it to send it
 // (PageChecksum, ContentChecksum) instead of reading every page once more
@@ -185,9 +186,27 @@ func (p *Pool) endIf(l *Lease, owned func() bool, phase Phase) (ended bool, err 
 // between the domain pre-check and the admission.
 var testHookBeforeImportAdmit func()
 
-// PageChecksum is the XXH3-64 of one page's bytes over all regions,
-// region 0 first: the per-page term of a content checksum.
-func PageChecksum(page []byte) uint64 { return xxh3.Hash(page) }
+// checksumBlock is the unit pages are hashed in (PageChecksum).
+const checksumBlock = 4 << 10
+
+// PageChecksum is the per-page term of a content checksum: the XXH3-64 of
+// the little-endian XXH3-64s of the page's 4 KiB blocks (the last one may
+// be shorter), over its bytes in every region, region 0 first. Hashed in
+// blocks, a page that arrived in pieces (a gRPC message is a list of
+// 16 KiB buffers) is summed where it lies, but for the few blocks that
+// straddle two pieces, instead of being streamed through a hasher that
+// copies every byte.
+func PageChecksum(page []byte) uint64 {
+	var small [64 * 8]byte // the block sums of a page up to 256 KiB
+	sums := small[:0]
+	if n := 8 * ((len(page) + checksumBlock - 1) / checksumBlock); n > len(small) {
+		sums = make([]byte, 0, n)
+	}
+	for off := 0; off < len(page); off += checksumBlock {
+		sums = binary.LittleEndian.AppendUint64(sums, xxh3.Hash(page[off:min(off+checksumBlock, len(page))]))
+	}
+	return xxh3.Hash(sums)
+}
 
 // ContentChecksum folds per-page checksums, in page order, into the
 // content checksum of a transfer.
@@ -653,25 +672,31 @@ func (p *Pool) writeParts(hs []allocator.Handle, parts [][]byte, sums []uint64) 
 	partial, _ := p.dev.(cudaops.PartWriter)
 	var scratch []byte
 	cur := partCursor{parts: parts}
-	var h64 *xxh3.Hasher
+	pageBytes := rb * p.geom.Regions()
+	var (
+		block     []byte // a block that straddles parts, stitched
+		blockSums []byte
+	)
 	for i, h := range hs {
-		sum := cur // a copy: walks the page once more, ahead of the writes
-		pageBytes := rb * p.geom.Regions()
-		if seg := sum.next(pageBytes); len(seg) == pageBytes {
-			sums[i] = PageChecksum(seg) // the whole page in one part
-		} else {
-			if h64 == nil {
-				h64 = xxh3.New()
+		// As PageChecksum, walking the page once more ahead of the writes.
+		sum := cur
+		blockSums = blockSums[:0]
+		for off := 0; off < pageBytes; off += checksumBlock {
+			n := min(checksumBlock, pageBytes-off)
+			seg := sum.next(n)
+			if len(seg) < n {
+				if block == nil {
+					block = make([]byte, checksumBlock)
+				}
+				k := copy(block, seg)
+				for k < n {
+					k += copy(block[k:], sum.next(n-k))
+				}
+				seg = block[:n]
 			}
-			h64.Reset()
-			h64.Write(seg)
-			for left := pageBytes - len(seg); left > 0; {
-				seg := sum.next(left)
-				h64.Write(seg)
-				left -= len(seg)
-			}
-			sums[i] = h64.Sum64()
+			blockSums = binary.LittleEndian.AppendUint64(blockSums, xxh3.Hash(seg))
 		}
+		sums[i] = xxh3.Hash(blockSums)
 		for r := range p.geom.Regions() {
 			var err error
 			seg := cur.next(rb)
