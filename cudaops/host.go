@@ -197,14 +197,13 @@ func (h *Host) WritePage(r int, p int32, src []byte) error {
 func (h *Host) WritePagePart(r int, p int32, off int, src []byte) error {
 	h.mu.RLock()
 	defer h.mu.RUnlock()
-	if !h.mu.closed && (r < 0 || r >= len(h.mu.regions)) {
+	if h.mu.closed {
+		return ErrClosed
+	}
+	if r < 0 || r >= len(h.mu.regions) {
 		return fmt.Errorf("%w: region %d of %d", ErrInvalidArgument, r, len(h.mu.regions))
 	}
-	var pageBytes int64
-	if !h.mu.closed {
-		pageBytes = h.mu.regions[r].PageBytes
-	}
-	dst, err := h.page(r, p, int(pageBytes))
+	dst, err := h.page(r, p, int(h.mu.regions[r].PageBytes))
 	if err != nil {
 		return err
 	}

@@ -33,7 +33,7 @@ type Stream interface {
 
 // OwningStream is a Stream that can take over a message instead of
 // copying it. The sender transmits its data frames this way when the
-// stream offers it: a frame the checksum pass staged goes to the wire
+// stream offers it: the buffer the pages were staged in goes to the wire
 // without another copy.
 type OwningStream interface {
 	Stream

@@ -51,12 +51,11 @@ package kvcache
 // The content checksum folds, in page order, one 64-bit XXH3 hash per page
 // (PageChecksum: over its bytes in every region, region 0 first, in 4 KiB
 // blocks): the XXH3 of the little-endian per-page hashes, its two halves
-// XORed into 32 bits. Being
-// computed per page, it lets pages arrive in any order and on several
-// streams, and lets a sender sum each page as it reads it to send it
-// (PageChecksum, ContentChecksum) instead of reading every page once more
-// beforehand (Outgoing.Checksum); the decode side checks either with
-// Complete or CompleteWithChecksum. It guards integrity (corruption,
+// XORed into 32 bits. Being computed per page, it lets pages arrive in any
+// order and on several streams, and lets a sender sum each page as it
+// reads it to send it (PageChecksum, ContentChecksum) instead of reading
+// every page once more beforehand (Outgoing.Checksum); the decode side
+// checks either with Complete or CompleteWithChecksum. It guards integrity (corruption,
 // truncation, misplaced or stale pages); authenticity comes from the
 // manifest's MAC and the transport (TLS). Every byte of a handoff is summed
 // twice, once on each side, so speed matters: XXH3 (github.com/zeebo/xxh3)
@@ -198,14 +197,9 @@ const checksumBlock = 4 << 10
 // copies every byte.
 func PageChecksum(page []byte) uint64 {
 	var small [64 * 8]byte // the block sums of a page up to 256 KiB
-	sums := small[:0]
-	if n := 8 * ((len(page) + checksumBlock - 1) / checksumBlock); n > len(small) {
-		sums = make([]byte, 0, n)
-	}
-	for off := 0; off < len(page); off += checksumBlock {
-		sums = binary.LittleEndian.AppendUint64(sums, xxh3.Hash(page[off:min(off+checksumBlock, len(page))]))
-	}
-	return xxh3.Hash(sums)
+	cur := partCursor{parts: [][]byte{page}}
+	sum, _ := cur.pageSum(len(page), nil, small[:0])
+	return sum
 }
 
 // ContentChecksum folds per-page checksums, in page order, into the
@@ -660,6 +654,35 @@ func (c *partCursor) next(max int) []byte {
 	return seg
 }
 
+// take returns the next n bytes, contiguous: a slice of the part that
+// holds them, or, when they straddle parts, a copy in *scratch (grown as
+// needed).
+func (c *partCursor) take(n int, scratch *[]byte) []byte {
+	seg := c.next(n)
+	if len(seg) == n {
+		return seg
+	}
+	if len(*scratch) < n {
+		*scratch = make([]byte, n)
+	}
+	b := (*scratch)[:n]
+	for k := copy(b, seg); k < n; {
+		k += copy(b[k:], c.next(n-k))
+	}
+	return b
+}
+
+// pageSum is PageChecksum of the next pageBytes bytes, which straddle
+// parts anywhere: each block is hashed where it lies, or stitched in
+// *block first. sums is scratch for the block sums, returned for reuse.
+func (c *partCursor) pageSum(pageBytes int, block *[]byte, sums []byte) (uint64, []byte) {
+	sums = sums[:0]
+	for off := 0; off < pageBytes; off += checksumBlock {
+		sums = binary.LittleEndian.AppendUint64(sums, xxh3.Hash(c.take(min(checksumBlock, pageBytes-off), block)))
+	}
+	return xxh3.Hash(sums), sums
+}
+
 // writeParts writes pages hs, region by region, from the concatenation
 // of parts, and sets sums[i] to the checksum of page i's bytes; the caller
 // has pinned the pages. Each page is summed just before it is written,
@@ -670,58 +693,21 @@ func (c *partCursor) next(max int) []byte {
 func (p *Pool) writeParts(hs []allocator.Handle, parts [][]byte, sums []uint64) error {
 	rb := int(p.geom.RegionPageBytes())
 	partial, _ := p.dev.(cudaops.PartWriter)
-	var scratch []byte
 	cur := partCursor{parts: parts}
-	pageBytes := rb * p.geom.Regions()
-	var (
-		block     []byte // a block that straddles parts, stitched
-		blockSums []byte
-	)
+	var block, region, blockSums []byte // scratch
 	for i, h := range hs {
-		// As PageChecksum, walking the page once more ahead of the writes.
-		sum := cur
-		blockSums = blockSums[:0]
-		for off := 0; off < pageBytes; off += checksumBlock {
-			n := min(checksumBlock, pageBytes-off)
-			seg := sum.next(n)
-			if len(seg) < n {
-				if block == nil {
-					block = make([]byte, checksumBlock)
-				}
-				k := copy(block, seg)
-				for k < n {
-					k += copy(block[k:], sum.next(n-k))
-				}
-				seg = block[:n]
-			}
-			blockSums = binary.LittleEndian.AppendUint64(blockSums, xxh3.Hash(seg))
-		}
-		sums[i] = xxh3.Hash(blockSums)
+		ahead := cur // sums the page, ahead of the writes
+		sums[i], blockSums = ahead.pageSum(rb*p.geom.Regions(), &block, blockSums)
 		for r := range p.geom.Regions() {
 			var err error
-			seg := cur.next(rb)
-			switch {
-			case len(seg) == rb:
-				err = p.dev.WritePage(r, h.Page, seg)
-			case partial != nil:
-				off := 0
-				for {
-					if err = partial.WritePagePart(r, h.Page, off, seg); err != nil {
-						break
-					}
-					if off += len(seg); off == rb {
-						break
-					}
-					seg = cur.next(rb - off)
+			if partial != nil {
+				for off := 0; off < rb && err == nil; {
+					seg := cur.next(rb - off)
+					err = partial.WritePagePart(r, h.Page, off, seg)
+					off += len(seg)
 				}
-			default:
-				if scratch == nil {
-					scratch = make([]byte, rb)
-				}
-				for off := copy(scratch, seg); off < rb; {
-					off += copy(scratch[off:], cur.next(rb-off))
-				}
-				err = p.dev.WritePage(r, h.Page, scratch)
+			} else {
+				err = p.dev.WritePage(r, h.Page, cur.take(rb, &region))
 			}
 			if err != nil {
 				return fmt.Errorf("kvcache: page %d region %d: %w", h.Page, r, err)

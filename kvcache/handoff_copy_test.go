@@ -33,15 +33,9 @@ func split(b []byte, seed uint64, maxPart int) [][]byte {
 }
 
 func TestImportWritePagesFromParts(t *testing.T) {
-	src := handoffPool(t, 16)
-	l := prefilled(t, src, "r", 10) // 3 pages
-	out, err := l.Export(time.Now().Add(time.Minute))
-	require.NoError(t, err)
-	defer out.Abort()
-	pb := int(src.Geometry().PageBytes())
-	rb := int(src.Geometry().RegionPageBytes())
-	want := make([]byte, 3*pb)
-	require.NoError(t, out.ReadPages(0, want))
+	out, want := exported(t)
+	g := out.Geometry()
+	pb, rb := int(g.PageBytes()), int(g.RegionPageBytes())
 
 	for _, dev := range []struct {
 		name string
@@ -51,8 +45,8 @@ func TestImportWritePagesFromParts(t *testing.T) {
 		{"whole pages only", func(d cudaops.Device) cudaops.Device { return wholePagesOnly{d} }},
 	} {
 		for _, maxPart := range []int{1, 3, rb - 1, rb + 5, 3 * pb} {
-			host := canaryDevice(t, src.Geometry(), 8, ScrubPolicy{Kind: ScrubCanary})
-			dst, err := New(Config{Device: dev.wrap(host), Geometry: src.Geometry(), Pages: 8,
+			host := canaryDevice(t, g, 8, ScrubPolicy{Kind: ScrubCanary})
+			dst, err := New(Config{Device: dev.wrap(host), Geometry: g, Pages: 8,
 				MaxContextTokens: 32, Tenants: []TenantConfig{{Name: "a"}}, Scrub: ScrubPolicy{Kind: ScrubCanary}})
 			require.NoError(t, err)
 			in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), mustChecksum(t, out))
@@ -62,14 +56,7 @@ func TestImportWritePagesFromParts(t *testing.T) {
 			require.NoError(t, in.WritePagesFrom(1, split(want[pb:], uint64(maxPart)+1, maxPart)))
 			got, err := in.Complete()
 			require.NoError(t, err, "%s, parts ≤ %d", dev.name, maxPart)
-			table, err := got.BlockTable()
-			require.NoError(t, err)
-			back := make([]byte, 0, len(want))
-			for _, pg := range table[:3] {
-				for r := range dst.Geometry().Regions() {
-					back = append(back, host.(*cudaops.Host).PageBytes(r, pg)...)
-				}
-			}
+			back := leaseBytes(t, host.(*cudaops.Host), g.Regions(), got, 3)
 			assert.True(t, bytes.Equal(want, back), "%s, parts ≤ %d: pages differ", dev.name, maxPart)
 			require.NoError(t, got.Release())
 			require.NoError(t, dst.Check())
@@ -79,22 +66,16 @@ func TestImportWritePagesFromParts(t *testing.T) {
 }
 
 func TestImportWritePagesFromRefusesBadParts(t *testing.T) {
-	src := handoffPool(t, 16)
-	l := prefilled(t, src, "r", 10)
-	out, err := l.Export(time.Now().Add(time.Minute))
-	require.NoError(t, err)
-	defer out.Abort()
-	pb := int(src.Geometry().PageBytes())
-	good := make([]byte, 3*pb)
-	require.NoError(t, out.ReadPages(0, good))
+	out, good := exported(t)
+	pb := len(good) / 3
 
 	for name, parts := range map[string][][]byte{
-		"no parts":       nil,
-		"empty parts":    {{}, {}},
-		"a page short":   split(good[:2*pb-1], 7, 100),
-		"a byte over":    append(split(good, 8, 100), []byte{0}),
-		"past the end":   split(append(bytes.Clone(good), good[:pb]...), 9, 100),
-		"checksum stays": {good[:pb], good[pb : 2*pb-1]}, // not whole pages
+		"no parts":        nil,
+		"empty parts":     {{}, {}},
+		"a page short":    split(good[:2*pb-1], 7, 100),
+		"a byte over":     append(split(good, 8, 100), []byte{0}),
+		"past the end":    split(append(bytes.Clone(good), good[:pb]...), 9, 100),
+		"not whole pages": {good[:pb], good[pb : 2*pb-1]},
 	} {
 		dst := handoffPool(t, 32)
 		in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), mustChecksum(t, out))

@@ -134,31 +134,46 @@ func TestExportImportMovesBytes(t *testing.T) {
 	assert.GreaterOrEqual(t, got.CapacityTokens(), 30)
 	require.NoError(t, out.Ack())
 
-	back := make([]byte, len(buf))
-	table, err := got.BlockTable()
-	require.NoError(t, err)
-	host := dst.Device().(*cudaops.Host)
-	off := 0
-	for _, pg := range table[:3] {
-		for r := range dst.Geometry().Regions() {
-			off += copy(back[off:], host.PageBytes(r, pg))
-		}
-	}
+	back := leaseBytes(t, dst.Device().(*cudaops.Host), dst.Geometry().Regions(), got, 3)
 	assert.True(t, bytes.Equal(buf, back), "imported bytes differ from exported ones")
 	require.NoError(t, got.Release())
 	require.NoError(t, src.Check())
 	require.NoError(t, dst.Check())
 }
 
-func TestImportFailuresAbort(t *testing.T) {
+// exported exports a prefilled 10-token (3-page) lease "r" of a fresh
+// pool and returns the export and its pages' bytes; the export is aborted
+// when the test ends.
+func exported(t *testing.T) (*Outgoing, []byte) {
+	t.Helper()
 	src := handoffPool(t, 16)
 	l := prefilled(t, src, "r", 10)
 	out, err := l.Export(time.Now().Add(time.Minute))
 	require.NoError(t, err)
-	defer out.Abort()
-	pb := int(src.Geometry().PageBytes())
-	good := make([]byte, 3*pb)
-	require.NoError(t, out.ReadPages(0, good))
+	t.Cleanup(func() { out.Abort() })
+	buf := make([]byte, 3*src.Geometry().PageBytes())
+	require.NoError(t, out.ReadPages(0, buf))
+	return out, buf
+}
+
+// leaseBytes reads back the first n pages of lease l from host, whose
+// pages have regions regions, in order.
+func leaseBytes(t *testing.T, host *cudaops.Host, regions int, l *Lease, n int) []byte {
+	t.Helper()
+	table, err := l.BlockTable()
+	require.NoError(t, err)
+	var b []byte
+	for _, pg := range table[:n] {
+		for r := range regions {
+			b = append(b, host.PageBytes(r, pg)...)
+		}
+	}
+	return b
+}
+
+func TestImportFailuresAbort(t *testing.T) {
+	out, good := exported(t)
+	pb := len(good) / 3
 
 	tests := []struct {
 		name string
