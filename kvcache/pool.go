@@ -179,6 +179,23 @@ func (p *Pool) Admit(ctx context.Context, req Request) (*Lease, error) {
 	return l, nil
 }
 
+// TryAdmit is Admit that never waits: a busy pool or a full quota is
+// refused at once (ErrPoolExhausted, ErrExceedsQuota), whatever the
+// context of the caller.
+func (p *Pool) TryAdmit(req Request) (*Lease, error) {
+	l := new(Lease)
+	if err := p.TryAdmitInto(req, l); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// TryAdmitInto is TryAdmit into a Lease the caller provides (see
+// AdmitInto).
+func (p *Pool) TryAdmitInto(req Request, l *Lease) error {
+	return p.AdmitInto(context.Background(), req, l)
+}
+
 // AdmitInto is Admit into a Lease the caller provides, so that an engine
 // which recycles its request structs admits without allocating. l must be
 // a zero Lease or one that has been released; it must not be in use by
