@@ -111,38 +111,17 @@ func (r *Registry) checkDomains() error {
 	for _, t := range r.list {
 		dom := t.Domain
 		if dom == nil || r.domains.byID(dom.ID) != dom {
-			return fmt.Errorf("isolation: tenant %q is in no registered domain", t.Name)
+			return fmt.Errorf("%w: tenant %q is in no registered domain", ErrCorrupt, t.Name)
 		}
 		count[dom.ID-1]++
 	}
 	for i, dom := range r.domains.list {
 		if dom.ID != allocator.Owner(i+1) || r.domains.byName[dom.Name] != dom {
-			return fmt.Errorf("isolation: domain index broken at %q", dom.Name)
+			return fmt.Errorf("%w: domain index broken at %q", ErrCorrupt, dom.Name)
 		}
 		if dom.Tenants != count[i] {
-			return fmt.Errorf("isolation: domain %q counts %d tenants, has %d", dom.Name, dom.Tenants, count[i])
+			return fmt.Errorf("%w: domain %q counts %d tenants, has %d", ErrCorrupt, dom.Name, dom.Tenants, count[i])
 		}
 	}
-	return nil
-}
-
-// ChargeShared is Charge for an admission that shares pages: need pages
-// count against t's quota, of which only fromFree are taken from the
-// pool's available pages (the others are already resident, shared inside
-// t's domain). available is the pages the pool can hand out now, free or
-// evictable. On error nothing changes; the error is a *QuotaError.
-func (r *Registry) ChargeShared(t *Tenant, need, fromFree, available int) error {
-	if t.Used+need > t.Quota {
-		return &QuotaError{Err: ErrQuotaExceeded, Tenant: t.Name, Need: need, Have: max(0, t.Quota-t.Used), Limit: t.Quota}
-	}
-	// Charging need lowers t's own unused reservation, which frees that
-	// much of the reserved pool for t itself.
-	notReserved := available - (r.unusedReserved - t.unusedReservation())
-	if fromFree > notReserved {
-		return &QuotaError{Err: ErrReserved, Tenant: t.Name, Need: fromFree, Have: max(0, notReserved), Limit: available}
-	}
-	r.unusedReserved -= t.unusedReservation()
-	t.Used += need
-	r.unusedReserved += t.unusedReservation()
 	return nil
 }

@@ -55,27 +55,3 @@ func TestDomainNameValidation(t *testing.T) {
 		})
 	}
 }
-
-func TestChargeShared(t *testing.T) {
-	r := NewRegistry(20)
-	a, err := r.Add(TenantConfig{Name: "a", QuotaPages: 10})
-	require.NoError(t, err)
-	_, err = r.Add(TenantConfig{Name: "b", ReservedPages: 5})
-	require.NoError(t, err)
-	// 8 pages charged, only 2 taken from the pool: of 8 available pages 5
-	// are b's reservation, so the 3 left cover the 2 fresh ones; the
-	// shared 6 need no free page.
-	require.NoError(t, r.ChargeShared(a, 8, 2, 8))
-	assert.Equal(t, 8, a.Used)
-	var qe *QuotaError
-	err = r.ChargeShared(a, 3, 0, 20)
-	require.ErrorAs(t, err, &qe)
-	require.ErrorIs(t, err, ErrQuotaExceeded)
-	assert.Equal(t, QuotaError{Err: ErrQuotaExceeded, Tenant: "a", Need: 3, Have: 2, Limit: 10}, *qe)
-	err = r.ChargeShared(a, 2, 2, 6) // 6 available, 5 reserved for b
-	require.ErrorAs(t, err, &qe)
-	require.ErrorIs(t, err, ErrReserved)
-	assert.Equal(t, 8, a.Used, "a refusal changes nothing")
-	_, err = r.Check()
-	require.NoError(t, err)
-}

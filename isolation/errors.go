@@ -35,6 +35,9 @@ var (
 	// ErrCanaryMismatch: a freed page was written before its next
 	// allocation (a use after free somewhere in the engine).
 	ErrCanaryMismatch = errors.New("isolation: canary mismatch on a freed page")
+	// ErrCorrupt: a Check found the accounting inconsistent. It always
+	// means a bug in kvfence.
+	ErrCorrupt = errors.New("isolation: accounting is inconsistent")
 )
 
 // QuotaError reports a tenant's limit with the numbers behind it.

@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/internal/invariants"
 )
 
 // Quarantine cleans released pages before they can be reused:
@@ -22,13 +24,14 @@ import (
 // until the operator clears the fault.
 //
 // Methods ending in Locked must be called with the owning pool's lock held,
-// the same lock that guards the Allocator and the Registry. Issue needs no
-// lock: it only touches the device, which is why a pool can fill outside
-// its lock.
+// the same lock that guards the Allocator and the Registry (under the
+// invariants build tag they assert it). Issue needs no lock: it only
+// touches the device, which is why a pool can fill outside its lock.
 type Quarantine struct {
 	alloc        *allocator.Allocator
 	dev          cudaops.Device
 	reg          *Registry
+	lock         *sync.Mutex // the owner's lock, for assertions
 	spec         cudaops.FillSpec
 	policy       ScrubPolicy
 	bytesPerPage int64 // over all regions
@@ -53,13 +56,15 @@ type ScrubStats struct {
 }
 
 // NewQuarantine returns the quarantine of a pool whose pages live in dev's
-// regions. The policy is validated against dtype.
-func NewQuarantine(alloc *allocator.Allocator, dev cudaops.Device, reg *Registry, policy ScrubPolicy, dtype DType) (*Quarantine, error) {
+// regions. The policy is validated against dtype. lock is the owner's lock
+// that guards alloc and reg; the Locked methods must be called with it
+// held.
+func NewQuarantine(alloc *allocator.Allocator, dev cudaops.Device, reg *Registry, lock *sync.Mutex, policy ScrubPolicy, dtype DType) (*Quarantine, error) {
 	spec, err := policy.FillSpec(dtype)
 	if err != nil {
 		return nil, err
 	}
-	q := &Quarantine{alloc: alloc, dev: dev, reg: reg, spec: spec, policy: policy}
+	q := &Quarantine{alloc: alloc, dev: dev, reg: reg, lock: lock, spec: spec, policy: policy}
 	q.regions = dev.Regions()
 	maxPage := int64(0)
 	for _, r := range q.regions {
@@ -92,18 +97,28 @@ func (q *Quarantine) ScrubAllFree() error {
 	return nil
 }
 
+// assertHeld panics, under the invariants build tag, if the owner's lock
+// is not held. TryLock cannot tell who holds it, but a Locked method
+// called without any lock is the bug this catches.
+func (q *Quarantine) assertHeld() {
+	if invariants.Enabled && q.lock != nil && q.lock.TryLock() {
+		q.lock.Unlock()
+		panic("isolation: Quarantine Locked method called without the pool lock")
+	}
+}
+
 // Spec returns the fill the policy implies.
 func (q *Quarantine) Spec() cudaops.FillSpec { return q.spec }
 
 // Policy returns the scrub policy.
 func (q *Quarantine) Policy() ScrubPolicy { return q.policy }
 
-// BytesPerPage is the bytes one page spans over all regions.
-func (q *Quarantine) BytesPerPage() int64 { return q.bytesPerPage }
-
 // BeginLocked records that n pages just entered quarantine and will be
 // passed to Issue.
-func (q *Quarantine) BeginLocked(n int) { q.inFlight += n }
+func (q *Quarantine) BeginLocked(n int) {
+	q.assertHeld()
+	q.inFlight += n
+}
 
 // Issue starts the fill of pages, ordered after the engine work named by
 // after. It returns the fill's fence; an error means the fill never
@@ -123,6 +138,7 @@ func (q *Quarantine) Issue(pages []int32, after cudaops.Ordering) (cudaops.Fence
 // result: cleaned pages go to the free list, failed ones are retired and
 // the quarantine faults. It returns the fault it recorded, or nil.
 func (q *Quarantine) FinishLocked(pages []int32, fillErr error) error {
+	q.assertHeld()
 	q.inFlight -= len(pages)
 	if fillErr == nil {
 		if err := q.alloc.Clean(pages); err != nil {
@@ -149,16 +165,22 @@ func (q *Quarantine) FinishLocked(pages []int32, fillErr error) error {
 }
 
 // FaultLocked returns the recorded fault, nil while healthy.
-func (q *Quarantine) FaultLocked() error { return q.fault }
+func (q *Quarantine) FaultLocked() error {
+	q.assertHeld()
+	return q.fault
+}
 
 // ClearFaultLocked forgets the fault. Retired pages stay retired.
-func (q *Quarantine) ClearFaultLocked() { q.fault = nil }
-
-// InFlightLocked is the number of pages being scrubbed.
-func (q *Quarantine) InFlightLocked() int { return q.inFlight }
+func (q *Quarantine) ClearFaultLocked() {
+	q.assertHeld()
+	q.fault = nil
+}
 
 // StatsLocked returns running totals.
-func (q *Quarantine) StatsLocked() ScrubStats { return q.stats }
+func (q *Quarantine) StatsLocked() ScrubStats {
+	q.assertHeld()
+	return q.stats
+}
 
 // NeedsVerify reports whether pages must pass VerifyLocked before they
 // are handed out (the canary policy).
@@ -169,6 +191,7 @@ func (q *Quarantine) NeedsVerify() bool { return q.policy.Kind == ScrubCanary }
 // retired and the quarantine faults; the first mismatch is returned as a
 // *CanaryError, with the number of pages retired.
 func (q *Quarantine) VerifyLocked(pages []int32) (retired int, err error) {
+	q.assertHeld()
 	var first error
 	var bad []int32
 	for _, p := range pages {
@@ -218,8 +241,9 @@ func (q *Quarantine) verifyPage(p int32) error {
 // CheckLocked verifies that every quarantined page is accounted for by a
 // scrub in flight.
 func (q *Quarantine) CheckLocked() error {
+	q.assertHeld()
 	if n := q.alloc.Count(allocator.Quarantined); n != q.inFlight {
-		return fmt.Errorf("isolation: %d pages quarantined, %d in flight", n, q.inFlight)
+		return fmt.Errorf("%w: %d pages quarantined, %d in flight", ErrCorrupt, n, q.inFlight)
 	}
 	return nil
 }

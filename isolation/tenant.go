@@ -142,29 +142,6 @@ func (r *Registry) Lookup(name string) (*Tenant, error) {
 // pointers stay owned by the registry.
 func (r *Registry) Tenants() []*Tenant { return r.list }
 
-// Grantable is how many of free pages t could take now: free pages minus
-// other tenants' unused reservations, capped by t's remaining quota.
-func (r *Registry) Grantable(t *Tenant, free int) int {
-	notReserved := free - (r.unusedReserved - t.unusedReservation())
-	return max(0, min(notReserved, t.Quota-t.Used))
-}
-
-// Charge checks that t may take need more pages while free pages are free,
-// and records them as used. On error nothing changes; the error is a
-// *QuotaError.
-func (r *Registry) Charge(t *Tenant, need, free int) error {
-	if t.Used+need > t.Quota {
-		return &QuotaError{Err: ErrQuotaExceeded, Tenant: t.Name, Need: need, Have: max(0, t.Quota-t.Used), Limit: t.Quota}
-	}
-	if notReserved := free - (r.unusedReserved - t.unusedReservation()); need > notReserved {
-		return &QuotaError{Err: ErrReserved, Tenant: t.Name, Need: need, Have: max(0, notReserved), Limit: free}
-	}
-	r.unusedReserved -= t.unusedReservation()
-	t.Used += need
-	r.unusedReserved += t.unusedReservation()
-	return nil
-}
-
 // Uncharge returns n pages of t's usage.
 func (r *Registry) Uncharge(t *Tenant, n int) {
 	if n > t.Used {
@@ -181,16 +158,16 @@ func (r *Registry) Check() (used int, err error) {
 	unused := 0
 	for i, t := range r.list {
 		if t.ID != allocator.Owner(i+1) || r.byName[t.Name] != t {
-			return 0, fmt.Errorf("isolation: registry index broken at tenant %q", t.Name)
+			return 0, fmt.Errorf("%w: registry index broken at tenant %q", ErrCorrupt, t.Name)
 		}
 		if t.Used < 0 {
-			return 0, fmt.Errorf("isolation: tenant %q uses %d pages", t.Name, t.Used)
+			return 0, fmt.Errorf("%w: tenant %q uses %d pages", ErrCorrupt, t.Name, t.Used)
 		}
 		used += t.Used
 		unused += t.unusedReservation()
 	}
 	if unused != r.unusedReserved {
-		return 0, fmt.Errorf("isolation: unused reservations sum to %d, counter says %d", unused, r.unusedReserved)
+		return 0, fmt.Errorf("%w: unused reservations sum to %d, counter says %d", ErrCorrupt, unused, r.unusedReserved)
 	}
 	if err := r.checkDomains(); err != nil {
 		return 0, err

@@ -41,7 +41,7 @@ func TestAdmitRefusesBadRequestsAndChangesNothing(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			before := state(p)
-			l, err := p.Admit(context.Background(), tc.req)
+			l, err := p.TryAdmit(tc.req)
 			assert.Nil(t, l)
 			require.ErrorIs(t, err, tc.want)
 			var ae *AdmissionError
@@ -58,7 +58,7 @@ func TestAdmitRefusesBadRequestsAndChangesNothing(t *testing.T) {
 func TestAdmissionErrorsNameTheNumbers(t *testing.T) {
 	p := newPool(t, tinyConfig(16, TenantConfig{Name: "a", QuotaPages: 6}, TenantConfig{Name: "b"}))
 	admit(t, p, "x", "a", 16) // 4 pages of a's 6
-	_, err := p.Admit(context.Background(), Request{ID: "y", Tenant: "a", PromptTokens: 12})
+	_, err := p.TryAdmit(Request{ID: "y", Tenant: "a", PromptTokens: 12})
 	var ae *AdmissionError
 	require.ErrorAs(t, err, &ae)
 	assert.Equal(t, AdmissionError{Err: ErrExceedsQuota, RequestID: "y", Tenant: "a", Need: 3, Have: 2, Limit: 6}, *ae)
@@ -66,7 +66,7 @@ func TestAdmissionErrorsNameTheNumbers(t *testing.T) {
 	assert.Equal(t, `isolation: tenant quota exceeded: request "y" of tenant "a" needs 3 pages, 2 left of quota 6`, err.Error())
 
 	admit(t, p, "z", "b", 40) // 10 pages: 2 free
-	_, err = p.Admit(context.Background(), Request{ID: "w", Tenant: "b", PromptTokens: 12})
+	_, err = p.TryAdmit(Request{ID: "w", Tenant: "b", PromptTokens: 12})
 	require.ErrorAs(t, err, &ae)
 	assert.Equal(t, ErrPoolExhausted, ae.Err)
 	assert.Equal(t, 3, ae.Need)
@@ -77,7 +77,7 @@ func TestAdmissionErrorsNameTheNumbers(t *testing.T) {
 func TestReservationsKeepPagesForTheirTenant(t *testing.T) {
 	p := newPool(t, tinyConfig(10, TenantConfig{Name: "gold", ReservedPages: 4}, TenantConfig{Name: "free"}))
 	admit(t, p, "f1", "free", 24) // 6 pages: all that is not reserved
-	_, err := p.Admit(context.Background(), Request{ID: "f2", Tenant: "free", PromptTokens: 1})
+	_, err := p.TryAdmit(Request{ID: "f2", Tenant: "free", PromptTokens: 1})
 	require.ErrorIs(t, err, ErrPoolExhausted)
 	assert.ErrorIs(t, err, isolation.ErrReserved)
 	g := admit(t, p, "g1", "gold", 16) // the reserved 4
@@ -87,7 +87,7 @@ func TestReservationsKeepPagesForTheirTenant(t *testing.T) {
 
 func TestLeaseLifecycle(t *testing.T) {
 	p := newPool(t, tinyConfig(16))
-	l, err := p.Admit(context.Background(), Request{ID: "r1", Tenant: "a", PromptTokens: 5, MaxNewTokens: 6})
+	l, err := p.TryAdmit(Request{ID: "r1", Tenant: "a", PromptTokens: 5, MaxNewTokens: 6})
 	require.NoError(t, err)
 	assert.Equal(t, "r1", l.ID())
 	assert.Equal(t, "a", l.Tenant())
@@ -143,15 +143,15 @@ func TestLeaseLifecycle(t *testing.T) {
 func TestAdmitIntoReusesLeaseStorage(t *testing.T) {
 	p := newPool(t, tinyConfig(16))
 	var l Lease
-	require.NoError(t, p.AdmitInto(context.Background(), Request{ID: "a1", Tenant: "a", PromptTokens: 8}, &l))
-	assert.ErrorIs(t, p.AdmitInto(context.Background(), Request{ID: "a2", Tenant: "a", PromptTokens: 8}, &l), ErrInvalidArgument,
+	require.NoError(t, p.TryAdmitInto(Request{ID: "a1", Tenant: "a", PromptTokens: 8}, &l))
+	assert.ErrorIs(t, p.TryAdmitInto(Request{ID: "a2", Tenant: "a", PromptTokens: 8}, &l), ErrInvalidArgument,
 		"a live lease cannot be overwritten")
 	require.NoError(t, l.Release())
-	require.NoError(t, p.AdmitInto(context.Background(), Request{ID: "a2", Tenant: "b", PromptTokens: 12}, &l))
+	require.NoError(t, p.TryAdmitInto(Request{ID: "a2", Tenant: "b", PromptTokens: 12}, &l))
 	assert.Equal(t, "a2", l.ID())
 	assert.Equal(t, 3, l.Pages())
 	require.NoError(t, p.Check())
-	assert.ErrorIs(t, p.AdmitInto(context.Background(), Request{ID: "x", Tenant: "a", PromptTokens: 1}, nil), ErrInvalidArgument)
+	assert.ErrorIs(t, p.TryAdmitInto(Request{ID: "x", Tenant: "a", PromptTokens: 1}, nil), ErrInvalidArgument)
 }
 
 func TestAdmitWaitsForPagesUntilDeadline(t *testing.T) {
@@ -212,7 +212,7 @@ func TestCloseReleasesLeasesAndWakesWaiters(t *testing.T) {
 	assert.ErrorIs(t, <-waiting, ErrPoolClosed)
 	assert.ErrorIs(t, l.Release(), ErrPoolClosed)
 	assert.False(t, l.Live())
-	_, err = p.Admit(context.Background(), Request{ID: "after", Tenant: "a", PromptTokens: 1})
+	_, err = p.TryAdmit(Request{ID: "after", Tenant: "a", PromptTokens: 1})
 	assert.ErrorIs(t, err, ErrPoolClosed)
 	assert.ErrorIs(t, p.AddTenant(TenantConfig{Name: "c"}), ErrPoolClosed)
 	assert.ErrorIs(t, p.Close(), ErrPoolClosed)
@@ -226,7 +226,7 @@ func TestTenantsAddedAndUpdated(t *testing.T) {
 	p := newPool(t, tinyConfig(16))
 	require.NoError(t, p.AddTenant(TenantConfig{Name: "c", QuotaPages: 1}))
 	assert.ErrorIs(t, p.AddTenant(TenantConfig{Name: "c"}), isolation.ErrDuplicateTenant)
-	_, err := p.Admit(context.Background(), Request{ID: "r", Tenant: "c", PromptTokens: 8})
+	_, err := p.TryAdmit(Request{ID: "r", Tenant: "c", PromptTokens: 8})
 	require.ErrorIs(t, err, ErrExceedsQuota)
 	require.NoError(t, p.UpdateTenant(TenantConfig{Name: "c", QuotaPages: 2}))
 	admit(t, p, "r", "c", 8)
@@ -287,11 +287,11 @@ func TestFailedFillRetiresPagesAndFaultsPool(t *testing.T) {
 			assert.NotEmpty(t, s.Fault)
 			require.NoError(t, p.Check())
 
-			_, err = p.Admit(context.Background(), Request{ID: "next", Tenant: "b", PromptTokens: 1})
+			_, err = p.TryAdmit(Request{ID: "next", Tenant: "b", PromptTokens: 1})
 			require.ErrorIs(t, err, ErrPoolFaulted, "a faulted pool admits nothing")
 			p.ClearFault()
 			require.NoError(t, p.Fault())
-			_, err = p.Admit(context.Background(), Request{ID: "big", Tenant: "b", PromptTokens: 32})
+			_, err = p.TryAdmit(Request{ID: "big", Tenant: "b", PromptTokens: 32})
 			require.ErrorIs(t, err, ErrExceedsCapacity, "retired pages left service")
 			admit(t, p, "next", "b", 24)
 		})
@@ -312,7 +312,7 @@ func TestPagesWaitForAsynchronousFill(t *testing.T) {
 	assert.Equal(t, 4, s.QuarantinedPages)
 	assert.Equal(t, 0, s.FreePages)
 	require.NoError(t, p.Check())
-	_, err := p.Admit(context.Background(), Request{ID: "early", Tenant: "b", PromptTokens: 1})
+	_, err := p.TryAdmit(Request{ID: "early", Tenant: "b", PromptTokens: 1})
 	require.ErrorIs(t, err, ErrPoolExhausted, "pages handed out before their fill completed")
 
 	got := make(chan error, 1)
@@ -338,7 +338,7 @@ func TestCanaryCatchesWriteAfterFree(t *testing.T) {
 	require.NoError(t, l.Release())
 	h.PageBytes(3, bt[2])[10] ^= 0xff // a stale writer touches a freed page
 
-	_, err := p.Admit(context.Background(), Request{ID: "next", Tenant: "b", PromptTokens: 16})
+	_, err := p.TryAdmit(Request{ID: "next", Tenant: "b", PromptTokens: 16})
 	require.ErrorIs(t, err, ErrCanaryMismatch)
 	require.ErrorIs(t, err, ErrPoolFaulted)
 	var ce *isolation.CanaryError

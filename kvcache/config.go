@@ -2,9 +2,11 @@ package kvcache
 
 import (
 	"fmt"
+	"math"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/internal/sysmem"
 	"github.com/kvfence/kvfence/isolation"
 )
 
@@ -190,7 +192,45 @@ func (c *Config) validate() (int, error) {
 			"enlarge the pool, lower MaxContextTokens, or set AllowUndersizedPool to refuse longer requests at admission",
 			ErrUndersizedPool, capTokens, pages, c.Geometry.TokensPerPage, c.MaxContextTokens)
 	}
+	if err := c.checkHostMemory(pages); err != nil {
+		return 0, err
+	}
 	return pages, nil
+}
+
+// metadataBytesPerPage is the host memory a pool keeps per page whatever
+// its device: the allocator's record (16 bytes), the prefix index's page
+// slot (8) and Check's per-page count (8).
+const metadataBytesPerPage = 32
+
+// availableMemory is sysmem.Available; tests replace it.
+var availableMemory = sysmem.Available
+
+// checkHostMemory refuses, before anything is allocated, a pool whose host
+// memory (page metadata, and the page memory itself when the pool makes
+// its own host device) exceeds what this process can still use: an
+// allocation that large would end the process with an out-of-memory
+// fault, which no caller could handle.
+func (c *Config) checkHostMemory(pages int) error {
+	avail, ok := availableMemory()
+	if !ok {
+		return nil // cannot tell (not Linux): the allocations will say
+	}
+	meta := int64(pages) * metadataBytesPerPage
+	var host int64
+	if c.Device == nil {
+		// Saturating: a page can span 2^43 bytes, pages × that overflows.
+		if pb := c.Geometry.PageBytes(); int64(pages) > (math.MaxInt64-meta)/pb {
+			host = math.MaxInt64 - meta
+		} else {
+			host = int64(pages) * pb
+		}
+	}
+	if need := meta + host; need > avail {
+		return fmt.Errorf("%w: a pool of %d pages needs %d bytes of host memory (%d for page metadata, %d for host page memory), "+
+			"this process can use %d more", ErrInvalidConfig, pages, need, meta, host, avail)
+	}
+	return nil
 }
 
 // setupDevice returns the device to use, allocating regions if needed, and

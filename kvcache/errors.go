@@ -34,13 +34,15 @@ var (
 	// ErrExceedsQuota: the tenant's quota cannot take the request now
 	// (retryable) or ever (AdmissionError.Permanent).
 	ErrExceedsQuota = isolation.ErrQuotaExceeded
-	// ErrPoolExhausted: not enough free pages for this tenant now.
-	// Retryable: with a context deadline Admit waits for pages.
+	// ErrPoolExhausted: not enough pages for this tenant now (too few, or
+	// reserved for other tenants, or earlier admissions queue for them).
+	// Retryable: Admit waits for pages until its context ends.
 	ErrPoolExhausted = errors.New("kvcache: pool exhausted")
 	// ErrPoolClosed: the pool has been closed.
 	ErrPoolClosed = errors.New("kvcache: pool closed")
 	// ErrPoolFaulted: a scrub failed or a canary audit found a freed page
-	// written; every admission fails until the operator calls ClearFault.
+	// written; every admission fails (an *AdmissionError whose Cause is
+	// the fault) until the operator calls ClearFault.
 	ErrPoolFaulted = errors.New("kvcache: pool faulted")
 	// ErrLeaseReleased: the lease has been released.
 	ErrLeaseReleased = errors.New("kvcache: lease released")
@@ -53,6 +55,46 @@ var (
 	// ErrCanaryMismatch: a canary audit found a freed page written. The
 	// error is an *isolation.CanaryError naming the page.
 	ErrCanaryMismatch = isolation.ErrCanaryMismatch
+	// ErrContextDone: Admit was called with a context that had already
+	// ended; nothing was attempted. The error also wraps ctx.Err().
+	ErrContextDone = errors.New("kvcache: context done before admission")
+	// ErrDevice: the device failed a page copy (a handoff read or write).
+	// The error also wraps the device's own error.
+	ErrDevice = errors.New("kvcache: device operation failed")
+	// ErrCorrupt: Check found the pool's accounting inconsistent. It always
+	// means a bug in kvfence; Check joins one such error per problem.
+	ErrCorrupt = errors.New("kvcache: accounting is inconsistent")
+
+	// Sentinels of the handoff state machine (export.go, import.go).
+
+	// ErrLeasePhase: the lease is not in the phase the operation needs,
+	// e.g. an export of a lease that has not finished prefill, or whose
+	// written watermark is not its prompt.
+	ErrLeasePhase = errors.New("kvcache: lease in the wrong handoff phase")
+	// ErrReclaimed: an exported lease's pages were released (its reclaim
+	// deadline passed, it was acknowledged, aborted, or released by the
+	// engine) and can no longer be read for a transfer.
+	ErrReclaimed = errors.New("kvcache: exported pages reclaimed")
+	// ErrStaleTransfer: page bytes arrived for an import that has ended,
+	// or for pages whose generation changed. Nothing was written.
+	ErrStaleTransfer = errors.New("kvcache: stale transfer")
+	// ErrDuplicatePage: an import received the same page twice.
+	ErrDuplicatePage = errors.New("kvcache: page received twice")
+	// ErrIncompleteTransfer: an import was completed before every page of
+	// the prompt arrived (a truncated transfer).
+	ErrIncompleteTransfer = errors.New("kvcache: incomplete transfer")
+	// ErrChecksumMismatch: the bytes an import received do not match the
+	// content checksum it was promised.
+	ErrChecksumMismatch = errors.New("kvcache: transfer checksum mismatch")
+	// ErrDomainMismatch: an import's KV was computed in another sharing
+	// domain than the one its tenant is in on this pool (the pools are
+	// configured differently, or the tenant moved since the export).
+	// Nothing is imported.
+	ErrDomainMismatch = errors.New("kvcache: sharing domain mismatch")
+	// ErrImportPrefix: an import request carries prefix material (TokenIDs
+	// or PageKeys). An import never shares pages: every page it writes is
+	// its own; give the tokens to the delivered lease with AttachTokens.
+	ErrImportPrefix = errors.New("kvcache: an import request carries prefix material")
 )
 
 // AdmissionError is a refused admission with its numbers. It wraps one of

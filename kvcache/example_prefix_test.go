@@ -1,7 +1,6 @@
 package kvcache_test
 
 import (
-	"context"
 	"fmt"
 
 	"github.com/kvfence/kvfence/kvcache"
@@ -32,7 +31,7 @@ func ExampleLease_CachePrefix() {
 		prompt[i] = int32(i % 500)
 	}
 	admit := func(id, tenant string) *kvcache.Lease {
-		l, err := pool.Admit(context.Background(), kvcache.Request{
+		l, err := pool.TryAdmit(kvcache.Request{
 			ID: id, Tenant: tenant, PromptTokens: len(prompt), MaxNewTokens: 200, TokenIDs: prompt})
 		if err != nil {
 			panic(err)

@@ -1,7 +1,6 @@
 package kvcache_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 
@@ -24,7 +23,7 @@ func Example() {
 	}
 	defer pool.Close()
 
-	lease, err := pool.Admit(context.Background(), kvcache.Request{ID: "req-1", Tenant: "acme", PromptTokens: 40, MaxNewTokens: 20})
+	lease, err := pool.TryAdmit(kvcache.Request{ID: "req-1", Tenant: "acme", PromptTokens: 40, MaxNewTokens: 20})
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -58,7 +57,7 @@ func ExamplePool_Admit_refused() {
 	})
 	defer pool.Close()
 
-	_, err := pool.Admit(context.Background(), kvcache.Request{ID: "long", Tenant: "acme", PromptTokens: 2000})
+	_, err := pool.TryAdmit(kvcache.Request{ID: "long", Tenant: "acme", PromptTokens: 2000})
 	var ae *kvcache.AdmissionError
 	if errors.As(err, &ae) {
 		fmt.Println(errors.Is(err, kvcache.ErrExceedsCapacity), ae.Need, ae.Limit, ae.Permanent())

@@ -117,7 +117,7 @@ func TestReleaseWaitsForCopyInFlight(t *testing.T) {
 				Tenants: []TenantConfig{{Name: "a"}}})
 			require.NoError(t, err)
 			defer p.Close()
-			l, err := p.Admit(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 4})
+			l, err := p.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: 4})
 			require.NoError(t, err)
 			table, _ := l.BlockTable()
 			for r := range g.Regions() {

@@ -47,7 +47,7 @@ func canarySweep(t *testing.T, p *Pool) {
 	s := p.Stats()
 	require.Zero(t, s.LiveLeases)
 	require.Zero(t, s.InUsePages)
-	all, err := p.Admit(context.Background(), Request{ID: "canary-sweep", Tenant: "a", PromptTokens: p.CapacityTokens()})
+	all, err := p.TryAdmit(Request{ID: "canary-sweep", Tenant: "a", PromptTokens: p.CapacityTokens()})
 	require.NoError(t, err)
 	require.NoError(t, all.Release())
 	require.NoError(t, p.Check())
@@ -157,7 +157,7 @@ func TestImportDomain(t *testing.T) {
 // delivered by an import takes commits for the tokens it generates.
 func TestExportSealsWrites(t *testing.T) {
 	src, dst := handoffPool(t, 16), handoffPool(t, 32)
-	l, err := src.Admit(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 6})
+	l, err := src.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 6})
 	require.NoError(t, err)
 	require.NoError(t, l.BeginPrefill())
 	require.NoError(t, l.Commit(10))
@@ -216,7 +216,7 @@ func TestExportSealsWrites(t *testing.T) {
 func TestExportCommitRace(t *testing.T) {
 	p := handoffPool(t, 16)
 	for i := range 200 {
-		l, err := p.Admit(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 2})
+		l, err := p.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 2})
 		require.NoError(t, err)
 		require.NoError(t, l.BeginPrefill())
 		require.NoError(t, l.Commit(10))
@@ -257,7 +257,7 @@ func TestImportedLeasePrefixCache(t *testing.T) {
 
 	importOne := func(t *testing.T, id string) (*Lease, []byte) {
 		t.Helper()
-		l, err := src.Admit(context.Background(), Request{ID: id, Tenant: "a", PromptTokens: 10})
+		l, err := src.TryAdmit(Request{ID: id, Tenant: "a", PromptTokens: 10})
 		require.NoError(t, err)
 		require.NoError(t, l.BeginPrefill())
 		host := src.Device().(*cudaops.Host)
@@ -311,14 +311,14 @@ func TestImportedLeasePrefixCache(t *testing.T) {
 		assert.Equal(t, 2, dst.Stats().CachedPages)
 
 		// Another tenant of the domain shares the imported KV...
-		b, err := dst.Admit(context.Background(), Request{ID: "b", Tenant: "b", PromptTokens: 10, TokenIDs: tokens})
+		b, err := dst.TryAdmit(Request{ID: "b", Tenant: "b", PromptTokens: 10, TokenIDs: tokens})
 		require.NoError(t, err)
 		assert.Equal(t, 8, b.HitTokens())
 		for i := range 2 {
 			assert.True(t, bytes.Equal(sent[i*pb:(i+1)*pb], pageBytes(b, i)), "shared page %d is not the imported KV", i)
 		}
 		// ...a tenant of another domain does not.
-		c, err := dst.Admit(context.Background(), Request{ID: "c", Tenant: "c", PromptTokens: 10, TokenIDs: tokens})
+		c, err := dst.TryAdmit(Request{ID: "c", Tenant: "c", PromptTokens: 10, TokenIDs: tokens})
 		require.NoError(t, err)
 		assert.Zero(t, c.HitTokens())
 		require.NoError(t, dst.Check())
@@ -336,7 +336,7 @@ func TestImportedLeasePrefixCache(t *testing.T) {
 		s := dst.Stats()
 		assert.Zero(t, s.CachedPages)
 		require.NoError(t, dst.Check())
-		b, err := dst.Admit(context.Background(), Request{ID: "b", Tenant: "b", PromptTokens: 10, TokenIDs: tokens})
+		b, err := dst.TryAdmit(Request{ID: "b", Tenant: "b", PromptTokens: 10, TokenIDs: tokens})
 		require.NoError(t, err)
 		assert.Zero(t, b.HitTokens())
 		require.NoError(t, b.Release())
@@ -352,10 +352,10 @@ func TestImportedLeasePrefixCache(t *testing.T) {
 		_, err := got.CachePrefix(10)
 		require.NoError(t, err)
 		require.NoError(t, got.Release())
-		b, err := dst.Admit(context.Background(), Request{ID: "b", Tenant: "b", PromptTokens: 10, TokenIDs: tokens})
+		b, err := dst.TryAdmit(Request{ID: "b", Tenant: "b", PromptTokens: 10, TokenIDs: tokens})
 		require.NoError(t, err)
 		assert.Equal(t, 8, b.HitTokens(), "published outside the lease's domain")
-		a, err := dst.Admit(context.Background(), Request{ID: "a", Tenant: "a", PromptTokens: 10, TokenIDs: tokens})
+		a, err := dst.TryAdmit(Request{ID: "a", Tenant: "a", PromptTokens: 10, TokenIDs: tokens})
 		require.NoError(t, err)
 		assert.Zero(t, a.HitTokens(), "the moved tenant still reaches its old domain")
 		require.NoError(t, b.Release())

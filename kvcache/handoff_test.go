@@ -55,7 +55,7 @@ func handoffPool(t *testing.T, pages int) *Pool {
 // prompt pages, then walks it to the prefilled phase.
 func prefilled(t *testing.T, p *Pool, id string, prompt int) *Lease {
 	t.Helper()
-	l, err := p.Admit(context.Background(), Request{ID: id, Tenant: "a", PromptTokens: prompt})
+	l, err := p.TryAdmit(Request{ID: id, Tenant: "a", PromptTokens: prompt})
 	require.NoError(t, err)
 	require.NoError(t, l.BeginPrefill())
 	host := p.Device().(*cudaops.Host)
@@ -75,7 +75,7 @@ func prefilled(t *testing.T, p *Pool, id string, prompt int) *Lease {
 
 func TestLeasePhases(t *testing.T) {
 	p := handoffPool(t, 16)
-	l, err := p.Admit(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 6})
+	l, err := p.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: 6})
 	require.NoError(t, err)
 	assert.Equal(t, PhaseAdmitted, l.Phase())
 
@@ -105,7 +105,7 @@ func TestLeasePhases(t *testing.T) {
 	require.NoError(t, p.Check())
 	assert.Equal(t, 0, p.Stats().InUsePages)
 
-	l2, err := p.Admit(context.Background(), Request{ID: "r2", Tenant: "a", PromptTokens: 3})
+	l2, err := p.TryAdmit(Request{ID: "r2", Tenant: "a", PromptTokens: 3})
 	require.NoError(t, err)
 	require.NoError(t, l2.Abort())
 	assert.Equal(t, PhaseAborted, l2.Phase())
@@ -218,7 +218,7 @@ func TestImportFailuresAbort(t *testing.T) {
 			require.NoError(t, dst.Check())
 			// Every page carries its canary again: admitting the whole pool
 			// verifies each one.
-			all, err := dst.Admit(context.Background(), Request{ID: "sweep", Tenant: "a", PromptTokens: dst.CapacityTokens()})
+			all, err := dst.TryAdmit(Request{ID: "sweep", Tenant: "a", PromptTokens: dst.CapacityTokens()})
 			require.NoError(t, err)
 			require.NoError(t, all.Release())
 		})
@@ -243,7 +243,7 @@ func TestReclaimDeadline(t *testing.T) {
 	out2, err := l2.Export(time.Now().Add(time.Hour))
 	require.NoError(t, err)
 	require.NoError(t, l2.Release())
-	require.NoError(t, p.AdmitInto(context.Background(), Request{ID: "r3", Tenant: "a", PromptTokens: 5}, l2))
+	require.NoError(t, p.TryAdmitInto(Request{ID: "r3", Tenant: "a", PromptTokens: 5}, l2))
 	assert.ErrorIs(t, out2.Ack(), ErrReclaimed)
 	assert.True(t, l2.Live(), "an old export released the lease's next life")
 	require.NoError(t, l2.Release())

@@ -1,7 +1,6 @@
 package kvcache
 
 import (
-	"context"
 	"sync"
 	"testing"
 
@@ -36,7 +35,7 @@ func newPool(t testing.TB, cfg Config) *Pool {
 
 func admit(t testing.TB, p *Pool, id, tenant string, tokens int) *Lease {
 	t.Helper()
-	l, err := p.Admit(context.Background(), Request{ID: id, Tenant: tenant, PromptTokens: tokens})
+	l, err := p.TryAdmit(Request{ID: id, Tenant: tenant, PromptTokens: tokens})
 	require.NoError(t, err)
 	require.NoError(t, p.Check())
 	return l

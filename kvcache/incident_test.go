@@ -41,7 +41,7 @@ func TestIncidentRegression(t *testing.T) {
 	victim := admit(t, p, "victim-1", "victim", 30_000)
 	before := state(p)
 
-	l, err := p.Admit(context.Background(), Request{ID: "over-long", Tenant: "attacker", PromptTokens: incidentPrompt, MaxNewTokens: 1})
+	l, err := p.TryAdmit(Request{ID: "over-long", Tenant: "attacker", PromptTokens: incidentPrompt, MaxNewTokens: 1})
 	require.Nil(t, l, "no lease, no placeholder")
 	require.ErrorIs(t, err, ErrExceedsCapacity)
 	var ae *AdmissionError

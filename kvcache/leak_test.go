@@ -2,7 +2,6 @@ package kvcache
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"math/rand/v2"
 	"testing"
@@ -83,7 +82,7 @@ func TestCanaryMarkerLeak(t *testing.T) {
 					live = append(live[:i], live[i+1:]...)
 				} else {
 					tenant := rng.IntN(tenants)
-					l, err := p.Admit(context.Background(), Request{
+					l, err := p.TryAdmit(Request{
 						ID: fmt.Sprintf("s%d", step), Tenant: fmt.Sprintf("t%d", tenant),
 						PromptTokens: 1 + rng.IntN(30), MaxNewTokens: rng.IntN(10),
 					})

@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"errors"
 	"fmt"
 	"sync/atomic"
 
@@ -18,6 +19,10 @@ const (
 // Lease is an admitted request's hold on its pages: every page the request
 // can need, from admission until Release. Its page IDs are the only ones an
 // engine may touch on the request's behalf.
+//
+// Ownership: the fields below are written by the admission that makes the
+// lease live (under Pool.mu) and then, except where noted, only read until
+// the lease ends.
 type Lease struct {
 	pool    *Pool
 	id      string
@@ -27,27 +32,49 @@ type Lease struct {
 	handles []allocator.Handle
 	table   []int32 // block table: page IDs in token order
 	scrub   []int32 // scratch for release, reused
+	// seq is this incarnation's admission number (Pool.mu.seq): an export
+	// or import of the lease belongs to one incarnation only.
+	seq     uint64
 	state   atomic.Uint32
 	written atomic.Int64  // watermark in tokens, | writeSealed while the pages take no writes
-	phase   atomic.Uint32 // handoff phase (handoff.go); meaningful while state is leaseLive
-	// Copies in flight on the pages outside Pool.mu (handoff.go), and
-	// whether a release is waiting for them; both guarded by Pool.mu.
+	phase   atomic.Uint32 // handoff phase (phase.go); meaningful while state is leaseLive
+	// Copies in flight on the pages outside Pool.mu (export.go,
+	// import.go), and whether an end of the lease waits for them; both
+	// guarded by Pool.mu.
 	pins     int
 	draining bool
+	// export is the lease's export while it is exported (guarded by
+	// Pool.mu): its end stops the export's reclaim timer.
+	export *Outgoing
 
 	// Prefix sharing (prefix.go). domain is where the lease's pages are
 	// owned; keys are its prompt's full-page keys (derived for keysFor, or
 	// supplied by the engine); its first hitPages pages are shared hits;
-	// CachePrefix has considered its pages [0, published).
+	// CachePrefix has considered its pages [0, published). keys, keysFor
+	// and published change under Pool.mu.
 	domain    *isolation.Domain
 	keys      []BlockKey
 	keysFor   *isolation.Domain
 	hitPages  int
 	published int
+
+	// Scratch of the admission in progress into this Lease (admit.go),
+	// guarded by Pool.mu: its prefix match and its place in the queue.
+	match leaseMatch
+	wait  waiter
 }
 
-func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []allocator.Handle) {
-	l.pool, l.id, l.tenant, l.domain = p, req.ID, t, t.Domain
+// leaseMatch is an admission's prefix match: entries of the cached prefix,
+// found at the index's epoch in domain.
+type leaseMatch struct {
+	entries []*cacheEntry
+	epoch   uint64
+	domain  *isolation.Domain
+	valid   bool
+}
+
+func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []allocator.Handle, seq uint64) {
+	l.pool, l.id, l.tenant, l.domain, l.seq = p, req.ID, t, t.Domain, seq
 	l.prompt, l.maxNew = req.PromptTokens, req.MaxNewTokens
 	l.handles = handles
 	l.table = l.table[:0]
@@ -56,11 +83,18 @@ func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []alloc
 	}
 	l.written.Store(0)
 	l.phase.Store(uint32(PhaseAdmitted))
-	l.pins, l.draining = 0, false
+	l.pins, l.draining, l.export = 0, false, nil
 	l.state.Store(leaseLive)
 }
 
+// errNilLease is what every method of a nil *Lease returns: an engine that
+// ignored a refusal and uses the nil lease it got must get an error.
+var errNilLease = fmt.Errorf("%w: nil lease (was the admission refused?)", ErrInvalidArgument)
+
 func (l *Lease) live() error {
+	if l == nil {
+		return errNilLease
+	}
 	switch l.state.Load() {
 	case leaseLive:
 		return nil
@@ -71,11 +105,16 @@ func (l *Lease) live() error {
 }
 
 // ID returns the request ID.
-func (l *Lease) ID() string { return l.id }
+func (l *Lease) ID() string {
+	if l == nil {
+		return ""
+	}
+	return l.id
+}
 
 // Tenant returns the tenant's name.
 func (l *Lease) Tenant() string {
-	if l.tenant == nil {
+	if l == nil || l.tenant == nil {
 		return ""
 	}
 	return l.tenant.Name
@@ -93,14 +132,14 @@ func (l *Lease) Pages() int { return len(l.table) }
 // CapacityTokens is the number of token slots the lease's pages hold: at
 // least PromptTokens + MaxNewTokens.
 func (l *Lease) CapacityTokens() int {
-	if l.pool == nil {
+	if l == nil || l.pool == nil {
 		return 0
 	}
 	return len(l.table) * l.pool.geom.TokensPerPage
 }
 
 // Live reports whether the lease still holds its pages.
-func (l *Lease) Live() bool { return l.state.Load() == leaseLive }
+func (l *Lease) Live() bool { return l != nil && l.state.Load() == leaseLive }
 
 // BlockTable returns a copy of the lease's block table: the page IDs, in
 // token order, that a paged-attention kernel reads.
@@ -180,7 +219,12 @@ func (l *Lease) Commit(n int) error {
 }
 
 // Written returns the written watermark in tokens.
-func (l *Lease) Written() int { return int(l.written.Load() &^ writeSealed) }
+func (l *Lease) Written() int {
+	if l == nil {
+		return 0
+	}
+	return int(l.written.Load() &^ writeSealed)
+}
 
 // Release ends the lease. Its pages are scrubbed and return to the pool
 // once the scrub has completed. A second Release returns ErrLeaseReleased;
@@ -192,8 +236,12 @@ func (l *Lease) Release() error { return l.ReleaseAfter(cudaops.Ordering{}) }
 // ReleaseAfter is Release for pages the engine's device work may still be
 // reading or writing: the scrub is ordered after the named stream or event.
 func (l *Lease) ReleaseAfter(after cudaops.Ordering) error {
-	if l.pool == nil {
-		return fmt.Errorf("%w: lease was never admitted", ErrInvalidArgument)
+	if err := l.live(); err != nil && !errors.Is(err, ErrLeaseReleased) {
+		return err
 	}
-	return l.pool.release(l, after)
+	ended, err := l.pool.endLease(l, nil, 0, after)
+	if err == nil && !ended {
+		return ErrLeaseReleased
+	}
+	return err
 }

@@ -1,7 +1,6 @@
 package kvcache
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"math"
@@ -53,7 +52,11 @@ func (m *poolModel) admit(r Request) error {
 		return ErrDuplicateRequest
 	case need > m.pages:
 		return ErrExceedsCapacity
-	case m.used[r.Tenant]+need > quota: // before free pages: a doomed request evicts nothing
+	case need > quota: // never fits
+		return ErrExceedsQuota
+	case m.used[r.Tenant]+need > quota && quota < m.pages:
+		// Before free pages: a doomed request evicts nothing. A quota as
+		// large as the pool binds only through the pool (below).
 		return ErrExceedsQuota
 	case need > m.free():
 		return ErrPoolExhausted
@@ -130,7 +133,7 @@ func runPoolModel(t *testing.T, seed uint64, steps int) {
 			}
 			want := m.admit(r)
 			outcomes[want]++
-			l, err := p.Admit(context.Background(), r)
+			l, err := p.TryAdmit(r)
 			if want == nil {
 				require.NoError(t, err, "step %d %+v", step, r)
 				require.Equal(t, m.leases[r.ID].pages, l.Pages())
@@ -228,7 +231,7 @@ func FuzzAdmit(f *testing.F) {
 		ErrExceedsCapacity, ErrExceedsQuota, ErrPoolExhausted}
 	f.Fuzz(func(t *testing.T, id, tenant string, prompt, maxNew int, release bool) {
 		before := state(p)
-		l, err := p.Admit(context.Background(), Request{ID: id, Tenant: tenant, PromptTokens: prompt, MaxNewTokens: maxNew})
+		l, err := p.TryAdmit(Request{ID: id, Tenant: tenant, PromptTokens: prompt, MaxNewTokens: maxNew})
 		if err != nil {
 			known := false
 			for _, s := range sentinels {

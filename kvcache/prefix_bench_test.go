@@ -1,7 +1,6 @@
 package kvcache
 
 import (
-	"context"
 	"crypto/sha256"
 	"fmt"
 	"testing"
@@ -29,7 +28,7 @@ func benchPrefixPool(b *testing.B) (*Pool, []int32) {
 	for i := range toks {
 		toks[i] = int32(i*7919) % 128256
 	}
-	l, err := p.Admit(context.Background(), Request{ID: "pub", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks})
+	l, err := p.TryAdmit(Request{ID: "pub", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks})
 	require.NoError(b, err)
 	require.NoError(b, l.Commit(len(toks)))
 	n, err := l.CachePrefix(len(toks))
@@ -67,9 +66,12 @@ func BenchmarkPrefixMatch(b *testing.B) {
 	limit := (len(toks) - 1) / benchTPP
 	t, err := p.mu.tenants.Lookup("a")
 	require.NoError(b, err)
+	var probe Lease // an admission's scratch: its keys and its match
 	match := func(keys []BlockKey) int {
 		p.mu.Lock()
-		n := p.matchLocked(t.Domain, keys, limit)
+		probe.keys, probe.match.valid = keys, false // a fresh admission: no match to reuse
+		p.matchLocked(&probe, t.Domain, limit)
+		n := len(probe.match.entries)
 		p.mu.Unlock()
 		return n
 	}
@@ -105,7 +107,7 @@ func BenchmarkPrefixMatch(b *testing.B) {
 		var l Lease
 		plain := Request{ID: "plain", Tenant: "a", PromptTokens: len(toks)}
 		cycle := func(req Request) {
-			if err := p.AdmitInto(context.Background(), req, &l); err != nil {
+			if err := p.TryAdmitInto(req, &l); err != nil {
 				b.Fatal(err)
 			}
 			if err := l.Release(); err != nil {

@@ -1,7 +1,6 @@
 package kvcache
 
 import (
-	"context"
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
@@ -100,7 +99,7 @@ func runCanaryManyDomains(t *testing.T, policy ScrubPolicy, steps int) {
 				toks = append(toks, int32(rng.IntN(2)))
 			}
 			id := fmt.Sprintf("r%d", step)
-			l, err := p.Admit(context.Background(), Request{ID: id, Tenant: tc.Name, PromptTokens: len(toks), MaxNewTokens: rng.IntN(5), TokenIDs: toks})
+			l, err := p.TryAdmit(Request{ID: id, Tenant: tc.Name, PromptTokens: len(toks), MaxNewTokens: rng.IntN(5), TokenIDs: toks})
 			if err != nil {
 				require.ErrorIs(t, err, ErrPoolExhausted)
 				continue

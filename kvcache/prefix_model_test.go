@@ -1,7 +1,6 @@
 package kvcache
 
 import (
-	"context"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -123,7 +122,7 @@ func (m *prefixModel) admit(rng *rand.Rand, tenant string, toks []int32, maxNew 
 		wantErr = ErrPoolExhausted
 	}
 	before := m.p.Stats()
-	l, err := m.p.Admit(context.Background(), Request{ID: id, Tenant: tenant, PromptTokens: len(toks), MaxNewTokens: maxNew, TokenIDs: toks})
+	l, err := m.p.TryAdmit(Request{ID: id, Tenant: tenant, PromptTokens: len(toks), MaxNewTokens: maxNew, TokenIDs: toks})
 	if wantErr != nil {
 		require.ErrorIs(m.t, err, wantErr, "admit %s of %s: %d tokens, %d hits", id, tenant, len(toks), len(hits))
 		after := m.p.Stats()

@@ -52,7 +52,7 @@ func tokens(n, shared int, seed int32) []int32 {
 // publishes it, and returns the live lease.
 func admitComputeCache(t testing.TB, p *Pool, id, tenant string, toks []int32, maxNew int) *Lease {
 	t.Helper()
-	l, err := p.Admit(context.Background(), Request{ID: id, Tenant: tenant, PromptTokens: len(toks), MaxNewTokens: maxNew, TokenIDs: toks})
+	l, err := p.TryAdmit(Request{ID: id, Tenant: tenant, PromptTokens: len(toks), MaxNewTokens: maxNew, TokenIDs: toks})
 	require.NoError(t, err)
 	require.NoError(t, l.Commit(len(toks)))
 	_, err = l.CachePrefix(len(toks))
@@ -101,12 +101,12 @@ func pairedSharing(t *testing.T, p *Pool, round int, pubTenant, sameTenant, othe
 
 	sameDomain := pub.Domain()
 	before := domainStats(p, sameDomain)
-	same, err := p.Admit(context.Background(), Request{ID: fmt.Sprintf("same-%d", round), Tenant: sameTenant, PromptTokens: len(toks), TokenIDs: toks})
+	same, err := p.TryAdmit(Request{ID: fmt.Sprintf("same-%d", round), Tenant: sameTenant, PromptTokens: len(toks), TokenIDs: toks})
 	require.NoError(t, err)
 	defer same.Release()
 	afterSame := domainStats(p, sameDomain)
 
-	other, err := p.Admit(context.Background(), Request{ID: fmt.Sprintf("other-%d", round), Tenant: otherTenant, PromptTokens: len(toks), TokenIDs: toks})
+	other, err := p.TryAdmit(Request{ID: fmt.Sprintf("other-%d", round), Tenant: otherTenant, PromptTokens: len(toks), TokenIDs: toks})
 	require.NoError(t, err)
 	defer other.Release()
 	afterOther := domainStats(p, sameDomain)
@@ -164,11 +164,11 @@ func TestPrefixMoveKeepsLiveLeasesInOldDomain(t *testing.T) {
 	assert.Equal(t, "org", la.Domain())
 	require.NoError(t, p.Check())
 	// b still shares what a published in org.
-	lb, err := p.Admit(context.Background(), Request{ID: "b1", Tenant: "b", PromptTokens: 17, TokenIDs: toks})
+	lb, err := p.TryAdmit(Request{ID: "b1", Tenant: "b", PromptTokens: 17, TokenIDs: toks})
 	require.NoError(t, err)
 	assert.Equal(t, 16, lb.HitTokens())
 	// a itself, now elsewhere, does not.
-	la2, err := p.Admit(context.Background(), Request{ID: "a2", Tenant: "a", PromptTokens: 17, TokenIDs: toks})
+	la2, err := p.TryAdmit(Request{ID: "a2", Tenant: "a", PromptTokens: 17, TokenIDs: toks})
 	require.NoError(t, err)
 	assert.Equal(t, 0, la2.HitTokens())
 	assert.Equal(t, "elsewhere", la2.Domain())
@@ -194,7 +194,7 @@ func TestPrefixInvalidRequests(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			before := p.Stats()
 			tc.req.ID, tc.req.Tenant = "r", "a"
-			_, err := p.Admit(context.Background(), tc.req)
+			_, err := p.TryAdmit(tc.req)
 			require.ErrorIs(t, err, ErrInvalidRequest)
 			var ae *AdmissionError
 			require.ErrorAs(t, err, &ae)
@@ -222,7 +222,7 @@ func TestPrefixInvalidDomain(t *testing.T) {
 func TestCachePrefixErrors(t *testing.T) {
 	p := newPrefixPool(t, 32, PrefixConfig{}, TenantConfig{Name: "a"})
 	toks := tokens(10, 10, 1)
-	l, err := p.Admit(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 6, TokenIDs: toks})
+	l, err := p.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 6, TokenIDs: toks})
 	require.NoError(t, err)
 	_, err = l.CachePrefix(4)
 	require.ErrorIs(t, err, ErrInvalidArgument, "nothing written yet")
@@ -243,7 +243,7 @@ func TestCachePrefixErrors(t *testing.T) {
 	require.ErrorIs(t, err, ErrLeaseReleased)
 
 	// A request without tokens publishes nothing.
-	l2, err := p.Admit(context.Background(), Request{ID: "r2", Tenant: "a", PromptTokens: 10})
+	l2, err := p.TryAdmit(Request{ID: "r2", Tenant: "a", PromptTokens: 10})
 	require.NoError(t, err)
 	require.NoError(t, l2.Commit(10))
 	n, err = l2.CachePrefix(8)
@@ -258,7 +258,7 @@ func TestPrefixLastPromptPageNeverShared(t *testing.T) {
 	toks := tokens(12, 12, 1) // exactly 3 full pages
 	l := admitComputeCache(t, p, "r", "a", toks, 0)
 	require.NoError(t, l.Release())
-	l2, err := p.Admit(context.Background(), Request{ID: "r2", Tenant: "a", PromptTokens: 12, TokenIDs: toks})
+	l2, err := p.TryAdmit(Request{ID: "r2", Tenant: "a", PromptTokens: 12, TokenIDs: toks})
 	require.NoError(t, err)
 	assert.Equal(t, 8, l2.HitTokens(), "the page of the last prompt token is computed afresh")
 	require.NoError(t, l2.Release())
@@ -273,17 +273,17 @@ func TestPrefixPageKeysRequest(t *testing.T) {
 	keys, err := p.PageKeys("a", "", toks, nil)
 	require.NoError(t, err)
 	require.Len(t, keys, 3)
-	la, err := p.Admit(context.Background(), Request{ID: "ra", Tenant: "a", PromptTokens: 13, PageKeys: keys})
+	la, err := p.TryAdmit(Request{ID: "ra", Tenant: "a", PromptTokens: 13, PageKeys: keys})
 	require.NoError(t, err)
 	assert.Equal(t, 12, la.HitTokens())
 	require.NoError(t, la.Release())
 	// b presenting a's keys finds nothing: its lookups stay in its domain.
-	lb, err := p.Admit(context.Background(), Request{ID: "rb", Tenant: "b", PromptTokens: 13, PageKeys: keys})
+	lb, err := p.TryAdmit(Request{ID: "rb", Tenant: "b", PromptTokens: 13, PageKeys: keys})
 	require.NoError(t, err)
 	assert.Zero(t, lb.HitTokens())
 	require.NoError(t, lb.Release())
 	// Another adapter is another cache.
-	lo, err := p.Admit(context.Background(), Request{ID: "ro", Tenant: "a", PromptTokens: 13, TokenIDs: toks, Adapter: "lora-7"})
+	lo, err := p.TryAdmit(Request{ID: "ro", Tenant: "a", PromptTokens: 13, TokenIDs: toks, Adapter: "lora-7"})
 	require.NoError(t, err)
 	assert.Zero(t, lo.HitTokens())
 	require.NoError(t, lo.Release())
@@ -307,19 +307,19 @@ func TestPrefixSharedPageChargedOncePerTenant(t *testing.T) {
 		return -1
 	}
 	assert.Equal(t, 5, usedA())
-	l2, err := p.Admit(context.Background(), Request{ID: "2", Tenant: "a", PromptTokens: 17, MaxNewTokens: 3, TokenIDs: toks})
+	l2, err := p.TryAdmit(Request{ID: "2", Tenant: "a", PromptTokens: 17, MaxNewTokens: 3, TokenIDs: toks})
 	require.NoError(t, err)
 	assert.Equal(t, 16, l2.HitTokens())
 	assert.Equal(t, 6, usedA())
 	assert.Equal(t, 6, p.Stats().InUsePages)
-	l3, err := p.Admit(context.Background(), Request{ID: "3", Tenant: "a", PromptTokens: 17, MaxNewTokens: 3, TokenIDs: toks})
+	l3, err := p.TryAdmit(Request{ID: "3", Tenant: "a", PromptTokens: 17, MaxNewTokens: 3, TokenIDs: toks})
 	require.NoError(t, err)
 	assert.Equal(t, 7, usedA())
 	require.NoError(t, p.Check())
 
 	// Over quota: fail closed with the numbers, nothing changes.
 	before := p.Stats()
-	_, err = p.Admit(context.Background(), Request{ID: "4", Tenant: "a", PromptTokens: 17, MaxNewTokens: 8, TokenIDs: toks})
+	_, err = p.TryAdmit(Request{ID: "4", Tenant: "a", PromptTokens: 17, MaxNewTokens: 8, TokenIDs: toks})
 	var ae *AdmissionError
 	require.ErrorAs(t, err, &ae)
 	require.ErrorIs(t, err, ErrExceedsQuota)
@@ -359,7 +359,7 @@ func TestPrefixEvictionThroughScrubber(t *testing.T) {
 
 	// b needs 12 pages: 6 free + 6 evicted, scrubbed before b gets them.
 	before := st.Scrub.PagesScrubbed
-	lb, err := p.Admit(context.Background(), Request{ID: "b1", Tenant: "b", PromptTokens: 48})
+	lb, err := p.TryAdmit(Request{ID: "b1", Tenant: "b", PromptTokens: 48})
 	require.NoError(t, err)
 	require.NoError(t, p.Check())
 	for _, page := range tableOf(t, lb) {
@@ -373,7 +373,7 @@ func TestPrefixEvictionThroughScrubber(t *testing.T) {
 	assert.Equal(t, uint64(6), domainStats(p, "tenant:a").EvictedPages)
 	// The deepest pages went first: a's first 4 pages are still shared.
 	require.NoError(t, lb.Release())
-	la, err := p.Admit(context.Background(), Request{ID: "a2", Tenant: "a", PromptTokens: 40, TokenIDs: toks})
+	la, err := p.TryAdmit(Request{ID: "a2", Tenant: "a", PromptTokens: 40, TokenIDs: toks})
 	require.NoError(t, err)
 	assert.Equal(t, 16, la.HitTokens())
 	require.NoError(t, la.Release())
@@ -401,13 +401,13 @@ func TestPrefixEvictionThroughScrubber(t *testing.T) {
 func TestPrefixNoEvictionWhenItCannotHelp(t *testing.T) {
 	p := newPrefixPool(t, 10, PrefixConfig{}, TenantConfig{Name: "a"}, TenantConfig{Name: "b"}, TenantConfig{Name: "c"})
 	l := admitComputeCache(t, p, "a1", "a", tokens(13, 13, 1), 0) // 4 pages, 3 published
-	hold, err := p.Admit(context.Background(), Request{ID: "hold", Tenant: "b", PromptTokens: 12})
+	hold, err := p.TryAdmit(Request{ID: "hold", Tenant: "b", PromptTokens: 12})
 	require.NoError(t, err) // 3 pages; 3 free left
 	require.NoError(t, l.Release())
 	before := p.Stats()
 	require.Equal(t, 3, before.CachedPages)
 	require.Equal(t, 4, before.FreePages)
-	_, err = p.Admit(context.Background(), Request{ID: "big", Tenant: "c", PromptTokens: 32})
+	_, err = p.TryAdmit(Request{ID: "big", Tenant: "c", PromptTokens: 32})
 	var ae *AdmissionError
 	require.ErrorAs(t, err, &ae)
 	require.ErrorIs(t, err, ErrPoolExhausted)
@@ -454,7 +454,7 @@ func TestClearPrefixCacheAndClose(t *testing.T) {
 	assert.Equal(t, 0, st.CachedPages)
 	assert.Equal(t, 6, st.InUsePages, "l1 keeps its pages")
 	// Cleared: no more hits, and l1's shared pages are scrubbed on release.
-	l3, err := p.Admit(context.Background(), Request{ID: "3", Tenant: "a", PromptTokens: 21, TokenIDs: toks})
+	l3, err := p.TryAdmit(Request{ID: "3", Tenant: "a", PromptTokens: 21, TokenIDs: toks})
 	require.NoError(t, err)
 	assert.Zero(t, l3.HitTokens())
 	require.NoError(t, l1.Release())

@@ -1,7 +1,6 @@
 package kvcache
 
 import (
-	"context"
 	"fmt"
 	"math/rand/v2"
 	"testing"
@@ -56,7 +55,7 @@ func replayTrace(t *testing.T, orgDomains bool, requests int) traceResult {
 		for range 64 + rng.IntN(448) {
 			prompt = append(prompt, int32(rng.IntN(1<<17)))
 		}
-		l, err := p.Admit(context.Background(), Request{ID: fmt.Sprint(r), Tenant: tenants[ti].Name,
+		l, err := p.TryAdmit(Request{ID: fmt.Sprint(r), Tenant: tenants[ti].Name,
 			PromptTokens: len(prompt), MaxNewTokens: rng.IntN(257), TokenIDs: prompt})
 		require.NoError(t, err)
 		res.requests++

@@ -1,7 +1,6 @@
 package kvcache
 
 import (
-	"context"
 	"encoding/binary"
 	"testing"
 
@@ -91,7 +90,7 @@ func FuzzPrefixMatch(f *testing.F) {
 			tenant, adapter string
 			want            int
 		}{{"b", "", want}, {"c", "", 0}, {"b", adapter + "x", 0}} {
-			q, err := p.Admit(context.Background(), Request{ID: "q", Tenant: tc.tenant, PromptTokens: len(query), TokenIDs: query, Adapter: tc.adapter})
+			q, err := p.TryAdmit(Request{ID: "q", Tenant: tc.tenant, PromptTokens: len(query), TokenIDs: query, Adapter: tc.adapter})
 			require.NoError(t, err)
 			assert.Equal(t, tc.want, q.HitTokens(), "tenant %s adapter %q", tc.tenant, tc.adapter)
 			shared := commonPages(tableOf(t, q), tableOf(t, l))
@@ -106,8 +105,8 @@ func FuzzPrefixMatch(f *testing.F) {
 // index collisions: entries that share a bucket are told apart by their
 // full key and domain, and unindexing any of them keeps the others.
 func TestPrefixIndexCollisions(t *testing.T) {
-	var c prefixCache
-	c.init(8, PrefixConfig{})
+	var c prefixIndex
+	c.init(8)
 	d1, d2 := &isolation.Domain{ID: 1, Name: "d1"}, &isolation.Domain{ID: 2, Name: "d2"}
 	var k1 BlockKey
 	k1[31] = 1
@@ -142,4 +141,7 @@ func TestPrefixIndexCollisions(t *testing.T) {
 	c.drop(e3)
 	assert.Empty(t, c.byKey)
 	assert.Equal(t, make([]*cacheEntry, 8), c.byPage)
+	var ck checker
+	c.check(&ck)
+	require.NoError(t, ck.err())
 }

@@ -1,0 +1,125 @@
+package isolation
+
+import "fmt"
+
+// Demand is what one admission asks of its tenant and of the pool.
+type Demand struct {
+	// Charge is the pages the admission adds to the tenant's usage: its
+	// fresh pages plus the shared ones the tenant holds no other lease on.
+	Charge int
+	// Take is the pages it takes from the pool's supply (free or
+	// evictable); the rest of Charge are resident pages shared inside the
+	// tenant's domain. Take ≤ Charge.
+	Take int
+}
+
+// Supply is what the pool can give one admission now.
+type Supply struct {
+	// Pages is the pages the pool can hand out to this admission: free
+	// pages and evictable cached pages, less what other admissions have
+	// claimed.
+	Pages int
+	// InService is the pool's pages that are not retired.
+	InService int
+	// Queued says that an earlier admission waits for pool pages: pages
+	// beyond the tenant's own unused reservation are theirs first.
+	Queued bool
+}
+
+// Verdict is the outcome of Decide.
+type Verdict uint8
+
+const (
+	// Grant: the admission may proceed; Apply charges the tenant.
+	Grant Verdict = iota
+	// OverQuota: the tenant's quota cannot take the charge now.
+	OverQuota
+	// PoolShort: the pool cannot give the tenant enough pages now (too few
+	// pages, or earlier admissions queue for them).
+	PoolShort
+	// Reserved: enough pages exist, but some of them are other tenants'
+	// unused reservations.
+	Reserved
+)
+
+var verdictNames = [...]string{"grant", "over quota", "pool short", "reserved for others"}
+
+func (v Verdict) String() string {
+	if int(v) < len(verdictNames) {
+		return verdictNames[v]
+	}
+	return fmt.Sprintf("Verdict(%d)", uint8(v))
+}
+
+// Decision is a verdict with the numbers behind it, in pages.
+type Decision struct {
+	Verdict Verdict
+	Demand  Demand
+	// Have is what the tenant could get now: its quota left for OverQuota,
+	// the pool pages open to it (capped by its quota left) otherwise.
+	Have int
+	// Limit is the ceiling that applies: the tenant's quota for OverQuota,
+	// the pool's free and evictable pages for Reserved, its pages in
+	// service otherwise.
+	Limit int
+}
+
+// Err returns the decision as an error: nil for Grant and PoolShort (the
+// pool's own refusal, which the pool reports), a *QuotaError wrapping
+// ErrQuotaExceeded or ErrReserved otherwise.
+func (d Decision) Err(tenant string) error {
+	switch d.Verdict {
+	case OverQuota:
+		return &QuotaError{Err: ErrQuotaExceeded, Tenant: tenant, Need: d.Demand.Charge, Have: d.Have, Limit: d.Limit}
+	case Reserved:
+		return &QuotaError{Err: ErrReserved, Tenant: tenant, Need: d.Demand.Take, Have: d.Have, Limit: d.Limit}
+	}
+	return nil
+}
+
+// Decide is the one quota and reservation rule of kvfence (see the package
+// doc for its steps). It changes nothing; after a Grant the caller
+// allocates and then calls Apply.
+func (r *Registry) Decide(t *Tenant, d Demand, s Supply) Decision {
+	quotaLeft := max(0, t.Quota-t.Used)
+	own := t.unusedReservation()
+	others := r.unusedReserved - own
+	// Pages open to t: the supply less others' unused reservations, and
+	// only its own reservation while earlier admissions queue.
+	unreserved := max(0, s.Pages-others)
+	open := unreserved
+	if s.Queued {
+		open = min(open, own)
+	}
+	overQuota := d.Charge > quotaLeft
+	dec := Decision{Demand: d, Have: min(open, quotaLeft), Limit: s.InService}
+	switch {
+	case overQuota && t.Quota < s.InService:
+		dec.Verdict, dec.Have, dec.Limit = OverQuota, quotaLeft, t.Quota
+	case d.Take > s.Pages:
+		dec.Verdict = PoolShort
+	case d.Take > unreserved:
+		dec.Verdict, dec.Have, dec.Limit = Reserved, open, s.Pages
+	case d.Take > open:
+		dec.Verdict = PoolShort // queued behind earlier admissions
+	case overQuota:
+		// A quota as large as the pool cannot bind before the pool does
+		// (the tenant's pages, the fresh ones and the shared ones are
+		// distinct pages in service); kept so no path ever passes a quota.
+		dec.Verdict, dec.Have, dec.Limit = OverQuota, quotaLeft, t.Quota
+	default:
+		dec.Verdict = Grant
+	}
+	return dec
+}
+
+// Apply charges a granted decision to t. It panics on any other verdict:
+// charging what Decide refused is a kvfence bug.
+func (r *Registry) Apply(t *Tenant, d Decision) {
+	if d.Verdict != Grant {
+		panic(fmt.Sprintf("isolation: applying a %v decision for tenant %q", d.Verdict, t.Name))
+	}
+	r.unusedReserved -= t.unusedReservation()
+	t.Used += d.Demand.Charge
+	r.unusedReserved += t.unusedReservation()
+}

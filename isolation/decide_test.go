@@ -1,0 +1,209 @@
+package isolation
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// registry builds a registry of pages pages whose tenants already use the
+// pages given in used (by name), without going through an admission.
+func registry(t *testing.T, pages int, used map[string]int, tenants ...TenantConfig) *Registry {
+	t.Helper()
+	r := NewRegistry(pages)
+	for _, tc := range tenants {
+		tn, err := r.Add(tc)
+		require.NoError(t, err)
+		if n := used[tc.Name]; n > 0 {
+			r.Apply(tn, Decision{Verdict: Grant, Demand: Demand{Charge: n, Take: n}})
+		}
+	}
+	_, err := r.Check()
+	require.NoError(t, err)
+	return r
+}
+
+func TestDecideQuotaAndReservationArithmetic(t *testing.T) {
+	tenants := []TenantConfig{
+		{Name: "capped", QuotaPages: 10},
+		{Name: "gold", ReservedPages: 16},
+		{Name: "whole"}, // quota = the pool
+		{Name: "silver", QuotaPages: 30, ReservedPages: 8},
+	}
+	for _, tc := range []struct {
+		name   string
+		used   map[string]int
+		tenant string
+		demand Demand
+		supply Supply
+		want   Decision
+	}{
+		{
+			name: "fits everywhere", tenant: "capped",
+			demand: Demand{Charge: 4, Take: 4}, supply: Supply{Pages: 100, InService: 100},
+			// 100 pages, 24 of them others' unused reservations.
+			want: Decision{Verdict: Grant, Have: 10, Limit: 100},
+		},
+		{
+			name: "quota binds", tenant: "capped", used: map[string]int{"capped": 8},
+			demand: Demand{Charge: 3, Take: 3}, supply: Supply{Pages: 92, InService: 100},
+			want: Decision{Verdict: OverQuota, Have: 2, Limit: 10},
+		},
+		{
+			name: "shared pages count against the quota, not the pool", tenant: "capped", used: map[string]int{"capped": 8},
+			demand: Demand{Charge: 3, Take: 1}, supply: Supply{Pages: 92, InService: 100},
+			want: Decision{Verdict: OverQuota, Have: 2, Limit: 10},
+		},
+		{
+			name: "a whole-pool quota binds through the pool", tenant: "whole", used: map[string]int{"whole": 70},
+			demand: Demand{Charge: 40, Take: 40}, supply: Supply{Pages: 30, InService: 100},
+			want: Decision{Verdict: PoolShort, Have: 6, Limit: 100},
+		},
+		{
+			name: "pool short", tenant: "capped",
+			demand: Demand{Charge: 5, Take: 5}, supply: Supply{Pages: 4, InService: 100},
+			want: Decision{Verdict: PoolShort, Have: 0, Limit: 100},
+		},
+		{
+			name: "pages exist but are reserved for others", tenant: "capped",
+			demand: Demand{Charge: 5, Take: 5}, supply: Supply{Pages: 26, InService: 100},
+			want: Decision{Verdict: Reserved, Have: 2, Limit: 26},
+		},
+		{
+			name: "own reservation is not someone else's", tenant: "gold",
+			demand: Demand{Charge: 16, Take: 16}, supply: Supply{Pages: 24, InService: 100},
+			// 24 pages: 8 are silver's, 16 gold's own.
+			want: Decision{Verdict: Grant, Have: 16, Limit: 100},
+		},
+		{
+			name: "a used reservation protects nothing", tenant: "capped", used: map[string]int{"gold": 16, "silver": 8},
+			demand: Demand{Charge: 5, Take: 5}, supply: Supply{Pages: 5, InService: 100},
+			want: Decision{Verdict: Grant, Have: 5, Limit: 100},
+		},
+		{
+			name: "queued behind an earlier admission", tenant: "capped",
+			demand: Demand{Charge: 1, Take: 1}, supply: Supply{Pages: 100, InService: 100, Queued: true},
+			want: Decision{Verdict: PoolShort, Have: 0, Limit: 100},
+		},
+		{
+			name: "inside its reservation a tenant passes the queue", tenant: "gold", used: map[string]int{"gold": 4},
+			demand: Demand{Charge: 12, Take: 12}, supply: Supply{Pages: 40, InService: 100, Queued: true},
+			want: Decision{Verdict: Grant, Have: 12, Limit: 100},
+		},
+		{
+			name: "beyond its reservation it queues", tenant: "gold", used: map[string]int{"gold": 4},
+			demand: Demand{Charge: 13, Take: 13}, supply: Supply{Pages: 40, InService: 100, Queued: true},
+			want: Decision{Verdict: PoolShort, Have: 12, Limit: 100},
+		},
+		{
+			name: "a fully shared admission takes nothing from the pool", tenant: "capped",
+			demand: Demand{Charge: 6, Take: 0}, supply: Supply{Pages: 0, InService: 100, Queued: true},
+			want: Decision{Verdict: Grant, Have: 0, Limit: 100},
+		},
+		{
+			name: "retired pages shrink the pool below a quota", tenant: "silver", used: map[string]int{"silver": 20},
+			demand: Demand{Charge: 9, Take: 9}, supply: Supply{Pages: 8, InService: 28},
+			// Quota 30 ≥ 28 in service: the pool binds; and what there
+			// is, is gold's reservation.
+			want: Decision{Verdict: PoolShort, Have: 0, Limit: 28},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := registry(t, 100, tc.used, tenants...)
+			tn, err := r.Lookup(tc.tenant)
+			require.NoError(t, err)
+			before := *tn
+			tc.want.Demand = tc.demand
+			got := r.Decide(tn, tc.demand, tc.supply)
+			assert.Equal(t, tc.want, got)
+			assert.Equal(t, before, *tn, "Decide changes nothing")
+			if got.Verdict == Grant {
+				r.Apply(tn, got)
+				assert.Equal(t, before.Used+tc.demand.Charge, tn.Used)
+			} else {
+				assert.Panics(t, func() { r.Apply(tn, got) }, "a refusal cannot be applied")
+			}
+			_, err = r.Check()
+			require.NoError(t, err)
+		})
+	}
+}
+
+func TestDecisionErrNamesTheNumbers(t *testing.T) {
+	d := Decision{Verdict: OverQuota, Demand: Demand{Charge: 3, Take: 3}, Have: 2, Limit: 10}
+	var qe *QuotaError
+	require.ErrorAs(t, d.Err("a"), &qe)
+	assert.Equal(t, QuotaError{Err: ErrQuotaExceeded, Tenant: "a", Need: 3, Have: 2, Limit: 10}, *qe)
+	assert.False(t, qe.Permanent())
+
+	d = Decision{Verdict: Reserved, Demand: Demand{Charge: 5, Take: 4}, Have: 2, Limit: 26}
+	require.ErrorIs(t, d.Err("a"), ErrReserved)
+	assert.Equal(t, `isolation: free pages are reserved for other tenants: tenant "a" needs 4 pages, 2 of 26 free pages are not reserved for others`, d.Err("a").Error())
+
+	assert.NoError(t, Decision{Verdict: Grant}.Err("a"))
+	assert.NoError(t, Decision{Verdict: PoolShort}.Err("a"), "the pool reports its own shortage")
+	assert.Equal(t, "reserved for others", Reserved.String())
+	assert.Equal(t, "Verdict(9)", Verdict(9).String())
+}
+
+// TestUnusedReservationsFollowUsage drives usage up and down and checks
+// the registry's running sum of unused reservations after every step.
+func TestUnusedReservationsFollowUsage(t *testing.T) {
+	r := registry(t, 64, nil, TenantConfig{Name: "a", ReservedPages: 10}, TenantConfig{Name: "b", ReservedPages: 20, QuotaPages: 40})
+	a, _ := r.Lookup("a")
+	b, _ := r.Lookup("b")
+	steps := []struct {
+		t       *Tenant
+		delta   int
+		wantSum int
+	}{
+		{a, 4, 26}, {a, 8, 20}, {b, 25, 0}, {a, -12, 10}, {b, -25, 30}, {b, 19, 11},
+	}
+	for i, s := range steps {
+		if s.delta > 0 {
+			r.Apply(s.t, Decision{Verdict: Grant, Demand: Demand{Charge: s.delta}})
+		} else {
+			r.Uncharge(s.t, -s.delta)
+		}
+		assert.Equal(t, s.wantSum, r.unusedReserved, "step %d", i)
+		_, err := r.Check()
+		require.NoError(t, err, "step %d", i)
+	}
+	assert.Panics(t, func() { r.Uncharge(a, 1) }, "uncharging what a tenant does not hold")
+}
+
+func TestRegistryRefusesBadTenantsAndChangesNothing(t *testing.T) {
+	r := registry(t, 10, nil, TenantConfig{Name: "a", ReservedPages: 6})
+	for _, tc := range []struct {
+		name string
+		cfg  TenantConfig
+		want error
+	}{
+		{"empty name", TenantConfig{}, ErrInvalidTenant},
+		{"negative quota", TenantConfig{Name: "x", QuotaPages: -1}, ErrInvalidTenant},
+		{"reservation above quota", TenantConfig{Name: "x", QuotaPages: 2, ReservedPages: 3}, ErrInvalidTenant},
+		{"reservations above the pool", TenantConfig{Name: "x", ReservedPages: 5}, ErrOverReserved},
+		{"duplicate", TenantConfig{Name: "a"}, ErrDuplicateTenant},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := r.Add(tc.cfg)
+			require.ErrorIs(t, err, tc.want)
+			assert.Len(t, r.Tenants(), 1)
+			assert.Equal(t, 6, r.unusedReserved)
+			_, err = r.Check()
+			require.NoError(t, err)
+		})
+	}
+	require.ErrorIs(t, r.Update(TenantConfig{Name: "nobody"}), ErrUnknownTenant)
+	require.NoError(t, r.Update(TenantConfig{Name: "a", QuotaPages: 20}))
+	a, _ := r.Lookup("a")
+	assert.Equal(t, 10, a.Quota, "a quota above the pool is the pool")
+}
+
+func TestRegistryCheckFindsCorruption(t *testing.T) {
+	r := registry(t, 10, nil, TenantConfig{Name: "a", ReservedPages: 2})
+	r.unusedReserved = 5
+	_, err := r.Check()
+	require.ErrorIs(t, err, ErrCorrupt)
+}

@@ -1,0 +1,569 @@
+package kvcache
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/kvfence/kvfence/allocator"
+	"github.com/kvfence/kvfence/isolation"
+)
+
+// This file is admission, from Admit to a lease's pages: the request's own
+// checks, the attempt (one decision under Pool.mu), and the waiting queue.
+// The package doc's "Admission" section is the overview.
+
+// MaxIDLen bounds request IDs and tenant names.
+const MaxIDLen = 256
+
+// Request is what an engine asks to run.
+type Request struct {
+	ID     string // unique among live leases
+	Tenant string
+	// PromptTokens ≥ 1. MaxNewTokens ≥ 0 (0 for a prefill-only request,
+	// as on the prefill side of a disaggregated deployment).
+	PromptTokens int
+	MaxNewTokens int
+	// Prefix material, optional. TokenIDs are the prompt's token IDs
+	// (len = PromptTokens); PageKeys, instead, the keys Pool.PageKeys
+	// derived for its full pages. With either, Admit shares the longest
+	// prefix cached in the tenant's sharing domain (Lease.HitTokens).
+	// Adapter names the weights the KV is computed with (a LoRA ID) and
+	// is part of every key. The domain is the tenant's: a request cannot
+	// name one.
+	TokenIDs []int32
+	PageKeys []BlockKey
+	Adapter  string
+}
+
+// Tokens is the most tokens the request can hold: prompt plus output.
+func (r Request) Tokens() int { return r.PromptTokens + r.MaxNewTokens }
+
+// maxRequestTokens keeps token arithmetic (and slot numbers) far from
+// overflow on every platform.
+const maxRequestTokens = 1 << 40
+
+// Admit reserves every page req can need and returns its lease, or an
+// error with nothing allocated: an *AdmissionError with the numbers, or
+// ErrPoolClosed.
+//
+// Admit follows golang.org/x/sync/semaphore's Acquire: it waits, first
+// come first served, for pages or quota to free up until ctx is done, and
+// then returns the refusal that kept it waiting. A context that is done
+// already never admits (ErrContextDone). A context that never ends
+// (context.Background) waits as long as it takes; use TryAdmit to be
+// refused at once. Refusals that no release can cure (an invalid request,
+// more than the pool or the tenant's quota can ever hold, a faulted pool)
+// never wait.
+func (p *Pool) Admit(ctx context.Context, req Request) (*Lease, error) {
+	l := new(Lease)
+	if err := p.AdmitInto(ctx, req, l); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// AdmitInto is Admit into a Lease the caller provides, so that an engine
+// which recycles its request structs admits without allocating. l must be
+// a zero Lease or one that has been released; it must not be in use by
+// anyone else.
+func (p *Pool) AdmitInto(ctx context.Context, req Request, l *Lease) error {
+	return p.admit(&admission{ctx: ctx, req: req, l: l, wait: true})
+}
+
+// TryAdmit is Admit that never waits: a busy pool or a full quota is
+// refused at once (ErrPoolExhausted, ErrExceedsQuota). It may still wait
+// for the scrub of cached pages it evicts, which is its own.
+func (p *Pool) TryAdmit(req Request) (*Lease, error) {
+	l := new(Lease)
+	if err := p.TryAdmitInto(req, l); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// TryAdmitInto is TryAdmit into a Lease the caller provides (see
+// AdmitInto).
+func (p *Pool) TryAdmitInto(req Request, l *Lease) error {
+	return p.admit(&admission{ctx: context.Background(), req: req, l: l})
+}
+
+// admission is one call of Admit, TryAdmit or BeginImport, from its start
+// to its verdict. Its scratch (keys, matched entries, the waiter) lives in
+// the Lease, so that a recycled Lease admits without allocating.
+type admission struct {
+	ctx  context.Context
+	req  Request
+	l    *Lease
+	need int  // pages for prompt + max new tokens
+	wait bool // Admit: wait while ctx lives; TryAdmit: never
+	// importFrom is, for BeginImport, the sharing domain the KV was
+	// computed in; the tenant must be in it here.
+	importFrom string
+	// claim is the pages promised to this admission while it waits for
+	// the scrub of pages it evicted (see Pool.mu.claimed).
+	claim int
+	// hashFor is the domain to derive the request's keys for, outside
+	// Pool.mu (step stepHash).
+	hashFor *isolation.Domain
+	// evicted is the pages this attempt evicted, to scrub outside Pool.mu
+	// (step stepEvict).
+	evicted []int32
+	// blocked is the refusal that keeps a waiting admission waiting;
+	// returned if its context ends.
+	blocked AdmissionError
+	// err is the final outcome of a stepDone attempt: nil when admitted.
+	err error
+}
+
+// step is what an attempt needs next.
+type step uint8
+
+const (
+	stepDone  step = iota // admitted, or refused: admission.err
+	stepHash              // derive the page keys for hashFor, then try again
+	stepEvict             // scrub the evicted pages, then try again
+	stepWait              // wait for a wake-up or the end of ctx, then try again
+)
+
+// admit runs one admission to its end. Everything decided about pages,
+// quota and reservation happens in attemptLocked, in one critical section;
+// admit only does, outside Pool.mu, what must not hold it (hashing,
+// waiting, scrubbing evicted pages) and goes round again.
+func (p *Pool) admit(a *admission) error {
+	l := a.l
+	if l == nil {
+		return fmt.Errorf("%w: nil lease", ErrInvalidArgument)
+	}
+	if l.state.Load() == leaseLive {
+		return fmt.Errorf("%w: lease %q is still live", ErrInvalidArgument, l.id)
+	}
+	if err := validateRequest(a.req, p.geom.TokensPerPage); err != nil {
+		return p.refuse(a, &AdmissionError{Err: ErrInvalidRequest, Cause: err})
+	}
+	if a.req.Tokens() > p.maxContext {
+		return p.refuse(a, &AdmissionError{Err: ErrExceedsMaxContext, Need: a.req.Tokens(), Limit: p.maxContext})
+	}
+	if err := a.ctx.Err(); err != nil {
+		return fmt.Errorf("%w: request %q: %w", ErrContextDone, a.req.ID, err)
+	}
+	a.need = p.geom.PagesFor(a.req.Tokens())
+	l.keys, l.keysFor, l.match.valid = l.keys[:0], nil, false
+	if len(a.req.PageKeys) > 0 && !p.prefixDisabled {
+		l.keys = append(l.keys, a.req.PageKeys...)
+	}
+
+	p.mu.Lock()
+	if p.mu.closed {
+		p.mu.Unlock()
+		return ErrPoolClosed
+	}
+	p.mu.admitting++
+	for {
+		switch p.attemptLocked(a) {
+		case stepHash:
+			dom := a.hashFor
+			p.mu.Unlock()
+			// Once per request: again only if the tenant moves to another
+			// domain meanwhile.
+			l.keys = appendPageKeys(l.keys[:0], prefixRoot(dom.Name, a.req.Adapter), p.geom.TokensPerPage, a.req.TokenIDs)
+			p.mu.Lock()
+			l.keysFor, l.match.valid = dom, false
+		case stepEvict:
+			pages := a.evicted
+			p.mu.Unlock()
+			err := p.fillAndWait(pages)
+			p.mu.Lock()
+			p.mu.evicting -= len(pages)
+			p.finishScrubLocked(pages, err) // a failed fill faults the pool: the next attempt refuses
+			p.fills.Done()
+			a.evicted = pages[:0]
+		case stepWait:
+			p.mu.Unlock()
+			select {
+			case <-l.wait.wake:
+			case <-a.ctx.Done():
+			}
+			p.mu.Lock()
+			if err := a.ctx.Err(); err != nil && !p.mu.closed {
+				// The wait ended: refuse with what kept it waiting, and why
+				// it stopped.
+				e := a.blocked
+				if e.Cause == nil {
+					e.Cause = err
+				} else {
+					e.Cause = fmt.Errorf("%w; %w", e.Cause, err)
+				}
+				p.refuseLocked(a, &e)
+				return p.endAdmissionLocked(a)
+			}
+		case stepDone:
+			return p.endAdmissionLocked(a)
+		}
+	}
+}
+
+// endAdmissionLocked ends an admission in progress, unlocks Pool.mu and
+// returns its outcome.
+func (p *Pool) endAdmissionLocked(a *admission) error {
+	p.assertHeld()
+	p.dequeueLocked(a.l)
+	p.releaseClaimLocked(a)
+	if p.mu.admitting--; p.mu.closed {
+		p.quiet.Broadcast()
+	}
+	p.mu.Unlock()
+	return a.err
+}
+
+// attemptLocked decides the admission once, with everything it depends on
+// read under the same lock: the pool's state, the tenant, the cached
+// prefix, the pool's pages and the queue. It either grants and allocates
+// (stepDone, a.err nil), refuses (stepDone, a.err set), or says what must
+// happen outside the lock before it can decide.
+func (p *Pool) attemptLocked(a *admission) step {
+	p.assertHeld()
+	req, l := &a.req, a.l
+	if p.mu.closed {
+		a.err = ErrPoolClosed
+		return stepDone
+	}
+	if f := p.q.FaultLocked(); f != nil {
+		return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: f})
+	}
+	t, err := p.mu.tenants.Lookup(req.Tenant)
+	if err != nil {
+		return p.refuseLocked(a, &AdmissionError{Err: ErrUnknownTenant, Cause: err})
+	}
+	if p.mu.leases[req.ID] != nil {
+		return p.refuseLocked(a, &AdmissionError{Err: ErrDuplicateRequest})
+	}
+	inService := p.inServiceLocked()
+	if a.need > inService {
+		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Need: a.need, Have: p.mu.alloc.Count(allocator.Free),
+			Limit: inService, NeedTokens: req.Tokens(), LimitTokens: inService * p.geom.TokensPerPage})
+	}
+	if a.need > t.Quota {
+		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Need: a.need, Have: max(0, t.Quota-t.Used), Limit: t.Quota})
+	}
+	if a.importFrom != "" && t.Domain.Name != a.importFrom {
+		a.err = domainMismatch(req, a.importFrom, t.Domain.Name)
+		return stepDone
+	}
+	sharing := p.sharing(req)
+	if sharing && len(req.TokenIDs) > 0 && l.keysFor != t.Domain {
+		a.hashFor = t.Domain
+		return stepHash
+	}
+
+	// The prefix: matched once per attempt, reused while the index has
+	// not changed (its epoch), and worth only what the tenant may share.
+	var newToTenant, cachedHits int
+	if sharing {
+		p.matchLocked(l, t.Domain, maxHitPages(*req, p.geom.TokensPerPage))
+		newToTenant, cachedHits = p.weighMatchLocked(l, t)
+	} else {
+		l.match.entries = l.match.entries[:0]
+	}
+	fresh := a.need - len(l.match.entries)
+	free := p.mu.alloc.Count(allocator.Free)
+	supply := free + p.mu.evicting + p.mu.prefix.lruLen - cachedHits - (p.mu.claimed - a.claim)
+	dec := p.mu.tenants.Decide(t, isolation.Demand{Charge: fresh + newToTenant, Take: fresh},
+		isolation.Supply{Pages: supply, InService: inService, Queued: p.queuedAheadLocked(l)})
+	if dec.Verdict != isolation.Grant {
+		p.releaseClaimLocked(a)
+		return p.blockedLocked(a, t, dec)
+	}
+
+	// Granted: promise fresh pages to this admission. If free pages and
+	// fills in flight cannot cover every promise, evict the difference and
+	// scrub it first; if other admissions' evictions already cover it,
+	// wait for their fills.
+	p.mu.claimed += fresh - a.claim
+	a.claim = fresh
+	if short := p.mu.claimed - (free + p.mu.evicting); short > 0 {
+		a.evicted = p.evictLocked(a.evicted[:0], short, l.match.entries)
+		p.mu.evicting += len(a.evicted)
+		p.fills.Add(1)
+		return stepEvict
+	}
+	if free < fresh {
+		a.blocked = AdmissionError{Err: ErrPoolExhausted, Need: fresh, Have: free, Limit: inService}
+		return p.waitLocked(a, t, waitFill)
+	}
+	if p.q.NeedsVerify() {
+		peek := p.mu.alloc.PeekFree(l.scrub[:0], fresh)
+		l.scrub = peek[:0]
+		if _, err := p.q.VerifyLocked(peek); err != nil {
+			p.wakeAllLocked() // the pool faulted: waiters fail now
+			return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: err})
+		}
+	}
+
+	// Nothing can fail from here on.
+	p.mu.tenants.Apply(t, dec)
+	hits := len(l.match.entries)
+	handles := p.shareMatchedLocked(l, t, l.handles[:0])
+	handles, err = p.mu.alloc.Alloc(handles, fresh, t.Domain.ID)
+	if err != nil {
+		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
+	}
+	p.mu.claimed -= a.claim
+	a.claim = 0
+	p.mu.seq++
+	l.reset(p, *req, t, handles, p.mu.seq)
+	l.hitPages, l.published = hits, hits
+	if a.importFrom != "" {
+		// Sealed at zero: nothing may write the pages but WritePages, and
+		// the watermark is set only by Complete.
+		l.written.Store(writeSealed)
+		l.phase.Store(uint32(PhaseImporting))
+	}
+	if sharing {
+		p.countMatchLocked(req, t.Domain, len(l.keys), hits)
+	}
+	l.match.entries = l.match.entries[:0]
+	l.match.valid = false
+	p.mu.leases[req.ID] = l
+	p.mu.admitted++
+	if p.dequeueLocked(l) {
+		p.wakePagesLocked() // the next in line may fit too
+	}
+	a.err = nil
+	p.assertLocked("admit")
+	return stepDone
+}
+
+// sharing reports whether req takes part in prefix sharing.
+func (p *Pool) sharing(req *Request) bool {
+	return !p.prefixDisabled && (len(req.TokenIDs) > 0 || len(req.PageKeys) > 0)
+}
+
+// blockedLocked turns a decision other than Grant into a refusal, or, for
+// an admission that waits, into a wait.
+func (p *Pool) blockedLocked(a *admission, t *isolation.Tenant, dec isolation.Decision) step {
+	e := AdmissionError{Err: ErrPoolExhausted, Need: dec.Demand.Take, Have: dec.Have, Limit: dec.Limit}
+	reason := waitPool
+	switch dec.Verdict {
+	case isolation.OverQuota:
+		e = AdmissionError{Err: ErrExceedsQuota, Need: dec.Demand.Charge, Have: dec.Have, Limit: dec.Limit}
+		reason = waitQuota
+	case isolation.Reserved:
+		e.Cause, e.Limit = dec.Err(t.Name), p.inServiceLocked()
+	}
+	if !a.wait {
+		return p.refuseLocked(a, &e)
+	}
+	a.blocked = e
+	return p.waitLocked(a, t, reason)
+}
+
+// refuse counts and returns a refusal decided without Pool.mu.
+func (p *Pool) refuse(a *admission, e *AdmissionError) error {
+	p.mu.Lock()
+	p.refuseLocked(a, e)
+	p.mu.Unlock()
+	return a.err
+}
+
+// refuseLocked is the one place where refusals are counted: each refused
+// call once, with its final reason (a waiting admission counts only the
+// refusal it ends with).
+func (p *Pool) refuseLocked(a *admission, e *AdmissionError) step {
+	p.assertHeld()
+	e.RequestID, e.Tenant = a.req.ID, a.req.Tenant
+	p.mu.refused.count(e.Err)
+	p.releaseClaimLocked(a)
+	a.err = e
+	return stepDone
+}
+
+// releaseClaimLocked gives back pages promised to a that it will not take.
+func (p *Pool) releaseClaimLocked(a *admission) {
+	if a.claim > 0 {
+		p.mu.claimed -= a.claim
+		a.claim = 0
+		p.wakePagesLocked()
+	}
+}
+
+func validateRequest(req Request, tokensPerPage int) error {
+	switch {
+	case req.ID == "" || len(req.ID) > MaxIDLen:
+		return fmt.Errorf("%w: request ID of %d bytes, want 1..%d", ErrInvalidRequest, len(req.ID), MaxIDLen)
+	case req.Tenant == "" || len(req.Tenant) > MaxIDLen:
+		return fmt.Errorf("%w: tenant name of %d bytes, want 1..%d", ErrInvalidRequest, len(req.Tenant), MaxIDLen)
+	case req.PromptTokens <= 0:
+		return fmt.Errorf("%w: PromptTokens = %d, want ≥ 1", ErrInvalidRequest, req.PromptTokens)
+	case req.MaxNewTokens < 0:
+		return fmt.Errorf("%w: MaxNewTokens = %d, want ≥ 0", ErrInvalidRequest, req.MaxNewTokens)
+	case req.PromptTokens > maxRequestTokens-req.MaxNewTokens:
+		return fmt.Errorf("%w: PromptTokens %d + MaxNewTokens %d overflows", ErrInvalidRequest, req.PromptTokens, req.MaxNewTokens)
+	}
+	return validatePrefix(req, tokensPerPage)
+}
+
+// Waiting.
+//
+// An admission that may wait and is refused for lack of pages or quota
+// joins Pool.mu.waiters, in arrival order, and sleeps on its Lease's wake
+// channel (capacity one: a wake-up sent while it is still deciding is not
+// lost; a spurious one costs an attempt). Every waiter keeps its place
+// until it is admitted, refused or its context ends. A waiter for pages
+// (waitPool) blocks the admissions behind it, except those inside their
+// tenant's unused reservation (isolation.Decide with Supply.Queued); a
+// waiter for quota (waitQuota) blocks nobody; a granted admission waiting
+// for the fills of evicted pages (waitFill) holds a claim instead.
+//
+// What wakes whom, the whole table:
+//
+//	event                                          wakes
+//	pages scrubbed clean (finishScrubLocked)       first pool waiter, fill waiters
+//	a page became evictable (parked in the LRU)    first pool waiter, fill waiters
+//	a claim given back unused                      first pool waiter, fill waiters
+//	a waiter admitted, or no longer first in line  the next pool waiter
+//	a tenant's usage dropped (its lease ended)     that tenant's waiters
+//	UpdateTenant                                   that tenant's waiters, first pool waiter
+//	a fault, ClearFault, Close                     every waiter
+
+// waitReason says what a waiting admission waits for.
+type waitReason uint8
+
+const (
+	waitPool  waitReason = iota + 1 // pages: first come, first served
+	waitQuota                       // its tenant's quota: its own leases to end
+	waitFill                        // granted: the fills of evicted pages
+)
+
+// waiter is a Lease's place in the queue while its admission waits.
+type waiter struct {
+	prev, next *Lease
+	queued     bool
+	reason     waitReason
+	tenant     *isolation.Tenant
+	wake       chan struct{}
+}
+
+// waitQueue is an intrusive list of waiting admissions' leases.
+type waitQueue struct {
+	head, tail *Lease
+	len        int
+}
+
+// waitLocked queues a (at the tail on its first wait; a waiter keeps its
+// place) and returns stepWait.
+func (p *Pool) waitLocked(a *admission, t *isolation.Tenant, reason waitReason) step {
+	p.assertHeld()
+	l := a.l
+	w := &l.wait
+	if w.wake == nil {
+		w.wake = make(chan struct{}, 1)
+	}
+	if !w.queued {
+		q := &p.mu.waiters
+		w.prev, w.next, w.queued = q.tail, nil, true
+		if q.tail != nil {
+			q.tail.wait.next = l
+		} else {
+			q.head = l
+		}
+		q.tail = l
+		q.len++
+	} else if w.reason == waitPool && reason != waitPool {
+		// It leaves the line for pages: whoever is first now may fit.
+		p.mu.poolWaiters--
+		w.reason = reason
+		p.wakePagesLocked()
+	}
+	if reason == waitPool && w.reason != waitPool {
+		p.mu.poolWaiters++
+	}
+	w.reason, w.tenant = reason, t
+	return stepWait
+}
+
+// dequeueLocked takes l out of the queue if it is in it and reports
+// whether it was waiting for pages.
+func (p *Pool) dequeueLocked(l *Lease) (wasPoolWaiter bool) {
+	w := &l.wait
+	if !w.queued {
+		return false
+	}
+	q := &p.mu.waiters
+	if w.prev != nil {
+		w.prev.wait.next = w.next
+	} else {
+		q.head = w.next
+	}
+	if w.next != nil {
+		w.next.wait.prev = w.prev
+	} else {
+		q.tail = w.prev
+	}
+	q.len--
+	wasPoolWaiter = w.reason == waitPool
+	if wasPoolWaiter {
+		p.mu.poolWaiters--
+		p.wakePagesLocked() // the next in line
+	}
+	w.prev, w.next, w.queued, w.reason, w.tenant = nil, nil, false, 0, nil
+	return wasPoolWaiter
+}
+
+// queuedAheadLocked reports whether an admission waiting for pages came
+// before l (which may not be queued at all).
+func (p *Pool) queuedAheadLocked(l *Lease) bool {
+	if p.mu.poolWaiters == 0 {
+		return false
+	}
+	if !l.wait.queued {
+		return true
+	}
+	for w := p.mu.waiters.head; w != nil && w != l; w = w.wait.next {
+		if w.wait.reason == waitPool {
+			return true
+		}
+	}
+	return false
+}
+
+func signal(l *Lease) {
+	select {
+	case l.wait.wake <- struct{}{}:
+	default: // a wake-up is already pending
+	}
+}
+
+// wakePagesLocked wakes the first admission waiting for pages and every
+// granted one waiting for fills: pages became free or evictable.
+func (p *Pool) wakePagesLocked() {
+	first := true
+	for w := p.mu.waiters.head; w != nil; w = w.wait.next {
+		switch w.wait.reason {
+		case waitPool:
+			if first {
+				signal(w)
+				first = false
+			}
+		case waitFill:
+			signal(w)
+		}
+	}
+}
+
+// wakeTenantLocked wakes t's waiting admissions: t's usage or limits
+// changed.
+func (p *Pool) wakeTenantLocked(t *isolation.Tenant) {
+	for w := p.mu.waiters.head; w != nil; w = w.wait.next {
+		if w.wait.tenant == t {
+			signal(w)
+		}
+	}
+}
+
+// wakeAllLocked wakes every waiting admission: the pool faulted, was
+// cleared or closed.
+func (p *Pool) wakeAllLocked() {
+	for w := p.mu.waiters.head; w != nil; w = w.wait.next {
+		signal(w)
+	}
+}

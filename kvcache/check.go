@@ -1,0 +1,213 @@
+package kvcache
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvfence/kvfence/allocator"
+	"github.com/kvfence/kvfence/internal/invariants"
+	"github.com/kvfence/kvfence/isolation"
+)
+
+// Check verifies the pool's accounting and returns every inconsistency it
+// finds, joined (errors.Join), each wrapping ErrCorrupt; nil when the
+// books are sound. It checks the allocator's invariants, the registry's,
+// the quarantine's and the prefix index's own, and then that they agree:
+//
+//   - every page of a live lease is in use by the lease's domain at the
+//     lease's generation, and its block table matches its handles;
+//   - each page's refcount is the number of live leases holding it, and a
+//     page without an index entry is held by at most one;
+//   - each entry's per-tenant counts are its leases' tenants, and each
+//     tenant is charged once per page it holds;
+//   - every indexed page is owned by its entry's domain and is Cached
+//     exactly when it is on the LRU list; every Cached page has an entry;
+//   - the pages promised to admissions (claims) are free or being
+//     scrubbed for them, and the waiting queue is well formed.
+//
+// Check is O(pages + leases' pages).
+func (p *Pool) Check() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.checkLocked()
+}
+
+// assertLocked runs checkLocked after a state change when expensive
+// self-checks are on (build tag invariants, or -race) and panics with what
+// it found: a broken invariant is a kvfence bug that no caller can handle.
+func (p *Pool) assertLocked(after string) {
+	if !invariants.Enabled {
+		return
+	}
+	if err := p.checkLocked(); err != nil {
+		panic(fmt.Sprintf("kvcache: invariant broken after %s: %v", after, err))
+	}
+}
+
+// maxProblems bounds what one Check reports: past it, the rest is counted.
+const maxProblems = 32
+
+// checker collects a Check's problems.
+type checker struct {
+	errs []error
+	more int
+}
+
+func (c *checker) add(err error) {
+	if err == nil {
+		return
+	}
+	if len(c.errs) == maxProblems {
+		c.more++
+		return
+	}
+	if !errors.Is(err, ErrCorrupt) {
+		err = fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	c.errs = append(c.errs, err)
+}
+
+func (c *checker) failf(format string, args ...any) {
+	if len(c.errs) == maxProblems {
+		c.more++
+		return
+	}
+	c.errs = append(c.errs, fmt.Errorf("%w: "+format, append([]any{ErrCorrupt}, args...)...))
+}
+
+func (c *checker) err() error {
+	if c.more > 0 {
+		c.errs = append(c.errs, fmt.Errorf("%w: and %d more problems", ErrCorrupt, c.more))
+	}
+	return errors.Join(c.errs...)
+}
+
+func (p *Pool) checkLocked() error {
+	p.assertHeld()
+	var c checker
+	c.add(p.mu.alloc.Check())
+	_, err := p.mu.tenants.Check()
+	c.add(err)
+	c.add(p.q.CheckLocked())
+	p.mu.prefix.check(&c)
+	p.checkSharingLocked(&c)
+	p.checkAdmissionsLocked(&c)
+	return c.err()
+}
+
+// checkSharingLocked checks leases, refcounts, tenant charges and the
+// prefix index against the allocator (see Check).
+func (p *Pool) checkSharingLocked(c *checker) {
+	a, x := p.mu.alloc, &p.mu.prefix
+	refs := make([]int, p.total)
+	charged := make(map[*isolation.Tenant]int)
+	type tenantPage struct {
+		t    *isolation.Tenant
+		page int32
+	}
+	entryRefs := make(map[tenantPage]int)
+	for id, l := range p.mu.leases {
+		if l.id != id || l.state.Load() != leaseLive {
+			c.failf("lease table entry %q holds lease %q in state %d", id, l.id, l.state.Load())
+			continue
+		}
+		if len(l.table) != len(l.handles) {
+			c.failf("lease %q has %d handles, %d table entries", id, len(l.handles), len(l.table))
+			continue
+		}
+		for i, h := range l.handles {
+			info, err := a.Info(h.Page)
+			if err != nil {
+				c.add(err)
+				continue
+			}
+			if info.State != allocator.InUse || info.Owner != l.domain.ID || info.Gen != h.Gen || l.table[i] != h.Page {
+				c.failf("lease %q page %d: %+v, want in use by domain %q at generation %d", id, h.Page, info, l.domain.Name, h.Gen)
+			}
+			refs[h.Page]++
+			if x.byPage[h.Page] != nil {
+				if entryRefs[tenantPage{l.tenant, h.Page}]++; entryRefs[tenantPage{l.tenant, h.Page}] == 1 {
+					charged[l.tenant]++
+				}
+			} else {
+				charged[l.tenant]++
+			}
+		}
+	}
+	if lru := x.lruLen; lru != a.Count(allocator.Cached) {
+		c.failf("LRU list holds %d pages, the allocator has %d cached", lru, a.Count(allocator.Cached))
+	}
+	for page := range int32(p.total) {
+		info, _ := a.Info(page)
+		if info.Refs != refs[page] {
+			c.failf("page %d has %d references, %d live leases hold it", page, info.Refs, refs[page])
+		}
+		e := x.byPage[page]
+		if e == nil {
+			if info.State == allocator.Cached {
+				c.failf("page %d is cached without an index entry", page)
+			}
+			if refs[page] > 1 {
+				c.failf("unpublished page %d held by %d leases", page, refs[page])
+			}
+			continue
+		}
+		if info.Owner != e.dom.ID {
+			c.failf("index entry of page %d is in domain %q, page owner is %d", page, e.dom.Name, info.Owner)
+		}
+		switch {
+		case info.State == allocator.Cached && !e.inLRU,
+			info.State == allocator.InUse && e.inLRU,
+			info.State != allocator.Cached && info.State != allocator.InUse,
+			e.detached && info.State != allocator.InUse:
+			c.failf("indexed page %d is %s (LRU %v, detached %v)", page, info.State, e.inLRU, e.detached)
+		}
+		total := 0
+		for _, r := range e.tenants {
+			if r.refs <= 0 || entryRefs[tenantPage{r.t, page}] != r.refs {
+				c.failf("page %d counts %d leases of tenant %q, %d hold it", page, r.refs, r.t.Name, entryRefs[tenantPage{r.t, page}])
+			}
+			total += r.refs
+		}
+		if total != refs[page] || e.leases != refs[page] {
+			c.failf("page %d: tenant counts sum to %d, entry counts %d leases, %d hold it", page, total, e.leases, refs[page])
+		}
+	}
+	for _, t := range p.mu.tenants.Tenants() {
+		if t.Used != charged[t] {
+			c.failf("tenant %q charged %d pages, holds %d", t.Name, t.Used, charged[t])
+		}
+	}
+}
+
+// checkAdmissionsLocked checks the claims of admissions in progress and
+// the waiting queue.
+func (p *Pool) checkAdmissionsLocked(c *checker) {
+	a := p.mu.alloc
+	free, quarantined := a.Count(allocator.Free), a.Count(allocator.Quarantined)
+	switch {
+	case p.mu.claimed < 0 || p.mu.evicting < 0 || p.mu.evicting > quarantined:
+		c.failf("%d pages claimed, %d being evicted for claims, %d quarantined", p.mu.claimed, p.mu.evicting, quarantined)
+	case p.mu.claimed > free+p.mu.evicting && p.q.FaultLocked() == nil:
+		// A fault (a failed fill, a canary audit) may retire claimed pages;
+		// their admissions then fail and give their claims back.
+		c.failf("%d pages claimed, only %d free and %d on their way", p.mu.claimed, free, p.mu.evicting)
+	case p.mu.admitting < 0:
+		c.failf("%d admissions in progress", p.mu.admitting)
+	}
+	n, pool := 0, 0
+	var prev *Lease
+	for l := p.mu.waiters.head; l != nil; l = l.wait.next {
+		if n++; n > p.mu.waiters.len || !l.wait.queued || l.wait.prev != prev {
+			c.failf("waiting queue broken at position %d", n)
+			return
+		}
+		if l.wait.reason == waitPool {
+			pool++
+		}
+		prev = l
+	}
+	if n != p.mu.waiters.len || p.mu.waiters.tail != prev || pool != p.mu.poolWaiters {
+		c.failf("waiting queue holds %d admissions (%d for pages), counters say %d (%d)", n, pool, p.mu.waiters.len, p.mu.poolWaiters)
+	}
+}

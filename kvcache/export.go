@@ -1,0 +1,272 @@
+package kvcache
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvfence/kvfence/allocator"
+	"github.com/kvfence/kvfence/cudaops"
+)
+
+// This file is the prefill side of a handoff: an exported lease (Outgoing)
+// whose prompt pages are read for a transfer. See phase.go for the state
+// machine and its invariants.
+
+// Outgoing is an exported lease: the prompt's pages pinned for a transfer
+// until Ack, Abort or the reclaim deadline.
+type Outgoing struct {
+	pool    *Pool
+	lease   *Lease
+	seq     uint64 // the lease incarnation this export belongs to
+	handles []allocator.Handle
+	// timer reclaims the pages at the deadline. Set under Pool.mu before
+	// Export returns; the lease's end stops it.
+	timer *time.Timer
+
+	checksum struct {
+		sync.Mutex
+		done  bool
+		value uint32
+	}
+}
+
+// Export pins a prefilled lease's prompt pages for a transfer. The pages
+// stay pinned until Ack or Abort, or until reclaimAt, when they are
+// released through the scrubber whatever the transfer's state. A lease
+// that is not prefilled, or whose watermark is not its prompt, is refused
+// with ErrLeasePhase and left as it was. Export reads no page: the content
+// checksum comes from Checksum (one pass over the pages) or from a sender
+// that sums the pages as it reads them to send them.
+func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
+	if err := l.live(); err != nil {
+		return nil, err
+	}
+	p := l.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.stateErrLocked(); err != nil {
+		return nil, err
+	}
+	if err := l.live(); err != nil {
+		return nil, err
+	}
+	// Sealing the watermark at exactly the prompt both checks it and stops
+	// every later Commit: the pages are read and summed from here on.
+	if ph := l.Phase(); ph != PhasePrefilled || !l.written.CompareAndSwap(int64(l.prompt), int64(l.prompt)|writeSealed) {
+		return nil, fmt.Errorf("%w: lease %q is %v with %d of %d prompt tokens written; only a prefilled lease can be exported",
+			ErrLeasePhase, l.id, ph, l.Written(), l.prompt)
+	}
+	l.phase.Store(uint32(PhaseExported))
+	n := p.geom.PagesFor(l.prompt)
+	o := &Outgoing{pool: p, lease: l, seq: l.seq, handles: append([]allocator.Handle(nil), l.handles[:n]...)}
+	// The callback runs in its own goroutine and takes Pool.mu itself; it
+	// ends only this export (o.owns), never a later incarnation.
+	o.timer = time.AfterFunc(time.Until(reclaimAt), func() {
+		p.endLease(l, o.owns, PhaseAborted, cudaops.Ordering{})
+	})
+	l.export = o
+	return o, nil
+}
+
+// owns reports, under Pool.mu, whether the lease is still this export.
+func (o *Outgoing) owns() bool {
+	l := o.lease
+	return l.state.Load() == leaseLive && l.seq == o.seq && Phase(l.phase.Load()) == PhaseExported
+}
+
+func (o *Outgoing) end(phase Phase) (bool, error) {
+	o.timer.Stop()
+	return o.pool.endLease(o.lease, o.owns, phase, cudaops.Ordering{})
+}
+
+// RequestID is the exported request's ID.
+func (o *Outgoing) RequestID() string { return o.lease.id }
+
+// Tenant is the exporting lease's tenant.
+func (o *Outgoing) Tenant() string { return o.lease.Tenant() }
+
+// Domain is the sharing domain the exporting lease was admitted in: the
+// domain its pages belong to, whatever the tenant's domain is now.
+func (o *Outgoing) Domain() string { return o.lease.Domain() }
+
+// PromptTokens is the number of tokens whose KV the pages hold.
+func (o *Outgoing) PromptTokens() int { return o.lease.prompt }
+
+// Pages is the number of exported pages: those that hold the prompt.
+func (o *Outgoing) Pages() int { return len(o.handles) }
+
+// Generations appends each exported page's generation to dst.
+func (o *Outgoing) Generations(dst []uint32) []uint32 {
+	for _, h := range o.handles {
+		dst = append(dst, h.Gen)
+	}
+	return dst
+}
+
+// Checksum returns the content checksum of the exported pages, reading
+// each once on the first call (in parallel: see pageSums); later calls
+// return the same value. It fails as ReadPages does once the export has
+// ended, unless the sum was already known.
+func (o *Outgoing) Checksum() (uint32, error) {
+	o.checksum.Lock()
+	defer o.checksum.Unlock()
+	if !o.checksum.done {
+		sums, err := o.pageSums()
+		if err != nil {
+			return 0, err
+		}
+		o.checksum.value, o.checksum.done = ContentChecksum(sums), true
+	}
+	return o.checksum.value, nil
+}
+
+// pageSums reads every exported page once and returns its checksum. The
+// pages are split among up to GOMAXPROCS workers in contiguous runs: a
+// manifest that carries the checksum cannot leave before this pass ends,
+// and the reads run in parallel (ReadPages pins the lease, it does not
+// hold the pool lock while copying).
+func (o *Outgoing) pageSums() ([]uint64, error) {
+	n := len(o.handles)
+	sums := make([]uint64, n)
+	pb := int(o.pool.geom.PageBytes())
+	batch := max(1, (1<<20)/pb) // pages read at a time, into a cache-sized buffer
+	workers := min(runtime.GOMAXPROCS(0), 8, (n+batch-1)/batch)
+	per := (n + workers - 1) / workers
+	var g errgroup.Group
+	for lo := 0; lo < n; lo += per {
+		hi := min(n, lo+per)
+		g.Go(func() error {
+			buf := make([]byte, pb*min(batch, hi-lo))
+			for i := lo; i < hi; {
+				k := min(hi-i, batch)
+				if err := o.ReadPages(i, buf[:k*pb]); err != nil {
+					return err
+				}
+				for j := range k {
+					sums[i+j] = PageChecksum(buf[j*pb : (j+1)*pb])
+				}
+				i += k
+			}
+			return nil
+		})
+	}
+	return sums, g.Wait()
+}
+
+// Geometry is the page geometry of the exporting pool.
+func (o *Outgoing) Geometry() Geometry { return o.pool.geom }
+
+// Live reports whether the pages are still pinned for this export.
+func (o *Outgoing) Live() bool {
+	o.pool.mu.Lock()
+	defer o.pool.mu.Unlock()
+	return !o.pool.mu.closed && o.owns()
+}
+
+// ReadPages copies exported pages first, first+1, … into dst, each page
+// PageBytes long with its regions in order; len(dst) must be a multiple of
+// PageBytes. A range outside the export is refused (ErrInvalidArgument)
+// and copies nothing; so does an export that has ended (ErrReclaimed).
+// Reads may run concurrently with each other and with the pool's other
+// work: the pool lock is held only while the read is vetted, and the lease
+// cannot be released until it is done.
+func (o *Outgoing) ReadPages(first int, dst []byte) error {
+	p := o.pool
+	pb := int(p.geom.PageBytes())
+	n := len(dst) / pb
+	if !pageRangeOK(first, n, len(dst), pb, len(o.handles)) {
+		return fmt.Errorf("%w: read of %d bytes at page %d of %d (pages are %d bytes)",
+			ErrInvalidArgument, len(dst), first, len(o.handles), pb)
+	}
+	hs := o.handles[first : first+n]
+	p.mu.Lock()
+	err := o.checkLocked()
+	if err == nil {
+		err = p.pinPagesLocked(o.lease, hs, false)
+	}
+	p.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	defer p.unpin(o.lease)
+	return p.readPages(hs, dst)
+}
+
+// pageRangeOK reports whether n ≥ 1 whole pages of pageBytes (bytes in
+// all) starting at page first lie within [0, pages). It is written so that
+// no sum can overflow, whatever first is.
+func pageRangeOK(first, n, bytes, pageBytes, pages int) bool {
+	return n > 0 && bytes%pageBytes == 0 && first >= 0 && first <= pages && n <= pages-first
+}
+
+func (o *Outgoing) checkLocked() error {
+	if o.pool.mu.closed {
+		return ErrPoolClosed
+	}
+	if !o.owns() || o.lease.draining {
+		return fmt.Errorf("%w: request %q", ErrReclaimed, o.lease.id)
+	}
+	return nil
+}
+
+// pinPagesLocked checks that each page is still in use at its handle's
+// generation (and, for a write, held by l alone and published nowhere)
+// and, if so, pins l for one copy; unpin ends it.
+func (p *Pool) pinPagesLocked(l *Lease, hs []allocator.Handle, write bool) error {
+	p.assertHeld()
+	for _, h := range hs {
+		info, err := p.mu.alloc.Info(h.Page)
+		if err != nil || info.State != allocator.InUse || info.Gen != h.Gen {
+			return fmt.Errorf("%w: page %d is at generation %d (%v), transfer expects %d",
+				ErrStaleTransfer, h.Page, info.Gen, info.State, h.Gen)
+		}
+		if write && (info.Refs != 1 || p.mu.prefix.byPage[h.Page] != nil) {
+			// An import's pages are its own (it shares nothing); a page
+			// held elsewhere or published is someone else's KV.
+			return fmt.Errorf("%w: page %d is shared (%d references) or published; an import writes only its own pages",
+				ErrStaleTransfer, h.Page, info.Refs)
+		}
+	}
+	l.pins++
+	p.mu.pins++
+	return nil
+}
+
+// readPages copies whole pages into buf; the caller has pinned them.
+func (p *Pool) readPages(hs []allocator.Handle, buf []byte) error {
+	rb := int(p.geom.RegionPageBytes())
+	off := 0
+	for _, h := range hs {
+		for r := range p.geom.Regions() {
+			if err := p.dev.ReadPage(r, h.Page, buf[off:off+rb]); err != nil {
+				return fmt.Errorf("%w: page %d region %d: %w", ErrDevice, h.Page, r, err)
+			}
+			off += rb
+		}
+	}
+	return nil
+}
+
+// Ack ends the export after the receiver confirmed the import: the pages
+// are released through the scrubber. It returns ErrReclaimed if they had
+// already been reclaimed.
+func (o *Outgoing) Ack() error {
+	ended, err := o.end(PhaseReleased)
+	if err == nil && !ended {
+		return fmt.Errorf("%w: request %q before its ack", ErrReclaimed, o.lease.id)
+	}
+	return err
+}
+
+// Abort ends the export now (the transfer failed and will not be
+// retried): the pages are released through the scrubber. Aborting an
+// export that already ended, or a later export of the same Lease, does
+// nothing.
+func (o *Outgoing) Abort() error {
+	_, err := o.end(PhaseAborted)
+	return err
+}
