@@ -41,7 +41,11 @@ type Report struct {
 	// both layouts, shared domains against one domain per tenant.
 	DomainComparison []DomainComparison `json:"domain_comparison,omitempty"`
 	Runs             []*RunResult       `json:"runs"`
-	Plots            []string           `json:"plots"`
+	// Plots are the PNG files written beside the report; PlotErrors say
+	// why a plot is missing (the report is written before the plots, so a
+	// plot that fails never costs the figures).
+	Plots      []string `json:"plots"`
+	PlotErrors []string `json:"plot_errors,omitempty"`
 }
 
 // Machine identifies where the figures were measured.
