@@ -207,6 +207,8 @@ func TestBadInput(t *testing.T) {
 		"unknown-tenant": header + "\n" + `{"type":"request","at":0,"tenant":"zed","prompt":10,"output":3}` + "\n",
 		"bad-domain":     header + `{"type":"tenant","name":"b","domain":"tenant:acme"}` + "\n",
 		"bad-prefix-id":  header + `{"type":"request","at":0,"tenant":"acme","prompt":10,"prefix_id":"sys","output":3}` + "\n",
+		"no-requests":    "# a workload to come\n" + header,
+		"empty":          "",
 	}
 	for name, body := range traces {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644))
@@ -221,6 +223,8 @@ func TestBadInput(t *testing.T) {
 		{"unknown tenant", []string{"-trace", filepath.Join(dir, "unknown-tenant")}, []string{"unknown-tenant:3:", `field "tenant"`, `"zed"`}},
 		{"reserved domain", []string{"-trace", filepath.Join(dir, "bad-domain")}, []string{"bad-domain:2:", `field "domain"`, "reserved"}},
 		{"prefix_id without prefix", []string{"-trace", filepath.Join(dir, "bad-prefix-id")}, []string{"bad-prefix-id:2:", `field "prefix_id"`, "no prefix"}},
+		{"trace without requests", []string{"-trace", filepath.Join(dir, "no-requests")}, []string{filepath.Join(dir, "no-requests") + ": no requests"}},
+		{"empty trace file", []string{"-trace", filepath.Join(dir, "empty")}, []string{filepath.Join(dir, "empty") + ": no requests"}},
 		{"unknown prefix-cache value", []string{"-prefix-cache", "maybe"}, []string{"flag -prefix-cache", `"maybe"`}},
 		{"unknown domains layout", []string{"-domains", "per-tenant,global"}, []string{"flag -domains", `"global"`}},
 		{"domains compared without cache", []string{"-domains", "per-tenant,shared", "-prefix-cache", "off"}, []string{"flag -domains", "-prefix-cache off"}},
