@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"context"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -38,7 +37,7 @@ func fill(b *testing.B, p *kvcache.Pool, n int) []*kvcache.Lease {
 	b.Helper()
 	leases := make([]*kvcache.Lease, n)
 	for i := range leases {
-		l, err := p.Admit(context.Background(), kvcache.Request{ID: fmt.Sprintf("live-%d", i), Tenant: tenants[i%4], PromptTokens: 16})
+		l, err := p.TryAdmit(kvcache.Request{ID: fmt.Sprintf("live-%d", i), Tenant: tenants[i%4], PromptTokens: 16})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -54,7 +53,7 @@ func admitRelease(b *testing.B, p *kvcache.Pool, n int) {
 	var l kvcache.Lease
 	req := kvcache.Request{ID: "bench", Tenant: "b", PromptTokens: 48, MaxNewTokens: 16}
 	for range n {
-		if err := p.AdmitInto(context.Background(), req, &l); err != nil {
+		if err := p.TryAdmitInto(req, &l); err != nil {
 			b.Fatal(err)
 		}
 		if err := l.Release(); err != nil {
@@ -93,7 +92,7 @@ func admitAll(b *testing.B, p *kvcache.Pool, leases []kvcache.Lease) {
 	b.Helper()
 	for i := range leases {
 		req := kvcache.Request{ID: fmt.Sprintf("s%d", i), Tenant: tenants[i%4], PromptTokens: 40, MaxNewTokens: 24}
-		if err := p.AdmitInto(context.Background(), req, &leases[i]); err != nil {
+		if err := p.TryAdmitInto(req, &leases[i]); err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -2,7 +2,6 @@ package kvsim
 
 import (
 	"bytes"
-	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -386,7 +385,6 @@ func (s *sim) admit() error {
 		kept = append(kept, q)
 	}
 	s.queue = kept
-	ctx := context.Background() // no deadline: a busy pool refuses at once
 	i := 0
 	for i < len(s.queue) && len(s.running) < s.cfg.MaxBatch {
 		q := s.queue[i]
@@ -401,7 +399,10 @@ func (s *sim) admit() error {
 			req.TokenIDs = a.tokens
 		}
 		start := time.Now()
-		err := s.pool.AdmitInto(ctx, req, a.lease)
+		// TryAdmitInto, not AdmitInto: an engine's scheduler asks and
+		// moves on, it does not park its loop inside the pool; the queue
+		// above is where requests wait.
+		err := s.pool.TryAdmitInto(req, a.lease)
 		took := time.Since(start)
 		s.admitTime += took
 		if err == nil {
