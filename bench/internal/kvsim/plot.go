@@ -110,10 +110,11 @@ func savePlot(path string, make func() (*plot.Plot, error)) (err error) {
 	if err := tmp.Close(); err != nil {
 		return fmt.Errorf("writing %s: %w", tmp.Name(), err)
 	}
-	if err := os.Rename(tmp.Name(), path); err != nil {
+	// CreateTemp makes the file private to its owner; a plot is not.
+	if err := os.Chmod(tmp.Name(), 0o644); err != nil {
 		return err
 	}
-	return nil
+	return os.Rename(tmp.Name(), path)
 }
 
 // noData turns p into a plot that says it has nothing to draw: the reason

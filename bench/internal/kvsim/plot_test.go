@@ -23,6 +23,9 @@ func requirePNGs(t *testing.T, dir string, paths []string) {
 		b, err := os.ReadFile(p)
 		require.NoError(t, err)
 		assert.True(t, bytes.HasPrefix(b, pngMagic), "%s is a PNG (%d bytes)", p, len(b))
+		fi, err := os.Stat(p)
+		require.NoError(t, err)
+		assert.Equal(t, os.FileMode(0o644), fi.Mode().Perm(), "%s readable by all, as os.Create would make it", p)
 	}
 	entries, err := os.ReadDir(dir)
 	require.NoError(t, err)
