@@ -8,6 +8,9 @@
 // Each benchmark reports domain units with b.ReportMetric and the ratio to
 // a baseline it measures itself, in the same process and on the same
 // data, so that a ratio survives a noisy machine better than an absolute
-// figure. bench/README.md lists them with their targets and the figures
+// figure. Each also checks, outside its timed loop, that the operation did
+// what the figure claims (admissions counted, pages read back scrubbed or
+// filled) and fails otherwise: a figure for a fill that wrote nothing is
+// worse than none. bench/README.md lists them with their targets and the figures
 // last measured.
 package bench

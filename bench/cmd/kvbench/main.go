@@ -44,7 +44,7 @@ import (
 // Exit statuses.
 const (
 	exitOK       = 0
-	exitFailure  = 1 // a run failed: pool error, device unavailable, a safe policy's audit failed
+	exitFailure  = 1 // a run failed: pool error, device unavailable, a safe policy's audit failed; or a plot failed
 	exitBadInput = 2 // bad flag, bad flag value, bad trace
 )
 
@@ -255,7 +255,9 @@ Flags:
 	fs.PrintDefaults()
 	fmt.Fprintf(w, `
 Exit status: 0 success; 1 a run failed (pool or device error, or a safe
-policy failed its isolation audit); 2 bad input (unknown flag or flag value,
+policy failed its isolation audit) or a plot could not be written
+(report.json is written before the plots, so it is there all the same);
+2 bad input (unknown flag or flag value,
 bad trace line: the message names the line and field).
 
 -device cuda runs on GPU 0 through the driver (libcuda.so.1); without one
@@ -407,29 +409,58 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	kvsim.CompareWithBaseline(rep.Runs, o.bandwidth)
 	rep.DomainComparison = kvsim.CompareDomains(rep.Runs)
 
-	plots, err := kvsim.WritePlots(dir, rep.Runs)
-	if err != nil {
-		return err
-	}
-	for _, p := range plots {
-		rep.Plots = append(rep.Plots, filepath.Base(p))
-	}
+	// The report is written before the plots, so that a plot that cannot
+	// be drawn never costs the figures, and written again once the plots
+	// are, to list them (and any plot that failed).
 	jsonPath := filepath.Join(dir, "report.json")
-	f, err := os.Create(jsonPath)
-	if err != nil {
-		return err
-	}
-	if err := rep.WriteJSON(f); err != nil {
-		f.Close()
-		return fmt.Errorf("writing %s: %w", jsonPath, err)
-	}
-	if err := f.Close(); err != nil {
+	rep.Plots = []string{}
+	if err := writeReport(jsonPath, rep); err != nil {
 		return err
 	}
 	fmt.Fprintln(stdout)
 	rep.WriteTable(stdout)
-	fmt.Fprintf(stdout, "\nwrote %s, %s\n", jsonPath, strings.Join(plots, ", "))
+	plots, plotErr := kvsim.WritePlots(dir, rep.Runs)
+	for _, p := range plots {
+		rep.Plots = append(rep.Plots, filepath.Base(p))
+	}
+	if plotErr != nil {
+		rep.PlotErrors = strings.Split(plotErr.Error(), "\n")
+	}
+	if err := writeReport(jsonPath, rep); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "\nwrote %s\n", strings.Join(append([]string{jsonPath}, plots...), ", "))
+	if plotErr != nil {
+		return errors.Join(fmt.Errorf("%w (%s is written)", plotErr, jsonPath), auditErr)
+	}
 	return auditErr
+}
+
+// writeReport writes rep to path through a temporary file renamed into
+// place, so that a failed write never leaves a truncated report, nor
+// replaces one written before.
+func writeReport(path string, rep *kvsim.Report) (err error) {
+	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return fmt.Errorf("writing %s: %w", path, err)
+	}
+	defer func() {
+		if err != nil {
+			f.Close()
+			os.Remove(f.Name())
+		}
+	}()
+	if err := rep.WriteJSON(f); err != nil {
+		return fmt.Errorf("writing %s: %w", path, err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("writing %s: %w", path, err)
+	}
+	// CreateTemp makes the file private to its owner; a report is not.
+	if err := os.Chmod(f.Name(), 0o644); err != nil {
+		return fmt.Errorf("writing %s: %w", path, err)
+	}
+	return os.Rename(f.Name(), path)
 }
 
 func namesDomains(tr *kvsim.Trace) bool {

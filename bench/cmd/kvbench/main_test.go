@@ -139,6 +139,65 @@ func TestDefaultOutDir(t *testing.T) {
 	assert.FileExists(t, filepath.Join(matches[0], "report.json"))
 }
 
+// readReport reads dir/report.json.
+func readReport(t *testing.T, dir string) (rep struct {
+	Runs []struct {
+		Policy   string
+		Admitted uint64
+	}
+	Plots      []string
+	PlotErrors []string `json:"plot_errors"`
+}) {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(dir, "report.json"))
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(raw, &rep))
+	return rep
+}
+
+// A trace of which no request is admitted (every one is longer than the
+// context window) has no admission latency and no fill to plot. kvbench
+// panicked in the plot code (exit status 2, no report.json, a 0-byte
+// PNG); it must write everything, the plots saying there is no data.
+func TestNothingAdmitted(t *testing.T) {
+	dir := t.TempDir()
+	trace := filepath.Join(t.TempDir(), "too-long.jsonl")
+	require.NoError(t, os.WriteFile(trace, []byte(`{"type":"tenant","name":"a"}`+"\n"+
+		`{"type":"request","at":0,"tenant":"a","prompt":100000,"output":1}`+"\n"), 0o644))
+	code, stdout, stderr := runKvbench(t, append([]string{"-trace", trace, "-duration", "200ms", "-out", dir}, small...)...)
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	assert.Contains(t, stdout, "wrote "+filepath.Join(dir, "report.json"))
+	rep := readReport(t, dir)
+	require.Len(t, rep.Runs, 4)
+	for _, r := range rep.Runs {
+		assert.Zero(t, r.Admitted, r.Policy)
+	}
+	assert.Empty(t, rep.PlotErrors)
+	assert.Equal(t, []string{"utilisation.png", "admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
+	for _, p := range rep.Plots {
+		b, err := os.ReadFile(filepath.Join(dir, p))
+		require.NoError(t, err)
+		assert.True(t, bytes.HasPrefix(b, []byte("\x89PNG\r\n\x1a\n")), "%s is a PNG (%d bytes)", p, len(b))
+	}
+}
+
+// A plot that cannot be written is an error (exit status 1) that names
+// it, not a panic, and the report is written all the same, saying which
+// plot is missing.
+func TestPlotFailureKeepsReport(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.Mkdir(filepath.Join(dir, "utilisation.png"), 0o755)) // in the plot's way
+	code, stdout, stderr := runKvbench(t, append([]string{"-duration", "200ms", "-policies", "zero", "-out", dir}, small...)...)
+	require.Equal(t, 1, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	assert.Contains(t, stderr, "plot utilisation.png")
+	assert.Contains(t, stderr, "report.json is written")
+	rep := readReport(t, dir)
+	require.Len(t, rep.Runs, 1)
+	assert.Equal(t, []string{"admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
+	require.Len(t, rep.PlotErrors, 1)
+	assert.Contains(t, rep.PlotErrors[0], "utilisation.png")
+}
+
 func TestBadInput(t *testing.T) {
 	dir := t.TempDir()
 	header := `{"type":"tenant","name":"acme"}` + "\n"
@@ -148,6 +207,8 @@ func TestBadInput(t *testing.T) {
 		"unknown-tenant": header + "\n" + `{"type":"request","at":0,"tenant":"zed","prompt":10,"output":3}` + "\n",
 		"bad-domain":     header + `{"type":"tenant","name":"b","domain":"tenant:acme"}` + "\n",
 		"bad-prefix-id":  header + `{"type":"request","at":0,"tenant":"acme","prompt":10,"prefix_id":"sys","output":3}` + "\n",
+		"no-requests":    "# a workload to come\n" + header,
+		"empty":          "",
 	}
 	for name, body := range traces {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644))
@@ -162,6 +223,8 @@ func TestBadInput(t *testing.T) {
 		{"unknown tenant", []string{"-trace", filepath.Join(dir, "unknown-tenant")}, []string{"unknown-tenant:3:", `field "tenant"`, `"zed"`}},
 		{"reserved domain", []string{"-trace", filepath.Join(dir, "bad-domain")}, []string{"bad-domain:2:", `field "domain"`, "reserved"}},
 		{"prefix_id without prefix", []string{"-trace", filepath.Join(dir, "bad-prefix-id")}, []string{"bad-prefix-id:2:", `field "prefix_id"`, "no prefix"}},
+		{"trace without requests", []string{"-trace", filepath.Join(dir, "no-requests")}, []string{filepath.Join(dir, "no-requests") + ": no requests"}},
+		{"empty trace file", []string{"-trace", filepath.Join(dir, "empty")}, []string{filepath.Join(dir, "empty") + ": no requests"}},
 		{"unknown prefix-cache value", []string{"-prefix-cache", "maybe"}, []string{"flag -prefix-cache", `"maybe"`}},
 		{"unknown domains layout", []string{"-domains", "per-tenant,global"}, []string{"flag -domains", `"global"`}},
 		{"domains compared without cache", []string{"-domains", "per-tenant,shared", "-prefix-cache", "off"}, []string{"flag -domains", "-prefix-cache off"}},

@@ -16,9 +16,9 @@
 // elsewhere.
 //
 // Run replays it as an engine with continuous batching would: every Step
-// the arrived requests are offered to the pool in arrival order (Admit
-// with no deadline: a busy pool refuses at once; lack of pages holds the
-// queue, quota waits only hold that request, permanent refusals drop the
+// the arrived requests are offered to the pool in arrival order
+// (TryAdmitInto, which never waits: a busy pool refuses at once and the
+// request stays queued; lack of pages holds the queue, quota waits only hold that request, permanent refusals drop the
 // request and count its reason). With the prefix cache on, requests carry
 // their token IDs and the pool shares the longest prefix cached in the
 // tenant's domain. Running requests compute their prompts, after the

@@ -9,7 +9,8 @@ import (
 var (
 	// ErrBadTrace: a trace line that is not valid JSON, has an unknown or
 	// mistyped field, a value out of range, or names an undeclared tenant.
-	// The error is a *TraceError naming the line and field.
+	// The error is a *TraceError naming the line and field, or an
+	// *EmptyTraceError for a trace without a request.
 	ErrBadTrace = errors.New("kvsim: bad trace")
 	// ErrBadConfig: a simulation or generator setting out of range.
 	ErrBadConfig = errors.New("kvsim: bad config")
@@ -38,3 +39,22 @@ func (e *TraceError) Error() string {
 }
 
 func (e *TraceError) Unwrap() error { return ErrBadTrace }
+
+// EmptyTraceError is a trace that parsed but holds no request: nothing to
+// replay, so nothing to measure.
+type EmptyTraceError struct {
+	File    string // as given to ParseTrace; may be empty
+	Lines   int    // lines read, blank and comment lines included
+	Tenants int    // tenant records among them
+}
+
+func (e *EmptyTraceError) Error() string {
+	file := e.File
+	if file == "" {
+		file = "trace"
+	}
+	return fmt.Sprintf(`%s: no requests to replay: want at least one {"type":"request",...} line `+
+		"(read %d lines: %d tenant, no request)", file, e.Lines, e.Tenants)
+}
+
+func (e *EmptyTraceError) Unwrap() error { return ErrBadTrace }

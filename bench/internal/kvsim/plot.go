@@ -1,8 +1,10 @@
 package kvsim
 
 import (
+	"errors"
 	"fmt"
 	"math"
+	"os"
 	"path/filepath"
 	"slices"
 
@@ -10,6 +12,7 @@ import (
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
+	"gonum.org/v1/plot/vg/draw"
 )
 
 // Plot files WritePlots writes.
@@ -45,9 +48,17 @@ func RunLabel(r *RunResult, v Variety) string {
 	return label
 }
 
-// WritePlots writes the three PNG plots into dir and returns their paths.
+// WritePlots writes the three PNG plots into dir and returns the paths it
+// wrote. A plot with nothing to draw (no admission, no fill) is still
+// written, saying so in its title and across its frame, so that a reader
+// of the output directory never meets a missing or empty file without an
+// explanation. Each plot is written to a temporary file and renamed into
+// place, so a failure leaves no truncated PNG behind; a failure of one
+// plot, a panic inside the plotting library included, is returned as an
+// error after the other plots have been written.
 func WritePlots(dir string, runs []*RunResult) ([]string, error) {
 	var paths []string
+	var errs []error
 	for _, pl := range []struct {
 		file string
 		make func([]*RunResult) (*plot.Plot, error)
@@ -56,17 +67,86 @@ func WritePlots(dir string, runs []*RunResult) ([]string, error) {
 		{LatencyCDFPlot, latencyCDFPlot},
 		{ScrubBWPlot, scrubBandwidthPlot},
 	} {
-		p, err := pl.make(runs)
-		if err != nil {
-			return paths, fmt.Errorf("plot %s: %w", pl.file, err)
-		}
 		path := filepath.Join(dir, pl.file)
-		if err := p.Save(20*vg.Centimeter, 12*vg.Centimeter, path); err != nil {
-			return paths, fmt.Errorf("saving %s: %w", path, err)
+		if err := savePlot(path, func() (*plot.Plot, error) { return pl.make(runs) }); err != nil {
+			errs = append(errs, fmt.Errorf("plot %s: %w", pl.file, err))
+			continue
 		}
 		paths = append(paths, path)
 	}
-	return paths, nil
+	return paths, errors.Join(errs...)
+}
+
+// savePlot builds a plot with make and saves it as a PNG at path. gonum
+// reports some bad input (a log axis over a range that is not positive,
+// for one) by panicking while it draws; that panic is returned as an
+// error here, since a plot is an optional view of a report that has
+// already been written and must not take the process down.
+func savePlot(path string, make func() (*plot.Plot, error)) (err error) {
+	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("plotting library panicked: %v", r)
+		}
+		if err != nil {
+			tmp.Close()
+			os.Remove(tmp.Name())
+		}
+	}()
+	p, err := make()
+	if err != nil {
+		return err
+	}
+	w, err := p.WriterTo(20*vg.Centimeter, 12*vg.Centimeter, "png")
+	if err != nil {
+		return err
+	}
+	if _, err := w.WriteTo(tmp); err != nil {
+		return fmt.Errorf("writing %s: %w", tmp.Name(), err)
+	}
+	if err := tmp.Close(); err != nil {
+		return fmt.Errorf("writing %s: %w", tmp.Name(), err)
+	}
+	// CreateTemp makes the file private to its owner; a plot is not.
+	if err := os.Chmod(tmp.Name(), 0o644); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
+}
+
+// noData turns p into a plot that says it has nothing to draw: the reason
+// in its title and across its frame, on linear axes over [0, 1] without
+// ticks (a log axis has no range to show without data, and gonum panics
+// drawing one).
+func noData(p *plot.Plot, why string) error {
+	p.Title.Text += " (no data)"
+	for _, ax := range []*plot.Axis{&p.X, &p.Y} {
+		ax.Scale = plot.LinearScale{}
+		ax.Tick.Marker = plot.ConstantTicks{}
+		ax.Min, ax.Max = 0, 1
+	}
+	l, err := plotter.NewLabels(plotter.XYLabels{XYs: plotter.XYs{{X: 0.5, Y: 0.5}}, Labels: []string{"no data: " + why}})
+	if err != nil {
+		return err
+	}
+	for i := range l.TextStyle {
+		l.TextStyle[i].XAlign, l.TextStyle[i].YAlign = draw.XCenter, draw.YCenter
+	}
+	p.Add(l)
+	return nil
+}
+
+// widenLogAxis gives a log axis whose data all sit at one value a range
+// around it: gonum would widen it to [x-1, x+1], which is not positive
+// for x ≤ 1 and makes it panic (one admission, or fills all of one batch
+// size, is enough).
+func widenLogAxis(ax *plot.Axis) {
+	if ax.Min == ax.Max && ax.Min > 0 {
+		ax.Min, ax.Max = ax.Min/2, ax.Max*2
+	}
 }
 
 func addLine(p *plot.Plot, xys plotter.XYs, i int, label string, dashed bool) error {
@@ -143,7 +223,19 @@ func utilisationPlot(runs []*RunResult) (*plot.Plot, error) {
 			return nil, err
 		}
 	}
+	if !hasSamples(runs) {
+		return p, noData(p, "no utilisation sample was taken")
+	}
 	return p, nil
+}
+
+func hasSamples(runs []*RunResult) bool {
+	for _, r := range runs {
+		if len(r.Utilisation) > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // maxCDFPoints bounds the points drawn per CDF.
@@ -160,6 +252,7 @@ func latencyCDFPlot(runs []*RunResult) (*plot.Plot, error) {
 	p.Add(plotter.NewGrid())
 	p.Legend.Left, p.Legend.Top = true, true
 	many := VarietyOf(runs)
+	drawn := false
 	for i, r := range runs {
 		lat := slices.Clone(r.Latencies)
 		slices.Sort(lat)
@@ -176,7 +269,12 @@ func latencyCDFPlot(runs []*RunResult) (*plot.Plot, error) {
 		if err := addLine(p, xys, i, RunLabel(r, many), false); err != nil {
 			return nil, err
 		}
+		drawn = true
 	}
+	if !drawn {
+		return p, noData(p, "no request was admitted")
+	}
+	widenLogAxis(&p.X)
 	return p, nil
 }
 
@@ -213,10 +311,8 @@ func scrubBandwidthPlot(runs []*RunResult) (*plot.Plot, error) {
 		drawn = true
 	}
 	if !drawn {
-		p.Title.Text += " (no fills measured)"
-		p.X.Scale = plot.LinearScale{}
-		p.X.Tick.Marker = plot.DefaultTicks{}
-		p.X.Min, p.X.Max, p.Y.Max = 1, 2, 1
+		return p, noData(p, "no scrub fill was measured (nothing was released, or only the unsafe baseline ran, which fills nothing)")
 	}
+	widenLogAxis(&p.X)
 	return p, nil
 }

@@ -201,3 +201,54 @@ func TestRunPrefixAuditCatchesForeignHit(t *testing.T) {
 		})
 	}
 }
+
+// overloadTrace keeps requests queued and retried for most of the run.
+// Pool: 64 pages of 16 tokens, steps of 10 ms. hog (a, 52 pages, 80 steps)
+// and q1 (q, its whole quota of 8 pages, 88 steps) fill 60; q2 and q3 (2
+// pages each) are over q's quota and are retried every step without
+// holding the queue until q1 ends; w1 (a, 8 pages) finds 4 free and holds
+// the queue, with w2..w5 behind it, until hog ends.
+const overloadTrace = `{"type":"tenant","name":"a"}
+{"type":"tenant","name":"q","quota_pages":8}
+{"type":"request","at":0,"id":"hog","tenant":"a","prompt":752,"output":80}
+{"type":"request","at":0,"id":"q1","tenant":"q","prompt":40,"output":88}
+{"type":"request","at":0.01,"id":"q2","tenant":"q","prompt":20,"output":4}
+{"type":"request","at":0.01,"id":"q3","tenant":"q","prompt":20,"output":4}
+{"type":"request","at":0.02,"id":"w1","tenant":"a","prompt":100,"output":20,"max_new":28}
+{"type":"request","at":0.02,"id":"w2","tenant":"a","prompt":100,"output":20,"max_new":28}
+{"type":"request","at":0.02,"id":"w3","tenant":"a","prompt":100,"output":20,"max_new":28}
+{"type":"request","at":0.02,"id":"w4","tenant":"a","prompt":100,"output":20,"max_new":28}
+{"type":"request","at":0.02,"id":"w5","tenant":"a","prompt":100,"output":20,"max_new":28}
+`
+
+// Every request's token IDs and page keys are derived once, however often
+// it is retried. The simulator re-derived the tokens of a request on most
+// retries (its cache lived in a struct recycled to the next request on
+// every refusal) and passed them as TokenIDs, which kvcache hashes on every
+// admission: on an overloaded pool that was 99 % of the run's CPU.
+func TestRunDerivesKeysOnce(t *testing.T) {
+	tr, err := ParseTrace(strings.NewReader(overloadTrace), "overload")
+	require.NoError(t, err)
+	cfg := prefixConfig("zero", DomainsPerTenant)
+	cfg.Duration, cfg.QueueTimeout = 1500*time.Millisecond, 10*time.Second
+	derived := map[string]int{}
+	cfg.onKeys = func(r *Request) { derived[r.ID]++ }
+	res, err := Run(tr, cfg)
+	require.NoError(t, err)
+
+	// The run was overloaded: q2 and q3 were refused every step until q1
+	// ended, w1 until hog did.
+	assert.GreaterOrEqual(t, res.Refusals["exceeds_quota"], uint64(2*80), "q2 and q3 retried every step")
+	assert.GreaterOrEqual(t, res.Refusals["pool_exhausted"], uint64(70), "w1 retried until hog ended")
+	assert.EqualValues(t, 9, res.Admitted)
+	assert.EqualValues(t, 9, res.Completed)
+	want := map[string]int{"hog": 1, "q1": 1, "q2": 1, "q3": 1, "w1": 1, "w2": 1, "w3": 1, "w4": 1, "w5": 1}
+	assert.Equal(t, want, derived, "each request's keys derived once")
+	assert.EqualValues(t, len(want), res.Prefix.KeyDerivations)
+	assert.Positive(t, res.Prefix.KeySeconds)
+	// The pool used the keys it was given: every admission looked up its
+	// full pages before the last prompt token (no prompt shares content
+	// with another here, so all miss): hog 46, q1 2, q2 and q3 1, w 6 each.
+	assert.EqualValues(t, 46+2+1+1+5*6, res.Prefix.LookupPages)
+	assert.EqualValues(t, res.Prefix.LookupPages, res.Prefix.MissPages)
+}

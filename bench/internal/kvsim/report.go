@@ -15,8 +15,9 @@ import (
 	"github.com/kvfence/kvfence/kvcache"
 )
 
-// ReportVersion changes when the JSON report's shape does.
-const ReportVersion = 2
+// ReportVersion changes when the JSON report's shape does. 3 added
+// plot_errors and each run's prefix_cache.key_derivations and key_seconds.
+const ReportVersion = 3
 
 // Report is the whole output of one kvbench invocation.
 type Report struct {
@@ -41,7 +42,11 @@ type Report struct {
 	// both layouts, shared domains against one domain per tenant.
 	DomainComparison []DomainComparison `json:"domain_comparison,omitempty"`
 	Runs             []*RunResult       `json:"runs"`
-	Plots            []string           `json:"plots"`
+	// Plots are the PNG files written beside the report; PlotErrors say
+	// why a plot is missing (the report is written before the plots, so a
+	// plot that fails never costs the figures).
+	Plots      []string `json:"plots"`
+	PlotErrors []string `json:"plot_errors,omitempty"`
 }
 
 // Machine identifies where the figures were measured.
@@ -197,14 +202,15 @@ func (r *Report) writePrefixTable(w io.Writer, many Variety) {
 		return
 	}
 	fmt.Fprintln(w, "prefix cache (hit rate: full prompt pages found in the tenant's domain ÷ looked up; "+
-		"of prompt: hit tokens ÷ prompt tokens admitted; shareable: system-prompt tokens ÷ prompt tokens admitted):")
+		"of prompt: hit tokens ÷ prompt tokens admitted; shareable: system-prompt tokens ÷ prompt tokens admitted; "+
+		"hashed: requests whose prompt was hashed into page keys, once each, and the time it took):")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\tdomains\thit rate\thit tokens\tof prompt\tshareable\tprefill avoided\tstored\tevicted\tTTFT p50\tp99\t")
+	fmt.Fprintln(tw, "policy\tdomains\thit rate\thit tokens\tof prompt\tshareable\tprefill avoided\tstored\tevicted\thashed\tin\tTTFT p50\tp99\t")
 	for _, run := range r.Runs {
 		px := run.Prefix
-		fmt.Fprintf(tw, "%s\t%d %s\t%.1f%%\t%d\t%.1f%%\t%.1f%%\t%s\t%d\t%d\t%s\t%s\t\n", RunLabel(run, many), px.Domains, run.Domains,
+		fmt.Fprintf(tw, "%s\t%d %s\t%.1f%%\t%d\t%.1f%%\t%.1f%%\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t\n", RunLabel(run, many), px.Domains, run.Domains,
 			100*px.HitRate, px.HitTokens, 100*px.PromptHitShare, 100*run.PrefixShareableFraction, FormatBytes(float64(px.PrefillBytesAvoided)),
-			px.StoredPages, px.EvictedPages, fmtSeconds(run.TTFT.P50), fmtSeconds(run.TTFT.P99))
+			px.StoredPages, px.EvictedPages, px.KeyDerivations, fmtSeconds(px.KeySeconds), fmtSeconds(run.TTFT.P50), fmtSeconds(run.TTFT.P99))
 	}
 	tw.Flush()
 	for _, c := range r.DomainComparison {

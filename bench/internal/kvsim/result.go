@@ -121,6 +121,13 @@ type PrefixResult struct {
 	StoredPages         uint64 `json:"stored_pages"`
 	EvictedPages        uint64 `json:"evicted_pages"`
 	CachedPagesAtEnd    int    `json:"cached_pages_at_end"`
+	// KeyDerivations counts the requests whose prompts were tokenised and
+	// hashed into page keys (Pool.PageKeys), and KeySeconds the wall time
+	// it took: once per request, on its first admission attempt, however
+	// often it is retried; admissions are given the keys (Request.PageKeys),
+	// so the pool hashes nothing.
+	KeyDerivations uint64  `json:"key_derivations"`
+	KeySeconds     float64 `json:"key_seconds"`
 	// LeaseHitTokensMatch: the pool's hit-token counters equal the sum of
 	// the leases' HitTokens.
 	LeaseHitTokensMatch bool           `json:"lease_hit_tokens_match"`

@@ -2,7 +2,6 @@ package kvsim
 
 import (
 	"bytes"
-	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -74,12 +73,12 @@ type RunConfig struct {
 	// WriteKV makes the simulated engine write each token's KV (a marker
 	// naming its tenant) into the pages, as a real engine would.
 	WriteKV bool
-	// PrefixCache gives every request its prompt's token IDs (see
-	// AppendPromptTokens), so that the pool shares the longest prefix
-	// cached in the tenant's domain and the engine skips its prefill
-	// (Lease.HitTokens); after prefill the engine publishes the prompt's
-	// full pages (Lease.CachePrefix). Off: the pool's prefix cache is
-	// disabled and requests carry no tokens.
+	// PrefixCache gives every request the page keys of its prompt's token
+	// IDs (see AppendPromptTokens and Pool.PageKeys), so that the pool
+	// shares the longest prefix cached in the tenant's domain and the
+	// engine skips its prefill (Lease.HitTokens); after prefill the engine
+	// publishes the prompt's full pages (Lease.CachePrefix). Off: the
+	// pool's prefix cache is disabled and requests carry no keys.
 	PrefixCache bool
 	// Domains is DomainsPerTenant (also when empty) or DomainsShared.
 	Domains string
@@ -100,6 +99,9 @@ type RunConfig struct {
 
 	// afterAdmit, in tests, runs after each admission, before the audit.
 	afterAdmit func(s *sim, a *active)
+	// onKeys, in tests, runs each time a request's token IDs and page
+	// keys are derived.
+	onKeys func(r *Request)
 }
 
 func (c *RunConfig) validate() error {
@@ -252,22 +254,28 @@ type hostMemory interface {
 	PageBytes(region int, page int32) []byte
 }
 
+// queued is a request waiting for admission. With the prefix cache on it
+// carries its prompt's page keys from its first admission attempt on, so
+// that a request retried every step (a full pool, a full quota) is
+// tokenised and hashed once, not once per attempt: on an overloaded pool
+// that hashing was nearly all of the run's CPU. The keys depend on the
+// tenant's sharing domain, which never changes during a run.
 type queued struct {
 	req   *Request
 	since time.Duration
+	keys  []kvcache.BlockKey
+	keyed bool // keys derived (they may be none: a prompt shorter than a page)
 }
 
 type active struct {
-	req       *Request
-	tenant    int
-	lease     *kvcache.Lease
-	table     []int32
-	tokens    []int32  // prompt token IDs, with the prefix cache on
-	tokensFor *Request // the request tokens were derived for
-	hit       int      // leading prompt tokens shared from the prefix cache
-	written   int      // tokens whose KV is in the pages (hit ones included)
-	target    int      // prompt + tokens generated before the request ends
-	marker    []byte
+	req     *Request
+	tenant  int
+	lease   *kvcache.Lease
+	table   []int32
+	hit     int // leading prompt tokens shared from the prefix cache
+	written int // tokens whose KV is in the pages (hit ones included)
+	target  int // prompt + tokens generated before the request ends
+	marker  []byte
 }
 
 type sim struct {
@@ -289,6 +297,8 @@ type sim struct {
 	queue       []queued
 	running     []*active
 	spare       []*active
+	tokens      []int32              // scratch: the prompt being hashed into keys
+	spareKeys   [][]kvcache.BlockKey // key buffers of requests no longer queued
 	now         time.Duration
 	lat         []time.Duration
 	res         *RunResult
@@ -296,6 +306,7 @@ type sim struct {
 	auditBuf, wantBuf []byte
 	auditTime         time.Duration
 	sampleTime        time.Duration
+	keyTime           time.Duration
 	admitTime         time.Duration
 	releaseTime       time.Duration
 	writeTime         time.Duration
@@ -381,33 +392,36 @@ func (s *sim) admit() error {
 	for _, q := range s.queue {
 		if s.now-q.since > s.cfg.QueueTimeout {
 			s.res.Dropped["queue_timeout"]++
+			s.recycleKeys(&q)
 			continue
 		}
 		kept = append(kept, q)
 	}
+	clear(s.queue[len(kept):])
 	s.queue = kept
-	ctx := context.Background() // no deadline: a busy pool refuses at once
 	i := 0
 	for i < len(s.queue) && len(s.running) < s.cfg.MaxBatch {
-		q := s.queue[i]
-		a := s.newActive(q.req)
+		q := &s.queue[i]
 		req := kvcache.Request{ID: q.req.ID, Tenant: q.req.Tenant, PromptTokens: q.req.Prompt, MaxNewTokens: q.req.MaxNew}
 		if s.cfg.PrefixCache {
-			// The engine has tokenised the prompt before it asks; a
-			// request that waits keeps its tokens.
-			if a.tokensFor != q.req {
-				a.tokens, a.tokensFor = AppendPromptTokens(a.tokens[:0], s.cfg.Seed, q.req), q.req
+			if err := s.deriveKeys(q); err != nil {
+				return err
 			}
-			req.TokenIDs = a.tokens
+			req.PageKeys = q.keys
 		}
+		a := s.newActive(q.req)
 		start := time.Now()
-		err := s.pool.AdmitInto(ctx, req, a.lease)
+		// TryAdmitInto, not AdmitInto: an engine's scheduler asks and
+		// moves on, it does not park its loop inside the pool; the queue
+		// above is where requests wait.
+		err := s.pool.TryAdmitInto(req, a.lease)
 		took := time.Since(start)
 		s.admitTime += took
 		if err == nil {
 			s.lat = append(s.lat, took)
-			s.queue = slices.Delete(s.queue, i, i+1)
-			if err := s.start(a, q); err != nil {
+			since := q.since
+			s.dequeue(i) // the lease holds a copy of the keys
+			if err := s.start(a, since); err != nil {
 				return err
 			}
 			continue
@@ -422,7 +436,7 @@ func (s *sim) admit() error {
 			i++
 		case errors.As(err, &ae):
 			s.res.Dropped[reason(err)]++
-			s.queue = slices.Delete(s.queue, i, i+1)
+			s.dequeue(i)
 		case errors.Is(err, kvcache.ErrCanaryMismatch):
 			// The pool's own canary audit caught a written free page:
 			// it retired the page and faulted. Record it and carry on.
@@ -439,6 +453,51 @@ func (s *sim) admit() error {
 	return nil
 }
 
+// deriveKeys tokenises q's prompt and hashes it into the page keys the
+// pool would derive for it (Pool.PageKeys), once: a request that waits
+// keeps its keys. A request of a tenant the pool does not know gets none;
+// its admission refuses it.
+func (s *sim) deriveKeys(q *queued) error {
+	if q.keyed {
+		return nil
+	}
+	q.keyed = true
+	if _, ok := s.tenantIdx[q.req.Tenant]; !ok {
+		return nil
+	}
+	start := time.Now()
+	s.tokens = AppendPromptTokens(s.tokens[:0], s.cfg.Seed, q.req)
+	var buf []kvcache.BlockKey
+	if n := len(s.spareKeys); n > 0 {
+		buf, s.spareKeys = s.spareKeys[n-1], s.spareKeys[:n-1]
+	}
+	keys, err := s.pool.PageKeys(q.req.Tenant, "", s.tokens, buf)
+	s.keyTime += time.Since(start)
+	if err != nil {
+		return fmt.Errorf("deriving the page keys of %s (trace line %d): %w", q.req.ID, q.req.Line, err)
+	}
+	q.keys = keys
+	s.res.Prefix.KeyDerivations++
+	if s.cfg.onKeys != nil {
+		s.cfg.onKeys(q.req)
+	}
+	return nil
+}
+
+// dequeue removes the i-th queued request, keeping its key buffer for the
+// next request to hash.
+func (s *sim) dequeue(i int) {
+	s.recycleKeys(&s.queue[i])
+	s.queue = slices.Delete(s.queue, i, i+1)
+}
+
+func (s *sim) recycleKeys(q *queued) {
+	if cap(q.keys) > 0 {
+		s.spareKeys = append(s.spareKeys, q.keys[:0])
+	}
+	q.keys = nil
+}
+
 func (s *sim) newActive(r *Request) *active {
 	var a *active
 	if n := len(s.spare); n > 0 {
@@ -450,16 +509,16 @@ func (s *sim) newActive(r *Request) *active {
 	return a
 }
 
-// start sets an admitted request running; its prefill starts in this
-// step's decode.
-func (s *sim) start(a *active, q queued) error {
+// start sets an admitted request, queued since then, running; its
+// prefill starts in this step's decode.
+func (s *sim) start(a *active, since time.Duration) error {
 	var err error
 	if a.table, err = a.lease.AppendBlockTable(a.table[:0]); err != nil {
 		return err
 	}
 	a.hit = a.lease.HitTokens()
 	s.res.Admitted++
-	s.res.QueueWaitSeconds += (s.now - q.since).Seconds()
+	s.res.QueueWaitSeconds += (s.now - since).Seconds()
 	s.res.PromptTokens += uint64(a.req.Prompt)
 	s.res.PrefixShareableTokens += uint64(a.req.Prefix)
 	s.res.Prefix.HitTokens += uint64(a.hit)
@@ -737,6 +796,7 @@ func (s *sim) finish() {
 	r.ScrubFills = st.Scrub.Fills - s.scrub0.Fills
 	r.BytesScrubbed, r.FillSeconds = s.filled, s.fillTime.Seconds()
 	r.AdmitSeconds = s.admitTime.Seconds()
+	r.Prefix.KeySeconds = s.keyTime.Seconds()
 	r.ReleaseSeconds = s.releaseTime.Seconds()
 	r.KVWriteSeconds = s.writeTime.Seconds()
 	r.AuditSeconds = s.auditTime.Seconds()

@@ -185,3 +185,39 @@ func TestCompareWithBaseline(t *testing.T) {
 	require.NotNil(t, zero.GPUFillPerServingSecond)
 	assert.InDelta(t, 1.0, *zero.GPUFillPerServingSecond, 1e-9, "8 GB over 2 s at 4 GB/s")
 }
+
+// wholePoolQuotaTrace: tenant a's quota is the whole pool (64 pages of 16
+// tokens, steps of 10 ms). hogA (32 pages, 112 steps) and hogB (32 pages,
+// 32 steps) fill it; big (48 pages) arrives first, then three small
+// requests (8 pages each). When hogB ends, 32 pages are free: enough for
+// the small ones, not for big.
+const wholePoolQuotaTrace = `{"type":"tenant","name":"a"}
+{"type":"request","at":0,"id":"hogA","tenant":"a","prompt":400,"output":112}
+{"type":"request","at":0,"id":"hogB","tenant":"a","prompt":480,"output":32}
+{"type":"request","at":0.05,"id":"big","tenant":"a","prompt":700,"output":68}
+{"type":"request","at":0.06,"id":"small1","tenant":"a","prompt":100,"output":20,"max_new":28}
+{"type":"request","at":0.06,"id":"small2","tenant":"a","prompt":100,"output":20,"max_new":28}
+{"type":"request","at":0.06,"id":"small3","tenant":"a","prompt":100,"output":20,"max_new":28}
+`
+
+// A request that waits for pages holds the queue: for a tenant whose quota
+// is the whole pool, a full pool is a lack of pages, not of quota, so the
+// big request queued first must be admitted before the small ones behind
+// it. kvcache refused it with ErrExceedsQuota (a quota wait, which the
+// simulator lets later requests pass) instead of ErrPoolExhausted, and
+// the small requests overtook it; the fix of the reason is kvcache's.
+func TestRunWholePoolQuotaNoOvertaking(t *testing.T) {
+	tr, err := ParseTrace(strings.NewReader(wholePoolQuotaTrace), "whole-pool-quota")
+	require.NoError(t, err)
+	cfg := handConfig("zero")
+	cfg.Duration, cfg.QueueTimeout = 3*time.Second, 10*time.Second
+	var order []string
+	cfg.afterAdmit = func(_ *sim, a *active) { order = append(order, a.req.ID) }
+	res, err := Run(tr, cfg)
+	require.NoError(t, err)
+	assert.EqualValues(t, 6, res.Admitted, "every request is served in the window")
+	require.Len(t, order, 6)
+	assert.Equal(t, []string{"hogA", "hogB", "big"}, order[:3], "big is admitted before the small requests queued after it: %v", order)
+	assert.Zero(t, res.Refusals["exceeds_quota"], "a full pool refuses a tenant whose quota is the pool with pool_exhausted: %v", res.Refusals)
+	assert.Positive(t, res.Refusals["pool_exhausted"], "big waited for pages")
+}

@@ -53,8 +53,9 @@ starting with # are ignored. Every object has a "type".
     abort_after     optional: the client aborts after this many generated
                     tokens, 0 ≤ abort_after < output
 
-Integers must be JSON integers. Unknown fields are errors. Requests may
-appear in any order of "at"; they are replayed sorted by it (stable).`
+Integers must be JSON integers. Unknown fields are errors. A trace has at
+least one request. Requests may appear in any order of "at"; they are
+replayed sorted by it (stable).`
 
 // Tenant is a tenant declared by a trace.
 type Tenant struct {
@@ -145,7 +146,8 @@ var fieldsOf = map[string][]string{
 
 // ParseTrace reads a JSONL trace (see TraceFormat). name labels errors
 // (usually the file name). Any bad line is reported as a *TraceError
-// wrapping ErrBadTrace.
+// wrapping ErrBadTrace; a trace without a request as an *EmptyTraceError,
+// which wraps it too.
 func ParseTrace(r io.Reader, name string) (*Trace, error) {
 	p := traceParser{file: name, tenants: map[string]int{}, domains: map[string]string{}, ids: map[string]int{}}
 	sc := bufio.NewScanner(r)
@@ -165,6 +167,12 @@ func ParseTrace(r io.Reader, name string) (*Trace, error) {
 			return nil, p.fail("", "line longer than %d bytes", maxTraceLine)
 		}
 		return nil, fmt.Errorf("reading trace %s: %w", name, err)
+	}
+	if len(p.trace.Requests) == 0 {
+		// Replaying nothing measures nothing: a run would report zeros as
+		// if they were figures. An empty or truncated file, or the wrong
+		// file, is the likely cause.
+		return nil, &EmptyTraceError{File: name, Lines: p.line, Tenants: len(p.trace.Tenants)}
 	}
 	slices.SortStableFunc(p.trace.Requests, func(a, b Request) int { return cmp.Compare(a.At, b.At) })
 	return &p.trace, nil

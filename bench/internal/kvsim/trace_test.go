@@ -75,6 +75,29 @@ func TestParseTraceBadInput(t *testing.T) {
 	}
 }
 
+// A trace without a request (an empty file, comments only, tenants only)
+// is refused, naming the file: replaying it would report zeros as figures.
+func TestParseTraceEmpty(t *testing.T) {
+	for name, in := range map[string]string{
+		"empty":        "",
+		"blank":        "\n\n",
+		"comments":     "# nothing yet\n",
+		"tenants only": tenantsHeader,
+	} {
+		t.Run(name, func(t *testing.T) {
+			tr, err := ParseTrace(strings.NewReader(in), "w.jsonl")
+			require.ErrorIs(t, err, ErrBadTrace)
+			assert.Nil(t, tr)
+			var ee *EmptyTraceError
+			require.ErrorAs(t, err, &ee)
+			assert.Equal(t, strings.Count(in, "\n"), ee.Lines)
+			assert.Contains(t, err.Error(), "w.jsonl: no requests")
+		})
+	}
+	_, err := ParseTrace(strings.NewReader(""), "")
+	assert.Contains(t, err.Error(), "trace: no requests", "a name when none is given")
+}
+
 func TestParseTraceDuplicateID(t *testing.T) {
 	in := tenantsHeader + `{"type":"request","at":0,"id":"x","tenant":"acme","prompt":1,"output":1}
 # a comment, then a blank line
