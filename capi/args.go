@@ -15,34 +15,42 @@ import (
 	"unsafe"
 
 	"github.com/kvfence/kvfence/capi/internal/bridge"
-	"github.com/kvfence/kvfence/kvcache"
 )
 
-// maxCString bounds how far a C string is scanned for its NUL.
-const maxCString = 1 << 20
+// maxCString is the longest C string accepted: a string is scanned for
+// its NUL up to and including byte maxCString. It is the bridge's limit
+// on a JSON document, so that a config the bridge would parse is never
+// refused here first.
+const maxCString = bridge.MaxJSONBytes
 
 // cString returns a Go string viewing the NUL-terminated C string p,
 // without copying; bridge copies what it keeps. Scanning in Go avoids a
 // cgo call to strlen on the admission path.
-func cString(p *C.char, name string) (string, error) {
+//
+// bad is the sentinel of the status kvfence.h promises for a bad value of
+// this argument (KVF_ERR_INVALID_CONFIG for a config, INVALID_REQUEST for
+// a request ID...): a string too long to scan is such a value, and the
+// caller must get the same status as for one the bridge refuses after
+// reading it. A NULL p is the boundary's own error.
+func cString(p *C.char, name string, bad error) (string, error) {
 	if p == nil {
 		return "", fmt.Errorf("%w: %s", bridge.ErrNullPointer, name)
 	}
 	base := unsafe.Pointer(p)
-	for n := 0; n < maxCString; n++ {
+	for n := 0; n <= maxCString; n++ {
 		if *(*byte)(unsafe.Add(base, n)) == 0 {
 			return unsafe.String((*byte)(base), n), nil
 		}
 	}
-	return "", fmt.Errorf("%w: %s is not NUL-terminated within %d bytes", kvcache.ErrInvalidArgument, name, maxCString)
+	return "", fmt.Errorf("%w: %s is longer than %d bytes (no NUL within them)", bad, name, maxCString)
 }
 
 // optString is cString for an optional argument: NULL is "".
-func optString(p *C.char, name string) (string, error) {
+func optString(p *C.char, name string, bad error) (string, error) {
 	if p == nil {
 		return "", nil
 	}
-	return cString(p, name)
+	return cString(p, name, bad)
 }
 
 // maxBufferBytes caps the Go view of a caller buffer: kvfence never

@@ -8,7 +8,10 @@ package main
 // #include "lasterror.h"
 import "C"
 
-import "github.com/kvfence/kvfence/capi/internal/bridge"
+import (
+	"github.com/kvfence/kvfence/capi/internal/bridge"
+	"github.com/kvfence/kvfence/handoff"
+)
 
 //export kvf_receiver_create
 func kvf_receiver_create(pool C.kvf_pool, key *C.uint8_t, keyLen C.size_t, configJSON *C.char, out *C.kvf_receiver) (st C.kvf_status) {
@@ -20,7 +23,7 @@ func kvf_receiver_create(pool C.kvf_pool, key *C.uint8_t, keyLen C.size_t, confi
 	if err != nil {
 		return fail(err)
 	}
-	cfg, err := optString(configJSON, "config_json")
+	cfg, err := optString(configJSON, "config_json", handoff.ErrInvalidConfig)
 	if err != nil {
 		return fail(err)
 	}

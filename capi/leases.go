@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvfence/kvfence/capi/internal/bridge"
 	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/kvcache"
 )
 
 //export kvf_admit
@@ -23,11 +24,11 @@ func kvf_admit(pool C.kvf_pool, requestID, tenant *C.char, promptTokens, maxNewT
 	if out == nil {
 		return nullPointer("out")
 	}
-	id, err := cString(requestID, "request_id")
+	id, err := cString(requestID, "request_id", kvcache.ErrInvalidRequest)
 	if err != nil {
 		return fail(err)
 	}
-	tn, err := cString(tenant, "tenant")
+	tn, err := cString(tenant, "tenant", kvcache.ErrInvalidRequest)
 	if err != nil {
 		return fail(err)
 	}

@@ -11,6 +11,7 @@ import "C"
 import (
 	"github.com/kvfence/kvfence/capi/internal/bridge"
 	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/kvcache"
 )
 
 //export kvf_pool_create
@@ -19,7 +20,7 @@ func kvf_pool_create(configJSON *C.char, out *C.kvf_pool) (st C.kvf_status) {
 	if out == nil {
 		return nullPointer("out")
 	}
-	cfg, err := cString(configJSON, "config_json")
+	cfg, err := cString(configJSON, "config_json", kvcache.ErrInvalidConfig)
 	if err != nil {
 		return fail(err)
 	}

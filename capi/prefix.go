@@ -12,6 +12,7 @@ import (
 	"unsafe"
 
 	"github.com/kvfence/kvfence/capi/internal/bridge"
+	"github.com/kvfence/kvfence/kvcache"
 )
 
 //export kvf_admit_tokens
@@ -21,15 +22,15 @@ func kvf_admit_tokens(pool C.kvf_pool, requestID, tenant *C.char, tokenIDs *C.in
 	if out == nil {
 		return nullPointer("out")
 	}
-	id, err := cString(requestID, "request_id")
+	id, err := cString(requestID, "request_id", kvcache.ErrInvalidRequest)
 	if err != nil {
 		return fail(err)
 	}
-	tn, err := cString(tenant, "tenant")
+	tn, err := cString(tenant, "tenant", kvcache.ErrInvalidRequest)
 	if err != nil {
 		return fail(err)
 	}
-	ad, err := optString(adapter, "adapter")
+	ad, err := optString(adapter, "adapter", kvcache.ErrInvalidRequest)
 	if err != nil {
 		return fail(err)
 	}

@@ -12,11 +12,16 @@ import (
 	"math"
 
 	"github.com/kvfence/kvfence/capi/internal/bridge"
+	"github.com/kvfence/kvfence/isolation"
 	"github.com/kvfence/kvfence/kvcache"
 )
 
-func tenantConfig(name *C.char, quota, reserved C.int64_t) (kvcache.TenantConfig, error) {
-	n, err := cString(name, "name")
+// tenantConfig translates the arguments of the ABI-1 tenant calls. A name
+// too long to read is refused as the registry refuses a name it cannot
+// hold: nameErr is isolation.ErrInvalidTenant for an addition and
+// ErrUnknownTenant for an update (no tenant has such a name).
+func tenantConfig(name *C.char, quota, reserved C.int64_t, nameErr error) (kvcache.TenantConfig, error) {
+	n, err := cString(name, "name", nameErr)
 	if err != nil {
 		return kvcache.TenantConfig{}, err
 	}
@@ -34,7 +39,7 @@ func tenantConfig(name *C.char, quota, reserved C.int64_t) (kvcache.TenantConfig
 //export kvf_pool_add_tenant
 func kvf_pool_add_tenant(pool C.kvf_pool, name *C.char, quotaPages, reservedPages C.int64_t) (st C.kvf_status) {
 	defer guard(&st)
-	tc, err := tenantConfig(name, quotaPages, reservedPages)
+	tc, err := tenantConfig(name, quotaPages, reservedPages, isolation.ErrInvalidTenant)
 	if err != nil {
 		return fail(err)
 	}
@@ -44,7 +49,7 @@ func kvf_pool_add_tenant(pool C.kvf_pool, name *C.char, quotaPages, reservedPage
 //export kvf_pool_update_tenant
 func kvf_pool_update_tenant(pool C.kvf_pool, name *C.char, quotaPages, reservedPages C.int64_t) (st C.kvf_status) {
 	defer guard(&st)
-	tc, err := tenantConfig(name, quotaPages, reservedPages)
+	tc, err := tenantConfig(name, quotaPages, reservedPages, isolation.ErrUnknownTenant)
 	if err != nil {
 		return fail(err)
 	}
@@ -54,7 +59,7 @@ func kvf_pool_update_tenant(pool C.kvf_pool, name *C.char, quotaPages, reservedP
 //export kvf_pool_add_tenant_json
 func kvf_pool_add_tenant_json(pool C.kvf_pool, tenantJSON *C.char) (st C.kvf_status) {
 	defer guard(&st)
-	js, err := cString(tenantJSON, "tenant_json")
+	js, err := cString(tenantJSON, "tenant_json", isolation.ErrInvalidTenant)
 	if err != nil {
 		return fail(err)
 	}
@@ -68,7 +73,7 @@ func kvf_pool_add_tenant_json(pool C.kvf_pool, tenantJSON *C.char) (st C.kvf_sta
 //export kvf_pool_update_tenant_json
 func kvf_pool_update_tenant_json(pool C.kvf_pool, tenantJSON *C.char) (st C.kvf_status) {
 	defer guard(&st)
-	js, err := cString(tenantJSON, "tenant_json")
+	js, err := cString(tenantJSON, "tenant_json", isolation.ErrInvalidTenant)
 	if err != nil {
 		return fail(err)
 	}

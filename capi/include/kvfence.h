@@ -34,7 +34,14 @@
  *   kvf_error_info). A buffer may be NULL if its length is 0, to ask for
  *   the size.
  * - Strings passed in are NUL-terminated UTF-8 and are copied; kvfence
- *   keeps no pointer into caller memory after a call returns.
+ *   keeps no pointer into caller memory after a call returns. A string may
+ *   be up to 1 MiB (1048576 bytes, NUL excluded), the limit on a JSON
+ *   document; a longer one is a bad value of its argument and gets that
+ *   argument's status, as any other bad value would: KVF_ERR_INVALID_CONFIG
+ *   for a pool or receiver config, KVF_ERR_INVALID_TENANT for tenant JSON
+ *   or a new tenant's name, KVF_ERR_UNKNOWN_TENANT for the name of
+ *   kvf_pool_update_tenant, KVF_ERR_INVALID_REQUEST for an admission's
+ *   request ID, tenant or adapter.
  * - Every function is safe to call from any thread at any time.
  */
 #ifndef KVFENCE_H

@@ -93,8 +93,10 @@ func (p *Pattern) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// maxConfigBytes bounds the JSON a caller may hand over.
-const maxConfigBytes = 1 << 20
+// MaxJSONBytes bounds every JSON document a caller may hand over (pool,
+// tenant and receiver configs). The C layer scans strings up to the same
+// length, so that what it refuses as too long is what this package would.
+const MaxJSONBytes = 1 << 20
 
 // ParseConfig decodes a ConfigJSON into a kvcache.Config. It checks only
 // what JSON can get wrong (syntax, unknown fields, names of dtypes and
@@ -133,8 +135,8 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 	fail := func(format string, args ...any) (kvcache.Config, DeviceJSON, error) {
 		return kvcache.Config{}, DeviceJSON{}, fmt.Errorf("%w: "+format, append([]any{kvcache.ErrInvalidConfig}, args...)...)
 	}
-	if len(data) > maxConfigBytes {
-		return fail("config JSON of %d bytes, limit %d", len(data), maxConfigBytes)
+	if len(data) > MaxJSONBytes {
+		return fail("config JSON of %d bytes, limit %d", len(data), MaxJSONBytes)
 	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()
@@ -186,8 +188,8 @@ func (t TenantJSON) config() kvcache.TenantConfig {
 // ParseTenant decodes one tenant object, as in the config's "tenants"
 // list. Errors wrap isolation.ErrInvalidTenant.
 func ParseTenant(data []byte) (kvcache.TenantConfig, error) {
-	if len(data) > maxConfigBytes {
-		return kvcache.TenantConfig{}, fmt.Errorf("%w: tenant JSON of %d bytes, limit %d", isolation.ErrInvalidTenant, len(data), maxConfigBytes)
+	if len(data) > MaxJSONBytes {
+		return kvcache.TenantConfig{}, fmt.Errorf("%w: tenant JSON of %d bytes, limit %d", isolation.ErrInvalidTenant, len(data), MaxJSONBytes)
 	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()

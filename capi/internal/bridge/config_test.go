@@ -2,6 +2,7 @@ package bridge
 
 import (
 	"errors"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -136,4 +137,30 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("kvcache.New: %v classified %v", err, st)
 		}
 	})
+}
+
+// TestJSONLimit: each JSON input is read up to MaxJSONBytes, the length up
+// to which the C layer scans strings, and one byte more is refused with
+// the input's own status.
+func TestJSONLimit(t *testing.T) {
+	pad := func(js string, n int) []byte { return []byte(js + strings.Repeat(" ", n-len(js))) }
+	pool := `{` + geom + `, "pages": 64, "max_context_tokens": 1024}`
+	for _, c := range []struct {
+		name  string
+		parse func([]byte) error
+		doc   string
+		want  Status
+	}{
+		{"config", func(b []byte) error { _, err := ParseConfig(b); return err }, pool, StatusInvalidConfig},
+		{"tenant", func(b []byte) error { _, err := ParseTenant(b); return err }, `{"name": "t"}`, StatusInvalidTenant},
+		{"receiver", func(b []byte) error { _, err := ParseReceiverConfig(b); return err }, `{"max_ttl_ms": 1000}`, StatusInvalidConfig},
+	} {
+		if err := c.parse(pad(c.doc, MaxJSONBytes)); err != nil {
+			t.Errorf("%s of %d bytes: %v", c.name, MaxJSONBytes, err)
+		}
+		err := c.parse(pad(c.doc, MaxJSONBytes+1))
+		if got := Classify(err).Status; got != c.want || !strings.Contains(fmt.Sprint(err), "1048577 bytes") {
+			t.Errorf("%s of %d bytes: %v (%v), want %v", c.name, MaxJSONBytes+1, err, got, c.want)
+		}
+	}
 }

@@ -201,7 +201,7 @@ func ms(v int64) time.Duration {
 func ParseReceiverConfig(data []byte) (handoff.ReceiverConfig, error) {
 	var rj ReceiverJSON
 	if len(bytes.TrimSpace(data)) > 0 {
-		if len(data) > maxConfigBytes {
+		if len(data) > MaxJSONBytes {
 			return handoff.ReceiverConfig{}, fmt.Errorf("%w: receiver JSON of %d bytes", handoff.ErrInvalidConfig, len(data))
 		}
 		dec := json.NewDecoder(bytes.NewReader(data))
