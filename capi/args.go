@@ -15,6 +15,7 @@ import (
 	"unsafe"
 
 	"github.com/kvfence/kvfence/capi/internal/bridge"
+	"github.com/kvfence/kvfence/kvcache"
 )
 
 // maxCString is the longest C string accepted: a string is scanned for
@@ -73,6 +74,20 @@ func cSlice[T any](p *T, n C.size_t, name string) ([]T, error) {
 // cBytes views a caller byte buffer; NULL only with length 0.
 func cBytes(p *C.uint8_t, n C.size_t, name string) ([]byte, error) {
 	return cSlice((*byte)(unsafe.Pointer(p)), n, name)
+}
+
+// cPages views the page buffer of kvf_export_read_pages or
+// kvf_import_write_pages. Its length says how many pages to move, so,
+// unlike cSlice, a length beyond maxBufferBytes is not cut down to a view
+// of the first bytes (which could make a whole number of pages again): it
+// is a range no transfer has, refused with the numbers before the buffer
+// is viewed. The rest of the range is checked by bridge.
+func cPages(p *C.uint8_t, n C.size_t, first C.int64_t, op string) ([]byte, error) {
+	if p != nil && uint64(n) > maxBufferBytes {
+		return nil, fmt.Errorf("%w: %s of %d bytes at page %d: more than the %d bytes one call moves",
+			kvcache.ErrInvalidArgument, op, uint64(n), int64(first), uint64(maxBufferBytes))
+	}
+	return cBytes(p, n, "buf")
 }
 
 func waitDuration(waitMS C.int64_t) time.Duration {

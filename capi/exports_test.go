@@ -3,6 +3,8 @@
 package main
 
 import (
+	"fmt"
+	"math"
 	"runtime"
 	"strings"
 	"testing"
@@ -140,4 +142,100 @@ func TestLongStrings(t *testing.T) {
 		t.Errorf("stats after refused calls: %s", s)
 	}
 	checkPool(t, pool)
+}
+
+// newHandoff sets up, through the bridge, an export of a 40-token prompt
+// (3 pages) and its import into a second pool, begun but not written.
+func newHandoff(t *testing.T) (exp, imp uint64, pageBytes, pages int64) {
+	t.Helper()
+	mustB := func(h uint64, err error) uint64 {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	src := uint64(newPool(t, testConfig))
+	dst := uint64(newPool(t, testConfig))
+	key := []byte("kvfence capi export test key, 32+ bytes")
+	l := mustB(bridge.Admit(src, "h", "acme", 40, 0, 0))
+	for _, err := range []error{bridge.BeginPrefill(l), bridge.Commit(l, 40), bridge.FinishPrefill(l)} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	exp = mustB(bridge.Export(l, key, 0, 0))
+	n, _ := bridge.ExportManifest(exp, nil)
+	m := make([]byte, n)
+	if _, err := bridge.ExportManifest(exp, m); err != nil {
+		t.Fatal(err)
+	}
+	rcv := mustB(bridge.CreateReceiver(dst, key, nil))
+	imp = mustB(bridge.BeginImport(rcv, m))
+	t.Cleanup(func() {
+		bridge.FreeImport(imp)
+		bridge.DestroyReceiver(rcv)
+		bridge.FreeExport(exp)
+		bridge.Free(l)
+	})
+	info, err := bridge.DescribeImport(imp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return exp, imp, info.PageBytes, info.Pages
+}
+
+// TestPageRangesThroughExports: first pages and lengths that overflow any
+// sum, from C's int64_t and size_t, are refused as a range
+// (KVF_ERR_INVALID_ARGUMENT naming the numbers), not a recovered panic,
+// and leave the export and the import as they were.
+func TestPageRangesThroughExports(t *testing.T) {
+	exp, imp, pb, pages := newHandoff(t)
+	p, buf, free := cBuffer(int(pages*pb), 0x5A)
+	defer free()
+	const sizeMax = ^cSize(0)
+	for _, c := range []struct {
+		first cInt64
+		n     cSize
+	}{
+		{math.MaxInt64, cSize(pb)},
+		{math.MaxInt64 - 1, cSize(2 * pb)},
+		{math.MinInt64, cSize(pb)},
+		{-1, cSize(pb)},
+		{cInt64(pages), cSize(pb)},
+		{0, sizeMax},
+		{1, sizeMax - sizeMax%cSize(pb)},
+		{0, maxBufferBytes}, // a whole number of pages, far too many
+		{0, maxBufferBytes + cSize(pb)},
+	} {
+		for _, op := range []struct {
+			name string
+			f    func() cStatus
+		}{
+			{"kvf_export_read_pages", func() cStatus { return kvf_export_read_pages(cExport(exp), c.first, p, c.n) }},
+			{"kvf_import_write_pages", func() cStatus { return kvf_import_write_pages(cImport(imp), c.first, p, c.n) }},
+		} {
+			wantCall(t, fmt.Sprintf("%s(first %d, %d bytes)", op.name, c.first, c.n), op.f, bridge.StatusInvalidArgument,
+				fmt.Sprint(int64(c.first)), fmt.Sprint(uint64(c.n)))
+		}
+		for i, b := range buf {
+			if b != 0x5A {
+				t.Fatalf("byte %d of the buffer was written", i)
+			}
+		}
+	}
+	var ti cTransfer
+	for _, f := range []func() cStatus{
+		func() cStatus { return kvf_export_describe(cExport(exp), &ti) },
+		func() cStatus { return kvf_import_describe(cImport(imp), &ti) },
+	} {
+		if wantCall(t, "describe", f, bridge.OK); ti.live != 1 {
+			t.Fatal("a refused range ended the export or the import")
+		}
+	}
+	wantCall(t, "read", func() cStatus { return kvf_export_read_pages(cExport(exp), 0, p, cSize(pages*pb)) }, bridge.OK)
+	wantCall(t, "write", func() cStatus { return kvf_import_write_pages(cImport(imp), 0, p, cSize(pages*pb)) }, bridge.OK)
+	var lease cLease
+	wantCall(t, "complete", func() cStatus { return kvf_import_complete(cImport(imp), &lease) }, bridge.OK)
+	kvf_lease_free(lease)
 }

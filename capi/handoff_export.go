@@ -72,7 +72,7 @@ func kvf_export_describe(export C.kvf_export, out *C.kvf_transfer_info) (st C.kv
 //export kvf_export_read_pages
 func kvf_export_read_pages(export C.kvf_export, firstPage C.int64_t, buf *C.uint8_t, bufLen C.size_t) (st C.kvf_status) {
 	defer guard(&st)
-	dst, err := cBytes(buf, bufLen, "buf")
+	dst, err := cPages(buf, bufLen, firstPage, "read")
 	if err != nil {
 		return fail(err)
 	}

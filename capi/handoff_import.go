@@ -79,7 +79,7 @@ func kvf_import_describe(imp C.kvf_import, out *C.kvf_transfer_info) (st C.kvf_s
 //export kvf_import_write_pages
 func kvf_import_write_pages(imp C.kvf_import, firstPage C.int64_t, buf *C.uint8_t, bufLen C.size_t) (st C.kvf_status) {
 	defer guard(&st)
-	src, err := cBytes(buf, bufLen, "buf")
+	src, err := cPages(buf, bufLen, firstPage, "write")
 	if err != nil {
 		return fail(err)
 	}

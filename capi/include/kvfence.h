@@ -71,7 +71,7 @@ enum {
     KVF_OK = 0,
 
     /* The C boundary. */
-    KVF_ERR_INVALID_ARGUMENT = 1, /* bad argument: token range outside the lease, commit going backwards, negative wait */
+    KVF_ERR_INVALID_ARGUMENT = 1, /* bad argument: token or page range outside the lease or transfer, commit going backwards, negative wait */
     KVF_ERR_NULL_POINTER = 2,     /* a required pointer was NULL */
     KVF_ERR_INVALID_HANDLE = 3,   /* not a live pool/lease handle (0, freed, destroyed, other kind) */
     KVF_ERR_BUFFER_TOO_SMALL = 4, /* the size needed is in the length out-parameter and in need */
@@ -412,10 +412,13 @@ KVF_API kvf_status kvf_export_manifest(kvf_export exp, uint8_t *buf, size_t buf_
 /* Pages, page size, sizes, checksum, and whether the pages are pinned. */
 KVF_API kvf_status kvf_export_describe(kvf_export exp, kvf_transfer_info *out);
 
-/* Copies exported pages first_page, first_page+1, ... into buf; buf_len
- * must be a positive multiple of page_bytes within the export
- * (KVF_ERR_INVALID_ARGUMENT). KVF_ERR_RECLAIMED once the pages were
- * released: nothing is copied. */
+/* Copies exported pages first_page, first_page+1, ... into buf. The range
+ * must lie within the export: 0 <= first_page < pages, and buf_len a
+ * positive multiple of page_bytes that ends at or before the last page.
+ * Any other first_page or buf_len, however large or negative, returns
+ * KVF_ERR_INVALID_ARGUMENT with both numbers in the message, copies
+ * nothing and leaves the export as it was. KVF_ERR_RECLAIMED once the
+ * pages were released: nothing is copied. */
 KVF_API kvf_status kvf_export_read_pages(kvf_export exp, int64_t first_page, uint8_t *buf, size_t buf_len);
 
 /* Ends the export after the decode side confirmed: the prefill pages are
@@ -461,9 +464,13 @@ KVF_API kvf_status kvf_import_begin(kvf_receiver receiver, const uint8_t *manife
 KVF_API kvf_status kvf_import_describe(kvf_import imp, kvf_transfer_info *out);
 
 /* Writes received pages first_page, first_page+1, ... from buf (a
- * positive multiple of page_bytes). Any error aborts the import: a bad
- * range (KVF_ERR_INVALID_ARGUMENT), a page twice (KVF_ERR_DUPLICATE_PAGE),
- * an import that has ended (KVF_ERR_STALE_TRANSFER, nothing written). */
+ * positive multiple of page_bytes). A range outside the import (as for
+ * kvf_export_read_pages: KVF_ERR_INVALID_ARGUMENT, naming the numbers)
+ * and a NULL buf (KVF_ERR_NULL_POINTER) are refused before the import is
+ * touched: nothing is written and the import stays live, so the call may
+ * be retried with the right range. Any other error aborts the import: a
+ * page twice (KVF_ERR_DUPLICATE_PAGE), an import that has ended
+ * (KVF_ERR_STALE_TRANSFER, nothing written). */
 KVF_API kvf_status kvf_import_write_pages(kvf_import imp, int64_t first_page, const uint8_t *buf, size_t buf_len);
 
 /* Verifies that every page arrived and the checksum matches, and returns
