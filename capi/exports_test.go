@@ -239,3 +239,31 @@ func TestPageRangesThroughExports(t *testing.T) {
 	wantCall(t, "complete", func() cStatus { return kvf_import_complete(cImport(imp), &lease) }, bridge.OK)
 	kvf_lease_free(lease)
 }
+
+// TestSlotMappingRanges: a token range whose length no int64 holds is
+// refused as a range, and the length reported is not the wrapped
+// difference.
+func TestSlotMappingRanges(t *testing.T) {
+	pool := newPool(t, testConfig)
+	ps, free := cStrings("slots", "acme")
+	defer free()
+	var lease cLease
+	wantCall(t, "admit", func() cStatus { return kvf_admit(pool, ps[0], ps[1], 100, 0, 0, &lease) }, bridge.OK)
+	defer kvf_lease_free(lease)
+	slots := make([]cInt64, 4)
+	for _, c := range []struct{ start, end cInt64 }{
+		{math.MinInt64, math.MaxInt64},
+		{-1, math.MaxInt64},
+		{math.MinInt64, 0},
+		{math.MaxInt64, math.MinInt64},
+		{0, math.MaxInt64},
+	} {
+		n := cSize(12345)
+		wantCall(t, fmt.Sprintf("slot_mapping(%d, %d)", c.start, c.end), func() cStatus {
+			return kvf_lease_slot_mapping(lease, c.start, c.end, &slots[0], cSize(len(slots)), &n)
+		}, bridge.StatusInvalidArgument, fmt.Sprint(int64(c.start)))
+		if n > 1<<40 {
+			t.Errorf("slot_mapping(%d, %d) reported length %d", c.start, c.end, n)
+		}
+	}
+}

@@ -315,7 +315,8 @@ KVF_API kvf_status kvf_lease_block_table(kvf_lease lease, int32_t *buf, size_t b
 
 /* Copies the cache slot of each token in [start, end) into buf:
  * slot = page * tokens_per_page + offset in the page (vLLM's
- * slot_mapping). *len (if not NULL) gets end - start. */
+ * slot_mapping). *len (if not NULL) gets end - start, or 0 for a range
+ * outside the lease (KVF_ERR_INVALID_ARGUMENT). */
 KVF_API kvf_status kvf_lease_slot_mapping(kvf_lease lease, int64_t start, int64_t end,
                                           int64_t *buf, size_t buf_len, size_t *len);
 

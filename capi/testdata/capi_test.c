@@ -280,6 +280,9 @@ static void test_admission(kvf_pool pool) {
     EXPECT(kvf_lease_slot_mapping(a, 120, 129, slots, 20, &n), KVF_ERR_INVALID_ARGUMENT);
     EXPECT(kvf_lease_slot_mapping(a, 5, 4, slots, 20, &n), KVF_ERR_INVALID_ARGUMENT);
     EXPECT(kvf_lease_slot_mapping(a, -1, 4, slots, 20, &n), KVF_ERR_INVALID_ARGUMENT);
+    CHECK(n == 0);
+    EXPECT(kvf_lease_slot_mapping(a, INT64_MIN, INT64_MAX, slots, 20, &n), KVF_ERR_INVALID_ARGUMENT);
+    CHECK(n == 0); /* not the wrapped difference, SIZE_MAX */
     EXPECT(kvf_lease_slot_mapping(a, 0, 4, NULL, 4, &n), KVF_ERR_NULL_POINTER);
 
     /* Commit and describe. */

@@ -326,16 +326,19 @@ func BlockTable(h Handle, dst []int32) (int, error) {
 	return n, err
 }
 
-// SlotMapping copies the cache slot of each token in [start, end) into dst.
+// SlotMapping copies the cache slot of each token in [start, end) into dst
+// and returns end - start. For a range outside the lease it returns 0 and
+// kvcache's error: the difference of two arbitrary int64s can wrap, and
+// C would be told a length of SIZE_MAX.
 func SlotMapping(h Handle, start, end int64, dst []int64) (int, error) {
 	n := 0
 	err := withLease(h, func(_ *poolEntry, l *kvcache.Lease) error {
 		s, e := clampInt(start), clampInt(end)
-		if e > s {
+		if s >= 0 && e >= s && e <= l.CapacityTokens() {
 			n = e - s
-		}
-		if l.Live() && s >= 0 && e >= s && e <= l.CapacityTokens() && n > len(dst) {
-			return &BufferError{What: "slot mapping", Need: n, Have: len(dst)}
+			if l.Live() && n > len(dst) {
+				return &BufferError{What: "slot mapping", Need: n, Have: len(dst)}
+			}
 		}
 		_, err := l.SlotMapping(s, e, dst[:0])
 		return err
