@@ -90,6 +90,9 @@ func cPages(p *C.uint8_t, n C.size_t, first C.int64_t, op string) ([]byte, error
 	return cBytes(p, n, "buf")
 }
 
+// waitDuration is a wait_ms or ttl_ms as a Duration, saturating rather
+// than overflowing for waits beyond 292 years; a negative value stays
+// negative, for bridge to refuse.
 func waitDuration(waitMS C.int64_t) time.Duration {
 	return time.Duration(min(int64(waitMS), math.MaxInt64/int64(time.Millisecond))) * time.Millisecond
 }

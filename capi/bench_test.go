@@ -3,7 +3,6 @@
 package main
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -22,8 +21,9 @@ const benchTokens = 2048
 
 // BenchmarkCAdmitRelease measures admit → block table → release → free of
 // a 2,048-token request through the C ABI (a C loop calling the exported
-// functions), and the same cycle in pure Go (AdmitInto a recycled lease,
-// AppendBlockTable, Release) on an identical pool in the same run.
+// functions), and the same cycle in pure Go (TryAdmitInto a recycled
+// lease, as kvf_admit with wait_ms = 0 does, AppendBlockTable, Release) on
+// an identical pool in the same run.
 // Metrics: ns/op (C), go-ns/op, x-go = C ÷ Go (target ≤ 1.5), ns/page (C);
 // allocs/op are the C path's (the Go path allocates nothing).
 func BenchmarkCAdmitRelease(b *testing.B) {
@@ -45,14 +45,13 @@ func BenchmarkCAdmitRelease(b *testing.B) {
 	pages := benchTokens / 16
 	table := make([]int32, pages)
 
-	ctx := context.Background()
 	var l kvcache.Lease // recycled, with its page slices, across all cycles
 	req := kvcache.Request{ID: "bench", Tenant: "bench", PromptTokens: benchTokens}
 	dst := make([]int32, 0, pages)
 	goCycles := func(n int) time.Duration {
 		start := time.Now()
 		for range n {
-			if err := goPool.AdmitInto(ctx, req, &l); err != nil {
+			if err := goPool.TryAdmitInto(req, &l); err != nil {
 				b.Fatal(err)
 			}
 			var err error

@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/kvfence/kvfence/capi/internal/bridge"
@@ -266,4 +267,42 @@ func TestSlotMappingRanges(t *testing.T) {
 			t.Errorf("slot_mapping(%d, %d) reported length %d", c.start, c.end, n)
 		}
 	}
+}
+
+// TestAdmitNoWait: wait_ms = 0 refuses a busy pool at once, from
+// kvf_admit and kvf_admit_tokens; wait_ms > 0 waits that long first.
+func TestAdmitNoWait(t *testing.T) {
+	pool := newPool(t, `{"geometry": {"tokens_per_page": 16, "layers": 1, "kv_heads": 1, "head_dim": 8, "dtype": "fp16"},
+	 "pages": 8, "max_context_tokens": 128, "tenants": [{"name": "a", "quota_pages": 4}, {"name": "b"}]}`)
+	ps, free := cStrings("hold-a", "hold-b", "r", "a", "b")
+	defer free()
+	var hold [2]cLease
+	wantCall(t, "hold a", func() cStatus { return kvf_admit(pool, ps[0], ps[3], 64, 0, 0, &hold[0]) }, bridge.OK)
+	wantCall(t, "hold b", func() cStatus { return kvf_admit(pool, ps[1], ps[4], 64, 0, 0, &hold[1]) }, bridge.OK)
+	defer kvf_lease_free(hold[0])
+	defer kvf_lease_free(hold[1])
+	toks := []int32{1, 2, 3}
+	var l cLease
+	for _, c := range []struct {
+		name string
+		wait cInt64
+		f    func(wait cInt64) cStatus
+	}{
+		{"kvf_admit", 0, func(w cInt64) cStatus { return kvf_admit(pool, ps[2], ps[4], 16, 0, w, &l) }},
+		{"kvf_admit_tokens", 0, func(w cInt64) cStatus {
+			return kvf_admit_tokens(pool, ps[2], ps[4], (*cInt32)(unsafe.Pointer(&toks[0])), 3, 0, nil, w, &l)
+		}},
+		{"kvf_admit", 30, func(w cInt64) cStatus { return kvf_admit(pool, ps[2], ps[4], 16, 0, w, &l) }},
+	} {
+		start := time.Now()
+		wantCall(t, c.name, func() cStatus { return c.f(c.wait) }, bridge.StatusPoolExhausted)
+		d, wait := time.Since(start), time.Duration(c.wait)*time.Millisecond
+		if c.wait == 0 && d > 2*time.Second || d < wait {
+			t.Errorf("%s with wait_ms = %d answered after %v", c.name, c.wait, d)
+		}
+	}
+	if l != 0 {
+		t.Errorf("refused admission wrote handle %#x", l)
+	}
+	checkPool(t, pool)
 }

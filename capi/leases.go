@@ -9,8 +9,6 @@ package main
 import "C"
 
 import (
-	"math"
-	"time"
 	"unsafe"
 
 	"github.com/kvfence/kvfence/capi/internal/bridge"
@@ -32,8 +30,7 @@ func kvf_admit(pool C.kvf_pool, requestID, tenant *C.char, promptTokens, maxNewT
 	if err != nil {
 		return fail(err)
 	}
-	wait := time.Duration(min(int64(waitMS), math.MaxInt64/int64(time.Millisecond))) * time.Millisecond
-	h, err := bridge.Admit(uint64(pool), id, tn, int64(promptTokens), int64(maxNewTokens), wait)
+	h, err := bridge.Admit(uint64(pool), id, tn, int64(promptTokens), int64(maxNewTokens), waitDuration(waitMS))
 	if err != nil {
 		return fail(err)
 	}

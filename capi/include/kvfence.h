@@ -445,9 +445,10 @@ KVF_API kvf_status kvf_export_free(kvf_export exp);
 /* A receiver imports into pool and verifies manifests with key. It
  * remembers the request IDs it imported (replay protection) while it
  * lives. config_json (NULL for defaults): {"max_ttl_ms": 300000 (refuse
- * manifests expiring further ahead), "admit_wait_ms": 0 (wait for decode
- * pages), "transfer_timeout_ms": 120000 (abort an import not completed in
- * time)}. */
+ * manifests expiring further ahead), "admit_wait_ms": 0 (how long
+ * kvf_import_begin waits for decode pages; 0 refuses a busy pool at once,
+ * as kvf_admit's wait_ms), "transfer_timeout_ms": 120000 (abort an import
+ * not completed in time)}. */
 KVF_API kvf_status kvf_receiver_create(kvf_pool pool, const uint8_t *key, size_t key_len,
                                        const char *config_json, kvf_receiver *out);
 

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kvfence.h"
 
@@ -55,6 +56,12 @@ static kvf_error_info last(void) {
     memset(&info, 0xff, sizeof info);
     kvf_last_error(&info);
     return info;
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
 static int last_message_contains(const char *needle) {
@@ -243,11 +250,16 @@ static void test_admission(kvf_pool pool) {
     EXPECT(kvf_admit(pool, "r1", "globex", 16, 0, 0, &junk), KVF_ERR_DUPLICATE_REQUEST);
     EXPECT(kvf_admit(pool, "r2", "globex", 500, 0, 0, &b), KVF_OK); /* 32 pages */
 
-    /* 24 pages left: globex asks for 32, within its quota (64, 32 used). */
+    /* 24 pages left: globex asks for 32, within its quota (64, 32 used).
+     * wait_ms = 0 refuses at once; wait_ms = 20 waits that long first. */
+    double t0 = now_seconds();
     EXPECT(kvf_admit(pool, "r3", "globex", 512, 0, 0, &junk), KVF_ERR_POOL_EXHAUSTED);
+    CHECK(now_seconds() - t0 < 2.0);
     info = last();
     CHECK(info.need == 32 && info.have == 24 && info.limit == 64 && info.retryable == 1 && info.permanent == 0);
+    t0 = now_seconds();
     EXPECT(kvf_admit(pool, "r3", "globex", 512, 0, 20, &junk), KVF_ERR_POOL_EXHAUSTED);
+    CHECK(now_seconds() - t0 >= 0.020);
     /* 64 more would pass its quota: the quota is checked first. */
     EXPECT(kvf_admit(pool, "r3", "globex", 1024, 0, 0, &junk), KVF_ERR_EXCEEDS_QUOTA);
     CHECK(last().retryable == 1 && last().permanent == 0);

@@ -281,19 +281,32 @@ func admit(h Handle, req kvcache.Request, wait time.Duration) (Handle, error) {
 	}
 	req.ID = strings.Clone(req.ID)
 	req.Tenant = pe.intern(req.Tenant)
-	ctx := context.Background()
-	if wait > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, wait)
-		defer cancel()
-	}
 	l := spareLeases.Get().(*kvcache.Lease)
-	if err := pe.pool.AdmitInto(ctx, req, l); err != nil {
+	if wait == 0 {
+		err = tryAdmitInto(pe.pool, req, l)
+	} else {
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		err = admitInto(pe.pool, ctx, req, l)
+		cancel()
+	}
+	if err != nil {
 		spareLeases.Put(l)
 		return 0, err
 	}
 	return newLease(pe, l, false), nil
 }
+
+// The two admissions of kvcache, the only ones the bridge makes (imports
+// are admitted by package handoff). kvcache.Pool.AdmitInto waits for
+// pages or quota for as long as its context lives, as
+// golang.org/x/sync/semaphore does, context.Background() included; so the
+// C ABI's wait_ms = 0, "refuse a busy pool at once", must be
+// TryAdmitInto, and a wait AdmitInto under a deadline that long. Variables
+// so that a test can check which one each wait makes.
+var (
+	tryAdmitInto = (*kvcache.Pool).TryAdmitInto
+	admitInto    = (*kvcache.Pool).AdmitInto
+)
 
 // clampInt keeps an int64 token count meaningful on 32-bit platforms: a
 // count beyond int is as invalid as it is absurd, and kvcache refuses it.

@@ -279,6 +279,12 @@ func DestroyReceiver(h Handle) error {
 
 // BeginImport verifies manifest and admits its import fail-closed.
 // manifest may alias C memory: it is parsed (and copied) during the call.
+//
+// The admission waits as the receiver's admit_wait_ms says, and no
+// longer: handoff bounds it with a timeout of its own, and with 0 must
+// refuse a busy pool at once. The context passed here only says that a C
+// caller never cancels the call; it carries no deadline, so it must never
+// reach an admission that waits for as long as its context lives.
 func BeginImport(receiver Handle, manifest []byte) (Handle, error) {
 	v, ok := receivers.Load(receiver)
 	if !ok {
