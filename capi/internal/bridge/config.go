@@ -77,17 +77,18 @@ type ScrubJSON struct {
 // Pattern is a 32-bit scrub pattern written as a JSON number or string.
 type Pattern uint32
 
-// UnmarshalJSON accepts 32768, "32768", "0x8000".
+// UnmarshalJSON accepts 32768, "32768", "0x8000". Its errors wrap
+// kvcache.ErrInvalidConfig, as every error of a config does.
 func (p *Pattern) UnmarshalJSON(b []byte) error {
 	s := string(b)
 	if len(b) > 0 && b[0] == '"' {
 		if err := json.Unmarshal(b, &s); err != nil {
-			return err
+			return fmt.Errorf("%w: scrub.pattern %s: %w", kvcache.ErrInvalidConfig, b, err)
 		}
 	}
 	v, err := strconv.ParseUint(s, 0, 32)
 	if err != nil {
-		return fmt.Errorf("scrub pattern %s is not a 32-bit unsigned integer", b)
+		return fmt.Errorf("%w: scrub.pattern %s is not a 32-bit unsigned integer", kvcache.ErrInvalidConfig, b)
 	}
 	*p = Pattern(v)
 	return nil
@@ -142,6 +143,9 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 	dec.DisallowUnknownFields()
 	var cj ConfigJSON
 	if err := dec.Decode(&cj); err != nil {
+		if errors.Is(err, kvcache.ErrInvalidConfig) { // a field's own error (Pattern), already saying what
+			return kvcache.Config{}, DeviceJSON{}, err
+		}
 		return fail("config JSON: %v", err)
 	}
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {

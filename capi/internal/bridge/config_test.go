@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"reflect"
@@ -162,5 +163,20 @@ func TestJSONLimit(t *testing.T) {
 		if got := Classify(err).Status; got != c.want || !strings.Contains(fmt.Sprint(err), "1048577 bytes") {
 			t.Errorf("%s of %d bytes: %v (%v), want %v", c.name, MaxJSONBytes+1, err, got, c.want)
 		}
+	}
+}
+
+// TestPatternErrorWrapsSentinel: Pattern is exported and decoded on its
+// own too; its error must carry the status of a bad config.
+func TestPatternErrorWrapsSentinel(t *testing.T) {
+	var p Pattern
+	for _, js := range []string{`"0x1FFFFFFFF"`, `-1`, `"nope"`, `1.5`} {
+		err := json.Unmarshal([]byte(js), &p)
+		if !errors.Is(err, kvcache.ErrInvalidConfig) || !strings.Contains(fmt.Sprint(err), "scrub.pattern") {
+			t.Errorf("pattern %s: %v, want ErrInvalidConfig naming scrub.pattern", js, err)
+		}
+	}
+	if err := json.Unmarshal([]byte(`"0x8000"`), &p); err != nil || p != 0x8000 {
+		t.Errorf("0x8000: %v, %#x", err, p)
 	}
 }

@@ -416,13 +416,19 @@ func Free(h Handle) error {
 	return err
 }
 
-// Check runs the pool's accounting check.
+// Check runs the pool's accounting check. An inconsistency wraps
+// ErrInternal: it is a kvfence bug (kvf_pool_check documents
+// KVF_ERR_INTERNAL), and kvcache reports it with the allocator's or the
+// registry's own error, which wraps no sentinel.
 func Check(h Handle) error {
 	pe, err := lookupPool(h)
 	if err != nil {
 		return err
 	}
-	return pe.pool.Check()
+	if err := pe.pool.Check(); err != nil {
+		return fmt.Errorf("%w: %w", ErrInternal, err)
+	}
+	return nil
 }
 
 // ClearFault lets a faulted pool admit again.
@@ -441,5 +447,9 @@ func StatsJSON(h Handle) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return json.Marshal(statsJSON(pe.pool.Stats(), pe.domainOf))
+	js, err := json.Marshal(statsJSON(pe.pool.Stats(), pe.domainOf))
+	if err != nil { // plain structs of numbers and strings: a bug
+		return nil, fmt.Errorf("%w: stats JSON: %w", ErrInternal, err)
+	}
+	return js, nil
 }
