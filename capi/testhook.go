@@ -5,7 +5,8 @@ package main
 // What the Go tests of this package need to call the exports directly, as
 // Go functions: test files cannot use cgo, so the C types they pass are
 // named here, and C memory is allocated and the last error read here.
-// None of it is called by the library, so the linker leaves it out.
+// The library calls none of it, so the linker leaves its Go code out;
+// only cgo's C trampolines for the two kvf_last_error calls remain.
 
 /*
 #include <stdlib.h>
