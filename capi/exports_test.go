@@ -83,15 +83,16 @@ func TestLongStrings(t *testing.T) {
 	defer free()
 	longS, bigJS, atLimit, overLimit, acme, req, empty := ps[0], ps[1], ps[2], ps[3], ps[4], ps[5], ps[6]
 	tokens := []int32{1, 2, 3}
-	tok := (*int32)(&tokens[0])
+	tok := (*cInt32)(unsafe.Pointer(&tokens[0]))
 
 	var newPool cPool
 	wantCall(t, "config at the limit", func() cStatus { return kvf_pool_create(atLimit, &newPool) }, bridge.OK)
 	if newPool == 0 {
 		t.Error("no pool")
+	} else {
+		kvf_pool_destroy(newPool)
+		newPool = 0
 	}
-	kvf_pool_destroy(newPool)
-	newPool = 0
 	wantCall(t, "config over the limit", func() cStatus { return kvf_pool_create(overLimit, &newPool) },
 		bridge.StatusInvalidConfig, "config_json", "1048576")
 	wantCall(t, "2 MiB config", func() cStatus { return kvf_pool_create(bigJS, &newPool) },
@@ -109,13 +110,13 @@ func TestLongStrings(t *testing.T) {
 	wantCall(t, "admit request_id", func() cStatus { return kvf_admit(pool, longS, acme, 16, 0, 0, &lease) }, bridge.StatusInvalidRequest, "request_id")
 	wantCall(t, "admit tenant", func() cStatus { return kvf_admit(pool, req, longS, 16, 0, 0, &lease) }, bridge.StatusInvalidRequest, "tenant")
 	wantCall(t, "admit_tokens request_id", func() cStatus {
-		return kvf_admit_tokens(pool, longS, acme, (*cInt32)(unsafe.Pointer(tok)), 3, 0, nil, 0, &lease)
+		return kvf_admit_tokens(pool, longS, acme, tok, 3, 0, nil, 0, &lease)
 	}, bridge.StatusInvalidRequest, "request_id")
 	wantCall(t, "admit_tokens tenant", func() cStatus {
-		return kvf_admit_tokens(pool, req, longS, (*cInt32)(unsafe.Pointer(tok)), 3, 0, nil, 0, &lease)
+		return kvf_admit_tokens(pool, req, longS, tok, 3, 0, nil, 0, &lease)
 	}, bridge.StatusInvalidRequest, "tenant")
 	wantCall(t, "admit_tokens adapter", func() cStatus {
-		return kvf_admit_tokens(pool, req, acme, (*cInt32)(unsafe.Pointer(tok)), 3, 0, longS, 0, &lease)
+		return kvf_admit_tokens(pool, req, acme, tok, 3, 0, longS, 0, &lease)
 	}, bridge.StatusInvalidRequest, "adapter")
 	if lease != 0 {
 		t.Errorf("refused admission wrote handle %#x", lease)
