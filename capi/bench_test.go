@@ -3,7 +3,7 @@
 package main
 
 import (
-	"context"
+	"encoding/json"
 	"testing"
 	"time"
 
@@ -22,10 +22,17 @@ const benchTokens = 2048
 
 // BenchmarkCAdmitRelease measures admit → block table → release → free of
 // a 2,048-token request through the C ABI (a C loop calling the exported
-// functions), and the same cycle in pure Go (AdmitInto a recycled lease,
-// AppendBlockTable, Release) on an identical pool in the same run.
+// functions), and the same cycle in pure Go (TryAdmitInto a recycled
+// lease, as kvf_admit with wait_ms = 0 does, AppendBlockTable, Release) on
+// an identical pool in the same run.
 // Metrics: ns/op (C), go-ns/op, x-go = C ÷ Go (target ≤ 1.5), ns/page (C);
 // allocs/op are the C path's (the Go path allocates nothing).
+//
+// It fails unless both sides did what they are timed for: every block
+// table held the request's 128 pages (the last one of each side is checked
+// to name 128 distinct pages of the pool), and afterwards each pool had
+// admitted exactly the cycles run, refused none, and holds no page or
+// lease: every release happened.
 func BenchmarkCAdmitRelease(b *testing.B) {
 	b.ReportAllocs()
 	cfg, err := bridge.ParseConfig([]byte(benchConfig))
@@ -45,19 +52,21 @@ func BenchmarkCAdmitRelease(b *testing.B) {
 	pages := benchTokens / 16
 	table := make([]int32, pages)
 
-	ctx := context.Background()
 	var l kvcache.Lease // recycled, with its page slices, across all cycles
 	req := kvcache.Request{ID: "bench", Tenant: "bench", PromptTokens: benchTokens}
 	dst := make([]int32, 0, pages)
 	goCycles := func(n int) time.Duration {
 		start := time.Now()
 		for range n {
-			if err := goPool.AdmitInto(ctx, req, &l); err != nil {
+			if err := goPool.TryAdmitInto(req, &l); err != nil {
 				b.Fatal(err)
 			}
 			var err error
 			if dst, err = l.AppendBlockTable(dst[:0]); err != nil {
 				b.Fatal(err)
+			}
+			if len(dst) != pages {
+				b.Fatalf("Go block table of %d pages, want %d", len(dst), pages)
 			}
 			if err := l.Release(); err != nil {
 				b.Fatal(err)
@@ -67,9 +76,21 @@ func BenchmarkCAdmitRelease(b *testing.B) {
 	}
 	// Warm both paths (lease recycling, interned names) before timing.
 	goCycles(100)
-	if st := cAdmitRelease(cPool, "bench", "bench", benchTokens, table, 100); st != 0 {
-		b.Fatalf("C warm-up: %v", bridge.Status(st))
+	cCycles := func(n int) time.Duration {
+		for i := range table {
+			table[i] = -1 // so that the check below sees this run's table
+		}
+		start := time.Now()
+		switch st := cAdmitRelease(cPool, "bench", "bench", benchTokens, table, n); st {
+		case 0:
+		case -1:
+			b.Fatalf("C block table shorter than %d pages", pages)
+		default:
+			b.Fatalf("C loop: %v", bridge.Status(st))
+		}
+		return time.Since(start)
 	}
+	cCycles(100)
 
 	// Alternate chunks of Go and C cycles so that both see the same
 	// machine load; on a shared box a load change between two long phases
@@ -80,11 +101,7 @@ func BenchmarkCAdmitRelease(b *testing.B) {
 	for done := 0; done < b.N; done += chunk {
 		n := min(chunk, b.N-done)
 		goElapsed += goCycles(n)
-		start := time.Now()
-		if st := cAdmitRelease(cPool, "bench", "bench", benchTokens, table, n); st != 0 {
-			b.Fatalf("C loop: %v", bridge.Status(st))
-		}
-		cElapsed += time.Since(start)
+		cElapsed += cCycles(n)
 	}
 	b.StopTimer()
 	cNs := float64(cElapsed.Nanoseconds()) / float64(b.N)
@@ -98,5 +115,46 @@ func BenchmarkCAdmitRelease(b *testing.B) {
 	}
 	if err := bridge.Check(cPool); err != nil {
 		b.Fatal(err)
+	}
+	checkTable(b, "C", table, pages, cfg.Pages)
+	checkTable(b, "Go", dst, pages, cfg.Pages)
+	js, err := bridge.StatsJSON(cPool)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var cs bridge.StatsDoc
+	if err := json.Unmarshal(js, &cs); err != nil {
+		b.Fatal(err)
+	}
+	gs := goPool.Stats()
+	cycles := uint64(100 + b.N)
+	for _, s := range []struct {
+		who               string
+		admitted, refused uint64
+		inUse, leases     int
+	}{
+		{"C", cs.Admitted, cs.Refused.Total, cs.InUsePages, cs.LiveLeases},
+		{"Go", gs.Admitted, gs.Refused.Total(), gs.InUsePages, gs.LiveLeases},
+	} {
+		if s.admitted != cycles || s.refused != 0 || s.inUse != 0 || s.leases != 0 {
+			b.Errorf("%s pool after %d cycles: %d admitted, %d refused, %d pages in use, %d live leases",
+				s.who, cycles, s.admitted, s.refused, s.inUse, s.leases)
+		}
+	}
+}
+
+// checkTable fails unless table names want distinct pages of a pool of
+// total pages.
+func checkTable(b *testing.B, who string, table []int32, want, total int) {
+	b.Helper()
+	seen := make(map[int32]bool, len(table))
+	for _, pg := range table {
+		if pg < 0 || int(pg) >= total || seen[pg] {
+			b.Fatalf("%s block table %v: page %d out of range or repeated", who, table, pg)
+		}
+		seen[pg] = true
+	}
+	if len(seen) != want {
+		b.Fatalf("%s block table of %d pages, want %d", who, len(seen), want)
 	}
 }

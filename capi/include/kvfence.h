@@ -34,7 +34,14 @@
  *   kvf_error_info). A buffer may be NULL if its length is 0, to ask for
  *   the size.
  * - Strings passed in are NUL-terminated UTF-8 and are copied; kvfence
- *   keeps no pointer into caller memory after a call returns.
+ *   keeps no pointer into caller memory after a call returns. A string may
+ *   be up to 1 MiB (1048576 bytes, NUL excluded), the limit on a JSON
+ *   document; a longer one is a bad value of its argument and gets that
+ *   argument's status, as any other bad value would: KVF_ERR_INVALID_CONFIG
+ *   for a pool or receiver config, KVF_ERR_INVALID_TENANT for tenant JSON
+ *   or a new tenant's name, KVF_ERR_UNKNOWN_TENANT for the name of
+ *   kvf_pool_update_tenant, KVF_ERR_INVALID_REQUEST for an admission's
+ *   request ID, tenant or adapter.
  * - Every function is safe to call from any thread at any time.
  */
 #ifndef KVFENCE_H
@@ -64,7 +71,7 @@ enum {
     KVF_OK = 0,
 
     /* The C boundary. */
-    KVF_ERR_INVALID_ARGUMENT = 1, /* bad argument: token range outside the lease, commit going backwards, negative wait */
+    KVF_ERR_INVALID_ARGUMENT = 1, /* bad argument: token or page range outside the lease or transfer, commit going backwards, negative wait */
     KVF_ERR_NULL_POINTER = 2,     /* a required pointer was NULL */
     KVF_ERR_INVALID_HANDLE = 3,   /* not a live pool/lease handle (0, freed, destroyed, other kind) */
     KVF_ERR_BUFFER_TOO_SMALL = 4, /* the size needed is in the length out-parameter and in need */
@@ -308,7 +315,8 @@ KVF_API kvf_status kvf_lease_block_table(kvf_lease lease, int32_t *buf, size_t b
 
 /* Copies the cache slot of each token in [start, end) into buf:
  * slot = page * tokens_per_page + offset in the page (vLLM's
- * slot_mapping). *len (if not NULL) gets end - start. */
+ * slot_mapping). *len (if not NULL) gets end - start, or 0 for a range
+ * outside the lease (KVF_ERR_INVALID_ARGUMENT). */
 KVF_API kvf_status kvf_lease_slot_mapping(kvf_lease lease, int64_t start, int64_t end,
                                           int64_t *buf, size_t buf_len, size_t *len);
 
@@ -405,10 +413,13 @@ KVF_API kvf_status kvf_export_manifest(kvf_export exp, uint8_t *buf, size_t buf_
 /* Pages, page size, sizes, checksum, and whether the pages are pinned. */
 KVF_API kvf_status kvf_export_describe(kvf_export exp, kvf_transfer_info *out);
 
-/* Copies exported pages first_page, first_page+1, ... into buf; buf_len
- * must be a positive multiple of page_bytes within the export
- * (KVF_ERR_INVALID_ARGUMENT). KVF_ERR_RECLAIMED once the pages were
- * released: nothing is copied. */
+/* Copies exported pages first_page, first_page+1, ... into buf. The range
+ * must lie within the export: 0 <= first_page < pages, and buf_len a
+ * positive multiple of page_bytes that ends at or before the last page.
+ * Any other first_page or buf_len, however large or negative, returns
+ * KVF_ERR_INVALID_ARGUMENT with both numbers in the message, copies
+ * nothing and leaves the export as it was. KVF_ERR_RECLAIMED once the
+ * pages were released: nothing is copied. */
 KVF_API kvf_status kvf_export_read_pages(kvf_export exp, int64_t first_page, uint8_t *buf, size_t buf_len);
 
 /* Ends the export after the decode side confirmed: the prefill pages are
@@ -434,9 +445,10 @@ KVF_API kvf_status kvf_export_free(kvf_export exp);
 /* A receiver imports into pool and verifies manifests with key. It
  * remembers the request IDs it imported (replay protection) while it
  * lives. config_json (NULL for defaults): {"max_ttl_ms": 300000 (refuse
- * manifests expiring further ahead), "admit_wait_ms": 0 (wait for decode
- * pages), "transfer_timeout_ms": 120000 (abort an import not completed in
- * time)}. */
+ * manifests expiring further ahead), "admit_wait_ms": 0 (how long
+ * kvf_import_begin waits for decode pages; 0 refuses a busy pool at once,
+ * as kvf_admit's wait_ms), "transfer_timeout_ms": 120000 (abort an import
+ * not completed in time)}. */
 KVF_API kvf_status kvf_receiver_create(kvf_pool pool, const uint8_t *key, size_t key_len,
                                        const char *config_json, kvf_receiver *out);
 
@@ -454,9 +466,13 @@ KVF_API kvf_status kvf_import_begin(kvf_receiver receiver, const uint8_t *manife
 KVF_API kvf_status kvf_import_describe(kvf_import imp, kvf_transfer_info *out);
 
 /* Writes received pages first_page, first_page+1, ... from buf (a
- * positive multiple of page_bytes). Any error aborts the import: a bad
- * range (KVF_ERR_INVALID_ARGUMENT), a page twice (KVF_ERR_DUPLICATE_PAGE),
- * an import that has ended (KVF_ERR_STALE_TRANSFER, nothing written). */
+ * positive multiple of page_bytes). A range outside the import (as for
+ * kvf_export_read_pages: KVF_ERR_INVALID_ARGUMENT, naming the numbers)
+ * and a NULL buf (KVF_ERR_NULL_POINTER) are refused before the import is
+ * touched: nothing is written and the import stays live, so the call may
+ * be retried with the right range. Any other error aborts the import: a
+ * page twice (KVF_ERR_DUPLICATE_PAGE), an import that has ended
+ * (KVF_ERR_STALE_TRANSFER, nothing written). */
 KVF_API kvf_status kvf_import_write_pages(kvf_import imp, int64_t first_page, const uint8_t *buf, size_t buf_len);
 
 /* Verifies that every page arrived and the checksum matches, and returns

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kvfence.h"
 
@@ -55,6 +56,12 @@ static kvf_error_info last(void) {
     memset(&info, 0xff, sizeof info);
     kvf_last_error(&info);
     return info;
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
 static int last_message_contains(const char *needle) {
@@ -243,11 +250,16 @@ static void test_admission(kvf_pool pool) {
     EXPECT(kvf_admit(pool, "r1", "globex", 16, 0, 0, &junk), KVF_ERR_DUPLICATE_REQUEST);
     EXPECT(kvf_admit(pool, "r2", "globex", 500, 0, 0, &b), KVF_OK); /* 32 pages */
 
-    /* 24 pages left: globex asks for 32, within its quota (64, 32 used). */
+    /* 24 pages left: globex asks for 32, within its quota (64, 32 used).
+     * wait_ms = 0 refuses at once; wait_ms = 20 waits that long first. */
+    double t0 = now_seconds();
     EXPECT(kvf_admit(pool, "r3", "globex", 512, 0, 0, &junk), KVF_ERR_POOL_EXHAUSTED);
+    CHECK(now_seconds() - t0 < 2.0);
     info = last();
     CHECK(info.need == 32 && info.have == 24 && info.limit == 64 && info.retryable == 1 && info.permanent == 0);
+    t0 = now_seconds();
     EXPECT(kvf_admit(pool, "r3", "globex", 512, 0, 20, &junk), KVF_ERR_POOL_EXHAUSTED);
+    CHECK(now_seconds() - t0 >= 0.020);
     /* 64 more would pass its quota: the quota is checked first. */
     EXPECT(kvf_admit(pool, "r3", "globex", 1024, 0, 0, &junk), KVF_ERR_EXCEEDS_QUOTA);
     CHECK(last().retryable == 1 && last().permanent == 0);
@@ -280,6 +292,9 @@ static void test_admission(kvf_pool pool) {
     EXPECT(kvf_lease_slot_mapping(a, 120, 129, slots, 20, &n), KVF_ERR_INVALID_ARGUMENT);
     EXPECT(kvf_lease_slot_mapping(a, 5, 4, slots, 20, &n), KVF_ERR_INVALID_ARGUMENT);
     EXPECT(kvf_lease_slot_mapping(a, -1, 4, slots, 20, &n), KVF_ERR_INVALID_ARGUMENT);
+    CHECK(n == 0);
+    EXPECT(kvf_lease_slot_mapping(a, INT64_MIN, INT64_MAX, slots, 20, &n), KVF_ERR_INVALID_ARGUMENT);
+    CHECK(n == 0); /* not the wrapped difference, SIZE_MAX */
     EXPECT(kvf_lease_slot_mapping(a, 0, 4, NULL, 4, &n), KVF_ERR_NULL_POINTER);
 
     /* Commit and describe. */
@@ -439,6 +454,66 @@ static void test_threads(void) {
     EXPECT(kvf_pool_destroy(pool), KVF_OK);
 }
 
+/* Strings longer than the library reads (1 MiB, the limit on a JSON
+ * document) are refused with the status the header gives a bad value of
+ * that argument, not a boundary error, and change nothing; a config of
+ * exactly 1 MiB is parsed. */
+static void test_long_strings(void) {
+    enum { LIMIT = 1 << 20, BIG = 2 << 20 };
+    char *cfg = malloc(BIG + 1), *name = malloc(BIG + 1), *tenant_js = malloc(BIG + 1);
+    size_t n = strlen(good_config);
+    memcpy(cfg, good_config, n);
+    memset(cfg + n, ' ', BIG - n);
+    cfg[BIG] = '\0';
+    memset(name, 'x', BIG);
+    name[BIG] = '\0';
+    static const char tj[] = "{\"name\": \"big\"}";
+    memcpy(tenant_js, tj, sizeof tj - 1);
+    memset(tenant_js + sizeof tj - 1, ' ', BIG - (sizeof tj - 1));
+    tenant_js[BIG] = '\0';
+
+    kvf_pool pool = 0;
+    EXPECT(kvf_pool_create(cfg, &pool), KVF_ERR_INVALID_CONFIG); /* 2 MiB */
+    CHECK(pool == 0 && last_message_contains("config_json is longer than 1048576 bytes"));
+    cfg[LIMIT + 1] = '\0';
+    EXPECT(kvf_pool_create(cfg, &pool), KVF_ERR_INVALID_CONFIG); /* one byte over */
+    CHECK(pool == 0);
+    cfg[LIMIT] = '\0';
+    EXPECT(kvf_pool_create(cfg, &pool), KVF_OK); /* at the limit */
+    CHECK(pool != 0);
+
+    kvf_lease lease = 0;
+    int32_t toks[3] = {1, 2, 3};
+    EXPECT(kvf_pool_add_tenant(pool, name, 0, 0), KVF_ERR_INVALID_TENANT);
+    CHECK(last_message_contains("name is longer than"));
+    EXPECT(kvf_pool_update_tenant(pool, name, 0, 0), KVF_ERR_UNKNOWN_TENANT);
+    EXPECT(kvf_pool_add_tenant_json(pool, tenant_js), KVF_ERR_INVALID_TENANT);
+    CHECK(last_message_contains("tenant_json is longer than"));
+    EXPECT(kvf_pool_update_tenant_json(pool, tenant_js), KVF_ERR_INVALID_TENANT);
+    EXPECT(kvf_admit(pool, name, "acme", 16, 0, 0, &lease), KVF_ERR_INVALID_REQUEST);
+    CHECK(last_message_contains("request_id is longer than"));
+    EXPECT(kvf_admit(pool, "r", name, 16, 0, 0, &lease), KVF_ERR_INVALID_REQUEST);
+    EXPECT(kvf_admit_tokens(pool, "r", "acme", toks, 3, 0, name, 0, &lease), KVF_ERR_INVALID_REQUEST);
+    CHECK(last_message_contains("adapter is longer than"));
+    CHECK(lease == 0);
+    static const uint8_t rkey[32] = "a receiver key of 32 bytes......";
+    kvf_receiver rcv = 0;
+    EXPECT(kvf_receiver_create(pool, rkey, sizeof rkey, tenant_js, &rcv), KVF_ERR_INVALID_CONFIG);
+    CHECK(rcv == 0 && last_message_contains("config_json is longer than"));
+
+    size_t need = 0;
+    kvf_pool_stats_json(pool, NULL, 0, &need);
+    char *js = malloc(need);
+    EXPECT(kvf_pool_stats_json(pool, js, need, NULL), KVF_OK);
+    CHECK(strstr(js, "\"live_leases\":0") != NULL && strstr(js, "\"name\":\"big\"") == NULL);
+    free(js);
+    EXPECT(kvf_pool_check(pool), KVF_OK);
+    EXPECT(kvf_pool_destroy(pool), KVF_OK);
+    free(cfg);
+    free(name);
+    free(tenant_js);
+}
+
 #include "capi_test_v2.inc"
 
 int main(void) {
@@ -452,6 +527,7 @@ int main(void) {
     test_last_error_message();
     test_destroy();
     test_threads();
+    test_long_strings();
     test_prefix();
     test_phases();
     test_handoff();

@@ -486,6 +486,9 @@ class Import:
         return _info(_import_describe, self._h)
 
     def write_pages(self, first, data):
+        """Writes whole pages from page first. A range outside the import
+        raises KvfenceError (KVF_ERR_INVALID_ARGUMENT) and leaves the import
+        live; any other error aborts it."""
         _check(_import_write_pages(self._h, first, data, len(data)))
 
     def complete(self):

@@ -77,24 +77,27 @@ type ScrubJSON struct {
 // Pattern is a 32-bit scrub pattern written as a JSON number or string.
 type Pattern uint32
 
-// UnmarshalJSON accepts 32768, "32768", "0x8000".
+// UnmarshalJSON accepts 32768, "32768", "0x8000". Its errors wrap
+// kvcache.ErrInvalidConfig, as every error of a config does.
 func (p *Pattern) UnmarshalJSON(b []byte) error {
 	s := string(b)
 	if len(b) > 0 && b[0] == '"' {
 		if err := json.Unmarshal(b, &s); err != nil {
-			return err
+			return fmt.Errorf("%w: scrub.pattern %s: %w", kvcache.ErrInvalidConfig, b, err)
 		}
 	}
 	v, err := strconv.ParseUint(s, 0, 32)
 	if err != nil {
-		return fmt.Errorf("scrub pattern %s is not a 32-bit unsigned integer", b)
+		return fmt.Errorf("%w: scrub.pattern %s is not a 32-bit unsigned integer", kvcache.ErrInvalidConfig, b)
 	}
 	*p = Pattern(v)
 	return nil
 }
 
-// maxConfigBytes bounds the JSON a caller may hand over.
-const maxConfigBytes = 1 << 20
+// MaxJSONBytes bounds every JSON document a caller may hand over (pool,
+// tenant and receiver configs). The C layer scans strings up to the same
+// length, so that what it refuses as too long is what this package would.
+const MaxJSONBytes = 1 << 20
 
 // ParseConfig decodes a ConfigJSON into a kvcache.Config. It checks only
 // what JSON can get wrong (syntax, unknown fields, names of dtypes and
@@ -133,13 +136,16 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 	fail := func(format string, args ...any) (kvcache.Config, DeviceJSON, error) {
 		return kvcache.Config{}, DeviceJSON{}, fmt.Errorf("%w: "+format, append([]any{kvcache.ErrInvalidConfig}, args...)...)
 	}
-	if len(data) > maxConfigBytes {
-		return fail("config JSON of %d bytes, limit %d", len(data), maxConfigBytes)
+	if len(data) > MaxJSONBytes {
+		return fail("config JSON of %d bytes, limit %d", len(data), MaxJSONBytes)
 	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()
 	var cj ConfigJSON
 	if err := dec.Decode(&cj); err != nil {
+		if errors.Is(err, kvcache.ErrInvalidConfig) { // a field's own error (Pattern), already saying what
+			return kvcache.Config{}, DeviceJSON{}, err
+		}
 		return fail("config JSON: %v", err)
 	}
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
@@ -186,8 +192,8 @@ func (t TenantJSON) config() kvcache.TenantConfig {
 // ParseTenant decodes one tenant object, as in the config's "tenants"
 // list. Errors wrap isolation.ErrInvalidTenant.
 func ParseTenant(data []byte) (kvcache.TenantConfig, error) {
-	if len(data) > maxConfigBytes {
-		return kvcache.TenantConfig{}, fmt.Errorf("%w: tenant JSON of %d bytes, limit %d", isolation.ErrInvalidTenant, len(data), maxConfigBytes)
+	if len(data) > MaxJSONBytes {
+		return kvcache.TenantConfig{}, fmt.Errorf("%w: tenant JSON of %d bytes, limit %d", isolation.ErrInvalidTenant, len(data), MaxJSONBytes)
 	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()

@@ -1,7 +1,9 @@
 package bridge
 
 import (
+	"encoding/json"
 	"errors"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -136,4 +138,45 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("kvcache.New: %v classified %v", err, st)
 		}
 	})
+}
+
+// TestJSONLimit: each JSON input is read up to MaxJSONBytes, the length up
+// to which the C layer scans strings, and one byte more is refused with
+// the input's own status.
+func TestJSONLimit(t *testing.T) {
+	pad := func(js string, n int) []byte { return []byte(js + strings.Repeat(" ", n-len(js))) }
+	pool := `{` + geom + `, "pages": 64, "max_context_tokens": 1024}`
+	for _, c := range []struct {
+		name  string
+		parse func([]byte) error
+		doc   string
+		want  Status
+	}{
+		{"config", func(b []byte) error { _, err := ParseConfig(b); return err }, pool, StatusInvalidConfig},
+		{"tenant", func(b []byte) error { _, err := ParseTenant(b); return err }, `{"name": "t"}`, StatusInvalidTenant},
+		{"receiver", func(b []byte) error { _, err := ParseReceiverConfig(b); return err }, `{"max_ttl_ms": 1000}`, StatusInvalidConfig},
+	} {
+		if err := c.parse(pad(c.doc, MaxJSONBytes)); err != nil {
+			t.Errorf("%s of %d bytes: %v", c.name, MaxJSONBytes, err)
+		}
+		err := c.parse(pad(c.doc, MaxJSONBytes+1))
+		if got := Classify(err).Status; got != c.want || !strings.Contains(fmt.Sprint(err), "1048577 bytes") {
+			t.Errorf("%s of %d bytes: %v (%v), want %v", c.name, MaxJSONBytes+1, err, got, c.want)
+		}
+	}
+}
+
+// TestPatternErrorWrapsSentinel: Pattern is exported and decoded on its
+// own too; its error must carry the status of a bad config.
+func TestPatternErrorWrapsSentinel(t *testing.T) {
+	var p Pattern
+	for _, js := range []string{`"0x1FFFFFFFF"`, `-1`, `"nope"`, `1.5`} {
+		err := json.Unmarshal([]byte(js), &p)
+		if !errors.Is(err, kvcache.ErrInvalidConfig) || !strings.Contains(fmt.Sprint(err), "scrub.pattern") {
+			t.Errorf("pattern %s: %v, want ErrInvalidConfig naming scrub.pattern", js, err)
+		}
+	}
+	if err := json.Unmarshal([]byte(`"0x8000"`), &p); err != nil || p != 0x8000 {
+		t.Errorf("0x8000: %v, %#x", err, p)
+	}
 }

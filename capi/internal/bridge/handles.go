@@ -281,19 +281,32 @@ func admit(h Handle, req kvcache.Request, wait time.Duration) (Handle, error) {
 	}
 	req.ID = strings.Clone(req.ID)
 	req.Tenant = pe.intern(req.Tenant)
-	ctx := context.Background()
-	if wait > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, wait)
-		defer cancel()
-	}
 	l := spareLeases.Get().(*kvcache.Lease)
-	if err := pe.pool.AdmitInto(ctx, req, l); err != nil {
+	if wait == 0 {
+		err = tryAdmitInto(pe.pool, req, l)
+	} else {
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		err = admitInto(pe.pool, ctx, req, l)
+		cancel()
+	}
+	if err != nil {
 		spareLeases.Put(l)
 		return 0, err
 	}
 	return newLease(pe, l, false), nil
 }
+
+// The two admissions of kvcache, the only ones the bridge makes (imports
+// are admitted by package handoff). kvcache.Pool.AdmitInto waits for
+// pages or quota for as long as its context lives, as
+// golang.org/x/sync/semaphore does, context.Background() included; so the
+// C ABI's wait_ms = 0, "refuse a busy pool at once", must be
+// TryAdmitInto, and a wait AdmitInto under a deadline that long. Variables
+// so that a test can check which one each wait makes.
+var (
+	tryAdmitInto = (*kvcache.Pool).TryAdmitInto
+	admitInto    = (*kvcache.Pool).AdmitInto
+)
 
 // clampInt keeps an int64 token count meaningful on 32-bit platforms: a
 // count beyond int is as invalid as it is absurd, and kvcache refuses it.
@@ -326,16 +339,19 @@ func BlockTable(h Handle, dst []int32) (int, error) {
 	return n, err
 }
 
-// SlotMapping copies the cache slot of each token in [start, end) into dst.
+// SlotMapping copies the cache slot of each token in [start, end) into dst
+// and returns end - start. For a range outside the lease it returns 0 and
+// kvcache's error: the difference of two arbitrary int64s can wrap, and
+// C would be told a length of SIZE_MAX.
 func SlotMapping(h Handle, start, end int64, dst []int64) (int, error) {
 	n := 0
 	err := withLease(h, func(_ *poolEntry, l *kvcache.Lease) error {
 		s, e := clampInt(start), clampInt(end)
-		if e > s {
+		if s >= 0 && e >= s && e <= l.CapacityTokens() {
 			n = e - s
-		}
-		if l.Live() && s >= 0 && e >= s && e <= l.CapacityTokens() && n > len(dst) {
-			return &BufferError{What: "slot mapping", Need: n, Have: len(dst)}
+			if l.Live() && n > len(dst) {
+				return &BufferError{What: "slot mapping", Need: n, Have: len(dst)}
+			}
 		}
 		_, err := l.SlotMapping(s, e, dst[:0])
 		return err
@@ -400,13 +416,19 @@ func Free(h Handle) error {
 	return err
 }
 
-// Check runs the pool's accounting check.
+// Check runs the pool's accounting check. An inconsistency wraps
+// ErrInternal: it is a kvfence bug (kvf_pool_check documents
+// KVF_ERR_INTERNAL), and kvcache reports it with the allocator's or the
+// registry's own error, which wraps no sentinel.
 func Check(h Handle) error {
 	pe, err := lookupPool(h)
 	if err != nil {
 		return err
 	}
-	return pe.pool.Check()
+	if err := pe.pool.Check(); err != nil {
+		return fmt.Errorf("%w: %w", ErrInternal, err)
+	}
+	return nil
 }
 
 // ClearFault lets a faulted pool admit again.
@@ -425,5 +447,9 @@ func StatsJSON(h Handle) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return json.Marshal(statsJSON(pe.pool.Stats(), pe.domainOf))
+	js, err := json.Marshal(statsJSON(pe.pool.Stats(), pe.domainOf))
+	if err != nil { // plain structs of numbers and strings: a bug
+		return nil, fmt.Errorf("%w: stats JSON: %w", ErrInternal, err)
+	}
+	return js, nil
 }

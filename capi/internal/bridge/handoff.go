@@ -139,14 +139,40 @@ func DescribeExport(h Handle) (TransferInfo, error) {
 	return transferInfo(m, exp.PageBytes(), exp.Live()), nil
 }
 
+// pageRange checks a caller's run of pages, n bytes from page first,
+// against a transfer of pages pages of pageBytes bytes each, and returns
+// first as an int. The run must be a positive whole number of pages that
+// starts and ends within the transfer. The arithmetic is done on int64
+// values that cannot overflow, whatever first and n are, so that nothing
+// reaches kvcache whose sum with a page count could wrap around: first =
+// INT64_MAX used to pass kvcache's check as a negative end and panic on a
+// slice bound. A refusal names the numbers and has changed nothing.
+func pageRange(op string, first int64, n, pages, pageBytes int) (int, error) {
+	total, pb, size := int64(pages), int64(pageBytes), int64(n)
+	if size <= 0 || pb <= 0 || size%pb != 0 {
+		return 0, fmt.Errorf("%w: %s of %d bytes at page %d: not a positive multiple of the page size, %d bytes",
+			kvcache.ErrInvalidArgument, op, n, first, pageBytes)
+	}
+	if count := size / pb; first < 0 || first >= total || count > total-first {
+		return 0, fmt.Errorf("%w: %s of %d pages (%d bytes) at page %d: outside pages 0..%d of the transfer",
+			kvcache.ErrInvalidArgument, op, count, n, first, total-1)
+	}
+	return int(first), nil
+}
+
 // ExportReadPages copies exported pages first, first+1, … into dst, a
-// whole number of pages.
+// whole number of pages within the export. A bad range is refused before
+// the export is touched: nothing is copied and the export is unchanged.
 func ExportReadPages(h Handle, first int64, dst []byte) error {
 	exp, err := lookupExport(h)
 	if err != nil {
 		return err
 	}
-	return exp.ReadPages(clampInt(first), dst)
+	f, err := pageRange("read", first, len(dst), exp.Manifest().Pages(), exp.PageBytes())
+	if err != nil {
+		return err
+	}
+	return exp.ReadPages(f, dst)
 }
 
 // ExportAck ends the export after the decode side confirmed the import.
@@ -201,7 +227,7 @@ func ms(v int64) time.Duration {
 func ParseReceiverConfig(data []byte) (handoff.ReceiverConfig, error) {
 	var rj ReceiverJSON
 	if len(bytes.TrimSpace(data)) > 0 {
-		if len(data) > maxConfigBytes {
+		if len(data) > MaxJSONBytes {
 			return handoff.ReceiverConfig{}, fmt.Errorf("%w: receiver JSON of %d bytes", handoff.ErrInvalidConfig, len(data))
 		}
 		dec := json.NewDecoder(bytes.NewReader(data))
@@ -253,6 +279,12 @@ func DestroyReceiver(h Handle) error {
 
 // BeginImport verifies manifest and admits its import fail-closed.
 // manifest may alias C memory: it is parsed (and copied) during the call.
+//
+// The admission waits as the receiver's admit_wait_ms says, and no
+// longer: handoff bounds it with a timeout of its own, and with 0 must
+// refuse a busy pool at once. The context passed here only says that a C
+// caller never cancels the call; it carries no deadline, so it must never
+// reach an admission that waits for as long as its context lives.
 func BeginImport(receiver Handle, manifest []byte) (Handle, error) {
 	v, ok := receivers.Load(receiver)
 	if !ok {
@@ -279,14 +311,21 @@ func DescribeImport(h Handle) (TransferInfo, error) {
 }
 
 // ImportWritePages writes received pages first, first+1, … from src (a
-// whole number of pages; it may alias C memory). Any error aborts the
-// import.
+// whole number of pages; it may alias C memory). A bad range is the
+// caller's arithmetic, not the transfer's: it is refused before the
+// import is touched, nothing is written and the import stays usable. Any
+// other error (a page twice, an import that has ended, a pool fault)
+// aborts the import, as kvcache does.
 func ImportWritePages(h Handle, first int64, src []byte) error {
 	ie, err := lookupImport(h)
 	if err != nil {
 		return err
 	}
-	return ie.imp.WritePages(clampInt(first), src)
+	f, err := pageRange("write", first, len(src), ie.imp.Pages(), ie.imp.PageBytes())
+	if err != nil {
+		return err
+	}
+	return ie.imp.WritePages(f, src)
 }
 
 // CompleteImport verifies the import and returns its lease handle in the

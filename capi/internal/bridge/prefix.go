@@ -3,6 +3,7 @@ package bridge
 import (
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"sync"
 
 	"github.com/kvfence/kvfence/cudaops"
@@ -120,8 +121,8 @@ func Events(h Handle, dst []byte) (int, error) {
 		doc.Events = []EventDoc{}
 	}
 	js, err := json.Marshal(doc)
-	if err != nil {
-		return 0, err
+	if err != nil { // plain structs of numbers and strings: a bug
+		return 0, fmt.Errorf("%w: events JSON: %w", ErrInternal, err)
 	}
 	if len(dst) < len(js)+1 {
 		return len(js) + 1, &BufferError{What: "events JSON (bytes, NUL included)", Need: len(js) + 1, Have: len(dst)}

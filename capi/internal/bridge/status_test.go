@@ -6,6 +6,8 @@ import (
 	"go/ast"
 	"go/parser"
 	"go/token"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -157,5 +159,112 @@ func TestStatusNamesUnique(t *testing.T) {
 	}
 	if got := Status(999).String(); got != "kvf_status(999)" {
 		t.Errorf("unknown status prints %q", got)
+	}
+}
+
+// TestErrorsWrapSentinels: every error the bridge and the export layer
+// make inside a function wraps a sentinel, so that Classify decides its
+// status from what it is, never from the fallback for unknown errors: no
+// fmt.Errorf without %w, no errors.New outside the sentinel declarations.
+func TestErrorsWrapSentinels(t *testing.T) {
+	var files []string
+	for _, pattern := range []string{"*.go", "../../*.go"} {
+		m, err := filepath.Glob(pattern)
+		if err != nil {
+			t.Fatal(err)
+		}
+		files = append(files, m...)
+	}
+	checked := 0
+	for _, path := range files {
+		if strings.HasSuffix(path, "_test.go") {
+			continue
+		}
+		fset := token.NewFileSet()
+		f, err := parser.ParseFile(fset, path, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range f.Decls {
+			fd, ok := d.(*ast.FuncDecl)
+			if !ok || fd.Body == nil {
+				continue
+			}
+			ast.Inspect(fd.Body, func(n ast.Node) bool {
+				call, ok := n.(*ast.CallExpr)
+				if !ok {
+					return true
+				}
+				sel, ok := call.Fun.(*ast.SelectorExpr)
+				if !ok {
+					return true
+				}
+				pkg, ok := sel.X.(*ast.Ident)
+				if !ok {
+					return true
+				}
+				switch {
+				case pkg.Name == "errors" && sel.Sel.Name == "New":
+					t.Errorf("%s: errors.New in %s: wrap a sentinel instead", fset.Position(call.Pos()), fd.Name.Name)
+				case pkg.Name == "fmt" && sel.Sel.Name == "Errorf":
+					checked++
+					if len(call.Args) == 0 || !strings.Contains(leadingLiteral(call.Args[0]), "%w") {
+						t.Errorf("%s: fmt.Errorf in %s wraps no error (%%w)", fset.Position(call.Pos()), fd.Name.Name)
+					}
+				}
+				return true
+			})
+		}
+	}
+	if checked < 20 {
+		t.Fatalf("only %d fmt.Errorf calls seen in %d files: the scan no longer finds the sources", checked, len(files))
+	}
+}
+
+// leadingLiteral is the string literal a format starts with: the literal
+// itself, or the left end of a concatenation ("%w: " + format).
+func leadingLiteral(e ast.Expr) string {
+	switch e := e.(type) {
+	case *ast.BasicLit:
+		s, _ := strconv.Unquote(e.Value)
+		return s
+	case *ast.BinaryExpr:
+		return leadingLiteral(e.X)
+	}
+	return ""
+}
+
+// TestStatusRoundTrip: every status has an error that classifies as it,
+// and every error the status table lists for a status classifies back as
+// that status (none is shadowed by an earlier entry), so the mapping is
+// total in both directions.
+func TestStatusRoundTrip(t *testing.T) {
+	errorsOf := map[Status][]error{
+		OK:                   {nil},
+		StatusBufferTooSmall: {&BufferError{What: "test", Need: 2, Have: 1}},
+		StatusInternal:       {errors.New("an error kvfence does not know")},
+	}
+	for _, s := range sentinels {
+		errorsOf[s.status] = append(errorsOf[s.status], s.err)
+	}
+	for s, name := range Statuses() {
+		errs := errorsOf[s]
+		if len(errs) == 0 {
+			t.Errorf("%s (%d): no error maps to it", name, s)
+		}
+		for _, err := range errs {
+			wrapped := err
+			if err != nil {
+				wrapped = fmt.Errorf("context: %w", err)
+			}
+			if got := Classify(wrapped).Status; got != s {
+				t.Errorf("%v classifies as %v, the table says %s", err, got, name)
+			}
+		}
+	}
+	for s := range errorsOf {
+		if _, named := Statuses()[s]; !named {
+			t.Errorf("status %d has errors but no name", s)
+		}
 	}
 }

@@ -1,0 +1,74 @@
+//go:build cgo
+
+package main
+
+// The prefix cache: admission by token IDs, the hit, and publishing a
+// lease's prompt pages.
+
+// #include "lasterror.h"
+import "C"
+
+import (
+	"unsafe"
+
+	"github.com/kvfence/kvfence/capi/internal/bridge"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+//export kvf_admit_tokens
+func kvf_admit_tokens(pool C.kvf_pool, requestID, tenant *C.char, tokenIDs *C.int32_t, nTokens C.size_t,
+	maxNewTokens C.int64_t, adapter *C.char, waitMS C.int64_t, out *C.kvf_lease) (st C.kvf_status) {
+	defer guard(&st)
+	if out == nil {
+		return nullPointer("out")
+	}
+	id, err := cString(requestID, "request_id", kvcache.ErrInvalidRequest)
+	if err != nil {
+		return fail(err)
+	}
+	tn, err := cString(tenant, "tenant", kvcache.ErrInvalidRequest)
+	if err != nil {
+		return fail(err)
+	}
+	ad, err := optString(adapter, "adapter", kvcache.ErrInvalidRequest)
+	if err != nil {
+		return fail(err)
+	}
+	toks, err := cSlice((*int32)(unsafe.Pointer(tokenIDs)), nTokens, "token_ids")
+	if err != nil {
+		return fail(err)
+	}
+	h, err := bridge.AdmitTokens(uint64(pool), id, tn, toks, int64(maxNewTokens), ad, waitDuration(waitMS))
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.kvf_lease(h)
+	return C.KVF_OK
+}
+
+//export kvf_lease_hit_tokens
+func kvf_lease_hit_tokens(lease C.kvf_lease, out *C.int64_t) (st C.kvf_status) {
+	defer guard(&st)
+	if out == nil {
+		return nullPointer("out")
+	}
+	n, err := bridge.HitTokens(uint64(lease))
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.int64_t(n)
+	return C.KVF_OK
+}
+
+//export kvf_lease_cache_prefix
+func kvf_lease_cache_prefix(lease C.kvf_lease, tokens C.int64_t, sharedTokens *C.int64_t) (st C.kvf_status) {
+	defer guard(&st)
+	n, err := bridge.CachePrefix(uint64(lease), int64(tokens))
+	if err != nil {
+		return fail(err)
+	}
+	if sharedTokens != nil {
+		*sharedTokens = C.int64_t(n)
+	}
+	return C.KVF_OK
+}
