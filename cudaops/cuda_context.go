@@ -7,6 +7,17 @@ import (
 	"sync/atomic"
 )
 
+// The CUDA device is split by concern. This file is the device itself:
+// loading the driver, the context and the device it opens, making that
+// context current around every driver call, the region table, and Close.
+// cuda_fill.go queues the batched fill, cuda_staging.go owns the
+// page-locked buffers and the host↔device copies, and cuda_fence.go the
+// events that order a fill after the engine and report its completion.
+// None of them uses cgo or unsafe: they call the driver interface
+// (cuda_driver.go), whose only real implementation, the one file with cgo
+// and unsafe, is cuda_dl_cgo.go; its pure-Go twin cuda_dl_nocgo.go makes
+// a CGO_ENABLED=0 build report ErrNoDevice instead of failing to build.
+
 // CUDA is the GPU Device. Its regions live in device memory, allocated with
 // cuMemAlloc or adopted from the engine, and its fills run on its own
 // stream.

@@ -5,6 +5,12 @@ import (
 	"sync"
 )
 
+// Events and fences. A fill waits for the engine's work through an event
+// (the engine's own, or one recorded on its stream) and ends with an event
+// of its own, which is the Fence the pool waits on before it reuses the
+// pages. Events come from a per-device pool, since creating one per fill
+// would cost a driver call on the hot path.
+
 // orderAfterLocked makes the device's stream wait for the engine's work.
 // A handle the driver rejects is the caller's mistake: ErrInvalidArgument.
 func (d *CUDA) orderAfterLocked(after Ordering) error {

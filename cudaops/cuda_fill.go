@@ -6,6 +6,12 @@ import (
 	"fmt"
 )
 
+// The fill: one batch of pages over every region, queued on the device's
+// stream either as one launch of the kvf_fill kernel (fill.ptx, embedded
+// and JIT-compiled by the driver at open) or as driver memsets. The
+// ordering before it and the fence after it are in cuda_fence.go; the
+// buffer that carries the batch to the kernel is in cuda_staging.go.
+
 // FillMode selects how a CUDA device fills pages.
 type FillMode int
 

@@ -4,6 +4,14 @@ import (
 	"fmt"
 )
 
+// Host↔device copies. A kernel fill reads its region table and page list
+// from device memory, so each batch is first written into a page-locked
+// host buffer and copied asynchronously; the buffer must outlive that
+// queued copy, which is why staging buffers are tracked here with the
+// fence of the fill that last used them. ReadPage and WritePage copy Go
+// memory synchronously on the device's stream, so they are ordered after
+// every fill already queued.
+
 // maxStaging bounds the staging buffers, so the fills in flight.
 const maxStaging = 16
 
