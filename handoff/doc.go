@@ -85,7 +85,11 @@
 //
 // Errors are sentinels (errors.go) or kvcache's; the sender sees a
 // receiver's refusal as a *RefusedError wrapping ErrRefused and the
-// receiver's reason.
+// receiver's reason. A nil argument (lease, transport, endpoint, context),
+// or a method called on the nil result of a call that failed, returns
+// ErrInvalidArgument: the incident's engine carried on after a refusal,
+// and an engine that does so again must get an error it can log, never a
+// panic that takes the node and every other tenant's requests with it.
 //
 // # Transports
 //
