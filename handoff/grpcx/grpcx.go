@@ -183,9 +183,19 @@ func (e *serverEnd) RecvParts() ([][]byte, error) {
 func (e *serverEnd) Send(msg []byte) error { return e.stream.SendMsg(&frame{b: msg}) }
 
 // Register adds the handoff service, served by r, to s. s must have been
-// built with ServerOptions (the codec and message limits).
-func Register(s *grpc.Server, r *handoff.Receiver) {
+// built with ServerOptions (the codec and message limits). A nil s or r is
+// refused with handoff.ErrInvalidArgument and nothing is registered: a nil
+// receiver would otherwise panic in the handler of the first transfer,
+// taking the decode process down.
+func Register(s *grpc.Server, r *handoff.Receiver) error {
+	switch {
+	case s == nil:
+		return fmt.Errorf("%w: Register on a nil gRPC server", handoff.ErrInvalidArgument)
+	case r == nil:
+		return fmt.Errorf("%w: Register of a nil receiver", handoff.ErrInvalidArgument)
+	}
 	s.RegisterService(&serviceDesc, &service{r: r})
+	return nil
 }
 
 // ServerOptions are the options a server carrying handoffs needs, with
@@ -208,14 +218,21 @@ func ServerOptions(creds credentials.TransportCredentials) ([]grpc.ServerOption,
 }
 
 // NewServer returns a gRPC server that imports transfers with r. Serve it
-// on a listener; stop it with Stop or GracefulStop.
+// on a listener; stop it with Stop or GracefulStop. Without credentials it
+// fails with ErrNoCredentials, without a receiver with
+// handoff.ErrInvalidArgument.
 func NewServer(r *handoff.Receiver, creds credentials.TransportCredentials, extra ...grpc.ServerOption) (*grpc.Server, error) {
 	opts, err := ServerOptions(creds)
 	if err != nil {
 		return nil, err
 	}
+	if r == nil {
+		return nil, fmt.Errorf("%w: server without a receiver", handoff.ErrInvalidArgument)
+	}
 	s := grpc.NewServer(append(opts, extra...)...)
-	Register(s, r)
+	if err := Register(s, r); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 
@@ -247,11 +264,29 @@ func Dial(target string, creds credentials.TransportCredentials, extra ...grpc.D
 	return &Transport{cc: cc}, nil
 }
 
-// Close closes the connection.
-func (t *Transport) Close() error { return t.cc.Close() }
+// errNoConn is what a nil or zero Transport answers: one not made by Dial.
+var errNoConn = fmt.Errorf("%w: transport without a connection (Dial failed?)", handoff.ErrInvalidArgument)
 
-// Open implements handoff.Transport.
+// Close closes the connection.
+func (t *Transport) Close() error {
+	if t == nil || t.cc == nil {
+		return errNoConn
+	}
+	if err := t.cc.Close(); err != nil {
+		return fmt.Errorf("%w: close: %w", handoff.ErrTransport, err)
+	}
+	return nil
+}
+
+// Open implements handoff.Transport. A nil or zero transport, or a nil
+// context, is handoff.ErrInvalidArgument.
 func (t *Transport) Open(ctx context.Context) (handoff.Stream, error) {
+	switch {
+	case t == nil || t.cc == nil:
+		return nil, errNoConn
+	case ctx == nil:
+		return nil, fmt.Errorf("%w: Open with a nil context", handoff.ErrInvalidArgument)
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	st, err := t.cc.NewStream(ctx, &streamDesc, Method)
 	if err != nil {
