@@ -246,7 +246,9 @@ func (imp *Import) abortLocked() error {
 	imp.r.unclaim(imp.m.RequestID)
 	imp.r.refused()
 	if err != nil {
-		return fmt.Errorf("handoff: aborting import of %q: %w", imp.m.RequestID, err)
+		// err is the decode pool's (kvcache.ErrPoolClosed, or the
+		// scrub's failure), which the package's contract passes on.
+		return fmt.Errorf("%w (aborting the import of %q)", err, imp.m.RequestID)
 	}
 	return nil
 }
