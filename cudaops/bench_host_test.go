@@ -91,9 +91,10 @@ func BenchmarkHostFill(b *testing.B) {
 			bw := func(d time.Duration) float64 { return float64(total) * float64(b.N) / d.Seconds() }
 			b.ReportMetric(bw(fillTime)/1e9, "GB/s")
 			b.ReportMetric(bw(clearTime)/1e9, "clear-GB/s")
-			// x-clear is the target. Many machines store zero lines
-			// faster than others, so a non-zero pattern is also compared with
-			// the same word streamed over contiguous memory (x-contig).
+			// x-clear is the target (bench/README.md). Many machines store
+			// zero lines faster than others, so a non-zero pattern is also
+			// compared with the same word streamed over contiguous memory
+			// (x-contig).
 			b.ReportMetric(bw(fillTime)/bw(clearTime), "x-clear")
 			b.ReportMetric(bw(fillTime)/bw(contigTime), "x-contig")
 		})
