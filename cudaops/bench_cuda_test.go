@@ -25,7 +25,9 @@ const (
 // BenchmarkCUDAFill scrubs batches of scattered pages (ascending, as the
 // pool passes them) over 80 layers × K/V on GPU 0, and compares the fill's
 // bandwidth with one cuMemsetD32Async over a contiguous range of the same
-// size, measured in the same run (x-memset). It skips without a GPU.
+// size, measured in the same run (x-memset). After the timed loop it
+// checks that the fills happened (fillCheck: the counters, and sampled
+// pages in every region read back). It skips without a GPU.
 func BenchmarkCUDAFill(b *testing.B) {
 	d := openGPU(b)
 	defer d.Close()
@@ -62,6 +64,10 @@ func BenchmarkCUDAFill(b *testing.B) {
 				}
 				spec := cudaops.FillSpec{Word: 0x80008000}
 				b.SetBytes(int64(bytes))
+				check, err := newFillCheck(d, pages, spec)
+				if err != nil {
+					b.Fatal(err)
+				}
 				before := d.Counters()
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
@@ -75,6 +81,12 @@ func BenchmarkCUDAFill(b *testing.B) {
 				}
 				b.StopTimer()
 				after := d.Counters()
+				if err := check.verify(b.N); err != nil {
+					b.Fatal(err)
+				}
+				if mode == cudaops.FillKernel && after.Launches-before.Launches != uint64(b.N) {
+					b.Fatalf("%d kernel fills made %d launches", b.N, after.Launches-before.Launches)
+				}
 				sec := b.Elapsed().Seconds()
 				gbs := float64(bytes) * float64(b.N) / sec / 1e9
 				b.ReportMetric(gbs, "GB/s")

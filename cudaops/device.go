@@ -24,8 +24,14 @@
 // # Backends
 //
 // Host (this package, pure Go, the default) keeps regions in host memory;
-// every byte is readable by tests. The CUDA backend lives in its own files
-// and loads the driver at run time.
+// every byte is readable by tests. CUDA keeps them in GPU memory and loads
+// the driver (libcuda.so.1) at run time, so that a binary built with
+// kvfence starts, and reports ErrNoDevice, on a machine without one. Its
+// files are named cuda_*.go, one per concern (context and device, fill,
+// staging copies, fences); only cuda_dl_cgo.go uses cgo and unsafe, and
+// its twin cuda_dl_nocgo.go keeps CGO_ENABLED=0 builds working, so no
+// build of this package needs a CUDA toolkit. Both backends pass the
+// conformance suite in cudaops/devicetest.
 package cudaops
 
 import "fmt"

@@ -2,7 +2,11 @@ package cudaops
 
 import "errors"
 
-// Sentinel errors of every Device. Match with errors.Is.
+// Sentinel errors of every Device. Every error this package (and gpuinfo,
+// gorgoniacu) returns wraps one of them, a failed driver call as a
+// *DriverError inside ErrDriver, ErrNoDevice, ErrOutOfMemory or
+// ErrInvalidArgument; match with errors.Is. TestErrorContract checks the
+// source for errors that could escape it.
 var (
 	// ErrNoDevice: the backend cannot run here (no driver, no GPU, the
 	// driver refused to initialise). The message names the driver's error.

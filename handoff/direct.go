@@ -32,6 +32,9 @@ import (
 // the pages are no longer pinned). The slice is the export's: do not
 // modify it.
 func (e *Export) ManifestBytes() ([]byte, error) {
+	if e == nil {
+		return nil, errNilExport
+	}
 	e.full.Lock()
 	defer e.full.Unlock()
 	if e.full.wire == nil {
@@ -51,21 +54,42 @@ func (e *Export) ManifestBytes() ([]byte, error) {
 // Checksum returns the content checksum of the exported pages, reading
 // each once on the first call (as ManifestBytes does); kvcache.ErrReclaimed
 // if it was not known yet and the pages are no longer pinned.
-func (e *Export) Checksum() (uint32, error) { return e.out.Checksum() }
+func (e *Export) Checksum() (uint32, error) {
+	if e == nil {
+		return 0, errNilExport
+	}
+	return e.out.Checksum()
+}
 
-// PageBytes is the size of one exported page, all regions.
-func (e *Export) PageBytes() int { return int(e.out.Geometry().PageBytes()) }
+// PageBytes is the size of one exported page, all regions; 0 for a nil
+// export.
+func (e *Export) PageBytes() int {
+	if e == nil {
+		return 0
+	}
+	return int(e.out.Geometry().PageBytes())
+}
 
 // ReadPages copies exported pages first, first+1, … into dst (a whole
 // number of pages, regions in order). It fails with kvcache.ErrReclaimed
 // once the pages are no longer pinned, and then copies nothing.
-func (e *Export) ReadPages(first int, dst []byte) error { return e.out.ReadPages(first, dst) }
+func (e *Export) ReadPages(first int, dst []byte) error {
+	if e == nil {
+		return errNilExport
+	}
+	return e.out.ReadPages(first, dst)
+}
 
 // Ack ends the export once the decode side has confirmed the import: the
 // pages are released through the scrubber. kvcache.ErrReclaimed means the
 // reclaim deadline (or an Abort) came first; the pages are scrubbed
 // either way.
-func (e *Export) Ack() error { return e.out.Ack() }
+func (e *Export) Ack() error {
+	if e == nil {
+		return errNilExport
+	}
+	return e.out.Ack()
+}
 
 // Import is a transfer the caller moves itself, begun by Receiver.Begin.
 // Its methods may be called from any goroutine; WritePages calls may run
@@ -89,8 +113,16 @@ type Import struct {
 // geometry, sharing domain and replay, exactly as Serve does), claims its
 // request ID and admits the import fail-closed in the receiver's pool. On
 // any error nothing stays allocated or claimed. The import aborts itself
-// if it has not completed within the receiver's TransferTimeout.
+// if it has not completed within the receiver's TransferTimeout. A nil
+// receiver or context is ErrInvalidArgument, checked before the manifest is
+// read, so it claims nothing and does not count as a refused transfer.
 func (r *Receiver) Begin(ctx context.Context, manifest []byte) (*Import, error) {
+	switch {
+	case r == nil:
+		return nil, errNilReceiver
+	case ctx == nil:
+		return nil, fmt.Errorf("%w: Begin with a nil context", ErrInvalidArgument)
+	}
 	m, err := r.vet(manifest)
 	if err != nil {
 		r.refused()
@@ -122,18 +154,41 @@ func (r *Receiver) refused() {
 	r.mu.Unlock()
 }
 
-// Manifest is the verified manifest of the import.
-func (imp *Import) Manifest() Manifest { return imp.m }
+// errNilImport is what the methods of a nil *Import return: the caller
+// went on with the result of a Begin that failed.
+var errNilImport = fmt.Errorf("%w: nil Import (Receiver.Begin failed?)", ErrInvalidArgument)
 
-// Pages is the number of pages to write; PageBytes the size of each.
-func (imp *Import) Pages() int { return imp.in.Pages() }
+// Manifest is the verified manifest of the import (zero for a nil import).
+func (imp *Import) Manifest() Manifest {
+	if imp == nil {
+		return Manifest{}
+	}
+	return imp.m
+}
+
+// Pages is the number of pages to write; PageBytes the size of each. Both
+// are 0 for a nil import.
+func (imp *Import) Pages() int {
+	if imp == nil {
+		return 0
+	}
+	return imp.in.Pages()
+}
 
 // PageBytes is the size of one page, all regions.
-func (imp *Import) PageBytes() int { return imp.pb }
+func (imp *Import) PageBytes() int {
+	if imp == nil {
+		return 0
+	}
+	return imp.pb
+}
 
 // WritePages writes received pages first, first+1, … from src (a whole
 // number of pages, regions in order). Any error aborts the import.
 func (imp *Import) WritePages(first int, src []byte) error {
+	if imp == nil {
+		return errNilImport
+	}
 	if err := imp.in.WritePages(first, src); err != nil {
 		imp.Abort() // the Incoming aborted itself; this settles the claim
 		return err
@@ -145,6 +200,9 @@ func (imp *Import) WritePages(first int, src []byte) error {
 // matches and returns the usable lease (prefilled, written = prompt
 // tokens). On failure the import is aborted.
 func (imp *Import) Complete() (*kvcache.Lease, error) {
+	if imp == nil {
+		return nil, errNilImport
+	}
 	imp.mu.Lock()
 	defer imp.mu.Unlock()
 	if imp.mu.ended {
@@ -170,6 +228,9 @@ func (imp *Import) Complete() (*kvcache.Lease, error) {
 // first Abort) it does nothing: a completed lease is the caller's to
 // release.
 func (imp *Import) Abort() error {
+	if imp == nil {
+		return errNilImport
+	}
 	imp.mu.Lock()
 	defer imp.mu.Unlock()
 	if imp.mu.ended {
@@ -185,14 +246,20 @@ func (imp *Import) abortLocked() error {
 	imp.r.unclaim(imp.m.RequestID)
 	imp.r.refused()
 	if err != nil {
-		return fmt.Errorf("handoff: aborting import of %q: %w", imp.m.RequestID, err)
+		// err is the decode pool's (kvcache.ErrPoolClosed, or the
+		// scrub's failure), which the package's contract passes on.
+		return fmt.Errorf("%w (aborting the import of %q)", err, imp.m.RequestID)
 	}
 	return nil
 }
 
 // Ended reports whether the import has completed or been aborted (by the
-// caller, a failed write or check, or the transfer timeout).
+// caller, a failed write or check, or the transfer timeout). A nil import
+// never began, so it has nothing left to do: true.
 func (imp *Import) Ended() bool {
+	if imp == nil {
+		return true
+	}
 	imp.mu.Lock()
 	defer imp.mu.Unlock()
 	return imp.mu.ended

@@ -2,7 +2,7 @@
 // (disaggregated serving) so that nothing but a complete, verified prefill
 // of the right request can ever become a decode lease.
 //
-// It answers the incident in DESIGN.md: a prefill node rejected an
+// It answers the incident in docs/design.md: a prefill node rejected an
 // over-long prompt, substituted a one-token placeholder, still shipped its
 // "KV", and the decode node generated from pages holding other tenants'
 // data (SGLang 30233, 30325, 36988, 38935, 38704; a late transfer landing
@@ -13,7 +13,7 @@
 // The page-level state machine lives in kvcache (see kvcache/handoff.go):
 // a lease is admitted → prefilling → prefilled (written watermark = prompt
 // tokens) → exported → released, or aborted from any phase. This package
-// sits above it (a refinement of DESIGN.md's layering: kvcache stays the
+// sits above it (see the architecture in docs/design.md: kvcache stays the
 // façade engines embed, handoff is a peer of capi and examples that
 // imports it) and adds what crosses the wire:
 //
@@ -85,7 +85,11 @@
 //
 // Errors are sentinels (errors.go) or kvcache's; the sender sees a
 // receiver's refusal as a *RefusedError wrapping ErrRefused and the
-// receiver's reason.
+// receiver's reason. A nil argument (lease, transport, endpoint, context),
+// or a method called on the nil result of a call that failed, returns
+// ErrInvalidArgument: the incident's engine carried on after a refusal,
+// and an engine that does so again must get an error it can log, never a
+// panic that takes the node and every other tenant's requests with it.
 //
 // # Transports
 //

@@ -15,6 +15,13 @@ var (
 	// ErrInvalidConfig: a sender or receiver configuration that cannot work
 	// (no pool, a key shorter than MinKeyBytes, negative durations).
 	ErrInvalidConfig = errors.New("handoff: invalid config")
+	// ErrInvalidArgument: a nil lease, export, import, receiver, transport,
+	// endpoint or context. It is kvcache.ErrInvalidArgument. A caller that
+	// ignores an error holds a nil result, and the incident began with an
+	// engine that carried on after a refusal: such a call must come back
+	// as an error the caller can log, never as a panic that takes the node
+	// (and every other tenant's requests on it) down.
+	ErrInvalidArgument = kvcache.ErrInvalidArgument
 	// ErrMalformedManifest: bytes that are not a version-1 manifest: wrong
 	// magic, version or length, a field out of range, trailing bytes.
 	ErrMalformedManifest = errors.New("handoff: malformed manifest")

@@ -259,7 +259,7 @@ func TestIncident(t *testing.T) {
 }
 
 // TestSGLang30233Boundary: a limit of 284,928 tokens and prompts of the
-// limit, one over, and nine over (the 284,937).
+// limit, one over, and nine over (284,937, the prompt of that report).
 func TestSGLang30233Boundary(t *testing.T) {
 	const limit = 284_928 // 17,808 pages of 16
 	ctx := context.Background()

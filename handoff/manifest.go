@@ -190,6 +190,9 @@ func (k *Key) sum(dst, msg []byte) []byte {
 
 // AppendEncode appends the manifest's encoding, MAC included, to dst.
 func (m *Manifest) AppendEncode(dst []byte, key *Key) ([]byte, error) {
+	if m == nil {
+		return dst, fmt.Errorf("%w: nil manifest", ErrInvalidArgument)
+	}
 	if key == nil {
 		return dst, fmt.Errorf("%w: no key", ErrInvalidConfig)
 	}

@@ -89,8 +89,16 @@ func NewReceiver(cfg ReceiverConfig) (*Receiver, error) {
 	return r, nil
 }
 
+// errNilReceiver is what the methods of a nil *Receiver return: the
+// caller went on with the result of a NewReceiver that failed.
+var errNilReceiver = fmt.Errorf("%w: nil Receiver (NewReceiver failed?)", ErrInvalidArgument)
+
 // Take returns the imported lease of a request, once, if Deliver is nil.
+// A nil receiver holds none.
 func (r *Receiver) Take(requestID string) (*kvcache.Lease, bool) {
+	if r == nil {
+		return nil, false
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	l, ok := r.mu.ready[requestID]
@@ -98,8 +106,11 @@ func (r *Receiver) Take(requestID string) (*kvcache.Lease, bool) {
 	return l, ok
 }
 
-// Stats returns running totals.
+// Stats returns running totals (zero for a nil receiver).
 func (r *Receiver) Stats() ReceiverStats {
+	if r == nil {
+		return ReceiverStats{}
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.mu.stats
@@ -109,8 +120,17 @@ func (r *Receiver) Stats() ReceiverStats {
 // fail-closed, receive and write the pages, verify them, and only then
 // deliver the lease. Every failure aborts the import through the
 // scrubber, is reported to the sender when the transport still works,
-// and is returned.
+// and is returned. A nil receiver, context or endpoint is
+// ErrInvalidArgument before anything is read: no transfer was refused.
 func (r *Receiver) Serve(ctx context.Context, ep Endpoint) error {
+	switch {
+	case r == nil:
+		return errNilReceiver
+	case ctx == nil:
+		return fmt.Errorf("%w: Serve with a nil context", ErrInvalidArgument)
+	case ep == nil:
+		return fmt.Errorf("%w: Serve on a nil endpoint", ErrInvalidArgument)
+	}
 	err := r.serve(ctx, ep)
 	if err != nil {
 		r.mu.Lock()

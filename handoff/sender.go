@@ -82,7 +82,17 @@ type Export struct {
 // first page leaves at once and each byte leaves the device once;
 // ManifestBytes, for engines that move the bytes themselves, reads the
 // pages once more to put the checksum in the manifest.
+//
+// A nil lease, which is all an engine holds after a refused admission, is
+// refused with ErrInvalidArgument: the incident's engine exported after a
+// refusal, and that must cost the caller an error, not the node a panic.
 func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
+	switch {
+	case s == nil:
+		return nil, fmt.Errorf("%w: Export on a nil Sender (NewSender failed?)", ErrInvalidArgument)
+	case l == nil:
+		return nil, fmt.Errorf("%w: nil lease: a refused admission has no lease, so nothing to export", ErrInvalidArgument)
+	}
 	if maxNewTokens < 0 || maxNewTokens > maxTokens {
 		return nil, fmt.Errorf("%w: %d max new tokens", kvcache.ErrInvalidRequest, maxNewTokens)
 	}
@@ -106,15 +116,31 @@ func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
 	return &Export{s: s, out: out, m: m, wire: wire}, nil
 }
 
-// Manifest returns the manifest Send sends: its checksum follows the
-// pages, in the transfer's seal (ChecksumSealed).
-func (e *Export) Manifest() Manifest { return e.m }
+// errNilExport is what the methods of a nil *Export return: the caller
+// went on with the result of an Export that failed.
+var errNilExport = fmt.Errorf("%w: nil Export (Sender.Export failed?)", ErrInvalidArgument)
 
-// Live reports whether the exported pages are still pinned.
-func (e *Export) Live() bool { return e.out.Live() }
+// Manifest returns the manifest Send sends: its checksum follows the
+// pages, in the transfer's seal (ChecksumSealed). A nil export has the
+// zero manifest.
+func (e *Export) Manifest() Manifest {
+	if e == nil {
+		return Manifest{}
+	}
+	return e.m
+}
+
+// Live reports whether the exported pages are still pinned; a nil export
+// pins nothing.
+func (e *Export) Live() bool { return e != nil && e.out.Live() }
 
 // Abort releases the exported pages through the scrubber now.
-func (e *Export) Abort() error { return e.out.Abort() }
+func (e *Export) Abort() error {
+	if e == nil {
+		return errNilExport
+	}
+	return e.out.Abort()
+}
 
 // Send streams the manifest and the pages over t and waits for the
 // receiver's verdict. On success the receiver holds a verified, usable
@@ -122,7 +148,18 @@ func (e *Export) Abort() error { return e.out.Abort() }
 // On failure the error says why (a *RefusedError with the receiver's
 // reason, ErrTransport, kvcache.ErrReclaimed) and the pages stay pinned
 // until Abort or the reclaim deadline, so that the caller may retry.
+//
+// A nil export, context or transport is ErrInvalidArgument, and nothing is
+// sent.
 func (e *Export) Send(ctx context.Context, t Transport) error {
+	switch {
+	case e == nil:
+		return errNilExport
+	case ctx == nil:
+		return fmt.Errorf("%w: Send with a nil context", ErrInvalidArgument)
+	case t == nil:
+		return fmt.Errorf("%w: Send over a nil transport", ErrInvalidArgument)
+	}
 	st, err := t.Open(ctx)
 	if err != nil {
 		return fmt.Errorf("%w: open: %w", ErrTransport, err)

@@ -77,11 +77,20 @@ type InProcess struct {
 	serves sync.WaitGroup
 }
 
-// NewInProcess returns a transport that delivers to r.
+// NewInProcess returns a transport that delivers to r. Open refuses to
+// start a transfer if r is nil.
 func NewInProcess(r *Receiver) *InProcess { return &InProcess{r: r} }
 
-// Open implements Transport.
+// Open implements Transport. A nil transport, receiver or context is
+// ErrInvalidArgument (the receiver's nil would otherwise panic later, on
+// the goroutine that serves the transfer, where no caller could recover).
 func (t *InProcess) Open(ctx context.Context) (Stream, error) {
+	switch {
+	case t == nil || t.r == nil:
+		return nil, fmt.Errorf("%w: in-process transport without a receiver", ErrInvalidArgument)
+	case ctx == nil:
+		return nil, fmt.Errorf("%w: Open with a nil context", ErrInvalidArgument)
+	}
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrTransport, err)
 	}
@@ -99,7 +108,11 @@ func (t *InProcess) Open(ctx context.Context) (Stream, error) {
 
 // Wait blocks until every transfer this transport started has ended on
 // the receiver's side.
-func (t *InProcess) Wait() { t.serves.Wait() }
+func (t *InProcess) Wait() {
+	if t != nil {
+		t.serves.Wait()
+	}
+}
 
 // pipe is a bidirectional in-process channel pair. toServer is closed by
 // CloseSend; done by Close (a dropped connection); served when the

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# CI steps for the prefill → decode handoff (issue 5) beyond `go test -race
-# ./...` (which .ci/run runs): fuzzing of the manifest codec and the
-# data-frame parser past their seeds,
-# and the two-process example. FUZZTIME overrides the fuzzing budget.
+# CI steps for the prefill → decode handoff beyond `go test -race ./...`
+# (which .ci/run runs): fuzzing of the manifest codec and the data-frame
+# parser past their seeds, and the two-process example. FUZZTIME overrides
+# the fuzzing budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzztime="${FUZZTIME:-20000x}" # inputs, not seconds: see .ci/run

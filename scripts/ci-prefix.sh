@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# CI steps of the prefix cache (issue 4) beyond `go test -race ./...`
-# (which .ci/run runs): short fuzzing of key derivation and matching, and a
+# CI steps of the prefix cache beyond `go test -race ./...` (which
+# .ci/run runs): short fuzzing of key derivation and matching, and a
 # one-iteration run of its benchmarks so they keep compiling and passing
 # their own checks. FUZZTIME overrides the fuzzing budget.
 set -euo pipefail

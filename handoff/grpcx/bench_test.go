@@ -1,7 +1,9 @@
 package grpcx_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"net"
@@ -30,6 +32,13 @@ const benchPrompt = 32_768
 // and the release of the prefill pages. The baseline is a raw TCP copy of
 // the same bytes over loopback, measured in the same benchmark: one after
 // each handoff, so that both see the same load on a shared machine.
+//
+// Each handoff is checked, outside the timed part: the decode lease holds
+// the prompt's pages, sampled pages (the first, a middle and the last, in
+// every region) carry what the prefill side wrote into them, and the
+// prefill pages have been released. The receiver has verified the content
+// checksum over every page before Send returned; the sample shows the
+// pages it verified are the ones the decode lease got.
 func BenchmarkHandoff(b *testing.B) {
 	newPool := func() *kvcache.Pool {
 		p, err := kvcache.New(kvcache.Config{Geometry: benchGeometry, Pages: benchPrompt / 16,
@@ -53,18 +62,39 @@ func BenchmarkHandoff(b *testing.B) {
 	s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key()})
 	require.NoError(b, err)
 	ctx := context.Background()
-	bytes := int64(benchPrompt) * benchGeometry.TokenBytes()
-	tcp := newTCPCopy(b, bytes)
+	size := int64(benchPrompt) * benchGeometry.TokenBytes()
+	tcp := newTCPCopy(b, size)
 	defer tcp.close()
-	b.SetBytes(bytes)
+	b.SetBytes(size)
+
+	pages := benchGeometry.PagesFor(benchPrompt)
+	sample := []int{0, pages / 2, pages - 1}
+	page := make([]byte, benchGeometry.RegionPageBytes())
+	// mark fills page with bytes that name request i, prompt page p and
+	// region r.
+	mark := func(i, p, r int) []byte {
+		for off := 0; off < len(page); off += 8 {
+			binary.LittleEndian.PutUint64(page[off:], uint64(i)<<40|uint64(p)<<16|uint64(r)<<8|uint64(off&0xff))
+		}
+		return page
+	}
+	got := make([]byte, len(page))
 
 	var handoffTime, tcpTime time.Duration
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
-		l, err := prefill.Admit(ctx, kvcache.Request{ID: fmt.Sprint("bench-", i), Tenant: "victim", PromptTokens: benchPrompt})
+		id := fmt.Sprint("bench-", i)
+		l, err := prefill.Admit(ctx, kvcache.Request{ID: id, Tenant: "victim", PromptTokens: benchPrompt})
 		require.NoError(b, err)
 		require.NoError(b, l.BeginPrefill())
+		table, err := l.BlockTable()
+		require.NoError(b, err)
+		for _, p := range sample {
+			for r := range benchGeometry.Regions() {
+				require.NoError(b, prefill.Device().WritePage(r, table[p], mark(i, p, r)))
+			}
+		}
 		require.NoError(b, l.Commit(benchPrompt))
 		require.NoError(b, l.FinishPrefill())
 		b.StartTimer()
@@ -74,15 +104,31 @@ func BenchmarkHandoff(b *testing.B) {
 		require.NoError(b, exp.Send(ctx, tr))
 		handoffTime += time.Since(start)
 		b.StopTimer()
-		dl, ok := recv.Take(fmt.Sprint("bench-", i))
-		require.True(b, ok)
+		dl, ok := recv.Take(id)
+		require.True(b, ok, "no decode lease for %s", id)
+		require.Equal(b, benchPrompt, dl.Written(), "decode lease of %s", id)
+		dtable, err := dl.BlockTable()
+		require.NoError(b, err)
+		require.GreaterOrEqual(b, len(dtable), pages)
+		for _, p := range sample {
+			for r := range benchGeometry.Regions() {
+				require.NoError(b, decode.Device().ReadPage(r, dtable[p], got))
+				if !bytes.Equal(got, mark(i, p, r)) {
+					b.Fatalf("%s: decode page %d region %d is not what prefill wrote", id, p, r)
+				}
+			}
+		}
 		require.NoError(b, dl.Release())
+		require.Zero(b, prefill.Stats().LiveLeases, "the exported lease of %s is still live", id)
 		tcpTime += tcp.run(b)
 		b.StartTimer()
 	}
 	b.StopTimer()
-	gbps := float64(bytes) * float64(b.N) / handoffTime.Seconds() / 1e9
-	tcpGBps := float64(bytes) * float64(b.N) / tcpTime.Seconds() / 1e9
+	require.Equal(b, handoff.ReceiverStats{Imported: uint64(b.N)}, recv.Stats())
+	require.NoError(b, prefill.Check())
+	require.NoError(b, decode.Check())
+	gbps := float64(size) * float64(b.N) / handoffTime.Seconds() / 1e9
+	tcpGBps := float64(size) * float64(b.N) / tcpTime.Seconds() / 1e9
 	b.ReportMetric(gbps, "GB/s")
 	b.ReportMetric(tcpGBps, "tcp-GB/s")
 	b.ReportMetric(gbps/tcpGBps, "x-tcp")

@@ -27,6 +27,15 @@
 // (hundreds of Gb/s at more than ~150 µs) wants a larger window: pass
 // grpc.InitialWindowSize and grpc.WithInitialWindowSize (and the
 // connection variants) as extra options, which override these.
+//
+// # Errors
+//
+// Every error the package returns wraps ErrNoCredentials or one of
+// handoff's sentinels: handoff.ErrTransport for anything gRPC or the
+// network reports (the sender's Send then wraps it again, or turns it into
+// the receiver's verdict), handoff.ErrInvalidArgument for a nil server,
+// receiver, transport or context. A transfer's refusals are the handoff
+// package's; they travel as verdicts, not as gRPC status errors.
 package grpcx
 
 import (
@@ -81,7 +90,10 @@ func (f *frame) release() {
 	}
 }
 
-// rawCodec moves frames as their bytes. Marshal copies into a pooled
+// rawCodec moves frames as their bytes. It is forced only on this
+// package's streams, so a value that is not a *frame is this package's
+// bug; gRPC reports the codec's error to SendMsg or RecvMsg, where it
+// fails the transfer (handoff.ErrTransport). Marshal copies into a pooled
 // buffer, which gRPC frees once written (the caller may reuse its slice as
 // soon as Send returns, as handoff.Stream promises), unless the frame
 // carries a buffer gRPC owns. Unmarshal copies into the frame's own
@@ -95,7 +107,7 @@ func (rawCodec) Name() string { return "kvfence-raw" }
 func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
 	f, ok := v.(*frame)
 	if !ok {
-		return nil, fmt.Errorf("grpcx: cannot marshal %T", v)
+		return nil, fmt.Errorf("%w: grpcx codec cannot marshal %T", handoff.ErrTransport, v)
 	}
 	if f.owned != nil {
 		return mem.BufferSlice{f.owned}, nil
@@ -106,7 +118,7 @@ func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
 func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	f, ok := v.(*frame)
 	if !ok {
-		return fmt.Errorf("grpcx: cannot unmarshal into %T", v)
+		return fmt.Errorf("%w: grpcx codec cannot unmarshal into %T", handoff.ErrTransport, v)
 	}
 	if f.keep {
 		data.Ref() // gRPC frees its reference when Unmarshal returns
@@ -180,12 +192,25 @@ func (e *serverEnd) RecvParts() ([][]byte, error) {
 	return e.in.parts, nil
 }
 
+// Send implements handoff.Endpoint. Its errors, and Recv's, go to
+// handoff.Receiver only, which wraps each in handoff.ErrTransport (and
+// needs Recv's io.EOF as it is, the end of the sender's messages).
 func (e *serverEnd) Send(msg []byte) error { return e.stream.SendMsg(&frame{b: msg}) }
 
 // Register adds the handoff service, served by r, to s. s must have been
-// built with ServerOptions (the codec and message limits).
-func Register(s *grpc.Server, r *handoff.Receiver) {
+// built with ServerOptions (the codec and message limits). A nil s or r is
+// refused with handoff.ErrInvalidArgument and nothing is registered: a nil
+// receiver would otherwise panic in the handler of the first transfer,
+// taking the decode process down.
+func Register(s *grpc.Server, r *handoff.Receiver) error {
+	switch {
+	case s == nil:
+		return fmt.Errorf("%w: Register on a nil gRPC server", handoff.ErrInvalidArgument)
+	case r == nil:
+		return fmt.Errorf("%w: Register of a nil receiver", handoff.ErrInvalidArgument)
+	}
 	s.RegisterService(&serviceDesc, &service{r: r})
+	return nil
 }
 
 // ServerOptions are the options a server carrying handoffs needs, with
@@ -208,14 +233,21 @@ func ServerOptions(creds credentials.TransportCredentials) ([]grpc.ServerOption,
 }
 
 // NewServer returns a gRPC server that imports transfers with r. Serve it
-// on a listener; stop it with Stop or GracefulStop.
+// on a listener; stop it with Stop or GracefulStop. Without credentials it
+// fails with ErrNoCredentials, without a receiver with
+// handoff.ErrInvalidArgument.
 func NewServer(r *handoff.Receiver, creds credentials.TransportCredentials, extra ...grpc.ServerOption) (*grpc.Server, error) {
 	opts, err := ServerOptions(creds)
 	if err != nil {
 		return nil, err
 	}
+	if r == nil {
+		return nil, fmt.Errorf("%w: server without a receiver", handoff.ErrInvalidArgument)
+	}
 	s := grpc.NewServer(append(opts, extra...)...)
-	Register(s, r)
+	if err := Register(s, r); err != nil {
+		return nil, err
+	}
 	return s, nil
 }
 
@@ -247,11 +279,29 @@ func Dial(target string, creds credentials.TransportCredentials, extra ...grpc.D
 	return &Transport{cc: cc}, nil
 }
 
-// Close closes the connection.
-func (t *Transport) Close() error { return t.cc.Close() }
+// errNoConn is what a nil or zero Transport answers: one not made by Dial.
+var errNoConn = fmt.Errorf("%w: transport without a connection (Dial failed?)", handoff.ErrInvalidArgument)
 
-// Open implements handoff.Transport.
+// Close closes the connection.
+func (t *Transport) Close() error {
+	if t == nil || t.cc == nil {
+		return errNoConn
+	}
+	if err := t.cc.Close(); err != nil {
+		return fmt.Errorf("%w: close: %w", handoff.ErrTransport, err)
+	}
+	return nil
+}
+
+// Open implements handoff.Transport. A nil or zero transport, or a nil
+// context, is handoff.ErrInvalidArgument.
 func (t *Transport) Open(ctx context.Context) (handoff.Stream, error) {
+	switch {
+	case t == nil || t.cc == nil:
+		return nil, errNoConn
+	case ctx == nil:
+		return nil, fmt.Errorf("%w: Open with a nil context", handoff.ErrInvalidArgument)
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	st, err := t.cc.NewStream(ctx, &streamDesc, Method)
 	if err != nil {

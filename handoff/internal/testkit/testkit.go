@@ -44,10 +44,10 @@ type PoolConfig struct {
 	Tenants    []kvcache.TenantConfig
 }
 
-// NewPool builds a canary-scrubbed pool on its own Host device. The
-// device's pages are filled with the canary first: a fresh pool is not
-// scrubbed at construction, and the canary policy verifies pages when they
-// are first handed out too.
+// NewPool builds a canary-scrubbed pool on its own Host device. The pool
+// fills every page with its canary at construction and the canary policy
+// checks pages whenever they are handed out, so a byte written into a free
+// page is caught at its next admission, and Sweep checks every page.
 func NewPool(c PoolConfig) (*kvcache.Pool, error) {
 	g := c.Geometry
 	if g == (kvcache.Geometry{}) {
@@ -59,17 +59,6 @@ func NewPool(c PoolConfig) (*kvcache.Pool, error) {
 		if _, err := dev.AllocRegion(c.Pages, g.RegionPageBytes()); err != nil {
 			return nil, err
 		}
-	}
-	spec, err := policy.FillSpec(g.DType)
-	if err != nil {
-		return nil, err
-	}
-	all := make([]int32, c.Pages)
-	for i := range all {
-		all[i] = int32(i)
-	}
-	if _, err := dev.Fill(all, spec, cudaops.Ordering{}); err != nil {
-		return nil, err
 	}
 	maxCtx := c.MaxContext
 	if maxCtx == 0 {
