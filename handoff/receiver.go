@@ -234,15 +234,14 @@ func (r *Receiver) unclaim(id string) {
 }
 
 func (r *Receiver) admit(ctx context.Context, m *Manifest) (*kvcache.Incoming, error) {
-	admitCtx := context.Background()
-	if r.cfg.AdmitWait > 0 {
-		var cancel context.CancelFunc
-		admitCtx, cancel = context.WithTimeout(ctx, r.cfg.AdmitWait)
-		defer cancel()
-	}
 	req := kvcache.Request{ID: m.RequestID, Tenant: m.Tenant, PromptTokens: m.PromptTokens, MaxNewTokens: m.MaxNewTokens}
 	// The pool refuses the import unless the tenant is in the manifest's
-	// domain here, before and in the admission (ErrDomainMismatch).
+	// domain here when the admission is decided (ErrDomainMismatch).
+	if r.cfg.AdmitWait == 0 {
+		return r.cfg.Pool.TryBeginImport(req, m.Domain, m.Checksum)
+	}
+	admitCtx, cancel := context.WithTimeout(ctx, r.cfg.AdmitWait)
+	defer cancel()
 	return r.cfg.Pool.BeginImport(admitCtx, req, m.Domain, m.Checksum)
 }
 

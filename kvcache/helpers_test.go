@@ -68,7 +68,22 @@ type scriptedDevice struct {
 		hold      bool  // fences stay pending until released
 		pending   []*heldFence
 		orders    []cudaops.Ordering
+		// gate, if set, stops the next Fill at its entry: it sends on
+		// entered, then waits for proceed, as a slow driver call would.
+		gate *fillGate
 	}
+}
+
+type fillGate struct{ entered, proceed chan struct{} }
+
+// gateNextFill makes the next Fill stop at its entry until the returned
+// gate's proceed is closed.
+func (d *scriptedDevice) gateNextFill() *fillGate {
+	g := &fillGate{entered: make(chan struct{}, 1), proceed: make(chan struct{})}
+	d.mu.Lock()
+	d.mu.gate = g
+	d.mu.Unlock()
+	return g
 }
 
 type heldFence struct {
@@ -91,6 +106,13 @@ func newScripted() *scriptedDevice { return &scriptedDevice{Host: cudaops.NewHos
 
 func (d *scriptedDevice) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.Ordering) (cudaops.Fence, error) {
 	d.mu.Lock()
+	if g := d.mu.gate; g != nil {
+		d.mu.gate = nil
+		d.mu.Unlock()
+		g.entered <- struct{}{}
+		<-g.proceed
+		d.mu.Lock()
+	}
 	defer d.mu.Unlock()
 	d.mu.orders = append(d.mu.orders, after)
 	if err := d.mu.failNext; err != nil {

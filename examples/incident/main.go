@@ -13,7 +13,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -63,7 +62,7 @@ func run() error {
 	say("pool of %d pages (%d tokens); requests longer than that will be refused at admission", pool.Pages(), pool.CapacityTokens())
 
 	step(3, "customer-a runs a request and its KV fills every byte of its pages.")
-	a, err := pool.Admit(context.Background(), kvcache.Request{ID: "a-1", Tenant: "customer-a", PromptTokens: 3000, MaxNewTokens: 200})
+	a, err := pool.TryAdmit(kvcache.Request{ID: "a-1", Tenant: "customer-a", PromptTokens: 3000, MaxNewTokens: 200})
 	if err != nil {
 		return err
 	}
@@ -87,7 +86,7 @@ func run() error {
 
 	step(4, "customer-b sends a %d-token prompt: longer than the pool.", longPrompt)
 	before := pool.Stats()
-	long, err := pool.Admit(context.Background(), kvcache.Request{ID: "b-long", Tenant: "customer-b", PromptTokens: longPrompt, MaxNewTokens: 1})
+	long, err := pool.TryAdmit(kvcache.Request{ID: "b-long", Tenant: "customer-b", PromptTokens: longPrompt, MaxNewTokens: 1})
 	var refusal *kvcache.AdmissionError
 	if long != nil || !errors.As(err, &refusal) || !errors.Is(err, kvcache.ErrExceedsCapacity) {
 		return fmt.Errorf("the over-long request was not refused: lease %v, error %v", long, err)
@@ -98,7 +97,7 @@ func run() error {
 		before.InUsePages, after.InUsePages, before.FreePages, after.FreePages)
 
 	step(5, "customer-b runs a request that fits and receives customer-a's old pages.")
-	b, err := pool.Admit(context.Background(), kvcache.Request{ID: "b-1", Tenant: "customer-b", PromptTokens: 3000, MaxNewTokens: 200})
+	b, err := pool.TryAdmit(kvcache.Request{ID: "b-1", Tenant: "customer-b", PromptTokens: 3000, MaxNewTokens: 200})
 	if err != nil {
 		return err
 	}

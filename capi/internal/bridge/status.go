@@ -55,7 +55,7 @@ const (
 	StatusDeviceOutOfMemory Status = 51
 	StatusDeviceFailed      Status = 52 // cudaops.ErrDriver: a driver call failed
 
-	// Lease phases and handoff (kvcache/handoff.go, package handoff).
+	// Lease phases and handoff (kvcache/phase.go, export.go, import.go; package handoff).
 	StatusLeasePhase         Status = 60
 	StatusReclaimed          Status = 61
 	StatusStaleTransfer      Status = 62
@@ -145,6 +145,8 @@ var sentinels = []struct {
 	{isolation.ErrDuplicateTenant, StatusDuplicateTenant},
 	{isolation.ErrOverReserved, StatusOverReserved},
 	{cudaops.ErrInvalidArgument, StatusInvalidArgument},
+	// A failed page copy of a handoff (it wraps the device's error).
+	{kvcache.ErrDevice, StatusDeviceFailed},
 	// Last: a failed fill wraps it inside ErrScrubFailed/ErrPoolFaulted.
 	{cudaops.ErrDriver, StatusDeviceFailed},
 }
