@@ -115,6 +115,10 @@ type admission struct {
 	err error
 }
 
+// testHookDeriveKeys, if set (by tests only), runs each time an
+// admission derives its page keys.
+var testHookDeriveKeys func()
+
 // step is what an attempt needs next.
 type step uint8
 
@@ -165,6 +169,9 @@ func (p *Pool) admit(a *admission) error {
 			p.mu.Unlock()
 			// Once per request: again only if the tenant moves to another
 			// domain meanwhile.
+			if testHookDeriveKeys != nil {
+				testHookDeriveKeys()
+			}
 			l.keys = appendPageKeys(l.keys[:0], prefixRoot(dom.Name, a.req.Adapter), p.geom.TokensPerPage, a.req.TokenIDs)
 			p.mu.Lock()
 			l.keysFor, l.match.valid = dom, false

@@ -32,6 +32,50 @@
 //  4. Tenant-scoped sharing only: pages are shared only inside one sharing
 //     domain (isolation.Domain), chosen server-side from the tenant.
 //
+// # One request, from Admit to its pages and back
+//
+// Admit, TryAdmit and BeginImport run the same admission (admit.go):
+//
+//  1. Outside the lock, the request is checked on its own (IDs, token
+//     counts, prefix material, MaxContextTokens). A context that is done
+//     already never admits.
+//  2. Under Pool.mu, attemptLocked decides, in one critical section, from
+//     everything it depends on: the pool's state, the tenant, a duplicate
+//     ID, the pool's capacity and the tenant's quota (refusals no release
+//     can cure), the cached prefix, and then isolation.Registry.Decide,
+//     the one rule for quota and reservations, given the pages the pool can
+//     hand out and whether earlier admissions wait for pages.
+//  3. Granted, it takes the tenant's charge, shares the matched prefix and
+//     allocates the rest; the lease enters the lease table, live.
+//     Otherwise the refusal is counted (refuseLocked, the one place that
+//     counts) and returned, or, for Admit, the admission waits.
+//
+// Only three things happen outside the lock, and each is followed by
+// another attempt: deriving the prompt's page keys (SHA-256, once per
+// request; again only if the tenant moved to another domain), scrubbing
+// cached pages the admission evicted (their pages are promised to it
+// meanwhile: Pool.mu.claimed), and waiting.
+//
+// The way back (release.go) is one function too, endLease, for Release,
+// Abort, an export's ack or reclaim deadline and an aborted import: under
+// Pool.mu it waits for page copies in flight, takes the lease off the
+// books (shared pages back to the prefix cache, the others quarantined,
+// the tenant uncharged) and counts the fill in Pool.fills; outside it,
+// scrub fills the pages and, once the fence has completed, returns them to
+// the free list. Close refuses new admissions, wakes waiting ones, waits
+// for admissions and copies in progress, ends every lease, drops the
+// prefix cache, and waits for every fill before it closes the device.
+//
+// # Waiting
+//
+// Admit follows golang.org/x/sync/semaphore's Acquire: it waits until it is
+// admitted or ctx is done, first come first served, and a done context
+// never admits. TryAdmit and TryBeginImport never wait. A waiter for pages
+// holds the line: later admissions may take only their tenant's own unused
+// reservation ahead of it, so a tenant under its reservation is admitted
+// at once whatever others attempt. A waiter for quota holds nobody up.
+// admit.go has the one table of what wakes a waiter.
+//
 // # Prefix sharing
 //
 // Every tenant belongs to one sharing domain: its own by default, or one
@@ -47,43 +91,53 @@
 // rooted at the domain and adapter, shares the longest chain cached in the
 // tenant's domain (never the page holding the last prompt token, which the
 // engine writes), and allocates the rest: the lease still holds every page
-// prompt + max new tokens need. Lease.HitTokens tells the engine where to
-// start prefill. After prefill and Commit, Lease.CachePrefix publishes the
-// computed full prompt pages; a published page is immutable.
+// prompt + max new tokens need. The match is made once per attempt and
+// reused while the index has not changed (its epoch). Lease.HitTokens
+// tells the engine where to start prefill. After prefill and Commit,
+// Lease.CachePrefix publishes the computed full prompt pages; a published
+// page is immutable.
 //
 // A published page that no lease holds stays Cached, on an LRU list, until
 // an admission short of free pages evicts it: eviction takes least recently
 // used pages of any domain, sends them through the quarantine (filled,
 // fill completed) and only then lets them be handed out, so no other domain
 // ever receives a cached page unscrubbed. Sharing inside the domain needs
-// no scrub. The index is keyed by (domain, key): even a forged or colliding
-// key cannot reach another domain's page. Events (Pool.Events) report
-// stored, removed and cleared keys to KV-aware routers without ever
-// blocking the pool.
+// no scrub. The index (prefixIndex) is keyed by (domain, key): even a
+// forged or colliding key cannot reach another domain's page. Events
+// (Pool.Events) report stored, removed and cleared keys to KV-aware
+// routers without ever blocking the pool.
+//
+// # Errors
+//
+// Every error the package returns wraps one of the sentinels of errors.go;
+// match with errors.Is. Admission refusals are *AdmissionError values with
+// Need, Have and Limit; Retryable and Permanent say whether to try again.
+// Check joins one error per inconsistency, each wrapping ErrCorrupt.
+//
 // # Concurrency and lock order
 //
 // Pool and Lease methods are safe for concurrent use. There is one lock,
 // Pool.mu, which guards the allocator, the registry, the quarantine's
-// bookkeeping and the lease table; lower packages take no locks of their
-// own except the device's internal one, which is always innermost and never
-// calls back. Device fills run outside Pool.mu. The page semaphore (FIFO,
-// golang.org/x/sync/semaphore) counts clean free pages not yet claimed by an
-// admission (cached pages are not in it: eviction scrubs them first, and
-// their fill's completion releases them into it); a blocking Acquire runs
-// without Pool.mu held. So the order is:
+// bookkeeping, the prefix index, the lease table and the waiting queue;
+// lower packages take no locks of their own except the device's internal
+// one, which is always innermost and never calls back. So the order is:
 //
-//	semaphore → Pool.mu → device
+//	Pool.mu → device
 //
-// TryAcquire and Release never block and may run under Pool.mu. Key
-// hashing runs outside Pool.mu. Events are sent under Pool.mu with a
-// non-blocking send. Handoff page copies (Outgoing.ReadPages,
-// Incoming.WritePages) are vetted under Pool.mu and run outside it, with
-// the lease pinned: a release of a pinned lease, and Close, wait on a
-// condition variable of Pool.mu until the copies are done (handoff.go).
+// A method whose name ends in Locked needs Pool.mu held by its caller
+// (under the invariants build tag, or -race, it asserts so), and none of
+// them takes it. Device fills, key hashing and waiting run without
+// Pool.mu. Events are sent under Pool.mu with a non-blocking send. Handoff
+// page copies (Outgoing.ReadPages, Incoming.WritePages) are vetted under
+// Pool.mu and run outside it, with the lease pinned: an end of a pinned
+// lease, and Close, wait on a condition variable of Pool.mu (Pool.quiet)
+// until the copies are done.
 //
 // A Lease's own fields are immutable while it lives, except the written
-// watermark, the state and the handoff phase (handoff.go), which are
+// watermark, the state and the handoff phase (phase.go), which are
 // atomics, and its prefix-publication fields (how far CachePrefix got; the
 // keys AttachTokens sets once on a lease admitted without them), which
-// change only under Pool.mu.
+// change only under Pool.mu. A Lease is one incarnation at a time: each
+// admission into it numbers it anew (Lease.seq), and an export or import
+// belongs to one incarnation only.
 package kvcache

@@ -4,6 +4,8 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+
+	"github.com/kvfence/kvfence/isolation"
 )
 
 // BlockKey names the KV content of one full page inside one sharing
@@ -46,7 +48,8 @@ const rootTag = "kvfence/prefix-root/v1"
 
 // prefixRoot is the chain's start for one domain and adapter.
 func prefixRoot(domain, adapter string) BlockKey {
-	buf := make([]byte, 0, len(rootTag)+8+len(domain)+len(adapter))
+	var stack [len(rootTag) + 8 + len(isolation.PrivateDomainPrefix) + 2*MaxIDLen]byte // every valid name fits: no allocation
+	buf := stack[:0]
 	buf = append(buf, rootTag...)
 	buf = binary.LittleEndian.AppendUint32(buf, uint32(len(domain)))
 	buf = append(buf, domain...)
