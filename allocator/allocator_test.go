@@ -336,17 +336,35 @@ func BenchmarkAllocFree(b *testing.B) {
 			hs, _ := a.Alloc(nil, n/2, 1)
 			rand.New(rand.NewPCG(1, 2)).Shuffle(len(hs), func(i, j int) { hs[i], hs[j] = hs[j], hs[i] })
 			q, _ := a.Release(nil, hs, 1)
-			_ = a.Clean(q)
+			if err := a.Clean(q); err != nil {
+				b.Fatal(err)
+			}
 			handles := make([]Handle, 0, batch)
 			scratch := make([]int32, 0, batch)
+			var failed error
 			b.ReportAllocs()
 			b.ResetTimer()
 			for b.Loop() {
-				handles, _ = a.Alloc(handles[:0], batch, 1)
-				scratch, _ = a.Release(scratch[:0], handles, 1)
-				_ = a.Clean(scratch)
+				var err1, err2, err3 error
+				handles, err1 = a.Alloc(handles[:0], batch, 1)
+				scratch, err2 = a.Release(scratch[:0], handles, 1)
+				err3 = a.Clean(scratch)
+				if err1 != nil || err2 != nil || err3 != nil {
+					failed = errors.Join(err1, err2, err3)
+				}
 			}
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*batch), "ns/page")
+			// Checked after the loop, so that the check costs nothing per
+			// cycle: every cycle took and gave back the whole batch.
+			if failed != nil {
+				b.Fatal(failed)
+			}
+			if len(handles) != batch || len(scratch) != batch || a.Count(Free) != n {
+				b.Fatalf("last cycle: %d handles, %d released, %d of %d free", len(handles), len(scratch), a.Count(Free), n)
+			}
+			if err := a.Check(); err != nil {
+				b.Fatal(err)
+			}
 		})
 	}
 }

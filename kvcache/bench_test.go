@@ -1,7 +1,6 @@
 package kvcache
 
 import (
-	"context"
 	"testing"
 
 	"github.com/kvfence/kvfence/cudaops"
@@ -45,12 +44,12 @@ func BenchmarkAdmitRelease(b *testing.B) {
 				b.Fatal(err)
 			}
 			defer p.Close()
-			ctx := context.Background()
 			req := Request{ID: "req", Tenant: "bench", PromptTokens: 2048}
 			var l Lease
+			before := p.Stats()
 			b.ReportAllocs()
 			for b.Loop() {
-				if err := p.AdmitInto(ctx, req, &l); err != nil {
+				if err := p.TryAdmitInto(req, &l); err != nil {
 					b.Fatal(err)
 				}
 				if err := l.Release(); err != nil {
@@ -58,6 +57,16 @@ func BenchmarkAdmitRelease(b *testing.B) {
 				}
 			}
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/128, "ns/page")
+			// Every cycle admitted 128 pages and scrubbed them back.
+			s := p.Stats()
+			if l.Pages() != 128 || s.Admitted-before.Admitted != uint64(b.N) ||
+				s.Scrub.PagesScrubbed-before.Scrub.PagesScrubbed != uint64(128*b.N) || s.FreePages != 1024 || s.LiveLeases != 0 {
+				b.Fatalf("after %d cycles: lease of %d pages, %d admitted, %d pages scrubbed, %d free, %d live",
+					b.N, l.Pages(), s.Admitted-before.Admitted, s.Scrub.PagesScrubbed-before.Scrub.PagesScrubbed, s.FreePages, s.LiveLeases)
+			}
+			if err := p.Check(); err != nil {
+				b.Fatal(err)
+			}
 		})
 	}
 }

@@ -145,6 +145,9 @@ func BenchmarkPageKey(b *testing.B) {
 			for b.Loop() {
 				keys = appendPageKeys(keys[:0], root, tpp, toks)
 			}
+			if len(keys) != len(toks)/tpp || keys[0] == keys[1] {
+				b.Fatalf("%d keys for %d pages", len(keys), len(toks)/tpp)
+			}
 			perOp := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
 			b.ReportMetric(float64(len(raw))/perOp, "GB/s")
 			b.ReportMetric(perOp/float64(len(toks)/tpp), "ns/page")
