@@ -10,7 +10,7 @@
 //
 // # Model
 //
-// The page-level state machine lives in kvcache (see kvcache/handoff.go):
+// The page-level state machine lives in kvcache (see kvcache/phase.go):
 // a lease is admitted → prefilling → prefilled (written watermark = prompt
 // tokens) → exported → released, or aborted from any phase. This package
 // sits above it (see the architecture in docs/design.md: kvcache stays the

@@ -27,7 +27,7 @@
 //     first; a short buffer is reported with the size needed and nothing
 //     is written.
 //
-// Lock order: leaseEntry.mu → (kvcache) semaphore → Pool.mu → device.
+// Lock order: leaseEntry.mu → (kvcache) Pool.mu → device.
 // poolEntry.mu only guards the interned tenant names and is never held
 // across a call into kvcache.
 package bridge
