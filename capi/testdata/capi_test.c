@@ -165,6 +165,11 @@ static void test_pool_create(void) {
          " \"dtype\": \"fp16\"}, \"pages\": 64, \"max_context_tokens\": 1024,"
          " \"tenants\": [{\"name\": \"a\"}, {\"name\": \"a\"}]}",
          KVF_ERR_INVALID_CONFIG, "already registered"},
+        /* An absurd size is refused with the bytes it needs, before any
+         * allocation: 2^31 - 1 pages of 8 KiB would be 16 TiB. */
+        {"{\"geometry\": {\"tokens_per_page\": 16, \"layers\": 1, \"kv_heads\": 1, \"head_dim\": 128,"
+         " \"dtype\": \"fp16\"}, \"pages\": 2147483647, \"max_context_tokens\": 1048576}",
+         KVF_ERR_INVALID_CONFIG, "bytes of host memory"},
         /* The incident: a 1M-token model on a pool of 681,280 tokens. */
         {"{\"geometry\": {\"tokens_per_page\": 16, \"layers\": 1, \"kv_heads\": 1, \"head_dim\": 2,"
          " \"dtype\": \"fp16\"}, \"pages\": 42580, \"max_context_tokens\": 1048576}",

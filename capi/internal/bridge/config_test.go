@@ -86,6 +86,9 @@ func TestCreatePoolValidatesLikeGo(t *testing.T) {
 		`{` + geom + `, "pages": 64, "max_context_tokens": 64, "scrub": {"kind": "poison", "pattern": "0x7fc0"}}`, // NaN
 		`{` + geom + `, "pages": 64, "max_context_tokens": 64, "tenants": [{"name": "a", "quota_pages": 4, "reserved_pages": 5}]}`,
 		`{"geometry": {"tokens_per_page": 0, "layers": 2, "kv_heads": 2, "head_dim": 8, "dtype": "bf16"}, "pages": 64, "max_context_tokens": 64}`,
+		// 2^31 - 1 pages of 8 KiB: refused with the bytes it needs, before
+		// anything is allocated (it used to end the process).
+		`{"geometry": {"tokens_per_page": 16, "layers": 1, "kv_heads": 1, "head_dim": 128, "dtype": "fp16"}, "pages": 2147483647, "max_context_tokens": 1048576}`,
 	} {
 		cfg, err := ParseConfig([]byte(js))
 		if err != nil {
