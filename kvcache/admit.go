@@ -348,6 +348,7 @@ func (p *Pool) sharing(req *Request) bool {
 // blockedLocked turns a decision other than Grant into a refusal, or, for
 // an admission that waits, into a wait.
 func (p *Pool) blockedLocked(a *admission, t *isolation.Tenant, dec isolation.Decision) step {
+	p.assertHeld()
 	e := AdmissionError{Err: ErrPoolExhausted, Need: dec.Demand.Take, Have: dec.Have, Limit: dec.Limit}
 	reason := waitPool
 	switch dec.Verdict {
@@ -386,6 +387,7 @@ func (p *Pool) refuseLocked(a *admission, e *AdmissionError) step {
 
 // releaseClaimLocked gives back pages promised to a that it will not take.
 func (p *Pool) releaseClaimLocked(a *admission) {
+	p.assertHeld()
 	if a.claim > 0 {
 		p.mu.claimed -= a.claim
 		a.claim = 0
@@ -491,6 +493,7 @@ func (p *Pool) waitLocked(a *admission, t *isolation.Tenant, reason waitReason) 
 // dequeueLocked takes l out of the queue if it is in it and reports
 // whether it was waiting for pages.
 func (p *Pool) dequeueLocked(l *Lease) (wasPoolWaiter bool) {
+	p.assertHeld()
 	w := &l.wait
 	if !w.queued {
 		return false
@@ -519,6 +522,7 @@ func (p *Pool) dequeueLocked(l *Lease) (wasPoolWaiter bool) {
 // queuedAheadLocked reports whether an admission waiting for pages came
 // before l (which may not be queued at all).
 func (p *Pool) queuedAheadLocked(l *Lease) bool {
+	p.assertHeld()
 	if p.mu.poolWaiters == 0 {
 		return false
 	}
@@ -543,6 +547,7 @@ func signal(l *Lease) {
 // wakePagesLocked wakes the first admission waiting for pages and every
 // granted one waiting for fills: pages became free or evictable.
 func (p *Pool) wakePagesLocked() {
+	p.assertHeld()
 	first := true
 	for w := p.mu.waiters.head; w != nil; w = w.wait.next {
 		switch w.wait.reason {
@@ -560,6 +565,7 @@ func (p *Pool) wakePagesLocked() {
 // wakeTenantLocked wakes t's waiting admissions: t's usage or limits
 // changed.
 func (p *Pool) wakeTenantLocked(t *isolation.Tenant) {
+	p.assertHeld()
 	for w := p.mu.waiters.head; w != nil; w = w.wait.next {
 		if w.wait.tenant == t {
 			signal(w)
@@ -570,6 +576,7 @@ func (p *Pool) wakeTenantLocked(t *isolation.Tenant) {
 // wakeAllLocked wakes every waiting admission: the pool faulted, was
 // cleared or closed.
 func (p *Pool) wakeAllLocked() {
+	p.assertHeld()
 	for w := p.mu.waiters.head; w != nil; w = w.wait.next {
 		signal(w)
 	}

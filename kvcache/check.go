@@ -98,6 +98,7 @@ func (p *Pool) checkLocked() error {
 // checkSharingLocked checks leases, refcounts, tenant charges and the
 // prefix index against the allocator (see Check).
 func (p *Pool) checkSharingLocked(c *checker) {
+	p.assertHeld()
 	a, x := p.mu.alloc, &p.mu.prefix
 	refs := make([]int, p.total)
 	charged := make(map[*isolation.Tenant]int)
@@ -183,6 +184,7 @@ func (p *Pool) checkSharingLocked(c *checker) {
 // checkAdmissionsLocked checks the claims of admissions in progress and
 // the waiting queue.
 func (p *Pool) checkAdmissionsLocked(c *checker) {
+	p.assertHeld()
 	a := p.mu.alloc
 	free, quarantined := a.Count(allocator.Free), a.Count(allocator.Quarantined)
 	switch {

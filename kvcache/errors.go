@@ -23,6 +23,13 @@ var (
 	ErrInvalidRequest = errors.New("kvcache: invalid request")
 	// ErrUnknownTenant: the request names a tenant the pool does not know.
 	ErrUnknownTenant = isolation.ErrUnknownTenant
+	// ErrInvalidTenant, ErrDuplicateTenant, ErrOverReserved: AddTenant or
+	// UpdateTenant (or a Config's Tenants, inside ErrInvalidConfig) was
+	// given a bad tenant, one already registered, or reservations that
+	// exceed the pool.
+	ErrInvalidTenant   = isolation.ErrInvalidTenant
+	ErrDuplicateTenant = isolation.ErrDuplicateTenant
+	ErrOverReserved    = isolation.ErrOverReserved
 	// ErrDuplicateRequest: a live lease already has this request ID.
 	ErrDuplicateRequest = errors.New("kvcache: request ID already has a live lease")
 	// ErrExceedsMaxContext: prompt + max new tokens is above the

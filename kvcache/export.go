@@ -204,6 +204,7 @@ func pageRangeOK(first, n, bytes, pageBytes, pages int) bool {
 }
 
 func (o *Outgoing) checkLocked() error {
+	o.pool.assertHeld()
 	if o.pool.mu.closed {
 		return ErrPoolClosed
 	}

@@ -248,4 +248,7 @@ func (p *Pool) stateErrLocked() error {
 }
 
 // inServiceLocked is the pool's pages that are not retired.
-func (p *Pool) inServiceLocked() int { return p.total - p.mu.alloc.Count(allocator.Retired) }
+func (p *Pool) inServiceLocked() int {
+	p.assertHeld()
+	return p.total - p.mu.alloc.Count(allocator.Retired)
+}

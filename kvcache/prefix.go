@@ -121,6 +121,7 @@ func (l *Lease) AttachTokens(adapter string, tokens []int32) error {
 // index's current epoch, in the same domain, is reused as it is: the index
 // has not changed since, so neither has the answer.
 func (p *Pool) matchLocked(l *Lease, dom *isolation.Domain, limit int) {
+	p.assertHeld()
 	x, m := &p.mu.prefix, &l.match
 	if m.valid && m.epoch == x.epoch && m.domain == dom {
 		return
@@ -141,6 +142,7 @@ func (p *Pool) matchLocked(l *Lease, dom *isolation.Domain, limit int) {
 // Cached. A page shared as often as a page can be ends the match: the rest
 // is computed afresh.
 func (p *Pool) weighMatchLocked(l *Lease, t *isolation.Tenant) (newToTenant, cached int) {
+	p.assertHeld()
 	for i, e := range l.match.entries {
 		if e.leases >= allocator.MaxRefs {
 			l.match.entries = l.match.entries[:i]
@@ -202,6 +204,7 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 // shareMatchedLocked retains l's matched prefix for a lease of t and
 // appends its handles. It runs after every check and cannot fail.
 func (p *Pool) shareMatchedLocked(l *Lease, t *isolation.Tenant, handles []allocator.Handle) []allocator.Handle {
+	p.assertHeld()
 	x := &p.mu.prefix
 	for _, e := range l.match.entries {
 		h, err := p.mu.alloc.Retain(e.page, e.dom.ID)
@@ -224,6 +227,7 @@ func (p *Pool) shareMatchedLocked(l *Lease, t *isolation.Tenant, handles []alloc
 
 // countMatchLocked records an admission's lookup in its domain's stats.
 func (p *Pool) countMatchLocked(req *Request, dom *isolation.Domain, keys, hits int) {
+	p.assertHeld()
 	c := p.mu.prefix.counters(dom)
 	looked := min(keys, maxHitPages(*req, p.geom.TokensPerPage))
 	c.hitPages += uint64(hits)
@@ -236,6 +240,7 @@ func (p *Pool) countMatchLocked(req *Request, dom *isolation.Domain, keys, hits 
 // appended to pages. Tenants are uncharged once per page they no longer
 // hold.
 func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
+	p.assertHeld()
 	x := &p.mu.prefix
 	owner := l.domain.ID
 	private := 0
@@ -302,6 +307,7 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 // pages, counted in flight), pages still held by leases leave the key
 // index and are scrubbed when their last lease ends.
 func (p *Pool) clearLocked(pages []int32) []int32 {
+	p.assertHeld()
 	x := &p.mu.prefix
 	pages = p.evictLocked(pages, x.lruLen, nil)
 	for _, e := range x.byPage {
@@ -445,6 +451,7 @@ type PrefixStats struct {
 }
 
 func (p *Pool) prefixStatsLocked() PrefixStats {
+	p.assertHeld()
 	x, ev := &p.mu.prefix, &p.mu.events
 	s := PrefixStats{Enabled: !p.prefixDisabled, EventsSent: ev.sent, EventsDropped: ev.dropped}
 	for _, d := range p.mu.tenants.Domains() {

@@ -6,13 +6,12 @@ import (
 	"go/ast"
 	"go/parser"
 	"go/token"
-	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/internal/errcontract"
 	"github.com/kvfence/kvfence/isolation"
 	"github.com/kvfence/kvfence/kvcache"
 )
@@ -53,7 +52,9 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		"ErrPoolFaulted": kvcache.ErrPoolFaulted, "ErrLeaseReleased": kvcache.ErrLeaseReleased,
 		"ErrInvalidArgument": kvcache.ErrInvalidArgument, "ErrScrubFailed": kvcache.ErrScrubFailed,
 		"ErrCanaryMismatch": kvcache.ErrCanaryMismatch, "ErrDevice": kvcache.ErrDevice,
-		"ErrLeasePhase": kvcache.ErrLeasePhase, "ErrReclaimed": kvcache.ErrReclaimed,
+		"ErrInvalidTenant": kvcache.ErrInvalidTenant, "ErrDuplicateTenant": kvcache.ErrDuplicateTenant,
+		"ErrOverReserved": kvcache.ErrOverReserved,
+		"ErrLeasePhase":   kvcache.ErrLeasePhase, "ErrReclaimed": kvcache.ErrReclaimed,
 		"ErrStaleTransfer": kvcache.ErrStaleTransfer, "ErrDuplicatePage": kvcache.ErrDuplicatePage,
 		"ErrIncompleteTransfer": kvcache.ErrIncompleteTransfer, "ErrChecksumMismatch": kvcache.ErrChecksumMismatch,
 		"ErrDomainMismatch": kvcache.ErrDomainMismatch,
@@ -170,71 +171,7 @@ func TestStatusNamesUnique(t *testing.T) {
 // status from what it is, never from the fallback for unknown errors: no
 // fmt.Errorf without %w, no errors.New outside the sentinel declarations.
 func TestErrorsWrapSentinels(t *testing.T) {
-	var files []string
-	for _, pattern := range []string{"*.go", "../../*.go"} {
-		m, err := filepath.Glob(pattern)
-		if err != nil {
-			t.Fatal(err)
-		}
-		files = append(files, m...)
-	}
-	checked := 0
-	for _, path := range files {
-		if strings.HasSuffix(path, "_test.go") {
-			continue
-		}
-		fset := token.NewFileSet()
-		f, err := parser.ParseFile(fset, path, nil, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, d := range f.Decls {
-			fd, ok := d.(*ast.FuncDecl)
-			if !ok || fd.Body == nil {
-				continue
-			}
-			ast.Inspect(fd.Body, func(n ast.Node) bool {
-				call, ok := n.(*ast.CallExpr)
-				if !ok {
-					return true
-				}
-				sel, ok := call.Fun.(*ast.SelectorExpr)
-				if !ok {
-					return true
-				}
-				pkg, ok := sel.X.(*ast.Ident)
-				if !ok {
-					return true
-				}
-				switch {
-				case pkg.Name == "errors" && sel.Sel.Name == "New":
-					t.Errorf("%s: errors.New in %s: wrap a sentinel instead", fset.Position(call.Pos()), fd.Name.Name)
-				case pkg.Name == "fmt" && sel.Sel.Name == "Errorf":
-					checked++
-					if len(call.Args) == 0 || !strings.Contains(leadingLiteral(call.Args[0]), "%w") {
-						t.Errorf("%s: fmt.Errorf in %s wraps no error (%%w)", fset.Position(call.Pos()), fd.Name.Name)
-					}
-				}
-				return true
-			})
-		}
-	}
-	if checked < 20 {
-		t.Fatalf("only %d fmt.Errorf calls seen in %d files: the scan no longer finds the sources", checked, len(files))
-	}
-}
-
-// leadingLiteral is the string literal a format starts with: the literal
-// itself, or the left end of a concatenation ("%w: " + format).
-func leadingLiteral(e ast.Expr) string {
-	switch e := e.(type) {
-	case *ast.BasicLit:
-		s, _ := strconv.Unquote(e.Value)
-		return s
-	case *ast.BinaryExpr:
-		return leadingLiteral(e.X)
-	}
-	return ""
+	errcontract.Check(t, ".", "../..")
 }
 
 // TestStatusRoundTrip: every status has an error that classifies as it,
