@@ -12,7 +12,7 @@ import (
 // arguments and writes nothing, so freed pages keep their previous owner's
 // KV. UNSAFE. It exists only so that kvbench can measure what scrubbing
 // costs against an engine that does not scrub (which is how engines run
-// today, and how the incident in DESIGN.md happened); the audit shows the
+// today, and how the incident in docs/design.md happened); the audit shows the
 // stale pages it hands out. Never serve with it.
 type unsafeNoScrubDevice struct{ cudaops.Device }
 
