@@ -100,8 +100,10 @@ type admission struct {
 	// computed in; the tenant must be in it here.
 	importFrom string
 	// claim is the pages promised to this admission while it waits for
-	// the scrub of pages it evicted (see Pool.mu.claimed).
-	claim int
+	// the scrub of pages it evicted (see Pool.mu.claimed), made in claim
+	// epoch claimEpoch: a fault voids every claim.
+	claim      int
+	claimEpoch uint64
 	// hashFor is the domain to derive the request's keys for, outside
 	// Pool.mu (step stepHash).
 	hashFor *isolation.Domain
@@ -285,6 +287,9 @@ func (p *Pool) attemptLocked(a *admission) step {
 	// fills in flight cannot cover every promise, evict the difference and
 	// scrub it first; if other admissions' evictions already cover it,
 	// wait for their fills.
+	if a.claimEpoch != p.mu.claimEpoch { // voided by a fault since
+		a.claim, a.claimEpoch = 0, p.mu.claimEpoch
+	}
 	p.mu.claimed += fresh - a.claim
 	a.claim = fresh
 	if short := p.mu.claimed - (free + p.mu.evicting); short > 0 {
@@ -301,7 +306,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 		peek := p.mu.alloc.PeekFree(l.scrub[:0], fresh)
 		l.scrub = peek[:0]
 		if _, err := p.q.VerifyLocked(peek); err != nil {
-			p.wakeAllLocked() // the pool faulted: waiters fail now
+			p.faultedLocked()
 			return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: err})
 		}
 	}
@@ -314,7 +319,9 @@ func (p *Pool) attemptLocked(a *admission) step {
 	if err != nil {
 		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
 	}
-	p.mu.claimed -= a.claim
+	if a.claimEpoch == p.mu.claimEpoch {
+		p.mu.claimed -= a.claim
+	}
 	a.claim = 0
 	p.mu.seq++
 	l.reset(p, *req, t, handles, p.mu.seq)
@@ -389,10 +396,23 @@ func (p *Pool) refuseLocked(a *admission, e *AdmissionError) step {
 func (p *Pool) releaseClaimLocked(a *admission) {
 	p.assertHeld()
 	if a.claim > 0 {
-		p.mu.claimed -= a.claim
+		if a.claimEpoch == p.mu.claimEpoch {
+			p.mu.claimed -= a.claim
+		}
 		a.claim = 0
 		p.wakePagesLocked()
 	}
+}
+
+// faultedLocked is what a fault (a failed fill, a canary audit) does to
+// admissions in progress: it voids every claim, since the pages promised
+// may be the ones retired, and wakes every waiter, which then fails with
+// ErrPoolFaulted (or, after ClearFault, decides again).
+func (p *Pool) faultedLocked() {
+	p.assertHeld()
+	p.mu.claimed = 0
+	p.mu.claimEpoch++
+	p.wakeAllLocked()
 }
 
 func validateRequest(req Request, tokensPerPage int) error {

@@ -190,9 +190,7 @@ func (p *Pool) checkAdmissionsLocked(c *checker) {
 	switch {
 	case p.mu.claimed < 0 || p.mu.evicting < 0 || p.mu.evicting > quarantined:
 		c.failf("%d pages claimed, %d being evicted for claims, %d quarantined", p.mu.claimed, p.mu.evicting, quarantined)
-	case p.mu.claimed > free+p.mu.evicting && p.q.FaultLocked() == nil:
-		// A fault (a failed fill, a canary audit) may retire claimed pages;
-		// their admissions then fail and give their claims back.
+	case p.mu.claimed > free+p.mu.evicting:
 		c.failf("%d pages claimed, only %d free and %d on their way", p.mu.claimed, free, p.mu.evicting)
 	case p.mu.admitting < 0:
 		c.failf("%d admissions in progress", p.mu.admitting)

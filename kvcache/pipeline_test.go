@@ -527,3 +527,31 @@ func TestCheckReportsEveryProblem(t *testing.T) {
 	p.mu.Unlock()
 	require.NoError(t, p.Check())
 }
+
+// A fill that fails while an admission evicts for a claim faults the
+// pool; the claim is void, the books stay sound, and after ClearFault
+// admissions go on with the pages left.
+func TestFailedEvictionVoidsTheClaim(t *testing.T) {
+	dev := newScripted()
+	cfg := tinyConfig(8)
+	cfg.Device = dev
+	p := newPool(t, cfg)
+	toks := tokens(5*tinyGeometry.TokensPerPage-1, 0, 1)
+	l, err := p.TryAdmit(Request{ID: "l", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks})
+	require.NoError(t, err)
+	require.NoError(t, l.Commit(len(toks)))
+	_, err = l.CachePrefix(len(toks))
+	require.NoError(t, err)
+	require.NoError(t, l.Release()) // 4 cached, 4 free
+	dev.mu.Lock()
+	dev.mu.failFence = errors.New("injected")
+	dev.mu.Unlock()
+	_, err = p.TryAdmit(Request{ID: "b", Tenant: "b", PromptTokens: 6 * tinyGeometry.TokensPerPage})
+	require.ErrorIs(t, err, ErrPoolFaulted)
+	require.NoError(t, p.Check())
+	s := p.Stats()
+	assert.Equal(t, 2, s.RetiredPages, "the two evicted pages whose fill failed")
+	p.ClearFault()
+	admit(t, p, "c", "b", 6*tinyGeometry.TokensPerPage) // 4 free + 2 cached left
+	require.NoError(t, p.Check())
+}

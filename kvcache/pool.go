@@ -53,11 +53,13 @@ type Pool struct {
 		// Close waits for it to reach zero.
 		admitting int
 		// claimed is the pages promised to granted admissions that wait
-		// for evicted pages to be scrubbed (admission.claim, summed);
-		// evicting is the pages evicted for them whose fill has not
-		// finished. claimed ≤ free + evicting while the pool is healthy:
-		// every promised page is free or on its way.
+		// for evicted pages to be scrubbed (admission.claim, summed over
+		// the claims of epoch claimEpoch, which a fault ends); evicting is
+		// the pages evicted for them whose fill has not finished.
+		// claimed ≤ free + evicting: every promised page is free or on
+		// its way.
 		claimed, evicting int
+		claimEpoch        uint64
 		// waiters is the queue of admissions waiting for pages or quota,
 		// in arrival order; poolWaiters counts those waiting for pages.
 		waiters     waitQueue

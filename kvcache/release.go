@@ -115,7 +115,7 @@ func (p *Pool) finishScrubLocked(pages []int32, fillErr error) error {
 	p.assertHeld()
 	err := p.q.FinishLocked(pages, fillErr)
 	if err != nil {
-		p.wakeAllLocked() // waiters fail now, with ErrPoolFaulted
+		p.faultedLocked()
 	} else {
 		p.wakePagesLocked()
 	}
