@@ -24,6 +24,11 @@ type Supply struct {
 	// Queued says that an earlier admission waits for pool pages: pages
 	// beyond the tenant's own unused reservation are theirs first.
 	Queued bool
+	// Keep is the pages a new admission must leave to the growth of
+	// running leases (the pool's growth watermark); zero for a growth.
+	// A tenant's own unused reservation is its own: Keep comes out of the
+	// unreserved pages only.
+	Keep int
 }
 
 // Verdict is the outcome of Decide.
@@ -40,9 +45,12 @@ const (
 	// Reserved: enough pages exist, but some of them are other tenants'
 	// unused reservations.
 	Reserved
+	// KeptForGrowth: enough pages exist, but a new admission would cut
+	// into the pages kept for the growth of running leases.
+	KeptForGrowth
 )
 
-var verdictNames = [...]string{"grant", "over quota", "pool short", "reserved for others"}
+var verdictNames = [...]string{"grant", "over quota", "pool short", "reserved for others", "kept for growth"}
 
 func (v Verdict) String() string {
 	if int(v) < len(verdictNames) {
@@ -59,20 +67,22 @@ type Decision struct {
 	// the pool pages open to it (capped by its quota left) otherwise.
 	Have int
 	// Limit is the ceiling that applies: the tenant's quota for OverQuota,
-	// the pool's free and evictable pages for Reserved, its pages in
-	// service otherwise.
+	// the pool's free and evictable pages for Reserved and KeptForGrowth,
+	// its pages in service otherwise.
 	Limit int
 }
 
 // Err returns the decision as an error: nil for Grant and PoolShort (the
 // pool's own refusal, which the pool reports), a *QuotaError wrapping
-// ErrQuotaExceeded or ErrReserved otherwise.
+// ErrQuotaExceeded, ErrReserved or ErrKeptForGrowth otherwise.
 func (d Decision) Err(tenant string) error {
 	switch d.Verdict {
 	case OverQuota:
 		return &QuotaError{Err: ErrQuotaExceeded, Tenant: tenant, Need: d.Demand.Charge, Have: d.Have, Limit: d.Limit}
 	case Reserved:
 		return &QuotaError{Err: ErrReserved, Tenant: tenant, Need: d.Demand.Take, Have: d.Have, Limit: d.Limit}
+	case KeptForGrowth:
+		return &QuotaError{Err: ErrKeptForGrowth, Tenant: tenant, Need: d.Demand.Take, Have: d.Have, Limit: d.Limit}
 	}
 	return nil
 }
@@ -84,10 +94,12 @@ func (r *Registry) Decide(t *Tenant, d Demand, s Supply) Decision {
 	quotaLeft := max(0, t.Quota-t.Used)
 	own := t.unusedReservation()
 	others := r.unusedReserved - own
-	// Pages open to t: the supply less others' unused reservations, and
+	// Pages open to t: the supply less others' unused reservations; of
+	// what is not t's own reservation, less the pages kept for growth; and
 	// only its own reservation while earlier admissions queue.
 	unreserved := max(0, s.Pages-others)
-	open := unreserved
+	kept := min(unreserved, own+max(0, unreserved-own-s.Keep))
+	open := kept
 	if s.Queued {
 		open = min(open, own)
 	}
@@ -100,6 +112,8 @@ func (r *Registry) Decide(t *Tenant, d Demand, s Supply) Decision {
 		dec.Verdict = PoolShort
 	case d.Take > unreserved:
 		dec.Verdict, dec.Have, dec.Limit = Reserved, open, s.Pages
+	case d.Take > kept:
+		dec.Verdict, dec.Have, dec.Limit = KeptForGrowth, open, s.Pages
 	case d.Take > open:
 		dec.Verdict = PoolShort // queued behind earlier admissions
 	case overQuota:

@@ -22,8 +22,15 @@ var (
 	// ErrReserved: free pages exist, but they are reserved for other
 	// tenants.
 	ErrReserved = errors.New("isolation: free pages are reserved for other tenants")
+	// ErrKeptForGrowth: free pages exist, but they are kept for the growth
+	// of running leases (the pool's growth watermark).
+	ErrKeptForGrowth = errors.New("isolation: free pages are kept for the growth of running leases")
 	// ErrOverReserved: reservations would exceed the pool.
 	ErrOverReserved = errors.New("isolation: reservations exceed the pool")
+	// ErrInvalidSizing: an unknown sizing mode, or a headroom out of range
+	// or given without on-demand sizing. It arrives inside the error of
+	// what carried the sizing (a tenant, a request, a pool's config).
+	ErrInvalidSizing = errors.New("isolation: invalid lease sizing")
 	// ErrInvalidPolicy: an unknown scrub kind or dtype, or a poison pattern
 	// wider than the dtype.
 	ErrInvalidPolicy = errors.New("isolation: invalid scrub policy")
@@ -42,7 +49,7 @@ var (
 
 // QuotaError reports a tenant's limit with the numbers behind it.
 type QuotaError struct {
-	Err    error // ErrQuotaExceeded or ErrReserved
+	Err    error // ErrQuotaExceeded, ErrReserved or ErrKeptForGrowth
 	Tenant string
 	Need   int // pages the request needs
 	Have   int // pages the tenant could still get now
@@ -50,8 +57,12 @@ type QuotaError struct {
 }
 
 func (e *QuotaError) Error() string {
-	if e.Err == ErrReserved {
+	switch e.Err {
+	case ErrReserved:
 		return fmt.Sprintf("%v: tenant %q needs %d pages, %d of %d free pages are not reserved for others",
+			e.Err, e.Tenant, e.Need, e.Have, e.Limit)
+	case ErrKeptForGrowth:
+		return fmt.Sprintf("%v: tenant %q needs %d pages, %d of %d free pages are not kept for growth",
 			e.Err, e.Tenant, e.Need, e.Have, e.Limit)
 	}
 	return fmt.Sprintf("%v: tenant %q needs %d pages, has %d left of its quota of %d", e.Err, e.Tenant, e.Need, e.Have, e.Limit)

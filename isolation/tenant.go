@@ -22,6 +22,9 @@ type TenantConfig struct {
 	// Domain names the sharing domain the tenant belongs to; empty means
 	// its own private domain. See Domain.
 	Domain string
+	// Sizing overrides the pool's sizing of this tenant's leases; the
+	// zero value inherits it.
+	Sizing Sizing
 }
 
 // Tenant is a registered tenant. Its fields are read and written under the
@@ -33,6 +36,7 @@ type Tenant struct {
 	Reserved int
 	Used     int // pages held by the tenant's leases
 	Domain   *Domain
+	Sizing   Sizing
 }
 
 // unusedReservation is the part of t's reservation it does not hold now.
@@ -71,6 +75,9 @@ func (r *Registry) validate(c TenantConfig) (quota int, err error) {
 	if err := validateDomainName(c.Domain); err != nil {
 		return 0, err
 	}
+	if err := c.Sizing.Validate(); err != nil {
+		return 0, fmt.Errorf("%w: tenant %q: %w", ErrInvalidTenant, c.Name, err)
+	}
 	return quota, nil
 }
 
@@ -99,7 +106,7 @@ func (r *Registry) Add(c TenantConfig) (*Tenant, error) {
 	if total := r.reservedTotal(nil) + c.ReservedPages; total > r.totalPages {
 		return nil, fmt.Errorf("%w: %d pages reserved in all, pool has %d", ErrOverReserved, total, r.totalPages)
 	}
-	t := &Tenant{ID: allocator.Owner(len(r.list) + 1), Name: c.Name, Quota: quota, Reserved: c.ReservedPages}
+	t := &Tenant{ID: allocator.Owner(len(r.list) + 1), Name: c.Name, Quota: quota, Reserved: c.ReservedPages, Sizing: c.Sizing}
 	r.byName[c.Name] = t
 	r.list = append(r.list, t)
 	r.unusedReserved += t.unusedReservation()
@@ -123,7 +130,7 @@ func (r *Registry) Update(c TenantConfig) error {
 		return fmt.Errorf("%w: %d pages reserved in all, pool has %d", ErrOverReserved, total, r.totalPages)
 	}
 	r.unusedReserved -= t.unusedReservation()
-	t.Quota, t.Reserved = quota, c.ReservedPages
+	t.Quota, t.Reserved, t.Sizing = quota, c.ReservedPages, c.Sizing
 	r.unusedReserved += t.unusedReservation()
 	r.domains.assign(t, c.Domain)
 	return nil

@@ -3,6 +3,7 @@ package kvcache
 import (
 	"context"
 	"fmt"
+	"math"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/isolation"
@@ -33,6 +34,9 @@ type Request struct {
 	TokenIDs []int32
 	PageKeys []BlockKey
 	Adapter  string
+	// Sizing overrides the tenant's (and the pool's) sizing of this
+	// request's lease; the zero value inherits it.
+	Sizing Sizing
 }
 
 // Tokens is the most tokens the request can hold: prompt plus output.
@@ -110,6 +114,11 @@ type admission struct {
 	// evicted is the pages this attempt evicted, to scrub outside Pool.mu
 	// (step stepEvict).
 	evicted []int32
+	// growing marks a growth of live lease l (Grow), of incarnation seq,
+	// to hold target tokens, instead of an admission.
+	growing bool
+	seq     uint64
+	target  int
 	// blocked is the refusal that keeps a waiting admission waiting;
 	// returned if its context ends.
 	blocked AdmissionError
@@ -131,10 +140,8 @@ const (
 	stepWait              // wait for a wake-up or the end of ctx, then try again
 )
 
-// admit runs one admission to its end. Everything decided about pages,
-// quota and reservation happens in attemptLocked, in one critical section;
-// admit only does, outside Pool.mu, what must not hold it (hashing,
-// waiting, scrubbing evicted pages) and goes round again.
+// admit runs one admission to its end: the request's own checks, then
+// runLocked.
 func (p *Pool) admit(a *admission) error {
 	l := a.l
 	if l == nil {
@@ -152,13 +159,22 @@ func (p *Pool) admit(a *admission) error {
 	if err := a.ctx.Err(); err != nil {
 		return fmt.Errorf("%w: request %q: %w", ErrContextDone, a.req.ID, err)
 	}
-	a.need = p.geom.PagesFor(a.req.Tokens())
 	l.keys, l.keysFor, l.match.valid = l.keys[:0], nil, false
 	if len(a.req.PageKeys) > 0 && !p.prefixDisabled {
 		l.keys = append(l.keys, a.req.PageKeys...)
 	}
-
 	p.mu.Lock()
+	return p.runLocked(a)
+}
+
+// runLocked runs an admission or a growth (a.growing) to its end, with
+// Pool.mu held on entry; it returns with Pool.mu released. Everything
+// about pages, quota and reservation is decided by the attempt under the
+// lock; here only what must not hold it (hashing, scrubbing evicted
+// pages, waiting) happens, and then the attempt runs again.
+func (p *Pool) runLocked(a *admission) error {
+	p.assertHeld()
+	l := a.l
 	if p.mu.closed {
 		p.mu.Unlock()
 		return ErrPoolClosed
@@ -231,6 +247,12 @@ func (p *Pool) endAdmissionLocked(a *admission) error {
 // happen outside the lock before it can decide.
 func (p *Pool) attemptLocked(a *admission) step {
 	p.assertHeld()
+	if a.claimEpoch != p.mu.claimEpoch { // a fault voided the claim
+		a.claim, a.claimEpoch = 0, p.mu.claimEpoch
+	}
+	if a.growing {
+		return p.growAttemptLocked(a)
+	}
 	req, l := &a.req, a.l
 	if p.mu.closed {
 		a.err = ErrPoolClosed
@@ -246,6 +268,9 @@ func (p *Pool) attemptLocked(a *admission) step {
 	if p.mu.leases[req.ID] != nil {
 		return p.refuseLocked(a, &AdmissionError{Err: ErrDuplicateRequest})
 	}
+	// The whole prompt, always; of the output, what the sizing reserves.
+	sizing := req.Sizing.Or(t.Sizing).Or(p.sizing)
+	a.need = p.geom.PagesFor(req.PromptTokens + sizing.OutputTokens(req.MaxNewTokens))
 	inService := p.inServiceLocked()
 	if a.need > inService {
 		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Need: a.need, Have: p.mu.alloc.Count(allocator.Free),
@@ -277,38 +302,13 @@ func (p *Pool) attemptLocked(a *admission) step {
 	free := p.mu.alloc.Count(allocator.Free)
 	supply := free + p.mu.evicting + p.mu.prefix.lruLen - cachedHits - (p.mu.claimed - a.claim)
 	dec := p.mu.tenants.Decide(t, isolation.Demand{Charge: fresh + newToTenant, Take: fresh},
-		isolation.Supply{Pages: supply, InService: inService, Queued: p.queuedAheadLocked(l)})
+		isolation.Supply{Pages: supply, InService: inService, Queued: p.queuedAheadLocked(l), Keep: p.keepLocked(inService)})
 	if dec.Verdict != isolation.Grant {
 		p.releaseClaimLocked(a)
 		return p.blockedLocked(a, t, dec)
 	}
-
-	// Granted: promise fresh pages to this admission. If free pages and
-	// fills in flight cannot cover every promise, evict the difference and
-	// scrub it first; if other admissions' evictions already cover it,
-	// wait for their fills.
-	if a.claimEpoch != p.mu.claimEpoch { // voided by a fault since
-		a.claim, a.claimEpoch = 0, p.mu.claimEpoch
-	}
-	p.mu.claimed += fresh - a.claim
-	a.claim = fresh
-	if short := p.mu.claimed - (free + p.mu.evicting); short > 0 {
-		a.evicted = p.evictLocked(a.evicted[:0], short, l.match.entries)
-		p.mu.evicting += len(a.evicted)
-		p.fills.Add(1)
-		return stepEvict
-	}
-	if free < fresh {
-		a.blocked = AdmissionError{Err: ErrPoolExhausted, Need: fresh, Have: free, Limit: inService}
-		return p.waitLocked(a, t, waitFill)
-	}
-	if p.q.NeedsVerify() {
-		peek := p.mu.alloc.PeekFree(l.scrub[:0], fresh)
-		l.scrub = peek[:0]
-		if _, err := p.q.VerifyLocked(peek); err != nil {
-			p.faultedLocked()
-			return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: err})
-		}
+	if st, ready := p.claimLocked(a, t, dec, fresh, free, l.match.entries); !ready {
+		return st
 	}
 
 	// Nothing can fail from here on.
@@ -347,6 +347,47 @@ func (p *Pool) attemptLocked(a *admission) step {
 	return stepDone
 }
 
+// claimLocked promises fresh pages to a granted admission or growth. If
+// free pages and fills in flight cannot cover every promise, it evicts the
+// difference (never a page of keep) for the caller to scrub (stepEvict);
+// if other admissions' evictions already cover it, the caller waits for
+// their fills (stepWait). ready means the pages are free now, and (under
+// the canary policy) verified: allocate them.
+func (p *Pool) claimLocked(a *admission, t *isolation.Tenant, dec isolation.Decision, fresh, free int, keep []*cacheEntry) (st step, ready bool) {
+	p.assertHeld()
+	p.mu.claimed += fresh - a.claim
+	a.claim = fresh
+	if short := p.mu.claimed - (free + p.mu.evicting); short > 0 {
+		a.evicted = p.evictLocked(a.evicted[:0], short, keep)
+		p.mu.evicting += len(a.evicted)
+		p.fills.Add(1)
+		return stepEvict, false
+	}
+	if free < fresh {
+		a.blocked = AdmissionError{Err: ErrPoolExhausted, Need: fresh, Have: free, Limit: dec.Limit}
+		return p.waitLocked(a, t, waitFill), false
+	}
+	if p.q.NeedsVerify() {
+		l := a.l
+		peek := p.mu.alloc.PeekFree(l.scrub[:0], fresh)
+		l.scrub = peek[:0]
+		if _, err := p.q.VerifyLocked(peek); err != nil {
+			p.faultedLocked()
+			return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: err}), false
+		}
+	}
+	return stepDone, true
+}
+
+// keepLocked is the pages new admissions leave free for the growth of
+// running leases: the growth watermark's share of the pages in service.
+func (p *Pool) keepLocked(inService int) int {
+	if p.watermark == 0 {
+		return 0
+	}
+	return int(math.Ceil(p.watermark * float64(inService)))
+}
+
 // sharing reports whether req takes part in prefix sharing.
 func (p *Pool) sharing(req *Request) bool {
 	return !p.prefixDisabled && (len(req.TokenIDs) > 0 || len(req.PageKeys) > 0)
@@ -362,7 +403,7 @@ func (p *Pool) blockedLocked(a *admission, t *isolation.Tenant, dec isolation.De
 	case isolation.OverQuota:
 		e = AdmissionError{Err: ErrExceedsQuota, Need: dec.Demand.Charge, Have: dec.Have, Limit: dec.Limit}
 		reason = waitQuota
-	case isolation.Reserved:
+	case isolation.Reserved, isolation.KeptForGrowth:
 		e.Cause, e.Limit = dec.Err(t.Name), p.inServiceLocked()
 	}
 	if !a.wait {
@@ -386,7 +427,11 @@ func (p *Pool) refuse(a *admission, e *AdmissionError) error {
 func (p *Pool) refuseLocked(a *admission, e *AdmissionError) step {
 	p.assertHeld()
 	e.RequestID, e.Tenant = a.req.ID, a.req.Tenant
-	p.mu.refused.count(e.Err)
+	if a.growing {
+		p.mu.growth.Refused.count(e.Err)
+	} else {
+		p.mu.refused.count(e.Err)
+	}
 	p.releaseClaimLocked(a)
 	a.err = e
 	return stepDone
@@ -427,6 +472,9 @@ func validateRequest(req Request, tokensPerPage int) error {
 		return fmt.Errorf("%w: MaxNewTokens = %d, want ≥ 0", ErrInvalidRequest, req.MaxNewTokens)
 	case req.PromptTokens > maxRequestTokens-req.MaxNewTokens:
 		return fmt.Errorf("%w: PromptTokens %d + MaxNewTokens %d overflows", ErrInvalidRequest, req.PromptTokens, req.MaxNewTokens)
+	}
+	if err := req.Sizing.Validate(); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidRequest, err)
 	}
 	return validatePrefix(req, tokensPerPage)
 }

@@ -20,6 +20,11 @@ type (
 	ScrubKind = isolation.ScrubKind
 	// TenantConfig declares a tenant's quota and reservation.
 	TenantConfig = isolation.TenantConfig
+	// Sizing says how much of a request's output budget admission
+	// reserves: all of it, or the prompt plus a headroom (the lease grows).
+	Sizing = isolation.Sizing
+	// SizingMode selects full or on-demand sizing.
+	SizingMode = isolation.SizingMode
 )
 
 const (
@@ -32,6 +37,10 @@ const (
 	ScrubZero   = isolation.ScrubZero
 	ScrubPoison = isolation.ScrubPoison
 	ScrubCanary = isolation.ScrubCanary
+
+	SizeInherit  = isolation.SizeInherit
+	SizeFull     = isolation.SizeFull
+	SizeOnDemand = isolation.SizeOnDemand
 )
 
 // Geometry is the shape of one page: TokensPerPage tokens of K and V for
@@ -136,6 +145,16 @@ type Config struct {
 	// Prefix configures prefix sharing; the zero value enables it without
 	// events.
 	Prefix PrefixConfig
+	// Sizing is how leases are sized at admission unless a tenant
+	// (TenantConfig.Sizing) or a request (Request.Sizing) says otherwise;
+	// the zero value is full sizing: prompt + max new tokens.
+	Sizing Sizing
+	// GrowthWatermark is the share of the pool's pages in service that new
+	// admissions leave free for the growth of running leases (Lease.Grow),
+	// as vLLM's watermark does: an admission that would cut into it is
+	// refused, retryably (ErrPoolExhausted, cause ErrKeptForGrowth).
+	// 0 (the default) keeps nothing; at most MaxGrowthWatermark.
+	GrowthWatermark float64
 	// Device holds the pages. Nil means a new Host device owned (and
 	// closed) by the pool. A device with no regions gets 2×Layers regions
 	// allocated by the pool; a device that already has regions (adopted
@@ -180,6 +199,12 @@ func (c *Config) validate() (int, error) {
 	if err := c.Prefix.validate(); err != nil {
 		return 0, err
 	}
+	if err := c.Sizing.Validate(); err != nil {
+		return 0, fmt.Errorf("%w: Sizing: %w", ErrInvalidConfig, err)
+	}
+	if !(c.GrowthWatermark >= 0 && c.GrowthWatermark <= MaxGrowthWatermark) { // NaN fails too
+		return 0, fmt.Errorf("%w: GrowthWatermark = %v, want 0..%v", ErrInvalidConfig, c.GrowthWatermark, MaxGrowthWatermark)
+	}
 	if _, err := c.Scrub.FillSpec(c.Geometry.DType); err != nil {
 		return 0, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
@@ -197,6 +222,10 @@ func (c *Config) validate() (int, error) {
 	}
 	return pages, nil
 }
+
+// MaxGrowthWatermark bounds Config.GrowthWatermark: a pool that keeps more
+// than half its pages from new admissions is a mistake.
+const MaxGrowthWatermark = 0.5
 
 // metadataBytesPerPage is the host memory a pool keeps per page whatever
 // its device: the allocator's record (16 bytes), the prefix index's page

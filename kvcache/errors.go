@@ -30,6 +30,10 @@ var (
 	ErrInvalidTenant   = isolation.ErrInvalidTenant
 	ErrDuplicateTenant = isolation.ErrDuplicateTenant
 	ErrOverReserved    = isolation.ErrOverReserved
+	// ErrKeptForGrowth is the cause of an admission refused because it
+	// would cut into the pages kept for the growth of running leases
+	// (Config.GrowthWatermark); the refusal itself is ErrPoolExhausted.
+	ErrKeptForGrowth = isolation.ErrKeptForGrowth
 	// ErrDuplicateRequest: a live lease already has this request ID.
 	ErrDuplicateRequest = errors.New("kvcache: request ID already has a live lease")
 	// ErrExceedsMaxContext: prompt + max new tokens is above the

@@ -45,7 +45,7 @@ func admit(t testing.TB, p *Pool, id, tenant string, tokens int) *Lease {
 // the refusal counter.
 func state(p *Pool) Stats {
 	s := p.Stats()
-	s.Refused = Refusals{}
+	s.Refused, s.Growth.Refused = Refusals{}, Refusals{}
 	return s
 }
 

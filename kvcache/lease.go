@@ -30,7 +30,12 @@ type Lease struct {
 	prompt  int
 	maxNew  int
 	handles []allocator.Handle
-	table   []int32 // block table: page IDs in token order
+	// table is the block table, page IDs in token order, written under
+	// Pool.mu (at admission; Grow appends). The lease's own readers, which
+	// take no lock, see it through view and viewLen (publishTable).
+	table   []int32
+	view    atomic.Pointer[[]int32]
+	viewLen atomic.Int64
 	scrub   []int32 // scratch for release, reused
 	// seq is this incarnation's admission number (Pool.mu.seq): an export
 	// or import of the lease belongs to one incarnation only.
@@ -53,6 +58,7 @@ type Lease struct {
 	// CachePrefix has considered its pages [0, published). keys, keysFor
 	// and published change under Pool.mu.
 	domain    *isolation.Domain
+	adapter   string
 	keys      []BlockKey
 	keysFor   *isolation.Domain
 	hitPages  int
@@ -75,16 +81,43 @@ type leaseMatch struct {
 
 func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []allocator.Handle, seq uint64) {
 	l.pool, l.id, l.tenant, l.domain, l.seq = p, req.ID, t, t.Domain, seq
-	l.prompt, l.maxNew = req.PromptTokens, req.MaxNewTokens
+	l.prompt, l.maxNew, l.adapter = req.PromptTokens, req.MaxNewTokens, req.Adapter
 	l.handles = handles
 	l.table = l.table[:0]
 	for _, h := range handles {
 		l.table = append(l.table, h.Page)
 	}
+	l.publishTable()
 	l.written.Store(0)
 	l.phase.Store(uint32(PhaseAdmitted))
 	l.pins, l.draining, l.export = 0, false, nil
 	l.state.Store(leaseLive)
+}
+
+// publishTable makes l.table what the lease's lock-free readers see. It
+// runs under Pool.mu after every change of l.table. A new view header is
+// needed only when the table moved to a larger array (amortised: append
+// doubles); otherwise the readers' array already holds the new entries
+// beyond the length they had, and the new length is all there is to
+// publish. The view is stored before its length, and tableView loads the
+// length first, so a reader never slices past the array it reads.
+func (l *Lease) publishTable() {
+	if v := l.view.Load(); v == nil || cap(*v) != cap(l.table) {
+		hdr := l.table[:cap(l.table)]
+		l.view.Store(&hdr)
+	}
+	l.viewLen.Store(int64(len(l.table)))
+}
+
+// tableView is the block table as the lease's own readers see it. Its
+// entries never change while the lease lives; it only grows.
+func (l *Lease) tableView() []int32 {
+	n := l.viewLen.Load()
+	v := l.view.Load()
+	if v == nil {
+		return nil
+	}
+	return (*v)[:n]
 }
 
 // errNilLease is what every method of a nil *Lease returns: an engine that
@@ -127,15 +160,21 @@ func (l *Lease) PromptTokens() int { return l.prompt }
 func (l *Lease) MaxNewTokens() int { return l.maxNew }
 
 // Pages returns how many pages the lease holds.
-func (l *Lease) Pages() int { return len(l.table) }
+func (l *Lease) Pages() int {
+	if l == nil {
+		return 0
+	}
+	return int(l.viewLen.Load())
+}
 
 // CapacityTokens is the number of token slots the lease's pages hold: at
-// least PromptTokens + MaxNewTokens.
+// least PromptTokens + MaxNewTokens under full sizing, at least the prompt
+// (and its headroom) under on-demand sizing, where Grow adds more.
 func (l *Lease) CapacityTokens() int {
 	if l == nil || l.pool == nil {
 		return 0
 	}
-	return len(l.table) * l.pool.geom.TokensPerPage
+	return l.Pages() * l.pool.geom.TokensPerPage
 }
 
 // Live reports whether the lease still holds its pages.
@@ -153,7 +192,7 @@ func (l *Lease) AppendBlockTable(dst []int32) ([]int32, error) {
 	if err := l.live(); err != nil {
 		return dst, err
 	}
-	return append(dst, l.table...), nil
+	return append(dst, l.tableView()...), nil
 }
 
 // SlotMapping appends to dst the cache slot of each token in [start, end):
@@ -167,13 +206,14 @@ func (l *Lease) SlotMapping(start, end int, dst []int64) ([]int64, error) {
 	if l.written.Load()&writeSealed != 0 {
 		return dst, l.sealedErr("slot mapping")
 	}
-	if start < 0 || end < start || end > l.CapacityTokens() {
-		return dst, fmt.Errorf("%w: token range [%d, %d) outside the lease's %d slots",
-			ErrInvalidArgument, start, end, l.CapacityTokens())
-	}
+	table := l.tableView()
 	tpp := l.pool.geom.TokensPerPage
+	if slots := len(table) * tpp; start < 0 || end < start || end > slots {
+		return dst, fmt.Errorf("%w: token range [%d, %d) outside the lease's %d slots",
+			ErrInvalidArgument, start, end, slots)
+	}
 	for tok := start; tok < end; tok++ {
-		dst = append(dst, int64(l.table[tok/tpp])*int64(tpp)+int64(tok%tpp))
+		dst = append(dst, int64(table[tok/tpp])*int64(tpp)+int64(tok%tpp))
 	}
 	return dst, nil
 }
@@ -193,14 +233,15 @@ func (l *Lease) sealedErr(what string) error {
 
 // Commit records that the first n tokens of the lease have been written
 // to its pages (the written watermark). The watermark only moves forward
-// and stays within the request's prompt + max new tokens. An exported
+// and stays within the request's prompt + max new tokens and within the
+// lease's capacity (an on-demand lease grows first). An exported
 // lease refuses with ErrLeasePhase: its pages belong to the transfer. A
 // lease delivered by an import takes commits for the tokens it generates.
 func (l *Lease) Commit(n int) error {
 	if err := l.live(); err != nil {
 		return err
 	}
-	limit := l.prompt + l.maxNew
+	limit := min(l.prompt+l.maxNew, l.CapacityTokens())
 	for {
 		cur := l.written.Load()
 		if cur&writeSealed != 0 {

@@ -26,6 +26,8 @@ type Pool struct {
 	dev            cudaops.Device
 	ownsDevice     bool
 	prefixDisabled bool
+	sizing         Sizing  // the pool's default, never SizeInherit
+	watermark      float64 // Config.GrowthWatermark
 	events         chan KVEvent
 	// q's Issue runs without mu; its Locked methods need mu.
 	q *isolation.Quarantine
@@ -69,6 +71,7 @@ type Pool struct {
 		seq      uint64
 		admitted uint64
 		refused  Refusals
+		growth   GrowthStats
 		prefix   prefixIndex
 		events   eventSink
 	}
@@ -104,6 +107,8 @@ func New(cfg Config) (*Pool, error) {
 		dev:            dev,
 		ownsDevice:     owned,
 		prefixDisabled: cfg.Prefix.Disable,
+		sizing:         cfg.Sizing.Or(Sizing{Mode: SizeFull}),
+		watermark:      cfg.GrowthWatermark,
 	}
 	q, err := isolation.NewQuarantine(alloc, dev, reg, &p.mu.Mutex, cfg.Scrub, cfg.Geometry.DType)
 	if err == nil {

@@ -66,6 +66,7 @@ type Stats struct {
 	LiveLeases       int
 	Admitted         uint64
 	Refused          Refusals
+	Growth           GrowthStats
 	Scrub            isolation.ScrubStats
 	Tenants          []TenantStats
 	Prefix           PrefixStats
@@ -91,6 +92,7 @@ func (p *Pool) Stats() Stats {
 		LiveLeases:       len(p.mu.leases),
 		Admitted:         p.mu.admitted,
 		Refused:          p.mu.refused,
+		Growth:           p.mu.growth,
 		Scrub:            p.q.StatsLocked(),
 		Closed:           p.mu.closed,
 	}

@@ -53,8 +53,8 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		"ErrInvalidArgument": kvcache.ErrInvalidArgument, "ErrScrubFailed": kvcache.ErrScrubFailed,
 		"ErrCanaryMismatch": kvcache.ErrCanaryMismatch, "ErrDevice": kvcache.ErrDevice,
 		"ErrInvalidTenant": kvcache.ErrInvalidTenant, "ErrDuplicateTenant": kvcache.ErrDuplicateTenant,
-		"ErrOverReserved": kvcache.ErrOverReserved,
-		"ErrLeasePhase":   kvcache.ErrLeasePhase, "ErrReclaimed": kvcache.ErrReclaimed,
+		"ErrOverReserved": kvcache.ErrOverReserved, "ErrKeptForGrowth": nil,
+		"ErrLeasePhase": kvcache.ErrLeasePhase, "ErrReclaimed": kvcache.ErrReclaimed,
 		"ErrStaleTransfer": kvcache.ErrStaleTransfer, "ErrDuplicatePage": kvcache.ErrDuplicatePage,
 		"ErrIncompleteTransfer": kvcache.ErrIncompleteTransfer, "ErrChecksumMismatch": kvcache.ErrChecksumMismatch,
 		"ErrDomainMismatch": kvcache.ErrDomainMismatch,
@@ -71,6 +71,9 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		// Only ever reported inside another sentinel: ErrReserved as the
 		// cause of ErrPoolExhausted, policy errors inside ErrInvalidConfig.
 		"ErrReserved": nil, "ErrInvalidPolicy": nil, "ErrNonFinitePattern": nil,
+		// Causes too: ErrKeptForGrowth of ErrPoolExhausted, ErrInvalidSizing
+		// inside the error of what carried the sizing (config, tenant).
+		"ErrKeptForGrowth": nil, "ErrInvalidSizing": nil,
 		"ErrCorrupt": nil, // a Check failure: a bug, reported as internal
 	}
 	ho := map[string]error{

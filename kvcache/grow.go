@@ -1,0 +1,244 @@
+package kvcache
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/kvfence/kvfence/allocator"
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/isolation"
+)
+
+// This file is growth and preemption: how a lease sized on demand gets
+// pages as its request generates, and how a running request gives its
+// pages back to be admitted again later.
+//
+// A lease admitted under SizeOnDemand holds its whole prompt (never less:
+// the incident's placeholder cannot come back through this door) and a
+// headroom of output tokens. Before the engine writes past its capacity it
+// calls Grow; growth is decided by the same rule as admission
+// (isolation.Decide) and is all or nothing, but it passes the queue of
+// waiting admissions and may use the pages the growth watermark keeps
+// from them. A refused growth is an *AdmissionError whose Err says what
+// binds (ErrPoolExhausted, ErrExceedsQuota, ErrExceedsMaxContext,
+// ErrExceedsCapacity): the engine finishes or preempts the request.
+//
+// Preempt ends a running lease but keeps what it computed where the
+// prefix cache can find it: the full pages of its written tokens are
+// published in its domain, the rest is scrubbed. Admitting the request
+// again with all its tokens as the prompt shares those pages back
+// (HitTokens), so only the last page is computed again.
+//
+// Swapping to host memory would plug in at the same place: instead of
+// publishing the pages, Preempt would copy them to a host tier (the
+// handoff's page reads already copy a lease's pages out under a pin), and
+// the next admission would copy them into fresh pages before it returns
+// the lease, under the same sealed watermark as an import.
+
+// Grow makes room for tokens more tokens after the written watermark: on
+// success CapacityTokens() ≥ Written() + tokens. It adds the pages that
+// takes, all or none, charged to the tenant, and does nothing if the lease
+// already has the room. Like Admit, it waits for pages or quota until ctx
+// is done (TryGrow never waits), and refuses at once what no release can
+// cure: more than the request's prompt + max new tokens
+// (ErrExceedsMaxContext), than the pool or the tenant's quota can hold. A
+// lease whose pages are sealed (exported, importing) refuses with
+// ErrLeasePhase. The block table and SlotMapping include the new pages
+// once Grow returns.
+func (l *Lease) Grow(ctx context.Context, tokens int) error {
+	return l.grow(&admission{ctx: ctx, wait: true}, tokens)
+}
+
+// TryGrow is Grow that never waits: a busy pool or a full quota is refused
+// at once.
+func (l *Lease) TryGrow(tokens int) error {
+	return l.grow(&admission{ctx: context.Background()}, tokens)
+}
+
+func (l *Lease) grow(a *admission, tokens int) error {
+	if err := l.live(); err != nil {
+		return err
+	}
+	p := l.pool
+	if tokens < 0 {
+		return fmt.Errorf("%w: Grow of lease %q by %d tokens", ErrInvalidArgument, l.id, tokens)
+	}
+	if err := a.ctx.Err(); err != nil {
+		return fmt.Errorf("%w: growth of request %q: %w", ErrContextDone, l.id, err)
+	}
+	if l.written.Load()&writeSealed != 0 {
+		return l.sealedErr("growth")
+	}
+	a.l, a.growing = l, true
+	a.req = Request{ID: l.id, Tenant: l.Tenant()}
+	written := l.Written()
+	if limit := l.prompt + l.maxNew; tokens > limit-written {
+		return p.refuse(a, &AdmissionError{Err: ErrExceedsMaxContext, Need: written + tokens, Limit: limit})
+	}
+	a.target = written + tokens
+	if p.geom.PagesFor(a.target) <= l.Pages() {
+		return nil // room enough: no lock taken
+	}
+	p.mu.Lock()
+	a.seq = l.seq
+	return p.runLocked(a)
+}
+
+// growAttemptLocked decides a growth once (see attemptLocked, of which it
+// is the twin for a live lease).
+func (p *Pool) growAttemptLocked(a *admission) step {
+	p.assertHeld()
+	l := a.l
+	switch {
+	case p.mu.closed:
+		a.err = ErrPoolClosed
+		return stepDone
+	case l.state.Load() != leaseLive || l.seq != a.seq:
+		a.err = ErrLeaseReleased
+		return stepDone
+	case l.written.Load()&writeSealed != 0:
+		a.err = l.sealedErr("growth")
+		return stepDone
+	}
+	if f := p.q.FaultLocked(); f != nil {
+		return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: f})
+	}
+	t := l.tenant
+	have := len(l.table)
+	fresh := p.geom.PagesFor(a.target) - have
+	if fresh <= 0 {
+		a.err = nil
+		return stepDone
+	}
+	inService := p.inServiceLocked()
+	if total := have + fresh; total > inService {
+		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Need: total, Have: p.mu.alloc.Count(allocator.Free),
+			Limit: inService, NeedTokens: a.target, LimitTokens: inService * p.geom.TokensPerPage})
+	} else if total > t.Quota {
+		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Need: total, Have: max(0, t.Quota-t.Used), Limit: t.Quota})
+	}
+	free := p.mu.alloc.Count(allocator.Free)
+	supply := free + p.mu.evicting + p.mu.prefix.lruLen - (p.mu.claimed - a.claim)
+	// A running lease passes the queue and the watermark: those are what
+	// keep new admissions from starving it.
+	dec := p.mu.tenants.Decide(t, isolation.Demand{Charge: fresh, Take: fresh},
+		isolation.Supply{Pages: supply, InService: inService})
+	if dec.Verdict != isolation.Grant {
+		p.releaseClaimLocked(a)
+		return p.blockedLocked(a, t, dec)
+	}
+	if st, ready := p.claimLocked(a, t, dec, fresh, free, nil); !ready {
+		return st
+	}
+
+	// Nothing can fail from here on.
+	p.mu.tenants.Apply(t, dec)
+	before := len(l.handles)
+	handles, err := p.mu.alloc.Alloc(l.handles, fresh, t.Domain.ID)
+	if err != nil {
+		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
+	}
+	l.handles = handles
+	for _, h := range handles[before:] {
+		l.table = append(l.table, h.Page)
+	}
+	l.publishTable()
+	if a.claimEpoch == p.mu.claimEpoch {
+		p.mu.claimed -= a.claim
+	}
+	a.claim = 0
+	p.mu.growth.Grown++
+	p.mu.growth.PagesGrown += uint64(fresh)
+	p.dequeueLocked(l)
+	a.err = nil
+	p.assertLocked("grow")
+	return stepDone
+}
+
+// Preempt gives a running request's pages back, keeping what it computed
+// for its next admission: tokens are the IDs of its written tokens
+// (len(tokens) == Written(): the prompt, then what it generated), and the
+// full pages they fill are published to the prefix cache of the lease's
+// domain; every other page is scrubbed. The lease ends (PhaseReleased).
+// It returns the tokens kept: the full pages published or already shared.
+// To resume, admit the request again with TokenIDs = tokens (and the rest
+// of its output budget): HitTokens then says how much prefill to skip.
+//
+// With prefix caching off, or tokens nil, Preempt is Release and keeps
+// nothing. An exported or importing lease refuses with ErrLeasePhase.
+func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
+	if err := l.live(); err != nil {
+		return 0, err
+	}
+	p := l.pool
+	written := l.Written()
+	if len(tokens) > 0 && len(tokens) != written {
+		return 0, fmt.Errorf("%w: Preempt of lease %q with %d token IDs, %d tokens written", ErrInvalidArgument, l.id, len(tokens), written)
+	}
+	// Hashed outside Pool.mu: keys for the written full pages the lease
+	// has none for, chained on from its last key (the domain and adapter
+	// never change while it lives).
+	var extra []BlockKey
+	keep := !p.prefixDisabled && len(tokens) > 0
+	p.mu.Lock()
+	have, seq := len(l.keys), l.seq
+	var parent BlockKey
+	if have > 0 {
+		parent = l.keys[have-1]
+	}
+	p.mu.Unlock()
+	tpp := p.geom.TokensPerPage
+	full := written / tpp
+	if keep && full > have {
+		if have == 0 {
+			parent = prefixRoot(l.Domain(), l.adapter)
+		}
+		extra = appendPageKeys(nil, parent, tpp, tokens[have*tpp:full*tpp])
+	}
+
+	p.mu.Lock()
+	for {
+		if p.mu.closed {
+			p.mu.Unlock()
+			return 0, ErrPoolClosed
+		}
+		if l.state.Load() != leaseLive || l.seq != seq {
+			p.mu.Unlock()
+			return 0, ErrLeaseReleased
+		}
+		if !p.drainLocked(l) {
+			break
+		}
+	}
+	if l.written.Load()&writeSealed != 0 {
+		err := l.sealedErr("preemption")
+		p.mu.Unlock()
+		return 0, err
+	}
+	if keep && len(l.keys) == have {
+		l.keys = append(l.keys, extra...)
+		if l.keysFor == nil {
+			l.keysFor = l.domain
+		}
+		p.publishLocked(l, min(full, len(l.keys)))
+		kept = l.published * tpp
+	}
+	l.phase.Store(uint32(PhaseReleased))
+	l.state.Store(leaseReleased)
+	p.mu.growth.Preempted++
+	p.mu.growth.PreemptKeptPages += uint64(kept / tpp)
+	pages := p.detachLocked(l, l.scrub[:0])
+	l.scrub = pages[:0]
+	p.fills.Add(1)
+	p.mu.Unlock()
+	return kept, p.scrub(pages, cudaops.Ordering{})
+}
+
+// GrowthStats counts growth and preemption.
+type GrowthStats struct {
+	Grown            uint64   // growths that added pages
+	PagesGrown       uint64   // pages they added
+	Refused          Refusals // refused growths, by reason
+	Preempted        uint64   // leases preempted
+	PreemptKeptPages uint64   // pages their preemption kept in the prefix cache
+}
