@@ -138,3 +138,25 @@ func kvf_lease_abort(lease C.kvf_lease) (st C.kvf_status) {
 	defer guard(&st)
 	return result(bridge.Abort(uint64(lease)))
 }
+
+// Growth and preemption (since ABI 3).
+
+//export kvf_lease_grow
+func kvf_lease_grow(lease C.kvf_lease, tokens, waitMS C.int64_t) (st C.kvf_status) {
+	defer guard(&st)
+	return result(bridge.Grow(uint64(lease), int64(tokens), waitDuration(waitMS)))
+}
+
+//export kvf_lease_preempt
+func kvf_lease_preempt(lease C.kvf_lease, tokenIDs *C.int32_t, nTokens C.size_t, keptTokens *C.int64_t) (st C.kvf_status) {
+	defer guard(&st)
+	toks, err := cSlice((*int32)(unsafe.Pointer(tokenIDs)), nTokens, "token_ids")
+	if err != nil {
+		return fail(err)
+	}
+	kept, err := bridge.Preempt(uint64(lease), toks)
+	if keptTokens != nil {
+		*keptTokens = C.int64_t(kept)
+	}
+	return result(err)
+}

@@ -54,11 +54,14 @@
 extern "C" {
 #endif
 
-/* The ABI this header describes; compare with kvf_abi_version(). Version 2
- * adds functions, types and status codes to version 1 and changes none:
- * a program built against version 1 runs unchanged on a version-2
- * library. */
-#define KVF_ABI_VERSION 2
+/* The ABI this header describes; compare with kvf_abi_version(). Each
+ * version adds functions, types, status codes and JSON fields to the one
+ * before and changes none: a program built against an older version runs
+ * unchanged on a newer library. Version 2 added the prefix cache, lease
+ * phases, the handoff and CUDA pools; version 3 adds leases sized on
+ * demand, which grow (kvf_lease_grow), preemption (kvf_lease_preempt),
+ * and the config's "sizing" and "growth_watermark". */
+#define KVF_ABI_VERSION 3
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -233,6 +236,9 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  *                 "domain": "team-a"}],
  *    "scrub": {"kind": "poison", "pattern": "0x8000"},
  *    "prefix": {"disable": false, "event_buffer": 0},
+ *    "sizing": {"mode": "full"},      (or {"mode": "on_demand",
+ *                                        "headroom_tokens": 256})
+ *    "growth_watermark": 0.01,
  *    "device": {"kind": "host"}}      (or {"kind": "cuda", "ordinal": 0})
  *
  * Unknown fields are rejected. A pool that cannot hold max_context_tokens
@@ -241,7 +247,16 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  * shares (omitted: its own). Pages live in host memory, or, with
  * "device": {"kind": "cuda"}, in memory the pool allocates on that CUDA
  * device (the driver is loaded at run time; without one the call returns
- * KVF_ERR_NO_DEVICE with the driver's reason). The pool owns either. */
+ * KVF_ERR_NO_DEVICE with the driver's reason). The pool owns either.
+ *
+ * "sizing" (since ABI 3; a tenant object takes one too, which overrides
+ * the pool's) says how much of a request's output admission reserves:
+ * "full" (the default) reserves prompt + max_new; "on_demand" reserves the
+ * whole prompt plus headroom_tokens of output (at most max_new), and the
+ * lease grows with kvf_lease_grow. The prompt is always admitted whole or
+ * refused. "growth_watermark" (0 to 0.5, default 0) is the share of pages
+ * new admissions leave free for growth: an admission that would cut into
+ * it is refused KVF_ERR_POOL_EXHAUSTED (retryable); growth may use it. */
 KVF_API kvf_status kvf_pool_create(const char *config_json, kvf_pool *out);
 
 /* Closes the pool: live leases are released and scrubbed, fills are
@@ -321,8 +336,35 @@ KVF_API kvf_status kvf_lease_slot_mapping(kvf_lease lease, int64_t start, int64_
                                           int64_t *buf, size_t buf_len, size_t *len);
 
 /* Records that the first `tokens` tokens have been written. The watermark
- * only moves forward, up to prompt + max_new. */
+ * only moves forward, up to prompt + max_new and up to the lease's
+ * capacity (an on-demand lease grows first). */
 KVF_API kvf_status kvf_lease_commit(kvf_lease lease, int64_t tokens);
+
+/* Makes room in the lease for `tokens` more tokens after its written
+ * watermark: afterwards its capacity (kvf_lease_describe) is at least
+ * written + tokens. The pages it takes are added all or none, charged to
+ * the tenant; KVF_OK without adding any if the lease has the room. A
+ * refusal tells the engine to finish or preempt the request, with the
+ * numbers in kvf_last_error: KVF_ERR_POOL_EXHAUSTED or
+ * KVF_ERR_EXCEEDS_QUOTA (retryable: wait_ms > 0 waits up to that long),
+ * KVF_ERR_EXCEEDS_MAX_CONTEXT (past prompt + max_new: need and limit in
+ * tokens), KVF_ERR_EXCEEDS_CAPACITY; KVF_ERR_LEASE_PHASE for an exported
+ * or importing lease. The block table and slot mapping include the new
+ * pages. Growth passes waiting admissions and the growth watermark.
+ * Since ABI 3. */
+KVF_API kvf_status kvf_lease_grow(kvf_lease lease, int64_t tokens, int64_t wait_ms);
+
+/* Preempts the lease: gives its pages back but keeps what it computed.
+ * token_ids are the IDs of its written tokens (n_tokens = written: the
+ * prompt, then what it generated); the full pages they fill are published
+ * to the prefix cache of the lease's sharing domain and every other page
+ * is scrubbed. *kept_tokens (if not NULL) gets the tokens kept. The lease
+ * ends; to resume, admit the request again with kvf_admit_tokens and all
+ * its tokens as the prompt: kvf_lease_hit_tokens says how much prefill
+ * to skip. With token_ids NULL (n_tokens 0) it is kvf_lease_release
+ * without ordering, keeping nothing. Since ABI 3. */
+KVF_API kvf_status kvf_lease_preempt(kvf_lease lease, const int32_t *token_ids, size_t n_tokens,
+                                     int64_t *kept_tokens);
 
 /* Describes the lease; works on a released lease until it is freed. */
 KVF_API kvf_status kvf_lease_describe(kvf_lease lease, kvf_lease_info *out);

@@ -524,6 +524,7 @@ static void test_long_strings(void) {
 }
 
 #include "capi_test_v2.inc"
+#include "capi_test_v3.inc"
 
 int main(void) {
     test_library();
@@ -542,6 +543,7 @@ int main(void) {
     test_handoff();
     test_regions();
     test_device();
+    test_growth();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);
         return 1;

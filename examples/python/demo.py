@@ -62,6 +62,7 @@ def main():
               % (len(rs), rs[0]["pages"], rs[0]["page_bytes"]))
         prefix_demo(pool)
     handoff_demo()
+    growth_demo()
 
 
 def prefix_demo(pool):
@@ -129,6 +130,39 @@ def handoff_demo():
               % (prefill.stats()["free_pages"], prefill.stats()["total_pages"],
                  decode.stats()["free_pages"], decode.stats()["total_pages"]))
 
+
+def growth_demo():
+    """A lease sized on demand holds its prompt and grows as it generates;
+    refused growth means preempt, and preemption keeps the computed pages
+    for the request's next admission."""
+    config = dict(CONFIG, pages=16, max_context_tokens=256, tenants=[{"name": "acme"}, {"name": "globex"}],
+                  sizing={"mode": "on_demand", "headroom_tokens": 16})
+    with kvfence.Pool(config) as pool:
+        other = pool.admit("batch-1", "globex", prompt_tokens=96)  # 6 of the 16 pages
+        prompt = list(range(7000, 7000 + 40))
+        lease = pool.admit_tokens("chat-1", "acme", prompt, max_new_tokens=200)
+        print("on demand: %d pages for a 40-token prompt of up to 240 tokens" % lease.info()["pages"])
+        lease.commit(40)
+        written = list(prompt)
+        while True:
+            try:
+                lease.grow(16)  # room for the next 16 tokens
+            except kvfence.KvfenceError as e:
+                print("growth refused (%s: need %d, have %d): preempt" % (e.name, e.need, e.have))
+                break
+            written += list(range(9000 + len(written), 9000 + len(written) + 16))
+            lease.commit(len(written))
+        kept = lease.preempt(written)
+        lease.free()
+        other.release()
+        other.free()
+        again = pool.admit_tokens("chat-1", "acme", written, max_new_tokens=240 - len(written))
+        print("preempted after %d tokens, kept %d; readmitted with %d tokens shared"
+              % (len(written), kept, again.hit_tokens()))
+        assert again.hit_tokens() == kept - (16 if kept == len(written) else 0)
+        again.release()
+        again.free()
+        pool.check()
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@ import ctypes.util
 import json
 import os
 
-ABI_VERSION = 2  # the library must implement at least this
+ABI_VERSION = 3  # the library must implement at least this
 
 # Status codes, as in kvfence.h.
 OK = 0
@@ -193,6 +193,10 @@ _import_complete = _fn("kvf_import_complete", _status, _handle, _P(_handle))
 _import_abort = _fn("kvf_import_abort", _status, _handle)
 _import_free = _fn("kvf_import_free", _status, _handle)
 
+# ABI 3.
+_grow = _fn("kvf_lease_grow", _status, _handle, _i64, _i64)
+_preempt = _fn("kvf_lease_preempt", _status, _handle, _P(ctypes.c_int32), _size, _P(_i64))
+
 
 def version():
     return _version().decode()
@@ -355,6 +359,24 @@ class Lease:
 
     def commit(self, tokens):
         _check(_commit(self._h, tokens))
+
+    def grow(self, tokens, wait_ms=0):
+        """Makes room for tokens more tokens after the written watermark
+        (a lease sized on demand). A refusal (KvfenceError: POOL_EXHAUSTED,
+        EXCEEDS_QUOTA, EXCEEDS_MAX_CONTEXT, ...) tells the engine to finish
+        or preempt the request; wait_ms > 0 waits that long for pages."""
+        _check(_grow(self._h, tokens, wait_ms))
+
+    def preempt(self, token_ids=None):
+        """Gives the pages back, keeping the full pages of the written
+        tokens (token_ids: all of them, prompt then output) in the prefix
+        cache; returns the tokens kept. Admit the request again with
+        admit_tokens(token_ids) to resume."""
+        toks = list(token_ids or [])
+        arr = (ctypes.c_int32 * len(toks))(*toks) if toks else None
+        kept = _i64()
+        _check(_preempt(self._h, arr, len(toks), ctypes.byref(kept)))
+        return kept.value
 
     def info(self):
         li = _LeaseInfo()

@@ -29,6 +29,21 @@ type ConfigJSON struct {
 	Scrub               ScrubJSON    `json:"scrub,omitzero"`
 	Prefix              PrefixJSON   `json:"prefix,omitzero"`
 	Device              DeviceJSON   `json:"device,omitzero"`
+	Sizing              SizingJSON   `json:"sizing,omitzero"`
+	GrowthWatermark     float64      `json:"growth_watermark,omitempty"`
+}
+
+// SizingJSON is kvcache.Sizing with the mode by name: "full",
+// "on_demand", or omitted to inherit (a pool's default is full).
+type SizingJSON struct {
+	Mode           string `json:"mode,omitempty"`
+	HeadroomTokens int    `json:"headroom_tokens,omitempty"`
+}
+
+// sizing parses the mode; a bad name wraps isolation.ErrInvalidSizing.
+func (s SizingJSON) sizing() (kvcache.Sizing, error) {
+	m, err := isolation.ParseSizingMode(s.Mode)
+	return kvcache.Sizing{Mode: m, HeadroomTokens: s.HeadroomTokens}, err
 }
 
 // PrefixJSON is kvcache.PrefixConfig.
@@ -62,10 +77,11 @@ type GeometryJSON struct {
 
 // TenantJSON is kvcache.TenantConfig.
 type TenantJSON struct {
-	Name          string `json:"name"`
-	QuotaPages    int    `json:"quota_pages,omitempty"`
-	ReservedPages int    `json:"reserved_pages,omitempty"`
-	Domain        string `json:"domain,omitempty"` // sharing domain; empty: the tenant's own
+	Name          string     `json:"name"`
+	QuotaPages    int        `json:"quota_pages,omitempty"`
+	ReservedPages int        `json:"reserved_pages,omitempty"`
+	Domain        string     `json:"domain,omitempty"` // sharing domain; empty: the tenant's own
+	Sizing        SizingJSON `json:"sizing,omitzero"`  // omitted: the pool's
 }
 
 // ScrubJSON is kvcache.ScrubPolicy; an empty kind means zero.
@@ -178,15 +194,24 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 		AllowUndersizedPool: cj.AllowUndersizedPool,
 		Scrub:               kvcache.ScrubPolicy{Kind: kind, Pattern: uint32(cj.Scrub.Pattern)},
 		Prefix:              kvcache.PrefixConfig{Disable: cj.Prefix.Disable, EventBuffer: cj.Prefix.EventBuffer},
+		GrowthWatermark:     cj.GrowthWatermark,
 	}
-	for _, t := range cj.Tenants {
-		cfg.Tenants = append(cfg.Tenants, t.config())
+	if cfg.Sizing, err = cj.Sizing.sizing(); err != nil {
+		return fail("sizing: %w", err)
+	}
+	for i, t := range cj.Tenants {
+		tc, err := t.config()
+		if err != nil {
+			return fail("tenants[%d]: %w", i, err)
+		}
+		cfg.Tenants = append(cfg.Tenants, tc)
 	}
 	return cfg, cj.Device, nil
 }
 
-func (t TenantJSON) config() kvcache.TenantConfig {
-	return kvcache.TenantConfig{Name: t.Name, QuotaPages: t.QuotaPages, ReservedPages: t.ReservedPages, Domain: t.Domain}
+func (t TenantJSON) config() (kvcache.TenantConfig, error) {
+	sizing, err := t.Sizing.sizing()
+	return kvcache.TenantConfig{Name: t.Name, QuotaPages: t.QuotaPages, ReservedPages: t.ReservedPages, Domain: t.Domain, Sizing: sizing}, err
 }
 
 // ParseTenant decodes one tenant object, as in the config's "tenants"
@@ -204,5 +229,9 @@ func ParseTenant(data []byte) (kvcache.TenantConfig, error) {
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
 		return kvcache.TenantConfig{}, fmt.Errorf("%w: tenant JSON: trailing data after the object", isolation.ErrInvalidTenant)
 	}
-	return tj.config(), nil
+	tc, err := tj.config()
+	if err != nil {
+		return kvcache.TenantConfig{}, fmt.Errorf("%w: tenant JSON: %w", isolation.ErrInvalidTenant, err)
+	}
+	return tc, nil
 }

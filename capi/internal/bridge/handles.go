@@ -364,6 +364,36 @@ func Commit(h Handle, tokens int64) error {
 	return withLease(h, func(_ *poolEntry, l *kvcache.Lease) error { return l.Commit(clampInt(tokens)) })
 }
 
+// Grow makes room in the lease for tokens more tokens after its written
+// watermark (kvcache.Lease.Grow). wait 0 never waits (TryGrow); wait > 0
+// waits up to that long for pages or quota.
+func Grow(h Handle, tokens int64, wait time.Duration) error {
+	if wait < 0 {
+		return fmt.Errorf("%w: negative wait %v", kvcache.ErrInvalidArgument, wait)
+	}
+	return withLease(h, func(_ *poolEntry, l *kvcache.Lease) error {
+		if wait == 0 {
+			return l.TryGrow(clampInt(tokens))
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		defer cancel()
+		return l.Grow(ctx, clampInt(tokens))
+	})
+}
+
+// Preempt ends the lease, publishing the full pages of its written tokens
+// (kvcache.Lease.Preempt), and returns the tokens kept. tokens may alias C
+// memory: they are hashed during the call and not kept.
+func Preempt(h Handle, tokens []int32) (int, error) {
+	var kept int
+	err := withLease(h, func(_ *poolEntry, l *kvcache.Lease) error {
+		var err error
+		kept, err = l.Preempt(tokens)
+		return err
+	})
+	return kept, err
+}
+
 // LeaseInfo is a lease's shape (kvf_lease_info).
 type LeaseInfo struct {
 	Pages, CapacityTokens, PromptTokens, MaxNewTokens, Written int64

@@ -257,7 +257,7 @@ func TestStatsJSON(t *testing.T) {
 	want := `{"device":"host","total_pages":64,"free_pages":62,"in_use_pages":2,"cached_pages":0,"quarantined_pages":0,` +
 		`"retired_pages":0,"tokens_per_page":16,"page_bytes":512,"live_leases":1,"admitted":1,"refused":{"invalid_request":0,` +
 		`"unknown_tenant":1,"duplicate_request":0,"exceeds_max_context":0,"exceeds_capacity":0,"exceeds_quota":0,` +
-		`"pool_exhausted":0,"pool_faulted":0,"total":1},"scrub":{"fills":1,"pages_scrubbed":64,"bytes_scrubbed":32768,` +
+		`"pool_exhausted":0,"pool_faulted":0,"total":1},"growth":{"grown":0,"pages_grown":0,"refused":{"invalid_request":0,"unknown_tenant":0,"duplicate_request":0,"exceeds_max_context":0,"exceeds_capacity":0,"exceeds_quota":0,"pool_exhausted":0,"pool_faulted":0,"total":0},"preempted":0,"preempt_kept_pages":0},"scrub":{"fills":1,"pages_scrubbed":64,"bytes_scrubbed":32768,` +
 		`"fill_errors":0,"pages_retired":0,"canary_checks":0,"canary_failures":0},"tenants":[{"name":"a","used_pages":2,` +
 		`"quota_pages":32,"reserved_pages":0,"domain":"tenant:a"},{"name":"b","used_pages":0,"quota_pages":64,"reserved_pages":0,` +
 		`"domain":"tenant:b"}],"prefix":{"enabled":true,"domains":[{"name":"tenant:a","shared":false,"tenants":1,"indexed_pages":0,` +

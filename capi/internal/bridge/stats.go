@@ -17,6 +17,7 @@ type StatsDoc struct {
 	LiveLeases       int           `json:"live_leases"`
 	Admitted         uint64        `json:"admitted"`
 	Refused          RefusalsDoc   `json:"refused"`
+	Growth           GrowthDoc     `json:"growth"`
 	Scrub            ScrubStatsDoc `json:"scrub"`
 	Tenants          []TenantDoc   `json:"tenants"`
 	Prefix           PrefixDoc     `json:"prefix"`
@@ -35,6 +36,24 @@ type RefusalsDoc struct {
 	PoolExhausted    uint64 `json:"pool_exhausted"`
 	PoolFaulted      uint64 `json:"pool_faulted"`
 	Total            uint64 `json:"total"`
+}
+
+// GrowthDoc is kvcache.GrowthStats.
+type GrowthDoc struct {
+	Grown            uint64      `json:"grown"`
+	PagesGrown       uint64      `json:"pages_grown"`
+	Refused          RefusalsDoc `json:"refused"`
+	Preempted        uint64      `json:"preempted"`
+	PreemptKeptPages uint64      `json:"preempt_kept_pages"`
+}
+
+func refusalsDoc(r kvcache.Refusals) RefusalsDoc {
+	return RefusalsDoc{
+		InvalidRequest: r.InvalidRequest, UnknownTenant: r.UnknownTenant,
+		DuplicateRequest: r.DuplicateRequest, ExceedsContext: r.ExceedsContext,
+		ExceedsCapacity: r.ExceedsCapacity, ExceedsQuota: r.ExceedsQuota,
+		PoolExhausted: r.PoolExhausted, PoolFaulted: r.PoolFaulted, Total: r.Total(),
+	}
 }
 
 // ScrubStatsDoc is isolation.ScrubStats.
@@ -84,12 +103,9 @@ func statsJSON(s kvcache.Stats, domainOf func(tenant string) string) StatsDoc {
 		Device: s.Device, TotalPages: s.TotalPages, FreePages: s.FreePages, InUsePages: s.InUsePages,
 		CachedPages: s.CachedPages, QuarantinedPages: s.QuarantinedPages, RetiredPages: s.RetiredPages,
 		TokensPerPage: s.TokensPerPage, PageBytes: s.PageBytes, LiveLeases: s.LiveLeases, Admitted: s.Admitted,
-		Refused: RefusalsDoc{
-			InvalidRequest: s.Refused.InvalidRequest, UnknownTenant: s.Refused.UnknownTenant,
-			DuplicateRequest: s.Refused.DuplicateRequest, ExceedsContext: s.Refused.ExceedsContext,
-			ExceedsCapacity: s.Refused.ExceedsCapacity, ExceedsQuota: s.Refused.ExceedsQuota,
-			PoolExhausted: s.Refused.PoolExhausted, PoolFaulted: s.Refused.PoolFaulted, Total: s.Refused.Total(),
-		},
+		Refused: refusalsDoc(s.Refused),
+		Growth: GrowthDoc{Grown: s.Growth.Grown, PagesGrown: s.Growth.PagesGrown, Refused: refusalsDoc(s.Growth.Refused),
+			Preempted: s.Growth.Preempted, PreemptKeptPages: s.Growth.PreemptKeptPages},
 		Scrub: ScrubStatsDoc{
 			Fills: s.Scrub.Fills, PagesScrubbed: s.Scrub.PagesScrubbed, BytesScrubbed: s.Scrub.BytesScrubbed,
 			FillErrors: s.Scrub.FillErrors, PagesRetired: s.Scrub.PagesRetired,
