@@ -66,6 +66,22 @@
 // for admissions and copies in progress, ends every lease, drops the
 // prefix cache, and waits for every fill before it closes the device.
 //
+// # Sizing, growth and preemption
+//
+// By default a lease holds every page prompt + max new tokens can need
+// (SizeFull). Under SizeOnDemand (Config.Sizing, overridden per tenant and
+// per request) admission reserves the whole prompt plus a headroom of
+// output tokens, and the engine calls Lease.Grow before it writes past the
+// lease's capacity. The prompt is never grown: it is admitted whole or
+// refused, so no placeholder can come back this way. Growth is decided by
+// the same rule as admission, all or nothing, and passes both the queue
+// of waiting admissions and the pages the growth watermark
+// (Config.GrowthWatermark) keeps from them; a refused growth tells the
+// engine to finish or preempt the request. Lease.Preempt ends a lease but
+// publishes the full pages of its written tokens in its domain, so that
+// admitting the request again with those tokens shares them back. grow.go
+// has the details, and how a swap to host memory would plug in.
+//
 // # Waiting
 //
 // Admit follows golang.org/x/sync/semaphore's Acquire: it waits until it is
