@@ -13,8 +13,10 @@
 //	                  └──────────Retain───────────┘ │
 //	                                                └──Evict──▶ Quarantined
 //
-// Free pages sit on an intrusive LIFO list threaded through the per-page
-// metadata, so Alloc and Clean are a pop and a push. A page's generation
+// Free pages sit on a stack of page IDs (an array, not a list threaded
+// through the metadata: popping n pages reads n consecutive IDs, whose
+// metadata loads are independent of each other and overlap, where a linked
+// list makes each load wait for the one before). A page's generation
 // changes every time it leaves InUse, so a Handle kept past its release is
 // detected as stale. Every page has an owner tag (the last owner stays
 // recorded while the page is quarantined, for audit reports) and a
@@ -23,23 +25,26 @@
 // # Invariants (checked by Check)
 //
 //   - free + inUse + cached + quarantined + retired = N;
-//   - the free list holds exactly the Free pages, each once;
+//   - the free stack holds exactly the Free pages, each once;
 //   - InUse pages have refs ≥ 1; every other state has refs = 0;
 //   - InUse and Cached pages have a non-zero owner.
 //
 // # Concurrency
 //
 // An Allocator is not safe for concurrent use: its owner (a kvcache pool)
-// serialises calls under its own lock. Batch operations validate the whole
-// batch before changing anything, so an error leaves the allocator exactly
-// as it was.
+// serialises calls under its own lock. Batch operations check and apply
+// each page in one pass over the metadata, and undo what they applied when
+// a page fails its check, so an error leaves the allocator exactly as it
+// was.
 //
-// Metadata is 16 bytes per page and steady-state calls do not allocate.
+// Metadata is 12 bytes per page plus 4 for its slot on the free stack,
+// and steady-state calls do not allocate.
 package allocator
 
 import (
 	"fmt"
 	"math"
+	"slices"
 )
 
 // State is the lifecycle state of a page.
@@ -96,23 +101,23 @@ type PageInfo struct {
 	Refs  int
 }
 
-const noPage = -1
-
-// pageMeta is the per-page record: 16 bytes.
+// pageMeta is the per-page record: 12 bytes.
 type pageMeta struct {
 	gen   uint32
 	owner Owner
-	next  int32 // free-list link, noPage at the end
 	refs  uint16
 	state State
-	mark  uint8 // scratch for duplicate detection inside one call; 0 between calls
+	// mark is scratch of one call: a shared page already seen in this
+	// Release or Park batch, or a page of an Unclean batch or of Check's
+	// walk of the free stack. 0 between calls.
+	mark uint8
 }
 
 // Allocator is the page space [0, N).
 type Allocator struct {
-	pages    []pageMeta
-	freeHead int32
-	count    [numStates]int
+	pages []pageMeta
+	free  []int32 // the Free pages; Alloc pops from the end
+	count [numStates]int
 }
 
 // New returns an allocator of n pages, all free. Alloc hands out low page
@@ -121,11 +126,10 @@ func New(n int) (*Allocator, error) {
 	if n <= 0 || n > MaxPages {
 		return nil, fmt.Errorf("%w: page count %d, want 1..%d", ErrInvalidArgument, n, MaxPages)
 	}
-	a := &Allocator{pages: make([]pageMeta, n), freeHead: 0}
-	for i := range a.pages {
-		a.pages[i].next = int32(i + 1)
+	a := &Allocator{pages: make([]pageMeta, n), free: make([]int32, n)}
+	for i := range a.free {
+		a.free[i] = int32(n - 1 - i)
 	}
-	a.pages[n-1].next = noPage
 	a.count[Free] = n
 	return a, nil
 }
@@ -163,19 +167,21 @@ func (a *Allocator) Alloc(dst []Handle, n int, owner Owner) ([]Handle, error) {
 	if n < 0 || owner == 0 {
 		return dst, fmt.Errorf("%w: alloc of %d pages for owner %d", ErrInvalidArgument, n, owner)
 	}
-	if n > a.count[Free] {
-		return dst, fmt.Errorf("%w: need %d, have %d of %d", ErrNoSpace, n, a.count[Free], len(a.pages))
+	top := len(a.free)
+	if n > top {
+		return dst, fmt.Errorf("%w: need %d, have %d of %d", ErrNoSpace, n, top, len(a.pages))
 	}
-	for range n {
-		p := a.freeHead
-		m := &a.pages[p]
-		a.freeHead = m.next
-		m.next = noPage
+	base := len(dst)
+	dst = slices.Grow(dst, n)[:base+n]
+	out, meta := dst[base:], a.pages
+	for k, p := range a.free[top-n : top] {
+		m := &meta[p]
 		m.state = InUse
 		m.owner = owner
 		m.refs = 1
-		dst = append(dst, Handle{Page: p, Gen: m.gen})
+		out[n-1-k] = Handle{Page: p, Gen: m.gen} // the top of the stack first
 	}
+	a.free = a.free[:top-n]
 	a.count[Free] -= n
 	a.count[InUse] += n
 	return dst, nil
@@ -184,70 +190,94 @@ func (a *Allocator) Alloc(dst []Handle, n int, owner Owner) ([]Handle, error) {
 // PeekFree appends to dst the first n pages Alloc would hand out next (or
 // all free pages if fewer), without changing anything.
 func (a *Allocator) PeekFree(dst []int32, n int) []int32 {
-	for p := a.freeHead; p != noPage && n > 0; p = a.pages[p].next {
-		dst = append(dst, p)
-		n--
+	top := len(a.free)
+	for k := top - 1; k >= max(0, top-n); k-- {
+		dst = append(dst, a.free[k])
 	}
 	return dst
 }
 
-// validateHeld checks that every handle names a page in use by owner at the
-// handle's generation, each page at most once. On error it leaves no marks
-// behind; on success every page of hs is marked, and the caller's apply
-// loop clears each mark as it passes (one pass less over the metadata).
-func (a *Allocator) validateHeld(hs []Handle, owner Owner) error {
-	var err error
-	i := 0
-	for ; i < len(hs); i++ {
-		h := hs[i]
-		if err = a.checkID(h.Page); err != nil {
-			break
-		}
-		m := &a.pages[h.Page]
-		switch {
-		case m.mark != 0:
-			err = fmt.Errorf("%w: page %d appears twice in one batch", ErrDoubleFree, h.Page)
-		case m.state != InUse:
-			err = fmt.Errorf("%w: page %d is %s", ErrDoubleFree, h.Page, m.state)
-		case m.gen != h.Gen:
-			err = fmt.Errorf("%w: page %d handle generation %d, page generation %d", ErrStaleHandle, h.Page, h.Gen, m.gen)
-		case m.owner != owner:
-			err = fmt.Errorf("%w: page %d owned by %d, released by %d", ErrNotOwner, h.Page, m.owner, owner)
-		}
-		if err != nil {
-			break
-		}
-		m.mark = 1
+// heldErr says why handle h fails Release's and Park's check: the page
+// is in use by owner at the handle's generation, and not already dropped
+// by this batch (a private page's first drop changed its state; a shared
+// page's set its mark). Only a failing handle gets here: the loops test
+// the same conditions inline.
+func (a *Allocator) heldErr(h Handle, owner Owner) error {
+	if err := a.checkID(h.Page); err != nil {
+		return err
 	}
-	if err != nil {
-		for _, h := range hs[:i] {
+	m := &a.pages[h.Page]
+	switch {
+	case m.mark != 0:
+		return fmt.Errorf("%w: page %d appears twice in one batch", ErrDoubleFree, h.Page)
+	case m.state != InUse:
+		return fmt.Errorf("%w: page %d is %s", ErrDoubleFree, h.Page, m.state)
+	case m.gen != h.Gen:
+		return fmt.Errorf("%w: page %d handle generation %d, page generation %d", ErrStaleHandle, h.Page, h.Gen, m.gen)
+	}
+	return fmt.Errorf("%w: page %d owned by %d, released by %d", ErrNotOwner, h.Page, m.owner, owner)
+}
+
+// drop drops owner's reference on each page of hs, in one pass: a page
+// whose last reference goes moves to to (Quarantined, its generation
+// advancing, or Cached) and is appended to out. A page that fails its
+// check undoes the batch so far.
+func (a *Allocator) drop(out []int32, hs []Handle, owner Owner, to State) ([]int32, error) {
+	start := len(out)
+	shared := false
+	pages := a.pages
+	for i, h := range hs {
+		if uint(h.Page) >= uint(len(pages)) {
+			a.undoDrop(hs[:i], to)
+			return out[:start], a.heldErr(h, owner)
+		}
+		m := &pages[h.Page]
+		if m.state != InUse || m.gen != h.Gen || m.owner != owner || m.mark != 0 {
+			err := a.heldErr(h, owner)
+			a.undoDrop(hs[:i], to)
+			return out[:start], err
+		}
+		if m.refs--; m.refs == 0 {
+			m.state = to
+			if to == Quarantined {
+				m.gen++
+			}
+			out = append(out, h.Page)
+		} else {
+			m.mark, shared = 1, true
+		}
+	}
+	moved := len(out) - start
+	a.count[InUse] -= moved
+	a.count[to] += moved
+	if shared { // only then is there a mark to clear
+		for _, h := range hs {
 			a.pages[h.Page].mark = 0
 		}
 	}
-	return err
+	return out, nil
+}
+
+// undoDrop restores the pages of hs, which drop has just applied.
+func (a *Allocator) undoDrop(hs []Handle, to State) {
+	for i := len(hs) - 1; i >= 0; i-- {
+		m := &a.pages[hs[i].Page]
+		if m.state == to { // its last reference went in this batch
+			m.state = InUse
+			if to == Quarantined {
+				m.gen--
+			}
+		}
+		m.refs++
+		m.mark = 0
+	}
 }
 
 // Release drops owner's reference on each page. Pages whose last reference
 // goes are quarantined (their generation advances) and appended to
-// quarantined, which is returned. The batch is validated first: on error
-// nothing changes.
+// quarantined, which is returned. On error nothing changes.
 func (a *Allocator) Release(quarantined []int32, hs []Handle, owner Owner) ([]int32, error) {
-	if err := a.validateHeld(hs, owner); err != nil {
-		return quarantined, err
-	}
-	for _, h := range hs {
-		m := &a.pages[h.Page]
-		m.mark = 0
-		m.refs--
-		if m.refs == 0 {
-			m.state = Quarantined
-			m.gen++
-			a.count[InUse]--
-			a.count[Quarantined]++
-			quarantined = append(quarantined, h.Page)
-		}
-	}
-	return quarantined, nil
+	return a.drop(quarantined, hs, owner, Quarantined)
 }
 
 // Retain adds a reference to a page that is in use or cached, for the same
@@ -279,21 +309,7 @@ func (a *Allocator) Retain(p int32, owner Owner) (Handle, error) {
 // last reference goes becomes Cached (kept, immutable, still owned) instead
 // of quarantined. Pages that became cached are appended to parked.
 func (a *Allocator) Park(parked []int32, hs []Handle, owner Owner) ([]int32, error) {
-	if err := a.validateHeld(hs, owner); err != nil {
-		return parked, err
-	}
-	for _, h := range hs {
-		m := &a.pages[h.Page]
-		m.mark = 0
-		m.refs--
-		if m.refs == 0 {
-			m.state = Cached
-			a.count[InUse]--
-			a.count[Cached]++
-			parked = append(parked, h.Page)
-		}
-	}
-	return parked, nil
+	return a.drop(parked, hs, owner, Cached)
 }
 
 // Evict quarantines cached pages (their generation advances). All pages
@@ -316,78 +332,64 @@ func (a *Allocator) Retire(pages []int32) error {
 
 // Unclean takes specific free pages back into quarantine, for a pool that
 // must scrub them again (for example after a canary audit found another
-// page of the same batch corrupt). All pages must be free.
+// page of the same batch corrupt). All pages must be free. It is rare and
+// walks the free stack: O(free pages).
 func (a *Allocator) Unclean(pages []int32) error {
-	if err := a.validateState(pages, Free, "unclean"); err != nil {
-		return err
-	}
-	// validateState marked the pages: unlink them from the free list in
-	// one pass, clearing the marks.
-	prev := int32(noPage)
-	for p := a.freeHead; p != noPage; {
-		next := a.pages[p].next
-		if a.pages[p].mark != 0 {
-			if prev == noPage {
-				a.freeHead = next
-			} else {
-				a.pages[prev].next = next
-			}
-			m := &a.pages[p]
-			m.mark, m.next, m.state = 0, noPage, Quarantined
-		} else {
-			prev = p
+	for i, p := range pages {
+		var err error
+		switch {
+		case a.checkID(p) != nil:
+			err = a.checkID(p)
+		case a.pages[p].mark != 0:
+			err = fmt.Errorf("%w: unclean: page %d appears twice in one batch", ErrInvalidArgument, p)
+		case a.pages[p].state != Free:
+			err = fmt.Errorf("%w: unclean of page %d, which is %s, not %s", ErrWrongState, p, a.pages[p].state, Free)
 		}
-		p = next
+		if err != nil {
+			for _, q := range pages[:i] {
+				a.pages[q].mark = 0
+			}
+			return err
+		}
+		a.pages[p].mark = 1
 	}
+	kept := a.free[:0]
+	for _, p := range a.free {
+		if m := &a.pages[p]; m.mark != 0 {
+			m.mark, m.state = 0, Quarantined
+			continue
+		}
+		kept = append(kept, p)
+	}
+	a.free = kept
 	a.count[Free] -= len(pages)
 	a.count[Quarantined] += len(pages)
 	return nil
 }
 
-// validateState checks that every page is in state from, each at most
-// once. Like validateHeld it leaves the pages marked on success only.
-func (a *Allocator) validateState(pages []int32, from State, op string) error {
-	var err error
-	i := 0
-	for ; i < len(pages); i++ {
-		p := pages[i]
-		if err = a.checkID(p); err != nil {
-			break
-		}
-		m := &a.pages[p]
-		if m.mark != 0 {
-			err = fmt.Errorf("%w: %s: page %d appears twice in one batch", ErrInvalidArgument, op, p)
-			break
-		}
-		if m.state != from {
-			err = fmt.Errorf("%w: %s of page %d, which is %s, not %s", ErrWrongState, op, p, m.state, from)
-			break
-		}
-		m.mark = 1
-	}
-	if err != nil {
-		for _, p := range pages[:i] {
-			a.pages[p].mark = 0
-		}
-	}
-	return err
-}
-
+// transition moves pages from state from to state to, checking and
+// applying each page in one pass. Pages going Free are pushed in reverse,
+// so that Alloc hands them out again in the order given: a sorted batch
+// comes back sorted, and fills coalesce. A page that fails its check
+// undoes the batch so far (a page given twice fails the second time: the
+// first moved it out of from).
 func (a *Allocator) transition(pages []int32, from, to State, op string) error {
-	if err := a.validateState(pages, from, op); err != nil {
-		return err
-	}
-	// Push freed pages in reverse so that Alloc hands them out again in the
-	// order given: a sorted batch comes back sorted, and fills coalesce.
+	meta := a.pages
+	top := len(a.free)
 	for i := len(pages) - 1; i >= 0; i-- {
 		p := pages[i]
-		m := &a.pages[p]
-		m.mark = 0
+		if uint(p) >= uint(len(meta)) || meta[p].state != from {
+			err := a.transitionErr(pages[i:], from, to, op)
+			a.undoTransition(pages[i+1:], from, to)
+			return err
+		}
+		m := &meta[p]
 		m.state = to
 		switch to {
 		case Free:
-			m.next = a.freeHead
-			a.freeHead = p
+			a.free = a.free[:top+1] // the stack's capacity is every page
+			a.free[top] = p
+			top++
 		case Quarantined:
 			m.gen++
 		}
@@ -395,6 +397,34 @@ func (a *Allocator) transition(pages []int32, from, to State, op string) error {
 	a.count[from] -= len(pages)
 	a.count[to] += len(pages)
 	return nil
+}
+
+// transitionErr says why pages[0] fails transition's check; pages[1:]
+// are the pages of the batch already moved.
+func (a *Allocator) transitionErr(pages []int32, from, to State, op string) error {
+	p := pages[0]
+	if err := a.checkID(p); err != nil {
+		return err
+	}
+	if s := a.pages[p].state; s != to || !slices.Contains(pages[1:], p) {
+		return fmt.Errorf("%w: %s of page %d, which is %s, not %s", ErrWrongState, op, p, s, from)
+	}
+	return fmt.Errorf("%w: %s: page %d appears twice in one batch", ErrInvalidArgument, op, p)
+}
+
+// undoTransition restores pages, which transition has just moved (in
+// reverse order: the last of them first).
+func (a *Allocator) undoTransition(pages []int32, from, to State) {
+	for _, p := range pages {
+		m := &a.pages[p]
+		m.state = from
+		if to == Quarantined {
+			m.gen--
+		}
+	}
+	if to == Free {
+		a.free = a.free[:len(a.free)-len(pages)]
+	}
 }
 
 // Check verifies the accounting invariants listed in the package doc. It
@@ -434,33 +464,34 @@ func (a *Allocator) Check() error {
 	if total != len(a.pages) {
 		return fmt.Errorf("%w: states sum to %d of %d pages", ErrCorrupt, total, len(a.pages))
 	}
-	// Walk the free list, marking to catch cycles and duplicates.
-	n, err := 0, error(nil)
-	for p := a.freeHead; p != noPage; p = a.pages[p].next {
+	// Walk the free stack, marking to catch duplicates.
+	var err error
+	n := 0
+	for _, p := range a.free {
 		if p < 0 || int(p) >= len(a.pages) {
-			err = fmt.Errorf("%w: free list links to %d", ErrCorrupt, p)
+			err = fmt.Errorf("%w: free stack holds page %d", ErrCorrupt, p)
 			break
 		}
 		m := &a.pages[p]
 		if m.mark != 0 {
-			err = fmt.Errorf("%w: page %d twice on the free list", ErrCorrupt, p)
+			err = fmt.Errorf("%w: page %d twice on the free stack", ErrCorrupt, p)
 			break
 		}
 		if m.state != Free {
-			err = fmt.Errorf("%w: page %d on the free list is %s", ErrCorrupt, p, m.state)
+			err = fmt.Errorf("%w: page %d on the free stack is %s", ErrCorrupt, p, m.state)
 			break
 		}
 		m.mark = 1
 		n++
 	}
-	for p := a.freeHead; p != noPage && p >= 0 && int(p) < len(a.pages) && a.pages[p].mark != 0; p = a.pages[p].next {
+	for _, p := range a.free[:n] {
 		a.pages[p].mark = 0
 	}
 	if err != nil {
 		return err
 	}
 	if n != a.count[Free] {
-		return fmt.Errorf("%w: free list has %d pages, counter says %d", ErrCorrupt, n, a.count[Free])
+		return fmt.Errorf("%w: free stack holds %d pages, counter says %d", ErrCorrupt, n, a.count[Free])
 	}
 	return nil
 }
