@@ -159,9 +159,13 @@ func (p *Pool) admit(a *admission) error {
 	if err := a.ctx.Err(); err != nil {
 		return fmt.Errorf("%w: request %q: %w", ErrContextDone, a.req.ID, err)
 	}
-	l.keys, l.keysFor, l.match.valid = l.keys[:0], nil, false
-	if len(a.req.PageKeys) > 0 && !p.prefixDisabled {
+	l.keys, l.keysFor, l.match.valid, l.tokens = l.keys[:0], nil, false, l.tokens[:0]
+	if !p.prefixDisabled {
+		// Copied: the caller may reuse its buffers (the C ABI passes C
+		// memory), and CachePrefix derives the published pages' keys from
+		// these tokens later.
 		l.keys = append(l.keys, a.req.PageKeys...)
+		l.tokens = append(l.tokens, a.req.TokenIDs...)
 	}
 	p.mu.Lock()
 	return p.runLocked(a)
@@ -190,7 +194,7 @@ func (p *Pool) runLocked(a *admission) error {
 			if testHookDeriveKeys != nil {
 				testHookDeriveKeys()
 			}
-			l.keys = appendPageKeys(l.keys[:0], prefixRoot(dom.Name, a.req.Adapter), p.geom.TokensPerPage, a.req.TokenIDs)
+			l.keys = appendPageKeys(l.keys[:0], prefixRoot(dom.Name, a.req.Adapter), p.geom.TokensPerPage, l.tokens)
 			p.mu.Lock()
 			l.keysFor, l.match.valid = dom, false
 		case stepEvict:
@@ -283,17 +287,20 @@ func (p *Pool) attemptLocked(a *admission) step {
 		a.err = domainMismatch(req, a.importFrom, t.Domain.Name)
 		return stepDone
 	}
+	// The prefix: matched once per attempt, reused while the index has
+	// not changed (its epoch), and worth only what the tenant may share.
+	// A request with tokens walks the trie; only while its domain holds
+	// pages published by keys alone does it derive its keys (once) and
+	// match by them.
 	sharing := p.sharing(req)
-	if sharing && len(req.TokenIDs) > 0 && l.keysFor != t.Domain {
+	byKeys := len(l.tokens) == 0 || p.mu.prefix.counters(t.Domain).keyOnly > 0
+	if sharing && len(l.tokens) > 0 && byKeys && l.keysFor != t.Domain {
 		a.hashFor = t.Domain
 		return stepHash
 	}
-
-	// The prefix: matched once per attempt, reused while the index has
-	// not changed (its epoch), and worth only what the tenant may share.
 	var newToTenant, cachedHits int
 	if sharing {
-		p.matchLocked(l, t.Domain, maxHitPages(*req, p.geom.TokensPerPage))
+		p.matchLocked(l, t.Domain, req.Adapter, maxHitPages(*req, p.geom.TokensPerPage), byKeys)
 		newToTenant, cachedHits = p.weighMatchLocked(l, t)
 	} else {
 		l.match.entries = l.match.entries[:0]
@@ -333,7 +340,17 @@ func (p *Pool) attemptLocked(a *admission) step {
 		l.phase.Store(uint32(PhaseImporting))
 	}
 	if sharing {
-		p.countMatchLocked(req, t.Domain, len(l.keys), hits)
+		looked := len(l.keys)
+		if !byKeys {
+			// Matched in the trie: the lease knows the hits' keys, and
+			// CachePrefix derives the others from its tokens.
+			l.keys = l.keys[:0]
+			for _, e := range l.match.entries {
+				l.keys = append(l.keys, e.key)
+			}
+			looked = req.PromptTokens / p.geom.TokensPerPage
+		}
+		p.countMatchLocked(req, t.Domain, looked, hits)
 	}
 	l.match.entries = l.match.entries[:0]
 	l.match.valid = false

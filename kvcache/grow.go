@@ -220,7 +220,13 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 		if l.keysFor == nil {
 			l.keysFor = l.domain
 		}
+		// The trie takes the written tokens for the pages past the
+		// prompt; entries copy them, and the lease's own buffer comes
+		// back before the lock is let go (tokens is the caller's).
+		own := l.tokens
+		l.tokens = tokens
 		p.publishLocked(l, min(full, len(l.keys)))
+		l.tokens = own
 		kept = l.published * tpp
 	}
 	l.phase.Store(uint32(PhaseReleased))

@@ -53,12 +53,15 @@ type Lease struct {
 	export *Outgoing
 
 	// Prefix sharing (prefix.go). domain is where the lease's pages are
-	// owned; keys are its prompt's full-page keys (derived for keysFor, or
-	// supplied by the engine); its first hitPages pages are shared hits;
-	// CachePrefix has considered its pages [0, published). keys, keysFor
-	// and published change under Pool.mu.
+	// owned; tokens are its prompt's token IDs, copied at admission (nil
+	// for a request without them); keys are the full-page keys known so
+	// far (supplied by the engine, derived for keysFor, or the hits'); its
+	// first hitPages pages are shared hits; CachePrefix has considered its
+	// pages [0, published). tokens, keys, keysFor and published change
+	// under Pool.mu.
 	domain    *isolation.Domain
 	adapter   string
+	tokens    []int32
 	keys      []BlockKey
 	keysFor   *isolation.Domain
 	hitPages  int

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"sync"
 	"sync/atomic"
@@ -363,31 +364,51 @@ func TestCancelOnlyContextWaits(t *testing.T) {
 	require.NoError(t, p.Check())
 }
 
-// A waiting admission derives its prompt's keys once, however often it
-// is woken and tries again.
-func TestWaitingAdmissionDerivesKeysOnce(t *testing.T) {
-	p := newPrefixPool(t, 8, PrefixConfig{}, TenantConfig{Name: "a"}, TenantConfig{Name: "b"})
-	var derived atomic.Int64
-	testHookDeriveKeys = func() { derived.Add(1) }
-	t.Cleanup(func() { testHookDeriveKeys = nil })
-	hogs := make([]*Lease, 8)
-	for i := range hogs {
-		hogs[i] = admit(t, p, string(rune('0'+i)), "a", prefixTPP)
+// A waiting admission hashes its prompt at most once, however often it is
+// woken and tries again: never while its domain's pages are all in the
+// trie (it matches by the tokens themselves), once while the domain holds
+// a page published by keys alone (it then matches by keys).
+func TestWaitingAdmissionHashesAtMostOnce(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		keyOnly bool
+		want    int64
+	}{{"trie", false, 0}, {"by keys", true, 1}} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := newPrefixPool(t, 9, PrefixConfig{}, TenantConfig{Name: "a"}, TenantConfig{Name: "b"})
+			if tc.keyOnly { // b publishes a page it knows by key only
+				keys, err := p.PageKeys("b", "", tokens(2*prefixTPP, 0, 9), nil)
+				require.NoError(t, err)
+				l, err := p.TryAdmit(Request{ID: "k", Tenant: "b", PromptTokens: 2 * prefixTPP, PageKeys: keys[:1]})
+				require.NoError(t, err)
+				require.NoError(t, l.Commit(2*prefixTPP))
+				_, err = l.CachePrefix(prefixTPP)
+				require.NoError(t, err)
+				require.NoError(t, l.Release()) // its first page stays cached
+			}
+			var derived atomic.Int64
+			testHookDeriveKeys = func() { derived.Add(1) }
+			t.Cleanup(func() { testHookDeriveKeys = nil })
+			var hogs []*Lease
+			for i := range p.Stats().FreePages {
+				hogs = append(hogs, admit(t, p, fmt.Sprint("h", i), "a", prefixTPP))
+			}
+			toks := tokens(6*prefixTPP, 0, 2)
+			got := make(chan error, 1)
+			go func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				_, err := p.Admit(ctx, Request{ID: "w", Tenant: "b", PromptTokens: len(toks), TokenIDs: toks})
+				got <- err
+			}()
+			for _, h := range hogs[:6] { // each release wakes it; the sixth lets it in
+				time.Sleep(5 * time.Millisecond)
+				require.NoError(t, h.Release())
+			}
+			require.NoError(t, <-got)
+			assert.Equal(t, tc.want, derived.Load())
+		})
 	}
-	toks := tokens(6*prefixTPP, 0, 2)
-	got := make(chan error, 1)
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		_, err := p.Admit(ctx, Request{ID: "w", Tenant: "b", PromptTokens: len(toks), TokenIDs: toks})
-		got <- err
-	}()
-	for _, h := range hogs[:6] { // each release wakes it; the sixth lets it in
-		time.Sleep(5 * time.Millisecond)
-		require.NoError(t, h.Release())
-	}
-	require.NoError(t, <-got)
-	assert.Equal(t, int64(1), derived.Load())
 }
 
 // Refusals while the pool was faulted were not counted.

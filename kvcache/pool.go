@@ -3,6 +3,7 @@ package kvcache
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"sync"
 
 	"github.com/kvfence/kvfence/allocator"
@@ -127,7 +128,7 @@ func New(cfg Config) (*Pool, error) {
 	p.quiet.L = &p.mu.Mutex
 	p.mu.alloc, p.mu.tenants = alloc, reg
 	p.mu.leases = make(map[string]*Lease)
-	p.mu.prefix.init(pages)
+	p.mu.prefix.init(pages, rand.Uint64())
 	if cfg.Prefix.EventBuffer > 0 {
 		p.events = make(chan KVEvent, cfg.Prefix.EventBuffer)
 		p.mu.events.ch = p.events

@@ -2,6 +2,7 @@ package kvcache
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
@@ -106,33 +107,48 @@ func (l *Lease) AttachTokens(adapter string, tokens []int32) error {
 	if err := l.live(); err != nil {
 		return err
 	}
-	if len(l.keys) > 0 || l.published > 0 {
+	if len(l.keys) > 0 || len(l.tokens) > 0 || l.published > 0 {
 		return fmt.Errorf("%w: lease %q already has prefix material", ErrInvalidArgument, l.id)
 	}
 	if l.importing() {
 		return fmt.Errorf("%w: lease %q is still being imported", ErrLeasePhase, l.id)
 	}
-	l.keys, l.keysFor = keys, l.domain
+	l.keys, l.keysFor, l.adapter = keys, l.domain, adapter
+	l.tokens = append(l.tokens[:0], tokens...)
 	return nil
 }
 
-// matchLocked finds the longest run of l's leading keys cached in dom (at
-// most limit pages) and leaves its entries in l.match. A match made at the
-// index's current epoch, in the same domain, is reused as it is: the index
-// has not changed since, so neither has the answer.
-func (p *Pool) matchLocked(l *Lease, dom *isolation.Domain, limit int) {
+// matchLocked finds the longest run of l's leading pages cached in dom
+// under adapter (at most limit pages) and leaves their entries in l.match:
+// by walking the trie with l's tokens, or, byKeys, by looking up l's keys.
+// A match made at the index's current epoch, in the same domain, is reused
+// as it is: the index has not changed since, so neither has the answer.
+func (p *Pool) matchLocked(l *Lease, dom *isolation.Domain, adapter string, limit int, byKeys bool) {
 	p.assertHeld()
 	x, m := &p.mu.prefix, &l.match
 	if m.valid && m.epoch == x.epoch && m.domain == dom {
 		return
 	}
 	m.entries = m.entries[:0]
-	for _, k := range l.keys[:min(limit, len(l.keys))] {
-		e := x.lookup(dom, k)
-		if e == nil {
-			break
+	if byKeys {
+		for _, k := range l.keys[:min(limit, len(l.keys))] {
+			e := x.lookup(dom, k)
+			if e == nil {
+				break
+			}
+			m.entries = append(m.entries, e)
 		}
-		m.entries = append(m.entries, e)
+	} else {
+		tpp := p.geom.TokensPerPage
+		node := x.root(dom, adapter, false)
+		for i := 0; node != nil && i < limit; i++ {
+			e := node.child(l.tokens[i*tpp:(i+1)*tpp], dom, x.seed)
+			if e == nil {
+				break
+			}
+			m.entries = append(m.entries, e)
+			node = &e.node
+		}
 	}
 	m.epoch, m.domain, m.valid = x.epoch, dom, true
 }
@@ -334,12 +350,17 @@ func (p *Pool) ClearPrefixCache() error {
 	return p.scrub(pages, cudaops.Ordering{})
 }
 
-// publishLocked publishes l's full prompt pages [l.published, upTo) to its
-// domain, emitting one KVStored event per run of newly published pages.
+// publishLocked publishes l's full pages [l.published, upTo) to its
+// domain, under the keys in l.keys and, when l has their tokens, in the
+// trie under the page before each (an orphan, if that page's content has
+// no trie node now), emitting one KVStored event per run of newly
+// published pages. A page already shared or already published by another
+// lease stays private to l.
 func (p *Pool) publishLocked(l *Lease, upTo int) {
 	p.assertHeld()
 	x := &p.mu.prefix
 	tpp := p.geom.TokensPerPage
+	withTokens := len(l.tokens) >= upTo*tpp
 	var stored *KVEvent
 	flush := func() {
 		if stored != nil {
@@ -347,19 +368,31 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 			stored = nil
 		}
 	}
-	for i := l.published; i < upTo; i++ {
+	var parent *trieNode
+	if withTokens {
+		parent = p.contentNodeLocked(l, l.published-1)
+	}
+	i := l.published
+	for ; i < upTo; i++ {
 		page := l.table[i]
-		if x.byPage[page] != nil || x.lookup(l.domain, l.keys[i]) != nil {
-			// Already shared (a hit), or another lease published the same
-			// content first: this page stays private to l.
+		e := x.byPage[page] // a hit, or published before
+		if e == nil {
+			e = x.lookup(l.domain, l.keys[i]) // the same content, published by another lease first
+		}
+		if e != nil {
 			flush()
+			parent = trieNodeOf(e)
 			continue
 		}
-		e := &cacheEntry{key: l.keys[i], dom: l.domain, page: page, leases: 1, tenants: []tenantRef{{t: l.tenant, refs: 1}}}
+		e = &cacheEntry{key: l.keys[i], dom: l.domain, page: page, leases: 1, tenants: []tenantRef{{t: l.tenant, refs: 1}}}
 		if i > 0 {
 			e.parent = l.keys[i-1]
 		}
-		x.insert(e)
+		if withTokens {
+			e.tokens = slices.Clone(l.tokens[i*tpp : (i+1)*tpp])
+		}
+		x.insert(e, parent)
+		parent = trieNodeOf(e)
 		x.counters(l.domain).storedPages++
 		if p.mu.events.enabled() {
 			if stored == nil {
@@ -370,7 +403,35 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 		}
 	}
 	flush()
-	l.published = max(l.published, upTo)
+	l.published = max(l.published, i)
+}
+
+// contentNodeLocked is the trie node of the content of l's page j: where
+// page j+1 is published. For j < 0 it is the root of l's domain and
+// adapter; nil if that content is not in the trie.
+func (p *Pool) contentNodeLocked(l *Lease, j int) *trieNode {
+	x := &p.mu.prefix
+	if j < 0 {
+		return x.root(l.domain, l.adapter, true)
+	}
+	if e := x.byPage[l.table[j]]; e != nil {
+		return trieNodeOf(e)
+	}
+	if j < len(l.keys) {
+		if e := x.lookup(l.domain, l.keys[j]); e != nil {
+			return trieNodeOf(e)
+		}
+	}
+	return nil
+}
+
+// trieNodeOf is e's own node, where its successors are, if e is in the
+// trie.
+func trieNodeOf(e *cacheEntry) *trieNode {
+	if e.in == nil {
+		return nil
+	}
+	return &e.node
 }
 
 // CachePrefix publishes the lease's full prompt pages that hold its first
@@ -401,12 +462,38 @@ func (l *Lease) CachePrefix(n int) (int, error) {
 	case n > l.prompt:
 		return 0, fmt.Errorf("%w: CachePrefix(%d) past the prompt of %d tokens", ErrInvalidArgument, n, l.prompt)
 	}
-	if p.prefixDisabled || len(l.keys) == 0 {
+	if p.prefixDisabled || (len(l.keys) == 0 && len(l.tokens) == 0) {
 		return 0, nil
 	}
-	upTo := min(n/p.geom.TokensPerPage, len(l.keys))
-	p.publishLocked(l, upTo)
-	return l.published * p.geom.TokensPerPage, nil
+	tpp := p.geom.TokensPerPage
+	upTo := n / tpp
+	if have := len(l.keys); have < upTo && len(l.tokens) > 0 {
+		// Keys of the pages to publish, once per page, derived outside
+		// Pool.mu: chained on from the last key the lease knows (its
+		// domain and adapter never change while it lives).
+		seq, tokens := l.seq, l.tokens
+		var parent BlockKey
+		if have > 0 {
+			parent = l.keys[have-1]
+		}
+		p.mu.Unlock()
+		if have == 0 {
+			parent = prefixRoot(l.Domain(), l.adapter)
+		}
+		extra := appendPageKeys(nil, parent, tpp, tokens[have*tpp:upTo*tpp])
+		p.mu.Lock()
+		if p.mu.closed {
+			return 0, ErrPoolClosed
+		}
+		if l.state.Load() != leaseLive || l.seq != seq {
+			return 0, ErrLeaseReleased
+		}
+		if len(l.keys) == have {
+			l.keys = append(l.keys, extra...)
+		}
+	}
+	p.publishLocked(l, min(upTo, len(l.keys)))
+	return l.published * tpp, nil
 }
 
 // HitTokens is how many leading prompt tokens the lease shares from the

@@ -1,14 +1,40 @@
 package kvcache
 
 import (
+	"fmt"
+	"slices"
+
 	"github.com/kvfence/kvfence/isolation"
 )
 
-// prefixIndex is the pool's index of published pages: per sharing domain,
-// full-page keys to the one page that holds that content, and an LRU list
-// of the indexed pages no lease holds (Cached, so evictable). It knows
-// entries and pages only; the pool keeps it in step with the allocator and
-// the leases (prefix.go), and Pool.Check verifies the two agree.
+// chainOf lists a bucket's chain, for Check.
+func chainOf(e *cacheEntry) []*cacheEntry {
+	var out []*cacheEntry
+	for ; e != nil; e = e.sib {
+		out = append(out, e)
+	}
+	return out
+}
+
+// prefixIndex is the pool's index of published pages, in two forms over
+// the same entries:
+//
+//   - a trie of token IDs per sharing domain and adapter: a root, then one
+//     entry per full page whose tokens follow its parent's. Admission
+//     walks it comparing the tokens themselves, so a match needs no hash
+//     of the prompt and cannot collide, and a walk touches only its own
+//     path, however many other pages the index holds;
+//   - full-page keys (the SHA-256 chain of BlockKey, derived once per
+//     published page) to the one page that holds that content, for
+//     requests that bring keys (Request.PageKeys), events and anything
+//     that leaves the process. A page published without tokens (its lease
+//     had keys only) is in this index alone; while a domain has such pages
+//     (domainCounters.keyOnly) its token requests match by keys too.
+//
+// and an LRU list of the indexed pages no lease holds (Cached, so
+// evictable). It knows entries and pages only; the pool keeps it in step
+// with the allocator and the leases (prefix.go), and Pool.Check verifies
+// the two agree.
 //
 // Invariants (check):
 //
@@ -19,7 +45,10 @@ import (
 //   - the LRU list is a well-linked list of exactly the entries with inLRU
 //     set, lruLen long, and none of them is detached;
 //   - each domain's counters of indexed and cached entries match the
-//     entries;
+//     entries, and keyOnly counts its indexed entries without tokens;
+//   - every child of a trie node (a root or an entry's own node) is an
+//     indexed entry with tokens that names that node as its own (in), once;
+//     an entry out of the trie (unindexed, or whose parent was) names none;
 //   - epoch changes whenever a key enters or leaves the index, so a match
 //     made at one epoch is still valid at the same epoch.
 //
@@ -27,6 +56,14 @@ import (
 type prefixIndex struct {
 	byKey  map[uint64]*cacheEntry // index64 → chain of entries
 	byPage []*cacheEntry          // page → its entry, nil for private pages
+	roots  map[trieRoot]*trieNode // where a domain's pages under an adapter start
+	seed   uint64                 // of pageHash, random per pool
+	// orphans are indexed entries with tokens whose parent content has no
+	// entry in a trie node (it was evicted, or published by keys only),
+	// by index64 of their parent's key: the next entry published with
+	// that key adopts them, so a page is found by a walk exactly when the
+	// pages before it are, as a lookup by keys would find it.
+	orphans map[uint64]*cacheEntry
 	// The LRU list, least recently used first.
 	lruHead, lruTail *cacheEntry
 	lruLen           int
@@ -52,6 +89,140 @@ type cacheEntry struct {
 	// once for the page, whatever its number of leases.
 	leases  int
 	tenants []tenantRef
+
+	// The trie: the page's token IDs (nil if published by keys only),
+	// the node it is a child of (nil: not in the trie), its bucket in
+	// that node's map, and its own children, the pages that follow it.
+	tokens []int32
+	in     *trieNode
+	sib    *cacheEntry
+	hash   uint64
+	node   trieNode
+	orphan bool // in orphans, chained through sib
+}
+
+// trieRoot names where a domain's pages under one adapter start.
+type trieRoot struct {
+	dom     *isolation.Domain
+	adapter string
+}
+
+// trieNode holds a node's children. A few are compared in turn; from
+// trieFanout on, they are found by pageHash, chained through sib. Either
+// way the tokens are compared in full: the hash only narrows the search.
+type trieNode struct {
+	kids []*cacheEntry
+	many map[uint64]*cacheEntry
+}
+
+// trieFanout is the number of children a node compares in turn before it
+// indexes them by hash: most nodes of a prompt's path have one.
+const trieFanout = 8
+
+// pageHash mixes a page's token IDs with the pool's seed (random, so that
+// nobody can aim tokens at one bucket). It narrows a search in a node with
+// many children and never decides one.
+func pageHash(tokens []int32, seed uint64) uint64 {
+	h := seed ^ uint64(len(tokens))*0x9e3779b97f4a7c15
+	for i := 0; i+1 < len(tokens); i += 2 {
+		h = (h ^ (uint64(uint32(tokens[i])) | uint64(uint32(tokens[i+1]))<<32)) * 0xbf58476d1ce4e5b9
+		h ^= h >> 31
+	}
+	if len(tokens)%2 == 1 {
+		h = (h ^ uint64(uint32(tokens[len(tokens)-1]))) * 0x94d049bb133111eb
+		h ^= h >> 29
+	}
+	return h
+}
+
+// child returns n's child whose tokens are tokens, in domain dom, or nil.
+func (n *trieNode) child(tokens []int32, dom *isolation.Domain, seed uint64) *cacheEntry {
+	if n.many == nil {
+		for _, e := range n.kids {
+			if e.tokens[0] == tokens[0] && e.dom == dom && slices.Equal(e.tokens, tokens) {
+				return e
+			}
+		}
+		return nil
+	}
+	for e := n.many[pageHash(tokens, seed)]; e != nil; e = e.sib {
+		if e.dom == dom && slices.Equal(e.tokens, tokens) {
+			return e
+		}
+	}
+	return nil
+}
+
+// add makes e a child of n.
+func (n *trieNode) add(e *cacheEntry, seed uint64) {
+	e.in, e.sib = n, nil
+	if n.many == nil && len(n.kids) < trieFanout {
+		n.kids = append(n.kids, e)
+		return
+	}
+	if n.many == nil { // the node branches widely: index its children
+		n.many = make(map[uint64]*cacheEntry, 2*trieFanout)
+		for _, k := range n.kids {
+			n.hashIn(k, seed)
+		}
+		n.kids = nil
+	}
+	n.hashIn(e, seed)
+}
+
+func (n *trieNode) hashIn(e *cacheEntry, seed uint64) {
+	e.hash = pageHash(e.tokens, seed)
+	e.sib = n.many[e.hash]
+	n.many[e.hash] = e
+}
+
+// remove takes child e out of n.
+func (n *trieNode) remove(e *cacheEntry) {
+	e.in = nil
+	if n.many == nil {
+		if i := slices.Index(n.kids, e); i >= 0 {
+			n.kids = slices.Delete(n.kids, i, i+1)
+		}
+		return
+	}
+	if head := n.many[e.hash]; head == e {
+		if e.sib == nil {
+			delete(n.many, e.hash)
+		} else {
+			n.many[e.hash] = e.sib
+		}
+	} else {
+		for pp := head; pp != nil; pp = pp.sib {
+			if pp.sib == e {
+				pp.sib = e.sib
+				break
+			}
+		}
+	}
+	e.sib = nil
+}
+
+// each calls f on every child of n.
+func (n *trieNode) each(f func(*cacheEntry)) {
+	for _, e := range n.kids {
+		f(e)
+	}
+	for _, head := range n.many {
+		for e := head; e != nil; e = e.sib {
+			f(e)
+		}
+	}
+}
+
+// root returns the trie root of dom and adapter, creating it if asked.
+func (x *prefixIndex) root(dom *isolation.Domain, adapter string, create bool) *trieNode {
+	k := trieRoot{dom, adapter}
+	n := x.roots[k]
+	if n == nil && create {
+		n = new(trieNode)
+		x.roots[k] = n
+	}
+	return n
 }
 
 type tenantRef struct {
@@ -75,11 +246,15 @@ type domainCounters struct {
 	storedPages, evictedPages      uint64
 	cachedPages                    int // Cached (evictable) pages now
 	entries                        int // entries now, cached, in use or detached
+	keyOnly                        int // indexed entries without tokens (see prefixIndex)
 }
 
-func (x *prefixIndex) init(pages int) {
+func (x *prefixIndex) init(pages int, seed uint64) {
 	x.byKey = make(map[uint64]*cacheEntry)
 	x.byPage = make([]*cacheEntry, pages)
+	x.roots = make(map[trieRoot]*trieNode)
+	x.orphans = make(map[uint64]*cacheEntry)
+	x.seed = seed
 }
 
 func (x *prefixIndex) counters(d *isolation.Domain) *domainCounters {
@@ -101,14 +276,74 @@ func (x *prefixIndex) lookup(d *isolation.Domain, k BlockKey) *cacheEntry {
 	return nil
 }
 
-// insert indexes a new entry; its page must have none.
-func (x *prefixIndex) insert(e *cacheEntry) {
+// insert indexes a new entry; its page must have none. With tokens, it
+// joins the trie under parent (the node of the page before it: a root or
+// an entry's node), or, when that page has none, waits as an orphan for
+// it; and it adopts the orphans that wait for it. Without tokens it is a
+// key-only entry.
+func (x *prefixIndex) insert(e *cacheEntry, parent *trieNode) {
 	i := e.key.index64(uint32(e.dom.ID))
 	e.chain = x.byKey[i]
 	x.byKey[i] = e
 	x.byPage[e.page] = e
-	x.counters(e.dom).entries++
+	c := x.counters(e.dom)
+	c.entries++
+	switch {
+	case e.tokens == nil:
+		c.keyOnly++
+	case parent != nil:
+		parent.add(e, x.seed)
+	default:
+		x.addOrphan(e)
+	}
+	if e.tokens != nil {
+		for _, o := range x.orphansOf(e) {
+			x.removeOrphan(o)
+			e.node.add(o, x.seed)
+		}
+	}
 	x.epoch++
+}
+
+func (x *prefixIndex) orphanIndex(dom *isolation.Domain, parentKey BlockKey) uint64 {
+	return parentKey.index64(uint32(dom.ID))
+}
+
+func (x *prefixIndex) addOrphan(e *cacheEntry) {
+	i := x.orphanIndex(e.dom, e.parent)
+	e.in, e.orphan, e.sib = nil, true, x.orphans[i]
+	x.orphans[i] = e
+}
+
+func (x *prefixIndex) removeOrphan(e *cacheEntry) {
+	i := x.orphanIndex(e.dom, e.parent)
+	if head := x.orphans[i]; head == e {
+		if e.sib == nil {
+			delete(x.orphans, i)
+		} else {
+			x.orphans[i] = e.sib
+		}
+	} else {
+		for pp := head; pp != nil; pp = pp.sib {
+			if pp.sib == e {
+				pp.sib = e.sib
+				break
+			}
+		}
+	}
+	e.orphan, e.sib = false, nil
+}
+
+// orphansOf lists the orphans that wait for e: of its domain, whose
+// parent's key is e's.
+func (x *prefixIndex) orphansOf(e *cacheEntry) []*cacheEntry {
+	var out []*cacheEntry
+	for o := x.orphans[x.orphanIndex(e.dom, e.key)]; o != nil; o = o.sib {
+		if o.dom == e.dom && o.parent == e.key {
+			out = append(out, o)
+		}
+	}
+	return out
 }
 
 // unindex takes e out of the key index; it stays in byPage, detached.
@@ -129,6 +364,25 @@ func (x *prefixIndex) unindex(e *cacheEntry) {
 	}
 	e.chain = nil
 	e.detached = true
+	switch {
+	case e.in != nil:
+		e.in.remove(e)
+	case e.orphan:
+		x.removeOrphan(e)
+	}
+	// Its children are out of reach now (no walk gets past a page that
+	// is not there, and no key lookup either): they wait as orphans for
+	// the next entry of the same content.
+	var kids []*cacheEntry
+	e.node.each(func(c *cacheEntry) { kids = append(kids, c) })
+	e.node = trieNode{}
+	for _, c := range kids {
+		c.sib = nil
+		x.addOrphan(c)
+	}
+	if e.tokens == nil {
+		x.counters(e.dom).keyOnly--
+	}
 	x.epoch++
 }
 
@@ -188,7 +442,8 @@ func (x *prefixIndex) check(c *checker) {
 	}
 	entries := make([]int, len(x.domains))
 	cached := make([]int, len(x.domains))
-	indexed, inLRU := 0, 0
+	keyOnly := make([]int, len(x.domains))
+	indexed, inLRU, inTrie := 0, 0, 0
 	for page, e := range x.byPage {
 		if e == nil {
 			continue
@@ -213,7 +468,60 @@ func (x *prefixIndex) check(c *checker) {
 			if x.lookup(e.dom, e.key) != e {
 				c.failf("prefix index: page %d not found under its key in domain %q", page, e.dom.Name)
 			}
+			if e.tokens == nil {
+				if d := int(e.dom.ID) - 1; d < len(keyOnly) {
+					keyOnly[d]++
+				}
+			}
+		} else if e.in != nil || e.orphan {
+			c.failf("prefix index: detached page %d is still in the trie", page)
 		}
+		switch {
+		case e.in != nil && e.orphan:
+			c.failf("prefix index: page %d is both in a node and an orphan", page)
+		case e.in != nil:
+			inTrie++
+		case e.orphan:
+			if !slices.Contains(chainOf(x.orphans[x.orphanIndex(e.dom, e.parent)]), e) {
+				c.failf("prefix index: orphan page %d is not where orphans wait", page)
+			}
+		case !e.detached && e.tokens != nil:
+			c.failf("prefix index: page %d has tokens but is neither in the trie nor an orphan", page)
+		}
+	}
+	orphans := 0
+	for _, head := range x.orphans {
+		for o := head; o != nil; o = o.sib {
+			if orphans++; orphans > len(x.byPage) || !o.orphan || x.byPage[o.page] != o {
+				c.failf("prefix index: the orphans hold a stale entry for page %d", o.page)
+				break
+			}
+		}
+	}
+	children := 0
+	checkNode := func(n *trieNode, what string) {
+		n.each(func(k *cacheEntry) {
+			children++
+			switch {
+			case k.in != n:
+				c.failf("prefix index: page %d is a child of %s but names another node", k.page, what)
+			case k.detached || k.tokens == nil || x.byPage[k.page] != k:
+				c.failf("prefix index: trie child page %d of %s is not an indexed entry with tokens", k.page, what)
+			case n.many != nil && (k.hash != pageHash(k.tokens, x.seed) || !slices.Contains(chainOf(n.many[k.hash]), k)):
+				c.failf("prefix index: page %d is in the wrong bucket of %s", k.page, what)
+			}
+		})
+	}
+	for r, n := range x.roots {
+		checkNode(n, "the root of domain "+r.dom.Name)
+	}
+	for _, e := range x.byPage {
+		if e != nil {
+			checkNode(&e.node, fmt.Sprintf("page %d", e.page))
+		}
+	}
+	if children != inTrie {
+		c.failf("prefix index: the trie holds %d children, %d entries name a node", children, inTrie)
 	}
 	if inLRU != lru {
 		c.failf("prefix index: %d entries are marked as in the LRU list, it holds %d", inLRU, lru)
@@ -234,9 +542,9 @@ func (x *prefixIndex) check(c *checker) {
 		c.failf("prefix index: key chains hold %d entries, %d pages are indexed", chained, indexed)
 	}
 	for d, k := range x.domains {
-		if k.entries != entries[d] || k.cachedPages != cached[d] {
-			c.failf("prefix index: domain %d counts %d entries (%d cached), has %d (%d cached)",
-				d+1, k.entries, k.cachedPages, entries[d], cached[d])
+		if k.entries != entries[d] || k.cachedPages != cached[d] || k.keyOnly != keyOnly[d] {
+			c.failf("prefix index: domain %d counts %d entries (%d cached, %d by key only), has %d (%d, %d)",
+				d+1, k.entries, k.cachedPages, k.keyOnly, entries[d], cached[d], keyOnly[d])
 		}
 	}
 }

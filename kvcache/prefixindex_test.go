@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -26,8 +27,13 @@ type indexKey struct {
 }
 
 type modelEntry struct {
-	k        indexKey
-	detached bool
+	k         indexKey
+	detached  bool
+	hasTokens bool
+	tokens    [2]int32
+	parent    int32    // the page before it in the trie; -1: its domain's root
+	parentKey BlockKey // the key of the content before it
+	inTrie    bool     // in a trie node (false: key-only, detached, or an orphan)
 }
 
 func (m *indexModel) lruIndex(page int32) int {
@@ -54,9 +60,50 @@ func runIndexModel(t *testing.T, seed uint64, steps int) {
 	rng := rand.New(rand.NewPCG(seed, 7))
 	domains := []*isolation.Domain{{ID: 1, Name: "d1"}, {ID: 2, Name: "d2"}, {ID: 3, Name: "d3"}}
 	var x prefixIndex
-	x.init(pages)
+	x.init(pages, seed)
 	m := &indexModel{byKey: map[indexKey]int32{}, pages: map[int32]modelEntry{}}
 	entries := map[int32]*cacheEntry{}
+	// A parent in dom: its root (-1), or a page in the trie there.
+	randParent := func(dom *isolation.Domain) int32 {
+		var cands []int32
+		for page, me := range m.pages {
+			if me.inTrie && me.k.dom == uint32(dom.ID) {
+				cands = append(cands, page)
+			}
+		}
+		slices.Sort(cands)
+		if len(cands) == 0 || rng.IntN(3) == 0 {
+			return -1
+		}
+		return cands[rng.IntN(len(cands))]
+	}
+	nodeOf := func(dom *isolation.Domain, parent int32) *trieNode {
+		if parent < 0 {
+			return x.root(dom, "", true)
+		}
+		return &entries[parent].node
+	}
+	// modelChild is the page under parent whose tokens are toks, or -1.
+	modelChild := func(dom *isolation.Domain, parent int32, toks [2]int32) int32 {
+		for page, me := range m.pages {
+			if me.inTrie && me.k.dom == uint32(dom.ID) && me.parent == parent && me.tokens == toks {
+				return page
+			}
+		}
+		return -1
+	}
+	orphan := func(page int32) { // the page leaves the trie, and so do the pages under it
+		me := m.pages[page]
+		me.inTrie = false
+		m.pages[page] = me
+		for q, c := range m.pages {
+			if c.inTrie && c.parent == page {
+				c.inTrie = false
+				m.pages[q] = c
+			}
+		}
+	}
+	randTokens := func() [2]int32 { return [2]int32{int32(rng.IntN(6)), int32(rng.IntN(6))} }
 	// Keys share their first 8 bytes a lot: few buckets, long chains, and
 	// the same key in several domains.
 	randKey := func() BlockKey {
@@ -78,11 +125,33 @@ func runIndexModel(t *testing.T, seed uint64, steps int) {
 				break
 			}
 			e := &cacheEntry{key: k.key, dom: dom, page: page}
-			x.insert(e)
+			me := modelEntry{k: k, parent: -1}
+			var parent *trieNode
+			if rng.IntN(5) != 0 { // with tokens, under a parent; else by key only
+				me.parent, me.tokens, me.hasTokens = randParent(dom), randTokens(), true
+				if modelChild(dom, me.parent, me.tokens) >= 0 {
+					break // the pool never publishes the same content twice
+				}
+				parent, me.inTrie = nodeOf(dom, me.parent), true
+				e.tokens = me.tokens[:]
+				if me.parent >= 0 {
+					e.parent = entries[me.parent].key
+				}
+				me.parentKey = e.parent
+			}
+			x.insert(e, parent)
 			entries[page] = e
 			m.byKey[k] = page
-			m.pages[page] = modelEntry{k: k}
+			m.pages[page] = me
 			m.epoch++
+			if me.hasTokens { // it adopts the orphans that wait for its key
+				for q, o := range m.pages {
+					if q != page && o.hasTokens && !o.inTrie && !o.detached && o.k.dom == k.dom && o.parentKey == k.key {
+						o.inTrie, o.parent = true, page
+						m.pages[q] = o
+					}
+				}
+			}
 		case op < 5: // lookup
 			k := indexKey{uint32(dom.ID), randKey()}
 			got := x.lookup(dom, k.key)
@@ -100,6 +169,8 @@ func runIndexModel(t *testing.T, seed uint64, steps int) {
 				}
 				x.unindex(entries[page])
 				delete(m.byKey, me.k)
+				orphan(page)
+				me = m.pages[page]
 				me.detached = true
 				m.pages[page] = me
 				m.epoch++
@@ -114,6 +185,7 @@ func runIndexModel(t *testing.T, seed uint64, steps int) {
 				x.drop(entries[page])
 				if !me.detached {
 					delete(m.byKey, me.k)
+					orphan(page)
 					m.epoch++
 				}
 				delete(m.pages, page)
@@ -129,11 +201,28 @@ func runIndexModel(t *testing.T, seed uint64, steps int) {
 				m.lru = append(m.lru, page)
 				break
 			}
-		default: // a lease shares an LRU page again
+		case op < 10: // a lease shares an LRU page again
 			if len(m.lru) > 0 {
 				i := rng.IntN(len(m.lru))
 				x.lruRemove(entries[m.lru[i]])
 				m.lru = append(m.lru[:i], m.lru[i+1:]...)
+			}
+		}
+		// A walk step from a random parent, checked against the model.
+		if dom := domains[rng.IntN(len(domains))]; true {
+			parent, toks := randParent(dom), randTokens()
+			want := modelChild(dom, parent, toks)
+			got := nodeOf(dom, parent).child(toks[:], dom, x.seed)
+			if want < 0 {
+				require.Nil(t, got, "step %d: child %v under %d in %s", step, toks, parent, dom.Name)
+			} else {
+				require.NotNil(t, got, "step %d: child %v under %d in %s", step, toks, parent, dom.Name)
+				require.Equal(t, want, got.page, "step %d", step)
+			}
+			// Another domain's root never leads to it.
+			other := domains[(int(dom.ID))%len(domains)]
+			if got := x.root(other, "", true).child(toks[:], dom, x.seed); got != nil {
+				require.Equal(t, other.ID, got.dom.ID, "step %d: a walk crossed domains", step)
 			}
 		}
 		var c checker
@@ -158,17 +247,19 @@ func runIndexModel(t *testing.T, seed uint64, steps int) {
 func TestPrefixIndexCheckFindsCorruption(t *testing.T) {
 	d := &isolation.Domain{ID: 1, Name: "d"}
 	for name, corrupt := range map[string]func(x *prefixIndex, e *cacheEntry){
-		"lru length":       func(x *prefixIndex, e *cacheEntry) { x.lruLen++ },
-		"domain counter":   func(x *prefixIndex, e *cacheEntry) { x.domains[0].entries++ },
-		"detached in lru":  func(x *prefixIndex, e *cacheEntry) { e.detached = true },
-		"page mismatch":    func(x *prefixIndex, e *cacheEntry) { x.byPage[3], x.byPage[e.page] = e, nil },
-		"lost from chains": func(x *prefixIndex, e *cacheEntry) { clear(x.byKey) },
+		"lru length":         func(x *prefixIndex, e *cacheEntry) { x.lruLen++ },
+		"domain counter":     func(x *prefixIndex, e *cacheEntry) { x.domains[0].entries++ },
+		"detached in lru":    func(x *prefixIndex, e *cacheEntry) { e.detached = true },
+		"page mismatch":      func(x *prefixIndex, e *cacheEntry) { x.byPage[3], x.byPage[e.page] = e, nil },
+		"lost from chains":   func(x *prefixIndex, e *cacheEntry) { clear(x.byKey) },
+		"lost from the trie": func(x *prefixIndex, e *cacheEntry) { x.root(d, "", false).kids = nil },
+		"key-only counter":   func(x *prefixIndex, e *cacheEntry) { x.domains[0].keyOnly++ },
 	} {
 		t.Run(name, func(t *testing.T) {
 			var x prefixIndex
-			x.init(8)
-			e := &cacheEntry{key: BlockKey{1}, dom: d, page: 1}
-			x.insert(e)
+			x.init(8, 1)
+			e := &cacheEntry{key: BlockKey{1}, dom: d, page: 1, tokens: []int32{7}}
+			x.insert(e, x.root(d, "", true))
 			x.lruPush(e)
 			var ok checker
 			x.check(&ok)

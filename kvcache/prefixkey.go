@@ -74,13 +74,10 @@ func appendPageKeys(dst []BlockKey, root BlockKey, tokensPerPage int, tokens []i
 		buf = make([]byte, n)
 	}
 	binary.LittleEndian.PutUint32(buf[32:], uint32(tokensPerPage))
-	body := buf[36:]
 	parent := root
 	for start := 0; start+tokensPerPage <= len(tokens); start += tokensPerPage {
 		copy(buf, parent[:])
-		for j, t := range tokens[start : start+tokensPerPage] {
-			binary.LittleEndian.PutUint32(body[4*j:], uint32(t))
-		}
+		appendTokenBytes(buf[:36], tokens[start:start+tokensPerPage]) // in place: buf has the room
 		parent = sha256.Sum256(buf)
 		dst = append(dst, parent)
 	}

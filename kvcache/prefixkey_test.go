@@ -106,7 +106,7 @@ func FuzzPrefixMatch(f *testing.F) {
 // full key and domain, and unindexing any of them keeps the others.
 func TestPrefixIndexCollisions(t *testing.T) {
 	var c prefixIndex
-	c.init(8)
+	c.init(8, 1)
 	d1, d2 := &isolation.Domain{ID: 1, Name: "d1"}, &isolation.Domain{ID: 2, Name: "d2"}
 	var k1 BlockKey
 	k1[31] = 1
@@ -124,7 +124,7 @@ func TestPrefixIndexCollisions(t *testing.T) {
 	e2 := &cacheEntry{key: k2, dom: d2, page: 2}
 	e3 := &cacheEntry{key: k3, dom: d1, page: 3}
 	for _, e := range []*cacheEntry{e1, e2, e3} {
-		c.insert(e)
+		c.insert(e, nil)
 	}
 	require.Len(t, c.byKey, 1, "all three share one bucket")
 	assert.Same(t, e1, c.lookup(d1, k1))
