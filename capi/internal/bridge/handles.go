@@ -264,8 +264,8 @@ func Admit(h Handle, id, tenant string, promptTokens, maxNewTokens int64, wait t
 // AdmitTokens admits a request whose prompt is tokens (its token IDs), so
 // that it shares the longest prefix cached in its tenant's sharing domain
 // (Lease.HitTokens); adapter names the weights (a LoRA ID), "" for the
-// base model. tokens and the strings may alias C memory: kvcache hashes
-// the tokens during the call and keeps only the keys.
+// base model. tokens and the strings may alias C memory: kvcache copies
+// the tokens into the lease during the call and keeps no reference.
 func AdmitTokens(h Handle, id, tenant string, tokens []int32, maxNewTokens int64, adapter string, wait time.Duration) (Handle, error) {
 	return admit(h, kvcache.Request{ID: id, Tenant: tenant, PromptTokens: len(tokens), MaxNewTokens: clampInt(maxNewTokens),
 		TokenIDs: tokens, Adapter: strings.Clone(adapter)}, wait)
