@@ -1,6 +1,8 @@
 package cudaops_test
 
 import (
+	"fmt"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -425,4 +427,68 @@ func TestPoolFaultedByOrderingThatWentBad(t *testing.T) {
 	assert.Empty(t, st.Fault)
 	assert.Zero(t, st.RetiredPages)
 	require.NoError(t, p.Check())
+}
+
+// TestCUDAOrderingGPU checks the ordering rule on a real GPU, where the
+// engine's kernel is still running when the release is issued: 64 MiB of
+// engine work precede each page write. It covers the legacy default
+// stream (as zero and as StreamLegacy), the per-thread default stream and
+// an engine stream of its own, each named and as the zero Ordering. It
+// skips without a GPU.
+func TestCUDAOrderingGPU(t *testing.T) {
+	d := openGPU(t)
+	defer d.Close()
+	const pages, pb = 64, 4096
+	for range 4 {
+		_, err := d.AllocRegion(pages, pb)
+		require.NoError(t, err)
+	}
+	// The per-thread default stream is the calling thread's: keep the
+	// engine's writes and the fills on one OS thread.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	for _, c := range []struct {
+		name  string
+		kind  cudaops.EngineStream
+		named cudaops.Ordering
+	}{
+		{"legacy", cudaops.EngineLegacyStream, cudaops.Ordering{Stream: cudaops.StreamLegacy}},
+		{"perthread", cudaops.EnginePerThreadStream, cudaops.Ordering{Stream: cudaops.StreamPerThread}},
+		{"own", cudaops.EngineOwnStream, cudaops.Ordering{}}, // named below: its own handle
+	} {
+		for _, zero := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/zero=%v", c.name, zero), func(t *testing.T) {
+				e, err := d.NewTestEngineOn(c.kind, 64<<20)
+				require.NoError(t, err)
+				defer e.Close()
+				batch := []int32{3, 4, 9, 63}
+				var o cudaops.Ordering
+				for _, p := range batch {
+					for r := range 4 {
+						if o, err = e.Write(r, p, 0xe0e0e0e0); err != nil {
+							t.Fatal(err)
+						}
+					}
+				}
+				after := c.named
+				if c.kind == cudaops.EngineOwnStream {
+					after = cudaops.Ordering{Stream: o.Stream}
+				}
+				if zero {
+					after = cudaops.Ordering{}
+				}
+				require.NoError(t, d.CheckOrdering(after))
+				fc, err := d.Fill(batch, cudaops.FillSpec{Word: poison}, after)
+				require.NoError(t, err)
+				require.NoError(t, fc.Wait())
+				require.NoError(t, e.Sync())
+				for _, p := range batch {
+					for r := range 4 {
+						assert.Equal(t, uniform(poison, pb/4), pageWords(t, d, r, p), "region %d page %d: the engine's write landed after the fill", r, p)
+					}
+				}
+			})
+		}
+	}
+	t.Logf("stats %+v", d.Stats())
 }
