@@ -35,6 +35,17 @@
 // its twin cuda_dl_nocgo.go keeps CGO_ENABLED=0 builds working, so no
 // build of this package needs a CUDA toolkit. Both backends pass the
 // conformance suite in cudaops/devicetest.
+//
+// # Tensor parallelism
+//
+// The ranks of a tensor-parallel group number pages alike and each holds
+// its own shard of every region. Group is one Device over a Device per GPU
+// in one process: a fill completes when every member's has. RemoteRanks is
+// the scheduler's Device over ranks in processes of their own (RankWorker,
+// remote.go has the protocol): each rank scrubs its shard on its own
+// stream after its own kernels and reports, pages are clean only once
+// every rank reported, and a rank that fails, dies or stays silent past
+// the deadline fails the fill, so the pool retires the pages and faults.
 package cudaops
 
 import "fmt"
