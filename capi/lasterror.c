@@ -131,6 +131,7 @@ const char *kvf_status_name(kvf_status status) {
     case KVF_ERR_NO_DEVICE: return "KVF_ERR_NO_DEVICE";
     case KVF_ERR_DEVICE_OUT_OF_MEMORY: return "KVF_ERR_DEVICE_OUT_OF_MEMORY";
     case KVF_ERR_DEVICE_FAILED: return "KVF_ERR_DEVICE_FAILED";
+    case KVF_ERR_BAD_ORDERING: return "KVF_ERR_BAD_ORDERING";
     case KVF_ERR_LEASE_PHASE: return "KVF_ERR_LEASE_PHASE";
     case KVF_ERR_RECLAIMED: return "KVF_ERR_RECLAIMED";
     case KVF_ERR_STALE_TRANSFER: return "KVF_ERR_STALE_TRANSFER";

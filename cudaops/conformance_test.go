@@ -68,11 +68,15 @@ func TestCUDAConformanceSimulated(t *testing.T) {
 	}, 4096)
 }
 
-// openGPU opens CUDA device 0 or skips the test when there is none.
+// openGPU opens CUDA device 0 or skips the test when there is none (fails,
+// when KVFENCE_REQUIRE_GPU is set: scripts/gpu-check.sh sets it).
 func openGPU(t testing.TB) *cudaops.CUDA {
 	t.Helper()
 	d, err := cudaops.OpenCUDA(0)
 	if errors.Is(err, cudaops.ErrNoDevice) {
+		if os.Getenv("KVFENCE_REQUIRE_GPU") != "" {
+			t.Fatalf("KVFENCE_REQUIRE_GPU is set and there is no usable CUDA device: %v", err)
+		}
 		t.Skipf("no CUDA device: %v", err)
 	}
 	require.NoError(t, err)

@@ -42,28 +42,60 @@ import (
 // or the engine's own, see OpenCUDAContext) and pops it before returning,
 // so whatever the thread had current before is restored.
 //
+// # Ordering
+//
+// A fill is ordered after the engine's work on the pages (see Ordering for
+// what each value means here): an engine event is waited for on the
+// device's stream (cuStreamWaitEvent), an engine stream through the
+// device's own event recorded on it now, and the zero Ordering by
+// synchronising the context (cuCtxSynchronize, on the caller's thread)
+// before anything is queued, so it follows all work of every stream
+// queued before the release. The device's stream is non-blocking, so it
+// never synchronises with the legacy default stream by accident: an
+// engine on the default stream must name it (StreamLegacy) or pass zero.
+//
+// CheckOrdering vets an Ordering without queuing anything: the stream
+// exists, belongs to the device's context and is not capturing a CUDA
+// graph (cuStreamGetCtx, cuStreamIsCapturing), the event exists and was
+// not recorded inside a capture (cuEventQuery). A pool calls it before a
+// lease lets go of its pages, so a bad handle is the caller's error and
+// never a failed scrub. Recording on, or waiting from, a capturing stream
+// would put kvfence's work into the engine's graph; instead it is refused.
+//
+// Every driver call runs with the calling thread's stream-capture mode
+// set to relaxed (cuThreadExchangeStreamCaptureMode) and restored after:
+// a capture the engine runs in global mode on another thread is then
+// never invalidated by kvfence's queries, waits or allocations.
+//
 // # Fill
 //
-// A Fill of a non-empty batch is, on the device's stream (non-blocking, so
-// it never waits for the legacy default stream by accident):
+// A Fill of a non-empty batch is, on the device's stream:
 //
-//  1. waits for the engine work named by Ordering (cuStreamWaitEvent on the
-//     engine's event, or on an event recorded on the engine's stream now);
-//  2. an async copy of the region table and the page list from a
-//     page-locked staging buffer to device memory;
+//  1. the wait for the engine (above);
+//  2. an async copy of the page list from the staging ring (page-locked
+//     host memory, allocated with the regions, never on the release
+//     path) to its device twin; the region table is already in device
+//     memory, uploaded when regions are added;
 //  3. ONE launch of kvf_fill (fill.ptx) over pages × regions, or, in
 //     FillMemset mode, one cuMemsetD32Async / cuMemsetD2D32Async per run
 //     of adjacent pages per region (the baseline, and the fallback when
-//     the kernel cannot be loaded);
-//  4. an event record: the Fence. Done is cuEventQuery, Wait is
-//     cuEventSynchronize.
+//     the kernel cannot be loaded or fails its warm-up launch at open);
+//  4. an event record: the Fence.
 //
-// A staging buffer is reused only once the fence of the fill that used it
-// has completed, since the copy that reads it may still be queued behind
-// the engine's work. Any error while queuing returns an error wrapping
-// ErrDriver and no fence; the caller (the pool) must then treat the pages
-// as not clean. An error the device reports later (a faulting kernel)
-// comes out of the fence, also wrapping ErrDriver.
+// # Completion
+//
+// Fence events are created with CU_EVENT_BLOCKING_SYNC and without
+// timing. One reaper goroutine per device waits for them in order
+// (fills on one stream complete in order) with cuEventSynchronize, which
+// then sleeps instead of spinning, and completes each Fence: Done and
+// Wait never call the driver, so any number of waiters costs no OS
+// thread and no CPU. The reaper frees the fill's slot of the staging
+// ring; a Fill finding the ring full waits for that without holding the
+// device lock (Stats counts it). Any error while queuing returns an error
+// wrapping ErrDriver (or ErrBadOrdering) and no fence; the caller (the
+// pool) must then treat the pages as not clean. An error the device
+// reports later (a faulting kernel) comes out of the fence, also wrapping
+// ErrDriver.
 //
 // ReadPage and WritePage queue their copy on the same stream and wait for
 // it, so they observe every fill issued before them. (A plain synchronous
@@ -73,10 +105,11 @@ import (
 // # Locks
 //
 // life (RWMutex) is held shared by every method for its whole duration and
-// exclusively by Close, so Close waits for calls in flight, including
-// Fence.Wait. mu serialises the device state (regions, staging, the stream).
-// A fence's own mutex and the event pool's mutex are leaves. Order: life →
-// mu → fence.mu → events.mu.
+// exclusively by Close, so Close waits for calls in flight. mu serialises
+// the device state (regions, staging, the stream). The reaper's and the
+// event pool's mutexes are leaves. Order: life → mu → reaper.mu →
+// events.mu. The reaper takes mu only to free ring space, never with its
+// own lock held.
 type CUDA struct {
 	drv     driver
 	ordinal int
@@ -97,13 +130,18 @@ type CUDA struct {
 		regions []Region
 		owned   []bool // regions[i] was allocated by us
 		mode    FillMode
-		staging []*staging
+		table   uint64 // device copy of the region table (regionEntryBytes per region)
+		ring    stagingRing
+		// ringFreed is signalled by the reaper when it frees ring space.
+		ringFreed *sync.Cond
 	}
 	stream  uintptr // our fills, copies and memsets
 	orderEv uintptr // recorded on an engine stream to order a fill after it
 	module  uintptr
 	fillFn  uintptr
 	kernErr error // why FillKernel is unavailable, or nil
+
+	reap reaper
 
 	events struct {
 		sync.Mutex
@@ -112,6 +150,9 @@ type CUDA struct {
 	}
 
 	fillCalls, launches, pagesFilled, bytesFilled atomic.Uint64
+	// Why a fill took a slower path than asked: a zero Ordering made it
+	// synchronise the context, or a full staging ring made it wait.
+	contextSyncs, stagingWaits atomic.Uint64
 }
 
 var _ Device = (*CUDA)(nil)
@@ -167,15 +208,17 @@ func openCUDA(drv driver, ordinal int, ctx uintptr) (_ *CUDA, err error) {
 		}
 		d.primary = true
 	}
-	if err := drv.ctxPush(d.ctx); err != nil {
+	d.mu.ringFreed = sync.NewCond(&d.mu)
+	g, err := d.enter()
+	if err != nil {
 		d.releaseCtx()
-		return nil, fmt.Errorf("%w: %w", ErrDriver, err)
+		return nil, err
 	}
 	// From here on, undo what succeeded if a later step fails.
 	defer func() {
 		if err != nil {
 			d.teardownLocked()
-			_ = drv.ctxPop()
+			g.leave()
 			d.releaseCtx()
 		}
 	}()
@@ -196,17 +239,42 @@ func openCUDA(drv driver, ordinal int, ctx uintptr) (_ *CUDA, err error) {
 	if d.orderEv, err = drv.eventCreate(cuEventDisableTiming); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrDriver, err)
 	}
-	// A driver that cannot JIT the kernel still fills correctly with
-	// memsets; say why in KernelError rather than refuse the device.
-	if d.module, d.kernErr = drv.moduleLoadData(fillPTX); d.kernErr == nil {
-		d.fillFn, d.kernErr = drv.moduleGetFunction(d.module, fillKernelName)
+	d.loadKernel()
+	g.leave()
+	d.reap.start(d)
+	return d, nil
+}
+
+// loadKernel JIT-compiles the fill kernel and warms it up with a launch of
+// no items, so that the first release pays neither and a kernel that
+// cannot run is found now. A driver that cannot JIT or launch it still
+// fills correctly with memsets: KernelError (and Stats) say why, with the
+// JIT's log, rather than the device being refused.
+func (d *CUDA) loadKernel() {
+	m, log, err := d.drv.moduleLoadData(fillPTX)
+	if err != nil {
+		if log != "" {
+			err = fmt.Errorf("%w: loading %s: %w; JIT log: %s", ErrDriver, fillKernelName, err, log)
+		} else {
+			err = fmt.Errorf("%w: loading %s: %w", ErrDriver, fillKernelName, err)
+		}
+	} else {
+		d.module = m
+		d.fillFn, err = d.drv.moduleGetFunction(m, fillKernelName)
+		if err == nil {
+			err = d.drv.launchFill(d.fillFn, 1, fillBlock, d.stream, fillArgs{nregions: 1})
+		}
+		if err == nil {
+			err = d.drv.streamSynchronize(d.stream)
+		}
+		if err != nil {
+			err = fmt.Errorf("%w: warming up %s: %w", ErrDriver, fillKernelName, err)
+		}
 	}
-	if d.kernErr != nil {
+	if err != nil {
+		d.kernErr = err
 		d.mu.mode = FillMemset
 	}
-	// A failed pop leaves nothing to undo that the caller could act on.
-	_ = drv.ctxPop()
-	return d, nil
 }
 
 func (d *CUDA) releaseCtx() {
@@ -215,19 +283,36 @@ func (d *CUDA) releaseCtx() {
 	}
 }
 
-// enter makes the device's context current on this goroutine's thread;
-// leave undoes it. Every driver call happens between the two.
-func (d *CUDA) enter() error {
+// entered is a driver section on one OS thread: the device's context
+// current and the thread's capture mode relaxed, both restored by leave.
+type entered struct {
+	d        *CUDA
+	prevMode int
+}
+
+// enter makes the device's context current on this goroutine's thread and
+// sets the thread's stream-capture mode to relaxed, so that nothing
+// kvfence calls can invalidate a graph capture the engine runs in global
+// mode on another thread; leave undoes both. Every driver call happens
+// between the two.
+func (d *CUDA) enter() (entered, error) {
 	runtime.LockOSThread()
 	if err := d.drv.ctxPush(d.ctx); err != nil {
 		runtime.UnlockOSThread()
-		return fmt.Errorf("%w: %w", ErrDriver, err)
+		return entered{}, fmt.Errorf("%w: %w", ErrDriver, err)
 	}
-	return nil
+	prev, err := d.drv.exchangeCaptureMode(cuCaptureModeRelaxed)
+	if err != nil {
+		_ = d.drv.ctxPop()
+		runtime.UnlockOSThread()
+		return entered{}, fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return entered{d: d, prevMode: prev}, nil
 }
 
-func (d *CUDA) leave() {
-	_ = d.drv.ctxPop()
+func (g entered) leave() {
+	_, _ = g.d.drv.exchangeCaptureMode(g.prevMode)
+	_ = g.d.drv.ctxPop()
 	runtime.UnlockOSThread()
 }
 
@@ -245,10 +330,11 @@ func (d *CUDA) MemInfo() (free, total uint64, err error) {
 	if d.closed {
 		return 0, 0, ErrClosed
 	}
-	if err := d.enter(); err != nil {
+	g, err := d.enter()
+	if err != nil {
 		return 0, 0, err
 	}
-	defer d.leave()
+	defer g.leave()
 	free, total, err = d.drv.memGetInfo()
 	if err != nil {
 		return 0, 0, fmt.Errorf("%w: %w", ErrDriver, err)
@@ -271,10 +357,11 @@ func (d *CUDA) AllocRegion(pages int, pageBytes int64) (int, error) {
 	if d.closed {
 		return 0, ErrClosed
 	}
-	if err := d.enter(); err != nil {
+	g, err := d.enter()
+	if err != nil {
 		return 0, err
 	}
-	defer d.leave()
+	defer g.leave()
 	base, err := d.drv.memAlloc(uint64(r.Bytes()))
 	if err != nil {
 		if driverCode(err) == cuErrorOutOfMemory {
@@ -283,17 +370,24 @@ func (d *CUDA) AllocRegion(pages int, pageBytes int64) (int, error) {
 		return 0, fmt.Errorf("%w: %w", ErrDriver, err)
 	}
 	r.Base = base
-	return d.addLocked(r, true), nil
+	i, err := d.addLocked(r, true)
+	if err != nil {
+		_ = d.drv.memFree(base)
+	}
+	return i, err
 }
 
 // AdoptRegion registers engine-owned device memory in this device's context
 // as a region: pages pages, stride bytes apart, pageBytes long, page 0 at
-// base (e.g. a PyTorch KV tensor's data_ptr()). kvfence cannot check that
-// the extent [base, base + (pages-1)*stride + pageBytes) belongs to one
-// live allocation (the driver cannot tell for memory mapped with
-// cuMemMap, as PyTorch's expandable segments are); the engine must
-// guarantee it, keep the memory alive until Close, and touch the pages
-// only under kvfence leases. Close does not free adopted memory.
+// base (e.g. a PyTorch KV tensor's data_ptr()). Both ends of the extent
+// [base, base + (pages-1)*stride + pageBytes) must be device memory of
+// this device, allocated in this context or in none (cuMemMap mappings,
+// as PyTorch's expandable segments are): memory of another GPU or context
+// would make the fill kernel fault, and a fault is sticky in the context
+// the engine shares. kvfence cannot check that the extent between the
+// ends is one live allocation; the engine must guarantee it, keep the
+// memory alive until Close, and touch the pages only under kvfence
+// leases. Close does not free adopted memory.
 func (d *CUDA) AdoptRegion(base uint64, pages int, stride, pageBytes int64) (int, error) {
 	r := Region{Base: base, Stride: stride, PageBytes: pageBytes, Pages: pages}
 	if err := validateDeviceRegion(r); err != nil {
@@ -314,7 +408,35 @@ func (d *CUDA) AdoptRegion(base uint64, pages int, stride, pageBytes int64) (int
 	if d.closed {
 		return 0, ErrClosed
 	}
-	return d.addLocked(r, false), nil
+	g, err := d.enter()
+	if err != nil {
+		return 0, err
+	}
+	defer g.leave()
+	for _, addr := range []uint64{base, base + uint64(r.Bytes()) - 1} {
+		if err := d.checkPointerLocked(addr); err != nil {
+			return 0, err
+		}
+	}
+	return d.addLocked(r, false)
+}
+
+// checkPointerLocked refuses an address that is not device memory of this
+// device and context.
+func (d *CUDA) checkPointerLocked(addr uint64) error {
+	pi, err := d.drv.pointerInfo(addr)
+	switch {
+	case err != nil:
+		return fmt.Errorf("%w: adopted address %#x is not device memory the driver knows: %w", ErrInvalidArgument, addr, err)
+	case pi.memType != cuMemoryTypeDevice && pi.memType != cuMemoryTypeUnified:
+		return fmt.Errorf("%w: adopted address %#x is host memory (memory type %d), not device memory", ErrInvalidArgument, addr, pi.memType)
+	case pi.ordinal != d.dev:
+		return fmt.Errorf("%w: adopted address %#x is memory of device %d, this device is %d", ErrInvalidArgument, addr, pi.ordinal, d.dev)
+	case pi.ctx != 0 && pi.ctx != d.ctx:
+		return fmt.Errorf("%w: adopted address %#x was allocated in context %#x, this device works in %#x (open it with OpenCUDAContext)",
+			ErrInvalidArgument, addr, pi.ctx, d.ctx)
+	}
+	return nil
 }
 
 // validateDeviceRegion adds to Region.Validate the bound the kernel's
@@ -329,10 +451,18 @@ func validateDeviceRegion(r Region) error {
 	return nil
 }
 
-func (d *CUDA) addLocked(r Region, owned bool) int {
-	d.mu.regions = append(d.mu.regions, r)
+// addLocked appends r to the region table and brings the device's copies
+// up to date: the region table in device memory and a staging ring large
+// enough for the largest batch, both allocated here, on the setup path,
+// so that no fill allocates or frees. The context is current.
+func (d *CUDA) addLocked(r Region, owned bool) (int, error) {
+	regions := append(d.mu.regions[:len(d.mu.regions):len(d.mu.regions)], r)
+	if err := d.resizeLocked(regions); err != nil {
+		return 0, err
+	}
+	d.mu.regions = regions
 	d.mu.owned = append(d.mu.owned, owned)
-	return len(d.mu.regions) - 1
+	return len(d.mu.regions) - 1, nil
 }
 
 // Regions implements Device.
@@ -349,21 +479,34 @@ func (d *CUDA) Regions() []Region {
 func (d *CUDA) Close() error {
 	d.life.Lock()
 	defer d.life.Unlock()
-	d.mu.Lock()
-	defer d.mu.Unlock()
 	if d.closed {
 		return nil
 	}
 	d.closed = true
-	if err := d.enter(); err != nil {
+	g, err := d.enter()
+	if err != nil {
 		// Without the context nothing can be freed or waited for; the
-		// memory goes when the context does.
+		// memory goes when the context does, which releasing our retain
+		// of a primary context lets happen. Fences not yet complete end
+		// with this error.
 		d.closeErr = err
+		d.reap.stop(err)
+		d.releaseCtx()
 		return err
 	}
 	if err := d.drv.streamSynchronize(d.stream); err != nil {
 		d.closeErr = fmt.Errorf("%w: %w", ErrDriver, err)
 	}
+	g.leave()
+	// The stream is drained: the reaper completes what is left and exits
+	// (it may need mu to free ring space, so mu is not held here).
+	d.reap.stop(nil)
+	g, err = d.enter()
+	if err != nil {
+		d.releaseCtx()
+		return err
+	}
+	d.mu.Lock()
 	for i, r := range d.mu.regions {
 		if d.mu.owned[i] {
 			_ = d.drv.memFree(r.Base)
@@ -371,17 +514,19 @@ func (d *CUDA) Close() error {
 	}
 	d.mu.regions, d.mu.owned = nil, nil
 	d.teardownLocked()
-	d.leave()
+	d.mu.Unlock()
+	g.leave()
 	d.releaseCtx()
 	return d.closeErr
 }
 
 // teardownLocked frees the device's own resources; the context is current.
 func (d *CUDA) teardownLocked() {
-	for _, s := range d.mu.staging {
-		d.freeStaging(s)
+	d.mu.ring.free(d.drv)
+	if d.mu.table != 0 {
+		_ = d.drv.memFree(d.mu.table)
+		d.mu.table = 0
 	}
-	d.mu.staging = nil
 	d.events.Lock()
 	for _, ev := range d.events.all {
 		_ = d.drv.eventDestroy(ev)

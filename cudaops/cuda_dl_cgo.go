@@ -37,6 +37,9 @@ static struct {
 	CUresult (*CtxPushCurrent)(CUcontext);
 	CUresult (*CtxPopCurrent)(CUcontext *);
 	CUresult (*CtxGetDevice)(CUdevice *);
+	CUresult (*CtxSynchronize)(void);
+	CUresult (*ThreadExchangeStreamCaptureMode)(int *);
+	CUresult (*PointerGetAttribute)(void *, int, CUdeviceptr);
 	CUresult (*MemGetInfo)(size_t *, size_t *);
 	CUresult (*MemAlloc)(CUdeviceptr *, size_t);
 	CUresult (*MemFree)(CUdeviceptr);
@@ -46,7 +49,7 @@ static struct {
 	CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
 	CUresult (*MemsetD32Async)(CUdeviceptr, unsigned, size_t, CUstream);
 	CUresult (*MemsetD2D32Async)(CUdeviceptr, size_t, unsigned, size_t, size_t, CUstream);
-	CUresult (*ModuleLoadData)(CUmodule *, const void *);
+	CUresult (*ModuleLoadDataEx)(CUmodule *, const void *, unsigned, int *, void **);
 	CUresult (*ModuleUnload)(CUmodule);
 	CUresult (*ModuleGetFunction)(CUfunction *, CUmodule, const char *);
 	CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream, void **, void **);
@@ -54,6 +57,8 @@ static struct {
 	CUresult (*StreamDestroy)(CUstream);
 	CUresult (*StreamSynchronize)(CUstream);
 	CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
+	CUresult (*StreamGetCtx)(CUstream, CUcontext *);
+	CUresult (*StreamIsCapturing)(CUstream, int *);
 	CUresult (*EventCreate)(CUevent *, unsigned);
 	CUresult (*EventRecord)(CUevent, CUstream);
 	CUresult (*EventQuery)(CUevent);
@@ -82,6 +87,9 @@ static int kvf_load(char *msg, size_t n) {
 	SYM(CtxPushCurrent, "cuCtxPushCurrent_v2")
 	SYM(CtxPopCurrent, "cuCtxPopCurrent_v2")
 	SYM(CtxGetDevice, "cuCtxGetDevice")
+	SYM(CtxSynchronize, "cuCtxSynchronize")
+	SYM(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode")
+	SYM(PointerGetAttribute, "cuPointerGetAttribute")
 	SYM(MemGetInfo, "cuMemGetInfo_v2")
 	SYM(MemAlloc, "cuMemAlloc_v2")
 	SYM(MemFree, "cuMemFree_v2")
@@ -91,7 +99,7 @@ static int kvf_load(char *msg, size_t n) {
 	SYM(MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2")
 	SYM(MemsetD32Async, "cuMemsetD32Async")
 	SYM(MemsetD2D32Async, "cuMemsetD2D32Async")
-	SYM(ModuleLoadData, "cuModuleLoadData")
+	SYM(ModuleLoadDataEx, "cuModuleLoadDataEx")
 	SYM(ModuleUnload, "cuModuleUnload")
 	SYM(ModuleGetFunction, "cuModuleGetFunction")
 	SYM(LaunchKernel, "cuLaunchKernel")
@@ -99,6 +107,8 @@ static int kvf_load(char *msg, size_t n) {
 	SYM(StreamDestroy, "cuStreamDestroy_v2")
 	SYM(StreamSynchronize, "cuStreamSynchronize")
 	SYM(StreamWaitEvent, "cuStreamWaitEvent")
+	SYM(StreamGetCtx, "cuStreamGetCtx")
+	SYM(StreamIsCapturing, "cuStreamIsCapturing")
 	SYM(EventCreate, "cuEventCreate")
 	SYM(EventRecord, "cuEventRecord")
 	SYM(EventQuery, "cuEventQuery")
@@ -123,6 +133,22 @@ static CUresult kvf_primary_release(CUdevice d) { return kvf.PrimaryCtxRelease(d
 static CUresult kvf_ctx_push(uintptr_t c) { return kvf.CtxPushCurrent((CUcontext)c); }
 static CUresult kvf_ctx_pop(void) { CUcontext c; return kvf.CtxPopCurrent(&c); }
 static CUresult kvf_ctx_get_device(CUdevice *d) { return kvf.CtxGetDevice(d); }
+static CUresult kvf_ctx_sync(void) { return kvf.CtxSynchronize(); }
+static CUresult kvf_exchange_capture_mode(int *mode) { return kvf.ThreadExchangeStreamCaptureMode(mode); }
+// kvf_pointer_info asks for the three attributes kvfence checks at
+// adoption; which says which query failed.
+static CUresult kvf_pointer_info(CUdeviceptr p, uintptr_t *ctx, unsigned *type, int *ordinal, int *which) {
+	CUcontext c = NULL;
+	CUresult r;
+	*which = 0;
+	if ((r = kvf.PointerGetAttribute(type, 2, p)) != 0) return r;      // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+	*which = 1;
+	if ((r = kvf.PointerGetAttribute(ordinal, 9, p)) != 0) return r;   // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+	*which = 2;
+	if ((r = kvf.PointerGetAttribute(&c, 1, p)) != 0) return r;        // CU_POINTER_ATTRIBUTE_CONTEXT
+	*ctx = (uintptr_t)c;
+	return 0;
+}
 static CUresult kvf_mem_get_info(size_t *f, size_t *t) { return kvf.MemGetInfo(f, t); }
 static CUresult kvf_mem_alloc(CUdeviceptr *p, size_t n) { return kvf.MemAlloc(p, n); }
 static CUresult kvf_mem_free(CUdeviceptr p) { return kvf.MemFree(p); }
@@ -151,7 +177,14 @@ static CUresult kvf_memset_d32(CUdeviceptr d, unsigned w, size_t n, uintptr_t s)
 static CUresult kvf_memset_d2d32(CUdeviceptr d, size_t pitch, unsigned w, size_t width, size_t height, uintptr_t s) {
 	return kvf.MemsetD2D32Async(d, pitch, w, width, height, (CUstream)s);
 }
-static CUresult kvf_module_load(uintptr_t *m, const void *image) { return kvf.ModuleLoadData((CUmodule *)m, image); }
+// kvf_module_load JIT-compiles a PTX image, keeping the JIT's error log
+// in log (NUL-terminated) when it fails.
+static CUresult kvf_module_load(uintptr_t *m, const void *image, char *log, size_t log_len) {
+	int opts[2] = {5, 6}; // CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES
+	void *vals[2] = {log, (void *)log_len};
+	log[0] = 0;
+	return kvf.ModuleLoadDataEx((CUmodule *)m, image, 2, opts, vals);
+}
 static CUresult kvf_module_unload(uintptr_t m) { return kvf.ModuleUnload((CUmodule)m); }
 static CUresult kvf_module_function(uintptr_t *f, uintptr_t m, const char *name) {
 	return kvf.ModuleGetFunction((CUfunction *)f, (CUmodule)m, name);
@@ -171,6 +204,8 @@ static CUresult kvf_stream_sync(uintptr_t s) { return kvf.StreamSynchronize((CUs
 static CUresult kvf_stream_wait_event(uintptr_t s, uintptr_t e) {
 	return kvf.StreamWaitEvent((CUstream)s, (CUevent)e, 0);
 }
+static CUresult kvf_stream_get_ctx(uintptr_t s, uintptr_t *c) { return kvf.StreamGetCtx((CUstream)s, (CUcontext *)c); }
+static CUresult kvf_stream_is_capturing(uintptr_t s, int *status) { return kvf.StreamIsCapturing((CUstream)s, status); }
 static CUresult kvf_event_create(uintptr_t *e, unsigned flags) { return kvf.EventCreate((CUevent *)e, flags); }
 static CUresult kvf_event_record(uintptr_t e, uintptr_t s) { return kvf.EventRecord((CUevent)e, (CUstream)s); }
 static CUresult kvf_event_query(uintptr_t e) { return kvf.EventQuery((CUevent)e); }
@@ -270,6 +305,29 @@ func (dl) ctxGetDevice() (int32, error) {
 	return int32(d), err
 }
 
+func (dl) ctxSynchronize() error { return check("cuCtxSynchronize", C.kvf_ctx_sync()) }
+
+func (dl) exchangeCaptureMode(mode int) (int, error) {
+	m := C.int(mode)
+	err := check("cuThreadExchangeStreamCaptureMode", C.kvf_exchange_capture_mode(&m))
+	return int(m), err
+}
+
+func (dl) pointerInfo(p uint64) (ptrInfo, error) {
+	var (
+		ctx     C.uintptr_t
+		typ     C.unsigned
+		ordinal C.int
+		which   C.int
+	)
+	r := C.kvf_pointer_info(C.CUdeviceptr(p), &ctx, &typ, &ordinal, &which)
+	if err := check([3]string{"cuPointerGetAttribute(MEMORY_TYPE)", "cuPointerGetAttribute(DEVICE_ORDINAL)",
+		"cuPointerGetAttribute(CONTEXT)"}[which], r); err != nil {
+		return ptrInfo{}, err
+	}
+	return ptrInfo{ctx: uintptr(ctx), memType: int(typ), ordinal: int32(ordinal)}, nil
+}
+
 func (dl) memGetInfo() (free, total uint64, err error) {
 	var f, t C.size_t
 	err = check("cuMemGetInfo_v2", C.kvf_mem_get_info(&f, &t))
@@ -333,14 +391,17 @@ func (dl) memsetD2D32Async(dst, pitch uint64, word uint32, width, height uint64,
 		C.unsigned(word), C.size_t(width), C.size_t(height), C.uintptr_t(s)))
 }
 
-func (dl) moduleLoadData(image []byte) (uintptr, error) {
+func (dl) moduleLoadData(image []byte) (uintptr, string, error) {
 	// The driver reads a PTX image up to its NUL; give it a C copy that
 	// has one.
 	p := C.CBytes(append(image[:len(image):len(image)], 0))
 	defer C.free(p)
+	var log [4096]C.char
 	var m C.uintptr_t
-	err := check("cuModuleLoadData", C.kvf_module_load(&m, p))
-	return uintptr(m), err
+	if err := check("cuModuleLoadDataEx", C.kvf_module_load(&m, p, &log[0], C.size_t(len(log)))); err != nil {
+		return 0, C.GoString(&log[0]), err
+	}
+	return uintptr(m), "", nil
 }
 
 func (dl) moduleUnload(m uintptr) error {
@@ -377,6 +438,18 @@ func (dl) streamSynchronize(s uintptr) error {
 
 func (dl) streamWaitEvent(s, ev uintptr) error {
 	return check("cuStreamWaitEvent", C.kvf_stream_wait_event(C.uintptr_t(s), C.uintptr_t(ev)))
+}
+
+func (dl) streamGetCtx(s uintptr) (uintptr, error) {
+	var c C.uintptr_t
+	err := check("cuStreamGetCtx", C.kvf_stream_get_ctx(C.uintptr_t(s), &c))
+	return uintptr(c), err
+}
+
+func (dl) streamIsCapturing(s uintptr) (int, error) {
+	var st C.int
+	err := check("cuStreamIsCapturing", C.kvf_stream_is_capturing(C.uintptr_t(s), &st))
+	return int(st), err
 }
 
 func (dl) eventCreate(flags uint32) (uintptr, error) {

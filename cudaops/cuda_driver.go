@@ -25,7 +25,17 @@ type driver interface {
 	ctxPush(ctx uintptr) error
 	ctxPop() error
 	ctxGetDevice() (int32, error)
+	// ctxSynchronize waits for all work queued in the current context, on
+	// every stream.
+	ctxSynchronize() error
+	// exchangeCaptureMode sets the calling thread's stream-capture
+	// interaction mode and returns the previous one.
+	exchangeCaptureMode(mode int) (int, error)
 	memGetInfo() (free, total uint64, err error)
+	// pointerInfo reports what the driver knows of device address p: the
+	// context it was allocated in (0 for memory no context owns, such as
+	// cuMemMap mappings), its memory type and its device ordinal.
+	pointerInfo(p uint64) (ptrInfo, error)
 
 	memAlloc(n uint64) (uint64, error)
 	memFree(p uint64) error
@@ -44,7 +54,9 @@ type driver interface {
 	memsetD32Async(dst uint64, word uint32, n uint64, s uintptr) error
 	memsetD2D32Async(dst, pitch uint64, word uint32, width, height uint64, s uintptr) error
 
-	moduleLoadData(image []byte) (uintptr, error)
+	// moduleLoadData JIT-compiles image; on failure log is the JIT's
+	// error log (possibly empty).
+	moduleLoadData(image []byte) (m uintptr, log string, err error)
 	moduleUnload(m uintptr) error
 	moduleGetFunction(m uintptr, name string) (uintptr, error)
 	launchFill(fn uintptr, grid, block uint32, s uintptr, a fillArgs) error
@@ -53,6 +65,11 @@ type driver interface {
 	streamDestroy(s uintptr) error
 	streamSynchronize(s uintptr) error
 	streamWaitEvent(s, ev uintptr) error
+	// streamGetCtx returns the context stream s belongs to.
+	streamGetCtx(s uintptr) (uintptr, error)
+	// streamIsCapturing returns s's capture status (cuStreamCaptureNone,
+	// Active or Invalidated).
+	streamIsCapturing(s uintptr) (int, error)
 	eventCreate(flags uint32) (uintptr, error)
 	eventRecord(ev, s uintptr) error
 	// eventQuery reports whether all work captured by ev has completed;
@@ -74,10 +91,32 @@ type fillArgs struct {
 	clear    uint32
 }
 
-// Driver flag values (cuda.h).
+// ptrInfo is what cuPointerGetAttribute reports of a device address.
+type ptrInfo struct {
+	ctx     uintptr // CU_POINTER_ATTRIBUTE_CONTEXT; 0 when no context owns it
+	memType int     // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+	ordinal int32   // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+}
+
+// Driver flag and enum values (cuda.h).
 const (
 	cuStreamNonBlocking     = 0x1 // CU_STREAM_NON_BLOCKING
+	cuEventBlockingSync     = 0x1 // CU_EVENT_BLOCKING_SYNC
 	cuEventDisableTiming    = 0x2 // CU_EVENT_DISABLE_TIMING
+	cuMemoryTypeHost        = 1   // CU_MEMORYTYPE_HOST
+	cuMemoryTypeDevice      = 2   // CU_MEMORYTYPE_DEVICE
+	cuMemoryTypeUnified     = 4   // CU_MEMORYTYPE_UNIFIED
+	cuCaptureModeGlobal     = 0   // CU_STREAM_CAPTURE_MODE_GLOBAL
+	cuCaptureModeRelaxed    = 2   // CU_STREAM_CAPTURE_MODE_RELAXED
+	cuCaptureStatusNone     = 0   // CU_STREAM_CAPTURE_STATUS_NONE
+	cuCaptureStatusActive   = 1   // CU_STREAM_CAPTURE_STATUS_ACTIVE
+	cuCaptureStatusInvalid  = 2   // CU_STREAM_CAPTURE_STATUS_INVALIDATED
+	cuErrorInvalidContext   = 201 // CUDA_ERROR_INVALID_CONTEXT
+	cuErrorCaptureUnsupp    = 900 // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+	cuErrorCaptureInvalid   = 901 // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+	cuErrorCaptureIsolation = 905 // CUDA_ERROR_STREAM_CAPTURE_ISOLATION
+	cuErrorCaptureImplicit  = 906 // CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+	cuErrorCapturedEvent    = 907 // CUDA_ERROR_CAPTURED_EVENT
 	cuErrorOutOfMemory      = 2   // CUDA_ERROR_OUT_OF_MEMORY
 	cuErrorInvalidValue     = 1   // CUDA_ERROR_INVALID_VALUE
 	cuErrorInvalidHandle    = 400 // CUDA_ERROR_INVALID_HANDLE
@@ -137,6 +176,11 @@ var cuResultNames = map[int]string{
 	701: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
 	702: "CUDA_ERROR_LAUNCH_TIMEOUT",
 	719: "CUDA_ERROR_LAUNCH_FAILED",
+	900: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+	901: "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+	905: "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+	906: "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+	907: "CUDA_ERROR_CAPTURED_EVENT",
 	999: "CUDA_ERROR_UNKNOWN",
 }
 

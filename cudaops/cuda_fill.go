@@ -69,40 +69,73 @@ func (d *CUDA) SetFillMode(m FillMode) error {
 }
 
 // Fill implements Device; see the type's documentation for what it queues.
-// An empty batch queues nothing and returns a completed fence.
+// An empty batch queues nothing and returns a completed fence. A batch
+// longer than the smallest region (it would name a page twice) is
+// refused. A zero after synchronises the context first, on the calling
+// thread; an Ordering CheckOrdering refuses is refused here the same way,
+// with nothing queued.
 func (d *CUDA) Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error) {
 	d.life.RLock()
 	defer d.life.RUnlock()
-	d.mu.Lock()
-	defer d.mu.Unlock()
 	if d.closed {
 		return nil, ErrClosed
 	}
-	if err := CheckPages(d.mu.regions, pages); err != nil {
-		return nil, err
-	}
 	if len(pages) == 0 {
+		if err := d.checkBatch(pages); err != nil {
+			return nil, err
+		}
 		return Completed(nil), nil
 	}
-	if err := d.enter(); err != nil {
-		return nil, err
-	}
-	defer d.leave()
-
-	if err := d.orderAfterLocked(after); err != nil {
-		return nil, err
-	}
-	ev, err := d.getEvent()
+	g, err := d.enter()
 	if err != nil {
 		return nil, err
 	}
-	var (
-		st       *staging
-		launches uint64
-		written  uint64
-	)
+	defer g.leave()
+	if err := d.checkBatch(pages); err != nil {
+		return nil, err
+	}
+	if after.IsZero() {
+		// Before the device lock: the wait is the engine's, not other
+		// fills'.
+		if err := d.syncContext(); err != nil {
+			return nil, err
+		}
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := CheckPages(d.mu.regions, pages); err != nil { // regions may have grown meanwhile
+		return nil, err
+	}
+	var slot uint64
+	prevHead := d.mu.ring.head
 	if d.mu.mode == FillKernel {
-		st, err = d.launchKernelLocked(pages, spec)
+		for {
+			var ok bool
+			prevHead = d.mu.ring.head
+			if slot, ok = d.mu.ring.reserve(4 * uint64(len(pages))); ok {
+				break
+			}
+			// Every slot is still read by fills in flight: wait for the
+			// reaper to free one, without holding the device lock.
+			d.stagingWaits.Add(1)
+			d.mu.ringFreed.Wait()
+		}
+	}
+	undo := func() { d.mu.ring.head = prevHead } // nothing after us reserved: mu is held
+	if !after.IsZero() {
+		if err := d.orderAfterLocked(after); err != nil {
+			undo()
+			return nil, err
+		}
+	}
+	ev, err := d.getEvent()
+	if err != nil {
+		undo()
+		return nil, err
+	}
+	var launches, written uint64
+	if d.mu.mode == FillKernel {
+		err = d.launchKernelLocked(pages, spec, slot)
 		launches, written = 1, d.batchBytesLocked(len(pages))
 	} else {
 		launches, written, err = d.memsetLocked(pages, spec)
@@ -113,23 +146,41 @@ func (d *CUDA) Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error)
 		}
 	}
 	if err != nil {
-		// Part of the batch may be queued. Drain the stream so the event
-		// and the staging buffer are idle before they are reused; the
-		// pages stay dirty as far as the caller knows.
-		_ = d.drv.streamSynchronize(d.stream)
+		// Part of the batch may be queued; the pages stay dirty as far
+		// as the caller knows. The event was not recorded, and a copy
+		// queued from the slot lands before any later one on the same
+		// stream, so both can be reused at once.
+		undo()
 		d.putEvent(ev)
 		return nil, err
 	}
-	f := &cudaFence{d: d}
-	f.mu.ev = ev
-	if st != nil {
-		st.fence = f
-	}
+	f := newFence(ev)
+	f.ringGen, f.ringEnd = d.mu.ring.gen, d.mu.ring.head
+	d.reap.track(f)
 	d.fillCalls.Add(1)
 	d.launches.Add(launches)
 	d.pagesFilled.Add(uint64(len(pages)))
 	d.bytesFilled.Add(written)
 	return f, nil
+}
+
+// checkBatch validates pages against the region table.
+func (d *CUDA) checkBatch(pages []int32) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if err := CheckPages(d.mu.regions, pages); err != nil {
+		return err
+	}
+	if n := len(d.mu.regions); n > 0 {
+		limit := d.mu.regions[0].Pages
+		for _, r := range d.mu.regions {
+			limit = min(limit, r.Pages)
+		}
+		if len(pages) > limit {
+			return fmt.Errorf("%w: batch of %d pages, the regions hold %d: a page is named twice", ErrInvalidArgument, len(pages), limit)
+		}
+	}
+	return nil
 }
 
 func (d *CUDA) batchBytesLocked(pages int) uint64 {
@@ -140,34 +191,24 @@ func (d *CUDA) batchBytesLocked(pages int) uint64 {
 	return per * uint64(pages)
 }
 
-// launchKernelLocked uploads the region table and the page list and
-// launches kvf_fill once. It returns the staging buffer it used.
-func (d *CUDA) launchKernelLocked(pages []int32, spec FillSpec) (*staging, error) {
-	regions := d.mu.regions
-	tableBytes := len(regions) * regionEntryBytes
-	need := tableBytes + 4*len(pages)
-	st, err := d.stagingLocked(need)
-	if err != nil {
-		return nil, err
-	}
-	buf := st.host[:need]
-	for i, r := range regions {
-		e := buf[i*regionEntryBytes:]
-		binary.LittleEndian.PutUint64(e[0:], r.Base)
-		binary.LittleEndian.PutUint64(e[8:], uint64(r.Stride))
-		binary.LittleEndian.PutUint64(e[16:], uint64(r.PageBytes/4))
-	}
+// launchKernelLocked copies the page list through its ring slot and
+// launches kvf_fill once over the region table in device memory.
+func (d *CUDA) launchKernelLocked(pages []int32, spec FillSpec, slot uint64) error {
+	n := 4 * len(pages)
+	buf := d.mu.ring.host[slot : slot+uint64(n)]
 	for i, p := range pages {
-		binary.LittleEndian.PutUint32(buf[tableBytes+4*i:], uint32(p))
+		binary.LittleEndian.PutUint32(buf[4*i:], uint32(p))
 	}
-	if err := d.drv.memcpyHtoDAsync(st.dev, buf, d.stream); err != nil {
-		return nil, fmt.Errorf("%w: uploading the fill batch: %w", ErrDriver, err)
+	devPages := d.mu.ring.dev + slot
+	if err := d.drv.memcpyHtoDAsync(devPages, buf, d.stream); err != nil {
+		return fmt.Errorf("%w: uploading the fill batch: %w", ErrDriver, err)
 	}
+	regions := d.mu.regions
 	items := uint64(len(regions)) * uint64(len(pages))
 	grid := uint32(min(items, maxGrid))
-	err = d.drv.launchFill(d.fillFn, grid, fillBlock, d.stream, fillArgs{
-		table:    st.dev,
-		pages:    st.dev + uint64(tableBytes),
+	err := d.drv.launchFill(d.fillFn, grid, fillBlock, d.stream, fillArgs{
+		table:    d.mu.table,
+		pages:    devPages,
 		nitems:   items,
 		nregions: uint32(len(regions)),
 		word:     spec.Word,
@@ -175,9 +216,9 @@ func (d *CUDA) launchKernelLocked(pages []int32, spec FillSpec) (*staging, error
 		clear:    spec.ClearMask,
 	})
 	if err != nil {
-		return nil, fmt.Errorf("%w: %s fill of %d pages × %d regions: %w", ErrDriver, fillKernelName, len(pages), len(regions), err)
+		return fmt.Errorf("%w: %s fill of %d pages × %d regions: %w", ErrDriver, fillKernelName, len(pages), len(regions), err)
 	}
-	return st, nil
+	return nil
 }
 
 // memsetLocked fills with one driver memset per run of adjacent page IDs
@@ -211,6 +252,37 @@ func (d *CUDA) memsetLocked(pages []int32, spec FillSpec) (launches, written uin
 		}
 	}
 	return launches, written, nil
+}
+
+// Stats are a CUDA device's own figures, beyond Counters.
+type Stats struct {
+	// Mode is how the device fills now; KernelError says why it fills
+	// with memsets when the kernel could not be loaded or warmed up
+	// (then Mode is FillMemset), and is empty otherwise.
+	Mode        FillMode
+	KernelError string
+	// ContextSyncs counts fills whose zero Ordering synchronised the
+	// context: each stalled its caller until the device was idle.
+	ContextSyncs uint64
+	// StagingWaits counts fills that found the staging ring full and
+	// waited for earlier fills to complete.
+	StagingWaits uint64
+	// FencesPending is how many fills the reaper has not seen complete.
+	FencesPending int
+}
+
+// Stats returns the device's figures.
+func (d *CUDA) Stats() Stats {
+	d.mu.Lock()
+	s := Stats{Mode: d.mu.mode}
+	d.mu.Unlock()
+	if d.kernErr != nil {
+		s.KernelError = d.kernErr.Error()
+	}
+	s.ContextSyncs = d.contextSyncs.Load()
+	s.StagingWaits = d.stagingWaits.Load()
+	s.FencesPending = d.reap.pending()
+	return s
 }
 
 // Counters implements Device. Launches counts kernel launches in

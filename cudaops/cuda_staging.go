@@ -1,93 +1,124 @@
 package cudaops
 
 import (
+	"encoding/binary"
 	"fmt"
 )
 
-// Host↔device copies. A kernel fill reads its region table and page list
-// from device memory, so each batch is first written into a page-locked
-// host buffer and copied asynchronously; the buffer must outlive that
-// queued copy, which is why staging buffers are tracked here with the
-// fence of the fill that last used them. ReadPage and WritePage copy Go
-// memory synchronously on the device's stream, so they are ordered after
-// every fill already queued.
+// Host↔device copies. A kernel fill reads the region table and its page
+// list from device memory. The table changes only when a region is added,
+// so it is uploaded then; each batch's page list is written into the
+// staging ring (page-locked host memory) and copied asynchronously to its
+// device twin. The slot must outlive that queued copy, so it is freed
+// only when the fill's fence completes. The ring is sized, when regions
+// are added, for several of the largest batches a pool can issue, so a
+// fill never allocates or frees driver memory (which can synchronise the
+// device). ReadPage and WritePage copy Go memory synchronously on the
+// device's stream, so they are ordered after every fill already queued.
 
-// maxStaging bounds the staging buffers, so the fills in flight.
-const maxStaging = 16
+// ringBatches is how many batches of the largest size the ring holds.
+const ringBatches = 4
 
-// staging is a page-locked host buffer and a device buffer of the same
-// size that carry one fill's region table and page list.
-type staging struct {
-	host  []byte
-	dev   uint64
-	fence *cudaFence // the last fill that used it; nil if none
+// minRingBytes is the ring's least size.
+const minRingBytes = 64 << 10
+
+// stagingRing is a page-locked host buffer and a device buffer of the same
+// size that carry fills' page lists, used as a ring: head and tail count
+// the bytes reserved and freed since the ring was allocated (gen).
+type stagingRing struct {
+	host       []byte
+	dev        uint64
+	head, tail uint64
+	gen        uint64
 }
 
-// idle reports whether no queued copy or kernel can still use s.
-func (s *staging) idle() bool {
-	if s.fence == nil {
-		return true
+// reserve takes n contiguous bytes (a slot never wraps: the end of the
+// ring is skipped when it is too short) and returns the slot's offset.
+func (r *stagingRing) reserve(n uint64) (uint64, bool) {
+	size := uint64(len(r.host))
+	if n == 0 || n > size {
+		return 0, n == 0
 	}
-	done, _ := s.fence.poll()
-	return done
+	pos, need := r.head%size, n
+	if pos+n > size {
+		need += size - pos
+		pos = 0
+	}
+	if r.head+need-r.tail > size {
+		return 0, false
+	}
+	r.head += need
+	return pos, true
 }
 
-// stagingLocked returns an idle staging buffer of at least n bytes,
-// growing or adding one if needed and, when maxStaging are all busy,
-// waiting for the oldest.
-func (d *CUDA) stagingLocked(n int) (*staging, error) {
-	var spare *staging
-	for _, s := range d.mu.staging {
-		if !s.idle() {
-			continue
-		}
-		if len(s.host) >= n {
-			s.fence = nil
-			return s, nil
-		}
-		spare = s
+func (r *stagingRing) free(drv driver) {
+	if r.host != nil {
+		_ = drv.memFreeHost(r.host)
 	}
-	if spare == nil && len(d.mu.staging) >= maxStaging {
-		// All busy: wait for the first. Its fence's error, if any,
-		// belongs to its own Fill's caller.
-		spare = d.mu.staging[0]
-		_ = spare.fence.wait()
-		if len(spare.host) >= n {
-			spare.fence = nil
-			return spare, nil
-		}
+	if r.dev != 0 {
+		_ = drv.memFree(r.dev)
 	}
-	size := max(n, 64<<10)
-	host, err := d.drv.memAllocHost(size)
+	r.host, r.dev = nil, 0
+}
+
+// resizeLocked uploads regions' table to device memory and grows the
+// staging ring for their largest batch (a batch names each page at most
+// once, so it is at most the smallest region's page count). The context
+// is current. On error the device's copies are unchanged.
+func (d *CUDA) resizeLocked(regions []Region) error {
+	wrap := func(what string, err error) error {
+		if driverCode(err) == cuErrorOutOfMemory {
+			return fmt.Errorf("%w: %s: %w", ErrOutOfMemory, what, err)
+		}
+		return fmt.Errorf("%w: %s: %w", ErrDriver, what, err)
+	}
+	table := make([]byte, len(regions)*regionEntryBytes)
+	minPages := regions[0].Pages
+	for i, r := range regions {
+		e := table[i*regionEntryBytes:]
+		binary.LittleEndian.PutUint64(e[0:], r.Base)
+		binary.LittleEndian.PutUint64(e[8:], uint64(r.Stride))
+		binary.LittleEndian.PutUint64(e[16:], uint64(r.PageBytes/4))
+		minPages = min(minPages, r.Pages)
+	}
+	dev, err := d.drv.memAlloc(uint64(len(table)))
 	if err != nil {
-		return nil, fmt.Errorf("%w: staging buffer: %w", ErrDriver, err)
+		return wrap("region table", err)
 	}
-	dev, err := d.drv.memAlloc(uint64(size))
-	if err != nil {
-		_ = d.drv.memFreeHost(host)
-		return nil, fmt.Errorf("%w: staging buffer: %w", ErrDriver, err)
+	// Synchronous on the stream: fills queued before still read the old
+	// table, and have finished when the copy returns.
+	if err := d.drv.memcpyHtoDSync(dev, table, d.stream); err != nil {
+		_ = d.drv.memFree(dev)
+		return wrap("uploading the region table", err)
 	}
-	s := &staging{host: host, dev: dev}
-	if spare != nil {
-		// spare is idle: nothing queued reads its buffers any more.
-		d.freeStaging(spare)
-		for i, x := range d.mu.staging {
-			if x == spare {
-				d.mu.staging[i] = s
-			}
+	need := max(uint64(minRingBytes), ringBatches*4*uint64(minPages))
+	need = (need + 255) &^ 255
+	if uint64(len(d.mu.ring.host)) < need {
+		host, err := d.drv.memAllocHost(int(need))
+		if err != nil {
+			_ = d.drv.memFree(dev)
+			return wrap("staging ring", err)
 		}
-	} else {
-		d.mu.staging = append(d.mu.staging, s)
+		rdev, err := d.drv.memAlloc(need)
+		if err != nil {
+			_ = d.drv.memFreeHost(host)
+			_ = d.drv.memFree(dev)
+			return wrap("staging ring", err)
+		}
+		// The table upload drained the stream: no queued copy reads the
+		// old ring any more.
+		d.mu.ring.free(d.drv)
+		d.mu.ring = stagingRing{host: host, dev: rdev, gen: d.mu.ring.gen + 1}
+		d.mu.ringFreed.Broadcast()
 	}
-	return s, nil
+	if d.mu.table != 0 {
+		_ = d.drv.memFree(d.mu.table)
+	}
+	d.mu.table = dev
+	return nil
 }
 
-func (d *CUDA) freeStaging(s *staging) {
-	_ = d.drv.memFreeHost(s.host)
-	_ = d.drv.memFree(s.dev)
-}
-
-// page validates (r, p, n) and returns the page's device address. d.mu held.
+// pageLocked validates (r, p, n) and returns the page's device address.
 func (d *CUDA) pageLocked(r int, p int32, n int) (uint64, error) {
 	if d.closed {
 		return 0, ErrClosed
@@ -131,10 +162,11 @@ func (d *CUDA) copyPage(r int, p int32, n int, verb string, copyAt func(addr uin
 	if err != nil {
 		return err
 	}
-	if err := d.enter(); err != nil {
+	g, err := d.enter()
+	if err != nil {
 		return err
 	}
-	defer d.leave()
+	defer g.leave()
 	if err := copyAt(addr); err != nil {
 		return fmt.Errorf("%w: %s page %d of region %d: %w", ErrDriver, verb, p, r, err)
 	}

@@ -124,7 +124,7 @@ func TestCUDAKernelUnavailableFallsBackToMemset(t *testing.T) {
 }
 
 func TestCUDAFillDriverErrors(t *testing.T) {
-	for _, call := range []string{"cuMemcpyHtoDAsync_v2", "cuLaunchKernel", "cuEventRecord", "cuMemAllocHost_v2"} {
+	for _, call := range []string{"cuMemcpyHtoDAsync_v2", "cuLaunchKernel", "cuEventRecord", "cuEventCreate"} {
 		t.Run(call, func(t *testing.T) {
 			d, f := openFake(t)
 			_, err := d.AllocRegion(8, 64)
@@ -168,7 +168,9 @@ func TestCUDAOrderingBadHandle(t *testing.T) {
 	for _, o := range []cudaops.Ordering{{Stream: 0xdead0}, {Event: 0xbeef0}} {
 		_, err = d.Fill([]int32{1}, cudaops.FillSpec{}, o)
 		require.ErrorIs(t, err, cudaops.ErrInvalidArgument, "%+v", o)
+		require.ErrorIs(t, err, cudaops.ErrBadOrdering, "%+v", o)
 		require.ErrorContains(t, err, "CUDA_ERROR_INVALID_HANDLE")
+		require.ErrorIs(t, d.CheckOrdering(o), cudaops.ErrBadOrdering, "%+v", o)
 	}
 	assert.Zero(t, d.Counters().FillCalls)
 }

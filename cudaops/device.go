@@ -17,9 +17,12 @@
 // Fill is asynchronous: it returns a Fence that completes when every byte of
 // the batch has been written. A caller must observe the fence complete
 // without error before it hands any of the batch's pages to a new owner. A
-// Fill may be ordered after work the engine has queued on the same device
-// (Ordering names the engine's stream or event), because a release can
-// happen while the engine's kernels still read the pages.
+// Fill is ordered after work the engine has queued on the same device
+// (Ordering names the engine's stream or event; on CUDA the zero Ordering
+// means all work of the context), because a release can happen while the
+// engine's kernels still read or write the pages. A device with handles
+// that can be wrong implements OrderingChecker, so the caller can refuse a
+// bad ordering before it gives up any page.
 //
 // # Backends
 //
@@ -32,6 +35,17 @@
 // its twin cuda_dl_nocgo.go keeps CGO_ENABLED=0 builds working, so no
 // build of this package needs a CUDA toolkit. Both backends pass the
 // conformance suite in cudaops/devicetest.
+//
+// # Tensor parallelism
+//
+// The ranks of a tensor-parallel group number pages alike and each holds
+// its own shard of every region. Group is one Device over a Device per GPU
+// in one process: a fill completes when every member's has. RemoteRanks is
+// the scheduler's Device over ranks in processes of their own (RankWorker,
+// remote.go has the protocol): each rank scrubs its shard on its own
+// stream after its own kernels and reports, pages are clean only once
+// every rank reported, and a rank that fails, dies or stays silent past
+// the deadline fails the fill, so the pool retires the pages and faults.
 package cudaops
 
 import "fmt"
@@ -98,16 +112,52 @@ func (s FillSpec) WordFor(p int32) uint32 {
 // coalesce adjacent pages.
 func (s FillSpec) Uniform() bool { return s.PageSalt == 0 }
 
-// Ordering names engine work a fill must wait for. The zero value means
-// none. Handles are the driver's own (a CUstream, a CUevent) as integers,
-// which is how C, C++ and Python engines pass them.
+// Ordering names engine work a fill must wait for: the engine's kernels
+// may still read or write a released lease's pages, and a fill that ran
+// first would leave their writes in a page marked clean. Handles are the
+// driver's own (a CUstream, a CUevent) as integers, which is how C, C++
+// and Python engines pass them.
+//
+// On a CUDA device:
+//
+//   - Stream waits for all work queued on that stream so far. StreamLegacy
+//     (CU_STREAM_LEGACY: the legacy default stream, which PyTorch's
+//     default stream is and which also waits for every blocking stream)
+//     and StreamPerThread (CU_STREAM_PER_THREAD: the per-thread default
+//     stream of the OS thread that calls the release; from Go, lock the
+//     goroutine's thread) are accepted as such.
+//   - Event waits for the event's latest record.
+//   - The zero Ordering means "after all work queued in the device's
+//     context before the release, on every stream": the fill synchronises
+//     the context first (cuCtxSynchronize), which stalls the caller until
+//     the GPU is idle. It is always safe and never fast; an engine should
+//     name its stream.
+//
+// A stream of another context, or one capturing a CUDA graph, and an
+// event recorded inside a capture are refused (ErrBadOrdering); see
+// OrderingChecker. The Host device has no streams and ignores orderings.
 type Ordering struct {
 	Stream uintptr // wait for all work queued on this stream so far
 	Event  uintptr // wait for this recorded event
 }
 
+// The driver's special stream handles (cuda.h).
+const (
+	StreamLegacy    uintptr = 0x1 // CU_STREAM_LEGACY, cudaStreamLegacy
+	StreamPerThread uintptr = 0x2 // CU_STREAM_PER_THREAD, cudaStreamPerThread
+)
+
 // IsZero reports whether o names no engine work.
 func (o Ordering) IsZero() bool { return o.Stream == 0 && o.Event == 0 }
+
+// OrderingChecker is implemented by devices whose Ordering handles can be
+// wrong (CUDA). CheckOrdering queues nothing and returns an error wrapping
+// ErrBadOrdering when a Fill after o would be refused: a pool calls it
+// before a lease gives up its pages, so a bad handle is the caller's error
+// and never a failed scrub that faults the pool.
+type OrderingChecker interface {
+	CheckOrdering(o Ordering) error
+}
 
 // Fence is the completion of one Fill.
 type Fence interface {

@@ -21,4 +21,9 @@ var (
 	// ErrDriver: a driver call failed; the message names the call and the
 	// driver's error.
 	ErrDriver = errors.New("cudaops: driver call failed")
+	// ErrBadOrdering: an Ordering the device cannot wait for: a stream or
+	// event the driver does not know, of another context, or capturing a
+	// CUDA graph. The caller's mistake: errors wrapping it also wrap
+	// ErrInvalidArgument, and nothing was queued.
+	ErrBadOrdering = errors.New("cudaops: unusable ordering")
 )

@@ -61,30 +61,161 @@ func (f *fakeDriver) Leaks() string { return f.leaks() }
 func (f *fakeDriver) ContextDepth() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.ctxDepth
+	return len(f.ctxStack)
 }
 
+// SetLoadLog is the JIT error log a failing module load reports.
+func (f *fakeDriver) SetLoadLog(log string) { f.loadLog = log }
+
+// SetDevices sets how many devices the simulated driver has.
+func (f *fakeDriver) SetDevices(n int) { f.devices = n }
+
+// HoldSyncs makes every cuEventSynchronize block until release is called:
+// fills then stay in flight as long as a test wants.
+func (f *fakeDriver) HoldSyncs() (release func()) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	ch := make(chan struct{})
+	f.hold = ch
+	return func() {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		if f.hold == ch {
+			f.hold = nil
+			close(ch)
+		}
+	}
+}
+
+// EventsWithoutFlags counts the events created without all of flags,
+// besides the one every device creates for engine streams.
+func (f *fakeDriver) EventsWithoutFlags(flags uint32) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	n := 0
+	for _, fl := range f.eventFlags {
+		if fl&flags != flags {
+			n++
+		}
+	}
+	return n
+}
+
+// Fence-event flags, for EventsWithoutFlags.
+const (
+	EventBlockingSync  = cuEventBlockingSync
+	EventDisableTiming = cuEventDisableTiming
+)
+
+// ForeignAlloc allocates n bytes of simulated device memory on device
+// ordinal, in the primary context of that device or, with foreign, in a
+// context kvfence did not open.
+func (f *fakeDriver) ForeignAlloc(n uint64, ordinal int32, foreign bool) uint64 {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	ctx := fakePrimaryCtx + uintptr(ordinal)
+	if foreign {
+		ctx = fakeForeignCtx
+	}
+	return f.allocInLocked(n, ctx, ordinal)
+}
+
+// CaptureStatus is a stream's capture status: 0 none, 1 active, 2
+// invalidated.
+func (f *fakeDriver) CaptureStatus(s uintptr) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	st, err := f.streamLocked(s)
+	if err != nil {
+		if len(f.ctxStack) == 0 { // the special streams need a context: look in the primary one
+			st = f.special[[2]uintptr{fakePrimaryCtx, max(s, 1)}]
+		}
+		if st == nil {
+			return -1
+		}
+	}
+	return st.capture
+}
+
+// Capture is what an engine's graph capture on a stream looks like to the
+// simulated driver: begun in global mode (PyTorch's default) until end.
+func (f *fakeDriver) Capture(s uintptr) (end func() int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	st := f.streams[s]
+	st.capture, st.captureGlobal = cuCaptureStatusActive, true
+	return func() int {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		status := st.capture
+		st.capture, st.captureGlobal, st.captured = cuCaptureStatusNone, false, 0
+		return status
+	}
+}
+
+// ForeignStream creates a stream in a context kvfence did not open; free
+// destroys it.
+func (f *fakeDriver) ForeignStream() (s uintptr, free func()) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	h := f.newHandleLocked()
+	f.streams[h] = &fakeStream{ctx: fakeForeignCtx}
+	return h, func() {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		delete(f.streams, h)
+	}
+}
+
+// EngineStream says which stream a TestEngine writes on.
+type EngineStream int
+
+const (
+	// EngineOwnStream: a stream of its own, non-blocking, as PyTorch's
+	// side streams are.
+	EngineOwnStream EngineStream = iota
+	// EngineLegacyStream: the legacy default stream (handle 0), PyTorch's
+	// default stream.
+	EngineLegacyStream
+	// EnginePerThreadStream: the per-thread default stream.
+	EnginePerThreadStream
+)
+
 // TestEngine stands for an engine's stream on the device's own driver (the
-// real one or the fake): it queues memsets on a stream of its own, each
-// behind a large scratch memset so that on a GPU the write is still pending
-// when a fill is queued after it.
+// real one or the fake): it queues memsets on its stream, each behind a
+// large scratch memset so that on a GPU the write is still pending when a
+// fill is queued after it.
 type TestEngine struct {
 	d            *CUDA
+	kind         EngineStream
 	stream, ev   uintptr
 	scratch      uint64
 	scratchWords uint64
 }
 
-// NewTestEngine creates the engine stream, its event and a scratch buffer.
+// NewTestEngine creates an engine on a stream of its own, its event and a
+// scratch buffer.
 func (d *CUDA) NewTestEngine(scratchBytes uint64) (*TestEngine, error) {
-	if err := d.enter(); err != nil {
+	return d.NewTestEngineOn(EngineOwnStream, scratchBytes)
+}
+
+// NewTestEngineOn is NewTestEngine on the given kind of stream.
+func (d *CUDA) NewTestEngineOn(kind EngineStream, scratchBytes uint64) (*TestEngine, error) {
+	g, err := d.enter()
+	if err != nil {
 		return nil, err
 	}
-	defer d.leave()
-	e := &TestEngine{d: d, scratchWords: scratchBytes / 4}
-	var err error
-	if e.stream, err = d.drv.streamCreate(cuStreamNonBlocking); err != nil {
-		return nil, err
+	defer g.leave()
+	e := &TestEngine{d: d, kind: kind, scratchWords: scratchBytes / 4}
+	switch kind {
+	case EngineLegacyStream:
+		e.stream = 0
+	case EnginePerThreadStream:
+		e.stream = StreamPerThread
+	default:
+		if e.stream, err = d.drv.streamCreate(cuStreamNonBlocking); err != nil {
+			return nil, err
+		}
 	}
 	if e.ev, err = d.drv.eventCreate(cuEventDisableTiming); err != nil {
 		return nil, err
@@ -97,14 +228,22 @@ func (d *CUDA) NewTestEngine(scratchBytes uint64) (*TestEngine, error) {
 	return e, nil
 }
 
+// Stream is the engine's stream handle as an engine would pass it (0 for
+// the legacy default stream).
+func (e *TestEngine) Stream() uintptr { return e.stream }
+
+// Event is the engine's event, recorded after each Write.
+func (e *TestEngine) Event() uintptr { return e.ev }
+
 // Write queues a write of word over page p of region r and returns the
 // ordering that names it.
 func (e *TestEngine) Write(r int, p int32, word uint32) (Ordering, error) {
 	reg := e.d.Regions()[r]
-	if err := e.d.enter(); err != nil {
+	g, err := e.d.enter()
+	if err != nil {
 		return Ordering{}, err
 	}
-	defer e.d.leave()
+	defer g.leave()
 	if e.scratchWords > 0 {
 		if err := e.d.drv.memsetD32Async(e.scratch, word, e.scratchWords, e.stream); err != nil {
 			return Ordering{}, err
@@ -117,30 +256,38 @@ func (e *TestEngine) Write(r int, p int32, word uint32) (Ordering, error) {
 	if err := e.d.drv.eventRecord(e.ev, e.stream); err != nil {
 		return Ordering{}, err
 	}
-	return Ordering{Stream: e.stream, Event: e.ev}, nil
+	s := e.stream
+	if s == 0 {
+		s = StreamLegacy // an Ordering's zero Stream means "none"
+	}
+	return Ordering{Stream: s, Event: e.ev}, nil
 }
 
 // Sync waits for the engine's stream.
 func (e *TestEngine) Sync() error {
-	if err := e.d.enter(); err != nil {
+	g, err := e.d.enter()
+	if err != nil {
 		return err
 	}
-	defer e.d.leave()
+	defer g.leave()
 	return e.d.drv.streamSynchronize(e.stream)
 }
 
 // Close frees the engine's resources; call it before the device's Close.
 func (e *TestEngine) Close() {
-	if e.d.enter() != nil {
+	g, err := e.d.enter()
+	if err != nil {
 		return
 	}
-	defer e.d.leave()
+	defer g.leave()
 	_ = e.d.drv.streamSynchronize(e.stream)
 	if e.scratch != 0 {
 		_ = e.d.drv.memFree(e.scratch)
 	}
 	_ = e.d.drv.eventDestroy(e.ev)
-	_ = e.d.drv.streamDestroy(e.stream)
+	if e.kind == EngineOwnStream {
+		_ = e.d.drv.streamDestroy(e.stream)
+	}
 }
 
 // MemsetBaseline queues one cuMemsetD32Async of words words at addr on the
@@ -150,10 +297,11 @@ func (d *CUDA) MemsetBaseline(addr uint64, word uint32, words uint64) (Fence, er
 	defer d.life.RUnlock()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if err := d.enter(); err != nil {
+	g, err := d.enter()
+	if err != nil {
 		return nil, err
 	}
-	defer d.leave()
+	defer g.leave()
 	if err := d.drv.memsetD32Async(addr, word, words, d.stream); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrDriver, err)
 	}
@@ -164,12 +312,13 @@ func (d *CUDA) MemsetBaseline(addr uint64, word uint32, words uint64) (Fence, er
 	if err := d.drv.eventRecord(ev, d.stream); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrDriver, err)
 	}
-	f := &cudaFence{d: d}
-	f.mu.ev = ev
+	f := newFence(ev)
+	f.ringGen, f.ringEnd = d.mu.ring.gen, d.mu.ring.head
+	d.reap.track(f)
 	return f, nil
 }
 
-// DriverCalls says whether d runs on the simulated driver.
+// Simulated says whether d runs on the simulated driver.
 func (d *CUDA) Simulated() bool {
 	_, ok := d.drv.(*fakeDriver)
 	return ok
@@ -178,18 +327,19 @@ func (d *CUDA) Simulated() bool {
 // Scratch allocates n bytes of device memory outside the region table and
 // returns its address and a function that frees it.
 func (d *CUDA) Scratch(n uint64) (uint64, func(), error) {
-	if err := d.enter(); err != nil {
+	g, err := d.enter()
+	if err != nil {
 		return 0, nil, err
 	}
-	defer d.leave()
+	defer g.leave()
 	p, err := d.drv.memAlloc(n)
 	if err != nil {
 		return 0, nil, fmt.Errorf("%w: %w", ErrOutOfMemory, err)
 	}
 	return p, func() {
-		if d.enter() == nil {
+		if g, err := d.enter(); err == nil {
 			_ = d.drv.memFree(p)
-			d.leave()
+			g.leave()
 		}
 	}, nil
 }

@@ -21,25 +21,51 @@ type fakeDriver struct {
 	mu       sync.Mutex
 	initErr  int // CUresult cuInit returns
 	devices  int
-	mem      map[uint64][]byte // allocation base → bytes
+	mem      map[uint64]*fakeAlloc // allocation base → memory
 	next     uint64
-	host     map[*byte]bool // page-locked buffers
+	host     map[*byte]uintptr // page-locked buffers → their context
 	streams  map[uintptr]*fakeStream
 	events   map[uintptr]*fakeEvent
+	special  map[[2]uintptr]*fakeStream // (context, CU_STREAM_LEGACY or _PER_THREAD) → stream
 	handle   uintptr
-	ctxDepth int
+	ctxStack []uintptr
 	retained int
 	failAt   map[string]int // call name → CUresult for its next call
 	faultAt  map[string]int // op name → CUresult it raises when it runs
 	sticky   int            // a fault poisons the context, as on a GPU
 	calls    map[string]int
-	loadErr  int  // cuModuleLoadData result
-	stubborn bool // event queries never let work run
+	loadErr  int    // cuModuleLoadData result
+	loadLog  string // the JIT error log that goes with it
+	stubborn bool   // event queries never let work run
+	// relaxed counts threads (callers between two exchanges) in
+	// CU_STREAM_CAPTURE_MODE_RELAXED; the fake cannot tell OS threads
+	// apart, so "any caller relaxed" stands for "this caller".
+	relaxed int
+	// hold, when set, blocks every cuEventSynchronize until it is closed.
+	hold chan struct{}
+	// eventFlags are the flags each event was created with.
+	eventFlags map[uintptr]uint32
+}
+
+// fakeAlloc is one device allocation: its bytes and where they live.
+type fakeAlloc struct {
+	b       []byte
+	ctx     uintptr
+	ordinal int32
 }
 
 type fakeStream struct {
-	ops  []fakeOp
-	done int // ops run so far
+	ops      []fakeOp
+	done     int // ops run so far
+	ctx      uintptr
+	blocking bool // synchronises with the legacy default stream
+	legacy   bool // the legacy default stream of ctx
+	// capture is the stream's capture status; captureGlobal says whether
+	// it began in CU_STREAM_CAPTURE_MODE_GLOBAL. Work queued while
+	// capturing goes into the graph (captured), not onto the stream.
+	capture       int
+	captureGlobal bool
+	captured      int
 }
 
 type fakeOp struct {
@@ -51,23 +77,34 @@ type fakeOp struct {
 // fakeEvent is what the event captured at its last record: a stream and
 // the number of its ops that must have run.
 type fakeEvent struct {
-	stream  *fakeStream
-	upTo    int
-	queried bool // an event query has answered "not ready" since the record
+	stream   *fakeStream
+	upTo     int
+	queried  bool // an event query has answered "not ready" since the record
+	captured bool // last recorded inside a capture sequence
+	ctx      uintptr
 }
+
+// The simulated contexts: device d's primary context, and one context no
+// device opened through kvfence (an engine's own).
+const (
+	fakePrimaryCtx = 0xc0
+	fakeForeignCtx = 0xd0
+)
 
 func newFakeDriver() *fakeDriver {
 	return &fakeDriver{
-		devices: 1,
-		mem:     map[uint64][]byte{},
-		next:    0x7f00_0000_0000,
-		host:    map[*byte]bool{},
-		streams: map[uintptr]*fakeStream{},
-		events:  map[uintptr]*fakeEvent{},
-		handle:  0x1000,
-		failAt:  map[string]int{},
-		faultAt: map[string]int{},
-		calls:   map[string]int{},
+		devices:    1,
+		mem:        map[uint64]*fakeAlloc{},
+		next:       0x7f00_0000_0000,
+		host:       map[*byte]uintptr{},
+		streams:    map[uintptr]*fakeStream{},
+		events:     map[uintptr]*fakeEvent{},
+		special:    map[[2]uintptr]*fakeStream{},
+		handle:     0x1000,
+		failAt:     map[string]int{},
+		faultAt:    map[string]int{},
+		calls:      map[string]int{},
+		eventFlags: map[uintptr]uint32{},
 	}
 }
 
@@ -78,7 +115,7 @@ func (f *fakeDriver) errLocked(call string, code int) error {
 	return &DriverError{Call: call, Code: code, Name: cuResultName(code)}
 }
 
-// enter counts a call and returns its injected failure, if any.
+// enterLocked counts a call and returns its injected failure, if any.
 func (f *fakeDriver) enterLocked(call string) error {
 	f.calls[call]++
 	if c, ok := f.failAt[call]; ok {
@@ -93,14 +130,61 @@ func (f *fakeDriver) newHandleLocked() uintptr {
 	return f.handle
 }
 
-// span resolves [addr, addr+n) to simulated memory, or nil.
-func (f *fakeDriver) spanLocked(addr, n uint64) []byte {
-	for base, b := range f.mem {
-		if addr >= base && addr-base <= uint64(len(b)) && n <= uint64(len(b))-(addr-base) {
-			return b[addr-base : addr-base+n]
+func (f *fakeDriver) curCtxLocked() uintptr {
+	if len(f.ctxStack) == 0 {
+		return 0
+	}
+	return f.ctxStack[len(f.ctxStack)-1]
+}
+
+// unsafeLocked is the check of a "potentially unsafe" call during stream
+// capture: while a capture begun in global mode is active anywhere, a
+// caller not in relaxed mode is refused and the capture invalidated, as
+// the driver does.
+func (f *fakeDriver) unsafeLocked(call string) error {
+	if f.relaxed > 0 {
+		return nil
+	}
+	hit := false
+	for _, st := range f.allStreamsLocked() {
+		if st.capture == cuCaptureStatusActive && st.captureGlobal {
+			st.capture = cuCaptureStatusInvalid
+			hit = true
 		}
 	}
+	if hit {
+		return f.errLocked(call, cuErrorCaptureUnsupp)
+	}
 	return nil
+}
+
+func (f *fakeDriver) allStreamsLocked() []*fakeStream {
+	var all []*fakeStream
+	for _, st := range f.streams {
+		all = append(all, st)
+	}
+	for _, st := range f.special {
+		all = append(all, st)
+	}
+	return all
+}
+
+// span resolves [addr, addr+n) to simulated memory, or nil.
+func (f *fakeDriver) spanLocked(addr, n uint64) []byte {
+	if a, base := f.allocLocked(addr); a != nil && n <= uint64(len(a.b))-(addr-base) {
+		return a.b[addr-base : addr-base+n]
+	}
+	return nil
+}
+
+// allocLocked returns the allocation holding addr and its base.
+func (f *fakeDriver) allocLocked(addr uint64) (*fakeAlloc, uint64) {
+	for base, a := range f.mem {
+		if addr >= base && addr-base < uint64(len(a.b)) {
+			return a, base
+		}
+	}
+	return nil, 0
 }
 
 // runLocked forces s until at least upTo of its ops have run.
@@ -124,7 +208,24 @@ func (f *fakeDriver) runLocked(s *fakeStream, upTo int) int {
 	return f.sticky
 }
 
+// streamLocked resolves a stream handle as the driver does: 0 and
+// CU_STREAM_LEGACY name the current context's legacy default stream,
+// CU_STREAM_PER_THREAD its per-thread default stream (one, here: the fake
+// has no threads), anything else a created stream.
 func (f *fakeDriver) streamLocked(s uintptr) (*fakeStream, error) {
+	if s <= 2 {
+		ctx := f.curCtxLocked()
+		if ctx == 0 {
+			return nil, f.errLocked("stream", cuErrorInvalidContext)
+		}
+		kind := max(s, 1)
+		st, ok := f.special[[2]uintptr{ctx, kind}]
+		if !ok {
+			st = &fakeStream{ctx: ctx, blocking: true, legacy: kind == 1}
+			f.special[[2]uintptr{ctx, kind}] = st
+		}
+		return st, nil
+	}
 	st, ok := f.streams[s]
 	if !ok {
 		return nil, f.errLocked("stream", cuErrorInvalidHandle)
@@ -132,20 +233,60 @@ func (f *fakeDriver) streamLocked(s uintptr) (*fakeStream, error) {
 	return st, nil
 }
 
+// implicitLocked adds the implicit synchronisation of the legacy default
+// stream before an op on st: the legacy stream waits for every blocking
+// stream of its context, and a blocking stream waits for the legacy
+// stream. Non-blocking streams synchronise with nothing.
+func (f *fakeDriver) implicitLocked(st *fakeStream) {
+	if !st.blocking {
+		return
+	}
+	if st.legacy {
+		for _, b := range f.allStreamsLocked() {
+			if b != st && b.blocking && b.ctx == st.ctx && b.done < len(b.ops) {
+				st.ops = append(st.ops, fakeOp{name: "implicit", wait: &fakeEvent{stream: b, upTo: len(b.ops)}})
+			}
+		}
+		return
+	}
+	if lg, ok := f.special[[2]uintptr{st.ctx, 1}]; ok && lg.done < len(lg.ops) {
+		st.ops = append(st.ops, fakeOp{name: "implicit", wait: &fakeEvent{stream: lg, upTo: len(lg.ops)}})
+	}
+}
+
 func (f *fakeDriver) queueLocked(call string, s uintptr, op fakeOp) error {
 	if err := f.enterLocked(call); err != nil {
 		return err
 	}
-	if f.ctxDepth == 0 {
-		return f.errLocked(call, 201) // CUDA_ERROR_INVALID_CONTEXT
+	if f.curCtxLocked() == 0 {
+		return f.errLocked(call, cuErrorInvalidContext)
 	}
 	st, err := f.streamLocked(s)
 	if err != nil {
-		return f.errLocked(call, cuErrorInvalidHandle)
+		return f.errLocked(call, driverCode(err))
 	}
+	if st.capture == cuCaptureStatusActive {
+		st.captured++ // into the graph, not onto the stream
+		return nil
+	}
+	if st.legacy && f.blockingCaptureLocked(st.ctx) {
+		return f.errLocked(call, cuErrorCaptureImplicit)
+	}
+	f.implicitLocked(st)
 	op.name = call
 	st.ops = append(st.ops, op)
 	return nil
+}
+
+// blockingCaptureLocked reports whether a blocking stream of ctx is
+// capturing, which makes its legacy default stream unusable.
+func (f *fakeDriver) blockingCaptureLocked(ctx uintptr) bool {
+	for _, b := range f.allStreamsLocked() {
+		if b.ctx == ctx && b.blocking && !b.legacy && b.capture == cuCaptureStatusActive {
+			return true
+		}
+	}
+	return false
 }
 
 func (f *fakeDriver) init() error {
@@ -169,37 +310,123 @@ func (f *fakeDriver) deviceGet(ordinal int) (int32, error) {
 func (f *fakeDriver) deviceName(int32) (string, error)     { return "Fake GPU", nil }
 func (f *fakeDriver) deviceTotalMem(int32) (uint64, error) { return 1 << 34, nil }
 
-func (f *fakeDriver) primaryCtxRetain(int32) (uintptr, error) {
+func (f *fakeDriver) primaryCtxRetain(dev int32) (uintptr, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.retained++
-	return 0xc0, nil
+	return fakePrimaryCtx + uintptr(dev), nil
 }
 
-func (f *fakeDriver) primaryCtxRelease(int32) error {
+// primaryCtxRelease drops a retain; the last one destroys the context and
+// everything in it, as the driver does.
+func (f *fakeDriver) primaryCtxRelease(dev int32) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.retained--
+	if f.retained > 0 {
+		return nil
+	}
+	ctx := fakePrimaryCtx + uintptr(dev)
+	for p, a := range f.mem {
+		if a.ctx == ctx {
+			delete(f.mem, p)
+		}
+	}
+	for b, c := range f.host {
+		if c == ctx {
+			delete(f.host, b)
+		}
+	}
+	for h, st := range f.streams {
+		if st.ctx == ctx {
+			delete(f.streams, h)
+		}
+	}
+	for h, e := range f.events {
+		if e.ctx == ctx {
+			delete(f.events, h)
+		}
+	}
 	return nil
 }
 
-func (f *fakeDriver) ctxPush(uintptr) error {
+func (f *fakeDriver) ctxPush(ctx uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.ctxDepth++
+	if err := f.enterLocked("cuCtxPushCurrent_v2"); err != nil {
+		return err
+	}
+	f.ctxStack = append(f.ctxStack, ctx)
 	return nil
 }
 
 func (f *fakeDriver) ctxPop() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.ctxDepth--
+	if len(f.ctxStack) == 0 {
+		return f.errLocked("cuCtxPopCurrent_v2", cuErrorInvalidContext)
+	}
+	f.ctxStack = f.ctxStack[:len(f.ctxStack)-1]
 	return nil
 }
 
-func (f *fakeDriver) ctxGetDevice() (int32, error) { return 0, nil }
+func (f *fakeDriver) ctxGetDevice() (int32, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return int32(f.curCtxLocked() - fakePrimaryCtx), nil
+}
+
+func (f *fakeDriver) ctxSynchronize() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.enterLocked("cuCtxSynchronize"); err != nil {
+		return err
+	}
+	if err := f.unsafeLocked("cuCtxSynchronize"); err != nil {
+		return err
+	}
+	ctx := f.curCtxLocked()
+	for _, st := range f.allStreamsLocked() {
+		if st.ctx == ctx && st.capture != cuCaptureStatusNone {
+			return f.errLocked("cuCtxSynchronize", cuErrorCaptureUnsupp)
+		}
+	}
+	for _, st := range f.allStreamsLocked() {
+		if st.ctx == ctx {
+			if r := f.runLocked(st, len(st.ops)); r != 0 {
+				return f.errLocked("cuCtxSynchronize", r)
+			}
+		}
+	}
+	return nil
+}
+
+func (f *fakeDriver) exchangeCaptureMode(mode int) (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.calls["cuThreadExchangeStreamCaptureMode"]++
+	if mode == cuCaptureModeRelaxed {
+		f.relaxed++
+		return cuCaptureModeGlobal, nil
+	}
+	f.relaxed--
+	return cuCaptureModeRelaxed, nil
+}
 
 func (f *fakeDriver) memGetInfo() (uint64, uint64, error) { return 1 << 33, 1 << 34, nil }
+
+func (f *fakeDriver) pointerInfo(p uint64) (ptrInfo, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.enterLocked("cuPointerGetAttribute"); err != nil {
+		return ptrInfo{}, err
+	}
+	a, _ := f.allocLocked(p)
+	if a == nil {
+		return ptrInfo{}, f.errLocked("cuPointerGetAttribute", cuErrorInvalidValue)
+	}
+	return ptrInfo{ctx: a.ctx, memType: cuMemoryTypeDevice, ordinal: a.ordinal}, nil
+}
 
 func (f *fakeDriver) memAlloc(n uint64) (uint64, error) {
 	f.mu.Lock()
@@ -207,18 +434,30 @@ func (f *fakeDriver) memAlloc(n uint64) (uint64, error) {
 	if err := f.enterLocked("cuMemAlloc_v2"); err != nil {
 		return 0, err
 	}
+	if err := f.unsafeLocked("cuMemAlloc_v2"); err != nil {
+		return 0, err
+	}
 	if n > 1<<30 {
 		return 0, f.errLocked("cuMemAlloc_v2", cuErrorOutOfMemory)
 	}
+	ctx := f.curCtxLocked()
+	return f.allocInLocked(n, ctx, int32(ctx-fakePrimaryCtx)), nil
+}
+
+func (f *fakeDriver) allocInLocked(n uint64, ctx uintptr, ordinal int32) uint64 {
 	p := f.next
 	f.next += (n + 4096 + 255) &^ 255 // a gap between allocations
-	f.mem[p] = make([]byte, n)
-	return p, nil
+	f.mem[p] = &fakeAlloc{b: make([]byte, n), ctx: ctx, ordinal: ordinal}
+	return p
 }
 
 func (f *fakeDriver) memFree(p uint64) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.calls["cuMemFree_v2"]++
+	if err := f.unsafeLocked("cuMemFree_v2"); err != nil {
+		return err
+	}
 	if _, ok := f.mem[p]; !ok {
 		return f.errLocked("cuMemFree_v2", cuErrorInvalidValue)
 	}
@@ -232,15 +471,19 @@ func (f *fakeDriver) memAllocHost(n int) ([]byte, error) {
 	if err := f.enterLocked("cuMemAllocHost_v2"); err != nil {
 		return nil, err
 	}
+	if err := f.unsafeLocked("cuMemAllocHost_v2"); err != nil {
+		return nil, err
+	}
 	b := make([]byte, n)
-	f.host[&b[0]] = true
+	f.host[&b[0]] = f.curCtxLocked()
 	return b, nil
 }
 
 func (f *fakeDriver) memFreeHost(b []byte) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if !f.host[&b[0]] {
+	f.calls["cuMemFreeHost"]++
+	if _, ok := f.host[&b[0]]; !ok {
 		return f.errLocked("cuMemFreeHost", cuErrorInvalidValue)
 	}
 	delete(f.host, &b[0])
@@ -265,7 +508,7 @@ func (f *fakeDriver) syncCopyLocked(call string, s uintptr, run func() int) erro
 	if err := f.queueLocked(call, s, fakeOp{run: run}); err != nil {
 		return err
 	}
-	st := f.streams[s]
+	st, _ := f.streamLocked(s)
 	return f.errLocked("cuStreamSynchronize", f.runLocked(st, len(st.ops)))
 }
 
@@ -327,16 +570,19 @@ func putWords(b []byte, w uint32) {
 	}
 }
 
-func (f *fakeDriver) moduleLoadData(image []byte) (uintptr, error) {
+func (f *fakeDriver) moduleLoadData(image []byte) (uintptr, string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if err := f.unsafeLocked("cuModuleLoadDataEx"); err != nil {
+		return 0, "", err
+	}
 	if f.loadErr != 0 {
-		return 0, f.errLocked("cuModuleLoadData", f.loadErr)
+		return 0, f.loadLog, f.errLocked("cuModuleLoadDataEx", f.loadErr)
 	}
 	if len(image) == 0 {
-		return 0, f.errLocked("cuModuleLoadData", 200)
+		return 0, "", f.errLocked("cuModuleLoadDataEx", 200)
 	}
-	return f.newHandleLocked(), nil
+	return f.newHandleLocked(), "", nil
 }
 
 func (f *fakeDriver) moduleUnload(uintptr) error { return nil }
@@ -379,23 +625,23 @@ func (f *fakeDriver) launchFill(fn uintptr, grid, block uint32, s uintptr, a fil
 	}})
 }
 
-func (f *fakeDriver) streamCreate(uint32) (uintptr, error) {
+func (f *fakeDriver) streamCreate(flags uint32) (uintptr, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.enterLocked("cuStreamCreate"); err != nil {
 		return 0, err
 	}
 	h := f.newHandleLocked()
-	f.streams[h] = &fakeStream{}
+	f.streams[h] = &fakeStream{ctx: f.curCtxLocked(), blocking: flags&cuStreamNonBlocking == 0}
 	return h, nil
 }
 
 func (f *fakeDriver) streamDestroy(s uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	st, err := f.streamLocked(s)
-	if err != nil {
-		return err
+	st, ok := f.streams[s]
+	if !ok {
+		return f.errLocked("cuStreamDestroy_v2", cuErrorInvalidHandle)
 	}
 	f.runLocked(st, len(st.ops)) // destroy lets queued work finish
 	delete(f.streams, s)
@@ -406,6 +652,9 @@ func (f *fakeDriver) streamSynchronize(s uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.enterLocked("cuStreamSynchronize"); err != nil {
+		return err
+	}
+	if err := f.unsafeLocked("cuStreamSynchronize"); err != nil {
 		return err
 	}
 	st, err := f.streamLocked(s)
@@ -422,6 +671,14 @@ func (f *fakeDriver) streamWaitEvent(s, ev uintptr) error {
 	if !ok {
 		return f.errLocked("cuStreamWaitEvent", cuErrorInvalidHandle)
 	}
+	if e.captured {
+		// An event of a capture joins only streams of the same capture;
+		// waiting on it from outside breaks the capture.
+		if e.stream != nil && e.stream.capture == cuCaptureStatusActive {
+			e.stream.capture = cuCaptureStatusInvalid
+		}
+		return f.errLocked("cuStreamWaitEvent", cuErrorCaptureIsolation)
+	}
 	if e.stream == nil { // never recorded: nothing to wait for
 		return f.enterLocked("cuStreamWaitEvent")
 	}
@@ -429,14 +686,44 @@ func (f *fakeDriver) streamWaitEvent(s, ev uintptr) error {
 	return f.queueLocked("cuStreamWaitEvent", s, fakeOp{wait: &snap})
 }
 
-func (f *fakeDriver) eventCreate(uint32) (uintptr, error) {
+func (f *fakeDriver) streamGetCtx(s uintptr) (uintptr, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.enterLocked("cuStreamGetCtx"); err != nil {
+		return 0, err
+	}
+	st, err := f.streamLocked(s)
+	if err != nil {
+		return 0, f.errLocked("cuStreamGetCtx", driverCode(err))
+	}
+	return st.ctx, nil
+}
+
+func (f *fakeDriver) streamIsCapturing(s uintptr) (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.enterLocked("cuStreamIsCapturing"); err != nil {
+		return 0, err
+	}
+	st, err := f.streamLocked(s)
+	if err != nil {
+		return 0, f.errLocked("cuStreamIsCapturing", driverCode(err))
+	}
+	if st.legacy && f.blockingCaptureLocked(st.ctx) {
+		return 0, f.errLocked("cuStreamIsCapturing", cuErrorCaptureImplicit)
+	}
+	return st.capture, nil
+}
+
+func (f *fakeDriver) eventCreate(flags uint32) (uintptr, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.enterLocked("cuEventCreate"); err != nil {
 		return 0, err
 	}
 	h := f.newHandleLocked()
-	f.events[h] = &fakeEvent{}
+	f.events[h] = &fakeEvent{ctx: f.curCtxLocked()}
+	f.eventFlags[h] = flags
 	return h, nil
 }
 
@@ -447,11 +734,22 @@ func (f *fakeDriver) eventRecord(ev, s uintptr) error {
 		return err
 	}
 	e, ok := f.events[ev]
-	st, ok2 := f.streams[s]
-	if !ok || !ok2 {
+	st, err := f.streamLocked(s)
+	if !ok || err != nil || e.ctx != st.ctx {
+		// Event and stream must be handles of one context.
 		return f.errLocked("cuEventRecord", cuErrorInvalidHandle)
 	}
-	*e = fakeEvent{stream: st, upTo: len(st.ops)}
+	if st.capture == cuCaptureStatusActive {
+		// The record becomes a node of the engine's graph.
+		st.captured++
+		*e = fakeEvent{stream: st, upTo: len(st.ops), captured: true, ctx: e.ctx}
+		return nil
+	}
+	if st.legacy && f.blockingCaptureLocked(st.ctx) {
+		return f.errLocked("cuEventRecord", cuErrorCaptureImplicit)
+	}
+	f.implicitLocked(st)
+	*e = fakeEvent{stream: st, upTo: len(st.ops), ctx: e.ctx}
 	return nil
 }
 
@@ -461,9 +759,15 @@ func (f *fakeDriver) eventQuery(ev uintptr) (bool, error) {
 	if err := f.enterLocked("cuEventQuery"); err != nil {
 		return false, err
 	}
+	if err := f.unsafeLocked("cuEventQuery"); err != nil {
+		return false, err
+	}
 	e, ok := f.events[ev]
 	if !ok {
 		return false, f.errLocked("cuEventQuery", cuErrorInvalidHandle)
+	}
+	if e.captured {
+		return false, f.errLocked("cuEventQuery", cuErrorCapturedEvent)
 	}
 	// The first query after a record with work pending answers "not
 	// ready"; the next lets the work run, so a poller is never stuck.
@@ -481,8 +785,17 @@ func (f *fakeDriver) eventQuery(ev uintptr) (bool, error) {
 
 func (f *fakeDriver) eventSynchronize(ev uintptr) error {
 	f.mu.Lock()
+	hold := f.hold
+	f.mu.Unlock()
+	if hold != nil {
+		<-hold
+	}
+	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.enterLocked("cuEventSynchronize"); err != nil {
+		return err
+	}
+	if err := f.unsafeLocked("cuEventSynchronize"); err != nil {
 		return err
 	}
 	e, ok := f.events[ev]
@@ -509,9 +822,9 @@ func (f *fakeDriver) eventDestroy(ev uintptr) error {
 func (f *fakeDriver) leaks() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if len(f.mem) == 0 && len(f.host) == 0 && len(f.events) == 0 && len(f.streams) == 0 && f.retained == 0 && f.ctxDepth == 0 {
+	if len(f.mem) == 0 && len(f.host) == 0 && len(f.events) == 0 && len(f.streams) == 0 && f.retained == 0 && len(f.ctxStack) == 0 {
 		return ""
 	}
 	return fmt.Sprintf("%d device allocations, %d host buffers, %d events, %d streams, %d context retains, context depth %d",
-		len(f.mem), len(f.host), len(f.events), len(f.streams), f.retained, f.ctxDepth)
+		len(f.mem), len(f.host), len(f.events), len(f.streams), f.retained, len(f.ctxStack))
 }

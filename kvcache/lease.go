@@ -278,10 +278,17 @@ func (l *Lease) Written() int {
 func (l *Lease) Release() error { return l.ReleaseAfter(cudaops.Ordering{}) }
 
 // ReleaseAfter is Release for pages the engine's device work may still be
-// reading or writing: the scrub is ordered after the named stream or event.
+// reading or writing: the scrub is ordered after the named stream or event
+// (cudaops.Ordering says what each value means on CUDA). An ordering the
+// device refuses returns an error wrapping ErrInvalidArgument and
+// cudaops.ErrBadOrdering, and the lease stays live.
 func (l *Lease) ReleaseAfter(after cudaops.Ordering) error {
 	if err := l.live(); err != nil && !errors.Is(err, ErrLeaseReleased) {
 		return err
+	} else if err == nil {
+		if err := l.pool.checkOrdering(after); err != nil {
+			return err
+		}
 	}
 	ended, err := l.pool.endLease(l, nil, 0, after)
 	if err == nil && !ended {

@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 
@@ -75,6 +76,12 @@ func (p *Pool) scrub(pages []int32, after cudaops.Ordering) error {
 		slices.Sort(pages) // adjacent IDs coalesce into one run per region
 	}
 	fence, err := p.q.Issue(pages, after)
+	if errors.Is(err, cudaops.ErrBadOrdering) && !after.IsZero() {
+		// The ordering passed checkOrdering but went bad since (the engine
+		// destroyed its stream): the caller's mistake, not a failed fill.
+		// Wait for all the engine's work instead.
+		fence, err = p.q.Issue(pages, cudaops.Ordering{})
+	}
 	if err == nil {
 		var done bool
 		if done, err = fence.Done(); !done {
@@ -89,6 +96,22 @@ func (p *Pool) scrub(pages []int32, after cudaops.Ordering) error {
 	err = p.finishScrub(pages, err)
 	p.fills.Done()
 	return err
+}
+
+// checkOrdering refuses, before a lease gives up its pages, an ordering
+// the device cannot wait for (a stream or event that does not exist, of
+// another context, capturing a CUDA graph): that is the caller's error,
+// the lease stays live, and it never becomes a failed scrub that faults
+// the pool.
+func (p *Pool) checkOrdering(after cudaops.Ordering) error {
+	c, ok := p.dev.(cudaops.OrderingChecker)
+	if !ok || after.IsZero() {
+		return nil
+	}
+	if err := c.CheckOrdering(after); err != nil {
+		return fmt.Errorf("%w: release ordering: %w", ErrInvalidArgument, err)
+	}
+	return nil
 }
 
 // fillAndWait fills pages and waits for the fill, for an admission that

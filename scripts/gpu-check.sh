@@ -4,8 +4,13 @@
 # The GPU machine has no Go toolchain (its driver is 580, CUDA 13), so this
 # script compiles the test binaries on the build machine into a carry
 # directory (default .cache/gpu-carry, gitignored) together with run.sh,
-# which runs there: the conformance suite first, then BenchmarkCUDAFill, in
-# well under 5 minutes. It writes its output to $OUT (or carry/out) for
+# which runs there: the conformance suite, the ordering tests (legacy
+# default stream, per-thread stream, an engine kernel still writing when
+# the release is issued; each stream named and as the zero ordering), the
+# multi-device tests (a Group over every visible GPU, and remote ranks in
+# worker processes, one per GPU), then BenchmarkCUDAFill, in well under 5
+# minutes. With no usable GPU it fails at once, loudly: the tests run with
+# KVFENCE_REQUIRE_GPU=1, which turns their skips into failures. It writes its output to $OUT (or carry/out) for
 # committing under bench/results/<date>-<device>/.
 #
 #   scripts/gpu-check.sh                 # build
@@ -62,6 +67,13 @@ rc=0
 } >"$out/env.txt"
 cat "$out/env.txt"
 cd "$here"
+export KVFENCE_REQUIRE_GPU=1
+if ! ./cudaops.test -test.run '^TestOpenCUDAHere$' -test.v >"$out/open.txt" 2>&1 ||
+	grep -q 'OpenCUDA(0):' "$out/open.txt"; then
+	cat "$out/open.txt" >&2
+	echo "gpu-check: FAIL: no usable CUDA device on this machine" >&2
+	exit 2
+fi
 echo "== conformance"
 timeout 150 ./cudaops.test -test.v -test.count=1 \
 	-test.run '^(TestCUDAConformance|TestOpenCUDAHere)$' >"$out/conformance.txt" 2>&1 || rc=1
@@ -73,6 +85,10 @@ if [ -x ./gorgoniacu.test ]; then
 	timeout 60 ./gorgoniacu.test -test.v -test.count=1 >"$out/gorgoniacu.txt" 2>&1 || rc=1
 	tail -5 "$out/gorgoniacu.txt"
 fi
+echo "== ordering and multi-device"
+timeout 120 ./cudaops.test -test.v -test.count=1 \
+	-test.run '^(TestCUDAOrderingGPU|TestCUDAGroupGPU|TestRemoteRanksGPU)$' >"$out/ordering.txt" 2>&1 || rc=1
+grep -E '^(=== RUN|--- |ok|PASS|FAIL)|FAIL|stats|devices' "$out/ordering.txt" | grep -v -e '=== RUN' | tail -40
 echo "== benchmarks"
 timeout 240 ./cudaops.test -test.run '^$' -test.bench 'BenchmarkCUDAFill' \
 	-test.benchtime 1s -test.count 1 >"$out/bench.txt" 2>&1 || rc=1

@@ -109,6 +109,8 @@ enum {
     KVF_ERR_NO_DEVICE = 50,            /* no CUDA driver or device; the message has the driver's reason */
     KVF_ERR_DEVICE_OUT_OF_MEMORY = 51, /* the pool's pages do not fit in device memory */
     KVF_ERR_DEVICE_FAILED = 52,        /* a driver call failed */
+    KVF_ERR_BAD_ORDERING = 53,         /* a release's stream or event cannot order the scrub (unknown, another
+                                          context, capturing a CUDA graph); the lease stays live */
 
     /* Lease phases and handoff. Since ABI 2. */
     KVF_ERR_LEASE_PHASE = 60,         /* the lease is not in the phase the call needs (e.g. export before finish_prefill) */
@@ -369,16 +371,38 @@ KVF_API kvf_status kvf_lease_preempt(kvf_lease lease, const int32_t *token_ids, 
 /* Describes the lease; works on a released lease until it is freed. */
 KVF_API kvf_status kvf_lease_describe(kvf_lease lease, kvf_lease_info *out);
 
-/* Ends the lease. Its pages are scrubbed after the engine work named by
- * stream and event (a CUstream / cudaStream_t and a CUevent /
- * cudaEvent_t as integers; 0 for none) and reused only once the scrub has
- * completed. A second release returns KVF_ERR_LEASE_RELEASED.
- * KVF_ERR_POOL_FAULTED means the lease was released but its scrub failed:
- * its pages were retired. The handle stays valid until kvf_lease_free. */
+/* The driver's special stream handles, for kvf_lease_release (cuda.h's
+ * CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, the runtime's
+ * cudaStreamLegacy and cudaStreamPerThread). */
+#define KVF_STREAM_LEGACY ((uintptr_t)0x1)
+#define KVF_STREAM_PER_THREAD ((uintptr_t)0x2)
+
+/* Ends the lease. Its pages are scrubbed after the engine work on them and
+ * reused only once the scrub has completed. The ordering rule on a CUDA
+ * pool:
+ *   - stream (a CUstream / cudaStream_t as an integer): after all work
+ *     queued on it so far. KVF_STREAM_LEGACY is the legacy default stream
+ *     (PyTorch's default stream, whose cuda_stream reads 0: pass
+ *     KVF_STREAM_LEGACY for it), KVF_STREAM_PER_THREAD the per-thread
+ *     default stream of the calling thread.
+ *   - event (a CUevent / cudaEvent_t): after its latest record.
+ *   - stream = event = 0: after ALL work queued in the pool's CUDA context
+ *     before the call, on every stream. Safe, but the call blocks until
+ *     the GPU is idle; name the engine's stream instead.
+ * A stream or event the driver does not know, one of another CUDA context,
+ * a stream capturing a CUDA graph or an event recorded inside a capture is
+ * refused with KVF_ERR_BAD_ORDERING before anything happens: the lease
+ * stays live (release it again with a usable ordering) and the pool is
+ * not faulted. A host pool ignores stream and event. A second release
+ * returns KVF_ERR_LEASE_RELEASED. KVF_ERR_POOL_FAULTED means the lease was
+ * released but its scrub failed: its pages were retired. The handle stays
+ * valid until kvf_lease_free. */
 KVF_API kvf_status kvf_lease_release(kvf_lease lease, uintptr_t stream, uintptr_t event);
 
-/* Frees the handle, releasing the lease first (with no ordering) if it is
- * still live. The handle is invalid afterwards, whatever the status. */
+/* Frees the handle, releasing the lease first if it is still live, with
+ * stream = event = 0 (on a CUDA pool: after all work of the context, which
+ * blocks until the GPU is idle; call kvf_lease_release with the engine's
+ * stream first). The handle is invalid afterwards, whatever the status. */
 KVF_API kvf_status kvf_lease_free(kvf_lease lease);
 
 /* ---- Prefix cache (since ABI 2) ---------------------------------------- */

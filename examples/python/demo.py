@@ -164,5 +164,46 @@ def growth_demo():
         again.free()
         pool.check()
 
+def check_default_stream():
+    """Lease.release() with no stream orders the scrub after PyTorch's
+    current stream; its default stream (cuda_stream 0) is passed as the
+    legacy default stream, never as 0 ("all work": a stall). A stand-in
+    module plays PyTorch, so this runs without it."""
+    assert kvfence.default_stream() == 0 or "torch" in sys.modules
+    real = sys.modules.get("torch")
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    class Cuda:
+        handle = 0
+
+        def is_available(self):
+            return True
+
+        def is_initialized(self):
+            return True
+
+        def current_stream(self):
+            return Stream(self.handle)
+
+    class Torch:
+        cuda = Cuda()
+
+    sys.modules["torch"] = Torch()
+    try:
+        assert kvfence.default_stream() == kvfence.STREAM_LEGACY
+        Torch.cuda.handle = 0x7f00dead
+        assert kvfence.default_stream() == 0x7f00dead
+    finally:
+        if real is None:
+            del sys.modules["torch"]
+        else:
+            sys.modules["torch"] = real
+    print("default stream: PyTorch's current stream, its default one as STREAM_LEGACY")
+
+
 if __name__ == "__main__":
     main()
+    check_default_stream()

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import sys
 
 ABI_VERSION = 3  # the library must implement at least this
 
@@ -45,6 +46,27 @@ ERR_OVER_RESERVED = 42
 ERR_NO_DEVICE = 50
 ERR_DEVICE_OUT_OF_MEMORY = 51
 ERR_DEVICE_FAILED = 52
+ERR_BAD_ORDERING = 53
+
+# The driver's special stream handles (kvfence.h: KVF_STREAM_LEGACY,
+# KVF_STREAM_PER_THREAD).
+STREAM_LEGACY = 0x1
+STREAM_PER_THREAD = 0x2
+
+
+def default_stream():
+    """The stream a release is ordered after when none is given: PyTorch's
+    current stream on the current device, if PyTorch is loaded and CUDA is
+    initialized. Its default stream, whose cuda_stream reads 0, is the
+    legacy default stream: returned as STREAM_LEGACY, since a 0 ordering
+    means "all work of the context" to kvfence and would stall until the
+    GPU is idle. Without PyTorch (or CUDA) it is 0: host pools ignore
+    orderings. PyTorch is never imported here."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    s = torch.cuda.current_stream().cuda_stream
+    return s if s else STREAM_LEGACY
 ERR_LEASE_PHASE = 60
 ERR_RECLAIMED = 61
 ERR_STALE_TRANSFER = 62
@@ -416,13 +438,27 @@ class Lease:
         _check(_export_create(self._h, key, len(key), max_new_tokens, ttl_ms, ctypes.byref(h)))
         return Export(h.value)
 
-    def release(self, stream=0, event=0):
-        """Ends the lease; the scrub runs after the engine's CUDA stream or
-        event (integer handles, e.g. torch.cuda.current_stream().cuda_stream)."""
+    def release(self, stream=None, event=0):
+        """Ends the lease; the scrub runs after the engine's work on its
+        pages: the CUDA stream (an integer handle; default: default_stream(),
+        PyTorch's current stream) and event. stream=0 with event=0 orders it
+        after all work of the pool's CUDA context (safe, but it blocks until
+        the GPU is idle). A stream or event kvfence cannot use raises
+        KvfenceError with ERR_BAD_ORDERING and leaves the lease live."""
+        if stream is None:
+            stream = default_stream()
         _check(_release(self._h, stream, event))
 
     def free(self):
+        """Releases the lease if still live (after default_stream()) and
+        frees the handle."""
         if self._h:
+            if self.info()["live"]:
+                try:
+                    self.release()
+                except KvfenceError as e:
+                    if e.status not in (ERR_LEASE_RELEASED, ERR_POOL_CLOSED):
+                        raise
             h, self._h = self._h, 0
             _check(_free(h))
 

@@ -477,7 +477,9 @@ func StatsJSON(h Handle) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	js, err := json.Marshal(statsJSON(pe.pool.Stats(), pe.domainOf))
+	doc := statsJSON(pe.pool.Stats(), pe.domainOf)
+	doc.CUDA = cudaStatsDoc(pe.pool.Device())
+	js, err := json.Marshal(doc)
 	if err != nil { // plain structs of numbers and strings: a bug
 		return nil, fmt.Errorf("%w: stats JSON: %w", ErrInternal, err)
 	}

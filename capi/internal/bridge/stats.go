@@ -1,6 +1,9 @@
 package bridge
 
-import "github.com/kvfence/kvfence/kvcache"
+import (
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/kvcache"
+)
 
 // StatsDoc is the JSON kvf_pool_stats_json writes: kvcache.Stats with
 // snake_case keys, the same names the config uses.
@@ -23,6 +26,29 @@ type StatsDoc struct {
 	Prefix           PrefixDoc     `json:"prefix"`
 	Closed           bool          `json:"closed"`
 	Fault            string        `json:"fault"`
+	// CUDA is the CUDA device's own figures; absent for a host pool.
+	CUDA *CUDAStatsDoc `json:"cuda,omitempty"`
+}
+
+// CUDAStatsDoc is cudaops.Stats: how the device fills (kernel or memset,
+// and why it fell back to memsets), how many releases with no ordering
+// synchronised the context, and how often the staging ring was full.
+type CUDAStatsDoc struct {
+	FillMode      string `json:"fill_mode"`
+	KernelError   string `json:"kernel_error"`
+	ContextSyncs  uint64 `json:"context_syncs"`
+	StagingWaits  uint64 `json:"staging_waits"`
+	FencesPending int    `json:"fences_pending"`
+}
+
+func cudaStatsDoc(dev any) *CUDAStatsDoc {
+	d, ok := dev.(interface{ Stats() cudaops.Stats })
+	if !ok {
+		return nil
+	}
+	s := d.Stats()
+	return &CUDAStatsDoc{FillMode: s.Mode.String(), KernelError: s.KernelError, ContextSyncs: s.ContextSyncs,
+		StagingWaits: s.StagingWaits, FencesPending: s.FencesPending}
 }
 
 // RefusalsDoc is kvcache.Refusals.

@@ -54,6 +54,7 @@ const (
 	StatusNoDevice          Status = 50 // cudaops.ErrNoDevice: no driver or GPU; the message has the driver's reason
 	StatusDeviceOutOfMemory Status = 51
 	StatusDeviceFailed      Status = 52 // cudaops.ErrDriver: a driver call failed
+	StatusBadOrdering       Status = 53 // cudaops.ErrBadOrdering: a release's stream or event cannot order the scrub
 
 	// Lease phases and handoff (kvcache/phase.go, export.go, import.go; package handoff).
 	StatusLeasePhase         Status = 60
@@ -132,6 +133,8 @@ var sentinels = []struct {
 	{kvcache.ErrInvalidConfig, StatusInvalidConfig},
 	{handoff.ErrInvalidConfig, StatusInvalidConfig},
 	{kvcache.ErrInvalidRequest, StatusInvalidRequest},
+	// Before ErrInvalidArgument, which a refused ordering also wraps.
+	{cudaops.ErrBadOrdering, StatusBadOrdering},
 	{kvcache.ErrInvalidArgument, StatusInvalidArgument},
 	{kvcache.ErrDuplicateRequest, StatusDuplicateRequest},
 	{kvcache.ErrUnknownTenant, StatusUnknownTenant},
@@ -222,6 +225,7 @@ var statusNames = map[Status]string{
 	StatusNoDevice:          "KVF_ERR_NO_DEVICE",
 	StatusDeviceOutOfMemory: "KVF_ERR_DEVICE_OUT_OF_MEMORY",
 	StatusDeviceFailed:      "KVF_ERR_DEVICE_FAILED",
+	StatusBadOrdering:       "KVF_ERR_BAD_ORDERING",
 
 	StatusLeasePhase:         "KVF_ERR_LEASE_PHASE",
 	StatusReclaimed:          "KVF_ERR_RECLAIMED",

@@ -88,6 +88,7 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 	dev := map[string]error{
 		"ErrNoDevice": cudaops.ErrNoDevice, "ErrOutOfMemory": cudaops.ErrOutOfMemory,
 		"ErrDriver": cudaops.ErrDriver, "ErrInvalidArgument": cudaops.ErrInvalidArgument,
+		"ErrBadOrdering": cudaops.ErrBadOrdering,
 		// The bridge owns the device and closes it only after the pool:
 		// a closed device in use is a bug, reported as internal.
 		"ErrClosed": nil,
@@ -134,6 +135,8 @@ func TestClassify(t *testing.T) {
 		{"no device", fmt.Errorf("%w: cuInit: CUDA_ERROR_NO_DEVICE (100)", cudaops.ErrNoDevice), Info{Status: StatusNoDevice}},
 		{"scrub wins over the driver", fmt.Errorf("%w: %w", kvcache.ErrScrubFailed, cudaops.ErrDriver), Info{Status: StatusScrubFailed}},
 		{"driver", fmt.Errorf("%w: cuMemcpy", cudaops.ErrDriver), Info{Status: StatusDeviceFailed}},
+		{"a refused release ordering wins over invalid argument", fmt.Errorf("%w: release ordering: %w (%w): stream 0x10",
+			kvcache.ErrInvalidArgument, cudaops.ErrBadOrdering, cudaops.ErrInvalidArgument), Info{Status: StatusBadOrdering}},
 		{"replay", fmt.Errorf("%w: request", handoff.ErrReplay), Info{Status: StatusReplay}},
 		{"short key", fmt.Errorf("%w: HMAC key", handoff.ErrInvalidConfig), Info{Status: StatusInvalidConfig}},
 		{"import aborted by checksum", fmt.Errorf("%w: request", kvcache.ErrChecksumMismatch), Info{Status: StatusChecksumMismatch}},
