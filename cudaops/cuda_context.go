@@ -418,6 +418,9 @@ func (d *CUDA) AdoptRegion(base uint64, pages int, stride, pageBytes int64) (int
 			return 0, err
 		}
 	}
+	if err := checkAdopted(d.mu.regions, r); err != nil {
+		return 0, err
+	}
 	return d.addLocked(r, false)
 }
 

@@ -75,13 +75,35 @@ func (d *CUDA) SetFillMode(m FillMode) error {
 // thread; an Ordering CheckOrdering refuses is refused here the same way,
 // with nothing queued.
 func (d *CUDA) Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error) {
+	return d.fill(nil, pages, spec, after)
+}
+
+// FillSpans implements SpanFiller, with Fill's rules. The spans are queued
+// together, ordered after after and completed by one fence; in kernel
+// mode each span is one launch over its own slice of the resident region
+// table.
+func (d *CUDA) FillSpans(spans []Span, spec FillSpec, after Ordering) (Fence, error) {
+	if spans == nil {
+		spans = []Span{}
+	}
+	return d.fill(spans, nil, spec, after)
+}
+
+var _ SpanFiller = (*CUDA)(nil)
+
+// fill is Fill (spans nil: pages over every region) and FillSpans.
+func (d *CUDA) fill(spans []Span, pages []int32, spec FillSpec, after Ordering) (Fence, error) {
 	d.life.RLock()
 	defer d.life.RUnlock()
 	if d.closed {
 		return nil, ErrClosed
 	}
-	if len(pages) == 0 {
-		if err := d.checkBatch(pages); err != nil {
+	n := len(pages)
+	for _, s := range spans {
+		n += len(s.Pages)
+	}
+	if n == 0 {
+		if err := d.checkBatch(spans, pages); err != nil {
 			return nil, err
 		}
 		return Completed(nil), nil
@@ -91,7 +113,7 @@ func (d *CUDA) Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error)
 		return nil, err
 	}
 	defer g.leave()
-	if err := d.checkBatch(pages); err != nil {
+	if err := d.checkBatch(spans, pages); err != nil {
 		return nil, err
 	}
 	if after.IsZero() {
@@ -103,8 +125,11 @@ func (d *CUDA) Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error)
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if err := CheckPages(d.mu.regions, pages); err != nil { // regions may have grown meanwhile
+	if err := d.checkBatchLocked(spans, pages); err != nil { // regions may have grown meanwhile
 		return nil, err
+	}
+	if spans == nil {
+		spans = []Span{{First: 0, Count: len(d.mu.regions), Pages: pages}}
 	}
 	var slot uint64
 	prevHead := d.mu.ring.head
@@ -112,7 +137,7 @@ func (d *CUDA) Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error)
 		for {
 			var ok bool
 			prevHead = d.mu.ring.head
-			if slot, ok = d.mu.ring.reserve(4 * uint64(len(pages))); ok {
+			if slot, ok = d.mu.ring.reserve(4 * uint64(n)); ok {
 				break
 			}
 			// Every slot is still read by fills in flight: wait for the
@@ -135,10 +160,10 @@ func (d *CUDA) Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error)
 	}
 	var launches, written uint64
 	if d.mu.mode == FillKernel {
-		err = d.launchKernelLocked(pages, spec, slot)
-		launches, written = 1, d.batchBytesLocked(len(pages))
+		launches, err = d.launchKernelLocked(spans, n, spec, slot)
+		written = d.batchBytesLocked(spans)
 	} else {
-		launches, written, err = d.memsetLocked(pages, spec)
+		launches, written, err = d.memsetLocked(spans, spec)
 	}
 	if err == nil {
 		if err = d.drv.eventRecord(ev, d.stream); err != nil {
@@ -159,15 +184,23 @@ func (d *CUDA) Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error)
 	d.reap.track(f)
 	d.fillCalls.Add(1)
 	d.launches.Add(launches)
-	d.pagesFilled.Add(uint64(len(pages)))
+	d.pagesFilled.Add(uint64(n))
 	d.bytesFilled.Add(written)
 	return f, nil
 }
 
-// checkBatch validates pages against the region table.
-func (d *CUDA) checkBatch(pages []int32) error {
+// checkBatch validates a batch (spans, or pages over every region when
+// spans is nil) against the region table.
+func (d *CUDA) checkBatch(spans []Span, pages []int32) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	return d.checkBatchLocked(spans, pages)
+}
+
+func (d *CUDA) checkBatchLocked(spans []Span, pages []int32) error {
+	if spans != nil {
+		return CheckSpans(d.mu.regions, spans)
+	}
 	if err := CheckPages(d.mu.regions, pages); err != nil {
 		return err
 	}
@@ -183,72 +216,91 @@ func (d *CUDA) checkBatch(pages []int32) error {
 	return nil
 }
 
-func (d *CUDA) batchBytesLocked(pages int) uint64 {
-	var per uint64
-	for _, r := range d.mu.regions {
-		per += uint64(r.PageBytes)
+func (d *CUDA) batchBytesLocked(spans []Span) uint64 {
+	var total uint64
+	for _, s := range spans {
+		var per uint64
+		for _, r := range d.mu.regions[s.First : s.First+s.Count] {
+			per += uint64(r.PageBytes)
+		}
+		total += per * uint64(len(s.Pages))
 	}
-	return per * uint64(pages)
+	return total
 }
 
-// launchKernelLocked copies the page list through its ring slot and
-// launches kvf_fill once over the region table in device memory.
-func (d *CUDA) launchKernelLocked(pages []int32, spec FillSpec, slot uint64) error {
-	n := 4 * len(pages)
-	buf := d.mu.ring.host[slot : slot+uint64(n)]
-	for i, p := range pages {
-		binary.LittleEndian.PutUint32(buf[4*i:], uint32(p))
+// launchKernelLocked copies the spans' page lists (as their regions' own
+// page numbers) through their ring slot in one upload and launches
+// kvf_fill once per span over its slice of the region table in device
+// memory. It returns the launches queued.
+func (d *CUDA) launchKernelLocked(spans []Span, n int, spec FillSpec, slot uint64) (launches uint64, err error) {
+	buf := d.mu.ring.host[slot : slot+4*uint64(n)]
+	i := 0
+	for _, s := range spans {
+		for _, p := range s.Pages {
+			binary.LittleEndian.PutUint32(buf[4*i:], uint32(p-s.IDBase))
+			i++
+		}
 	}
 	devPages := d.mu.ring.dev + slot
 	if err := d.drv.memcpyHtoDAsync(devPages, buf, d.stream); err != nil {
-		return fmt.Errorf("%w: uploading the fill batch: %w", ErrDriver, err)
+		return 0, fmt.Errorf("%w: uploading the fill batch: %w", ErrDriver, err)
 	}
-	regions := d.mu.regions
-	items := uint64(len(regions)) * uint64(len(pages))
-	grid := uint32(min(items, maxGrid))
-	err := d.drv.launchFill(d.fillFn, grid, fillBlock, d.stream, fillArgs{
-		table:    d.mu.table,
-		pages:    devPages,
-		nitems:   items,
-		nregions: uint32(len(regions)),
-		word:     spec.Word,
-		salt:     spec.PageSalt,
-		clear:    spec.ClearMask,
-	})
-	if err != nil {
-		return fmt.Errorf("%w: %s fill of %d pages × %d regions: %w", ErrDriver, fillKernelName, len(pages), len(regions), err)
+	for _, s := range spans {
+		if len(s.Pages) == 0 {
+			continue
+		}
+		items := uint64(s.Count) * uint64(len(s.Pages))
+		grid := uint32(min(items, maxGrid))
+		err := d.drv.launchFill(d.fillFn, grid, fillBlock, d.stream, fillArgs{
+			table:    d.mu.table + uint64(s.First)*regionEntryBytes,
+			pages:    devPages,
+			nitems:   items,
+			nregions: uint32(s.Count),
+			word:     spec.Word,
+			salt:     spec.PageSalt,
+			clear:    spec.ClearMask,
+		})
+		if err != nil {
+			return launches, fmt.Errorf("%w: %s fill of %d pages × %d regions: %w", ErrDriver, fillKernelName, len(s.Pages), s.Count, err)
+		}
+		launches++
+		devPages += 4 * uint64(len(s.Pages))
 	}
-	return nil
+	return launches, nil
 }
 
 // memsetLocked fills with one driver memset per run of adjacent page IDs
 // per region (per page when each page has its own word): cuMemsetD32Async
 // when the run is contiguous memory, cuMemsetD2D32Async (rows = pages,
 // pitch = stride) when the region is strided.
-func (d *CUDA) memsetLocked(pages []int32, spec FillSpec) (launches, written uint64, err error) {
-	for _, r := range d.mu.regions {
-		words := uint64(r.PageBytes / 4)
-		for i := 0; i < len(pages); {
-			j := i + 1
-			if spec.Uniform() {
-				for j < len(pages) && pages[j] == pages[j-1]+1 {
-					j++
+func (d *CUDA) memsetLocked(spans []Span, spec FillSpec) (launches, written uint64, err error) {
+	for _, s := range spans {
+		for _, r := range d.mu.regions[s.First : s.First+s.Count] {
+			words := uint64(r.PageBytes / 4)
+			pages := s.Pages
+			for i := 0; i < len(pages); {
+				j := i + 1
+				if spec.Uniform() {
+					for j < len(pages) && pages[j] == pages[j-1]+1 {
+						j++
+					}
 				}
+				n := uint64(j - i)
+				local := pages[i] - s.IDBase
+				dst := r.Base + uint64(local)*uint64(r.Stride)
+				w := spec.WordFor(local)
+				if r.Contiguous() || n == 1 {
+					err = d.drv.memsetD32Async(dst, w, n*words, d.stream)
+				} else {
+					err = d.drv.memsetD2D32Async(dst, uint64(r.Stride), w, words, n, d.stream)
+				}
+				if err != nil {
+					return launches, written, fmt.Errorf("%w: memset fill: %w", ErrDriver, err)
+				}
+				launches++
+				written += n * uint64(r.PageBytes)
+				i = j
 			}
-			n := uint64(j - i)
-			dst := r.Base + uint64(pages[i])*uint64(r.Stride)
-			w := spec.WordFor(pages[i])
-			if r.Contiguous() || n == 1 {
-				err = d.drv.memsetD32Async(dst, w, n*words, d.stream)
-			} else {
-				err = d.drv.memsetD2D32Async(dst, uint64(r.Stride), w, words, n, d.stream)
-			}
-			if err != nil {
-				return launches, written, fmt.Errorf("%w: memset fill: %w", ErrDriver, err)
-			}
-			launches++
-			written += n * uint64(r.PageBytes)
-			i = j
 		}
 	}
 	return launches, written, nil

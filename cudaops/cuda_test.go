@@ -183,22 +183,22 @@ func TestCUDAAllocOutOfMemory(t *testing.T) {
 	assert.Empty(t, d.Regions())
 }
 
-// Adopted memory with a stride wider than the page: the fill writes the
-// pages and nothing between them, and Close does not free it.
+// Adopted memory with a stride wider than the page: two regions
+// interleaved in one buffer (vLLM's [num_blocks, 2, …] layout: K and V of
+// a block side by side) are not an overlap; the fill writes each region's
+// pages and nothing between them; a region that shares bytes with
+// another is refused; Close does not free adopted memory.
 func TestCUDAAdoptStrided(t *testing.T) {
 	for _, mode := range []cudaops.FillMode{cudaops.FillKernel, cudaops.FillMemset} {
 		t.Run(mode.String(), func(t *testing.T) {
 			d, _ := openFake(t)
 			require.NoError(t, d.SetFillMode(mode))
 			const n, pb = 16, 64
-			// Backing: 2n contiguous pages; adopted page p is backing
-			// page 2p+1.
-			back, err := d.AllocRegion(2*n, pb)
+			// Backing: 2n pages outside the region table; page p of the
+			// even region is backing page 2p, of the odd one 2p+1.
+			base, free, err := d.Scratch(2 * n * pb)
 			require.NoError(t, err)
-			base := d.Regions()[back].Base
-			for q := range int32(2 * n) {
-				require.NoError(t, d.WritePage(back, q, bytes.Repeat([]byte{0xee}, pb)))
-			}
+			t.Cleanup(free)
 			for _, bad := range []struct {
 				base              uint64
 				pages             int
@@ -210,24 +210,37 @@ func TestCUDAAdoptStrided(t *testing.T) {
 				_, err := d.AdoptRegion(bad.base, bad.pages, bad.stride, bad.pageBytes)
 				assert.ErrorIs(t, err, cudaops.ErrInvalidArgument, "%+v", bad)
 			}
-			ad, err := d.AdoptRegion(base+pb, n, 2*pb, pb)
+			even, err := d.AdoptRegion(base, n, 2*pb, pb)
 			require.NoError(t, err)
+			odd, err := d.AdoptRegion(base+pb, n, 2*pb, pb)
+			require.NoError(t, err, "interleaved regions of one stride do not overlap")
+			for _, bad := range []struct {
+				base   uint64
+				pages  int
+				stride int64
+			}{{base + pb/2, n - 1, 2 * pb}, {base, 2 * n, pb}, {base + 2*pb*(n/2), n / 2, 2 * pb}, {base + 4, 1, 2 * pb}} {
+				_, err := d.AdoptRegion(bad.base, bad.pages, bad.stride, pb)
+				assert.ErrorIs(t, err, cudaops.ErrInvalidArgument, "overlapping %+v", bad)
+				assert.ErrorContains(t, err, "overlaps region")
+			}
+			require.Len(t, d.Regions(), 2)
+			for q := range int32(n) {
+				for _, r := range []int{even, odd} {
+					require.NoError(t, d.WritePage(r, q, bytes.Repeat([]byte{0xee}, pb)))
+				}
+			}
 			fc, err := d.Fill([]int32{0, 1, 2, 5, 9}, cudaops.FillSpec{}, cudaops.Ordering{})
 			require.NoError(t, err)
 			require.NoError(t, fc.Wait())
-			filled := map[int32]bool{}
-			for _, p := range []int32{0, 1, 2, 5, 9} {
-				filled[p] = true     // backing region's own page p
-				filled[2*p+1] = true // adopted page p
-			}
-			for q := range int32(2 * n) {
+			filled := map[int32]bool{0: true, 1: true, 2: true, 5: true, 9: true}
+			for q := range int32(n) {
 				want := uniform(0xeeeeeeee, pb/4)
 				if filled[q] {
 					want = uniform(0, pb/4)
 				}
-				assert.Equal(t, want, pageWords(t, d, back, q), "backing page %d", q)
+				assert.Equal(t, want, pageWords(t, d, even, q), "even page %d", q)
+				assert.Equal(t, want, pageWords(t, d, odd, q), "odd page %d", q)
 			}
-			assert.Equal(t, uniform(0, pb/4), pageWords(t, d, ad, 5))
 		})
 	}
 }

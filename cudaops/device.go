@@ -10,7 +10,8 @@
 // long. Scrubbing page p means filling it in every region, so Fill takes a
 // batch of pages and covers pages × regions in one device operation: one
 // kernel launch on CUDA, one pass on the host. There is never a call per
-// page per layer.
+// page per layer. A pool whose caches form several groups, each with its
+// own regions and page IDs, fills them together with FillSpans (Span).
 //
 // # Ordering
 //
@@ -52,8 +53,8 @@ import "fmt"
 
 // Region describes where one slice of the page space lives.
 type Region struct {
-	// Base is the device address of page 0. Host regions report 0: their
-	// memory is a Go slice owned by the Host device.
+	// Base is the address of page 0: a device address on CUDA, the
+	// address of the region's memory on Host.
 	Base uint64
 	// Stride is the distance in bytes from page p to page p+1; at least
 	// PageBytes.

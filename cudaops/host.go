@@ -55,7 +55,7 @@ func (h *Host) AllocRegion(pages int, pageBytes int64) (int, error) {
 	}
 	mem := make([]byte, r.Bytes())
 	adviseHuge(mem) // before the first touch: a large allocation is still unfaulted
-	return h.add(r, mem)
+	return h.add(r, mem, false)
 }
 
 // hugeRegionBytes is the region size from which AllocRegion asks for
@@ -68,7 +68,9 @@ const maxHostRegion = 64 << 30
 
 // AdoptRegion registers memory the caller owns as a region of pages pages,
 // stride bytes apart, pageBytes long each. The caller must keep mem alive and
-// must not use the pages except through kvfence leases.
+// must not use the pages except through kvfence leases. A region whose
+// pages share bytes with a page of a region the device already has is
+// refused (see Overlap).
 func (h *Host) AdoptRegion(mem []byte, pages int, stride, pageBytes int64) (int, error) {
 	r := Region{Stride: stride, PageBytes: pageBytes, Pages: pages}
 	if err := r.Validate(); err != nil {
@@ -77,14 +79,21 @@ func (h *Host) AdoptRegion(mem []byte, pages int, stride, pageBytes int64) (int,
 	if int64(len(mem)) < r.Bytes() {
 		return 0, fmt.Errorf("%w: adopted buffer of %d bytes, region needs %d", ErrInvalidArgument, len(mem), r.Bytes())
 	}
-	return h.add(r, mem[:r.Bytes():r.Bytes()])
+	return h.add(r, mem[:r.Bytes():r.Bytes()], true)
 }
 
-func (h *Host) add(r Region, mem []byte) (int, error) {
+// add appends a region over mem; Base is mem's address.
+func (h *Host) add(r Region, mem []byte, adopted bool) (int, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.mu.closed {
 		return 0, ErrClosed
+	}
+	r.Base = hostAddr(mem)
+	if adopted {
+		if err := checkAdopted(h.mu.regions, r); err != nil {
+			return 0, err
+		}
 	}
 	h.mu.regions = append(h.mu.regions, r)
 	h.mu.mem = append(h.mu.mem, mem)
@@ -110,46 +119,80 @@ func (h *Host) Fill(pages []int32, spec FillSpec, _ Ordering) (Fence, error) {
 	if err := CheckPages(h.mu.regions, pages); err != nil {
 		return nil, err
 	}
+	h.fillSpansLocked([]Span{{First: 0, Count: len(h.mu.regions), Pages: pages}}, spec, len(pages))
+	return Completed(nil), nil
+}
+
+// FillSpans implements SpanFiller: all spans in one pass, as Fill.
+func (h *Host) FillSpans(spans []Span, spec FillSpec, _ Ordering) (Fence, error) {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	if h.mu.closed {
+		return nil, ErrClosed
+	}
+	if err := CheckSpans(h.mu.regions, spans); err != nil {
+		return nil, err
+	}
+	pages := 0
+	for _, s := range spans {
+		pages += len(s.Pages)
+	}
+	h.fillSpansLocked(spans, spec, pages)
+	return Completed(nil), nil
+}
+
+var _ SpanFiller = (*Host)(nil)
+
+// fillSpansLocked writes validated spans of pages pages in all; h.mu is
+// held for reading.
+func (h *Host) fillSpansLocked(spans []Span, spec FillSpec, pages int) {
+	var perBatch int64
+	for _, s := range spans {
+		for _, r := range h.mu.regions[s.First : s.First+s.Count] {
+			perBatch += r.PageBytes * int64(len(s.Pages))
+		}
+	}
 	fill := memfill.Words
-	if streamingThreshold(h.mu.regions, len(pages)) {
+	if perBatch >= streamingBytes {
 		fill = memfill.WordsStreaming
 	}
 	var written uint64
-	for ri, r := range h.mu.regions {
-		mem := h.mu.mem[ri]
-		for i := 0; i < len(pages); {
-			start := pages[i]
-			j := i + 1
-			if spec.Uniform() && r.Contiguous() {
-				for j < len(pages) && pages[j] == pages[j-1]+1 {
-					j++
-				}
-			}
-			off := int64(start) * r.Stride
-			end := off + int64(j-i-1)*r.Stride + r.PageBytes
-			fill(mem[off:end], spec.WordFor(start))
-			written += uint64(end - off)
-			i = j
+	for _, s := range spans {
+		for ri := s.First; ri < s.First+s.Count; ri++ {
+			r, mem := h.mu.regions[ri], h.mu.mem[ri]
+			written += fillRegion(mem, r, s.Pages, s.IDBase, spec, fill)
 		}
 	}
 	h.fillCalls.Add(1)
 	h.launches.Add(1)
-	h.pagesFilled.Add(uint64(len(pages)))
+	h.pagesFilled.Add(uint64(pages))
 	h.bytesFilled.Add(written)
-	return Completed(nil), nil
+}
+
+// fillRegion fills the listed pages (less base) of one region, runs of
+// adjacent IDs at once where the region is contiguous and the word
+// uniform, and returns the bytes written.
+func fillRegion(mem []byte, r Region, pages []int32, base int32, spec FillSpec, fill func([]byte, uint32)) (written uint64) {
+	for i := 0; i < len(pages); {
+		start := pages[i] - base
+		j := i + 1
+		if spec.Uniform() && r.Contiguous() {
+			for j < len(pages) && pages[j] == pages[j-1]+1 {
+				j++
+			}
+		}
+		off := int64(start) * r.Stride
+		end := off + int64(j-i-1)*r.Stride + r.PageBytes
+		fill(mem[off:end], spec.WordFor(start))
+		written += uint64(end - off)
+		i = j
+	}
+	return written
 }
 
 // streamingBytes is the batch size from which fills bypass the cache: past
 // what the caches hold, cached stores gain nothing and cost a read per line.
 const streamingBytes = 4 << 20
-
-func streamingThreshold(regions []Region, pages int) bool {
-	var perPage int64
-	for _, r := range regions {
-		perPage += r.PageBytes
-	}
-	return perPage*int64(pages) >= streamingBytes
-}
 
 func (h *Host) page(r int, p int32, n int) ([]byte, error) {
 	if h.mu.closed {

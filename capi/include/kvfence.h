@@ -174,7 +174,7 @@ typedef struct kvf_lease_info {
 
 /* Where a pool's pages live (kvf_pool_regions). Since ABI 2. */
 typedef struct kvf_region {
-    uint64_t base;      /* device address of page 0 (CUdeviceptr); 0 for host memory */
+    uint64_t base;      /* address of page 0: a CUdeviceptr, or host memory's address */
     int64_t stride;     /* bytes from page p to page p+1 */
     int64_t page_bytes; /* bytes of one page in this region */
     int64_t pages;
@@ -300,7 +300,8 @@ KVF_API kvf_status kvf_pool_clear_fault(kvf_pool pool);
  * region 2l and its V in 2l+1; page p of a region starts at
  * base + p * stride. *len (if not NULL) gets the count. For a CUDA pool the
  * bases are device addresses the engine's kernels write the KV to (in the
- * pages of its leases only); a host pool reports base 0. Since ABI 2. */
+ * pages of its leases only); a host pool reports the address of its host
+ * memory (since ABI 4; 0 before), valid until kvf_pool_free. Since ABI 2. */
 KVF_API kvf_status kvf_pool_regions(kvf_pool pool, kvf_region *buf, size_t buf_len, size_t *len);
 
 /* Writes the next batch (up to 256) of prefix-cache events as

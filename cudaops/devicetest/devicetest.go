@@ -61,6 +61,7 @@ func RunWith(t *testing.T, c Config) {
 	t.Run("Regions", func(t *testing.T) { testRegions(t, c) })
 	t.Run("FillCorrectness", func(t *testing.T) { testFillCorrectness(t, c) })
 	t.Run("FillOutOfRange", func(t *testing.T) { testFillOutOfRange(t, c) })
+	t.Run("Spans", func(t *testing.T) { testSpans(t, c) })
 	t.Run("PageBounds", func(t *testing.T) { testPageBounds(t, c) })
 	t.Run("Fence", func(t *testing.T) { testFence(t, c) })
 	t.Run("Ordering", func(t *testing.T) { testOrdering(t, c) })
@@ -515,4 +516,67 @@ func testClosed(t *testing.T, c Config) {
 	assert.ErrorIs(t, d.WritePage(0, 0, b), cudaops.ErrClosed, "WritePage")
 	assert.NoError(t, d.Close(), "second Close")
 	assert.Empty(t, d.Regions(), "regions after Close")
+}
+
+// testSpans checks FillSpans, for devices that implement it: each span
+// writes its own pages in its own regions and nothing else, at its
+// regions' page numbers (page − IDBase) and with their words; a bad batch
+// writes nothing.
+func testSpans(t *testing.T, c Config) {
+	d := open(t, c)
+	sf, ok := d.(cudaops.SpanFiller)
+	if !ok {
+		t.Skipf("%s does not implement SpanFiller", d.Name())
+	}
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	n := int32(geometry.pages)
+	for _, s := range specs {
+		spec := s.spec
+		if spec.PageSalt != 0 {
+			spec.Word = rng.Uint32()
+		}
+		// Regions 0 and 3 as one group numbered from 0, regions 1..2 as
+		// another numbered from n (as a pool numbers a second group).
+		a, b := batch(rng, int(n), "runs"), batch(rng, int(n), "scattered")
+		bGlobal := make([]int32, len(b))
+		for i, p := range b {
+			bGlobal[i] = p + n
+		}
+		spans := []cudaops.Span{{First: 1, Count: 2, IDBase: n, Pages: bGlobal}, {First: 3, Count: 1, Pages: a}, {First: 0, Count: 1, Pages: a}}
+		f, err := sf.FillSpans(spans, spec, cudaops.Ordering{})
+		require.NoError(t, err, s.name)
+		require.NoError(t, f.Wait())
+		for _, r := range []int{0, 3} {
+			for _, p := range a {
+				fillWord(img[r][p], spec.WordFor(p))
+			}
+		}
+		for _, r := range []int{1, 2} {
+			for _, p := range b {
+				fillWord(img[r][p], spec.WordFor(p))
+			}
+		}
+		verify(t, d, img, "after a span fill with "+s.name)
+	}
+	before := d.Counters()
+	for name, bad := range map[string][]cudaops.Span{
+		"region in two spans":   {{First: 0, Count: 2, Pages: []int32{1}}, {First: 1, Count: 1, Pages: []int32{2}}},
+		"no region":             {{First: 0, Count: 0, Pages: []int32{1}}},
+		"regions past the end":  {{First: 3, Count: 2, Pages: []int32{1}}},
+		"negative first":        {{First: -1, Count: 1, Pages: []int32{1}}},
+		"page below its base":   {{First: 0, Count: 1, IDBase: 10, Pages: []int32{12, 9}}},
+		"page past its regions": {{First: 0, Count: 1, IDBase: 10, Pages: []int32{10 + n}}},
+		"negative base":         {{First: 0, Count: 1, IDBase: -1, Pages: []int32{0}}},
+		"a good span and a bad": {{First: 0, Count: 1, Pages: []int32{0, 1}}, {First: 1, Count: 1, Pages: []int32{n}}},
+	} {
+		f, err := sf.FillSpans(bad, cudaops.FillSpec{Word: 0xdead}, cudaops.Ordering{})
+		assert.ErrorIs(t, err, cudaops.ErrInvalidArgument, name)
+		assert.Nil(t, f, name)
+	}
+	verify(t, d, img, "after rejected span fills")
+	assert.Equal(t, before, d.Counters(), "rejected span fills were counted")
+	f, err := sf.FillSpans(nil, cudaops.FillSpec{}, cudaops.Ordering{})
+	require.NoError(t, err, "an empty span batch")
+	require.NoError(t, f.Wait())
 }

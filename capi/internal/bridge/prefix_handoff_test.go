@@ -339,7 +339,7 @@ func TestRegions(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, r := range rs {
-		if r.Pages != 64 || r.PageBytes != 256 || r.Base != 0 {
+		if r.Pages != 64 || r.PageBytes != 256 || r.Base == 0 {
 			t.Errorf("region %+v", r)
 		}
 	}
