@@ -166,9 +166,25 @@ const (
 // FillSpec validates the policy against dtype and returns the device fill
 // it implies.
 func (p ScrubPolicy) FillSpec(d DType) (cudaops.FillSpec, error) {
-	if !d.Valid() {
-		return cudaops.FillSpec{}, fmt.Errorf("%w: dtype %v", ErrInvalidPolicy, d)
+	return p.FillSpecFor(d)
+}
+
+// FillSpecFor is FillSpec for a pool whose regions hold several element
+// types (MLA latents in fp8 with fp32 scales, bf16 state beside fp32
+// state): one fill word for every region, a finite number read as any of
+// them. A poison Pattern is an element of the first dtype, repeated over
+// the word; the word must then be finite in every lane of every dtype.
+// Canary words clear the top exponent bit of every lane of every dtype.
+func (p ScrubPolicy) FillSpecFor(dtypes ...DType) (cudaops.FillSpec, error) {
+	if len(dtypes) == 0 {
+		return cudaops.FillSpec{}, fmt.Errorf("%w: no dtype", ErrInvalidPolicy)
 	}
+	for _, d := range dtypes {
+		if !d.Valid() {
+			return cudaops.FillSpec{}, fmt.Errorf("%w: dtype %v", ErrInvalidPolicy, d)
+		}
+	}
+	d := dtypes[0]
 	switch p.Kind {
 	case ScrubZero:
 		if p.Pattern != 0 {
@@ -186,13 +202,40 @@ func (p ScrubPolicy) FillSpec(d DType) (cudaops.FillSpec, error) {
 		if !d.IsFinite(bits) {
 			return cudaops.FillSpec{}, fmt.Errorf("%w: poison %#x in %v", ErrNonFinitePattern, bits, d)
 		}
-		return cudaops.FillSpec{Word: d.replicate(bits)}, nil
+		word := d.replicate(bits)
+		for _, o := range dtypes[1:] {
+			if !o.wordFinite(word) {
+				return cudaops.FillSpec{}, fmt.Errorf("%w: poison %#x of %v is the word %#08x, not finite as %v (the pool also holds %v); "+
+					"choose a pattern finite in both", ErrNonFinitePattern, bits, d, word, o, o)
+			}
+		}
+		return cudaops.FillSpec{Word: word}, nil
 	case ScrubCanary:
 		seed := p.Pattern
 		if seed == 0 {
 			seed = defaultCanarySeed
 		}
-		return cudaops.FillSpec{Word: seed, PageSalt: canarySalt, ClearMask: d.finiteMask()}, nil
+		var mask uint32
+		for _, o := range dtypes {
+			mask |= o.finiteMask()
+		}
+		return cudaops.FillSpec{Word: seed, PageSalt: canarySalt, ClearMask: mask}, nil
 	}
 	return cudaops.FillSpec{}, fmt.Errorf("%w: scrub kind %v", ErrInvalidPolicy, p.Kind)
+}
+
+// wordFinite reports whether every element of d in the 32-bit word w is
+// finite.
+func (d DType) wordFinite(w uint32) bool {
+	bits := 8 * d.Size()
+	for shift := 0; shift < 32; shift += bits {
+		lane := w >> shift
+		if bits < 32 {
+			lane &= 1<<bits - 1
+		}
+		if !d.IsFinite(lane) {
+			return false
+		}
+	}
+	return true
 }

@@ -113,3 +113,40 @@ func TestParseNames(t *testing.T) {
 	_, err = ParseScrubKind("shred")
 	assert.ErrorIs(t, err, ErrInvalidPolicy)
 }
+
+// A pool of several element types (an MLA latent in fp8 with fp32
+// scales, a bf16 cache beside fp32 recurrent state) gets one fill word
+// that is finite read as each of them, or a refusal naming the dtype it
+// would not be finite in.
+func TestFillSpecForMixedDTypes(t *testing.T) {
+	all := []DType{FP8E4M3, FP8E5M2, FP16, BF16, FP32}
+	for _, first := range all {
+		for _, other := range all {
+			canary, err := ScrubPolicy{Kind: ScrubCanary}.FillSpecFor(first, other)
+			require.NoError(t, err)
+			for page := int32(0); page < 2048; page++ {
+				w := canary.WordFor(page)
+				require.True(t, first.wordFinite(w) && other.wordFinite(w), "canary %#08x as %v and %v", w, first, other)
+			}
+			poison, err := ScrubPolicy{Kind: ScrubPoison}.FillSpecFor(first, other)
+			if err != nil {
+				require.ErrorIs(t, err, ErrNonFinitePattern)
+				require.ErrorContains(t, err, other.String())
+				continue
+			}
+			require.True(t, first.wordFinite(poison.Word) && other.wordFinite(poison.Word), "poison %#08x", poison.Word)
+		}
+	}
+	// The default poisons of the common mixes are finite.
+	for _, mix := range [][]DType{{BF16, FP32}, {FP8E4M3, FP32}, {BF16, FP8E4M3, FP32}, {FP16, BF16}} {
+		_, err := ScrubPolicy{Kind: ScrubPoison}.FillSpecFor(mix...)
+		assert.NoError(t, err, "%v", mix)
+	}
+	// bf16 NaN-free pattern 0x7f7f repeated reads as fp8 e4m3 0x7f: NaN.
+	_, err := ScrubPolicy{Kind: ScrubPoison, Pattern: 0x7f7f}.FillSpecFor(BF16, FP8E4M3)
+	assert.ErrorIs(t, err, ErrNonFinitePattern)
+	_, err = ScrubPolicy{}.FillSpecFor()
+	assert.ErrorIs(t, err, ErrInvalidPolicy)
+	_, err = ScrubPolicy{}.FillSpecFor(BF16, DTypeInvalid)
+	assert.ErrorIs(t, err, ErrInvalidPolicy)
+}

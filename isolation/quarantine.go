@@ -23,25 +23,46 @@ import (
 // back) and faults the quarantine: every admission must then fail closed
 // until the operator clears the fault.
 //
+// A quarantine scrubs one or more page spaces (Space): a pool's attention
+// pages, and the pages or slots of its other cache groups, each numbered
+// from zero by its own allocator and living in its own device regions.
+// A release that frees pages of several spaces scrubs them with one
+// device operation (IssueSpaces: cudaops.SpanFiller); methods without
+// "Spaces" in their name act on space 0.
+//
 // Methods ending in Locked must be called with the owning pool's lock held,
-// the same lock that guards the Allocator and the Registry (under the
+// the same lock that guards the Allocators and the Registry (under the
 // invariants build tag they assert it). Issue needs no lock: it only
 // touches the device, which is why a pool can fill outside its lock.
 type Quarantine struct {
-	alloc        *allocator.Allocator
-	dev          cudaops.Device
-	reg          *Registry
-	lock         *sync.Mutex // the owner's lock, for assertions
-	spec         cudaops.FillSpec
-	policy       ScrubPolicy
-	bytesPerPage int64 // over all regions
-	regions      []cudaops.Region
+	spaces []space
+	dev    cudaops.Device
+	// whole is set when space 0 is the only space and covers every
+	// device region: Issue then uses Fill, which every device has.
+	whole  bool
+	reg    *Registry
+	lock   *sync.Mutex // the owner's lock, for assertions
+	spec   cudaops.FillSpec
+	policy ScrubPolicy
 
 	// Guarded by the owner's lock.
-	inFlight  int // pages released and not yet cleaned or retired
 	fault     error
 	stats     ScrubStats
 	verifyBuf []byte
+}
+
+// Space is one page space a Quarantine scrubs: its allocator, and the
+// device regions [First, First+Count) that hold its pages.
+type Space struct {
+	Alloc        *allocator.Allocator
+	First, Count int
+}
+
+type space struct {
+	Space
+	regions      []cudaops.Region
+	bytesPerPage int64 // over the space's regions
+	inFlight     int   // guarded by the owner's lock: pages released and not yet cleaned or retired
 }
 
 // ScrubStats are running totals of a quarantine.
@@ -55,21 +76,47 @@ type ScrubStats struct {
 	CanaryFailures uint64
 }
 
-// NewQuarantine returns the quarantine of a pool whose pages live in dev's
-// regions. The policy is validated against dtype. lock is the owner's lock
-// that guards alloc and reg; the Locked methods must be called with it
-// held.
+// NewQuarantine returns the quarantine of a pool whose pages live in all
+// of dev's regions. The policy is validated against dtype. lock is the
+// owner's lock that guards alloc and reg; the Locked methods must be
+// called with it held.
 func NewQuarantine(alloc *allocator.Allocator, dev cudaops.Device, reg *Registry, lock *sync.Mutex, policy ScrubPolicy, dtype DType) (*Quarantine, error) {
-	spec, err := policy.FillSpec(dtype)
+	return NewQuarantineOf([]Space{{Alloc: alloc, First: 0, Count: len(dev.Regions())}}, dev, reg, lock, policy, dtype)
+}
+
+// NewQuarantineOf returns the quarantine of several page spaces on dev,
+// whose regions hold the element types dtypes (ScrubPolicy.FillSpecFor).
+// The spaces' regions must not overlap; a device that must fill more
+// than one space, or a space that is not all of its regions, must
+// implement cudaops.SpanFiller.
+func NewQuarantineOf(spaces []Space, dev cudaops.Device, reg *Registry, lock *sync.Mutex, policy ScrubPolicy, dtypes ...DType) (*Quarantine, error) {
+	spec, err := policy.FillSpecFor(dtypes...)
 	if err != nil {
 		return nil, err
 	}
-	q := &Quarantine{alloc: alloc, dev: dev, reg: reg, lock: lock, spec: spec, policy: policy}
-	q.regions = dev.Regions()
+	regions := dev.Regions()
+	q := &Quarantine{dev: dev, reg: reg, lock: lock, spec: spec, policy: policy}
+	spans := make([]cudaops.Span, len(spaces))
 	maxPage := int64(0)
-	for _, r := range q.regions {
-		q.bytesPerPage += r.PageBytes
-		maxPage = max(maxPage, r.PageBytes)
+	for i, sp := range spaces {
+		if sp.Alloc == nil || sp.Count < 1 || sp.First < 0 || sp.First > len(regions)-sp.Count {
+			return nil, fmt.Errorf("%w: page space %d names regions [%d, %d+%d) of %d", ErrInvalidPolicy, i, sp.First, sp.First, sp.Count, len(regions))
+		}
+		s := space{Space: sp, regions: regions[sp.First : sp.First+sp.Count]}
+		for _, r := range s.regions {
+			s.bytesPerPage += r.PageBytes
+			maxPage = max(maxPage, r.PageBytes)
+		}
+		q.spaces = append(q.spaces, s)
+		spans[i] = cudaops.Span{First: sp.First, Count: sp.Count}
+	}
+	if err := cudaops.CheckSpans(regions, spans); err != nil {
+		return nil, fmt.Errorf("%w: page spaces: %w", ErrInvalidPolicy, err)
+	}
+	q.whole = len(spaces) == 1 && spaces[0].First == 0 && spaces[0].Count == len(regions)
+	if _, ok := dev.(cudaops.SpanFiller); !ok && !q.whole {
+		return nil, fmt.Errorf("%w: %s cannot fill %d page spaces (or part of its regions) in one operation: it does not implement cudaops.SpanFiller",
+			ErrInvalidPolicy, dev.Name(), len(spaces))
 	}
 	if policy.Kind == ScrubCanary {
 		q.verifyBuf = make([]byte, maxPage)
@@ -77,23 +124,30 @@ func NewQuarantine(alloc *allocator.Allocator, dev cudaops.Device, reg *Registry
 	return q, nil
 }
 
-// ScrubAllFree fills every free page and waits for the fill. A pool calls
-// it once at creation: fresh or adopted device memory holds whatever an
-// earlier process or the engine left there, and no lease may see that. It
-// must run before any page is handed out.
+// ScrubAllFree fills every free page of every space and waits for the
+// fill. A pool calls it once at creation: fresh or adopted device memory
+// holds whatever an earlier process or the engine left there, and no
+// lease may see that. It must run before any page is handed out.
 func (q *Quarantine) ScrubAllFree() error {
-	pages := q.alloc.PeekFree(nil, q.alloc.Count(allocator.Free))
-	slices.Sort(pages)
-	f, err := q.Issue(pages, cudaops.Ordering{})
+	batches := make([][]int32, len(q.spaces))
+	n := 0
+	for i, s := range q.spaces {
+		batches[i] = s.Alloc.PeekFree(nil, s.Alloc.Count(allocator.Free))
+		slices.Sort(batches[i])
+		n += len(batches[i])
+	}
+	f, err := q.IssueSpaces(batches, cudaops.Ordering{})
 	if err == nil {
 		err = f.Wait()
 	}
 	if err != nil {
-		return fmt.Errorf("%w: initial scrub of %d pages: %w", ErrScrubFailed, len(pages), err)
+		return fmt.Errorf("%w: initial scrub of %d pages: %w", ErrScrubFailed, n, err)
 	}
 	q.stats.Fills++
-	q.stats.PagesScrubbed += uint64(len(pages))
-	q.stats.BytesScrubbed += uint64(len(pages)) * uint64(q.bytesPerPage)
+	for i, s := range q.spaces {
+		q.stats.PagesScrubbed += uint64(len(batches[i]))
+		q.stats.BytesScrubbed += uint64(len(batches[i])) * uint64(s.bytesPerPage)
+	}
 	return nil
 }
 
@@ -113,19 +167,28 @@ func (q *Quarantine) Spec() cudaops.FillSpec { return q.spec }
 // Policy returns the scrub policy.
 func (q *Quarantine) Policy() ScrubPolicy { return q.policy }
 
-// BeginLocked records that n pages just entered quarantine and will be
-// passed to Issue.
-func (q *Quarantine) BeginLocked(n int) {
+// Spaces returns the number of page spaces.
+func (q *Quarantine) Spaces() int { return len(q.spaces) }
+
+// BeginLocked records that n pages of space 0 just entered quarantine and
+// will be passed to Issue.
+func (q *Quarantine) BeginLocked(n int) { q.BeginSpaceLocked(0, n) }
+
+// BeginSpaceLocked is BeginLocked for space s.
+func (q *Quarantine) BeginSpaceLocked(s, n int) {
 	q.assertHeld()
-	q.inFlight += n
+	q.spaces[s].inFlight += n
 }
 
-// Issue starts the fill of pages, ordered after the engine work named by
-// after. It returns the fill's fence; an error means the fill never
-// started, and the caller must pass it to FinishLocked.
+// Issue starts the fill of pages of space 0, ordered after the engine
+// work named by after. It returns the fill's fence; an error means the
+// fill never started, and the caller must pass it to FinishLocked.
 func (q *Quarantine) Issue(pages []int32, after cudaops.Ordering) (cudaops.Fence, error) {
 	if len(pages) == 0 {
 		return cudaops.Completed(nil), nil
+	}
+	if !q.whole {
+		return q.IssueSpaces([][]int32{pages}, after)
 	}
 	f, err := q.dev.Fill(pages, q.spec, after)
 	if err != nil {
@@ -134,30 +197,92 @@ func (q *Quarantine) Issue(pages []int32, after cudaops.Ordering) (cudaops.Fence
 	return f, nil
 }
 
-// FinishLocked ends the scrub of pages with the fence's (or Issue's)
-// result: cleaned pages go to the free list, failed ones are retired and
-// the quarantine faults. It returns the fault it recorded, or nil.
+// IssueSpaces is Issue for pages of several spaces: batches[s] are pages
+// of space s (len(batches) ≤ Spaces(); empty ones are skipped), all
+// filled in one device operation with one fence.
+func (q *Quarantine) IssueSpaces(batches [][]int32, after cudaops.Ordering) (cudaops.Fence, error) {
+	var spans []cudaops.Span
+	n := 0
+	for i, b := range batches {
+		if len(b) > 0 {
+			s := q.spaces[i]
+			spans = append(spans, cudaops.Span{First: s.First, Count: s.Count, Pages: b})
+			n += len(b)
+		}
+	}
+	if n == 0 {
+		return cudaops.Completed(nil), nil
+	}
+	if q.whole {
+		return q.Issue(batches[0], after)
+	}
+	f, err := q.dev.(cudaops.SpanFiller).FillSpans(spans, q.spec, after)
+	if err != nil {
+		return nil, fmt.Errorf("%w: fill of %d pages in %d page spaces: %w", ErrScrubFailed, n, len(spans), err)
+	}
+	return f, nil
+}
+
+// FinishLocked ends the scrub of pages of space 0 with the fence's (or
+// Issue's) result: cleaned pages go to the free list, failed ones are
+// retired and the quarantine faults. It returns the fault it recorded, or
+// nil.
 func (q *Quarantine) FinishLocked(pages []int32, fillErr error) error {
 	q.assertHeld()
-	q.inFlight -= len(pages)
 	if fillErr == nil {
-		if err := q.alloc.Clean(pages); err != nil {
-			panic(fmt.Sprintf("isolation: cleaning scrubbed pages: %v", err)) // pages were quarantined by us
-		}
+		q.cleanLocked(0, pages)
 		q.stats.Fills++
-		q.stats.PagesScrubbed += uint64(len(pages))
-		q.stats.BytesScrubbed += uint64(len(pages)) * uint64(q.bytesPerPage)
 		return nil
 	}
-	if err := q.alloc.Retire(pages); err != nil {
+	q.retireLocked(0, pages)
+	return q.failedLocked(len(pages), fillErr)
+}
+
+// FinishSpacesLocked is FinishLocked for a batch of IssueSpaces.
+func (q *Quarantine) FinishSpacesLocked(batches [][]int32, fillErr error) error {
+	q.assertHeld()
+	n := 0
+	for s, pages := range batches {
+		if fillErr == nil {
+			q.cleanLocked(s, pages)
+		} else {
+			q.retireLocked(s, pages)
+		}
+		n += len(pages)
+	}
+	if fillErr == nil {
+		q.stats.Fills++
+		return nil
+	}
+	return q.failedLocked(n, fillErr)
+}
+
+func (q *Quarantine) cleanLocked(s int, pages []int32) {
+	sp := &q.spaces[s]
+	sp.inFlight -= len(pages)
+	if err := sp.Alloc.Clean(pages); err != nil {
+		panic(fmt.Sprintf("isolation: cleaning scrubbed pages: %v", err)) // pages were quarantined by us
+	}
+	q.stats.PagesScrubbed += uint64(len(pages))
+	q.stats.BytesScrubbed += uint64(len(pages)) * uint64(sp.bytesPerPage)
+}
+
+func (q *Quarantine) retireLocked(s int, pages []int32) {
+	sp := &q.spaces[s]
+	sp.inFlight -= len(pages)
+	if err := sp.Alloc.Retire(pages); err != nil {
 		panic(fmt.Sprintf("isolation: retiring pages of a failed fill: %v", err))
 	}
-	q.stats.FillErrors++
 	q.stats.PagesRetired += uint64(len(pages))
+}
+
+// failedLocked records a failed fill of n pages (already retired).
+func (q *Quarantine) failedLocked(n int, fillErr error) error {
+	q.stats.FillErrors++
 	if !errors.Is(fillErr, ErrScrubFailed) {
 		fillErr = fmt.Errorf("%w: %w", ErrScrubFailed, fillErr)
 	}
-	err := fmt.Errorf("%w (%d pages retired)", fillErr, len(pages))
+	err := fmt.Errorf("%w (%d pages retired)", fillErr, n)
 	if q.fault == nil {
 		q.fault = err
 	}
@@ -186,17 +311,23 @@ func (q *Quarantine) StatsLocked() ScrubStats {
 // are handed out (the canary policy).
 func (q *Quarantine) NeedsVerify() bool { return q.policy.Kind == ScrubCanary }
 
-// VerifyLocked checks that free pages about to be handed out still hold
-// their canary in every byte of every region. Pages found written are
-// retired and the quarantine faults; the first mismatch is returned as a
-// *CanaryError, with the number of pages retired.
+// VerifyLocked checks that free pages of space 0 about to be handed out
+// still hold their canary in every byte of every region. Pages found
+// written are retired and the quarantine faults; the first mismatch is
+// returned as a *CanaryError, with the number of pages retired.
 func (q *Quarantine) VerifyLocked(pages []int32) (retired int, err error) {
+	return q.VerifySpaceLocked(0, pages)
+}
+
+// VerifySpaceLocked is VerifyLocked for pages of space s.
+func (q *Quarantine) VerifySpaceLocked(s int, pages []int32) (retired int, err error) {
 	q.assertHeld()
+	sp := &q.spaces[s]
 	var first error
 	var bad []int32
 	for _, p := range pages {
 		q.stats.CanaryChecks++
-		if err := q.verifyPage(p); err != nil {
+		if err := q.verifyPage(sp, p); err != nil {
 			if first == nil {
 				first = err
 			}
@@ -206,10 +337,10 @@ func (q *Quarantine) VerifyLocked(pages []int32) (retired int, err error) {
 	if len(bad) == 0 {
 		return 0, nil
 	}
-	if err := q.alloc.Unclean(bad); err != nil {
+	if err := sp.Alloc.Unclean(bad); err != nil {
 		panic(fmt.Sprintf("isolation: taking corrupt free pages back: %v", err))
 	}
-	if err := q.alloc.Retire(bad); err != nil {
+	if err := sp.Alloc.Retire(bad); err != nil {
 		panic(fmt.Sprintf("isolation: retiring corrupt pages: %v", err))
 	}
 	q.stats.CanaryFailures += uint64(len(bad))
@@ -220,16 +351,17 @@ func (q *Quarantine) VerifyLocked(pages []int32) (retired int, err error) {
 	return len(bad), first
 }
 
-func (q *Quarantine) verifyPage(p int32) error {
+func (q *Quarantine) verifyPage(sp *space, p int32) error {
 	want := q.spec.WordFor(p)
-	for ri, r := range q.regions {
+	for i, r := range sp.regions {
+		ri := sp.First + i
 		buf := q.verifyBuf[:r.PageBytes]
 		if err := q.dev.ReadPage(ri, p, buf); err != nil {
 			return fmt.Errorf("%w: reading page %d of region %d: %w", ErrCanaryMismatch, p, ri, err)
 		}
 		for off := 0; off < len(buf); off += 4 {
 			if got := binary.LittleEndian.Uint32(buf[off:]); got != want {
-				info, _ := q.alloc.Info(p)
+				info, _ := sp.Alloc.Info(p)
 				return &CanaryError{Page: p, Region: ri, Offset: int64(off), Want: want, Got: got,
 					PrevOwner: ownerName(q.reg, info.Owner), Gen: info.Gen}
 			}
@@ -238,12 +370,15 @@ func (q *Quarantine) verifyPage(p int32) error {
 	return nil
 }
 
-// CheckLocked verifies that every quarantined page is accounted for by a
-// scrub in flight.
+// CheckLocked verifies that every quarantined page of every space is
+// accounted for by a scrub in flight.
 func (q *Quarantine) CheckLocked() error {
 	q.assertHeld()
-	if n := q.alloc.Count(allocator.Quarantined); n != q.inFlight {
-		return fmt.Errorf("%w: %d pages quarantined, %d in flight", ErrCorrupt, n, q.inFlight)
+	var errs []error
+	for i, sp := range q.spaces {
+		if n := sp.Alloc.Count(allocator.Quarantined); n != sp.inFlight {
+			errs = append(errs, fmt.Errorf("%w: page space %d: %d pages quarantined, %d in flight", ErrCorrupt, i, n, sp.inFlight))
+		}
 	}
-	return nil
+	return errors.Join(errs...)
 }

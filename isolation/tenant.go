@@ -93,18 +93,9 @@ func (r *Registry) reservedTotal(except *Tenant) int {
 
 // Add registers a tenant.
 func (r *Registry) Add(c TenantConfig) (*Tenant, error) {
-	quota, err := r.validate(c)
+	quota, err := r.checkAdd(c)
 	if err != nil {
 		return nil, err
-	}
-	if _, dup := r.byName[c.Name]; dup {
-		return nil, fmt.Errorf("%w: %q", ErrDuplicateTenant, c.Name)
-	}
-	if len(r.list) >= math.MaxUint32-1 {
-		return nil, fmt.Errorf("%w: too many tenants", ErrInvalidTenant)
-	}
-	if total := r.reservedTotal(nil) + c.ReservedPages; total > r.totalPages {
-		return nil, fmt.Errorf("%w: %d pages reserved in all, pool has %d", ErrOverReserved, total, r.totalPages)
 	}
 	t := &Tenant{ID: allocator.Owner(len(r.list) + 1), Name: c.Name, Quota: quota, Reserved: c.ReservedPages, Sizing: c.Sizing}
 	r.byName[c.Name] = t
@@ -114,26 +105,66 @@ func (r *Registry) Add(c TenantConfig) (*Tenant, error) {
 	return t, nil
 }
 
+// CheckAdd returns the error Add(c) would return, and changes nothing: a
+// pool that keeps one registry per cache group checks every group before
+// it adds the tenant to any.
+func (r *Registry) CheckAdd(c TenantConfig) error {
+	_, err := r.checkAdd(c)
+	return err
+}
+
+func (r *Registry) checkAdd(c TenantConfig) (quota int, err error) {
+	quota, err = r.validate(c)
+	if err != nil {
+		return 0, err
+	}
+	if _, dup := r.byName[c.Name]; dup {
+		return 0, fmt.Errorf("%w: %q", ErrDuplicateTenant, c.Name)
+	}
+	if len(r.list) >= math.MaxUint32-1 {
+		return 0, fmt.Errorf("%w: too many tenants", ErrInvalidTenant)
+	}
+	if total := r.reservedTotal(nil) + c.ReservedPages; total > r.totalPages {
+		return 0, fmt.Errorf("%w: %d pages reserved in all, pool has %d", ErrOverReserved, total, r.totalPages)
+	}
+	return quota, nil
+}
+
 // Update changes a tenant's quota, reservation and domain. Pages it
 // already holds stay with it even above a lowered quota, and in the domain
 // they were admitted in; new admissions see the new limits and domain.
 func (r *Registry) Update(c TenantConfig) error {
-	t, err := r.Lookup(c.Name)
+	t, quota, err := r.checkUpdate(c)
 	if err != nil {
 		return err
-	}
-	quota, err := r.validate(c)
-	if err != nil {
-		return err
-	}
-	if total := r.reservedTotal(t) + c.ReservedPages; total > r.totalPages {
-		return fmt.Errorf("%w: %d pages reserved in all, pool has %d", ErrOverReserved, total, r.totalPages)
 	}
 	r.unusedReserved -= t.unusedReservation()
 	t.Quota, t.Reserved, t.Sizing = quota, c.ReservedPages, c.Sizing
 	r.unusedReserved += t.unusedReservation()
 	r.domains.assign(t, c.Domain)
 	return nil
+}
+
+// CheckUpdate returns the error Update(c) would return, and changes
+// nothing.
+func (r *Registry) CheckUpdate(c TenantConfig) error {
+	_, _, err := r.checkUpdate(c)
+	return err
+}
+
+func (r *Registry) checkUpdate(c TenantConfig) (*Tenant, int, error) {
+	t, err := r.Lookup(c.Name)
+	if err != nil {
+		return nil, 0, err
+	}
+	quota, err := r.validate(c)
+	if err != nil {
+		return nil, 0, err
+	}
+	if total := r.reservedTotal(t) + c.ReservedPages; total > r.totalPages {
+		return nil, 0, fmt.Errorf("%w: %d pages reserved in all, pool has %d", ErrOverReserved, total, r.totalPages)
+	}
+	return t, quota, nil
 }
 
 // Lookup finds a tenant by name.
