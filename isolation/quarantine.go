@@ -295,6 +295,17 @@ func (q *Quarantine) FaultLocked() error {
 	return q.fault
 }
 
+// RecordFaultLocked faults the quarantine with err (if it is not faulted
+// already): a fill of pages that stay held (a sliding window's) failed,
+// so the device can no longer be trusted to scrub.
+func (q *Quarantine) RecordFaultLocked(err error) {
+	q.assertHeld()
+	q.stats.FillErrors++
+	if q.fault == nil {
+		q.fault = err
+	}
+}
+
 // ClearFaultLocked forgets the fault. Retired pages stay retired.
 func (q *Quarantine) ClearFaultLocked() {
 	q.assertHeld()

@@ -150,7 +150,7 @@ func (p *Pool) admit(a *admission) error {
 	if l.state.Load() == leaseLive {
 		return fmt.Errorf("%w: lease %q is still live", ErrInvalidArgument, l.id)
 	}
-	if err := validateRequest(a.req, p.geom.TokensPerPage); err != nil {
+	if err := validateRequest(a.req, p.tpp); err != nil {
 		return p.refuse(a, &AdmissionError{Err: ErrInvalidRequest, Cause: err})
 	}
 	if a.req.Tokens() > p.maxContext {
@@ -194,7 +194,7 @@ func (p *Pool) runLocked(a *admission) error {
 			if testHookDeriveKeys != nil {
 				testHookDeriveKeys()
 			}
-			l.keys = appendPageKeys(l.keys[:0], prefixRoot(dom.Name, a.req.Adapter), p.geom.TokensPerPage, l.tokens)
+			l.keys = appendPageKeys(l.keys[:0], prefixRoot(dom.Name, a.req.Adapter), p.tpp, l.tokens)
 			p.mu.Lock()
 			l.keysFor, l.match.valid = dom, false
 		case stepEvict:
@@ -203,7 +203,7 @@ func (p *Pool) runLocked(a *admission) error {
 			err := p.fillAndWait(pages)
 			p.mu.Lock()
 			p.mu.evicting -= len(pages)
-			p.finishScrubLocked(pages, err) // a failed fill faults the pool: the next attempt refuses
+			p.finishScrubLocked(scrubBatch{pages: pages}, err) // a failed fill faults the pool: the next attempt refuses
 			p.fills.Done()
 			a.evicted = pages[:0]
 		case stepWait:
@@ -274,14 +274,14 @@ func (p *Pool) attemptLocked(a *admission) step {
 	}
 	// The whole prompt, always; of the output, what the sizing reserves.
 	sizing := req.Sizing.Or(t.Sizing).Or(p.sizing)
-	a.need = p.geom.PagesFor(req.PromptTokens + sizing.OutputTokens(req.MaxNewTokens))
+	a.need = p.pagesFor(req.PromptTokens + sizing.OutputTokens(req.MaxNewTokens))
 	inService := p.inServiceLocked()
 	if a.need > inService {
-		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Need: a.need, Have: p.mu.alloc.Count(allocator.Free),
-			Limit: inService, NeedTokens: req.Tokens(), LimitTokens: inService * p.geom.TokensPerPage})
+		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Group: p.groupName(), Need: a.need, Have: p.mu.alloc.Count(allocator.Free),
+			Limit: inService, NeedTokens: req.Tokens(), LimitTokens: inService * p.tpp})
 	}
 	if a.need > t.Quota {
-		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Need: a.need, Have: max(0, t.Quota-t.Used), Limit: t.Quota})
+		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Group: p.groupName(), Need: a.need, Have: max(0, t.Quota-t.Used), Limit: t.Quota})
 	}
 	if a.importFrom != "" && t.Domain.Name != a.importFrom {
 		a.err = domainMismatch(req, a.importFrom, t.Domain.Name)
@@ -300,7 +300,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 	}
 	var newToTenant, cachedHits int
 	if sharing {
-		p.matchLocked(l, t.Domain, req.Adapter, maxHitPages(*req, p.geom.TokensPerPage), byKeys)
+		p.matchLocked(l, t.Domain, req.Adapter, maxHitPages(*req, p.tpp), byKeys)
 		newToTenant, cachedHits = p.weighMatchLocked(l, t)
 	} else {
 		l.match.entries = l.match.entries[:0]
@@ -313,6 +313,11 @@ func (p *Pool) attemptLocked(a *admission) step {
 	if dec.Verdict != isolation.Grant {
 		p.releaseClaimLocked(a)
 		return p.blockedLocked(a, t, dec)
+	}
+	if len(p.side) > 0 {
+		if st, ok := p.decideSideLocked(a, t); !ok {
+			return st
+		}
 	}
 	if st, ready := p.claimLocked(a, t, dec, fresh, free, l.match.entries); !ready {
 		return st
@@ -332,6 +337,9 @@ func (p *Pool) attemptLocked(a *admission) step {
 	a.claim = 0
 	p.mu.seq++
 	l.reset(p, *req, t, handles, p.mu.seq)
+	if len(p.side) > 0 {
+		p.takeSideLocked(l, t)
+	}
 	l.hitPages, l.published = hits, hits
 	if a.importFrom != "" {
 		// Sealed at zero: nothing may write the pages but WritePages, and
@@ -348,7 +356,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 			for _, e := range l.match.entries {
 				l.keys = append(l.keys, e.key)
 			}
-			looked = req.PromptTokens / p.geom.TokensPerPage
+			looked = req.PromptTokens / p.tpp
 		}
 		p.countMatchLocked(req, t.Domain, looked, hits)
 	}
@@ -386,8 +394,8 @@ func (p *Pool) claimLocked(a *admission, t *isolation.Tenant, dec isolation.Deci
 	}
 	if p.q.NeedsVerify() {
 		l := a.l
-		peek := p.mu.alloc.PeekFree(l.scrub[:0], fresh)
-		l.scrub = peek[:0]
+		peek := p.mu.alloc.PeekFree(l.scrub.pages[:0], fresh)
+		l.scrub.pages = peek[:0]
 		if _, err := p.q.VerifyLocked(peek); err != nil {
 			p.faultedLocked()
 			return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: err}), false
@@ -413,15 +421,30 @@ func (p *Pool) sharing(req *Request) bool {
 // blockedLocked turns a decision other than Grant into a refusal, or, for
 // an admission that waits, into a wait.
 func (p *Pool) blockedLocked(a *admission, t *isolation.Tenant, dec isolation.Decision) step {
+	return p.blockedGroupLocked(a, t, dec, p.groupName(), p.inServiceLocked())
+}
+
+// groupName is the per-token group's name in refusals: empty in a pool of
+// one group.
+func (p *Pool) groupName() string {
+	if len(p.side) == 0 {
+		return ""
+	}
+	return p.lay.primary.name
+}
+
+// blockedGroupLocked is blockedLocked for a decision of cache group
+// group, which has inService pages in service.
+func (p *Pool) blockedGroupLocked(a *admission, t *isolation.Tenant, dec isolation.Decision, group string, inService int) step {
 	p.assertHeld()
-	e := AdmissionError{Err: ErrPoolExhausted, Need: dec.Demand.Take, Have: dec.Have, Limit: dec.Limit}
+	e := AdmissionError{Err: ErrPoolExhausted, Group: group, Need: dec.Demand.Take, Have: dec.Have, Limit: dec.Limit}
 	reason := waitPool
 	switch dec.Verdict {
 	case isolation.OverQuota:
-		e = AdmissionError{Err: ErrExceedsQuota, Need: dec.Demand.Charge, Have: dec.Have, Limit: dec.Limit}
+		e = AdmissionError{Err: ErrExceedsQuota, Group: group, Need: dec.Demand.Charge, Have: dec.Have, Limit: dec.Limit}
 		reason = waitQuota
 	case isolation.Reserved, isolation.KeptForGrowth:
-		e.Cause, e.Limit = dec.Err(t.Name), p.inServiceLocked()
+		e.Cause, e.Limit = dec.Err(t.Name), inService
 	}
 	if !a.wait {
 		return p.refuseLocked(a, &e)

@@ -92,6 +92,7 @@ func (p *Pool) checkLocked() error {
 	p.mu.prefix.check(&c)
 	p.checkSharingLocked(&c)
 	p.checkAdmissionsLocked(&c)
+	p.checkSideLocked(&c)
 	return c.err()
 }
 

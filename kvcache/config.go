@@ -127,11 +127,22 @@ func (g Geometry) PagesFor(tokens int) int {
 
 // Config describes a pool.
 type Config struct {
+	// Geometry is the page shape of a grouped-query-attention model (K
+	// and V per layer). Cache, instead, describes any model's caches as
+	// groups of regions (see CacheSpec); set exactly one.
 	Geometry Geometry
-	// Pages is the pool size in pages. Alternatively PoolBytes gives the
-	// memory over all regions and the pages are derived; set exactly one.
+	Cache    CacheSpec
+	// Pages is the pool size in pages (of the per-token group).
+	// Alternatively PoolBytes gives the memory over all regions of all
+	// groups and the pages are derived; set exactly one.
 	Pages     int
 	PoolBytes int64
+	// MaxLeases is the most leases live at once. A spec with a sliding
+	// window or a state group needs it: it sizes them (MaxLeases slots,
+	// MaxLeases window rings), and an admission beyond it is refused
+	// like one beyond any group's capacity. Without such groups it must
+	// be 0.
+	MaxLeases int
 	// MaxContextTokens is the longest prompt + output the engine serves
 	// (its context window). Required. A pool whose pages cannot hold it is
 	// refused unless AllowUndersizedPool is set; then longer requests are
@@ -143,7 +154,8 @@ type Config struct {
 	// Scrub is the policy for freed pages; the zero value zeroes them.
 	Scrub ScrubPolicy
 	// Prefix configures prefix sharing; the zero value enables it without
-	// events.
+	// events. A pool with a sliding-window or a state group shares no
+	// prefixes (see CacheSpec).
 	Prefix PrefixConfig
 	// Sizing is how leases are sized at admission unless a tenant
 	// (TenantConfig.Sizing) or a request (Request.Sizing) says otherwise;
@@ -156,71 +168,120 @@ type Config struct {
 	// 0 (the default) keeps nothing; at most MaxGrowthWatermark.
 	GrowthWatermark float64
 	// Device holds the pages. Nil means a new Host device owned (and
-	// closed) by the pool. A device with no regions gets 2×Layers regions
-	// allocated by the pool; a device that already has regions (adopted
-	// engine memory) must have exactly 2×Layers, each of the geometry's
-	// page size and at least Pages pages. A caller-supplied device is not
+	// closed) by the pool. A device with no regions gets the spec's
+	// regions allocated by the pool, or adopted from the engine memory
+	// the spec names (CacheRegion.Memory). A device that already has
+	// regions (adopted by the caller) must have exactly the spec's
+	// regions in order (per-token group first), each of the region's page
+	// size and at least its group's pages. A caller-supplied device is not
 	// closed by the pool.
 	Device cudaops.Device
 }
 
-// pages derives and validates the pool size.
-func (c *Config) pages() (int, error) {
+// spec returns the pool's cache spec (Geometry's, or Cache) and its
+// layout.
+func (c *Config) spec() (*layout, error) {
+	switch {
+	case !c.Cache.IsZero() && c.Geometry != (Geometry{}):
+		return nil, fmt.Errorf("%w: set Geometry or Cache, not both", ErrInvalidConfig)
+	case c.Cache.IsZero():
+		if err := c.Geometry.Validate(); err != nil {
+			return nil, err
+		}
+		return GeometrySpec(c.Geometry).layout()
+	}
+	return c.Cache.layout()
+}
+
+// sizes derives and validates the pool size: per-token pages, and the
+// size of every other group.
+func (c *Config) sizes(lay *layout) (pages int, side []int, err error) {
 	switch {
 	case c.Pages != 0 && c.PoolBytes != 0:
-		return 0, fmt.Errorf("%w: set Pages (%d) or PoolBytes (%d), not both", ErrInvalidConfig, c.Pages, c.PoolBytes)
+		return 0, nil, fmt.Errorf("%w: set Pages (%d) or PoolBytes (%d), not both", ErrInvalidConfig, c.Pages, c.PoolBytes)
 	case c.Pages < 0 || c.PoolBytes < 0:
-		return 0, fmt.Errorf("%w: negative pool size (Pages %d, PoolBytes %d)", ErrInvalidConfig, c.Pages, c.PoolBytes)
+		return 0, nil, fmt.Errorf("%w: negative pool size (Pages %d, PoolBytes %d)", ErrInvalidConfig, c.Pages, c.PoolBytes)
 	case c.Pages == 0 && c.PoolBytes == 0:
-		return 0, fmt.Errorf("%w: pool size missing: set Pages or PoolBytes", ErrInvalidConfig)
+		return 0, nil, fmt.Errorf("%w: pool size missing: set Pages or PoolBytes", ErrInvalidConfig)
+	case len(lay.side) == 0 && c.MaxLeases != 0:
+		return 0, nil, fmt.Errorf("%w: MaxLeases = %d, but the pool has no sliding-window or state group for it to size", ErrInvalidConfig, c.MaxLeases)
+	case len(lay.side) > 0 && (c.MaxLeases < 1 || c.MaxLeases > maxLeasesLimit):
+		return 0, nil, fmt.Errorf("%w: MaxLeases = %d, want 1..%d: it sizes the %s group(s)", ErrInvalidConfig, c.MaxLeases, maxLeasesLimit, lay.sideNames())
+	}
+	var sideBytes int64
+	for _, g := range lay.side {
+		n := g.groupPages(c.MaxLeases)
+		if n > allocator.MaxPages {
+			return 0, nil, fmt.Errorf("%w: group %q needs %d pages for %d leases, more than the %d an allocator addresses",
+				ErrInvalidConfig, g.name, n, c.MaxLeases, allocator.MaxPages)
+		}
+		side = append(side, n)
+		sideBytes += int64(n) * g.pageBytes
 	}
 	n := int64(c.Pages)
 	if c.PoolBytes != 0 {
-		n = c.PoolBytes / c.Geometry.PageBytes()
-		if n == 0 {
-			return 0, fmt.Errorf("%w: PoolBytes %d holds no page of %d bytes", ErrInvalidConfig, c.PoolBytes, c.Geometry.PageBytes())
+		left := c.PoolBytes - sideBytes
+		n = left / lay.primary.pageBytes
+		if left <= 0 || n == 0 {
+			return 0, nil, fmt.Errorf("%w: PoolBytes %d holds no page of %d bytes beside %d bytes for the %s group(s)",
+				ErrInvalidConfig, c.PoolBytes, lay.primary.pageBytes, sideBytes, lay.sideNames())
 		}
 	}
 	if n > allocator.MaxPages {
-		return 0, fmt.Errorf("%w: %d pages, more than the %d a block table can address", ErrInvalidConfig, n, allocator.MaxPages)
+		return 0, nil, fmt.Errorf("%w: %d pages, more than the %d a block table can address", ErrInvalidConfig, n, allocator.MaxPages)
 	}
-	return int(n), nil
+	return int(n), side, nil
 }
 
-// validate checks everything but the device and returns the page count.
-func (c *Config) validate() (int, error) {
-	if err := c.Geometry.Validate(); err != nil {
-		return 0, err
-	}
-	pages, err := c.pages()
+// validated is a checked Config: its layout and group sizes.
+type validated struct {
+	lay   *layout
+	pages int   // per-token group
+	side  []int // each other group's pages (slots)
+}
+
+// validate checks everything but the device.
+func (c *Config) validate() (validated, error) {
+	lay, err := c.spec()
 	if err != nil {
-		return 0, err
+		return validated{}, err
+	}
+	pages, side, err := c.sizes(lay)
+	if err != nil {
+		return validated{}, err
 	}
 	if err := c.Prefix.validate(); err != nil {
-		return 0, err
+		return validated{}, err
 	}
 	if err := c.Sizing.Validate(); err != nil {
-		return 0, fmt.Errorf("%w: Sizing: %w", ErrInvalidConfig, err)
+		return validated{}, fmt.Errorf("%w: Sizing: %w", ErrInvalidConfig, err)
 	}
 	if !(c.GrowthWatermark >= 0 && c.GrowthWatermark <= MaxGrowthWatermark) { // NaN fails too
-		return 0, fmt.Errorf("%w: GrowthWatermark = %v, want 0..%v", ErrInvalidConfig, c.GrowthWatermark, MaxGrowthWatermark)
+		return validated{}, fmt.Errorf("%w: GrowthWatermark = %v, want 0..%v", ErrInvalidConfig, c.GrowthWatermark, MaxGrowthWatermark)
 	}
-	if _, err := c.Scrub.FillSpec(c.Geometry.DType); err != nil {
-		return 0, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	if _, err := c.Scrub.FillSpecFor(lay.dtypes...); err != nil {
+		return validated{}, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
 	if c.MaxContextTokens <= 0 {
-		return 0, fmt.Errorf("%w: MaxContextTokens = %d, want the engine's context window (> 0)", ErrInvalidConfig, c.MaxContextTokens)
+		return validated{}, fmt.Errorf("%w: MaxContextTokens = %d, want the engine's context window (> 0)", ErrInvalidConfig, c.MaxContextTokens)
 	}
-	capTokens := int64(pages) * int64(c.Geometry.TokensPerPage)
+	capTokens := int64(pages) * int64(lay.tpp)
 	if int64(c.MaxContextTokens) > capTokens && !c.AllowUndersizedPool {
-		return 0, fmt.Errorf("%w: pool holds %d tokens (%d pages of %d), max context is %d tokens; "+
+		return validated{}, fmt.Errorf("%w: pool holds %d tokens (%d pages of %d), max context is %d tokens; "+
 			"enlarge the pool, lower MaxContextTokens, or set AllowUndersizedPool to refuse longer requests at admission",
-			ErrUndersizedPool, capTokens, pages, c.Geometry.TokensPerPage, c.MaxContextTokens)
+			ErrUndersizedPool, capTokens, pages, lay.tpp, c.MaxContextTokens)
 	}
-	if err := c.checkHostMemory(pages); err != nil {
-		return 0, err
+	for _, g := range lay.side {
+		if g.kind == GroupSlidingWindow && g.window > c.MaxContextTokens {
+			return validated{}, fmt.Errorf("%w: group %q has a window of %d tokens, longer than the max context of %d: it is a per-token group",
+				ErrInvalidConfig, g.name, g.window, c.MaxContextTokens)
+		}
 	}
-	return pages, nil
+	v := validated{lay: lay, pages: pages, side: side}
+	if err := c.checkHostMemory(v); err != nil {
+		return validated{}, err
+	}
+	return v, nil
 }
 
 // MaxGrowthWatermark bounds Config.GrowthWatermark: a pool that keeps more
@@ -240,20 +301,24 @@ var availableMemory = sysmem.Available
 // its own host device) exceeds what this process can still use: an
 // allocation that large would end the process with an out-of-memory
 // fault, which no caller could handle.
-func (c *Config) checkHostMemory(pages int) error {
+func (c *Config) checkHostMemory(v validated) error {
 	avail, ok := availableMemory()
 	if !ok {
 		return nil // cannot tell (not Linux): the allocations will say
 	}
-	meta := int64(pages) * metadataBytesPerPage
+	pages := int64(v.pages)
+	for _, n := range v.side {
+		pages += int64(n)
+	}
+	meta := pages * metadataBytesPerPage
 	var host int64
-	if c.Device == nil {
+	if c.Device == nil && !v.lay.adopted {
 		// Saturating: a page can span 2^43 bytes, pages × that overflows.
-		if pb := c.Geometry.PageBytes(); int64(pages) > (math.MaxInt64-meta)/pb {
-			host = math.MaxInt64 - meta
-		} else {
-			host = int64(pages) * pb
+		host = satMul(int64(v.pages), v.lay.primary.pageBytes)
+		for i, g := range v.lay.side {
+			host = satAdd(host, satMul(int64(v.side[i]), g.pageBytes))
 		}
+		host = min(host, math.MaxInt64-meta)
 	}
 	if need := meta + host; need > avail {
 		return fmt.Errorf("%w: a pool of %d pages needs %d bytes of host memory (%d for page metadata, %d for host page memory), "+
@@ -262,10 +327,24 @@ func (c *Config) checkHostMemory(pages int) error {
 	return nil
 }
 
-// setupDevice returns the device to use, allocating regions if needed, and
-// whether the pool owns it.
-func (c *Config) setupDevice(pages int) (dev cudaops.Device, owned bool, err error) {
-	g := c.Geometry
+func satMul(a, b int64) int64 {
+	if b != 0 && a > math.MaxInt64/b {
+		return math.MaxInt64
+	}
+	return a * b
+}
+
+func satAdd(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
+}
+
+// setupDevice returns the device to use, allocating or adopting regions
+// if needed, and whether the pool owns it.
+func (c *Config) setupDevice(v validated) (dev cudaops.Device, owned bool, err error) {
+	lay := v.lay
 	dev = c.Device
 	if dev == nil {
 		dev, owned = cudaops.NewHost(), true
@@ -276,25 +355,73 @@ func (c *Config) setupDevice(pages int) (dev cudaops.Device, owned bool, err err
 		}
 		return nil, false, err
 	}
+	groupPages := func(ri int) int {
+		for i, g := range lay.side {
+			if ri >= g.first && ri < g.first+g.count {
+				return v.side[i]
+			}
+		}
+		return v.pages
+	}
 	regions := dev.Regions()
 	if len(regions) == 0 {
-		for range g.Regions() {
-			if _, err := dev.AllocRegion(pages, g.RegionPageBytes()); err != nil {
-				return fail(fmt.Errorf("%w: allocating %d regions of %d pages × %d bytes on %s: %w",
-					ErrInvalidConfig, g.Regions(), pages, g.RegionPageBytes(), dev.Name(), err))
+		for ri, r := range lay.regions {
+			if _, err := addRegion(dev, r, groupPages(ri)); err != nil {
+				return fail(fmt.Errorf("%w: region %d (%q) of %d pages × %d bytes on %s: %w",
+					ErrInvalidConfig, ri, r.Name, groupPages(ri), r.PageBytes, dev.Name(), err))
 			}
 		}
 		return dev, owned, nil
 	}
-	if len(regions) != g.Regions() {
-		return fail(fmt.Errorf("%w: device has %d regions, geometry needs %d (K and V for %d layers)",
-			ErrInvalidConfig, len(regions), g.Regions(), g.Layers))
+	if lay.adopted {
+		return fail(fmt.Errorf("%w: the cache spec adopts engine memory, but the device already has %d regions", ErrInvalidConfig, len(regions)))
+	}
+	if len(regions) != len(lay.regions) {
+		return fail(fmt.Errorf("%w: device has %d regions, the cache spec has %d", ErrInvalidConfig, len(regions), len(lay.regions)))
 	}
 	for i, r := range regions {
-		if r.PageBytes != g.RegionPageBytes() || r.Pages < pages {
-			return fail(fmt.Errorf("%w: device region %d has %d pages of %d bytes, pool needs %d pages of %d",
-				ErrInvalidConfig, i, r.Pages, r.PageBytes, pages, g.RegionPageBytes()))
+		want := lay.regions[i]
+		if r.PageBytes != want.PageBytes || r.Pages < groupPages(i) {
+			return fail(fmt.Errorf("%w: device region %d has %d pages of %d bytes, region %q needs %d pages of %d",
+				ErrInvalidConfig, i, r.Pages, r.PageBytes, want.Name, groupPages(i), want.PageBytes))
 		}
 	}
 	return dev, owned, nil
+}
+
+// addRegion allocates region r on dev for pages pages, or adopts the
+// engine memory it names.
+func addRegion(dev cudaops.Device, r CacheRegion, pages int) (int, error) {
+	m := r.Memory
+	if m == nil {
+		return dev.AllocRegion(pages, r.PageBytes)
+	}
+	stride := m.Stride
+	if stride == 0 {
+		stride = r.PageBytes
+	}
+	have := m.Pages
+	if have == 0 {
+		have = pages
+	}
+	if have < pages {
+		return 0, fmt.Errorf("%w: adopted memory holds %d pages, the group has %d", cudaops.ErrInvalidArgument, have, pages)
+	}
+	switch d := dev.(type) {
+	case interface {
+		AdoptRegion(mem []byte, pages int, stride, pageBytes int64) (int, error)
+	}:
+		if m.Host == nil {
+			return 0, fmt.Errorf("%w: a host device adopts host memory (RegionMemory.Host), not the address %#x", cudaops.ErrInvalidArgument, m.Base)
+		}
+		return d.AdoptRegion(m.Host, have, stride, r.PageBytes)
+	case interface {
+		AdoptRegion(base uint64, pages int, stride, pageBytes int64) (int, error)
+	}:
+		if m.Base == 0 {
+			return 0, fmt.Errorf("%w: %s adopts device memory (RegionMemory.Base), not a host buffer", cudaops.ErrInvalidArgument, dev.Name())
+		}
+		return d.AdoptRegion(m.Base, have, stride, r.PageBytes)
+	}
+	return 0, fmt.Errorf("%w: %s cannot adopt engine memory", cudaops.ErrInvalidArgument, dev.Name())
 }

@@ -115,8 +115,11 @@ type AdmissionError struct {
 	Cause     error  // the lower-level error, if any (e.g. isolation.ErrReserved)
 	RequestID string // the refused request
 	Tenant    string
-	// Need, Have and Limit are in pages; for ErrExceedsMaxContext in
-	// tokens. Have is what could be granted now, Limit the ceiling that
+	// Group names the cache group whose numbers these are, in a pool of
+	// several groups (CacheSpec); empty in a pool of one.
+	Group string
+	// Need, Have and Limit are in pages (slots, for a state group); for
+	// ErrExceedsMaxContext in tokens. Have is what could be granted now, Limit the ceiling that
 	// applies (pool pages in service, tenant quota, max context).
 	Need, Have, Limit int
 	// NeedTokens and LimitTokens restate capacity refusals in tokens.
@@ -125,6 +128,9 @@ type AdmissionError struct {
 
 func (e *AdmissionError) Error() string {
 	prefix := fmt.Sprintf("%v: request %q of tenant %q", e.Err, e.RequestID, e.Tenant)
+	if e.Group != "" {
+		prefix += fmt.Sprintf(" in cache group %q", e.Group)
+	}
 	switch e.Err {
 	case ErrExceedsMaxContext:
 		return fmt.Sprintf("%s needs %d tokens, max context is %d", prefix, e.Need, e.Limit)

@@ -46,6 +46,9 @@ func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 		return nil, err
 	}
 	p := l.pool
+	if err := p.handoffSupported(); err != nil {
+		return nil, err
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.stateErrLocked(); err != nil {
@@ -61,7 +64,7 @@ func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 			ErrLeasePhase, l.id, ph, l.Written(), l.prompt)
 	}
 	l.phase.Store(uint32(PhaseExported))
-	n := p.geom.PagesFor(l.prompt)
+	n := p.pagesFor(l.prompt)
 	o := &Outgoing{pool: p, lease: l, seq: l.seq, handles: append([]allocator.Handle(nil), l.handles[:n]...)}
 	// The callback runs in its own goroutine and takes Pool.mu itself; it
 	// ends only this export (o.owns), never a later incarnation.
@@ -132,7 +135,7 @@ func (o *Outgoing) Checksum() (uint32, error) {
 func (o *Outgoing) pageSums() ([]uint64, error) {
 	n := len(o.handles)
 	sums := make([]uint64, n)
-	pb := int(o.pool.geom.PageBytes())
+	pb := int(o.pool.PageBytes())
 	batch := max(1, (1<<20)/pb) // pages read at a time, into a cache-sized buffer
 	workers := min(runtime.GOMAXPROCS(0), 8, (n+batch-1)/batch)
 	per := (n + workers - 1) / workers
@@ -157,8 +160,22 @@ func (o *Outgoing) pageSums() ([]uint64, error) {
 	return sums, g.Wait()
 }
 
-// Geometry is the page geometry of the exporting pool.
+// Geometry is the page geometry of the exporting pool; zero for a pool
+// made from a CacheSpec.
 func (o *Outgoing) Geometry() Geometry { return o.pool.geom }
+
+// Spec is the cache spec of the exporting pool.
+func (o *Outgoing) Spec() CacheSpec { return o.pool.Spec() }
+
+// handoffSupported refuses a handoff from or to a pool with side groups:
+// its pages alone would be half of the request's state.
+func (p *Pool) handoffSupported() error {
+	if len(p.side) > 0 {
+		return fmt.Errorf("%w: the pool has the %s cache group(s), which handoffs do not move: only pools of one per-token group export and import",
+			ErrInvalidArgument, p.lay.sideNames())
+	}
+	return nil
+}
 
 // Live reports whether the pages are still pinned for this export.
 func (o *Outgoing) Live() bool {
@@ -176,7 +193,7 @@ func (o *Outgoing) Live() bool {
 // cannot be released until it is done.
 func (o *Outgoing) ReadPages(first int, dst []byte) error {
 	p := o.pool
-	pb := int(p.geom.PageBytes())
+	pb := int(p.PageBytes())
 	n := len(dst) / pb
 	if !pageRangeOK(first, n, len(dst), pb, len(o.handles)) {
 		return fmt.Errorf("%w: read of %d bytes at page %d of %d (pages are %d bytes)",
@@ -239,10 +256,10 @@ func (p *Pool) pinPagesLocked(l *Lease, hs []allocator.Handle, write bool) error
 
 // readPages copies whole pages into buf; the caller has pinned them.
 func (p *Pool) readPages(hs []allocator.Handle, buf []byte) error {
-	rb := int(p.geom.RegionPageBytes())
 	off := 0
 	for _, h := range hs {
-		for r := range p.geom.Regions() {
+		for r := range p.lay.primary.count {
+			rb := int(p.lay.regions[r].PageBytes)
 			if err := p.dev.ReadPage(r, h.Page, buf[off:off+rb]); err != nil {
 				return fmt.Errorf("%w: page %d region %d: %w", ErrDevice, h.Page, r, err)
 			}

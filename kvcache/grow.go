@@ -76,7 +76,7 @@ func (l *Lease) grow(a *admission, tokens int) error {
 		return p.refuse(a, &AdmissionError{Err: ErrExceedsMaxContext, Need: written + tokens, Limit: limit})
 	}
 	a.target = written + tokens
-	if p.geom.PagesFor(a.target) <= l.Pages() {
+	if p.pagesFor(a.target) <= l.Pages() {
 		return nil // room enough: no lock taken
 	}
 	p.mu.Lock()
@@ -105,7 +105,7 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 	}
 	t := l.tenant
 	have := len(l.table)
-	fresh := p.geom.PagesFor(a.target) - have
+	fresh := p.pagesFor(a.target) - have
 	if fresh <= 0 {
 		a.err = nil
 		return stepDone
@@ -113,7 +113,7 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 	inService := p.inServiceLocked()
 	if total := have + fresh; total > inService {
 		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Need: total, Have: p.mu.alloc.Count(allocator.Free),
-			Limit: inService, NeedTokens: a.target, LimitTokens: inService * p.geom.TokensPerPage})
+			Limit: inService, NeedTokens: a.target, LimitTokens: inService * p.tpp})
 	} else if total > t.Quota {
 		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Need: total, Have: max(0, t.Quota-t.Used), Limit: t.Quota})
 	}
@@ -187,7 +187,7 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 		parent = l.keys[have-1]
 	}
 	p.mu.Unlock()
-	tpp := p.geom.TokensPerPage
+	tpp := p.tpp
 	full := written / tpp
 	if keep && full > have {
 		if have == 0 {
@@ -233,11 +233,11 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 	l.state.Store(leaseReleased)
 	p.mu.growth.Preempted++
 	p.mu.growth.PreemptKeptPages += uint64(kept / tpp)
-	pages := p.detachLocked(l, l.scrub[:0])
-	l.scrub = pages[:0]
+	b := p.detachLocked(l, l.scrub.reset())
+	l.scrub = b.reset()
 	p.fills.Add(1)
 	p.mu.Unlock()
-	return kept, p.scrub(pages, cudaops.Ordering{})
+	return kept, p.scrub(b, cudaops.Ordering{})
 }
 
 // GrowthStats counts growth and preemption.

@@ -67,6 +67,9 @@ func (p *Pool) beginImport(a *admission, checksum uint32) (*Incoming, error) {
 	if domain == "" {
 		return nil, fmt.Errorf("%w: import of request %q names no sharing domain", ErrInvalidArgument, req.ID)
 	}
+	if err := p.handoffSupported(); err != nil {
+		return nil, err
+	}
 	if len(req.TokenIDs) > 0 || len(req.PageKeys) > 0 {
 		return nil, fmt.Errorf("%w: request %q carries %d token IDs and %d page keys", ErrImportPrefix, req.ID, len(req.TokenIDs), len(req.PageKeys))
 	}
@@ -78,8 +81,8 @@ func (p *Pool) beginImport(a *admission, checksum uint32) (*Incoming, error) {
 	if err := p.admit(a); err != nil {
 		return nil, err
 	}
-	in := &Incoming{pool: p, lease: l, seq: l.seq, pages: p.geom.PagesFor(req.PromptTokens),
-		want: checksum, pageLen: int(p.geom.PageBytes())}
+	in := &Incoming{pool: p, lease: l, seq: l.seq, pages: p.pagesFor(req.PromptTokens),
+		want: checksum, pageLen: int(p.PageBytes())}
 	in.mu.sums = make([]uint64, in.pages)
 	in.mu.got = make([]bool, in.pages)
 	return in, nil
@@ -181,14 +184,14 @@ func (in *Incoming) WritePagesFrom(first int, parts [][]byte) error {
 // parts is written in pieces on a cudaops.PartWriter and assembled in
 // scratch memory elsewhere.
 func (p *Pool) writeParts(hs []allocator.Handle, parts [][]byte, sums []uint64) error {
-	rb := int(p.geom.RegionPageBytes())
 	partial, _ := p.dev.(cudaops.PartWriter)
 	cur := partCursor{parts: parts}
 	var block, region, blockSums []byte // scratch
 	for i, h := range hs {
 		ahead := cur // sums the page, ahead of the writes
-		sums[i], blockSums = ahead.pageSum(rb*p.geom.Regions(), &block, blockSums)
-		for r := range p.geom.Regions() {
+		sums[i], blockSums = ahead.pageSum(int(p.PageBytes()), &block, blockSums)
+		for r := range p.lay.primary.count {
+			rb := int(p.lay.regions[r].PageBytes)
 			var err error
 			if partial != nil {
 				for off := 0; off < rb && err == nil; {

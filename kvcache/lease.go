@@ -36,7 +36,10 @@ type Lease struct {
 	table   []int32
 	view    atomic.Pointer[[]int32]
 	viewLen atomic.Int64
-	scrub   []int32 // scratch for release, reused
+	scrub   scrubBatch // scratch for release, reused
+	// side is what the lease holds in each side group (groups.go),
+	// written under Pool.mu.
+	side []sideHold
 	// seq is this incarnation's admission number (Pool.mu.seq): an export
 	// or import of the lease belongs to one incarnation only.
 	seq     uint64
@@ -177,7 +180,7 @@ func (l *Lease) CapacityTokens() int {
 	if l == nil || l.pool == nil {
 		return 0
 	}
-	return l.Pages() * l.pool.geom.TokensPerPage
+	return l.Pages() * l.pool.tpp
 }
 
 // Live reports whether the lease still holds its pages.
@@ -210,7 +213,7 @@ func (l *Lease) SlotMapping(start, end int, dst []int64) ([]int64, error) {
 		return dst, l.sealedErr("slot mapping")
 	}
 	table := l.tableView()
-	tpp := l.pool.geom.TokensPerPage
+	tpp := l.pool.tpp
 	if slots := len(table) * tpp; start < 0 || end < start || end > slots {
 		return dst, fmt.Errorf("%w: token range [%d, %d) outside the lease's %d slots",
 			ErrInvalidArgument, start, end, slots)

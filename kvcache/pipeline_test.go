@@ -88,7 +88,7 @@ func TestImportWritesOnlyItsOwnPages(t *testing.T) {
 	p.q.BeginLocked(len(q))
 	p.fills.Add(1)
 	p.mu.Unlock()
-	require.NoError(t, p.scrub(q, cudaops.Ordering{}))
+	require.NoError(t, p.scrub(scrubBatch{pages: q}, cudaops.Ordering{}))
 	require.NoError(t, p.Check())
 }
 

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 
 	"github.com/kvfence/kvfence/allocator"
@@ -21,8 +22,11 @@ import (
 // Pool is a paged KV cache shared by tenants. See the package doc.
 type Pool struct {
 	// Set once in New, read without mu.
-	geom           Geometry
-	total          int
+	geom           Geometry // zero for a pool made from a CacheSpec
+	lay            *layout
+	tpp            int // tokens per page of the per-token group
+	total          int // per-token pages
+	side           []*sideGroup
 	maxContext     int
 	dev            cudaops.Device
 	ownsDevice     bool
@@ -83,35 +87,53 @@ type Pool struct {
 // and one whose page metadata (and host page memory, for the pool's own
 // host device) would not fit in the memory this process may use.
 func New(cfg Config) (*Pool, error) {
-	pages, err := cfg.validate()
+	v, err := cfg.validate()
 	if err != nil {
 		return nil, err
 	}
+	pages := v.pages
 	alloc, err := allocator.New(pages)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 	}
-	reg := isolation.NewRegistry(pages)
-	for _, tc := range cfg.Tenants {
-		if _, err := reg.Add(tc); err != nil {
-			return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
-		}
-	}
-	dev, owned, err := cfg.setupDevice(pages)
-	if err != nil {
-		return nil, err
-	}
 	p := &Pool{
-		geom:           cfg.Geometry,
+		lay:            v.lay,
+		tpp:            v.lay.tpp,
 		total:          pages,
 		maxContext:     cfg.MaxContextTokens,
-		dev:            dev,
-		ownsDevice:     owned,
-		prefixDisabled: cfg.Prefix.Disable,
+		prefixDisabled: cfg.Prefix.Disable || len(v.lay.side) > 0,
 		sizing:         cfg.Sizing.Or(Sizing{Mode: SizeFull}),
 		watermark:      cfg.GrowthWatermark,
 	}
-	q, err := isolation.NewQuarantine(alloc, dev, reg, &p.mu.Mutex, cfg.Scrub, cfg.Geometry.DType)
+	if cfg.Cache.IsZero() {
+		p.geom = cfg.Geometry
+	}
+	spaces := []isolation.Space{{Alloc: alloc, First: v.lay.primary.first, Count: v.lay.primary.count}}
+	for i, gl := range v.lay.side {
+		ga, err := allocator.New(v.side[i])
+		if err != nil {
+			return nil, fmt.Errorf("%w: group %q: %w", ErrInvalidConfig, gl.name, err)
+		}
+		g := &sideGroup{groupLayout: gl, pages: v.side[i], space: 1 + i, alloc: ga, tenants: isolation.NewRegistry(v.side[i])}
+		p.side = append(p.side, g)
+		spaces = append(spaces, isolation.Space{Alloc: ga, First: gl.first, Count: gl.count})
+	}
+	reg := isolation.NewRegistry(pages)
+	p.mu.tenants = reg
+	p.mu.Lock() // the Locked helpers assert it; nothing else can see p yet
+	for _, tc := range cfg.Tenants {
+		if _, err := p.addTenantLocked(tc); err != nil {
+			p.mu.Unlock()
+			return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+		}
+	}
+	p.mu.Unlock()
+	dev, owned, err := cfg.setupDevice(v)
+	if err != nil {
+		return nil, err
+	}
+	p.dev, p.ownsDevice = dev, owned
+	q, err := isolation.NewQuarantineOf(spaces, dev, reg, &p.mu.Mutex, cfg.Scrub, v.lay.dtypes...)
 	if err == nil {
 		err = q.ScrubAllFree()
 	}
@@ -119,14 +141,14 @@ func New(cfg Config) (*Pool, error) {
 		if owned {
 			dev.Close()
 		}
-		if errors.Is(err, isolation.ErrInvalidPolicy) { // validated above; kept for safety
+		if errors.Is(err, isolation.ErrInvalidPolicy) { // a device that cannot fill the spec's groups
 			err = fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 		}
 		return nil, err
 	}
 	p.q = q
 	p.quiet.L = &p.mu.Mutex
-	p.mu.alloc, p.mu.tenants = alloc, reg
+	p.mu.alloc = alloc
 	p.mu.leases = make(map[string]*Lease)
 	p.mu.prefix.init(pages, rand.Uint64())
 	if cfg.Prefix.EventBuffer > 0 {
@@ -136,14 +158,41 @@ func New(cfg Config) (*Pool, error) {
 	return p, nil
 }
 
-// Geometry returns the pool's page geometry.
+// Geometry returns the pool's page geometry; the zero Geometry for a pool
+// made from a CacheSpec (see Spec).
 func (p *Pool) Geometry() Geometry { return p.geom }
+
+// Spec returns the pool's cache spec: Config.Cache, or the one its
+// Geometry describes (GeometrySpec). Adopted memory is left out.
+func (p *Pool) Spec() CacheSpec {
+	s := p.lay.spec
+	s.Groups = slices.Clone(s.Groups)
+	for i := range s.Groups {
+		rs := slices.Clone(s.Groups[i].Regions)
+		for j := range rs {
+			rs[j].Memory = nil
+		}
+		s.Groups[i].Regions = rs
+	}
+	return s
+}
+
+// TokensPerPage is the page size of the per-token group.
+func (p *Pool) TokensPerPage() int { return p.tpp }
+
+// PageBytes is one per-token page over all its regions.
+func (p *Pool) PageBytes() int64 { return p.lay.primary.pageBytes }
+
+// pagesFor is the per-token pages that hold tokens tokens.
+func (p *Pool) pagesFor(tokens int) int {
+	return int((int64(tokens) + int64(p.tpp) - 1) / int64(p.tpp))
+}
 
 // Pages returns the pool size in pages.
 func (p *Pool) Pages() int { return p.total }
 
 // CapacityTokens is the pool size in tokens.
-func (p *Pool) CapacityTokens() int { return p.total * p.geom.TokensPerPage }
+func (p *Pool) CapacityTokens() int { return p.total * p.tpp }
 
 // Device returns the device that holds the pages.
 func (p *Pool) Device() cudaops.Device { return p.dev }
@@ -155,7 +204,7 @@ func (p *Pool) AddTenant(tc TenantConfig) error {
 	if p.mu.closed {
 		return ErrPoolClosed
 	}
-	_, err := p.mu.tenants.Add(tc)
+	_, err := p.addTenantLocked(tc)
 	return err
 }
 
@@ -168,7 +217,7 @@ func (p *Pool) UpdateTenant(tc TenantConfig) error {
 	if p.mu.closed {
 		return ErrPoolClosed
 	}
-	if err := p.mu.tenants.Update(tc); err != nil {
+	if err := p.updateTenantLocked(tc); err != nil {
 		return err
 	}
 	t, _ := p.mu.tenants.Lookup(tc.Name)
@@ -214,16 +263,16 @@ func (p *Pool) Close() error {
 	for p.mu.pins > 0 || p.mu.admitting > 0 {
 		p.quiet.Wait()
 	}
-	var pages []int32
+	var b scrubBatch
 	for _, l := range p.mu.leases {
 		l.state.Store(leaseReleased)
-		pages = p.detachLocked(l, pages)
+		b = p.detachLocked(l, b)
 	}
-	pages = p.clearLocked(pages) // a closed pool keeps no KV
+	b.pages = p.clearLocked(b.pages) // a closed pool keeps no KV
 	p.mu.events.closeLocked()
 	p.fills.Add(1)
 	p.mu.Unlock()
-	err := p.scrub(pages, cudaops.Ordering{})
+	err := p.scrub(b, cudaops.Ordering{})
 	p.fills.Wait()
 	if p.ownsDevice {
 		err = errors.Join(err, p.dev.Close())

@@ -54,7 +54,7 @@ func (p *Pool) PageKeys(tenant, adapter string, tokens []int32, dst []BlockKey) 
 	if err != nil {
 		return dst, err
 	}
-	return appendPageKeys(dst, prefixRoot(domain, adapter), p.geom.TokensPerPage, tokens), nil
+	return appendPageKeys(dst, prefixRoot(domain, adapter), p.tpp, tokens), nil
 }
 
 // TenantDomain returns the name of the sharing domain tenant is in now:
@@ -94,11 +94,11 @@ func (l *Lease) AttachTokens(adapter string, tokens []int32) error {
 	if len(tokens) == 0 {
 		return fmt.Errorf("%w: lease %q: no tokens to attach", ErrInvalidArgument, l.id)
 	}
-	if err := validatePrefix(Request{PromptTokens: l.prompt, TokenIDs: tokens, Adapter: adapter}, p.geom.TokensPerPage); err != nil {
+	if err := validatePrefix(Request{PromptTokens: l.prompt, TokenIDs: tokens, Adapter: adapter}, p.tpp); err != nil {
 		return fmt.Errorf("%w: lease %q: %w", ErrInvalidArgument, l.id, err)
 	}
 	// Hashed outside Pool.mu; the domain never changes while l lives.
-	keys := appendPageKeys(nil, prefixRoot(l.Domain(), adapter), p.geom.TokensPerPage, tokens)
+	keys := appendPageKeys(nil, prefixRoot(l.Domain(), adapter), p.tpp, tokens)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.mu.closed {
@@ -139,7 +139,7 @@ func (p *Pool) matchLocked(l *Lease, dom *isolation.Domain, adapter string, limi
 			m.entries = append(m.entries, e)
 		}
 	} else {
-		tpp := p.geom.TokensPerPage
+		tpp := p.tpp
 		node := x.root(dom, adapter, false)
 		for i := 0; node != nil && i < limit; i++ {
 			e := node.child(l.tokens[i*tpp:(i+1)*tpp], dom, x.seed)
@@ -196,9 +196,9 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 			if p.mu.events.enabled() {
 				if k := len(removed) - 1; k >= 0 && removed[k].Domain == e.dom.Name {
 					removed[k].Keys = append(removed[k].Keys, e.key)
-					removed[k].Tokens += p.geom.TokensPerPage
+					removed[k].Tokens += p.tpp
 				} else {
-					removed = append(removed, KVEvent{Kind: KVRemoved, Domain: e.dom.Name, Keys: []BlockKey{e.key}, Tokens: p.geom.TokensPerPage})
+					removed = append(removed, KVEvent{Kind: KVRemoved, Domain: e.dom.Name, Keys: []BlockKey{e.key}, Tokens: p.tpp})
 				}
 			}
 		}
@@ -245,10 +245,10 @@ func (p *Pool) shareMatchedLocked(l *Lease, t *isolation.Tenant, handles []alloc
 func (p *Pool) countMatchLocked(req *Request, dom *isolation.Domain, keys, hits int) {
 	p.assertHeld()
 	c := p.mu.prefix.counters(dom)
-	looked := min(keys, maxHitPages(*req, p.geom.TokensPerPage))
+	looked := min(keys, maxHitPages(*req, p.tpp))
 	c.hitPages += uint64(hits)
 	c.missPages += uint64(looked - hits)
-	c.hitTokens += uint64(hits * p.geom.TokensPerPage)
+	c.hitTokens += uint64(hits * p.tpp)
 }
 
 // releasePagesLocked drops l's references: published pages whose last
@@ -347,7 +347,7 @@ func (p *Pool) ClearPrefixCache() error {
 	pages := p.clearLocked(nil)
 	p.fills.Add(1)
 	p.mu.Unlock()
-	return p.scrub(pages, cudaops.Ordering{})
+	return p.scrub(scrubBatch{pages: pages}, cudaops.Ordering{})
 }
 
 // publishLocked publishes l's full pages [l.published, upTo) to its
@@ -359,7 +359,7 @@ func (p *Pool) ClearPrefixCache() error {
 func (p *Pool) publishLocked(l *Lease, upTo int) {
 	p.assertHeld()
 	x := &p.mu.prefix
-	tpp := p.geom.TokensPerPage
+	tpp := p.tpp
 	withTokens := len(l.tokens) >= upTo*tpp
 	var stored *KVEvent
 	flush := func() {
@@ -465,7 +465,7 @@ func (l *Lease) CachePrefix(n int) (int, error) {
 	if p.prefixDisabled || (len(l.keys) == 0 && len(l.tokens) == 0) {
 		return 0, nil
 	}
-	tpp := p.geom.TokensPerPage
+	tpp := p.tpp
 	upTo := n / tpp
 	if have := len(l.keys); have < upTo && len(l.tokens) > 0 {
 		// Keys of the pages to publish, once per page, derived outside
@@ -503,7 +503,7 @@ func (l *Lease) HitTokens() int {
 	if l.pool == nil {
 		return 0
 	}
-	return l.hitPages * l.pool.geom.TokensPerPage
+	return l.hitPages * l.pool.tpp
 }
 
 // Domain returns the name of the sharing domain the lease was admitted in.

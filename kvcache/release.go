@@ -36,56 +36,108 @@ func (p *Pool) endLease(l *Lease, owns func() bool, phase Phase, after cudaops.O
 		l.phase.Store(uint32(phase))
 	}
 	l.state.Store(leaseReleased)
-	pages := p.detachLocked(l, l.scrub[:0])
-	l.scrub = pages[:0]
+	b := p.detachLocked(l, l.scrub.reset())
+	l.scrub = b.reset()
 	p.fills.Add(1)
 	p.mu.Unlock()
-	return true, p.scrub(pages, after)
+	return true, p.scrub(b, after)
+}
+
+// scrubBatch is what one release (or Close) frees and scrubs in one fill:
+// pages of the per-token group, and of each side group (nil in a pool of
+// one group).
+type scrubBatch struct {
+	pages []int32
+	side  [][]int32
+}
+
+// reset empties b, keeping its arrays for reuse.
+func (b scrubBatch) reset() scrubBatch {
+	b.pages = b.pages[:0]
+	for i := range b.side {
+		b.side[i] = b.side[i][:0]
+	}
+	return b
+}
+
+func (b scrubBatch) len() int {
+	n := len(b.pages)
+	for _, s := range b.side {
+		n += len(s)
+	}
+	return n
+}
+
+// spaces is b as quarantine batches: space 0 the per-token pages, space
+// 1+i side group i's.
+func (b scrubBatch) spaces() [][]int32 {
+	return append([][]int32{b.pages}, b.side...)
+}
+
+func (b scrubBatch) clone() scrubBatch {
+	c := scrubBatch{pages: slices.Clone(b.pages)}
+	for _, s := range b.side {
+		c.side = append(c.side, slices.Clone(s))
+	}
+	return c
 }
 
 // detachLocked takes a lease that has just stopped being live off the
 // books: out of the lease table, its export's reclaim timer stopped, its
-// shared pages back to the prefix cache and its private ones into
-// quarantine (appended to pages, which the caller must scrub), its tenant
-// uncharged and woken.
-func (p *Pool) detachLocked(l *Lease, pages []int32) []int32 {
+// shared pages back to the prefix cache and its private ones, in every
+// group, into quarantine (appended to b, which the caller must scrub),
+// its tenant uncharged and woken.
+func (p *Pool) detachLocked(l *Lease, b scrubBatch) scrubBatch {
 	p.assertHeld()
 	delete(p.mu.leases, l.id)
 	if l.export != nil {
 		l.export.timer.Stop()
 		l.export = nil
 	}
-	before := len(pages)
-	pages = p.releasePagesLocked(l, pages) // shared pages may stay cached
-	p.q.BeginLocked(len(pages) - before)
+	before := len(b.pages)
+	b.pages = p.releasePagesLocked(l, b.pages) // shared pages may stay cached
+	p.q.BeginLocked(len(b.pages) - before)
+	if len(p.side) > 0 {
+		b = p.releaseSideLocked(l, b)
+	}
 	p.wakeTenantLocked(l.tenant)
 	p.assertLocked("release")
-	return pages
+	return b
 }
 
-// scrub fills pages (already quarantined and counted in flight, with
-// p.fills.Add(1) done under Pool.mu) and, once the fill has completed,
-// returns them to the free list; then it calls p.fills.Done. pages may be
-// reused by the caller once scrub returns.
-func (p *Pool) scrub(pages []int32, after cudaops.Ordering) error {
-	if len(pages) == 0 {
+// scrub fills the pages of b (already quarantined and counted in flight,
+// with p.fills.Add(1) done under Pool.mu), in every group with one fill,
+// and, once the fill has completed, returns them to the free lists; then
+// it calls p.fills.Done. b may be reused by the caller once scrub returns.
+func (p *Pool) scrub(b scrubBatch, after cudaops.Ordering) error {
+	if b.len() == 0 {
 		p.fills.Done()
 		return nil
 	}
-	if !slices.IsSorted(pages) {
-		slices.Sort(pages) // adjacent IDs coalesce into one run per region
+	// Adjacent IDs coalesce into one run per region.
+	if !slices.IsSorted(b.pages) {
+		slices.Sort(b.pages)
 	}
-	fence, err := p.q.Issue(pages, after)
+	for _, s := range b.side {
+		slices.Sort(s)
+	}
+	issue := func(after cudaops.Ordering) (cudaops.Fence, error) {
+		if b.side == nil {
+			return p.q.Issue(b.pages, after)
+		}
+		return p.q.IssueSpaces(b.spaces(), after)
+	}
+	fence, err := issue(after)
 	if errors.Is(err, cudaops.ErrBadOrdering) && !after.IsZero() {
 		// The ordering passed checkOrdering but went bad since (the engine
 		// destroyed its stream): the caller's mistake, not a failed fill.
 		// Wait for all the engine's work instead.
-		fence, err = p.q.Issue(pages, cudaops.Ordering{})
+		fence, err = issue(cudaops.Ordering{})
 	}
 	if err == nil {
 		var done bool
 		if done, err = fence.Done(); !done {
-			batch := slices.Clone(pages)
+			batch := b.clone()
 			go func() {
 				defer p.fills.Done()
 				p.finishScrub(batch, fence.Wait())
@@ -93,7 +145,7 @@ func (p *Pool) scrub(pages []int32, after cudaops.Ordering) error {
 			return nil
 		}
 	}
-	err = p.finishScrub(pages, err)
+	err = p.finishScrub(b, err)
 	p.fills.Done()
 	return err
 }
@@ -125,18 +177,23 @@ func (p *Pool) fillAndWait(pages []int32) error {
 	return err
 }
 
-func (p *Pool) finishScrub(pages []int32, fillErr error) error {
+func (p *Pool) finishScrub(b scrubBatch, fillErr error) error {
 	p.mu.Lock()
-	err := p.finishScrubLocked(pages, fillErr)
+	err := p.finishScrubLocked(b, fillErr)
 	p.mu.Unlock()
 	return err
 }
 
 // finishScrubLocked ends a scrub with its fill's result: clean pages go to
-// the free list, a failed fill retires its pages and faults the pool.
-func (p *Pool) finishScrubLocked(pages []int32, fillErr error) error {
+// the free lists, a failed fill retires its pages and faults the pool.
+func (p *Pool) finishScrubLocked(b scrubBatch, fillErr error) error {
 	p.assertHeld()
-	err := p.q.FinishLocked(pages, fillErr)
+	var err error
+	if b.side == nil {
+		err = p.q.FinishLocked(b.pages, fillErr)
+	} else {
+		err = p.q.FinishSpacesLocked(b.spaces(), fillErr)
+	}
 	if err != nil {
 		p.faultedLocked()
 	} else {

@@ -62,16 +62,19 @@ type Stats struct {
 	QuarantinedPages int // released, fill not yet completed
 	RetiredPages     int // out of service after a failed fill or audit
 	TokensPerPage    int
-	PageBytes        int64 // one page over all regions
-	LiveLeases       int
-	Admitted         uint64
-	Refused          Refusals
-	Growth           GrowthStats
-	Scrub            isolation.ScrubStats
-	Tenants          []TenantStats
-	Prefix           PrefixStats
-	Closed           bool
-	Fault            string // why the pool is faulted; empty while healthy
+	PageBytes        int64 // one page over all regions of the per-token group
+	// Groups is every cache group's figures, the per-token group first
+	// (its figures are the ones above).
+	Groups     []GroupStats
+	LiveLeases int
+	Admitted   uint64
+	Refused    Refusals
+	Growth     GrowthStats
+	Scrub      isolation.ScrubStats
+	Tenants    []TenantStats
+	Prefix     PrefixStats
+	Closed     bool
+	Fault      string // why the pool is faulted; empty while healthy
 }
 
 // Stats returns a snapshot of the pool's counters.
@@ -87,8 +90,9 @@ func (p *Pool) Stats() Stats {
 		CachedPages:      a.Count(allocator.Cached),
 		QuarantinedPages: a.Count(allocator.Quarantined),
 		RetiredPages:     a.Count(allocator.Retired),
-		TokensPerPage:    p.geom.TokensPerPage,
-		PageBytes:        p.geom.PageBytes(),
+		TokensPerPage:    p.tpp,
+		PageBytes:        p.PageBytes(),
+		Groups:           p.groupStatsLocked(),
 		LiveLeases:       len(p.mu.leases),
 		Admitted:         p.mu.admitted,
 		Refused:          p.mu.refused,
