@@ -13,3 +13,10 @@ func hostAddr(mem []byte) uint64 {
 	}
 	return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(mem))))
 }
+
+// HostRegion describes a region over host memory mem as Host.AdoptRegion
+// would register it (Base is mem's address), so that a caller can check
+// adopted buffers against each other (Overlap) before it adopts any.
+func HostRegion(mem []byte, pages int, stride, pageBytes int64) Region {
+	return Region{Base: hostAddr(mem), Stride: stride, PageBytes: pageBytes, Pages: pages}
+}

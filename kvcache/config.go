@@ -365,6 +365,9 @@ func (c *Config) setupDevice(v validated) (dev cudaops.Device, owned bool, err e
 	}
 	regions := dev.Regions()
 	if len(regions) == 0 {
+		if err := checkAdoption(lay, groupPages); err != nil {
+			return fail(err)
+		}
 		for ri, r := range lay.regions {
 			if _, err := addRegion(dev, r, groupPages(ri)); err != nil {
 				return fail(fmt.Errorf("%w: region %d (%q) of %d pages × %d bytes on %s: %w",
@@ -387,6 +390,48 @@ func (c *Config) setupDevice(v validated) (dev cudaops.Device, owned bool, err e
 		}
 	}
 	return dev, owned, nil
+}
+
+// checkAdoption refuses, before any region is added to the device, adopted
+// memory that is too small for its group or whose pages share bytes with
+// another region's: an engine's tensors described with a wrong shape.
+func checkAdoption(lay *layout, groupPages func(region int) int) error {
+	if !lay.adopted {
+		return nil
+	}
+	described := make([]cudaops.Region, len(lay.regions))
+	for ri, r := range lay.regions {
+		m := r.Memory
+		stride, pages := m.Stride, m.Pages
+		if stride == 0 {
+			stride = r.PageBytes
+		}
+		if pages == 0 {
+			pages = groupPages(ri)
+		}
+		if pages < groupPages(ri) {
+			return fmt.Errorf("%w: region %d (%q): adopted memory holds %d pages, its group has %d", ErrInvalidConfig, ri, r.Name, pages, groupPages(ri))
+		}
+		d := cudaops.Region{Base: m.Base, Stride: stride, PageBytes: r.PageBytes, Pages: pages}
+		if m.Host != nil {
+			d = cudaops.HostRegion(m.Host, pages, stride, r.PageBytes)
+			if int64(len(m.Host)) < d.Bytes() {
+				return fmt.Errorf("%w: region %d (%q): adopted host buffer of %d bytes, %d pages of stride %d need %d",
+					ErrInvalidConfig, ri, r.Name, len(m.Host), pages, stride, d.Bytes())
+			}
+		}
+		if err := d.Validate(); err != nil {
+			return fmt.Errorf("%w: region %d (%q): %w", ErrInvalidConfig, ri, r.Name, err)
+		}
+		for oi, o := range described[:ri] {
+			if cudaops.Overlap(o, d) {
+				return fmt.Errorf("%w: adopted region %d (%q) shares bytes with region %d (%q): the engine's tensors overlap as described",
+					ErrInvalidConfig, ri, r.Name, oi, lay.regions[oi].Name)
+			}
+		}
+		described[ri] = d
+	}
+	return nil
 }
 
 // addRegion allocates region r on dev for pages pages, or adopts the

@@ -234,7 +234,7 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 	p.mu.growth.Preempted++
 	p.mu.growth.PreemptKeptPages += uint64(kept / tpp)
 	b := p.detachLocked(l, l.scrub.reset())
-	l.scrub = b.reset()
+	l.scrub = b.scratch()
 	p.fills.Add(1)
 	p.mu.Unlock()
 	return kept, p.scrub(b, cudaops.Ordering{})

@@ -37,7 +37,7 @@ func (p *Pool) endLease(l *Lease, owns func() bool, phase Phase, after cudaops.O
 	}
 	l.state.Store(leaseReleased)
 	b := p.detachLocked(l, l.scrub.reset())
-	l.scrub = b.reset()
+	l.scrub = b.scratch()
 	p.fills.Add(1)
 	p.mu.Unlock()
 	return true, p.scrub(b, after)
@@ -51,7 +51,13 @@ type scrubBatch struct {
 	side  [][]int32
 }
 
-// reset empties b, keeping its arrays for reuse.
+// scratch is b's arrays to keep for the lease's next release: b itself is
+// left as it is (the scrub still reads it), reset empties the arrays when
+// they are used next.
+func (b scrubBatch) scratch() scrubBatch { return scrubBatch{pages: b.pages[:0], side: b.side} }
+
+// reset empties b, keeping its arrays for reuse; it truncates the side
+// batches in place.
 func (b scrubBatch) reset() scrubBatch {
 	b.pages = b.pages[:0]
 	for i := range b.side {
