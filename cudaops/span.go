@@ -30,7 +30,6 @@ type SpanFiller interface {
 // region; every page is valid in every region of its span. Backends call
 // it before touching memory.
 func CheckSpans(regions []Region, spans []Span) error {
-	var claimed []bool
 	for si, s := range spans {
 		if s.Count < 1 || s.First < 0 || s.First > len(regions)-s.Count {
 			return fmt.Errorf("%w: span %d names regions [%d, %d+%d) of %d", ErrInvalidArgument, si, s.First, s.First, s.Count, len(regions))
@@ -38,14 +37,10 @@ func CheckSpans(regions []Region, spans []Span) error {
 		if s.IDBase < 0 {
 			return fmt.Errorf("%w: span %d has ID base %d", ErrInvalidArgument, si, s.IDBase)
 		}
-		if claimed == nil {
-			claimed = make([]bool, len(regions))
-		}
-		for r := s.First; r < s.First+s.Count; r++ {
-			if claimed[r] {
-				return fmt.Errorf("%w: region %d is in two spans", ErrInvalidArgument, r)
+		for oi, o := range spans[:si] { // spans are few: one per cache group
+			if s.First < o.First+o.Count && o.First < s.First+s.Count {
+				return fmt.Errorf("%w: spans %d and %d share region %d", ErrInvalidArgument, oi, si, max(s.First, o.First))
 			}
-			claimed[r] = true
 		}
 		limit := regions[s.First].Pages
 		for _, r := range regions[s.First : s.First+s.Count] {

@@ -201,7 +201,10 @@ func (q *Quarantine) Issue(pages []int32, after cudaops.Ordering) (cudaops.Fence
 // of space s (len(batches) ≤ Spaces(); empty ones are skipped), all
 // filled in one device operation with one fence.
 func (q *Quarantine) IssueSpaces(batches [][]int32, after cudaops.Ordering) (cudaops.Fence, error) {
-	var spans []cudaops.Span
+	buf := spanBufs.Get().(*[]cudaops.Span)
+	defer spanBufs.Put(buf)
+	spans := (*buf)[:0]
+	defer func() { clear(spans); *buf = spans[:0] }() // no page list outlives the fill in the pool
 	n := 0
 	for i, b := range batches {
 		if len(b) > 0 {
@@ -222,6 +225,11 @@ func (q *Quarantine) IssueSpaces(batches [][]int32, after cudaops.Ordering) (cud
 	}
 	return f, nil
 }
+
+// spanBufs recycles IssueSpaces' span lists: releases run concurrently,
+// outside the pool lock, and a list handed to an interface method would
+// otherwise be allocated by every release.
+var spanBufs = sync.Pool{New: func() any { return new([]cudaops.Span) }}
 
 // FinishLocked ends the scrub of pages of space 0 with the fence's (or
 // Issue's) result: cleaned pages go to the free list, failed ones are

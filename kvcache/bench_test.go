@@ -3,6 +3,7 @@ package kvcache
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/kvfence/kvfence/cudaops"
 )
@@ -20,6 +21,16 @@ func (d *discardFills) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.
 		d.regions = d.Regions()
 	}
 	if err := cudaops.CheckPages(d.regions, pages); err != nil {
+		return nil, err
+	}
+	return cudaops.Completed(nil), nil
+}
+
+func (d *discardFills) FillSpans(spans []cudaops.Span, spec cudaops.FillSpec, after cudaops.Ordering) (cudaops.Fence, error) {
+	if d.regions == nil {
+		d.regions = d.Regions()
+	}
+	if err := cudaops.CheckSpans(d.regions, spans); err != nil {
 		return nil, err
 	}
 	return cudaops.Completed(nil), nil
@@ -177,5 +188,165 @@ func BenchmarkAdmitReleaseSizing(b *testing.B) {
 				b.Fatalf("lease of %d pages, want %d", l.Pages(), bc.pages)
 			}
 		})
+	}
+}
+
+// benchGroupsSpec is the GQA model of BenchmarkAdmitRelease (4 layers ×
+// K/V, 8 KV heads × 128, bf16, 16 tokens per page) as a cache spec, with
+// a state group (2 linear-attention layers) and a sliding-window group (2
+// layers, window 512) added as groups grows.
+func benchGroupsSpec(groups int) CacheSpec {
+	s := CacheSpec{Groups: []CacheGroup{{Name: "kv", Kind: GroupPerToken, TokensPerPage: 16,
+		Regions: AttentionKV(4, 8, 128, BF16, 16)}}}
+	if groups >= 2 {
+		s.Groups = append(s.Groups, CacheGroup{Name: "state", Kind: GroupState,
+			Regions: LinearAttentionState([]int{4, 5}, 64, 4, BF16, 2, 16, 16, FP32)})
+	}
+	if groups >= 3 {
+		s.Groups = append(s.Groups, CacheGroup{Name: "swa", Kind: GroupSlidingWindow, TokensPerPage: 16, WindowTokens: 512,
+			Regions: AttentionKVOf([]int{6, 7}, 1, 8, BF16, 16)})
+	}
+	return s
+}
+
+// BenchmarkAdmitReleaseGroups is BenchmarkAdmitRelease/fill=excluded for
+// the same 2,048-token request on pools of 1, 2 and 3 cache groups, and
+// on the Geometry pool of today's API as the baseline of the same run:
+// the cost of groups should grow at most linearly in their number, and
+// the GQA model as a spec should cost what it costs as a Geometry.
+func BenchmarkAdmitReleaseGroups(b *testing.B) {
+	geom := Geometry{TokensPerPage: 16, Layers: 4, KVHeads: 8, HeadDim: 128, DType: BF16}
+	for _, bc := range []struct {
+		name string
+		cfg  Config
+	}{
+		{"geometry", Config{Geometry: geom}},
+		{"groups=1", Config{Cache: benchGroupsSpec(1)}},
+		{"groups=2", Config{Cache: benchGroupsSpec(2), MaxLeases: 4}},
+		{"groups=3", Config{Cache: benchGroupsSpec(3), MaxLeases: 4}},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			dev := &discardFills{Host: cudaops.NewHost()}
+			defer dev.Close()
+			cfg := bc.cfg
+			cfg.Pages, cfg.MaxContextTokens, cfg.Device = 1024, 16*1024, dev
+			cfg.Tenants = []TenantConfig{{Name: "bench"}}
+			p, err := New(cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer p.Close()
+			req := Request{ID: "req", Tenant: "bench", PromptTokens: 2048}
+			var l Lease
+			before := p.Stats()
+			b.ReportAllocs()
+			for b.Loop() {
+				if err := p.TryAdmitInto(req, &l); err != nil {
+					b.Fatal(err)
+				}
+				if err := l.Release(); err != nil {
+					b.Fatal(err)
+				}
+			}
+			s := p.Stats()
+			scrubbed := s.Scrub.PagesScrubbed - before.Scrub.PagesScrubbed
+			perCycle := uint64(128)
+			for _, g := range p.side {
+				perCycle += uint64(g.group.perLease(2048))
+			}
+			if s.Admitted-before.Admitted != uint64(b.N) || scrubbed != perCycle*uint64(b.N) || s.LiveLeases != 0 {
+				b.Fatalf("after %d cycles: %d admitted, %d pages scrubbed (want %d a cycle), %d live", b.N, s.Admitted-before.Admitted, scrubbed, perCycle, s.LiveLeases)
+			}
+			for _, g := range s.Groups {
+				if g.Free != g.Pages {
+					b.Fatalf("group %q: %d of %d pages free after the loop", g.Name, g.Free, g.Pages)
+				}
+			}
+			if err := p.Check(); err != nil {
+				b.Fatal(err)
+			}
+		})
+	}
+}
+
+// hybridBenchSpec is a hybrid model at real per-layer sizes with few
+// layers (host memory): 4 MLA layers (latent 512+64 in bf16) with their
+// fp8 indexer keys (128 + scale), 2 sliding-window layers (8 KV heads ×
+// 128, bf16, window 128), and 4 Kimi-Delta-style state layers (32 heads
+// × 128 × 128 fp32 state, 3 × 8192 bf16 conv window); 16 tokens per page.
+func hybridBenchSpec() CacheSpec {
+	return CacheSpec{Model: "bench-hybrid", Groups: []CacheGroup{
+		{Name: "kv", Kind: GroupPerToken, TokensPerPage: 16, Regions: append(
+			MLALatent([]int{3, 7, 11, 15}, 512, 64, BF16, 16), IndexerKeys([]int{3, 7, 11, 15}, 128, 16)...)},
+		{Name: "swa", Kind: GroupSlidingWindow, TokensPerPage: 16, WindowTokens: 128,
+			Regions: AttentionKVOf([]int{16, 17}, 8, 128, BF16, 16)},
+		{Name: "state", Kind: GroupState,
+			Regions: LinearAttentionState([]int{0, 1, 2, 4}, 8192, 4, BF16, 32, 128, 128, FP32)},
+	}}
+}
+
+// BenchmarkHybridReleaseFill releases a 2,048-token lease of a hybrid
+// pool (every group scrubbed in one pass, poison policy) and compares
+// with clear() of the same number of contiguous bytes, timed alternately
+// in the same benchmark: x-clear = clear time ÷ release time (1 is
+// memset speed). It checks that every release was one fill of every
+// group's pages.
+func BenchmarkHybridReleaseFill(b *testing.B) {
+	p, err := New(Config{Cache: hybridBenchSpec(), Pages: 512, MaxLeases: 2, MaxContextTokens: 8192,
+		Tenants: []TenantConfig{{Name: "bench"}}, Scrub: ScrubPolicy{Kind: ScrubPoison}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer p.Close()
+	h := p.Device().(*cudaops.Host)
+	req := Request{ID: "req", Tenant: "bench", PromptTokens: 2048}
+	var l Lease
+	if err := p.TryAdmitInto(req, &l); err != nil {
+		b.Fatal(err)
+	}
+	var bytes int64 = int64(l.Pages()) * p.PageBytes()
+	for _, g := range p.side {
+		bytes += int64(g.group.perLease(req.Tokens())) * g.pageBytes
+	}
+	if err := l.Release(); err != nil {
+		b.Fatal(err)
+	}
+	baseline := make([]byte, bytes)
+	for i := range baseline {
+		baseline[i] = 1 // fault it in
+	}
+	b.SetBytes(bytes)
+	before := h.Counters()
+	var releaseTime, clearTime time.Duration
+	cycles := 0
+	for b.Loop() {
+		b.StopTimer()
+		if err := p.TryAdmitInto(req, &l); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		t0 := time.Now()
+		if err := l.Release(); err != nil {
+			b.Fatal(err)
+		}
+		releaseTime += time.Since(t0)
+		b.StopTimer()
+		t1 := time.Now()
+		clear(baseline)
+		clearTime += time.Since(t1)
+		b.StartTimer()
+		cycles++
+	}
+	c := h.Counters()
+	if got := c.FillCalls - before.FillCalls; got != uint64(cycles) {
+		b.Fatalf("%d releases made %d fills, want one each", cycles, got)
+	}
+	if got := c.BytesFilled - before.BytesFilled; got != uint64(cycles)*uint64(bytes) {
+		b.Fatalf("%d releases filled %d bytes, want %d each", cycles, got, bytes)
+	}
+	b.ReportMetric(float64(clearTime)/float64(releaseTime), "x-clear")
+	b.ReportMetric(float64(bytes)/(1<<20), "MiB/release")
+	if err := p.Check(); err != nil {
+		b.Fatal(err)
 	}
 }

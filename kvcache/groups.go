@@ -191,6 +191,7 @@ func (p *Pool) releaseSideLocked(l *Lease, b scrubBatch) scrubBatch {
 	p.assertHeld()
 	if len(b.side) != len(p.side) {
 		b.side = make([][]int32, len(p.side))
+		b.all = make([][]int32, 0, 1+len(p.side))
 	}
 	for i, g := range p.side {
 		h := &l.side[i]

@@ -49,12 +49,15 @@ func (p *Pool) endLease(l *Lease, owns func() bool, phase Phase, after cudaops.O
 type scrubBatch struct {
 	pages []int32
 	side  [][]int32
+	all   [][]int32 // scratch of spaces, capacity 1+len(side)
 }
 
 // scratch is b's arrays to keep for the lease's next release: b itself is
 // left as it is (the scrub still reads it), reset empties the arrays when
 // they are used next.
-func (b scrubBatch) scratch() scrubBatch { return scrubBatch{pages: b.pages[:0], side: b.side} }
+func (b scrubBatch) scratch() scrubBatch {
+	return scrubBatch{pages: b.pages[:0], side: b.side, all: b.all}
+}
 
 // reset empties b, keeping its arrays for reuse; it truncates the side
 // batches in place.
@@ -75,9 +78,9 @@ func (b scrubBatch) len() int {
 }
 
 // spaces is b as quarantine batches: space 0 the per-token pages, space
-// 1+i side group i's.
+// 1+i side group i's (in b.all's array, which releaseSideLocked sized).
 func (b scrubBatch) spaces() [][]int32 {
-	return append([][]int32{b.pages}, b.side...)
+	return append(append(b.all[:0], b.pages), b.side...)
 }
 
 func (b scrubBatch) clone() scrubBatch {
