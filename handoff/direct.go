@@ -67,7 +67,7 @@ func (e *Export) PageBytes() int {
 	if e == nil {
 		return 0
 	}
-	return int(e.out.Geometry().PageBytes())
+	return int(e.out.PageBytes())
 }
 
 // ReadPages copies exported pages first, first+1, … into dst (a whole
@@ -140,7 +140,7 @@ func (r *Receiver) Begin(ctx context.Context, manifest []byte) (*Import, error) 
 		r.refused()
 		return nil, err
 	}
-	imp := &Import{r: r, in: in, m: m, pb: int(m.Geometry.Geometry().PageBytes())}
+	imp := &Import{r: r, in: in, m: m, pb: int(r.cfg.Pool.PageBytes())} // the fingerprints matched
 	// Under mu, so that a timer firing at once finds imp.timer set.
 	imp.mu.Lock()
 	imp.timer = time.AfterFunc(r.cfg.TransferTimeout, func() { imp.Abort() })

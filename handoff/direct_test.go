@@ -238,3 +238,65 @@ func TestDirectRefusesSealedManifest(t *testing.T) {
 	require.ErrorIs(t, err, kvcache.ErrReclaimed)
 	sweep(t, prefill, decode)
 }
+
+// mlaSpec is a pool of MLA latents and sparse-attention indexer keys
+// (regions of two page sizes, three element types), as the GLM-5 family
+// caches, at test size.
+func mlaSpec(indexerDim int) kvcache.CacheSpec {
+	layers := []int{0, 1}
+	return kvcache.CacheSpec{Groups: []kvcache.CacheGroup{{Name: "kv", Kind: kvcache.GroupPerToken, TokensPerPage: 16,
+		Regions: append(kvcache.MLALatent(layers, 28, 4, kvcache.BF16, 16), kvcache.IndexerKeys(layers, indexerDim, 16)...)}}}
+}
+
+// Pools made from a cache spec hand off as Geometry pools do: every
+// region of every page arrives, whatever its size; a decode pool of
+// another spec (or a Geometry pool) refuses the manifest before taking a
+// page.
+func TestDirectCacheSpecPools(t *testing.T) {
+	ctx := context.Background()
+	prefill := pool(t, testkit.PoolConfig{Spec: mlaSpec(16), Pages: 32})
+	decode := pool(t, testkit.PoolConfig{Spec: mlaSpec(16), Pages: 32})
+	l, err := testkit.Prefill(prefill, "r1", "victim", 40)
+	require.NoError(t, err)
+	exp, err := sender(t).Export(l, 16)
+	require.NoError(t, err)
+	assert.Equal(t, handoff.LayoutCacheSpec, exp.Manifest().Geometry.Layout)
+	assert.Equal(t, int(prefill.PageBytes()), exp.PageBytes())
+	mb := mustManifest(t, exp)
+	for name, other := range map[string]*kvcache.Pool{
+		"another spec":    pool(t, testkit.PoolConfig{Spec: mlaSpec(32), Pages: 32}),
+		"a Geometry pool": pool(t, testkit.PoolConfig{Pages: 32}),
+	} {
+		_, err := receiver(t, other).Begin(ctx, mb)
+		require.ErrorIs(t, err, handoff.ErrGeometryMismatch, name)
+		assert.Zero(t, other.Stats().InUsePages, name)
+	}
+	imp, err := receiver(t, decode).Begin(ctx, mb)
+	require.NoError(t, err)
+	require.NoError(t, moveDirect(exp, imp, 2, nil))
+	dl, err := imp.Complete()
+	require.NoError(t, err)
+	require.NoError(t, testkit.VerifyContent(decode, dl, "r1"))
+	require.NoError(t, exp.Ack())
+	require.NoError(t, dl.Release())
+	sweep(t, prefill, decode)
+}
+
+// The streamed transfer (Export.Send) of a cache-spec pool: frames carry
+// whole pages of every region, and the receiver's lease holds exactly
+// what prefill wrote.
+func TestSendCacheSpecPools(t *testing.T) {
+	prefill := pool(t, testkit.PoolConfig{Spec: mlaSpec(16), Pages: 64})
+	decode := pool(t, testkit.PoolConfig{Spec: mlaSpec(16), Pages: 64})
+	recv := receiver(t, decode)
+	l, err := testkit.Prefill(prefill, "s1", "victim", 16*9+3)
+	require.NoError(t, err)
+	exp, err := sender(t).Export(l, 8)
+	require.NoError(t, err)
+	require.NoError(t, exp.Send(context.Background(), handoff.NewInProcess(recv)))
+	dl, ok := recv.Take("s1")
+	require.True(t, ok)
+	require.NoError(t, testkit.VerifyContent(decode, dl, "s1"))
+	require.NoError(t, dl.Release())
+	sweep(t, prefill, decode)
+}

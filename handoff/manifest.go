@@ -26,9 +26,11 @@ const Version = 1
 //	 24     8  expiry, Unix nanoseconds
 //	 32     8  prompt tokens (≥ 1)
 //	 40     8  max new tokens (≥ 0), what the decode lease reserves beyond the prompt
-//	 48    16  geometry: tokens per page, layers, KV heads, head dim (u32 each)
-//	 64     1  dtype (kvcache.DType)
-//	 65     1  layout (LayoutKVPerLayer)
+//	 48    16  geometry: tokens per page, layers, KV heads, head dim (u32 each);
+//	           under LayoutCacheSpec: tokens per page, regions, and the
+//	           spec's 64-bit digest (high, low)
+//	 64     1  dtype (kvcache.DType; under LayoutCacheSpec the first region's)
+//	 65     1  layout (LayoutKVPerLayer or LayoutCacheSpec)
 //	 66     1  checksum algorithm (ChecksumXXH3)
 //	 67     1  reserved (0)
 //	 68     4  content checksum (0 when FlagChecksumSealed)
@@ -57,7 +59,39 @@ const (
 	// in region 2l and its V in 2l+1, each page TokensPerPage × KVHeads ×
 	// HeadDim elements.
 	LayoutKVPerLayer uint8 = 1
+	// LayoutCacheSpec is a pool made from a kvcache.CacheSpec of one
+	// per-token group (MLA latents, indexer keys, fused layouts): the
+	// regions of that group in order, each page its region's PageBytes.
+	// What must match is the spec's digest (SpecDigest): the regions'
+	// page sizes and element types in order, and the page size in tokens.
+	LayoutCacheSpec uint8 = 2
 )
+
+// SpecDigest is the first 8 bytes of a SHA-256 over what makes two
+// pools' pages mean the same bytes: tokens per page, then per region of
+// the per-token group its page bytes and element types, in order. Names
+// and the model name are left out: a preset and a hand-written spec of
+// the same shapes interoperate.
+func SpecDigest(s kvcache.CacheSpec) uint64 {
+	h := sha256.New()
+	var b [8]byte
+	put := func(v uint64) { binary.LittleEndian.PutUint64(b[:], v); h.Write(b[:]) }
+	if len(s.Groups) == 0 {
+		return 0
+	}
+	g := s.Groups[0]
+	put(uint64(g.TokensPerPage))
+	put(uint64(len(g.Regions)))
+	for _, r := range g.Regions {
+		put(uint64(r.PageBytes))
+		put(uint64(r.DType))
+		put(uint64(len(r.AlsoHolds)))
+		for _, d := range r.AlsoHolds {
+			put(uint64(d))
+		}
+	}
+	return binary.BigEndian.Uint64(h.Sum(nil))
+}
 
 // ChecksumXXH3 is the content checksum of kvcache.ContentChecksum: per-page
 // XXH3-64 hashes folded into 32 bits. (1 named CRC32C, the algorithm of
@@ -80,6 +114,30 @@ type GeometryFingerprint struct {
 	Layout                                  uint8
 }
 
+// PoolFingerprint returns the fingerprint of a pool's pages: its
+// Geometry's for a pool made from one (LayoutKVPerLayer, as every earlier
+// build wrote), its cache spec's otherwise (LayoutCacheSpec).
+func PoolFingerprint(p interface {
+	Geometry() kvcache.Geometry
+	Spec() kvcache.CacheSpec
+}) GeometryFingerprint {
+	if g := p.Geometry(); g != (kvcache.Geometry{}) {
+		return Fingerprint(g)
+	}
+	return SpecFingerprint(p.Spec())
+}
+
+// SpecFingerprint returns a cache spec's fingerprint (LayoutCacheSpec).
+func SpecFingerprint(s kvcache.CacheSpec) GeometryFingerprint {
+	d := SpecDigest(s)
+	f := GeometryFingerprint{TokensPerPage: uint32(s.TokensPerPage()), KVHeads: uint32(d >> 32), HeadDim: uint32(d), Layout: LayoutCacheSpec}
+	if len(s.Groups) > 0 && len(s.Groups[0].Regions) > 0 {
+		f.Layers = uint32(len(s.Groups[0].Regions))
+		f.DType = s.Groups[0].Regions[0].DType
+	}
+	return f
+}
+
 // Fingerprint returns a pool geometry's fingerprint.
 func Fingerprint(g kvcache.Geometry) GeometryFingerprint {
 	return GeometryFingerprint{
@@ -96,8 +154,30 @@ func (f GeometryFingerprint) Geometry() kvcache.Geometry {
 }
 
 func (f GeometryFingerprint) String() string {
+	if f.Layout == LayoutCacheSpec {
+		return fmt.Sprintf("%d tokens/page, %d regions of a cache spec (digest %08x%08x), layout %d",
+			f.TokensPerPage, f.Layers, f.KVHeads, f.HeadDim, f.Layout)
+	}
 	return fmt.Sprintf("%d tokens/page, %d layers × %d KV heads × %d dims %v, layout %d",
 		f.TokensPerPage, f.Layers, f.KVHeads, f.HeadDim, f.DType, f.Layout)
+}
+
+// validate checks a fingerprint on its own.
+func (f GeometryFingerprint) validate() error {
+	if f.Layout == LayoutCacheSpec {
+		if f.TokensPerPage < 1 || f.TokensPerPage > kvcache.MaxTokensPerPage || f.Layers < 1 || f.Layers > kvcache.MaxCacheRegions || !f.DType.Valid() {
+			return fmt.Errorf("%w: cache-spec geometry %v", ErrMalformedManifest, f)
+		}
+		return nil
+	}
+	if err := f.Geometry().Validate(); err != nil {
+		return fmt.Errorf("%w: %w", ErrMalformedManifest, err)
+	}
+	return nil
+}
+
+func (f GeometryFingerprint) pagesFor(tokens int) int {
+	return int((int64(tokens) + int64(f.TokensPerPage) - 1) / int64(f.TokensPerPage))
 }
 
 // Manifest is what a decode pool needs to accept a prompt's KV.
@@ -138,17 +218,17 @@ func (m *Manifest) validate() error {
 		return fmt.Errorf("%w: %d prompt tokens", ErrMalformedManifest, m.PromptTokens)
 	case m.MaxNewTokens < 0 || m.MaxNewTokens > maxTokens:
 		return fmt.Errorf("%w: %d max new tokens", ErrMalformedManifest, m.MaxNewTokens)
-	case g.Layout != LayoutKVPerLayer:
+	case g.Layout != LayoutKVPerLayer && g.Layout != LayoutCacheSpec:
 		return fmt.Errorf("%w: layout %d", ErrMalformedManifest, g.Layout)
 	case m.Expires.IsZero():
 		return fmt.Errorf("%w: no expiry", ErrMalformedManifest)
 	case m.ChecksumSealed && m.Checksum != 0:
 		return fmt.Errorf("%w: checksum %08x in a manifest whose checksum is sealed", ErrMalformedManifest, m.Checksum)
 	}
-	if err := g.Geometry().Validate(); err != nil {
-		return fmt.Errorf("%w: %w", ErrMalformedManifest, err)
+	if err := g.validate(); err != nil {
+		return err
 	}
-	if want := g.Geometry().PagesFor(m.PromptTokens); len(m.Generations) != want {
+	if want := g.pagesFor(m.PromptTokens); len(m.Generations) != want {
 		return fmt.Errorf("%w: %d page generations for %d prompt tokens at %d per page (want %d)",
 			ErrMalformedManifest, len(m.Generations), m.PromptTokens, g.TokensPerPage, want)
 	}

@@ -95,7 +95,7 @@ func TestManifestRefusesMalformed(t *testing.T) {
 		{"zero tokens per page", edit(func(b []byte) []byte { le.PutUint32(b[48:], 0); return b }), ErrMalformedManifest},
 		{"zero layers", edit(func(b []byte) []byte { le.PutUint32(b[52:], 0); return b }), ErrMalformedManifest},
 		{"bad dtype", edit(func(b []byte) []byte { b[64] = 99; return b }), ErrMalformedManifest},
-		{"bad layout", edit(func(b []byte) []byte { b[65] = 2; return b }), ErrMalformedManifest},
+		{"bad layout", edit(func(b []byte) []byte { b[65] = 3; return b }), ErrMalformedManifest},
 		{"CRC32C checksum (earlier builds)", edit(func(b []byte) []byte { b[66] = 1; return b }), ErrMalformedManifest},
 		{"unknown checksum alg", edit(func(b []byte) []byte { b[66] = 3; return b }), ErrMalformedManifest},
 		{"reserved", edit(func(b []byte) []byte { b[67] = 1; return b }), ErrMalformedManifest},

@@ -195,7 +195,7 @@ func (r *Receiver) vet(b []byte) (Manifest, error) {
 		return Manifest{}, fmt.Errorf("%w: request %q expires in %v, more than the %v accepted",
 			ErrExpired, m.RequestID, m.Expires.Sub(now), r.cfg.MaxTTL)
 	}
-	if want := Fingerprint(r.cfg.Pool.Geometry()); m.Geometry != want {
+	if want := PoolFingerprint(r.cfg.Pool); m.Geometry != want {
 		return Manifest{}, fmt.Errorf("%w: request %q has pages of %v, this pool %v", ErrGeometryMismatch, m.RequestID, m.Geometry, want)
 	}
 	return m, r.claim(m.RequestID, m.Expires, now)
@@ -250,7 +250,7 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming) (*kvc
 		return nil, err
 	}
 	pages := m.Pages()
-	pb := int(m.Geometry.Geometry().PageBytes())
+	pb := int(r.cfg.Pool.PageBytes()) // the fingerprints matched
 	split, _ := ep.(PartsEndpoint)
 	var (
 		msg       messageParts

@@ -104,7 +104,7 @@ func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
 	m := Manifest{
 		RequestID: out.RequestID(), Tenant: out.Tenant(), Domain: out.Domain(),
 		PromptTokens: out.PromptTokens(), MaxNewTokens: maxNewTokens,
-		Geometry: Fingerprint(out.Geometry()), Expires: now.Add(s.cfg.TTL),
+		Geometry: PoolFingerprint(out), Expires: now.Add(s.cfg.TTL),
 		ChecksumSealed: true, Generations: out.Generations(nil),
 	}
 	rand.Read(m.TransferID[:])
@@ -191,7 +191,7 @@ func (e *Export) Send(ctx context.Context, t Transport) error {
 // sendPages sends the pages in data frames, summing each page as it is
 // read (while it is in cache), and then the seal with their checksum.
 func (e *Export) sendPages(st Stream) error {
-	pb := int(e.out.Geometry().PageBytes())
+	pb := int(e.out.PageBytes())
 	n := e.out.Pages()
 	per := max(1, min(n, (e.s.cfg.FrameBytes-dataFixed)/(pb+4)))
 	// Every frame buffer has a full frame's capacity: one size class in

@@ -167,6 +167,9 @@ func (o *Outgoing) Geometry() Geometry { return o.pool.geom }
 // Spec is the cache spec of the exporting pool.
 func (o *Outgoing) Spec() CacheSpec { return o.pool.Spec() }
 
+// PageBytes is one exported page over all its regions.
+func (o *Outgoing) PageBytes() int64 { return o.pool.PageBytes() }
+
 // handoffSupported refuses a handoff from or to a pool with side groups:
 // its pages alone would be half of the request's state.
 func (p *Pool) handoffSupported() error {

@@ -177,6 +177,10 @@ func (p *Pool) Spec() CacheSpec {
 	return s
 }
 
+// FillSpec is what the scrub policy writes over a freed page (the word of
+// page p is FillSpec().WordFor(p)): for audits that read freed pages back.
+func (p *Pool) FillSpec() cudaops.FillSpec { return p.q.Spec() }
+
 // TokensPerPage is the page size of the per-token group.
 func (p *Pool) TokensPerPage() int { return p.tpp }
 

@@ -37,7 +37,8 @@ const Auditor = "audit"
 
 // PoolConfig describes a test pool.
 type PoolConfig struct {
-	Geometry   kvcache.Geometry // zero: Geometry
+	Geometry   kvcache.Geometry // zero: Geometry, unless Spec is set
+	Spec       kvcache.CacheSpec
 	Pages      int
 	MaxContext int // zero: the pool's capacity
 	Undersized bool
@@ -49,11 +50,22 @@ type PoolConfig struct {
 // checks pages whenever they are handed out, so a byte written into a free
 // page is caught at its next admission, and Sweep checks every page.
 func NewPool(c PoolConfig) (*kvcache.Pool, error) {
+	policy := kvcache.ScrubPolicy{Kind: kvcache.ScrubCanary}
+	if !c.Spec.IsZero() {
+		maxCtx := c.MaxContext
+		if maxCtx == 0 {
+			maxCtx = c.Pages * c.Spec.TokensPerPage()
+		}
+		return kvcache.New(kvcache.Config{
+			Cache: c.Spec, Pages: c.Pages, MaxContextTokens: maxCtx, AllowUndersizedPool: c.Undersized,
+			Tenants: append([]kvcache.TenantConfig{{Name: Auditor}}, c.Tenants...),
+			Scrub:   policy, Device: cudaops.NewHost(),
+		})
+	}
 	g := c.Geometry
 	if g == (kvcache.Geometry{}) {
 		g = Geometry
 	}
-	policy := kvcache.ScrubPolicy{Kind: kvcache.ScrubCanary}
 	dev := cudaops.NewHost()
 	for range g.Regions() {
 		if _, err := dev.AllocRegion(c.Pages, g.RegionPageBytes()); err != nil {
@@ -98,15 +110,16 @@ func Prefill(p *kvcache.Pool, id, tenant string, prompt int) (*kvcache.Lease, er
 	if err := l.BeginPrefill(); err != nil {
 		return nil, err
 	}
-	g := p.Geometry()
+	spec := p.Spec()
+	regions := spec.Groups[0].Regions
 	table, err := l.BlockTable()
 	if err != nil {
 		return nil, err
 	}
-	buf := make([]byte, g.RegionPageBytes())
-	for i, pg := range table[:g.PagesFor(prompt)] {
-		for r := range g.Regions() {
-			fill(buf, id, i*g.Regions()+r)
+	for i, pg := range table[:spec.PagesFor(prompt)] {
+		for r, reg := range regions {
+			buf := make([]byte, reg.PageBytes)
+			fill(buf, id, i*len(regions)+r)
 			if err := p.Device().WritePage(r, pg, buf); err != nil {
 				return nil, err
 			}
@@ -121,16 +134,17 @@ func Prefill(p *kvcache.Pool, id, tenant string, prompt int) (*kvcache.Lease, er
 // VerifyContent checks that lease l holds exactly the prompt KV Prefill
 // wrote for request id.
 func VerifyContent(p *kvcache.Pool, l *kvcache.Lease, id string) error {
-	g := p.Geometry()
+	spec := p.Spec()
+	regions := spec.Groups[0].Regions
 	table, err := l.BlockTable()
 	if err != nil {
 		return err
 	}
-	want := make([]byte, g.RegionPageBytes())
-	got := make([]byte, g.RegionPageBytes())
-	for i, pg := range table[:g.PagesFor(l.PromptTokens())] {
-		for r := range g.Regions() {
-			fill(want, id, i*g.Regions()+r)
+	for i, pg := range table[:spec.PagesFor(l.PromptTokens())] {
+		for r, reg := range regions {
+			want := make([]byte, reg.PageBytes)
+			got := make([]byte, reg.PageBytes)
+			fill(want, id, i*len(regions)+r)
 			if err := p.Device().ReadPage(r, pg, got); err != nil {
 				return err
 			}
@@ -164,19 +178,16 @@ func Sweep(p *kvcache.Pool) error {
 	}
 	// Every page must hold exactly its canary: nothing a tenant wrote
 	// (no Marker), nothing half-scrubbed.
-	g := p.Geometry()
-	spec, err := kvcache.ScrubPolicy{Kind: kvcache.ScrubCanary}.FillSpec(g.DType)
-	if err != nil {
-		return err
-	}
-	want := make([]byte, g.RegionPageBytes())
-	got := make([]byte, g.RegionPageBytes())
+	spec := p.FillSpec()
+	regions := p.Spec().Groups[0].Regions
 	for pg := range int32(p.Pages()) {
 		w := spec.WordFor(pg)
-		for i := 0; i < len(want); i += 4 {
-			binary.LittleEndian.PutUint32(want[i:], w)
-		}
-		for r := range g.Regions() {
+		for r, reg := range regions {
+			want := make([]byte, reg.PageBytes)
+			got := make([]byte, reg.PageBytes)
+			for i := 0; i < len(want); i += 4 {
+				binary.LittleEndian.PutUint32(want[i:], w)
+			}
 			if err := p.Device().ReadPage(r, pg, got); err != nil {
 				return err
 			}
