@@ -160,3 +160,36 @@ func kvf_lease_preempt(lease C.kvf_lease, tokenIDs *C.int32_t, nTokens C.size_t,
 	}
 	return result(err)
 }
+
+// Cache groups (since ABI 4).
+
+//export kvf_lease_group_table
+func kvf_lease_group_table(lease C.kvf_lease, group *C.char, buf *C.int32_t, bufLen C.size_t, length *C.size_t, firstPage *C.int64_t) (st C.kvf_status) {
+	defer guard(&st)
+	name, err := cString(group, "group", kvcache.ErrInvalidArgument)
+	if err != nil {
+		return fail(err)
+	}
+	dst, err := cSlice((*int32)(unsafe.Pointer(buf)), bufLen, "buf")
+	if err != nil {
+		return fail(err)
+	}
+	n, first, err := bridge.GroupTable(uint64(lease), name, dst)
+	if length != nil {
+		*length = C.size_t(n)
+	}
+	if firstPage != nil {
+		*firstPage = C.int64_t(first)
+	}
+	return result(err)
+}
+
+//export kvf_lease_slide_windows
+func kvf_lease_slide_windows(lease C.kvf_lease, stream, event C.uintptr_t, scrubbed *C.int64_t) (st C.kvf_status) {
+	defer guard(&st)
+	n, err := bridge.SlideWindows(uint64(lease), cudaops.Ordering{Stream: uintptr(stream), Event: uintptr(event)})
+	if scrubbed != nil {
+		*scrubbed = C.int64_t(n)
+	}
+	return result(err)
+}

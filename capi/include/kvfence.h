@@ -60,8 +60,13 @@ extern "C" {
  * unchanged on a newer library. Version 2 added the prefix cache, lease
  * phases, the handoff and CUDA pools; version 3 adds leases sized on
  * demand, which grow (kvf_lease_grow), preemption (kvf_lease_preempt),
- * and the config's "sizing" and "growth_watermark". */
-#define KVF_ABI_VERSION 3
+ * and the config's "sizing" and "growth_watermark"; version 4 adds cache
+ * specs (the config's "cache" and "max_leases": MLA latents, indexer keys,
+ * sliding windows, state slots, engine-owned tensors), the tables of a
+ * lease's cache groups (kvf_lease_group_table), sliding windows
+ * (kvf_lease_slide_windows), host regions' addresses in kvf_pool_regions
+ * and "groups" in the stats JSON. */
+#define KVF_ABI_VERSION 4
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -258,7 +263,30 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  * lease grows with kvf_lease_grow. The prompt is always admitted whole or
  * refused. "growth_watermark" (0 to 0.5, default 0) is the share of pages
  * new admissions leave free for growth: an admission that would cut into
- * it is refused KVF_ERR_POOL_EXHAUSTED (retryable); growth may use it. */
+ * it is refused KVF_ERR_POOL_EXHAUSTED (retryable); growth may use it.
+ *
+ * "cache" (since ABI 4), instead of "geometry", describes any model's
+ * caches as groups of regions (kvcache.CacheSpec; capi/README.md has the
+ * schema and examples):
+ *
+ *   "cache": {"groups": [
+ *     {"name": "kv", "kind": "per_token", "tokens_per_page": 64,
+ *      "regions": [{"name": "layer.0.latent", "dtype": "bf16", "page_bytes": 73728},
+ *                  {"name": "layer.0.indexer", "dtype": "fp8_e4m3",
+ *                   "also_holds": ["fp32"], "page_bytes": 8448}]},
+ *     {"name": "state", "kind": "state", "regions": [...]}]},
+ *   "max_leases": 256
+ *
+ * The first group is the per-token one (K/V, latents, indexer keys: any
+ * page size per region); "sliding_window" groups take "window_tokens";
+ * "state" groups hold one slot per lease. "max_leases" sizes the window
+ * and state groups (required with them). A region's "memory":
+ * {"base": "0x7f..", "stride": N, "pages": N, "bytes": N} adopts an
+ * engine's tensor instead of allocating: a device address on a CUDA pool,
+ * a host address ("bytes" long, required) on a host pool; the engine keeps
+ * the memory alive until kvf_pool_destroy. Overlapping tensors, strides
+ * smaller than a page and memory smaller than its group are refused
+ * (KVF_ERR_INVALID_CONFIG), with nothing adopted. */
 KVF_API kvf_status kvf_pool_create(const char *config_json, kvf_pool *out);
 
 /* Closes the pool: live leases are released and scrubbed, fills are
@@ -296,12 +324,14 @@ KVF_API kvf_status kvf_pool_check(kvf_pool pool);
 /* Lets a faulted pool admit again. Pages of the failed fill stay retired. */
 KVF_API kvf_status kvf_pool_clear_fault(kvf_pool pool);
 
-/* Copies the pool's regions into buf: 2 x layers of them, layer l's K in
- * region 2l and its V in 2l+1; page p of a region starts at
- * base + p * stride. *len (if not NULL) gets the count. For a CUDA pool the
- * bases are device addresses the engine's kernels write the KV to (in the
- * pages of its leases only); a host pool reports the address of its host
- * memory (since ABI 4; 0 before), valid until kvf_pool_free. Since ABI 2. */
+/* Copies the pool's regions into buf: for a "geometry" pool 2 x layers of
+ * them, layer l's K in region 2l and its V in 2l+1; for a "cache" pool its
+ * regions in the spec's order, group by group (a group's page IDs are its
+ * own). Page p of a region starts at base + p * stride. *len (if not NULL)
+ * gets the count. For a CUDA pool the bases are device addresses the
+ * engine's kernels write the KV to (in the pages of its leases only); a
+ * host pool reports the address of its host memory (since ABI 4; 0
+ * before), valid until kvf_pool_destroy. Since ABI 2. */
 KVF_API kvf_status kvf_pool_regions(kvf_pool pool, kvf_region *buf, size_t buf_len, size_t *len);
 
 /* Writes the next batch (up to 256) of prefix-cache events as
@@ -371,6 +401,26 @@ KVF_API kvf_status kvf_lease_preempt(kvf_lease lease, const int32_t *token_ids, 
 
 /* Describes the lease; works on a released lease until it is freed. */
 KVF_API kvf_status kvf_lease_describe(kvf_lease lease, kvf_lease_info *out);
+
+/* Copies the pages (slots) the lease holds in cache group `group` into
+ * buf; *len (if not NULL) gets the count, *first_page (if not NULL) the
+ * logical page the first of them holds. The per-token group gives the
+ * block table (first 0); a sliding-window group its ring in logical order
+ * from the oldest page still in the window (entry i holds tokens
+ * [(first+i) x tokens_per_page, (first+i+1) x tokens_per_page)); a state
+ * group its one slot. KVF_ERR_BUFFER_TOO_SMALL (with *len set) if buf is
+ * short; KVF_ERR_INVALID_ARGUMENT for an unknown group. Since ABI 4. */
+KVF_API kvf_status kvf_lease_group_table(kvf_lease lease, const char *group, int32_t *buf, size_t buf_len,
+                                         size_t *len, int64_t *first_page);
+
+/* Moves the lease's sliding windows to its written watermark: the pages
+ * whose tokens all lie more than a window behind it are scrubbed, after
+ * the engine work named by stream and event (the rules of
+ * kvf_lease_release), before the call returns, and become the ring pages
+ * of the next tokens. *scrubbed (if not NULL) gets their count. Write
+ * those pages only after the call returns. A failed fill faults the pool
+ * (KVF_ERR_POOL_FAULTED). Since ABI 4. */
+KVF_API kvf_status kvf_lease_slide_windows(kvf_lease lease, uintptr_t stream, uintptr_t event, int64_t *scrubbed);
 
 /* The driver's special stream handles, for kvf_lease_release (cuda.h's
  * CU_STREAM_LEGACY and CU_STREAM_PER_THREAD, the runtime's

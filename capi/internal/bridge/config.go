@@ -20,17 +20,19 @@ import (
 // allocated by the pool; the bridge owns the device and closes it after
 // the pool.
 type ConfigJSON struct {
-	Geometry            GeometryJSON `json:"geometry"`
-	Pages               int          `json:"pages,omitempty"`
-	PoolBytes           int64        `json:"pool_bytes,omitempty"`
-	MaxContextTokens    int          `json:"max_context_tokens"`
-	AllowUndersizedPool bool         `json:"allow_undersized_pool,omitempty"`
-	Tenants             []TenantJSON `json:"tenants,omitempty"`
-	Scrub               ScrubJSON    `json:"scrub,omitzero"`
-	Prefix              PrefixJSON   `json:"prefix,omitzero"`
-	Device              DeviceJSON   `json:"device,omitzero"`
-	Sizing              SizingJSON   `json:"sizing,omitzero"`
-	GrowthWatermark     float64      `json:"growth_watermark,omitempty"`
+	Geometry            GeometryJSON   `json:"geometry,omitzero"`
+	Cache               *CacheSpecJSON `json:"cache,omitempty"` // instead of geometry
+	MaxLeases           int            `json:"max_leases,omitempty"`
+	Pages               int            `json:"pages,omitempty"`
+	PoolBytes           int64          `json:"pool_bytes,omitempty"`
+	MaxContextTokens    int            `json:"max_context_tokens"`
+	AllowUndersizedPool bool           `json:"allow_undersized_pool,omitempty"`
+	Tenants             []TenantJSON   `json:"tenants,omitempty"`
+	Scrub               ScrubJSON      `json:"scrub,omitzero"`
+	Prefix              PrefixJSON     `json:"prefix,omitzero"`
+	Device              DeviceJSON     `json:"device,omitzero"`
+	Sizing              SizingJSON     `json:"sizing,omitzero"`
+	GrowthWatermark     float64        `json:"growth_watermark,omitempty"`
 }
 
 // SizingJSON is kvcache.Sizing with the mode by name: "full",
@@ -167,13 +169,33 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
 		return fail("config JSON: trailing data after the object")
 	}
-	if cj.Geometry.DType == "" {
-		return fail("geometry.dtype missing")
+	var geom kvcache.Geometry
+	if cj.Cache == nil || cj.Geometry != (GeometryJSON{}) {
+		if cj.Geometry.DType == "" {
+			return fail("geometry.dtype missing (give geometry or cache)")
+		}
+		dtype, err := isolation.ParseDType(cj.Geometry.DType)
+		if err != nil {
+			return fail("geometry.dtype: %w", err)
+		}
+		geom = kvcache.Geometry{TokensPerPage: cj.Geometry.TokensPerPage, Layers: cj.Geometry.Layers,
+			KVHeads: cj.Geometry.KVHeads, HeadDim: cj.Geometry.HeadDim, DType: dtype}
 	}
-	dtype, err := isolation.ParseDType(cj.Geometry.DType)
-	if err != nil {
-		return fail("geometry.dtype: %w", err)
+	var spec kvcache.CacheSpec
+	if cj.Cache != nil {
+		kind := cj.Device.Kind
+		if kind == "" {
+			kind = DeviceHost
+		}
+		var err error
+		if spec, err = cj.Cache.spec(kind); err != nil {
+			return kvcache.Config{}, DeviceJSON{}, err
+		}
+		if spec.IsZero() {
+			return fail("cache has no groups")
+		}
 	}
+	var err error
 	kind := kvcache.ScrubZero
 	if cj.Scrub.Kind != "" {
 		if kind, err = isolation.ParseScrubKind(cj.Scrub.Kind); err != nil {
@@ -181,13 +203,9 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 		}
 	}
 	cfg := kvcache.Config{
-		Geometry: kvcache.Geometry{
-			TokensPerPage: cj.Geometry.TokensPerPage,
-			Layers:        cj.Geometry.Layers,
-			KVHeads:       cj.Geometry.KVHeads,
-			HeadDim:       cj.Geometry.HeadDim,
-			DType:         dtype,
-		},
+		Geometry:            geom,
+		Cache:               spec,
+		MaxLeases:           cj.MaxLeases,
 		Pages:               cj.Pages,
 		PoolBytes:           cj.PoolBytes,
 		MaxContextTokens:    cj.MaxContextTokens,

@@ -255,7 +255,7 @@ func TestStatsJSON(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := `{"device":"host","total_pages":64,"free_pages":62,"in_use_pages":2,"cached_pages":0,"quarantined_pages":0,` +
-		`"retired_pages":0,"tokens_per_page":16,"page_bytes":512,"live_leases":1,"admitted":1,"refused":{"invalid_request":0,` +
+		`"retired_pages":0,"tokens_per_page":16,"page_bytes":512,"groups":[{"name":"kv","kind":"per_token","pages":64,"page_bytes":512,"free":62,"in_use":2,"cached":0,"quarantined":0,"retired":0}],"live_leases":1,"admitted":1,"refused":{"invalid_request":0,` +
 		`"unknown_tenant":1,"duplicate_request":0,"exceeds_max_context":0,"exceeds_capacity":0,"exceeds_quota":0,` +
 		`"pool_exhausted":0,"pool_faulted":0,"total":1},"growth":{"grown":0,"pages_grown":0,"refused":{"invalid_request":0,"unknown_tenant":0,"duplicate_request":0,"exceeds_max_context":0,"exceeds_capacity":0,"exceeds_quota":0,"pool_exhausted":0,"pool_faulted":0,"total":0},"preempted":0,"preempt_kept_pages":0},"scrub":{"fills":1,"pages_scrubbed":64,"bytes_scrubbed":32768,` +
 		`"fill_errors":0,"pages_retired":0,"canary_checks":0,"canary_failures":0},"tenants":[{"name":"a","used_pages":2,` +

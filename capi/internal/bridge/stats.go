@@ -17,6 +17,7 @@ type StatsDoc struct {
 	RetiredPages     int           `json:"retired_pages"`
 	TokensPerPage    int           `json:"tokens_per_page"`
 	PageBytes        int64         `json:"page_bytes"`
+	Groups           []GroupDoc    `json:"groups"` // every cache group, the per-token one first (since ABI 4)
 	LiveLeases       int           `json:"live_leases"`
 	Admitted         uint64        `json:"admitted"`
 	Refused          RefusalsDoc   `json:"refused"`
@@ -128,7 +129,7 @@ func statsJSON(s kvcache.Stats, domainOf func(tenant string) string) StatsDoc {
 	d := StatsDoc{
 		Device: s.Device, TotalPages: s.TotalPages, FreePages: s.FreePages, InUsePages: s.InUsePages,
 		CachedPages: s.CachedPages, QuarantinedPages: s.QuarantinedPages, RetiredPages: s.RetiredPages,
-		TokensPerPage: s.TokensPerPage, PageBytes: s.PageBytes, LiveLeases: s.LiveLeases, Admitted: s.Admitted,
+		TokensPerPage: s.TokensPerPage, PageBytes: s.PageBytes, Groups: groupDocs(s.Groups), LiveLeases: s.LiveLeases, Admitted: s.Admitted,
 		Refused: refusalsDoc(s.Refused),
 		Growth: GrowthDoc{Grown: s.Growth.Grown, PagesGrown: s.Growth.PagesGrown, Refused: refusalsDoc(s.Growth.Refused),
 			Preempted: s.Growth.Preempted, PreemptKeptPages: s.Growth.PreemptKeptPages},
