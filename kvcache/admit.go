@@ -305,8 +305,9 @@ func (p *Pool) attemptLocked(a *admission) step {
 	if p.q.NeedsVerify() {
 		peek := p.mu.alloc.PeekFree(l.scrub[:0], fresh)
 		l.scrub = peek[:0]
-		if _, err := p.q.VerifyLocked(peek); err != nil {
+		if retired, err := p.q.VerifyLocked(peek); err != nil {
 			p.faultedLocked()
+			p.logCanaryLocked(retired, err)
 			return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: err})
 		}
 	}
@@ -339,6 +340,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 	l.match.valid = false
 	p.mu.leases[req.ID] = l
 	p.mu.admitted++
+	p.countAdmittedLocked(t)
 	if p.dequeueLocked(l) {
 		p.wakePagesLocked() // the next in line may fit too
 	}
@@ -387,6 +389,7 @@ func (p *Pool) refuseLocked(a *admission, e *AdmissionError) step {
 	p.assertHeld()
 	e.RequestID, e.Tenant = a.req.ID, a.req.Tenant
 	p.mu.refused.count(e.Err)
+	p.countRefusedLocked(a.req.Tenant, e.Err)
 	p.releaseClaimLocked(a)
 	a.err = e
 	return stepDone

@@ -3,6 +3,7 @@ package kvcache
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 
 	"github.com/kvfence/kvfence/allocator"
@@ -27,6 +28,10 @@ type Pool struct {
 	ownsDevice     bool
 	prefixDisabled bool
 	events         chan KVEvent
+	log            *slog.Logger // never nil: Config.logger
+	// fillLatency is the time from issue to completion of every fill that
+	// succeeded (atomic: recorded outside mu).
+	fillLatency fillHistogram
 	// q's Issue runs without mu; its Locked methods need mu.
 	q *isolation.Quarantine
 
@@ -66,11 +71,12 @@ type Pool struct {
 		poolWaiters int
 		// seq numbers admissions: each incarnation of a Lease, and so each
 		// export or import of it, has its own.
-		seq      uint64
-		admitted uint64
-		refused  Refusals
-		prefix   prefixIndex
-		events   eventSink
+		seq       uint64
+		admitted  uint64
+		refused   Refusals
+		perTenant tenantCounters // admissions and refusals per tenant
+		prefix    prefixIndex
+		events    eventSink
 	}
 }
 
@@ -78,7 +84,12 @@ type Pool struct {
 // cfg.MaxContextTokens (ErrUndersizedPool) unless cfg.AllowUndersizedPool,
 // and one whose page metadata (and host page memory, for the pool's own
 // host device) would not fit in the memory this process may use.
-func New(cfg Config) (*Pool, error) {
+func New(cfg Config) (_ *Pool, err error) {
+	defer func() {
+		if err != nil {
+			cfg.logRefused(err)
+		}
+	}()
 	pages, err := cfg.validate()
 	if err != nil {
 		return nil, err
@@ -104,6 +115,7 @@ func New(cfg Config) (*Pool, error) {
 		dev:            dev,
 		ownsDevice:     owned,
 		prefixDisabled: cfg.Prefix.Disable,
+		log:            cfg.logger(),
 	}
 	q, err := isolation.NewQuarantine(alloc, dev, reg, &p.mu.Mutex, cfg.Scrub, cfg.Geometry.DType)
 	if err == nil {

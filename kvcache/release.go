@@ -1,10 +1,16 @@
 package kvcache
 
 import (
+	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
+	"time"
 
+	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/isolation"
 )
 
 // This file is the way back: a lease ends (Release, Abort, an export's
@@ -74,6 +80,7 @@ func (p *Pool) scrub(pages []int32, after cudaops.Ordering) error {
 	if !slices.IsSorted(pages) {
 		slices.Sort(pages) // adjacent IDs coalesce into one run per region
 	}
+	start := time.Now()
 	fence, err := p.q.Issue(pages, after)
 	if err == nil {
 		var done bool
@@ -81,11 +88,14 @@ func (p *Pool) scrub(pages []int32, after cudaops.Ordering) error {
 			batch := slices.Clone(pages)
 			go func() {
 				defer p.fills.Done()
-				p.finishScrub(batch, fence.Wait())
+				err := fence.Wait()
+				p.timeFill(start, err)
+				p.finishScrub(batch, err)
 			}()
 			return nil
 		}
 	}
+	p.timeFill(start, err)
 	err = p.finishScrub(pages, err)
 	p.fills.Done()
 	return err
@@ -95,11 +105,20 @@ func (p *Pool) scrub(pages []int32, after cudaops.Ordering) error {
 // evicted them and needs them clean before it can go on.
 func (p *Pool) fillAndWait(pages []int32) error {
 	slices.Sort(pages)
+	start := time.Now()
 	fence, err := p.q.Issue(pages, cudaops.Ordering{})
 	if err == nil {
 		err = fence.Wait()
 	}
+	p.timeFill(start, err)
 	return err
+}
+
+// timeFill records the latency of a fill that succeeded.
+func (p *Pool) timeFill(start time.Time, fillErr error) {
+	if fillErr == nil {
+		p.fillLatency.record(time.Since(start))
+	}
 }
 
 func (p *Pool) finishScrub(pages []int32, fillErr error) error {
@@ -116,6 +135,9 @@ func (p *Pool) finishScrubLocked(pages []int32, fillErr error) error {
 	err := p.q.FinishLocked(pages, fillErr)
 	if err != nil {
 		p.faultedLocked()
+		p.log.LogAttrs(context.Background(), slog.LevelError, "kvcache: scrub fill failed; its pages are retired and the pool is faulted until ClearFault",
+			slog.Int("pages_retired", len(pages)), slog.Int("retired_pages_total", p.mu.alloc.Count(allocator.Retired)),
+			slog.Int("total_pages", p.total), slog.Any("error", err))
 	} else {
 		p.wakePagesLocked()
 	}
@@ -159,4 +181,20 @@ func (p *Pool) unpin(l *Lease) {
 		p.quiet.Broadcast()
 	}
 	p.mu.Unlock()
+}
+
+// logCanaryLocked logs a canary audit that found free pages written: they
+// are retired and the pool is faulted. The first mismatch names the page,
+// its last owner domain and what it held.
+func (p *Pool) logCanaryLocked(retired int, err error) {
+	p.assertHeld()
+	attrs := []slog.Attr{slog.Int("pages_retired", retired),
+		slog.Int("retired_pages_total", p.mu.alloc.Count(allocator.Retired)), slog.Int("total_pages", p.total)}
+	var ce *isolation.CanaryError
+	if errors.As(err, &ce) {
+		attrs = append(attrs, slog.Int("page", int(ce.Page)), slog.Int("region", ce.Region), slog.Int64("offset", ce.Offset),
+			slog.String("last_owner_domain", ce.PrevOwner), slog.Uint64("want", uint64(ce.Want)), slog.Uint64("got", uint64(ce.Got)))
+	}
+	attrs = append(attrs, slog.Any("error", err))
+	p.log.LogAttrs(context.Background(), slog.LevelError, "kvcache: canary mismatch in free pages; they are retired and the pool is faulted until ClearFault", attrs...)
 }
