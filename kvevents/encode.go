@@ -71,9 +71,9 @@ func newEncoder(form Encoding, fullHashes bool, medium string, blockSize, rank i
 	return e
 }
 
-// batch encodes [ts, [events...], data_parallel_rank] and returns a copy
-// the caller owns. A KVEvent whose Kind is zero stands for an
-// AllBlocksCleared the publisher inserted.
+// batch encodes [ts, [events...], data_parallel_rank] into the encoder's
+// buffer, valid until the next call. A KVEvent whose Kind is zero stands
+// for an AllBlocksCleared the publisher inserted.
 func (e *encoder) batch(ts time.Time, events []kvcache.KVEvent) ([]byte, error) {
 	e.buf.Reset()
 	w := &errWriter{enc: e.enc}
@@ -87,7 +87,7 @@ func (e *encoder) batch(ts time.Time, events []kvcache.KVEvent) ([]byte, error) 
 	if w.err != nil {
 		return nil, fmt.Errorf("%w: encoding a batch of %d events: %w", ErrEncoding, len(events), w.err)
 	}
-	return bytes.Clone(e.buf.Bytes()), nil
+	return e.buf.Bytes(), nil
 }
 
 func (e *encoder) event(w *errWriter, ev *kvcache.KVEvent) {

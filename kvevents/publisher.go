@@ -356,8 +356,11 @@ func (p *Publisher) publish(batch []kvcache.KVEvent) {
 	seq := p.batches.Load()
 	var seqb [8]byte
 	binary.BigEndian.PutUint64(seqb[:], seq)
-	wire := appendMessage(nil, []byte(p.cfg.Topic), seqb[:], payload)
-	p.ring.add(seq, payload)
+	// One allocation per batch: the message as sent, whose last frame is
+	// the payload the replay buffer keeps.
+	wire := make([]byte, 0, 3*9+len(p.cfg.Topic)+8+len(payload))
+	wire = appendMessage(wire, []byte(p.cfg.Topic), seqb[:], payload)
+	p.ring.add(seq, wire[len(wire)-len(payload):])
 	n := uint64(0)
 	for _, ev := range batch {
 		if ev.Kind != 0 {
