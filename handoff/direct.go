@@ -125,19 +125,20 @@ func (r *Receiver) Begin(ctx context.Context, manifest []byte) (*Import, error) 
 	}
 	m, err := r.vet(manifest)
 	if err != nil {
-		r.refused()
+		r.refused(err)
 		return nil, err
 	}
 	if m.ChecksumSealed {
 		r.unclaim(m.RequestID)
-		r.refused()
-		return nil, fmt.Errorf("%w: request %q has its checksum sealed after the pages, which only a transfer over a Transport carries; "+
+		err := fmt.Errorf("%w: request %q has its checksum sealed after the pages, which only a transfer over a Transport carries; "+
 			"a direct import takes the manifest of Export.ManifestBytes", ErrProtocol, m.RequestID)
+		r.refused(err)
+		return nil, err
 	}
 	in, err := r.admit(ctx, &m)
 	if err != nil {
 		r.unclaim(m.RequestID)
-		r.refused()
+		r.refused(err)
 		return nil, err
 	}
 	imp := &Import{r: r, in: in, m: m, pb: int(r.cfg.Pool.PageBytes())} // the fingerprints matched
@@ -146,12 +147,6 @@ func (r *Receiver) Begin(ctx context.Context, manifest []byte) (*Import, error) 
 	imp.timer = time.AfterFunc(r.cfg.TransferTimeout, func() { imp.Abort() })
 	imp.mu.Unlock()
 	return imp, nil
-}
-
-func (r *Receiver) refused() {
-	r.mu.Lock()
-	r.mu.stats.Refused++
-	r.mu.Unlock()
 }
 
 // errNilImport is what the methods of a nil *Import return: the caller
@@ -210,7 +205,7 @@ func (imp *Import) Complete() (*kvcache.Lease, error) {
 	}
 	l, err := imp.in.Complete()
 	if err != nil {
-		imp.abortLocked()
+		imp.abortLocked(err)
 		return nil, err
 	}
 	imp.mu.ended = true
@@ -236,15 +231,18 @@ func (imp *Import) Abort() error {
 	if imp.mu.ended {
 		return nil
 	}
-	return imp.abortLocked()
+	return imp.abortLocked(fmt.Errorf("%w: import of request %q aborted (by its caller or its TransferTimeout) before it completed",
+		kvcache.ErrIncompleteTransfer, imp.m.RequestID))
 }
 
-func (imp *Import) abortLocked() error {
+// abortLocked ends the import for cause, which the receiver counts and
+// logs as the refusal's reason.
+func (imp *Import) abortLocked(cause error) error {
 	imp.mu.ended = true
 	imp.timer.Stop()
 	err := imp.in.Abort()
 	imp.r.unclaim(imp.m.RequestID)
-	imp.r.refused()
+	imp.r.refused(cause)
 	if err != nil {
 		// err is the decode pool's (kvcache.ErrPoolClosed, or the
 		// scrub's failure), which the package's contract passes on.

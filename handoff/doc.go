@@ -91,6 +91,14 @@
 // and an engine that does so again must get an error it can log, never a
 // panic that takes the node and every other tenant's requests with it.
 //
+// # Operations
+//
+// Receiver.Stats and Sender.Stats count transfers by outcome, failures by
+// reason (ReasonNames: the wire's reason codes as stable labels), and
+// ReceiverConfig.Logger and SenderConfig.Logger, when set, get one record
+// per refused or failed transfer with its reason and the error's numbers;
+// package metrics exports both to Prometheus.
+//
 // # Transports
 //
 // A Transport carries messages: the manifest, data frames (consecutive

@@ -85,6 +85,53 @@ var reasons = []error{
 
 const codeInternal = 22
 
+// ReasonNames label the reasons a transfer fails, indexed like the
+// RefusedBy and FailedBy counters of ReceiverStats and SenderStats (by
+// the wire's reason code; 0 is no failure). They are stable metric labels.
+var ReasonNames = [...]string{
+	0:  "ok",
+	1:  "malformed_manifest",
+	2:  "bad_mac",
+	3:  "expired",
+	4:  "geometry_mismatch",
+	5:  "domain_mismatch",
+	6:  "replay",
+	7:  "protocol",
+	8:  "transport",
+	9:  "incomplete_transfer",
+	10: "checksum_mismatch",
+	11: "duplicate_page",
+	12: "stale_transfer",
+	13: "pool_exhausted",
+	14: "exceeds_quota",
+	15: "exceeds_capacity",
+	16: "exceeds_max_context",
+	17: "unknown_tenant",
+	18: "duplicate_request",
+	19: "invalid_request",
+	20: "pool_faulted",
+	21: "pool_closed",
+	22: "internal",
+}
+
+// ReasonName is the label of the reason err ends a transfer for: the
+// receiver's reason for a *RefusedError, "internal" for an error that
+// wraps none of the reasons. A nil err is "ok".
+func ReasonName(err error) string { return ReasonNames[failureCode(err)] }
+
+// failureCode is the reason code of a failed transfer as either side
+// sees it.
+func failureCode(err error) uint8 {
+	if err == nil {
+		return 0
+	}
+	var refused *RefusedError
+	if errors.As(err, &refused) {
+		err = refused.Reason
+	}
+	return reasonCode(err)
+}
+
 func reasonCode(err error) uint8 {
 	for code, r := range reasons {
 		if r != nil && errors.Is(err, r) {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -36,6 +37,10 @@ type ReceiverConfig struct {
 	Deliver func(*kvcache.Lease)
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
+	// Logger, if set, gets one record per refused or failed import, with
+	// its reason and the error's numbers. Imports that succeed are not
+	// logged.
+	Logger *slog.Logger
 }
 
 // Receiver imports transfers into a decode pool. It is safe for
@@ -60,7 +65,9 @@ type claim struct {
 // ReceiverStats counts a receiver's transfers.
 type ReceiverStats struct {
 	Imported uint64
-	Refused  uint64
+	Refused  uint64 // refused or failed imports, all reasons
+	// RefusedBy counts Refused by reason, indexed like ReasonNames.
+	RefusedBy [len(ReasonNames)]uint64
 }
 
 // NewReceiver checks cfg and returns a receiver.
@@ -133,11 +140,22 @@ func (r *Receiver) Serve(ctx context.Context, ep Endpoint) error {
 	}
 	err := r.serve(ctx, ep)
 	if err != nil {
-		r.mu.Lock()
-		r.mu.stats.Refused++
-		r.mu.Unlock()
+		r.refused(err)
 	}
 	return err
+}
+
+// refused counts and logs an import that did not become a lease.
+func (r *Receiver) refused(err error) {
+	code := failureCode(err)
+	r.mu.Lock()
+	r.mu.stats.Refused++
+	r.mu.stats.RefusedBy[code]++
+	r.mu.Unlock()
+	if r.cfg.Logger != nil {
+		r.cfg.Logger.LogAttrs(context.Background(), slog.LevelWarn, "handoff: import refused",
+			slog.String("reason", ReasonNames[code]), slog.Any("error", err))
+	}
 }
 
 func (r *Receiver) serve(ctx context.Context, ep Endpoint) error {

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -27,10 +28,56 @@ type SenderConfig struct {
 	FrameBytes int
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
+	// Logger, if set, gets one record per Send that fails, with the
+	// receiver's reason (or the transport's) and the error's numbers.
+	Logger *slog.Logger
 }
 
 // Sender exports prefilled leases and streams them to decode pools.
-type Sender struct{ cfg SenderConfig }
+type Sender struct {
+	cfg SenderConfig
+	mu  struct {
+		sync.Mutex
+		stats SenderStats
+	}
+}
+
+// SenderStats counts a sender's transfers: every Send that reached the
+// transport, by outcome.
+type SenderStats struct {
+	Sent   uint64 // the receiver holds a verified lease
+	Failed uint64 // refused by the receiver, or the transport failed
+	// FailedBy counts Failed by reason, indexed like ReasonNames: the
+	// receiver's reason for a refusal, "transport" for a broken stream.
+	FailedBy [len(ReasonNames)]uint64
+}
+
+// Stats returns running totals (zero for a nil sender).
+func (s *Sender) Stats() SenderStats {
+	if s == nil {
+		return SenderStats{}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.mu.stats
+}
+
+// count records the outcome of one Send.
+func (s *Sender) count(requestID string, err error) {
+	code := failureCode(err)
+	s.mu.Lock()
+	if err == nil {
+		s.mu.stats.Sent++
+	} else {
+		s.mu.stats.Failed++
+		s.mu.stats.FailedBy[code]++
+	}
+	s.mu.Unlock()
+	if err != nil && s.cfg.Logger != nil {
+		s.cfg.Logger.LogAttrs(context.Background(), slog.LevelWarn, "handoff: transfer failed",
+			slog.String("request_id", requestID), slog.String("reason", ReasonNames[code]), slog.Any("error", err))
+	}
+}
 
 // NewSender checks cfg and returns a sender.
 func NewSender(cfg SenderConfig) (*Sender, error) {
@@ -160,6 +207,12 @@ func (e *Export) Send(ctx context.Context, t Transport) error {
 	case t == nil:
 		return fmt.Errorf("%w: Send over a nil transport", ErrInvalidArgument)
 	}
+	err := e.sendOver(ctx, t)
+	e.s.count(e.m.RequestID, err)
+	return err
+}
+
+func (e *Export) sendOver(ctx context.Context, t Transport) error {
 	st, err := t.Open(ctx)
 	if err != nil {
 		return fmt.Errorf("%w: open: %w", ErrTransport, err)

@@ -364,6 +364,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 	l.match.valid = false
 	p.mu.leases[req.ID] = l
 	p.mu.admitted++
+	p.countAdmittedLocked(t)
 	if p.dequeueLocked(l) {
 		p.wakePagesLocked() // the next in line may fit too
 	}
@@ -396,8 +397,9 @@ func (p *Pool) claimLocked(a *admission, t *isolation.Tenant, dec isolation.Deci
 		l := a.l
 		peek := p.mu.alloc.PeekFree(l.scrub.pages[:0], fresh)
 		l.scrub.pages = peek[:0]
-		if _, err := p.q.VerifyLocked(peek); err != nil {
+		if retired, err := p.q.VerifyLocked(peek); err != nil {
 			p.faultedLocked()
+			p.logCanaryLocked(retired, err)
 			return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: err}), false
 		}
 	}
@@ -471,6 +473,7 @@ func (p *Pool) refuseLocked(a *admission, e *AdmissionError) step {
 		p.mu.growth.Refused.count(e.Err)
 	} else {
 		p.mu.refused.count(e.Err)
+		p.countRefusedLocked(a.req.Tenant, e.Err)
 	}
 	p.releaseClaimLocked(a)
 	a.err = e

@@ -1,7 +1,9 @@
 package kvcache
 
 import (
+	"context"
 	"fmt"
+	"log/slog"
 	"math"
 
 	"github.com/kvfence/kvfence/allocator"
@@ -176,6 +178,33 @@ type Config struct {
 	// size and at least its group's pages. A caller-supplied device is not
 	// closed by the pool.
 	Device cudaops.Device
+	// Logger receives the events an operator must see, each logged once
+	// with its numbers: a configuration New refuses, a failed fill (its
+	// pages retired, the pool faulted) and a canary mismatch. Nothing is
+	// logged per admission or release. Nil logs nothing.
+	Logger *slog.Logger
+}
+
+// logger returns the configured logger, or one that discards everything,
+// so that the rare paths that log need no nil checks.
+func (c *Config) logger() *slog.Logger {
+	if c.Logger != nil {
+		return c.Logger
+	}
+	return slog.New(slog.DiscardHandler)
+}
+
+// logRefused logs a configuration New refused. The error's text carries
+// the numbers (pages, bytes, tokens); the attributes repeat the ones an
+// operator filters on.
+func (c *Config) logRefused(err error) {
+	if c.Logger == nil {
+		return
+	}
+	c.Logger.LogAttrs(context.Background(), slog.LevelError, "kvcache: pool configuration refused",
+		slog.Int("pages", c.Pages), slog.Int64("pool_bytes", c.PoolBytes),
+		slog.Int("tokens_per_page", c.Geometry.TokensPerPage), slog.Int("max_context_tokens", c.MaxContextTokens),
+		slog.Any("error", err))
 }
 
 // spec returns the pool's cache spec (Geometry's, or Cache) and its

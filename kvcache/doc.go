@@ -121,7 +121,16 @@
 // no scrub. The index (prefixIndex) is keyed by (domain, key): even a
 // forged or colliding key cannot reach another domain's page. Events
 // (Pool.Events) report stored, removed and cleared keys to KV-aware
-// routers without ever blocking the pool.
+// routers without ever blocking the pool; package kvevents publishes them
+// in vLLM's wire format.
+//
+// # Operations
+//
+// Stats has the figures an operator graphs (package metrics exports them
+// to Prometheus), per-tenant admissions and refusals, and the latency of
+// scrub fills. Config.Logger, if set, gets one record for each refused
+// configuration, failed fill and canary mismatch, with its numbers;
+// nothing is logged per admission or release.
 //
 // # Errors
 //

@@ -155,8 +155,9 @@ func (p *Pool) decideSideLocked(a *admission, t *isolation.Tenant) (st step, ok 
 		for i, g := range p.side {
 			peek := g.alloc.PeekFree(l.scrub.pages[:0], l.side[i].dec.Demand.Take)
 			l.scrub.pages = peek[:0]
-			if _, err := p.q.VerifySpaceLocked(g.space, peek); err != nil {
+			if retired, err := p.q.VerifySpaceLocked(g.space, peek); err != nil {
 				p.faultedLocked()
+				p.logCanaryLocked(retired, err)
 				return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Group: g.name, Cause: err}), false
 			}
 		}

@@ -42,10 +42,13 @@ func admit(t testing.TB, p *Pool, id, tenant string, tokens int) *Lease {
 }
 
 // state is everything a refused call must leave as it was: Stats without
-// the refusal counter.
+// the refusal counters (the pool's and its tenants').
 func state(p *Pool) Stats {
 	s := p.Stats()
 	s.Refused, s.Growth.Refused = Refusals{}, Refusals{}
+	for i := range s.Tenants {
+		s.Tenants[i].Refused = Refusals{}
+	}
 	return s
 }
 

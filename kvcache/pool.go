@@ -3,6 +3,7 @@ package kvcache
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -34,6 +35,10 @@ type Pool struct {
 	sizing         Sizing  // the pool's default, never SizeInherit
 	watermark      float64 // Config.GrowthWatermark
 	events         chan KVEvent
+	log            *slog.Logger // never nil: Config.logger
+	// fillLatency is the time from issue to completion of every fill that
+	// succeeded (atomic: recorded outside mu).
+	fillLatency fillHistogram
 	// q's Issue runs without mu; its Locked methods need mu.
 	q *isolation.Quarantine
 
@@ -73,12 +78,13 @@ type Pool struct {
 		poolWaiters int
 		// seq numbers admissions: each incarnation of a Lease, and so each
 		// export or import of it, has its own.
-		seq      uint64
-		admitted uint64
-		refused  Refusals
-		growth   GrowthStats
-		prefix   prefixIndex
-		events   eventSink
+		seq       uint64
+		admitted  uint64
+		refused   Refusals
+		perTenant tenantCounters // admissions and refusals per tenant
+		growth    GrowthStats
+		prefix    prefixIndex
+		events    eventSink
 	}
 }
 
@@ -86,7 +92,12 @@ type Pool struct {
 // cfg.MaxContextTokens (ErrUndersizedPool) unless cfg.AllowUndersizedPool,
 // and one whose page metadata (and host page memory, for the pool's own
 // host device) would not fit in the memory this process may use.
-func New(cfg Config) (*Pool, error) {
+func New(cfg Config) (_ *Pool, err error) {
+	defer func() {
+		if err != nil {
+			cfg.logRefused(err)
+		}
+	}()
 	v, err := cfg.validate()
 	if err != nil {
 		return nil, err
@@ -104,6 +115,7 @@ func New(cfg Config) (*Pool, error) {
 		prefixDisabled: cfg.Prefix.Disable || len(v.lay.side) > 0,
 		sizing:         cfg.Sizing.Or(Sizing{Mode: SizeFull}),
 		watermark:      cfg.GrowthWatermark,
+		log:            cfg.logger(),
 	}
 	if cfg.Cache.IsZero() {
 		p.geom = cfg.Geometry

@@ -1,11 +1,16 @@
 package kvcache
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
+	"time"
 
+	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/isolation"
 )
 
 // This file is the way back: a lease ends (Release, Abort, an export's
@@ -136,6 +141,7 @@ func (p *Pool) scrub(b scrubBatch, after cudaops.Ordering) error {
 		}
 		return p.q.IssueSpaces(b.spaces(), after)
 	}
+	start := time.Now()
 	fence, err := issue(after)
 	if errors.Is(err, cudaops.ErrBadOrdering) && !after.IsZero() {
 		// The ordering passed checkOrdering but went bad since (the engine
@@ -149,11 +155,14 @@ func (p *Pool) scrub(b scrubBatch, after cudaops.Ordering) error {
 			batch := b.clone()
 			go func() {
 				defer p.fills.Done()
-				p.finishScrub(batch, fence.Wait())
+				err := fence.Wait()
+				p.timeFill(start, err)
+				p.finishScrub(batch, err)
 			}()
 			return nil
 		}
 	}
+	p.timeFill(start, err)
 	err = p.finishScrub(b, err)
 	p.fills.Done()
 	return err
@@ -179,11 +188,20 @@ func (p *Pool) checkOrdering(after cudaops.Ordering) error {
 // evicted them and needs them clean before it can go on.
 func (p *Pool) fillAndWait(pages []int32) error {
 	slices.Sort(pages)
+	start := time.Now()
 	fence, err := p.q.Issue(pages, cudaops.Ordering{})
 	if err == nil {
 		err = fence.Wait()
 	}
+	p.timeFill(start, err)
 	return err
+}
+
+// timeFill records the latency of a fill that succeeded.
+func (p *Pool) timeFill(start time.Time, fillErr error) {
+	if fillErr == nil {
+		p.fillLatency.record(time.Since(start))
+	}
 }
 
 func (p *Pool) finishScrub(b scrubBatch, fillErr error) error {
@@ -205,6 +223,9 @@ func (p *Pool) finishScrubLocked(b scrubBatch, fillErr error) error {
 	}
 	if err != nil {
 		p.faultedLocked()
+		p.log.LogAttrs(context.Background(), slog.LevelError, "kvcache: scrub fill failed; its pages are retired and the pool is faulted until ClearFault",
+			slog.Int("pages_retired", b.len()), slog.Int("retired_pages_total", p.mu.alloc.Count(allocator.Retired)),
+			slog.Int("total_pages", p.total), slog.Any("error", err))
 	} else {
 		p.wakePagesLocked()
 	}
@@ -248,4 +269,20 @@ func (p *Pool) unpin(l *Lease) {
 		p.quiet.Broadcast()
 	}
 	p.mu.Unlock()
+}
+
+// logCanaryLocked logs a canary audit that found free pages written: they
+// are retired and the pool is faulted. The first mismatch names the page,
+// its last owner domain and what it held.
+func (p *Pool) logCanaryLocked(retired int, err error) {
+	p.assertHeld()
+	attrs := []slog.Attr{slog.Int("pages_retired", retired),
+		slog.Int("retired_pages_total", p.mu.alloc.Count(allocator.Retired)), slog.Int("total_pages", p.total)}
+	var ce *isolation.CanaryError
+	if errors.As(err, &ce) {
+		attrs = append(attrs, slog.Int("page", int(ce.Page)), slog.Int("region", ce.Region), slog.Int64("offset", ce.Offset),
+			slog.String("last_owner_domain", ce.PrevOwner), slog.Uint64("want", uint64(ce.Want)), slog.Uint64("got", uint64(ce.Got)))
+	}
+	attrs = append(attrs, slog.Any("error", err))
+	p.log.LogAttrs(context.Background(), slog.LevelError, "kvcache: canary mismatch in free pages; they are retired and the pool is faulted until ClearFault", attrs...)
 }

@@ -1,0 +1,156 @@
+package handoff_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/handoff/internal/testkit"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// lockedBuffer collects a JSON slog handler's records from any goroutine.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) records(t *testing.T) []map[string]any {
+	t.Helper()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var out []map[string]any
+	for _, line := range strings.Split(strings.TrimSpace(b.buf.String()), "\n") {
+		if line == "" {
+			continue
+		}
+		var m map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &m))
+		out = append(out, m)
+	}
+	return out
+}
+
+func TestReasonNamesCoverEveryReasonCode(t *testing.T) {
+	seen := map[string]bool{}
+	for code, name := range handoff.ReasonNames {
+		require.NotEmpty(t, name, "code %d", code)
+		require.False(t, seen[name], "duplicate label %q", name)
+		seen[name] = true
+	}
+	assert.Equal(t, "ok", handoff.ReasonName(nil))
+	assert.Equal(t, "bad_mac", handoff.ReasonName(handoff.ErrBadMAC))
+	assert.Equal(t, "pool_exhausted", handoff.ReasonName(&handoff.RefusedError{Reason: kvcache.ErrPoolExhausted}))
+	assert.Equal(t, "internal", handoff.ReasonName(assert.AnError))
+}
+
+// TestTransferOutcomesCountedOnBothSidesByReason: a transfer that works
+// counts once as sent and once as imported; a refused one counts on both
+// sides under the receiver's reason, and is logged once on each side with
+// its numbers.
+func TestTransferOutcomesCountedOnBothSidesByReason(t *testing.T) {
+	prefill := pool(t, testkit.PoolConfig{Pages: 64})
+	// The decode pool is too small for the second request: pool_exhausted.
+	decode := pool(t, testkit.PoolConfig{Pages: 64})
+	var sendLog, recvLog lockedBuffer
+	recv := receiver(t, decode, func(c *handoff.ReceiverConfig) {
+		c.Logger = slog.New(slog.NewJSONHandler(&recvLog, nil))
+	})
+	s := sender(t, func(c *handoff.SenderConfig) { c.Logger = slog.New(slog.NewJSONHandler(&sendLog, nil)) })
+	ctx := context.Background()
+
+	l, err := testkit.Prefill(prefill, "ok", "victim", 100)
+	require.NoError(t, err)
+	exp, err := s.Export(l, 10)
+	require.NoError(t, err)
+	inproc := handoff.NewInProcess(recv)
+	require.NoError(t, exp.Send(ctx, inproc))
+	inproc.Wait()
+	dl, ok := recv.Take("ok")
+	require.True(t, ok)
+
+	// Hold most of the decode pool so that the next import cannot fit.
+	hog, err := decode.TryAdmit(kvcache.Request{ID: "hog", Tenant: "other", PromptTokens: 50 * 16})
+	require.NoError(t, err)
+	l2, err := testkit.Prefill(prefill, "big", "victim", 300)
+	require.NoError(t, err)
+	exp2, err := s.Export(l2, 10)
+	require.NoError(t, err)
+	err = exp2.Send(ctx, inproc)
+	require.ErrorIs(t, err, kvcache.ErrPoolExhausted)
+	inproc.Wait()
+	require.NoError(t, exp2.Abort())
+
+	rs := recv.Stats()
+	assert.Equal(t, uint64(1), rs.Imported)
+	assert.Equal(t, uint64(1), rs.Refused)
+	code := indexOf(t, "pool_exhausted")
+	assert.Equal(t, uint64(1), rs.RefusedBy[code])
+	ss := s.Stats()
+	assert.Equal(t, uint64(1), ss.Sent)
+	assert.Equal(t, uint64(1), ss.Failed)
+	assert.Equal(t, uint64(1), ss.FailedBy[code])
+
+	for side, buf := range map[string]*lockedBuffer{"receiver": &recvLog, "sender": &sendLog} {
+		recs := buf.records(t)
+		require.Len(t, recs, 1, "%s: one record for the one refusal", side)
+		assert.Equal(t, "pool_exhausted", recs[0]["reason"], side)
+		assert.Equal(t, "WARN", recs[0]["level"], side)
+		assert.Contains(t, recs[0]["error"], "big", "%s: the error names the request", side)
+	}
+	require.NoError(t, dl.Release())
+	require.NoError(t, hog.Release())
+	sweep(t, prefill, decode)
+}
+
+func TestDirectImportOutcomesCountedByReason(t *testing.T) {
+	decode := pool(t, testkit.PoolConfig{Pages: 64})
+	now := time.Now()
+	recv := receiver(t, decode, func(c *handoff.ReceiverConfig) { c.Now = func() time.Time { return now.Add(time.Hour) } })
+	prefill := pool(t, testkit.PoolConfig{Pages: 64})
+	l, err := testkit.Prefill(prefill, "late", "victim", 40)
+	require.NoError(t, err)
+	exp, err := sender(t).Export(l, 0)
+	require.NoError(t, err)
+	wire, err := exp.ManifestBytes()
+	require.NoError(t, err)
+
+	_, err = recv.Begin(context.Background(), wire)
+	require.ErrorIs(t, err, handoff.ErrExpired)
+	tampered := bytes.Clone(wire)
+	tampered[len(tampered)-1] ^= 1
+	_, err = recv.Begin(context.Background(), tampered)
+	require.ErrorIs(t, err, handoff.ErrBadMAC)
+	rs := recv.Stats()
+	assert.Equal(t, uint64(2), rs.Refused)
+	assert.Equal(t, uint64(1), rs.RefusedBy[indexOf(t, "expired")])
+	assert.Equal(t, uint64(1), rs.RefusedBy[indexOf(t, "bad_mac")])
+	require.NoError(t, exp.Abort())
+	sweep(t, prefill, decode)
+}
+
+func indexOf(t *testing.T, name string) int {
+	t.Helper()
+	for i, n := range handoff.ReasonNames {
+		if n == name {
+			return i
+		}
+	}
+	t.Fatalf("no reason %q", name)
+	return 0
+}

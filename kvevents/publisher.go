@@ -1,0 +1,675 @@
+package kvevents
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// Config configures a Publisher. The zero value of every field but
+// Endpoint is usable.
+type Config struct {
+	// Endpoint is where the PUB socket listens: "tcp://HOST:PORT"
+	// ("tcp://*:5557" for every interface, port 0 for any free one; see
+	// Publisher.Addr) or "ipc:///path/to/socket". Subscribers connect to
+	// it. Required.
+	Endpoint string
+	// ReplayEndpoint, if set, is where the ROUTER socket for replay
+	// requests listens, in the same forms.
+	ReplayEndpoint string
+	// Topic is the first frame of every message, which SUB sockets
+	// filter on; "" (vLLM's default) matches every subscription. llm-d
+	// expects "kv@POD@MODEL".
+	Topic string
+	// DataParallelRank is the third element of every batch.
+	DataParallelRank int
+	// Encoding of the events inside a batch; the zero value is
+	// ArrayEvents.
+	Encoding Encoding
+	// FullHashes sends each block hash as the whole 32-byte key (a msgpack
+	// bin) rather than the 64-bit integer BlockHash.
+	FullHashes bool
+	// Medium is every event's medium; "" means "GPU".
+	Medium string
+	// MaxBatchEvents bounds the pool events in one batch; 0 means 256. A
+	// batch holds what the pool emitted since the last one, up to this.
+	MaxBatchEvents int
+	// BufferSteps is how many of the latest batches the replay socket can
+	// send again; 0 means 10,000 (vLLM's default). BufferBytes bounds
+	// their payloads in all; 0 means 64 MiB. The oldest go first.
+	BufferSteps int
+	BufferBytes int
+	// SubscriberQueue is how many batches wait for one subscriber before
+	// the next is dropped for it (and only for it); 0 means 1,024.
+	SubscriberQueue int
+	// WriteTimeout disconnects a subscriber or replay client that has
+	// accepted no bytes for this long; 0 means 10 s.
+	WriteTimeout time.Duration
+	// MaxPeers bounds connected subscribers and replay clients, each;
+	// 0 means 64. Further connections are closed at once.
+	MaxPeers int
+	// Logger gets one record per loss of pool events (and the
+	// resynchronisation it causes), per subscriber cut off and per
+	// refused peer. Nil logs nothing.
+	Logger *slog.Logger
+}
+
+const (
+	defaultBatchEvents = 256
+	defaultSteps       = 10_000
+	defaultBufferBytes = 64 << 20
+	defaultQueue       = 1024
+	defaultTimeout     = 10 * time.Second
+	defaultPeers       = 64
+	// maxSubscription bounds a subscription message (0x01 + topic).
+	maxSubscription = 1 << 10
+	// maxReplayRequest bounds a replay request (an empty delimiter and an
+	// 8-byte sequence number, with room to spare).
+	maxReplayRequest = 64
+	// endSeq marks the end of a replay: -1 as a signed 8-byte integer.
+	endSeq = ^uint64(0)
+)
+
+// Stats are a publisher's running totals.
+type Stats struct {
+	Batches uint64 // batches published: the next sequence number
+	Events  uint64 // pool events in them
+	// Lost counts pool events the publisher never saw (the pool's event
+	// channel was full: kvcache.PrefixStats.EventsDropped counts the same
+	// from the pool's side); each loss made the publisher send an
+	// AllBlocksCleared, counted in Resyncs, so that routers drop a mirror
+	// that no longer matches.
+	Lost    uint64
+	Resyncs uint64
+	// Subscribers is how many subscribers are connected now.
+	Subscribers int
+	// SubscriberDrops counts batches not queued for a subscriber because
+	// its queue was full: it sees a gap in the sequence numbers, which
+	// replay fills while the batches are still buffered.
+	SubscriberDrops uint64
+	// Disconnects counts subscribers and replay clients cut off (write
+	// timeout, protocol error, over MaxPeers).
+	Disconnects uint64
+	// Replays counts replay requests served, ReplayedBatches the batches
+	// they sent, BadRequests the malformed ones ignored.
+	Replays         uint64
+	ReplayedBatches uint64
+	BadRequests     uint64
+}
+
+// Publisher sends a pool's prefix-cache events to KV-aware routers in
+// vLLM's wire format. See the package doc.
+type Publisher struct {
+	cfg    Config
+	events <-chan kvcache.KVEvent
+	enc    *encoder
+	log    *slog.Logger
+
+	pub, replay net.Listener
+	stop        chan struct{} // closed by Close
+	drained     chan struct{} // closed when run has published everything
+	wg          sync.WaitGroup
+	closeOnce   sync.Once
+
+	ring ring // batches for replay
+
+	mu struct {
+		sync.Mutex
+		subs    map[*subscriber]struct{}
+		clients int
+		closed  bool
+	}
+
+	batches, events64, lost, resyncs atomic.Uint64
+	drops, disconnects               atomic.Uint64
+	replays, replayed, badRequests   atomic.Uint64
+}
+
+// New starts publishing pool's events (Config.Prefix.EventBuffer must be
+// set) on cfg.Endpoint, and serving replays on cfg.ReplayEndpoint. It reads
+// pool.Events() until the pool closes it, and never makes the pool wait.
+func New(pool *kvcache.Pool, cfg Config) (*Publisher, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: nil pool", ErrInvalidConfig)
+	}
+	events := pool.Events()
+	if events == nil {
+		return nil, fmt.Errorf("%w: the pool emits no events (set Config.Prefix.EventBuffer)", ErrInvalidConfig)
+	}
+	if err := cfg.fill(); err != nil {
+		return nil, err
+	}
+	p := &Publisher{
+		cfg:     cfg,
+		events:  events,
+		enc:     newEncoder(cfg.Encoding, cfg.FullHashes, cfg.Medium, pool.Geometry().TokensPerPage, cfg.DataParallelRank),
+		log:     cfg.Logger,
+		stop:    make(chan struct{}),
+		drained: make(chan struct{}),
+		ring:    ring{maxSteps: cfg.BufferSteps, maxBytes: cfg.BufferBytes},
+	}
+	if p.log == nil {
+		p.log = slog.New(slog.DiscardHandler)
+	}
+	p.mu.subs = make(map[*subscriber]struct{})
+	var err error
+	if p.pub, err = listen(cfg.Endpoint); err != nil {
+		return nil, err
+	}
+	if cfg.ReplayEndpoint != "" {
+		if p.replay, err = listen(cfg.ReplayEndpoint); err != nil {
+			p.pub.Close()
+			return nil, err
+		}
+	}
+	p.wg.Add(2)
+	go p.run()
+	go p.accept(p.pub, p.serveSubscriber)
+	if p.replay != nil {
+		p.wg.Add(1)
+		go p.accept(p.replay, p.serveReplay)
+	}
+	return p, nil
+}
+
+func (c *Config) fill() error {
+	switch {
+	case c.Endpoint == "":
+		return fmt.Errorf("%w: no Endpoint", ErrInvalidConfig)
+	case c.Encoding != ArrayEvents && c.Encoding != MapEvents:
+		return fmt.Errorf("%w: Encoding %v", ErrInvalidConfig, c.Encoding)
+	case c.MaxBatchEvents < 0 || c.BufferSteps < 0 || c.BufferBytes < 0 || c.SubscriberQueue < 0 ||
+		c.WriteTimeout < 0 || c.MaxPeers < 0:
+		return fmt.Errorf("%w: negative size or timeout", ErrInvalidConfig)
+	}
+	def := func(v *int, d int) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	def(&c.MaxBatchEvents, defaultBatchEvents)
+	def(&c.BufferSteps, defaultSteps)
+	def(&c.BufferBytes, defaultBufferBytes)
+	def(&c.SubscriberQueue, defaultQueue)
+	def(&c.MaxPeers, defaultPeers)
+	if c.WriteTimeout == 0 {
+		c.WriteTimeout = defaultTimeout
+	}
+	if c.Medium == "" {
+		c.Medium = "GPU"
+	}
+	return nil
+}
+
+// listen binds a ZMQ-style endpoint.
+func listen(endpoint string) (net.Listener, error) {
+	var network, addr string
+	switch {
+	case strings.HasPrefix(endpoint, "tcp://"):
+		network, addr = "tcp", strings.TrimPrefix(endpoint, "tcp://")
+		if strings.HasPrefix(addr, "*:") {
+			addr = addr[1:]
+		}
+	case strings.HasPrefix(endpoint, "ipc://"):
+		network, addr = "unix", strings.TrimPrefix(endpoint, "ipc://")
+		os.Remove(addr) // a socket file left by an earlier process
+	default:
+		return nil, fmt.Errorf("%w: endpoint %q: want tcp://HOST:PORT or ipc://PATH", ErrInvalidConfig, endpoint)
+	}
+	l, err := net.Listen(network, addr)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrListen, endpoint, err)
+	}
+	return l, nil
+}
+
+// Addr is the address the PUB socket listens on.
+func (p *Publisher) Addr() net.Addr { return p.pub.Addr() }
+
+// ReplayAddr is the address of the replay socket, nil without one.
+func (p *Publisher) ReplayAddr() net.Addr {
+	if p.replay == nil {
+		return nil
+	}
+	return p.replay.Addr()
+}
+
+// Drained is closed once the pool has closed its event channel and every
+// event in it has been published.
+func (p *Publisher) Drained() <-chan struct{} { return p.drained }
+
+// Stats returns running totals.
+func (p *Publisher) Stats() Stats {
+	p.mu.Lock()
+	n := len(p.mu.subs)
+	p.mu.Unlock()
+	return Stats{
+		Batches: p.batches.Load(), Events: p.events64.Load(), Lost: p.lost.Load(), Resyncs: p.resyncs.Load(),
+		Subscribers: n, SubscriberDrops: p.drops.Load(), Disconnects: p.disconnects.Load(),
+		Replays: p.replays.Load(), ReplayedBatches: p.replayed.Load(), BadRequests: p.badRequests.Load(),
+	}
+}
+
+// Close stops reading the pool's events, sends every subscriber what is
+// queued for it (each within WriteTimeout), and closes the sockets. Events
+// still in the pool's channel are not published. A second Close returns
+// ErrClosed.
+func (p *Publisher) Close() error {
+	err := ErrClosed
+	p.closeOnce.Do(func() {
+		err = nil
+		close(p.stop)
+		p.pub.Close()
+		if p.replay != nil {
+			p.replay.Close()
+		}
+		p.mu.Lock()
+		p.mu.closed = true
+		subs := make([]*subscriber, 0, len(p.mu.subs))
+		for s := range p.mu.subs {
+			subs = append(subs, s)
+		}
+		p.mu.Unlock()
+		for _, s := range subs {
+			s.finish()
+		}
+		p.wg.Wait()
+	})
+	return err
+}
+
+// run reads the pool's events and publishes them in batches.
+func (p *Publisher) run() {
+	defer p.wg.Done()
+	var (
+		batch []kvcache.KVEvent
+		last  uint64 // the pool's Seq of the last event read
+	)
+	for {
+		var ev kvcache.KVEvent
+		var ok bool
+		select {
+		case ev, ok = <-p.events:
+		case <-p.stop:
+			return
+		}
+		if !ok {
+			close(p.drained)
+			return
+		}
+		batch = batch[:0]
+		for {
+			// The pool numbers every event from 1, dropped ones included.
+			if ev.Seq > last+1 {
+				batch = p.resync(batch, ev.Seq-last-1, last, ev.Seq)
+			}
+			last = ev.Seq
+			batch = append(batch, ev)
+			if len(batch) >= p.cfg.MaxBatchEvents {
+				break
+			}
+			select {
+			case ev, ok = <-p.events:
+			default:
+				ok = false
+			}
+			if !ok {
+				break
+			}
+		}
+		p.publish(batch)
+	}
+}
+
+// resync notes that the pool dropped events and puts an AllBlocksCleared
+// in the batch before the next event: a router must not keep a mirror
+// that is missing stores or removals.
+func (p *Publisher) resync(batch []kvcache.KVEvent, lost, last, next uint64) []kvcache.KVEvent {
+	p.lost.Add(lost)
+	p.resyncs.Add(1)
+	p.log.LogAttrs(context.Background(), slog.LevelWarn,
+		"kvevents: the pool dropped events before they were published; sending AllBlocksCleared so that routers rebuild their view",
+		slog.Uint64("lost_events", lost), slog.Uint64("after_pool_seq", last), slog.Uint64("next_pool_seq", next))
+	return append(batch, kvcache.KVEvent{}) // Kind 0: AllBlocksCleared
+}
+
+// publish encodes a batch, numbers it, keeps it for replay and queues it
+// for every subscriber of the topic.
+func (p *Publisher) publish(batch []kvcache.KVEvent) {
+	payload, err := p.enc.batch(time.Now(), batch)
+	if err != nil {
+		// Nothing in a KVEvent can fail to encode into a buffer; if it
+		// ever does, the gap in events shows up as a resync downstream.
+		p.log.Error("kvevents: batch dropped", slog.Any("error", err))
+		return
+	}
+	seq := p.batches.Load()
+	var seqb [8]byte
+	binary.BigEndian.PutUint64(seqb[:], seq)
+	// One allocation per batch: the message as sent, whose last frame is
+	// the payload the replay buffer keeps.
+	wire := make([]byte, 0, 3*9+len(p.cfg.Topic)+8+len(payload))
+	wire = appendMessage(wire, []byte(p.cfg.Topic), seqb[:], payload)
+	p.ring.add(seq, wire[len(wire)-len(payload):])
+	n := uint64(0)
+	for _, ev := range batch {
+		if ev.Kind != 0 {
+			n++
+		}
+	}
+	p.events64.Add(n)
+	p.batches.Add(1)
+	p.mu.Lock()
+	for s := range p.mu.subs {
+		if !s.wants(p.cfg.Topic) {
+			continue
+		}
+		select {
+		case s.queue <- wire:
+		default:
+			s.dropped.Add(1)
+			p.drops.Add(1)
+		}
+	}
+	p.mu.Unlock()
+}
+
+// accept hands every connection on l to serve, in its own goroutine.
+func (p *Publisher) accept(l net.Listener, serve func(net.Conn)) {
+	defer p.wg.Done()
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			select {
+			case <-p.stop:
+				return
+			default:
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			time.Sleep(10 * time.Millisecond) // e.g. out of file descriptors
+			continue
+		}
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			serve(c)
+		}()
+	}
+}
+
+// refusePeer closes a connection that will not be served and counts it.
+func (p *Publisher) refusePeer(c net.Conn, why string, err error) {
+	c.Close()
+	p.disconnects.Add(1)
+	p.log.LogAttrs(context.Background(), slog.LevelWarn, "kvevents: peer refused",
+		slog.String("remote", c.RemoteAddr().String()), slog.String("why", why), slog.Any("error", err))
+}
+
+// subscriber is one connected SUB socket.
+type subscriber struct {
+	z       *zconn
+	queue   chan []byte // encoded messages, shared by all subscribers
+	dropped atomic.Uint64
+	done    chan struct{} // closed by finish: send what is queued, then stop
+	once    sync.Once
+
+	mu     sync.Mutex
+	topics []string // subscribed prefixes
+}
+
+func (s *subscriber) wants(topic string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, t := range s.topics {
+		if strings.HasPrefix(topic, t) {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *subscriber) subscribe(on bool, topic string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if on {
+		s.topics = append(s.topics, topic)
+		return
+	}
+	for i, t := range s.topics { // ZMQ counts subscriptions: cancel one
+		if t == topic {
+			s.topics = append(s.topics[:i], s.topics[i+1:]...)
+			return
+		}
+	}
+}
+
+func (s *subscriber) finish() { s.once.Do(func() { close(s.done) }) }
+
+func (p *Publisher) serveSubscriber(c net.Conn) {
+	z, err := handshake(c, "PUB", []string{"SUB", "XSUB"}, p.cfg.WriteTimeout)
+	if err != nil {
+		p.refusePeer(c, "handshake", err)
+		return
+	}
+	s := &subscriber{z: z, queue: make(chan []byte, p.cfg.SubscriberQueue), done: make(chan struct{})}
+	p.mu.Lock()
+	if p.mu.closed || len(p.mu.subs) >= p.cfg.MaxPeers {
+		p.mu.Unlock()
+		p.refusePeer(c, "too many subscribers, or closing", nil)
+		return
+	}
+	p.mu.subs[s] = struct{}{}
+	p.mu.Unlock()
+
+	readerDone := make(chan struct{})
+	go func() {
+		// Subscriptions come from the subscriber; anything else it sends
+		// is ignored. A read error (it went away) ends the subscriber.
+		defer close(readerDone)
+		for {
+			msg, err := z.readMessage(maxSubscription)
+			if err != nil {
+				s.finish()
+				return
+			}
+			if len(msg) == 1 && len(msg[0]) > 0 && msg[0][0] <= 1 {
+				s.subscribe(msg[0][0] == 1, string(msg[0][1:]))
+			}
+		}
+	}()
+	err = p.write(s)
+	p.mu.Lock()
+	delete(p.mu.subs, s)
+	p.mu.Unlock()
+	c.Close()
+	<-readerDone
+	if err != nil {
+		p.disconnects.Add(1)
+		p.log.LogAttrs(context.Background(), slog.LevelWarn, "kvevents: subscriber cut off",
+			slog.String("remote", c.RemoteAddr().String()), slog.Uint64("batches_dropped_for_it", s.dropped.Load()), slog.Any("error", err))
+	}
+}
+
+// write sends s its queue until finish, then what is left in it.
+func (p *Publisher) write(s *subscriber) error {
+	send := func(wire []byte) error {
+		s.z.c.SetWriteDeadline(time.Now().Add(p.cfg.WriteTimeout))
+		if _, err := s.z.c.Write(wire); err != nil {
+			return fmt.Errorf("%w: %w", ErrPeer, err)
+		}
+		return nil
+	}
+	for {
+		select {
+		case wire := <-s.queue:
+			if err := send(wire); err != nil {
+				return err
+			}
+		case <-s.done:
+			select {
+			case <-p.stop: // closing: flush what is queued
+			default:
+				return nil // the subscriber went away
+			}
+			for {
+				select {
+				case wire := <-s.queue:
+					if err := send(wire); err != nil {
+						return err
+					}
+				default:
+					return nil
+				}
+			}
+		}
+	}
+}
+
+// serveReplay answers replay requests on one connection, as vLLM's
+// ROUTER does: a request is an empty delimiter and an 8-byte big-endian
+// start sequence (what a REQ socket sends; a DEALER sends the same two
+// frames, or the sequence alone); the reply is every buffered batch from
+// that sequence on as [delimiter, seq, payload], then [delimiter, -1, ""].
+func (p *Publisher) serveReplay(c net.Conn) {
+	defer c.Close()
+	z, err := handshake(c, "ROUTER", []string{"REQ", "DEALER"}, p.cfg.WriteTimeout)
+	if err != nil {
+		p.refusePeer(c, "handshake", err)
+		return
+	}
+	p.mu.Lock()
+	if p.mu.closed || p.mu.clients >= p.cfg.MaxPeers {
+		p.mu.Unlock()
+		p.refusePeer(c, "too many replay clients, or closing", nil)
+		return
+	}
+	p.mu.clients++
+	p.mu.Unlock()
+	defer func() {
+		p.mu.Lock()
+		p.mu.clients--
+		p.mu.Unlock()
+	}()
+	served := make(chan struct{})
+	defer close(served)
+	go func() {
+		select {
+		case <-p.stop: // unblock the read below
+			c.Close()
+		case <-served:
+		}
+	}()
+	var entries []ringEntry
+	for {
+		msg, err := z.readMessage(maxReplayRequest)
+		if err != nil {
+			return
+		}
+		var envelope [][]byte
+		switch {
+		case len(msg) == 2 && len(msg[0]) == 0 && len(msg[1]) == 8:
+			envelope = msg[:1]
+		case len(msg) == 1 && len(msg[0]) == 8:
+		default:
+			p.badRequests.Add(1)
+			p.log.LogAttrs(context.Background(), slog.LevelWarn, "kvevents: malformed replay request ignored",
+				slog.String("remote", c.RemoteAddr().String()), slog.Int("frames", len(msg)))
+			continue
+		}
+		start := binary.BigEndian.Uint64(msg[len(msg)-1])
+		entries = p.ring.since(entries[:0], start)
+		p.replays.Add(1)
+		var out []byte
+		var seqb [8]byte
+		for _, e := range entries {
+			binary.BigEndian.PutUint64(seqb[:], e.seq)
+			out = appendMessage(append(out[:0], envelopeFrames(envelope)...), seqb[:], e.payload)
+			if err := p.writeReplay(c, out); err != nil {
+				return
+			}
+			p.replayed.Add(1)
+		}
+		binary.BigEndian.PutUint64(seqb[:], endSeq)
+		if err := p.writeReplay(c, appendMessage(envelopeFrames(envelope), seqb[:], nil)); err != nil {
+			return
+		}
+	}
+}
+
+// envelopeFrames encodes the delimiter frames that start every reply, as
+// frames followed by more.
+func envelopeFrames(envelope [][]byte) []byte {
+	var b []byte
+	for _, f := range envelope {
+		b = appendHeader(b, len(f), flagMore)
+		b = append(b, f...)
+	}
+	return b
+}
+
+func (p *Publisher) writeReplay(c net.Conn, b []byte) error {
+	c.SetWriteDeadline(time.Now().Add(p.cfg.WriteTimeout))
+	if _, err := c.Write(b); err != nil {
+		p.disconnects.Add(1)
+		return fmt.Errorf("%w: replay: %w", ErrPeer, err)
+	}
+	return nil
+}
+
+// ring keeps the latest batches for replay, bounded in count and bytes.
+type ring struct {
+	mu       sync.Mutex
+	entries  []ringEntry // oldest first
+	head     int         // index of the oldest in entries
+	n        int
+	bytes    int
+	maxSteps int
+	maxBytes int
+}
+
+type ringEntry struct {
+	seq     uint64
+	payload []byte // immutable once added
+}
+
+func (r *ring) add(seq uint64, payload []byte) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.entries == nil {
+		r.entries = make([]ringEntry, r.maxSteps)
+	}
+	for r.n > 0 && (r.n == r.maxSteps || r.bytes+len(payload) > r.maxBytes) {
+		old := &r.entries[r.head]
+		r.bytes -= len(old.payload)
+		*old = ringEntry{}
+		r.head = (r.head + 1) % r.maxSteps
+		r.n--
+	}
+	r.entries[(r.head+r.n)%r.maxSteps] = ringEntry{seq: seq, payload: payload}
+	r.n++
+	r.bytes += len(payload)
+}
+
+// since appends the buffered batches numbered start or later to dst.
+func (r *ring) since(dst []ringEntry, start uint64) []ringEntry {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i := range r.n {
+		if e := r.entries[(r.head+i)%r.maxSteps]; e.seq >= start {
+			dst = append(dst, e)
+		}
+	}
+	return dst
+}

@@ -1,0 +1,174 @@
+package kvevents_test
+
+import (
+	"bufio"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/kvcache"
+	"github.com/kvfence/kvfence/kvevents"
+)
+
+// rawSub is a SUB socket written out by hand (ZMTP 3.0, NULL), so that a
+// test controls exactly when it reads: a subscriber that stops reading.
+type rawSub struct {
+	c net.Conn
+	r *bufio.Reader
+}
+
+func dialRaw(t *testing.T, addr string, readBuffer int) *rawSub {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { c.Close() })
+	if readBuffer > 0 {
+		require.NoError(t, c.(*net.TCPConn).SetReadBuffer(readBuffer))
+	}
+	s := &rawSub{c: c, r: bufio.NewReader(c)}
+	var g [64]byte
+	g[0], g[9], g[10] = 0xff, 0x7f, 3
+	copy(g[12:], "NULL")
+	_, err = c.Write(g[:])
+	require.NoError(t, err)
+	ready := append([]byte{5}, "READY"...)
+	ready = append(ready, 11)
+	ready = append(ready, "Socket-Type"...)
+	ready = binary.BigEndian.AppendUint32(ready, 3)
+	ready = append(ready, "SUB"...)
+	_, err = c.Write(append([]byte{0x04, byte(len(ready))}, ready...))
+	require.NoError(t, err)
+	_, err = io.ReadFull(s.r, g[:])
+	require.NoError(t, err)
+	_, more, cmd, err := s.frame()
+	require.NoError(t, err)
+	require.True(t, cmd && !more, "READY")
+	_, err = c.Write([]byte{0x00, 1, 1}) // subscribe to everything
+	require.NoError(t, err)
+	return s
+}
+
+func (s *rawSub) frame() (body []byte, more, cmd bool, err error) {
+	flags, err := s.r.ReadByte()
+	if err != nil {
+		return nil, false, false, err
+	}
+	var n uint64
+	if flags&0x02 != 0 {
+		var b [8]byte
+		if _, err := io.ReadFull(s.r, b[:]); err != nil {
+			return nil, false, false, err
+		}
+		n = binary.BigEndian.Uint64(b[:])
+	} else {
+		b, err := s.r.ReadByte()
+		if err != nil {
+			return nil, false, false, err
+		}
+		n = uint64(b)
+	}
+	body = make([]byte, n)
+	_, err = io.ReadFull(s.r, body)
+	return body, flags&0x01 != 0, flags&0x04 != 0, err
+}
+
+// sequences reads messages until the publisher closes the connection and
+// returns their sequence numbers.
+func (s *rawSub) sequences(t *testing.T) []uint64 {
+	t.Helper()
+	var seqs []uint64
+	for {
+		var frames [][]byte
+		for {
+			f, more, _, err := s.frame()
+			if err == io.EOF && len(frames) == 0 {
+				return seqs
+			}
+
+			require.NoError(t, err)
+			frames = append(frames, f)
+			if !more {
+				break
+			}
+		}
+		require.Len(t, frames, 3)
+		seqs = append(seqs, binary.BigEndian.Uint64(frames[1]))
+
+	}
+}
+
+// TestSlowSubscriberNeverSlowsAdmission: a subscriber that stops reading
+// holds up neither the pool (no event is lost between the pool and the
+// publisher, every admission completes) nor the other subscribers; what
+// it lost is exactly what the publisher counts as dropped for it, and it
+// can tell from the gaps in the sequence numbers.
+func TestSlowSubscriberNeverSlowsAdmission(t *testing.T) {
+	const cycles = 1500
+	p := newPool(t, 64, 1<<16)
+	pub := publisher(t, p, kvevents.Config{SubscriberQueue: 4, FullHashes: true, WriteTimeout: 5 * time.Minute,
+		ReplayEndpoint: "tcp://127.0.0.1:0"})
+	// A fixed receive buffer (no autotuning) of a few segments: the
+	// stall fills it, and the publisher's send buffer, quickly.
+	stalled := dialRaw(t, pub.Addr().String(), 256<<10)
+	live := dialSubscriber(t, pub, "")
+	waitSubscribed(t, pub, 2)
+
+	// Each cycle publishes a 60-page prompt in tenant a's domain, which
+	// evicts the previous one: two events of 60 keys, ~8 KiB a cycle, far
+	// more than the stalled subscriber's socket buffers hold.
+	liveDone := make(chan mirror)
+	var target atomic.Uint64 // the last batch, once known
+	target.Store(math.MaxUint64)
+	go func() {
+		// The live subscriber keeps up (replaying what it misses).
+		for live.next <= target.Load() {
+			live.recv()
+		}
+		liveDone <- live.mirror
+	}()
+	var last []kvcache.BlockKey
+	for i := range cycles {
+		last = publish(t, p, fmt.Sprintf("r%d", i), "a", tokens(1000*i, 240), false)
+	}
+	lastSeq := waitPublished(t, p, pub)
+	target.Store(lastSeq)
+	require.Zero(t, p.Stats().Prefix.EventsDropped, "the publisher read every event the pool produced")
+	got := <-liveDone
+	// The pool keeps the latest prompt and what its admission did not
+	// need to evict of the one before.
+	for h := range hashesOf(last) {
+		require.True(t, got["tenant:a"][h], "the subscriber that reads mirrors the pool")
+	}
+	require.Equal(t, p.Stats().Prefix.Domains[0].IndexedPages, len(got["tenant:a"]))
+	require.Len(t, got, 1)
+	drops := pub.Stats().SubscriberDrops
+	require.Positive(t, drops, "the stalled subscriber's queue overflowed")
+
+	live.sub.Close() // it stops reading now: it must not hold up Close
+
+	// Close flushes what is queued; the stalled subscriber now reads.
+	closed := make(chan error)
+	go func() { closed <- pub.Close() }()
+	seqs := stalled.sequences(t)
+	require.NoError(t, <-closed)
+	total := pub.Stats().Batches
+	require.Equal(t, lastSeq+1, total)
+	assert.Equal(t, total, uint64(len(seqs))+drops, "delivered + dropped = published")
+	missing := uint64(0)
+	prev := int64(-1)
+	for _, s := range seqs {
+		require.Greater(t, int64(s), prev, "in order")
+		missing += s - uint64(prev+1)
+		prev = int64(s)
+	}
+	missing += total - uint64(prev+1)
+	assert.Equal(t, drops, missing, "the gaps are the drops")
+}

@@ -1,0 +1,248 @@
+package kvevents
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"time"
+)
+
+// This file is the part of ZMTP 3.0 (ZeroMQ's wire protocol, RFC 23/ZMTP,
+// NULL security) that a publishing PUB socket and a replying ROUTER socket
+// need: the greeting, the READY handshake, and frames. Everything here
+// reads with a limit on what a peer can make it allocate.
+
+const (
+	greetingLen = 64
+	// flag bits of a frame header.
+	flagMore    = 0x01
+	flagLong    = 0x02
+	flagCommand = 0x04
+	// maxCommand bounds a command frame (READY, SUBSCRIBE, PING) from a
+	// peer: a few properties.
+	maxCommand = 4 << 10
+)
+
+// greeting is ours: signature, version 3.0, mechanism NULL, as-server 0.
+// Version 3.0 (not 3.1) makes libzmq peers send subscriptions as messages
+// (0x01 + topic); SUBSCRIBE commands are accepted too.
+var greeting = func() [greetingLen]byte {
+	var g [greetingLen]byte
+	g[0], g[9] = 0xff, 0x7f
+	g[10], g[11] = 3, 0
+	copy(g[12:32], "NULL")
+	return g
+}()
+
+// zconn is one ZMTP connection after the handshake.
+type zconn struct {
+	c        net.Conn
+	r        *bufio.Reader
+	peerType string
+}
+
+// handshake runs the greeting and the NULL handshake as the side that
+// announces sockType, and accepts only peers whose Socket-Type is one of
+// peers.
+func handshake(c net.Conn, sockType string, peers []string, timeout time.Duration) (*zconn, error) {
+	if timeout > 0 {
+		c.SetDeadline(time.Now().Add(timeout))
+		defer c.SetDeadline(time.Time{})
+	}
+	z := &zconn{c: c, r: bufio.NewReaderSize(c, 4096)}
+	if _, err := c.Write(greeting[:]); err != nil {
+		return nil, fmt.Errorf("%w: sending the greeting: %w", ErrPeer, err)
+	}
+	var g [greetingLen]byte
+	if _, err := io.ReadFull(z.r, g[:]); err != nil {
+		return nil, fmt.Errorf("%w: reading the greeting: %w", ErrPeer, err)
+	}
+	if g[0] != 0xff || g[9] != 0x7f {
+		return nil, fmt.Errorf("%w: not a ZMTP greeting (signature % x)", ErrPeer, g[:10])
+	}
+	if g[10] < 3 {
+		return nil, fmt.Errorf("%w: ZMTP version %d.%d, need 3.x", ErrPeer, g[10], g[11])
+	}
+	if mech := string(bytes.TrimRight(g[12:32], "\x00")); mech != "NULL" {
+		return nil, fmt.Errorf("%w: security mechanism %q, only NULL is served", ErrPeer, mech)
+	}
+	if err := z.writeCommand("READY", props("Socket-Type", sockType)); err != nil {
+		return nil, err
+	}
+	frame, more, cmd, err := z.readFrame(maxCommand)
+	if err != nil {
+		return nil, err
+	}
+	if !cmd || more {
+		return nil, fmt.Errorf("%w: expected a READY command after the greeting", ErrPeer)
+	}
+	name, body, err := parseCommand(frame)
+	if err != nil {
+		return nil, err
+	}
+	if name != "READY" {
+		return nil, fmt.Errorf("%w: expected READY, got command %q", ErrPeer, name)
+	}
+	meta, err := parseProps(body)
+	if err != nil {
+		return nil, err
+	}
+	z.peerType = meta["socket-type"]
+	for _, p := range peers {
+		if z.peerType == p {
+			return z, nil
+		}
+	}
+	return nil, fmt.Errorf("%w: a %s socket cannot talk to a %q peer (want %v)", ErrPeer, sockType, z.peerType, peers)
+}
+
+// props encodes ZMTP metadata: name length (1 byte), name, value length
+// (4 bytes, big-endian), value.
+func props(kv ...string) []byte {
+	var b []byte
+	for i := 0; i+1 < len(kv); i += 2 {
+		b = append(b, byte(len(kv[i])))
+		b = append(b, kv[i]...)
+		b = binary.BigEndian.AppendUint32(b, uint32(len(kv[i+1])))
+		b = append(b, kv[i+1]...)
+	}
+	return b
+}
+
+// parseProps decodes ZMTP metadata; names are case-insensitive, so they
+// come back in lower case.
+func parseProps(b []byte) (map[string]string, error) {
+	m := map[string]string{}
+	for len(b) > 0 {
+		n := int(b[0])
+		if len(b) < 1+n+4 {
+			return nil, fmt.Errorf("%w: truncated metadata", ErrPeer)
+		}
+		name := string(bytes.ToLower(b[1 : 1+n]))
+		v := int(binary.BigEndian.Uint32(b[1+n:]))
+		b = b[1+n+4:]
+		if v > len(b) {
+			return nil, fmt.Errorf("%w: metadata value of %d bytes, %d left", ErrPeer, v, len(b))
+		}
+		m[name] = string(b[:v])
+		b = b[v:]
+	}
+	return m, nil
+}
+
+// parseCommand splits a command frame into its name and body.
+func parseCommand(frame []byte) (string, []byte, error) {
+	if len(frame) < 1 || len(frame) < 1+int(frame[0]) {
+		return "", nil, fmt.Errorf("%w: truncated command", ErrPeer)
+	}
+	n := int(frame[0])
+	return string(frame[1 : 1+n]), frame[1+n:], nil
+}
+
+func (z *zconn) writeCommand(name string, body []byte) error {
+	frame := append([]byte{byte(len(name))}, name...)
+	frame = append(frame, body...)
+	var hdr [9]byte
+	h := appendHeader(hdr[:0], len(frame), flagCommand)
+	if _, err := z.c.Write(append(h, frame...)); err != nil {
+		return fmt.Errorf("%w: sending %s: %w", ErrPeer, name, err)
+	}
+	return nil
+}
+
+// appendHeader appends a frame header: flags and a 1-byte or 8-byte size.
+func appendHeader(dst []byte, size int, flags byte) []byte {
+	if size > 255 {
+		dst = append(dst, flags|flagLong)
+		return binary.BigEndian.AppendUint64(dst, uint64(size))
+	}
+	return append(dst, flags, byte(size))
+}
+
+// readFrame reads one frame of at most limit bytes.
+func (z *zconn) readFrame(limit int) (body []byte, more, command bool, err error) {
+	flags, err := z.r.ReadByte()
+	if err != nil {
+		return nil, false, false, err
+	}
+	var size uint64
+	if flags&flagLong != 0 {
+		var b [8]byte
+		if _, err := io.ReadFull(z.r, b[:]); err != nil {
+			return nil, false, false, err
+		}
+		size = binary.BigEndian.Uint64(b[:])
+	} else {
+		b, err := z.r.ReadByte()
+		if err != nil {
+			return nil, false, false, err
+		}
+		size = uint64(b)
+	}
+	command = flags&flagCommand != 0
+	if command {
+		limit = min(limit, maxCommand)
+	}
+	if size > uint64(limit) {
+		return nil, false, false, fmt.Errorf("%w: frame of %d bytes, at most %d accepted", ErrPeer, size, limit)
+	}
+	body = make([]byte, size)
+	if _, err := io.ReadFull(z.r, body); err != nil {
+		return nil, false, false, err
+	}
+	return body, flags&flagMore != 0 && !command, command, nil
+}
+
+// readMessage reads one message (its frames) of at most limit bytes in
+// all, answering PING and skipping other commands. A SUBSCRIBE or CANCEL
+// command (ZMTP 3.1) comes back as the equivalent 3.0 message.
+func (z *zconn) readMessage(limit int) ([][]byte, error) {
+	var msg [][]byte
+	for {
+		frame, more, cmd, err := z.readFrame(limit)
+		if err != nil {
+			return nil, err
+		}
+		if cmd {
+			name, body, err := parseCommand(frame)
+			if err != nil {
+				return nil, err
+			}
+			switch name {
+			case "SUBSCRIBE":
+				return [][]byte{append([]byte{1}, body...)}, nil
+			case "CANCEL":
+				return [][]byte{append([]byte{0}, body...)}, nil
+			case "PING":
+				// TTL (2 bytes) then a context the PONG echoes.
+				if len(body) >= 2 {
+					if err := z.writeCommand("PONG", body[2:]); err != nil {
+						return nil, err
+					}
+				}
+			}
+			continue
+		}
+		limit = max(0, limit-len(frame))
+		msg = append(msg, frame)
+		if !more {
+			return msg, nil
+		}
+	}
+}
+
+// appendMessage appends msg's frames, with headers, to dst.
+func appendMessage(dst []byte, msg ...[]byte) []byte {
+	for i, f := range msg {
+		var flags byte
+		if i < len(msg)-1 {
+			flags = flagMore
+		}
+		dst = appendHeader(dst, len(f), flags)
+		dst = append(dst, f...)
+	}
+	return dst
+}

@@ -1,0 +1,338 @@
+// Package metrics exports a kvfence pool to Prometheus: a Collector that
+// reads kvcache.Pool.Stats (and, optionally, handoff and kvevents
+// counters) at each scrape. The pool itself knows nothing of Prometheus:
+// this package imports it, not the other way round, and a scrape costs the
+// pool one Stats call under its lock, O(tenants + domains), and nothing
+// on its admission or release paths.
+//
+// # Names
+//
+// Names follow Prometheus conventions (base units, _total on counters,
+// kvfence_ prefix). Where kvfence measures what vLLM does, the metric has
+// vLLM's name, so that dashboards and alerts written for vLLM carry over:
+//
+//	vllm:kv_cache_usage_perc        gauge, 0..1: 1 - (free + cached) / total pages;
+//	                                cached pages no lease holds are evictable, as in vLLM
+//	vllm:prefix_cache_queries_total counter, prompt tokens looked up in the prefix cache
+//	vllm:prefix_cache_hits_total    counter, of those, tokens found cached
+//
+// (both prefix counters per sharing domain). Every other metric is listed
+// by Describe, each with a help text that says what it counts.
+//
+// # Labels and cardinality
+//
+// Per-tenant series (admissions, refusals, usage) exist only with
+// Options.TenantLabels: a service with many tenants would otherwise grow a
+// series per tenant without being asked to. Prefix-cache series are per
+// sharing domain; a tenant's own domain ("tenant:NAME") is a tenant label
+// by another name, so without TenantLabels those domains are summed into
+// domain="private" and only domains the operator named are kept apart.
+// Options.ConstLabels (model_name, engine, pool, ...) are added to every
+// series, as vLLM labels its own with model_name.
+package metrics
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/kvcache"
+	"github.com/kvfence/kvfence/kvevents"
+)
+
+// Options configures a Collector.
+type Options struct {
+	// TenantLabels adds per-tenant series, and keeps tenants' own domains
+	// apart in the prefix-cache series; see the package doc.
+	TenantLabels bool
+	// ConstLabels are added to every series.
+	ConstLabels prometheus.Labels
+	// Receivers and Senders are handoff endpoints whose transfers are
+	// counted, summed per side.
+	Receivers []*handoff.Receiver
+	Senders   []*handoff.Sender
+	// Events is a publisher whose figures are exported.
+	Events *kvevents.Publisher
+}
+
+// PrivateDomains is the domain label of the prefix-cache series that sum
+// tenants' own domains, without Options.TenantLabels.
+const PrivateDomains = "private"
+
+// Collector is a prometheus.Collector over one pool.
+type Collector struct {
+	pool *kvcache.Pool
+	opts Options
+	d    descs
+}
+
+type descs struct {
+	pages, capacity, usage, leases, faulted, closed *prometheus.Desc
+	admissions, refusals                            *prometheus.Desc
+	tenantAdmissions, tenantRefusals                *prometheus.Desc
+	tenantUsed, tenantQuota, tenantReserved         *prometheus.Desc
+	fills, fillPages, fillBytes, fillErrors         *prometheus.Desc
+	fillSeconds                                     *prometheus.Desc
+	retired, canaryChecks, canaryFailures           *prometheus.Desc
+	prefixQueries, prefixHits                       *prometheus.Desc
+	prefixIndexed, prefixCached                     *prometheus.Desc
+	prefixStored, prefixEvicted                     *prometheus.Desc
+	events                                          *prometheus.Desc
+	handoff                                         *prometheus.Desc
+	pubBatches, pubEvents, pubLost, pubResyncs      *prometheus.Desc
+	pubSubscribers, pubDrops, pubDisconnects        *prometheus.Desc
+	pubReplays, pubReplayed                         *prometheus.Desc
+}
+
+// NewCollector returns a collector over pool; register it with a
+// prometheus.Registerer.
+func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
+	c := &Collector{pool: pool, opts: opts}
+	d := func(name, help string, labels ...string) *prometheus.Desc {
+		return prometheus.NewDesc(name, help, labels, opts.ConstLabels)
+	}
+	c.d = descs{
+		pages:    d("kvfence_pool_pages", "Pages of the pool by state (free, in_use, cached, quarantined, retired).", "state"),
+		capacity: d("kvfence_pool_capacity_pages", "Pages of the pool, all states."),
+		usage: d("vllm:kv_cache_usage_perc",
+			"Fraction of KV-cache pages not available to a new request: 1 - (free + evictable cached) / total."),
+		leases:  d("kvfence_pool_live_leases", "Leases that hold pages now."),
+		faulted: d("kvfence_pool_faulted", "1 while the pool is faulted (a failed fill or canary mismatch) and refuses every admission."),
+		closed:  d("kvfence_pool_closed", "1 once the pool is closed."),
+		admissions: d("kvfence_admissions_total",
+			"Admissions granted (leases and imports)."),
+		refusals: d("kvfence_refusals_total", "Admissions refused, by reason.", "reason"),
+		tenantAdmissions: d("kvfence_tenant_admissions_total",
+			"Admissions granted to the tenant.", "tenant"),
+		tenantRefusals: d("kvfence_tenant_refusals_total",
+			"Admissions of the tenant refused, by reason (refusals naming no registered tenant count in kvfence_refusals_total only).",
+			"tenant", "reason"),
+		tenantUsed:     d("kvfence_tenant_used_pages", "Pages the tenant's leases hold.", "tenant"),
+		tenantQuota:    d("kvfence_tenant_quota_pages", "The tenant's quota.", "tenant"),
+		tenantReserved: d("kvfence_tenant_reserved_pages", "Pages reserved for the tenant.", "tenant"),
+		fills:          d("kvfence_scrub_fills_total", "Scrub fills completed without error (batches)."),
+		fillPages:      d("kvfence_scrub_pages_total", "Pages scrubbed."),
+		fillBytes:      d("kvfence_scrub_bytes_total", "Bytes scrubbed, all regions."),
+		fillErrors:     d("kvfence_scrub_fill_errors_total", "Scrub fills that failed (their pages were retired, the pool faulted)."),
+		fillSeconds: d("kvfence_scrub_fill_duration_seconds",
+			"Time from a scrub fill's issue to its fence's completion, for fills that succeeded (a fill ordered after engine work includes the wait for it)."),
+		retired:        d("kvfence_retired_pages_total", "Pages taken out of service for good (failed fills, canary mismatches)."),
+		canaryChecks:   d("kvfence_canary_checks_total", "Free pages checked for their canary before being handed out."),
+		canaryFailures: d("kvfence_canary_failures_total", "Free pages found written while free."),
+		prefixQueries: d("vllm:prefix_cache_queries_total",
+			"Prompt tokens looked up in the prefix cache (full pages a hit could cover).", "domain"),
+		prefixHits:    d("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", "domain"),
+		prefixIndexed: d("kvfence_prefix_indexed_pages", "Published pages in the prefix cache, held by leases or not.", "domain"),
+		prefixCached:  d("kvfence_prefix_cached_pages", "Published pages no lease holds (evictable).", "domain"),
+		prefixStored:  d("kvfence_prefix_stored_pages_total", "Pages published to the prefix cache.", "domain"),
+		prefixEvicted: d("kvfence_prefix_evicted_pages_total", "Cached pages evicted (and scrubbed).", "domain"),
+		events: d("kvfence_kv_events_total",
+			"KV events the pool produced, by outcome: sent to its channel, or dropped because the channel was full.", "outcome"),
+		handoff: d("kvfence_handoff_transfers_total",
+			"Prefill-to-decode transfers by side (send, receive) and outcome (ok, or the failure's reason).", "side", "outcome"),
+		pubBatches:     d("kvfence_kv_event_batches_total", "Event batches published (the next sequence number)."),
+		pubEvents:      d("kvfence_kv_events_published_total", "KV events published."),
+		pubLost:        d("kvfence_kv_events_lost_total", "KV events the pool dropped before the publisher read them."),
+		pubResyncs:     d("kvfence_kv_event_resyncs_total", "AllBlocksCleared batches sent after such losses."),
+		pubSubscribers: d("kvfence_kv_event_subscribers", "Subscribers connected."),
+		pubDrops:       d("kvfence_kv_event_subscriber_drops_total", "Batches dropped for a subscriber whose queue was full."),
+		pubDisconnects: d("kvfence_kv_event_disconnects_total", "Subscribers and replay clients cut off."),
+		pubReplays:     d("kvfence_kv_event_replays_total", "Replay requests served."),
+		pubReplayed:    d("kvfence_kv_event_replayed_batches_total", "Batches sent again by replays."),
+	}
+	return c
+}
+
+// Describe sends every metric's description.
+func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
+	d := &c.d
+	for _, x := range []*prometheus.Desc{
+		d.pages, d.capacity, d.usage, d.leases, d.faulted, d.closed, d.admissions, d.refusals,
+		d.fills, d.fillPages, d.fillBytes, d.fillErrors, d.fillSeconds, d.retired, d.canaryChecks, d.canaryFailures,
+		d.prefixQueries, d.prefixHits, d.prefixIndexed, d.prefixCached, d.prefixStored, d.prefixEvicted, d.events,
+	} {
+		ch <- x
+	}
+	if c.opts.TenantLabels {
+		for _, x := range []*prometheus.Desc{d.tenantAdmissions, d.tenantRefusals, d.tenantUsed, d.tenantQuota, d.tenantReserved} {
+			ch <- x
+		}
+	}
+	if len(c.opts.Receivers)+len(c.opts.Senders) > 0 {
+		ch <- d.handoff
+	}
+	if c.opts.Events != nil {
+		for _, x := range []*prometheus.Desc{d.pubBatches, d.pubEvents, d.pubLost, d.pubResyncs, d.pubSubscribers,
+			d.pubDrops, d.pubDisconnects, d.pubReplays, d.pubReplayed} {
+			ch <- x
+		}
+	}
+}
+
+// refusalReasons are the label values of kvcache.Refusals' fields.
+func refusalReasons(r kvcache.Refusals) []struct {
+	name string
+	n    uint64
+} {
+	return []struct {
+		name string
+		n    uint64
+	}{
+		{"invalid_request", r.InvalidRequest}, {"unknown_tenant", r.UnknownTenant},
+		{"duplicate_request", r.DuplicateRequest}, {"exceeds_max_context", r.ExceedsContext},
+		{"exceeds_capacity", r.ExceedsCapacity}, {"exceeds_quota", r.ExceedsQuota},
+		{"pool_exhausted", r.PoolExhausted}, {"pool_faulted", r.PoolFaulted},
+	}
+}
+
+// Collect reads the pool's Stats once and sends every metric.
+func (c *Collector) Collect(ch chan<- prometheus.Metric) {
+	s := c.pool.Stats()
+	d := &c.d
+	gauge := func(desc *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(desc, prometheus.GaugeValue, v, labels...)
+	}
+	counter := func(desc *prometheus.Desc, v uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(desc, prometheus.CounterValue, float64(v), labels...)
+	}
+	for _, st := range []struct {
+		name string
+		n    int
+	}{{"free", s.FreePages}, {"in_use", s.InUsePages}, {"cached", s.CachedPages},
+		{"quarantined", s.QuarantinedPages}, {"retired", s.RetiredPages}} {
+		gauge(d.pages, float64(st.n), st.name)
+	}
+	gauge(d.capacity, float64(s.TotalPages))
+	usage := 0.0
+	if s.TotalPages > 0 {
+		usage = 1 - float64(s.FreePages+s.CachedPages)/float64(s.TotalPages)
+	}
+	gauge(d.usage, usage)
+	gauge(d.leases, float64(s.LiveLeases))
+	gauge(d.faulted, boolGauge(s.Fault != ""))
+	gauge(d.closed, boolGauge(s.Closed))
+	counter(d.admissions, s.Admitted)
+	for _, r := range refusalReasons(s.Refused) {
+		counter(d.refusals, r.n, r.name)
+	}
+	if c.opts.TenantLabels {
+		for _, t := range s.Tenants {
+			counter(d.tenantAdmissions, t.Admitted, t.Name)
+			for _, r := range refusalReasons(t.Refused) {
+				if r.name != "unknown_tenant" {
+					counter(d.tenantRefusals, r.n, t.Name, r.name)
+				}
+			}
+			gauge(d.tenantUsed, float64(t.UsedPages), t.Name)
+			gauge(d.tenantQuota, float64(t.QuotaPages), t.Name)
+			gauge(d.tenantReserved, float64(t.ReservedPages), t.Name)
+		}
+	}
+
+	sc := s.Scrub
+	counter(d.fills, sc.Fills)
+	counter(d.fillPages, sc.PagesScrubbed)
+	counter(d.fillBytes, sc.BytesScrubbed)
+	counter(d.fillErrors, sc.FillErrors)
+	counter(d.retired, sc.PagesRetired)
+	counter(d.canaryChecks, sc.CanaryChecks)
+	counter(d.canaryFailures, sc.CanaryFailures)
+	ch <- fillHistogram(d.fillSeconds, s.FillLatency)
+
+	c.collectPrefix(ch, s, gauge, counter)
+	counter(d.events, s.Prefix.EventsSent, "sent")
+	counter(d.events, s.Prefix.EventsDropped, "dropped")
+
+	if len(c.opts.Receivers)+len(c.opts.Senders) > 0 {
+		var recv, sent [len(handoff.ReasonNames)]uint64
+		for _, r := range c.opts.Receivers {
+			rs := r.Stats()
+			recv[0] += rs.Imported
+			for i, n := range rs.RefusedBy {
+				recv[i] += n
+			}
+		}
+		for _, snd := range c.opts.Senders {
+			ss := snd.Stats()
+			sent[0] += ss.Sent
+			for i, n := range ss.FailedBy {
+				sent[i] += n
+			}
+		}
+		for i, name := range handoff.ReasonNames {
+			counter(d.handoff, sent[i], "send", name)
+			counter(d.handoff, recv[i], "receive", name)
+		}
+	}
+	if p := c.opts.Events; p != nil {
+		ps := p.Stats()
+		counter(d.pubBatches, ps.Batches)
+		counter(d.pubEvents, ps.Events)
+		counter(d.pubLost, ps.Lost)
+		counter(d.pubResyncs, ps.Resyncs)
+		gauge(d.pubSubscribers, float64(ps.Subscribers))
+		counter(d.pubDrops, ps.SubscriberDrops)
+		counter(d.pubDisconnects, ps.Disconnects)
+		counter(d.pubReplays, ps.Replays)
+		counter(d.pubReplayed, ps.ReplayedBatches)
+	}
+}
+
+// collectPrefix sends the per-domain prefix-cache series, summing
+// tenants' own domains into PrivateDomains without TenantLabels.
+func (c *Collector) collectPrefix(ch chan<- prometheus.Metric, s kvcache.Stats,
+	gauge func(*prometheus.Desc, float64, ...string), counter func(*prometheus.Desc, uint64, ...string)) {
+	type sums struct {
+		queries, hits, stored, evicted uint64
+		indexed, cached                int
+	}
+	var order []string
+	by := map[string]*sums{}
+	tpp := uint64(s.TokensPerPage)
+	for _, dom := range s.Prefix.Domains {
+		name := dom.Name
+		if !c.opts.TenantLabels && !dom.Shared { // a tenant's own domain: isolation.PrivateDomainPrefix + name
+			name = PrivateDomains
+		}
+		x := by[name]
+		if x == nil {
+			x = &sums{}
+			by[name] = x
+			order = append(order, name)
+		}
+		x.queries += (dom.HitPages + dom.MissPages) * tpp
+		x.hits += dom.HitPages * tpp
+		x.stored += dom.StoredPages
+		x.evicted += dom.EvictedPages
+		x.indexed += dom.IndexedPages
+		x.cached += dom.CachedPages
+	}
+	d := &c.d
+	for _, name := range order {
+		x := by[name]
+		counter(d.prefixQueries, x.queries, name)
+		counter(d.prefixHits, x.hits, name)
+		counter(d.prefixStored, x.stored, name)
+		counter(d.prefixEvicted, x.evicted, name)
+		gauge(d.prefixIndexed, float64(x.indexed), name)
+		gauge(d.prefixCached, float64(x.cached), name)
+	}
+}
+
+func boolGauge(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// fillHistogram turns kvcache.FillLatency into a Prometheus histogram
+// (cumulative buckets, in seconds).
+func fillHistogram(desc *prometheus.Desc, h kvcache.FillLatency) prometheus.Metric {
+	buckets := make(map[float64]uint64, len(kvcache.FillLatencyBounds))
+	var cum uint64
+	for i, bound := range kvcache.FillLatencyBounds {
+		cum += h.Buckets[i]
+		buckets[bound.Seconds()] = cum
+	}
+	return prometheus.MustNewConstHistogram(desc, h.Count, h.Sum.Seconds(), buckets)
+}

@@ -1,0 +1,340 @@
+package metrics_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/kvcache"
+	"github.com/kvfence/kvfence/kvevents"
+	"github.com/kvfence/kvfence/metrics"
+)
+
+// failingDevice is a host device whose next fill fails when armed.
+type failingDevice struct {
+	*cudaops.Host
+	mu   sync.Mutex
+	fail bool
+}
+
+func (d *failingDevice) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.Ordering) (cudaops.Fence, error) {
+	d.mu.Lock()
+	fail := d.fail
+	d.fail = false
+	d.mu.Unlock()
+	if fail {
+		return nil, errors.New("device lost")
+	}
+	return d.Host.Fill(pages, spec, after)
+}
+
+var geometry = kvcache.Geometry{TokensPerPage: 4, Layers: 1, KVHeads: 1, HeadDim: 8, DType: kvcache.BF16}
+
+func tokens(start, n int) []int32 {
+	out := make([]int32, n)
+	for i := range out {
+		out[i] = int32(start + i)
+	}
+	return out
+}
+
+// scripted runs the sequence the metrics are checked after, on a pool of
+// 32 pages of 4 tokens: tenant a (own domain, quota 16), b and c (domain
+// team).
+//
+//  1. a admits 16 tokens (4 pages) with tokens and publishes them; b is
+//     refused for a prompt longer than the context; ghost is unknown;
+//     a is over its quota.
+//  2. a releases: its 4 pages stay cached.
+//  3. b publishes 16 tokens in team, releases; c admits the same prompt
+//     and hits 3 pages (the page holding the last prompt token is never
+//     shared); c releases.
+//  4. The next fill fails: a's next release retires its pages and faults
+//     the pool; an admission is refused as faulted.
+func scripted(t *testing.T) (*kvcache.Pool, *failingDevice) {
+	t.Helper()
+	dev := &failingDevice{Host: cudaops.NewHost()}
+	p, err := kvcache.New(kvcache.Config{
+		Geometry: geometry, Pages: 32, MaxContextTokens: 64, Device: dev,
+		Tenants: []kvcache.TenantConfig{{Name: "a", QuotaPages: 16}, {Name: "b", Domain: "team"}, {Name: "c", Domain: "team"}},
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { p.Close(); dev.Close() })
+
+	admit := func(id, tenant string, toks []int32) *kvcache.Lease {
+		l, err := p.TryAdmit(kvcache.Request{ID: id, Tenant: tenant, PromptTokens: len(toks), TokenIDs: toks})
+		require.NoError(t, err)
+		require.NoError(t, l.Commit(len(toks)))
+		_, err = l.CachePrefix(len(toks))
+		require.NoError(t, err)
+		return l
+	}
+	la := admit("a1", "a", tokens(0, 16))
+	_, err = p.TryAdmit(kvcache.Request{ID: "long", Tenant: "b", PromptTokens: 65})
+	require.ErrorIs(t, err, kvcache.ErrExceedsMaxContext)
+	_, err = p.TryAdmit(kvcache.Request{ID: "x", Tenant: "ghost", PromptTokens: 4})
+	require.ErrorIs(t, err, kvcache.ErrUnknownTenant)
+	_, err = p.TryAdmit(kvcache.Request{ID: "big", Tenant: "a", PromptTokens: 60})
+	require.ErrorIs(t, err, kvcache.ErrExceedsQuota)
+	require.NoError(t, la.Release())
+
+	require.NoError(t, admit("b1", "b", tokens(100, 16)).Release())
+	lc := admit("c1", "c", tokens(100, 16))
+	require.Equal(t, 12, lc.HitTokens())
+	require.NoError(t, lc.Release())
+
+	la2, err := p.TryAdmit(kvcache.Request{ID: "a2", Tenant: "a", PromptTokens: 8})
+	require.NoError(t, err)
+	dev.mu.Lock()
+	dev.fail = true
+	dev.mu.Unlock()
+	require.ErrorIs(t, la2.Release(), kvcache.ErrPoolFaulted)
+	_, err = p.TryAdmit(kvcache.Request{ID: "after", Tenant: "b", PromptTokens: 4})
+	require.ErrorIs(t, err, kvcache.ErrPoolFaulted)
+	require.NoError(t, p.Check())
+	return p, dev
+}
+
+func TestCollectorAfterScriptedSequence(t *testing.T) {
+	p, _ := scripted(t)
+	c := metrics.NewCollector(p, metrics.Options{TenantLabels: true, ConstLabels: prometheus.Labels{"model_name": "m"}})
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(c))
+
+	// Pages: 32 total; a's 4 and team's 4 cached (c's private page was
+	// scrubbed), a2's 2 retired, the rest free.
+	const want = `
+# HELP kvfence_pool_pages Pages of the pool by state (free, in_use, cached, quarantined, retired).
+# TYPE kvfence_pool_pages gauge
+kvfence_pool_pages{model_name="m",state="cached"} 8
+kvfence_pool_pages{model_name="m",state="free"} 22
+kvfence_pool_pages{model_name="m",state="in_use"} 0
+kvfence_pool_pages{model_name="m",state="quarantined"} 0
+kvfence_pool_pages{model_name="m",state="retired"} 2
+# HELP kvfence_pool_capacity_pages Pages of the pool, all states.
+# TYPE kvfence_pool_capacity_pages gauge
+kvfence_pool_capacity_pages{model_name="m"} 32
+# HELP vllm:kv_cache_usage_perc Fraction of KV-cache pages not available to a new request: 1 - (free + evictable cached) / total.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.0625
+# HELP kvfence_pool_faulted 1 while the pool is faulted (a failed fill or canary mismatch) and refuses every admission.
+# TYPE kvfence_pool_faulted gauge
+kvfence_pool_faulted{model_name="m"} 1
+# HELP kvfence_admissions_total Admissions granted (leases and imports).
+# TYPE kvfence_admissions_total counter
+kvfence_admissions_total{model_name="m"} 4
+# HELP kvfence_refusals_total Admissions refused, by reason.
+# TYPE kvfence_refusals_total counter
+kvfence_refusals_total{model_name="m",reason="duplicate_request"} 0
+kvfence_refusals_total{model_name="m",reason="exceeds_capacity"} 0
+kvfence_refusals_total{model_name="m",reason="exceeds_max_context"} 1
+kvfence_refusals_total{model_name="m",reason="exceeds_quota"} 1
+kvfence_refusals_total{model_name="m",reason="invalid_request"} 0
+kvfence_refusals_total{model_name="m",reason="pool_exhausted"} 0
+kvfence_refusals_total{model_name="m",reason="pool_faulted"} 1
+kvfence_refusals_total{model_name="m",reason="unknown_tenant"} 1
+# HELP kvfence_tenant_admissions_total Admissions granted to the tenant.
+# TYPE kvfence_tenant_admissions_total counter
+kvfence_tenant_admissions_total{model_name="m",tenant="a"} 2
+kvfence_tenant_admissions_total{model_name="m",tenant="b"} 1
+kvfence_tenant_admissions_total{model_name="m",tenant="c"} 1
+# HELP kvfence_scrub_fill_errors_total Scrub fills that failed (their pages were retired, the pool faulted).
+# TYPE kvfence_scrub_fill_errors_total counter
+kvfence_scrub_fill_errors_total{model_name="m"} 1
+# HELP kvfence_retired_pages_total Pages taken out of service for good (failed fills, canary mismatches).
+# TYPE kvfence_retired_pages_total counter
+kvfence_retired_pages_total{model_name="m"} 2
+# HELP vllm:prefix_cache_queries_total Prompt tokens looked up in the prefix cache (full pages a hit could cover).
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{domain="team",model_name="m"} 24
+vllm:prefix_cache_queries_total{domain="tenant:a",model_name="m"} 12
+# HELP vllm:prefix_cache_hits_total Prompt tokens found in the prefix cache.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{domain="team",model_name="m"} 12
+vllm:prefix_cache_hits_total{domain="tenant:a",model_name="m"} 0
+# HELP kvfence_prefix_cached_pages Published pages no lease holds (evictable).
+# TYPE kvfence_prefix_cached_pages gauge
+kvfence_prefix_cached_pages{domain="team",model_name="m"} 4
+kvfence_prefix_cached_pages{domain="tenant:a",model_name="m"} 4
+`
+	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"kvfence_pool_pages", "kvfence_pool_capacity_pages", "vllm:kv_cache_usage_perc", "kvfence_pool_faulted",
+		"kvfence_admissions_total", "kvfence_refusals_total", "kvfence_tenant_admissions_total",
+		"kvfence_scrub_fill_errors_total", "kvfence_retired_pages_total",
+		"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "kvfence_prefix_cached_pages"))
+
+	// Per-tenant refusals: the unknown tenant counts pool-wide only.
+	assert.Equal(t, 1.0, testutil.ToFloat64(only(t, reg, "kvfence_tenant_refusals_total", "tenant", "b", "reason", "exceeds_max_context")))
+	assert.Equal(t, 1.0, testutil.ToFloat64(only(t, reg, "kvfence_tenant_refusals_total", "tenant", "a", "reason", "exceeds_quota")))
+	assert.Equal(t, 1.0, testutil.ToFloat64(only(t, reg, "kvfence_tenant_refusals_total", "tenant", "b", "reason", "pool_faulted")))
+	assert.Equal(t, 16.0, testutil.ToFloat64(only(t, reg, "kvfence_tenant_quota_pages", "tenant", "a")))
+
+	// The scrub counters and the fill latency histogram agree: every
+	// fill that succeeded after New was timed (the initial scrub is one
+	// fill more).
+	s := p.Stats()
+	fam := family(t, reg, "kvfence_scrub_fill_duration_seconds")
+	h := fam.GetMetric()[0].GetHistogram()
+	assert.Equal(t, s.Scrub.Fills-1, h.GetSampleCount())
+	assert.Equal(t, float64(s.Scrub.BytesScrubbed), testutil.ToFloat64(only(t, reg, "kvfence_scrub_bytes_total")))
+	buckets := h.GetBucket()
+	require.Len(t, buckets, len(kvcache.FillLatencyBounds))
+	assert.Equal(t, 1e-6, buckets[0].GetUpperBound())
+	assert.LessOrEqual(t, buckets[len(buckets)-1].GetCumulativeCount(), h.GetSampleCount())
+
+	problems, err := testutil.GatherAndLint(reg)
+	require.NoError(t, err)
+	for _, pr := range problems {
+		// vLLM's names keep their colon and "_perc" so that vLLM
+		// dashboards work; everything else must lint clean.
+		if !strings.HasPrefix(pr.Metric, "vllm:") {
+			t.Errorf("lint: %s: %s", pr.Metric, pr.Text)
+		}
+	}
+}
+
+func TestCollectorWithoutTenantLabelsHasNoTenantSeries(t *testing.T) {
+	p, _ := scripted(t)
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(p, metrics.Options{})))
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		assert.False(t, strings.HasPrefix(mf.GetName(), "kvfence_tenant_"), mf.GetName())
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				assert.NotEqual(t, "tenant", l.GetName(), mf.GetName())
+				if l.GetName() == "domain" {
+					assert.Contains(t, []string{"team", metrics.PrivateDomains}, l.GetValue(),
+						"%s: a tenant's own domain is summed into %q", mf.GetName(), metrics.PrivateDomains)
+				}
+			}
+		}
+	}
+	assert.Equal(t, 12.0, testutil.ToFloat64(only(t, reg, "vllm:prefix_cache_queries_total", "domain", metrics.PrivateDomains)))
+}
+
+// family returns the gathered family of name.
+func family(t *testing.T, reg *prometheus.Registry, name string) *dto.MetricFamily {
+	t.Helper()
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			return mf
+		}
+	}
+	t.Fatalf("no metric %s", name)
+	return nil
+}
+
+// only returns the one series of name whose labels include the given
+// pairs, as a collector testutil.ToFloat64 can read.
+func only(t *testing.T, reg *prometheus.Registry, name string, pairs ...string) prometheus.Collector {
+	t.Helper()
+	mf := family(t, reg, name)
+	var found []*dto.Metric
+	for _, m := range mf.GetMetric() {
+		labels := map[string]string{}
+		for _, l := range m.GetLabel() {
+			labels[l.GetName()] = l.GetValue()
+		}
+		match := true
+		for i := 0; i+1 < len(pairs); i += 2 {
+			match = match && labels[pairs[i]] == pairs[i+1]
+		}
+		if match {
+			found = append(found, m)
+		}
+	}
+	require.Len(t, found, 1, "%s %v", name, pairs)
+	m := found[0]
+	var v float64
+	switch {
+	case m.GetCounter() != nil:
+		v = m.GetCounter().GetValue()
+	case m.GetGauge() != nil:
+		v = m.GetGauge().GetValue()
+	}
+	return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "probe"}, func() float64 { return v })
+}
+
+// TestCollectorCountsHandoffOutcomesAndPublishedEvents: transfers by
+// side and outcome, and the publisher's figures, next to the pool's.
+func TestCollectorCountsHandoffOutcomesAndPublishedEvents(t *testing.T) {
+	newPool := func(pages int) *kvcache.Pool {
+		p, err := kvcache.New(kvcache.Config{Geometry: geometry, Pages: pages, MaxContextTokens: pages * 4,
+			Tenants: []kvcache.TenantConfig{{Name: "a"}}, Prefix: kvcache.PrefixConfig{EventBuffer: 64}})
+		require.NoError(t, err)
+		t.Cleanup(func() { p.Close() })
+		return p
+	}
+	prefill, decode := newPool(32), newPool(8)
+	key, err := handoff.NewKey([]byte("metrics test key, at least 32 bytes"))
+	require.NoError(t, err)
+	snd, err := handoff.NewSender(handoff.SenderConfig{Key: key})
+	require.NoError(t, err)
+	recv, err := handoff.NewReceiver(handoff.ReceiverConfig{Pool: decode, Key: key})
+	require.NoError(t, err)
+	pub, err := kvevents.New(prefill, kvevents.Config{Endpoint: "tcp://127.0.0.1:0"})
+	require.NoError(t, err)
+	t.Cleanup(func() { pub.Close() })
+
+	transfer := func(id string, prompt int) error {
+		toks := tokens(0, prompt)
+		l, err := prefill.TryAdmit(kvcache.Request{ID: id, Tenant: "a", PromptTokens: prompt, TokenIDs: toks})
+		require.NoError(t, err)
+		require.NoError(t, l.BeginPrefill())
+		require.NoError(t, l.Commit(prompt))
+		require.NoError(t, l.FinishPrefill())
+		_, err = l.CachePrefix(prompt)
+		require.NoError(t, err)
+		exp, err := snd.Export(l, 0)
+		require.NoError(t, err)
+		in := handoff.NewInProcess(recv)
+		err = exp.Send(context.Background(), in)
+		in.Wait()
+		if err != nil {
+			require.NoError(t, exp.Abort())
+		}
+		return err
+	}
+	require.NoError(t, transfer("fits", 16))
+	require.ErrorIs(t, transfer("too-long", 40), kvcache.ErrExceedsMaxContext, "the decode pool holds 32 tokens")
+	if l, ok := recv.Take("fits"); assert.True(t, ok) {
+		require.NoError(t, l.Release())
+	}
+	require.Eventually(t, func() bool { return pub.Stats().Events == prefill.Stats().Prefix.EventsSent }, 10*time.Second, time.Millisecond)
+
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(prefill, metrics.Options{
+		Senders: []*handoff.Sender{snd}, Receivers: []*handoff.Receiver{recv}, Events: pub})))
+	for _, tc := range []struct {
+		side, outcome string
+		want          float64
+	}{
+		{"send", "ok", 1}, {"receive", "ok", 1},
+		{"send", "exceeds_max_context", 1}, {"receive", "exceeds_max_context", 1},
+		{"send", "bad_mac", 0},
+	} {
+		assert.Equal(t, tc.want, testutil.ToFloat64(only(t, reg, "kvfence_handoff_transfers_total", "side", tc.side, "outcome", tc.outcome)),
+			"%s %s", tc.side, tc.outcome)
+	}
+	ps := pub.Stats()
+	assert.Equal(t, float64(ps.Events), testutil.ToFloat64(only(t, reg, "kvfence_kv_events_published_total")))
+	assert.Equal(t, 2.0, testutil.ToFloat64(only(t, reg, "kvfence_kv_events_published_total")), "two prompts stored")
+	assert.Equal(t, float64(ps.Batches), testutil.ToFloat64(only(t, reg, "kvfence_kv_event_batches_total")))
+	assert.Equal(t, 0.0, testutil.ToFloat64(only(t, reg, "kvfence_kv_events_lost_total")))
+	assert.Equal(t, 2.0, testutil.ToFloat64(only(t, reg, "kvfence_kv_events_total", "outcome", "sent")))
+}
