@@ -526,6 +526,7 @@ static void test_long_strings(void) {
 
 #include "capi_test_v2.inc"
 #include "capi_test_v3.inc"
+#include "capi_test_v4.inc"
 
 int main(void) {
     test_library();
@@ -545,6 +546,8 @@ int main(void) {
     test_regions();
     test_device();
     test_growth();
+    test_cache_groups();
+    test_adopted_host_tensors();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);
         return 1;
