@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"bytes"
 	"strings"
 	"testing"
 
@@ -90,6 +91,126 @@ func TestPresetBytesAreTheModelConfigsNumbers(t *testing.T) {
 			assert.Equal(t, leaseBytes, s.LeaseBytes(info.MaxContextTokens), "side-group bytes of one full-context lease")
 			assert.Equal(t, 1000*s.PageBytes()+10*leaseBytes, s.BytesFor(1000, 10))
 		})
+	}
+}
+
+// presetPoolConfig is a pool small enough for a host test: the per-token
+// pages, and MaxLeases where the spec has side groups (one 141 MiB slot
+// of GLM-5.3-Flash is the largest).
+func presetPoolConfig(t *testing.T, s CacheSpec) Config {
+	t.Helper()
+	cfg := Config{Cache: s, Pages: 16, MaxContextTokens: 16 * s.TokensPerPage(),
+		Tenants: []TenantConfig{{Name: "a"}, {Name: "b"}}}
+	if len(s.Groups) > 1 {
+		cfg.MaxLeases = 1
+	}
+	return cfg
+}
+
+// presetFillPattern writes b over mem (doubling copies: the test runs
+// over hundreds of MiB under -race).
+func presetFillPattern(mem []byte, b byte) {
+	if len(mem) == 0 {
+		return
+	}
+	mem[0] = b
+	for n := 1; n < len(mem); n *= 2 {
+		copy(mem[n:], mem[:n])
+	}
+}
+
+// presetLeaseEnds are the ways a lease gives its pages back to every
+// group: Release, and Preempt with nothing to keep (its own path).
+var presetLeaseEnds = []struct {
+	name string
+	end  func(*Lease) error
+}{
+	{"release", (*Lease).Release},
+	{"preempt", func(l *Lease) error { _, err := l.Preempt(nil); return err }},
+}
+
+func TestPresetLeaseEndScrubsAndFreesEveryGroup(t *testing.T) {
+	for _, info := range Presets() {
+		for _, end := range presetLeaseEnds {
+			t.Run(info.Name+"/"+end.name, func(t *testing.T) {
+				s, err := Preset(info.Name)
+				require.NoError(t, err)
+				cfg := presetPoolConfig(t, s)
+				p := newPool(t, cfg)
+				require.NoError(t, p.Check())
+				host := hostOf(t, p)
+				require.Len(t, host.Regions(), len(p.lay.regions))
+
+				// 200 tokens: 13 pages of 16 (a full window ring of 9) or 4
+				// pages of 64.
+				l, err := p.TryAdmit(Request{ID: "r1", Tenant: "a", PromptTokens: 190, MaxNewTokens: 10})
+				require.NoError(t, err)
+				require.NoError(t, p.Check())
+
+				// Every page (slot) the lease holds, by device region, written
+				// with the tenant's data.
+				type held struct {
+					region int
+					page   int32
+				}
+				var pages []held
+				first := 0
+				for gi, g := range s.Groups {
+					_, table, err := l.GroupTable(g.Name, nil)
+					require.NoError(t, err)
+					want := s.PagesFor(200)
+					if gi > 0 {
+						want = g.perLease(200)
+					}
+					assert.Len(t, table, want, "pages of group %q", g.Name)
+					for r := first; r < first+len(g.Regions); r++ {
+						for _, pg := range table {
+							pages = append(pages, held{r, pg})
+						}
+					}
+					first += len(g.Regions)
+				}
+				var largest int
+				for _, h := range pages {
+					mem := host.PageBytes(h.region, h.page)
+					require.Equal(t, int(host.Regions()[h.region].PageBytes), len(mem))
+					presetFillPattern(mem, 0xA5)
+					largest = max(largest, len(mem))
+				}
+
+				if len(s.Groups) > 1 {
+					// MaxLeases 1: a second lease finds no slot or ring, and
+					// is refused with nothing taken.
+					before := state(p)
+					l2, err := p.TryAdmit(Request{ID: "r2", Tenant: "b", PromptTokens: 10})
+					require.Nil(t, l2)
+					var ae *AdmissionError
+					require.ErrorAs(t, err, &ae)
+					assert.ErrorIs(t, err, ErrPoolExhausted)
+					assert.Equal(t, s.Groups[1].Name, ae.Group)
+					assert.True(t, ae.Retryable())
+					assert.Equal(t, before, state(p))
+					require.NoError(t, p.Check())
+				}
+
+				require.NoError(t, end.end(l))
+				require.NoError(t, p.Check())
+				zero := make([]byte, largest)
+				for _, h := range pages {
+					mem := host.PageBytes(h.region, h.page)
+					require.True(t, bytes.Equal(mem, zero[:len(mem)]), "region %d page %d still holds the lease's data", h.region, h.page)
+				}
+				for _, g := range p.Stats().Groups {
+					assert.Equal(t, g.Pages, g.Free, "group %q: every page free after the lease ended", g.Name)
+				}
+				// And the freed slot or ring serves the next lease.
+				l2, err := p.TryAdmit(Request{ID: "r2", Tenant: "b", PromptTokens: 190, MaxNewTokens: 10})
+				require.NoError(t, err)
+				require.NoError(t, p.Check())
+				require.NoError(t, l2.Release())
+				require.NoError(t, p.Check())
+			})
+		}
 	}
 }
 
