@@ -8,6 +8,12 @@
 // ran and the decode node generated from pages that held other customers'
 // prompts.
 //
+// The replay uses kvfence's GLM-5 preset (a GLM-family model: an MLA
+// latent and sparse-attention indexer keys on each of 78 layers). At the
+// model's size the incident's pool is 68 GB, so the pool that serves the
+// requests is the preset's miniature: the same pages, tokens and
+// decisions at a fraction of the bytes.
+//
 //	go run ./examples/incident
 package main
 
@@ -22,9 +28,11 @@ import (
 )
 
 const (
+	model         = "glm-5"
 	poolTokens    = 681_280
 	contextTokens = 1_048_576
-	longPrompt    = 700_000
+	// The miniature keeps each group's first layer at 1/64 of its bytes.
+	miniLayers, miniShrink = 1, 64
 )
 
 func main() {
@@ -35,23 +43,39 @@ func main() {
 }
 
 func run() error {
-	// The token numbers are the incident's; the per-token KV size is tiny so
-	// that the replay runs in host memory in a blink.
-	cfg := kvcache.Config{
-		Geometry:         kvcache.Geometry{TokensPerPage: 16, Layers: 1, KVHeads: 1, HeadDim: 8, DType: kvcache.BF16},
-		Pages:            poolTokens / 16,
-		MaxContextTokens: contextTokens,
-		Tenants:          []kvcache.TenantConfig{{Name: "customer-a"}, {Name: "customer-b"}},
+	full, err := kvcache.Preset(model)
+	if err != nil {
+		return err
+	}
+	mini, err := full.Miniature(miniLayers, miniShrink)
+	if err != nil {
+		return err
+	}
+	pages := poolTokens / full.TokensPerPage()
+	config := func(s kvcache.CacheSpec) kvcache.Config {
+		return kvcache.Config{
+			Cache:            s,
+			Pages:            pages,
+			MaxContextTokens: contextTokens,
+			Tenants:          []kvcache.TenantConfig{{Name: "customer-a"}, {Name: "customer-b"}},
+		}
 	}
 
-	step(1, "Build the incident's pool: %d tokens of KV for a %d-token context window.", poolTokens, contextTokens)
-	if _, err := kvcache.New(cfg); errors.Is(err, kvcache.ErrUndersizedPool) {
-		say("refused at construction: %v", err)
+	step(1, "Build the incident's pool for %s: %d tokens of KV for a %d-token context window.", model, poolTokens, contextTokens)
+	realBytes := full.BytesFor(pages, 0)
+	say("%s caches %d bytes per token (%d pages of %d tokens: %d bytes, %.1f GiB)",
+		model, full.TokenBytes(), pages, full.TokensPerPage(), realBytes, float64(realBytes)/(1<<30))
+	if p, err := kvcache.New(config(full)); errors.Is(err, kvcache.ErrUndersizedPool) {
+		say("refused at construction, before a byte is allocated: %v", err)
 	} else {
+		if p != nil {
+			p.Close()
+		}
 		return fmt.Errorf("an undersized pool was accepted: %v", err)
 	}
 
 	step(2, "The operator opts in to the undersized pool explicitly (AllowUndersizedPool).")
+	cfg := config(mini)
 	cfg.AllowUndersizedPool = true
 	pool, err := kvcache.New(cfg)
 	if err != nil {
@@ -59,7 +83,9 @@ func run() error {
 	}
 	defer pool.Close()
 	host := pool.Device().(*cudaops.Host)
-	say("pool of %d pages (%d tokens); requests longer than that will be refused at admission", pool.Pages(), pool.CapacityTokens())
+	say("this replay runs the preset's miniature (first layer, 1/%d of the bytes): %d bytes instead of %d, the same %d pages and %d tokens",
+		miniShrink, mini.BytesFor(pages, 0), realBytes, pool.Pages(), pool.CapacityTokens())
+	say("requests longer than the pool will be refused at admission")
 
 	step(3, "customer-a runs a request and its KV fills every byte of its pages.")
 	a, err := pool.TryAdmit(kvcache.Request{ID: "a-1", Tenant: "customer-a", PromptTokens: 3000, MaxNewTokens: 200})
@@ -81,17 +107,19 @@ func run() error {
 		return err
 	}
 	s := pool.Stats()
-	say("released: %d pages scrubbed (zero fill over every layer's K and V) before returning to the free list", len(tableA))
+	say("released: %d pages scrubbed (zero fill over every region: latents and indexer keys) before returning to the free list", len(tableA))
 	say("pool now: %d free, %d in use, %d quarantined", s.FreePages, s.InUsePages, s.QuarantinedPages)
 
-	step(4, "customer-b sends a %d-token prompt: longer than the pool.", longPrompt)
+	step(4, "customer-b sends a request for the whole %d-token context: longer than the pool.", contextTokens)
 	before := pool.Stats()
-	long, err := pool.TryAdmit(kvcache.Request{ID: "b-long", Tenant: "customer-b", PromptTokens: longPrompt, MaxNewTokens: 1})
+	long, err := pool.TryAdmit(kvcache.Request{ID: "b-long", Tenant: "customer-b", PromptTokens: contextTokens - 1, MaxNewTokens: 1})
 	var refusal *kvcache.AdmissionError
 	if long != nil || !errors.As(err, &refusal) || !errors.Is(err, kvcache.ErrExceedsCapacity) {
 		return fmt.Errorf("the over-long request was not refused: lease %v, error %v", long, err)
 	}
 	say("refused: %v", err)
+	say("at the model's size it needed %d bytes of KV; the pool has %d",
+		int64(refusal.NeedTokens)*full.TokenBytes(), int64(refusal.LimitTokens)*full.TokenBytes())
 	after := pool.Stats()
 	say("no lease, no placeholder, no truncated prompt: pages in use %d → %d, free %d → %d",
 		before.InUsePages, after.InUsePages, before.FreePages, after.FreePages)
