@@ -466,7 +466,7 @@ func (s *sim) deriveKeys(q *queued) error {
 		return nil
 	}
 	start := time.Now()
-	s.tokens = AppendPromptTokens(s.tokens[:0], s.cfg.Seed, q.req)
+	s.tokens = AppendPromptTokens(s.tokens[:0], s.cfg.Seed, q.req, s.tr.BlockTokens)
 	var buf []kvcache.BlockKey
 	if n := len(s.spareKeys); n > 0 {
 		buf, s.spareKeys = s.spareKeys[n-1], s.spareKeys[:n-1]
