@@ -389,7 +389,7 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 					Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens}
 				if bar != nil {
 					bar.Describe(fmt.Sprintf("%s/%dp/%s", policy, pages, domains))
-					cfg.Progress = func(n int) { _ = bar.Add(n) }
+					cfg.Progress = func(kvsim.Progress) { _ = bar.Add(1) }
 				}
 				res, err := kvsim.Run(tr, cfg)
 				switch {
