@@ -212,15 +212,17 @@ func (r *Report) writePrefixTable(w io.Writer, many Variety) {
 		return
 	}
 	fmt.Fprintln(w, "prefix cache (hit rate: full prompt pages found in the tenant's domain ÷ looked up; "+
-		"bound: the same for an infinite cache that every request of the trace fills before the next arrives, "+
-		"the most this trace allows; of prompt: hit tokens ÷ prompt tokens admitted; "+
+		"bound: the same for an infinite cache that every request of the trace this pool can take fills before the next arrives, "+
+		"the most the trace allows; served: that bound over the requests this run admitted, never below its hit rate; "+
+		"of prompt: hit tokens ÷ prompt tokens admitted; "+
 		"hashed: requests whose prompt was hashed into page keys, once each, and the time it took):")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\tdomains\thit rate\tbound\thit tokens\tof prompt\tprefill avoided\tstored\tevicted\thashed\tin\tTTFT p50\tp99\t")
+	fmt.Fprintln(tw, "policy\tdomains\thit rate\tbound\tserved\thit tokens\tof prompt\tprefill avoided\tstored\tevicted\thashed\tin\tTTFT p50\tp99\t")
 	for _, run := range r.Runs {
 		px := run.Prefix
-		fmt.Fprintf(tw, "%s\t%d %s\t%s\t%.1f%%\t%d\t%.1f%%\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t\n", RunLabel(run, many), px.Domains, run.Domains,
-			fmtHitRate(px), 100*px.Bound.HitRate, px.HitTokens, 100*px.PromptHitShare, FormatBytes(float64(px.PrefillBytesAvoided)),
+		fmt.Fprintf(tw, "%s\t%d %s\t%s\t%.1f%%\t%s\t%d\t%.1f%%\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t\n", RunLabel(run, many), px.Domains, run.Domains,
+			fmtHitRate(px.HitRate, px.LookupPages), 100*px.Bound.HitRate, fmtHitRate(px.ServedBound.HitRate, px.ServedBound.LookupPages),
+			px.HitTokens, 100*px.PromptHitShare, FormatBytes(float64(px.PrefillBytesAvoided)),
 			px.StoredPages, px.EvictedPages, px.KeyDerivations, fmtSeconds(px.KeySeconds), fmtSeconds(run.TTFT.P50), fmtSeconds(run.TTFT.P99))
 	}
 	tw.Flush()
@@ -235,13 +237,13 @@ func (r *Report) writePrefixTable(w io.Writer, many Variety) {
 	}
 }
 
-// fmtHitRate prints a run's hit rate, or "-" when it looked nothing up
-// (no request admitted).
-func fmtHitRate(px PrefixResult) string {
-	if px.LookupPages == 0 {
+// fmtHitRate prints a hit rate, or "-" when nothing was looked up (no
+// request admitted).
+func fmtHitRate(rate float64, lookups uint64) string {
+	if lookups == 0 {
 		return "-"
 	}
-	return fmt.Sprintf("%.1f%%", 100*px.HitRate)
+	return fmt.Sprintf("%.1f%%", 100*rate)
 }
 
 func fmtSeconds(s float64) string {

@@ -139,9 +139,16 @@ type PrefixResult struct {
 	// the leases' HitTokens.
 	LeaseHitTokensMatch bool `json:"lease_hit_tokens_match"`
 	// Bound is the most this trace lets a prefix cache hit with this
-	// run's page size, context window and domain layout (see PrefixBound).
-	Bound     PrefixBound    `json:"bound"`
-	PerDomain []DomainPrefix `json:"per_domain,omitempty"`
+	// run's page size, domain layout and longest admissible request (the
+	// context window or the pool, if smaller; see PrefixBound).
+	Bound PrefixBound `json:"bound"`
+	// ServedBound is the same count over the requests the run admitted,
+	// in the order it admitted them: the most an infinite cache could have
+	// hit on what this run served. HitRate never exceeds it; it differs
+	// from Bound when requests the pool could take were not served
+	// (queue timeouts, still queued at the end).
+	ServedBound PrefixBound    `json:"served_bound"`
+	PerDomain   []DomainPrefix `json:"per_domain,omitempty"`
 }
 
 // DomainPrefix is one sharing domain's prefix-cache counters.

@@ -234,6 +234,7 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		s.report = *cfg.ReportGeometry
 	}
 	s.res.PoolBytes = int64(cfg.PoolPages) * s.report.PageBytes()
+	s.served = newBoundIndex(tr, cfg.Geometry.TokensPerPage, min(cfg.MaxContext, cfg.PoolPages*cfg.Geometry.TokensPerPage), cfg.Domains)
 	s.spec = spec
 	if unsafe {
 		// The safe pools scrubbed every page at creation, which also
@@ -327,6 +328,7 @@ type sim struct {
 	tenantIdx   map[string]int
 	domainOf    []string         // tenant index → its sharing domain's name in the pool
 	report      kvcache.Geometry // whose bytes the result reports
+	served      *boundIndex      // the prefix bound of the admitted requests, in admission order
 	ttft        []time.Duration
 	refused     uint64        // admission attempts refused
 	done        uint64        // requests completed, aborted or dropped
@@ -571,6 +573,7 @@ func (s *sim) start(a *active, since time.Duration) error {
 	s.res.QueueWaitSeconds += (s.now - since).Seconds()
 	s.res.PromptTokens += uint64(a.req.Prompt)
 	s.res.Prefix.HitTokens += uint64(a.hit)
+	s.served.add(a.req)
 	s.res.Prefix.PrefillBytesAvoided += uint64(a.hit) * uint64(s.report.TokenBytes())
 	if s.cfg.afterAdmit != nil {
 		s.cfg.afterAdmit(s, a)
@@ -934,7 +937,8 @@ func (s *sim) finishPrefix() {
 		}
 	}
 	px.LeaseHitTokensMatch = px.HitTokens == hitTokens
-	px.Bound = Bound(s.tr, s.cfg.Geometry.TokensPerPage, s.cfg.MaxContext, s.cfg.Domains)
+	px.Bound = Bound(s.tr, s.cfg.Geometry.TokensPerPage, min(s.cfg.MaxContext, s.cfg.PoolPages*s.cfg.Geometry.TokensPerPage), s.cfg.Domains)
+	px.ServedBound = s.served.bound()
 	px.LookupPages = px.HitPages + px.MissPages
 	if px.LookupPages > 0 {
 		px.HitRate = float64(px.HitPages) / float64(px.LookupPages)
