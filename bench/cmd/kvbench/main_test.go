@@ -173,7 +173,7 @@ func TestNothingAdmitted(t *testing.T) {
 		assert.Zero(t, r.Admitted, r.Policy)
 	}
 	assert.Empty(t, rep.PlotErrors)
-	assert.Equal(t, []string{"utilisation.png", "admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
+	assert.Equal(t, []string{"hit-rate.png", "queue.png", "utilisation.png", "admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
 	for _, p := range rep.Plots {
 		b, err := os.ReadFile(filepath.Join(dir, p))
 		require.NoError(t, err)
@@ -193,7 +193,7 @@ func TestPlotFailureKeepsReport(t *testing.T) {
 	assert.Contains(t, stderr, "report.json is written")
 	rep := readReport(t, dir)
 	require.Len(t, rep.Runs, 1)
-	assert.Equal(t, []string{"admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
+	assert.Equal(t, []string{"hit-rate.png", "queue.png", "admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
 	require.Len(t, rep.PlotErrors, 1)
 	assert.Contains(t, rep.PlotErrors[0], "utilisation.png")
 }
