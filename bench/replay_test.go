@@ -43,7 +43,8 @@ func sharedTrace(tb testing.TB, rel string) *os.File {
 // load (512 pages of 512 tokens: requests queue and time out). The same
 // replay under the unsafe no-scrub baseline runs in the same loop.
 // Target: under 30 s per replay on a 2-core machine. Each replay must
-// account for every request and hit no more than its served bound.
+// account for every request and hit no more than its served bound. With
+// -short (CI) only the small pool runs, to keep its checks exercised.
 func BenchmarkReplayConversation(b *testing.B) {
 	tr, _, err := kvsim.ReadTrace(sharedTrace(b, "mooncake/conversation_trace.jsonl"), "conversation", kvsim.FormatMooncake, kvsim.ImportConfig{})
 	if err != nil {
@@ -60,6 +61,9 @@ func BenchmarkReplayConversation(b *testing.B) {
 		{"pool=512x512", 512, 512, false},
 	} {
 		b.Run(c.name, func(b *testing.B) {
+			if testing.Short() && c.allAdmitted {
+				b.Skip("-short: the small pool only")
+			}
 			g := kvcache.Geometry{TokensPerPage: c.pageTokens, Layers: 1, KVHeads: 1, HeadDim: 2, DType: kvcache.FP16}
 			cfg := kvsim.RunConfig{Geometry: g, PoolPages: c.pages, MaxContext: 1 << 18, Step: 20 * time.Millisecond, MaxBatch: 256,
 				QueueTimeout: 30 * time.Second, Duration: tr.Duration() + time.Minute, WriteKV: true, PrefixCache: true, PrefillTokens: 8192}
