@@ -1,5 +1,6 @@
 #!/bin/sh
-# CI step for bench/: the kvbench tests, a short kvbench acceptance run
+# CI step for bench/: the kvbench tests, the trace importers fuzzed, a
+# short kvbench acceptance run
 # with the prefix cache on and both sharing-domain layouts (JSON and all
 # plots written, audit of every safe policy passes, the unsafe
 # baseline's fails, the layouts compared), a Mooncake-format trace
@@ -15,6 +16,8 @@ set -eu
 cd "$(dirname "$0")/.."
 
 go test ./bench/...
+# The importers beyond their seeds (.ci/run fuzzes kvbench's own format).
+go test -run '^$' -fuzz '^FuzzReadTrace$' -fuzztime "${FUZZTIME:-20000x}" ./bench/internal/kvsim
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

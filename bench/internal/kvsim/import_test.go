@@ -1,6 +1,8 @@
 package kvsim
 
 import (
+	"bytes"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -262,4 +264,46 @@ func TestImportSharedTraces(t *testing.T) {
 			assert.InDelta(t, tt.bound, b.HitRate, 0.03, "bound %.4f", b.HitRate)
 		})
 	}
+}
+
+// Whatever ReadTrace accepts, in any format, writes to a kvbench trace
+// that parses to the same requests; whatever it refuses is a TraceError
+// with a line, or an empty trace.
+func FuzzReadTrace(f *testing.F) {
+	f.Add(mooncakeFixture)
+	f.Add(azureFixture)
+	f.Add(`{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [0, 1, 9223372036854775807]}`)
+	f.Add("ContextTokens,TIMESTAMP,GeneratedTokens\n5,2023-11-16 18:15:46.6805900,0\n\"x\n")
+	f.Add(blocksHeader + `{"type":"request","at":0,"tenant":"acme","prompt":5,"blocks":[3,4],"output":1}`)
+	f.Fuzz(func(t *testing.T, in string) {
+		tr, _, err := ReadTrace(strings.NewReader(in), "fuzz", FormatAuto, ImportConfig{Tenants: 2, OrgSize: 2})
+		if err != nil {
+			var te *TraceError
+			var ee *EmptyTraceError
+			switch {
+			case errors.As(err, &te):
+				require.ErrorIs(t, err, ErrBadTrace)
+				require.Positive(t, te.Line, "%v", err)
+			case errors.As(err, &ee):
+			default:
+				require.ErrorIs(t, err, ErrBadConfig) // a kvbench trace spread over tenants
+			}
+			return
+		}
+		var buf bytes.Buffer
+		require.NoError(t, WriteTrace(&buf, tr))
+		back, err := ParseTrace(&buf, "")
+		require.NoError(t, err, "re-parsing\n%s", buf.String())
+		require.Len(t, back.Requests, len(tr.Requests))
+		require.Equal(t, tr.BlockTokens, back.BlockTokens)
+		for i, r := range tr.Requests {
+			b := back.Requests[i]
+			b.Line, r.Line = 0, 0
+			r.At = r.At.Round(time.Microsecond)
+			if len(r.Blocks) == 0 {
+				r.Blocks = nil
+			}
+			require.Equal(t, r, b)
+		}
+	})
 }
