@@ -13,10 +13,11 @@ import (
 
 // The check on Mooncake's synthetic trace, at its block size: a
 // pool of 50M tokens hits within a point of the trace's bound, pools of
-// 1M, 3M and 10M at most the bound. Skipped without the trace and under
-// -short (about 5 s on two cores).
+// 1M, 3M and 10M at most the bound. Skipped without the trace, under
+// -short and under the race detector (about 5 s on two cores, more than
+// ten minutes with -race; the replay's code is raced by the other tests).
 func TestMooncakeSyntheticHitRateAgainstBound(t *testing.T) {
-	if testing.Short() {
+	if testing.Short() || raceEnabled {
 		t.Skip("replays 4k requests four times")
 	}
 	tr, _, err := ReadTrace(openSharedTrace(t, "mooncake/synthetic_trace.jsonl"), "synthetic", FormatMooncake, ImportConfig{})
