@@ -60,9 +60,9 @@ starting with # are ignored. Every object has a "type".
                     are derived from -seed and its ID alone: requests whose
                     chains start alike share those tokens, and so those
                     pages, whatever the page size; two chains that differ
-                    in a block differ in that block's first page and in
-                    every page after it (Mooncake's hash_ids are such
-                    chains)
+                    in a block differ, at pages of 4 tokens or more, in
+                    that block's first page and in every page after it
+                    (Mooncake's hash_ids are such chains)
     output          tokens the request generates if not aborted, ≥ 0
     max_new         output budget reserved at admission, ≥ output;
                     default output
