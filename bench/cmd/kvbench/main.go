@@ -81,6 +81,7 @@ type options struct {
 	maxContext, maxBatch         int
 	geometry                     kvcache.Geometry
 	reportGeometry               *kvcache.Geometry
+	reportModel                  *kvcache.CacheSpec
 	audit, writeKV               bool
 	progressEvery                time.Duration
 	device                       string
@@ -115,6 +116,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.geometry.KVHeads, "kv-heads", 4, "KV heads")
 	fs.IntVar(&o.geometry.HeadDim, "head-dim", 64, "head dimension")
 	dtype := fs.String("dtype", "fp16", "KV dtype: fp8_e4m3, fp8_e5m2, fp16, bf16, fp32")
+	model := fs.String("model", "", "report bytes at this model preset's size (one of: "+presetNames()+"), while the pools are allocated at -layers/-kv-heads/-head-dim/-dtype")
 	reportGeometry := fs.String("report-geometry", "", "report bytes at this model's KV geometry, e.g. layers=32,kv-heads=8,head-dim=128,dtype=bf16 (same page size), while the pools are allocated at -layers/-kv-heads/-head-dim/-dtype")
 	fs.DurationVar(&o.step, "step", 20*time.Millisecond, "virtual time of one decode step")
 	fs.IntVar(&o.maxBatch, "max-batch", 256, "most requests running at once")
@@ -193,6 +195,16 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 			}
 			o.poolPages = append(o.poolPages, n)
 		}
+	}
+	if *model != "" {
+		if *reportGeometry != "" {
+			return nil, badFlag("model", "give -model or -report-geometry, not both")
+		}
+		spec, err := kvcache.Preset(*model)
+		if err != nil {
+			return nil, badFlag("model", "%v", err)
+		}
+		o.reportModel = &spec
 	}
 	if *reportGeometry != "" {
 		g, err := parseGeometry(*reportGeometry, o.geometry.TokensPerPage)
@@ -491,6 +503,10 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 		g := kvsim.ReportGeometry(*o.reportGeometry)
 		rep.ReportGeometry = &g
 	}
+	if o.reportModel != nil {
+		g := kvsim.ModelReport(*o.reportModel, o.geometry.TokensPerPage)
+		rep.ReportGeometry = &g
+	}
 	if o.prefixCache {
 		for _, d := range o.domains {
 			rep.Workload.PrefixBounds = append(rep.Workload.PrefixBounds, kvsim.Bound(tr, o.geometry.TokensPerPage, o.maxContext, d))
@@ -514,7 +530,7 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	for _, pages := range o.poolPages {
 		for _, domains := range o.domains {
 			for _, policy := range o.policies {
-				cfg := kvsim.RunConfig{Geometry: o.geometry, ReportGeometry: o.reportGeometry, PoolPages: pages, MaxContext: o.maxContext,
+				cfg := kvsim.RunConfig{Geometry: o.geometry, ReportGeometry: o.reportGeometry, ReportModel: o.reportModel, PoolPages: pages, MaxContext: o.maxContext,
 					Policy: policy, Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
 					Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open, PrefixCache: o.prefixCache,
 					Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens}
@@ -667,4 +683,13 @@ func outDir(dir string) (string, error) {
 		return "", &usageError{fmt.Sprintf("flag -out: %v", err)}
 	}
 	return dir, nil
+}
+
+// presetNames lists the model presets for -model's help.
+func presetNames() string {
+	var names []string
+	for _, p := range kvcache.Presets() {
+		names = append(names, p.Name)
+	}
+	return strings.Join(names, ", ")
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"github.com/kvfence/kvfence/kvcache"
 	"os"
 	"path/filepath"
 	"slices"
@@ -551,5 +552,26 @@ func TestParseBandwidth(t *testing.T) {
 		}
 		require.NoError(t, err, tt.in)
 		assert.InDelta(t, tt.want, got, tt.want*1e-12, tt.in)
+	}
+}
+
+// -model reports bytes at a preset's size; unknown presets and -model
+// with -report-geometry are refused.
+func TestModelPreset(t *testing.T) {
+	dir := t.TempDir()
+	code, stdout, stderr := runKvbench(t, append([]string{"-duration", "1s", "-policies", "zero", "-out", dir,
+		"-model", "deepseek-v3", "-progress-interval", "0"}, small...)...)
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	spec, err := kvcache.Preset("deepseek-v3")
+	require.NoError(t, err)
+	assert.Contains(t, stdout, "bytes reported at model deepseek-v3:")
+	rep := readFullReport(t, dir)
+	require.NotNil(t, rep.ReportGeometry)
+	assert.EqualValues(t, 16*spec.TokenBytes(), rep.ReportGeometry.PageBytes)
+	assert.EqualValues(t, 1024*16*spec.TokenBytes(), rep.Runs[0].PoolBytes)
+	for _, args := range [][]string{{"-model", "gpt-5"}, {"-model", "glm-5", "-report-geometry", "layers=32,kv-heads=8,head-dim=128,dtype=bf16"}} {
+		code, _, stderr := runKvbench(t, append(args, small...)...)
+		assert.Equal(t, 2, code, "%v", args)
+		assert.Contains(t, stderr, "flag -model", "%v", args)
 	}
 }

@@ -73,8 +73,10 @@ func ThisMachine() Machine {
 	return Machine{GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, CPUs: runtime.NumCPU(), Go: runtime.Version(), Host: h}
 }
 
-// GeometryReport is the simulated model's KV geometry.
+// GeometryReport is the simulated model's KV geometry; for a model
+// preset (ModelReport) its name and bytes only.
 type GeometryReport struct {
+	Model         string `json:"model,omitempty"`
 	TokensPerPage int    `json:"tokens_per_page"`
 	Layers        int    `json:"layers"`
 	KVHeads       int    `json:"kv_heads"`
@@ -88,6 +90,13 @@ type GeometryReport struct {
 func ReportGeometry(g kvcache.Geometry) GeometryReport {
 	return GeometryReport{TokensPerPage: g.TokensPerPage, Layers: g.Layers, KVHeads: g.KVHeads, HeadDim: g.HeadDim,
 		DType: g.DType.String(), PageBytes: g.PageBytes(), TokenBytes: g.TokenBytes()}
+}
+
+// ModelReport describes a cache spec (a model preset) at a pool of
+// tokensPerPage tokens per page: its per-token group's bytes per token.
+func ModelReport(s kvcache.CacheSpec, tokensPerPage int) GeometryReport {
+	return GeometryReport{Model: s.Model, TokensPerPage: tokensPerPage,
+		PageBytes: s.TokenBytes() * int64(tokensPerPage), TokenBytes: s.TokenBytes()}
 }
 
 // Workload summarises a trace.
@@ -322,7 +331,10 @@ func (r *Report) WriteTable(w io.Writer) {
 	fmt.Fprintf(w, "geometry: %d layers × %d KV heads × %d dim %s, %d tokens/page: %s/page, %s/token; max context %d tokens; step %v, batch ≤ %d\n",
 		g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, FormatBytes(float64(g.PageBytes)), FormatBytes(float64(g.TokenBytes)),
 		r.MaxContext, time.Duration(r.Step*1e9), r.MaxBatch)
-	if rg := r.ReportGeometry; rg != nil {
+	if rg := r.ReportGeometry; rg != nil && rg.Model != "" {
+		fmt.Fprintf(w, "bytes reported at model %s: %s/page, %s/token of its per-token caches (the pools were allocated at the geometry above)\n",
+			rg.Model, FormatBytes(float64(rg.PageBytes)), FormatBytes(float64(rg.TokenBytes)))
+	} else if rg != nil {
 		fmt.Fprintf(w, "bytes reported at %d layers × %d KV heads × %d dim %s: %s/page, %s/token (the pools were allocated at the geometry above)\n",
 			rg.Layers, rg.KVHeads, rg.HeadDim, rg.DType, FormatBytes(float64(rg.PageBytes)), FormatBytes(float64(rg.TokenBytes)))
 	}

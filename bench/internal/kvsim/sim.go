@@ -97,6 +97,10 @@ type RunConfig struct {
 	// must have Geometry's page size. Fill bandwidths and times stay the
 	// host's.
 	ReportGeometry *kvcache.Geometry
+	// ReportModel, instead of ReportGeometry, is a cache spec (a model
+	// preset, kvcache.Preset) whose per-token bytes the result reports:
+	// its per-token group's bytes per token, whatever its own page size.
+	ReportModel *kvcache.CacheSpec
 	// OpenDevice returns the device for one run's pool; nil means a new
 	// Host. The run closes it.
 	OpenDevice func() (cudaops.Device, error)
@@ -136,6 +140,14 @@ func (c *RunConfig) validate() error {
 	}
 	if err := c.Geometry.Validate(); err != nil {
 		return err
+	}
+	if c.ReportGeometry != nil && c.ReportModel != nil {
+		return bad("a report geometry and a report model: give one")
+	}
+	if m := c.ReportModel; m != nil {
+		if err := m.Validate(); err != nil {
+			return bad("report model: %v", err)
+		}
 	}
 	if g := c.ReportGeometry; g != nil {
 		if err := g.Validate(); err != nil {
@@ -229,11 +241,8 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 			PoolTokens: cfg.PoolPages * cfg.Geometry.TokensPerPage, HostPoolBytes: int64(cfg.PoolPages) * cfg.Geometry.PageBytes(),
 			KVWritesSimulated: cfg.WriteKV, Domains: cfg.Domains, Dropped: map[string]uint64{}},
 	}
-	s.report = cfg.Geometry
-	if cfg.ReportGeometry != nil {
-		s.report = *cfg.ReportGeometry
-	}
-	s.res.PoolBytes = int64(cfg.PoolPages) * s.report.PageBytes()
+	s.report = reportBytesOf(cfg)
+	s.res.PoolBytes = int64(cfg.PoolPages) * s.report.page
 	s.served = newBoundIndex(tr, cfg.Geometry.TokensPerPage, min(cfg.MaxContext, cfg.PoolPages*cfg.Geometry.TokensPerPage), cfg.Domains)
 	s.spec = spec
 	if unsafe {
@@ -326,9 +335,9 @@ type sim struct {
 	spec        cudaops.FillSpec
 	scrub0      isolation.ScrubStats // the pool's own scrub at creation, not part of serving
 	tenantIdx   map[string]int
-	domainOf    []string         // tenant index → its sharing domain's name in the pool
-	report      kvcache.Geometry // whose bytes the result reports
-	served      *boundIndex      // the prefix bound of the admitted requests, in admission order
+	domainOf    []string    // tenant index → its sharing domain's name in the pool
+	report      reportBytes // whose bytes the result reports
+	served      *boundIndex // the prefix bound of the admitted requests, in admission order
 	ttft        []time.Duration
 	refused     uint64        // admission attempts refused
 	done        uint64        // requests completed, aborted or dropped
@@ -574,7 +583,7 @@ func (s *sim) start(a *active, since time.Duration) error {
 	s.res.PromptTokens += uint64(a.req.Prompt)
 	s.res.Prefix.HitTokens += uint64(a.hit)
 	s.served.add(a.req)
-	s.res.Prefix.PrefillBytesAvoided += uint64(a.hit) * uint64(s.report.TokenBytes())
+	s.res.Prefix.PrefillBytesAvoided += uint64(a.hit) * uint64(s.report.token)
 	if s.cfg.afterAdmit != nil {
 		s.cfg.afterAdmit(s, a)
 	}
@@ -663,7 +672,7 @@ func (s *sim) decode() error {
 // write appends n tokens of KV to the request's pages and commits them.
 func (s *sim) write(a *active, n int) error {
 	from, to := a.written, a.written+n
-	s.res.KVBytesWritten += uint64(n) * uint64(s.report.TokenBytes())
+	s.res.KVBytesWritten += uint64(n) * uint64(s.report.token)
 	if s.host != nil {
 		start := time.Now()
 		tpp := s.cfg.Geometry.TokensPerPage
@@ -849,7 +858,7 @@ func (s *sim) finish() {
 	r.ScrubFills = st.Scrub.Fills - s.scrub0.Fills
 	// Fills write whole pages, so the bytes scale exactly page for page.
 	r.HostBytesScrubbed, r.FillSeconds = s.filled, s.fillTime.Seconds()
-	r.BytesScrubbed = s.filled / uint64(s.cfg.Geometry.PageBytes()) * uint64(s.report.PageBytes())
+	r.BytesScrubbed = s.filled / uint64(s.cfg.Geometry.PageBytes()) * uint64(s.report.page)
 	r.AdmitSeconds = s.admitTime.Seconds()
 	r.Prefix.KeySeconds = s.keyTime.Seconds()
 	r.ReleaseSeconds = s.releaseTime.Seconds()
@@ -964,4 +973,21 @@ func refusalsMap(r kvcache.Refusals) map[string]uint64 {
 		}
 	}
 	return m
+}
+
+// reportBytes is what one simulated page and token stand for in the
+// result's byte figures.
+type reportBytes struct{ page, token int64 }
+
+// reportBytesOf is the pool's own geometry, or the report geometry, or
+// the report model's bytes per token at the pool's page size.
+func reportBytesOf(cfg RunConfig) reportBytes {
+	switch {
+	case cfg.ReportModel != nil:
+		t := cfg.ReportModel.TokenBytes()
+		return reportBytes{page: t * int64(cfg.Geometry.TokensPerPage), token: t}
+	case cfg.ReportGeometry != nil:
+		return reportBytes{page: cfg.ReportGeometry.PageBytes(), token: cfg.ReportGeometry.TokenBytes()}
+	}
+	return reportBytes{page: cfg.Geometry.PageBytes(), token: cfg.Geometry.TokenBytes()}
 }
