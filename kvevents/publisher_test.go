@@ -113,6 +113,7 @@ type goSubscriber struct {
 	mirror mirror
 	seen   []decodedBatch
 	gaps   int
+	missed uint64 // batches it saw gaps for: the publisher's drops for it
 }
 
 func dialSubscriber(t *testing.T, pub *kvevents.Publisher, topic string) *goSubscriber {
@@ -140,20 +141,30 @@ func waitSubscribed(t *testing.T, pub *kvevents.Publisher, n int) {
 
 // recv handles one live message, replaying first what it missed.
 func (s *goSubscriber) recv() uint64 {
+	seq, err := s.recvOrClosed()
+	require.NoError(s.t, err)
+	return seq
+}
+
+// recvOrClosed is recv for a reader whose socket may be closed under it.
+func (s *goSubscriber) recvOrClosed() (uint64, error) {
 	t := s.t
 	msg, err := s.sub.Recv()
-	require.NoError(t, err)
+	if err != nil {
+		return 0, err
+	}
 	require.Len(t, msg.Frames, 3, "topic, sequence, payload")
 	seq := binary.BigEndian.Uint64(msg.Frames[1])
 	if seq < s.next {
-		return seq // already replayed
+		return seq, nil // already replayed
 	}
 	if seq > s.next {
 		s.gaps++
+		s.missed += seq - s.next
 		s.replayFrom(s.next, seq)
 	}
 	s.apply(seq, msg.Frames[2])
-	return seq
+	return seq, nil
 }
 
 // replayFrom asks for every batch from start and applies those before
