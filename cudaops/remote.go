@@ -2,6 +2,7 @@ package cudaops
 
 import (
 	"bufio"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -280,12 +281,14 @@ func (r *remoteRank) send(seq uint64, kind byte, payload []byte) <-chan remoteRe
 	return ch
 }
 
-// await waits for one reply, declaring the rank lost past the deadline.
-func (r *remoteRank) await(ch <-chan remoteReply, deadline *time.Timer, what string) remoteReply {
+// await waits for one reply, declaring the rank lost once expired is
+// closed. One deadline covers every rank of a fill, so it is a channel
+// that stays closed: a timer's fires once, for the first rank lost only.
+func (r *remoteRank) await(ch <-chan remoteReply, expired <-chan struct{}, what string) remoteReply {
 	select {
 	case rep := <-ch:
 		return rep
-	case <-deadline.C:
+	case <-expired:
 		r.lose(fmt.Errorf("%w: rank %d did not report %s in time", ErrDriver, r.rank, what))
 		return <-ch
 	}
@@ -343,11 +346,11 @@ func (d *RemoteRanks) Fill(pages []int32, spec FillSpec, _ Ordering) (Fence, err
 	go func() {
 		// One goroutine per fill in flight, parked on channels: no OS
 		// thread, no CPU.
-		deadline := time.NewTimer(d.timeout)
-		defer deadline.Stop()
+		deadline, cancel := context.WithTimeout(context.Background(), d.timeout)
+		defer cancel()
 		var first error
 		for i, r := range d.ranks {
-			if rep := r.await(replies[i], deadline, fmt.Sprintf("fill %d", seq)); rep.err != nil && first == nil {
+			if rep := r.await(replies[i], deadline.Done(), fmt.Sprintf("fill %d", seq)); rep.err != nil && first == nil {
 				first = rep.err
 			}
 		}
@@ -395,8 +398,8 @@ func (d *RemoteRanks) pageOp(kind byte, r int, p int32, buf []byte) error {
 	if err != nil {
 		return err
 	}
-	deadline := time.NewTimer(d.timeout)
-	defer deadline.Stop()
+	deadline, cancel := context.WithTimeout(context.Background(), d.timeout)
+	defer cancel()
 	off := 0
 	for _, rk := range d.ranks {
 		n := int(rk.regions[r].PageBytes)
@@ -407,7 +410,7 @@ func (d *RemoteRanks) pageOp(kind byte, r int, p int32, buf []byte) error {
 		if kind == frameWrite {
 			msg = append(msg, buf[off:off+n]...)
 		}
-		rep := rk.await(rk.send(seq, kind, msg), deadline, fmt.Sprintf("page %d of region %d", p, r))
+		rep := rk.await(rk.send(seq, kind, msg), deadline.Done(), fmt.Sprintf("page %d of region %d", p, r))
 		if rep.err != nil {
 			return rep.err
 		}
