@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -470,7 +471,7 @@ type RankWorker struct {
 	conn net.Conn
 	dev  Device
 	rank int
-	auto bool
+	auto atomic.Bool // launch batches as they arrive (SetAutoStep)
 
 	wmu     sync.Mutex
 	mu      sync.Mutex
@@ -512,7 +513,8 @@ func ServeRank(conn net.Conn, rank int, dev Device, autoStep bool) (*RankWorker,
 	if err := writeFrame(conn, frameHello, b); err != nil {
 		return nil, fmt.Errorf("%w: rank %d hello: %w", ErrDriver, rank, err)
 	}
-	w := &RankWorker{conn: conn, dev: dev, rank: rank, auto: autoStep, reports: make(chan rankReport, 1024), done: make(chan struct{})}
+	w := &RankWorker{conn: conn, dev: dev, rank: rank, reports: make(chan rankReport, 1024), done: make(chan struct{})}
+	w.auto.Store(autoStep)
 	go w.reportLoop()
 	go w.readLoop()
 	return w, nil
@@ -545,6 +547,19 @@ func (w *RankWorker) Step(after Ordering) (int, error) {
 		w.mu.Unlock()
 	}
 	return len(batches), nil
+}
+
+// SetAutoStep switches between launching batches as they arrive, with the
+// zero ordering (after all prior work of the device), and leaving them for
+// Step. Switched on, it launches what is queued at once. A worker that
+// starts with AutoStep and switches it off at its first Step serves the
+// batches sent before its engine runs any kernel (the pool's initial
+// scrub, which the scheduler waits for) without a Step of its own.
+func (w *RankWorker) SetAutoStep(on bool) {
+	w.auto.Store(on)
+	if on {
+		_, _ = w.Step(Ordering{})
+	}
 }
 
 // Wait blocks until the scheduler closed the connection (or it failed)
@@ -581,7 +596,7 @@ func (w *RankWorker) readLoop() {
 			w.mu.Lock()
 			w.queued = append(w.queued, batch)
 			w.mu.Unlock()
-			if w.auto {
+			if w.auto.Load() {
 				_, _ = w.Step(Ordering{})
 			}
 		case (kind == frameRead || kind == frameWrite) && len(b) >= 16:
