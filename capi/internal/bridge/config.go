@@ -55,7 +55,7 @@ type PrefixJSON struct {
 }
 
 // DeviceJSON selects the device: kind "host" (or empty), "cuda" with the
-// driver's device ordinal, or (a pool's only, since ABI 4) "remote": the
+// driver's device ordinal, or (a pool's only, since ABI 5) "remote": the
 // ranks of a tensor-parallel group, one worker process each
 // (cudaops.RemoteRanks), which connect to Listen and serve their shards
 // (CreateRankWorker).

@@ -17,7 +17,7 @@ import (
 	"github.com/kvfence/kvfence/kvcache"
 )
 
-// Tensor parallelism with one process per rank, through C (since ABI 4).
+// Tensor parallelism with one process per rank, through C (since ABI 5).
 // The scheduler's pool is over the remote ranks ("device": {"kind":
 // "remote"}, openRemote); each worker process serves its rank with a rank
 // worker: its device holds the rank's shard of every region, and it
@@ -411,20 +411,21 @@ func RankWait(h Handle, wait time.Duration) (bool, error) {
 	return true, nil
 }
 
-// RankRegions copies the worker's regions into dst and returns how many
-// there are; a short dst gets nothing and a *BufferError.
-func RankRegions(h Handle, dst []cudaops.Region) (int, error) {
-	var n int
+// RankRegions returns the worker's regions; more than room of them is a
+// *BufferError, with the count needed, and no regions.
+func RankRegions(h Handle, room int) ([]cudaops.Region, error) {
+	var rs []cudaops.Region
 	err := withWorker(h, func(e *rankEntry) error {
-		rs := e.dev.Regions()
-		n = len(rs)
-		if n > len(dst) {
-			return &BufferError{What: "regions", Need: n, Have: len(dst)}
+		rs = e.dev.Regions()
+		if len(rs) > room {
+			return &BufferError{What: "regions", Need: len(rs), Have: room}
 		}
-		copy(dst, rs)
 		return nil
 	})
-	return n, err
+	if err != nil {
+		return nil, err
+	}
+	return rs, nil
 }
 
 // CloseRankWorker ends the worker: it waits for steps in flight, closes

@@ -416,7 +416,7 @@ func TestRankWorkerRefusals(t *testing.T) {
 		wantStatus(t, err, StatusInvalidHandle)
 		_, err = RankWait(h, 0)
 		wantStatus(t, err, StatusInvalidHandle)
-		_, err = RankRegions(h, nil)
+		_, err = RankRegions(h, 0)
 		wantStatus(t, err, StatusInvalidHandle)
 		wantStatus(t, CloseRankWorker(h), StatusInvalidHandle)
 	}
@@ -435,14 +435,13 @@ func TestRankRegions(t *testing.T) {
 	if c := <-conns; c != nil {
 		defer c.Close()
 	}
-	n, err := RankRegions(w, nil)
+	rs, err := RankRegions(w, 1)
 	wantStatus(t, err, StatusBufferTooSmall)
-	rs := make([]cudaops.Region, 2)
-	if n != 2 {
-		t.Fatalf("size query: %d", n)
+	if rs != nil || Classify(err).Need != 2 {
+		t.Fatalf("short: %v, need %d", rs, Classify(err).Need)
 	}
-	if n, err = RankRegions(w, rs); err != nil || n != 2 || rs[1] != (cudaops.Region{Stride: 64, PageBytes: 64, Pages: 8}) {
-		t.Fatalf("regions %v, %d, %v", rs, n, err)
+	if rs, err = RankRegions(w, 2); err != nil || len(rs) != 2 || rs[1] != (cudaops.Region{Stride: 64, PageBytes: 64, Pages: 8}) {
+		t.Fatalf("regions %v, %v", rs, err)
 	}
 }
 
