@@ -698,8 +698,8 @@ KVF_API kvf_status kvf_rank_worker_create(const char *config_json, const kvf_reg
  * makes the scheduler declare the rank lost. Until the first call,
  * batches launch as they arrive with stream = event = 0 (the first is the
  * pool's initial scrub, which kvf_pool_create waits for before any engine
- * could step); with "auto_step" they always do, and a step launches
- * nothing. A stream or event the driver refuses is KVF_ERR_BAD_ORDERING:
+ * could step); with "auto_step" they always do, and a step seldom finds
+ * one left. A stream or event the driver refuses is KVF_ERR_BAD_ORDERING:
  * nothing is launched and the batches wait for the next step. Once the
  * connection has ended, KVF_ERR_POOL_CLOSED if the scheduler closed it
  * (it destroyed its pool, or its process ended: the two look alike), or
