@@ -526,3 +526,69 @@ func TestRemotePoolWithoutRanks(t *testing.T) {
 		t.Fatalf("socket file left: %v", err)
 	}
 }
+
+// TestRankWorkersOnGPU: two rank workers on GPU 0, their regions
+// allocated by the workers, serve a scheduler pool: steps after the legacy
+// default stream scrub their shards on the device, and the canary audit
+// reads them back. It skips without a GPU.
+func TestRankWorkersOnGPU(t *testing.T) {
+	d, err := cudaops.OpenCUDA(0)
+	if err != nil {
+		if os.Getenv("KVFENCE_REQUIRE_GPU") != "" {
+			t.Fatalf("KVFENCE_REQUIRE_GPU is set and there is no usable CUDA device: %v", err)
+		}
+		t.Skipf("no CUDA device: %v", err)
+	}
+	d.Close()
+	addr := socketPath(t)
+	type made struct {
+		h   Handle
+		err error
+	}
+	results := make(chan made, 2)
+	for rank := range 2 {
+		go func() {
+			h, err := CreateRankWorker(rankConfig(addr, rank, `, "device": {"kind": "cuda", "ordinal": 0}`),
+				[]RankRegion{{PageBytes: rankPageBytes, Pages: rankPages}, {PageBytes: rankPageBytes, Pages: rankPages}})
+			results <- made{h, err}
+		}()
+	}
+	pool, err := CreatePool([]byte(rankPoolConfig(addr, 2, 10000)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ws []Handle
+	t.Cleanup(func() {
+		DestroyPool(pool) // first: a worker closed under a live pool faults it
+		for _, w := range ws {
+			CloseRankWorker(w)
+		}
+	})
+	for range 2 {
+		m := <-results
+		if m.err != nil {
+			t.Fatal(m.err)
+		}
+		ws = append(ws, m.h)
+	}
+	for _, w := range ws {
+		rs, err := RankRegions(w, 2)
+		if err != nil || len(rs) != 2 || rs[0].Base == 0 {
+			t.Fatalf("regions %+v, %v", rs, err)
+		}
+		must(RankStep(w, cudaops.Ordering{Stream: cudaops.StreamLegacy}))
+	}
+	for round := range 2 {
+		l := must(Admit(pool, fmt.Sprint("r", round), []string{"acme", "globex"}[round], 64, 0, 0)) // audited on both GPUs' shards
+		noErr(t, Release(l, cudaops.Ordering{}))
+		for _, w := range ws {
+			stepArrived(t, w)
+		}
+		eventually(t, "the pages to be free", func() bool { return poolStats(t, pool).FreePages == rankPages })
+		noErr(t, Free(l))
+	}
+	if st := poolStats(t, pool); st.Fault != "" || st.Scrub.CanaryFailures != 0 || st.Scrub.CanaryChecks < rankPages {
+		t.Fatalf("fault %q, scrub %+v", st.Fault, st.Scrub)
+	}
+	mustCheck(t, pool)
+}
