@@ -592,3 +592,40 @@ func TestRankWorkersOnGPU(t *testing.T) {
 	}
 	mustCheck(t, pool)
 }
+
+// TestRankGroupOverTCP: the same group over TCP on the loopback.
+func TestRankGroupOverTCP(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Skipf("no loopback TCP: %v", err)
+	}
+	addr := l.Addr().String() // a port free a moment ago: the scheduler takes it
+	l.Close()
+	s := newShard()
+	cfg, err := ParseRankConfig([]byte(`{"connect": "tcp:` + addr + `", "rank": 0, "connect_timeout_ms": 20000}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	made := make(chan Handle, 1)
+	go func() {
+		h, err := CreateRankWorker(cfg, s.regions())
+		if err != nil {
+			t.Error(err)
+		}
+		made <- h
+	}()
+	js := strings.Replace(rankPoolConfig("", 1, 5000), `"listen": "unix:"`, `"listen": "tcp:`+addr+`"`, 1)
+	pool, err := CreatePool([]byte(js))
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := <-made
+	defer CloseRankWorker(w)
+	defer DestroyPool(pool)
+	must(RankStep(w, cudaops.Ordering{}))
+	lease := must(Admit(pool, "r", "acme", 64, 0, 0))
+	noErr(t, Free(lease))
+	stepArrived(t, w)
+	eventually(t, "the pages to be free", func() bool { return poolStats(t, pool).FreePages == rankPages })
+	mustCheck(t, pool)
+}
