@@ -715,7 +715,7 @@ KVF_API kvf_status kvf_rank_step(kvf_rank_worker worker, uintptr_t stream, uintp
 KVF_API kvf_status kvf_rank_worker_wait(kvf_rank_worker worker, int64_t wait_ms, int32_t *ended);
 
 /* Copies the worker's regions into buf, as kvf_pool_regions does (base:
- * the device address; 0 for host memory); *len (if not NULL) gets the
+ * the device address, or the host memory's); *len (if not NULL) gets the
  * count. */
 KVF_API kvf_status kvf_rank_worker_regions(kvf_rank_worker worker, kvf_region *buf, size_t buf_len, size_t *len);
 

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-ABI_VERSION = 4  # the library must implement at least this
+ABI_VERSION = 5  # the library must implement at least this
 
 # Status codes, as in kvfence.h.
 OK = 0
@@ -219,7 +219,7 @@ _import_free = _fn("kvf_import_free", _status, _handle)
 _grow = _fn("kvf_lease_grow", _status, _handle, _i64, _i64)
 _preempt = _fn("kvf_lease_preempt", _status, _handle, _P(ctypes.c_int32), _size, _P(_i64))
 
-# ABI 4.
+# ABI 5.
 _rank_worker_create = _fn("kvf_rank_worker_create", _status, ctypes.c_char_p, _P(_Region), _size, _P(_handle))
 _rank_step = _fn("kvf_rank_step", _status, _handle, ctypes.c_size_t, ctypes.c_size_t, _P(_size))
 _rank_worker_wait = _fn("kvf_rank_worker_wait", _status, _handle, _i64, _P(ctypes.c_int32))

@@ -245,6 +245,11 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 			KVHeads: cj.Geometry.KVHeads, HeadDim: cj.Geometry.HeadDim, DType: dtype}
 	}
 	var spec kvcache.CacheSpec
+	if cj.Cache != nil && cj.Device.Kind == DeviceRemote {
+		// The ranks' hellos describe regions of a geometry's shape, and
+		// the protocol carries page batches, not a spec's spans.
+		return fail("cache over a remote group: a pool over remote ranks takes a geometry")
+	}
 	if cj.Cache != nil {
 		kind := cj.Device.Kind
 		if kind == "" {

@@ -440,7 +440,8 @@ func TestRankRegions(t *testing.T) {
 	if rs != nil || Classify(err).Need != 2 {
 		t.Fatalf("short: %v, need %d", rs, Classify(err).Need)
 	}
-	if rs, err = RankRegions(w, 2); err != nil || len(rs) != 2 || rs[1] != (cudaops.Region{Stride: 64, PageBytes: 64, Pages: 8}) {
+	if rs, err = RankRegions(w, 2); err != nil || len(rs) != 2 || rs[1].Base == 0 ||
+		rs[1] != (cudaops.Region{Base: rs[1].Base, Stride: 64, PageBytes: 64, Pages: 8}) {
 		t.Fatalf("regions %v, %v", rs, err)
 	}
 }
@@ -488,6 +489,11 @@ func TestParseRemoteDevice(t *testing.T) {
 	_, dev, err := parseConfig([]byte(pool(`{"kind": "remote", "listen": "tcp:[::1]:9000", "ranks": 8, "report_timeout_ms": 100, "accept_timeout_ms": 200}`)))
 	if err != nil || dev != (DeviceJSON{Kind: DeviceRemote, Listen: "tcp:[::1]:9000", Ranks: 8, ReportTimeoutMS: 100, AcceptTimeoutMS: 200}) {
 		t.Fatalf("%+v, %v", dev, err)
+	}
+	cache := `{"cache": {"groups": [{"name": "kv", "kind": "per_token", "tokens_per_page": 4, "regions": [{"name": "k", "dtype": "fp16", "page_bytes": 64}]}]},
+	 "pages": 4, "max_context_tokens": 16, "device": {"kind": "remote", "listen": "unix:/s", "ranks": 2}}`
+	if _, _, err := parseConfig([]byte(cache)); !errors.Is(err, kvcache.ErrInvalidConfig) || !strings.Contains(err.Error(), "takes a geometry") {
+		t.Errorf("a cache spec over remote ranks: %v", err)
 	}
 	for _, c := range []struct{ dev, msg string }{
 		{`{"kind": "remote", "ranks": 2}`, "device.listen missing"},
