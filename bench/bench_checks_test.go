@@ -97,3 +97,34 @@ func TestAdmittedCheckCatchesMissingAdmissions(t *testing.T) {
 		t.Error("the check passed a lease left live")
 	}
 }
+
+func TestReplayCheckCatchesMiscount(t *testing.T) {
+	tr := &kvsim.Trace{Requests: make([]kvsim.Request, 10)}
+	good := func() *kvsim.RunResult {
+		r := &kvsim.RunResult{Admitted: 8, Dropped: map[string]uint64{"queue_timeout": 2}}
+		r.Prefix.HitPages, r.Prefix.ServedBound.HitPages = 5, 7
+		return r
+	}
+	if err := checkReplay(tr, good(), false); err != nil {
+		t.Error(err)
+	}
+	for name, bad := range map[string]func(*kvsim.RunResult){
+		"a request lost":           func(r *kvsim.RunResult) { r.Dropped["queue_timeout"] = 1 },
+		"no hits":                  func(r *kvsim.RunResult) { r.Prefix.HitPages = 0 },
+		"more hits than the bound": func(r *kvsim.RunResult) { r.Prefix.HitPages = 8 },
+	} {
+		r := good()
+		bad(r)
+		if err := checkReplay(tr, r, false); err == nil {
+			t.Errorf("%s: the check passed", name)
+		}
+	}
+	if err := checkReplay(tr, good(), true); err == nil {
+		t.Error("the check passed dropped requests on a pool that must admit all")
+	}
+	all := good()
+	all.Admitted, all.Dropped = 10, map[string]uint64{}
+	if err := checkReplay(tr, all, false); err == nil {
+		t.Error("the check passed a too-small pool that dropped nothing")
+	}
+}

@@ -199,3 +199,65 @@ func TestAdoptedEngineLayoutsScrubOnlyTheirPages(t *testing.T) {
 		})
 	}
 }
+
+// addrDevice stands for a CUDA device: it adopts memory by device
+// address (recording what it was given) and keeps the pages in host
+// memory behind it.
+type addrDevice struct {
+	h       *cudaops.Host
+	adopted []cudaops.Region
+}
+
+func (d *addrDevice) Name() string                                 { return "addr" }
+func (d *addrDevice) AllocRegion(pages int, pb int64) (int, error) { return d.h.AllocRegion(pages, pb) }
+func (d *addrDevice) Regions() []cudaops.Region                    { return d.h.Regions() }
+func (d *addrDevice) Fill(p []int32, s cudaops.FillSpec, o cudaops.Ordering) (cudaops.Fence, error) {
+	return d.h.Fill(p, s, o)
+}
+func (d *addrDevice) FillSpans(sp []cudaops.Span, s cudaops.FillSpec, o cudaops.Ordering) (cudaops.Fence, error) {
+	return d.h.FillSpans(sp, s, o)
+}
+func (d *addrDevice) ReadPage(r int, p int32, b []byte) error  { return d.h.ReadPage(r, p, b) }
+func (d *addrDevice) WritePage(r int, p int32, b []byte) error { return d.h.WritePage(r, p, b) }
+func (d *addrDevice) Counters() cudaops.Counters               { return d.h.Counters() }
+func (d *addrDevice) Close() error                             { return d.h.Close() }
+func (d *addrDevice) AdoptRegion(base uint64, pages int, stride, pageBytes int64) (int, error) {
+	d.adopted = append(d.adopted, cudaops.Region{Base: base, Stride: stride, PageBytes: pageBytes, Pages: pages})
+	return d.h.AllocRegion(pages, pageBytes)
+}
+
+// On a device that adopts by address (CUDA), a spec's regions reach the
+// device with the addresses, strides and page counts the engine's
+// tensors have: vLLM's fused [num_blocks, 2, …] layer as two interleaved
+// regions, and a state tensor as slots.
+func TestAdoptByDeviceAddress(t *testing.T) {
+	const blocks, base = 16, uint64(0x7f00_0000_0000)
+	regs := AttentionKV(1, 2, 8, BF16, 4)
+	pb := regs[0].PageBytes
+	k, v, err := FusedKVMemory(KVInterleaved, blocks, pb, base, nil)
+	require.NoError(t, err)
+	regs[0].Memory, regs[1].Memory = k, v
+	state := LinearAttentionState([]int{1}, 8, 4, BF16, 1, 4, 4, FP32)
+	stateBase := base + uint64(2*blocks)*uint64(pb)
+	state[0].Memory = &RegionMemory{Base: stateBase, Pages: 3}
+	state[1].Memory = &RegionMemory{Base: stateBase + 3*uint64(state[0].PageBytes) + 64, Pages: 3}
+	spec := CacheSpec{Groups: []CacheGroup{{Name: "kv", Kind: GroupPerToken, TokensPerPage: 4, Regions: regs},
+		{Name: "state", Kind: GroupState, Regions: state}}}
+	dev := &addrDevice{h: cudaops.NewHost()}
+	defer dev.Close()
+	p := newPool(t, Config{Cache: spec, Pages: blocks, MaxLeases: 3, MaxContextTokens: 64, Device: dev, Tenants: []TenantConfig{{Name: "a"}}})
+	assert.Equal(t, []cudaops.Region{
+		{Base: base, Stride: 2 * pb, PageBytes: pb, Pages: blocks},
+		{Base: base + uint64(pb), Stride: 2 * pb, PageBytes: pb, Pages: blocks},
+		{Base: stateBase, Stride: state[0].PageBytes, PageBytes: state[0].PageBytes, Pages: 3},
+		{Base: stateBase + 3*uint64(state[0].PageBytes) + 64, Stride: state[1].PageBytes, PageBytes: state[1].PageBytes, Pages: 3},
+	}, dev.adopted)
+	admit(t, p, "r", "a", 10)
+	// A host buffer on a device that adopts by address is refused.
+	regs[0].Memory = &RegionMemory{Host: make([]byte, 4096)}
+	regs[1].Memory = &RegionMemory{Host: make([]byte, 4096)}
+	spec.Groups = spec.Groups[:1]
+	_, err = New(Config{Cache: spec, Pages: blocks, MaxContextTokens: 64, Device: &addrDevice{h: cudaops.NewHost()}})
+	assert.ErrorIs(t, err, ErrInvalidConfig)
+	assert.ErrorContains(t, err, "adopts device memory")
+}

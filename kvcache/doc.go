@@ -66,6 +66,21 @@
 // for admissions and copies in progress, ends every lease, drops the
 // prefix cache, and waits for every fill before it closes the device.
 //
+// # Cache groups
+//
+// A pool's pages are described by a cache spec (Config.Cache; a Geometry
+// is the spec of one per-token group of K and V regions, GeometrySpec):
+// groups of regions, each group its own page space with its own allocator
+// and tenant books. The per-token group is what every section of this
+// doc calls "the pages": admission sizes it, leases grow in it, the
+// prefix cache shares it and handoffs move it. Sliding-window and state
+// groups hold a fixed amount per lease (a ring of pages, a slot), taken
+// with the per-token pages in the same attempt (decideSideLocked, then
+// takeSideLocked), released with them (releaseSideLocked) and scrubbed in
+// the same fill: the quarantine fills every group's pages of a release
+// with one cudaops.FillSpans. Check covers every group. See cachespec.go
+// for the model and groups.go for the code.
+//
 // # Sizing, growth and preemption
 //
 // By default a lease holds every page prompt + max new tokens can need

@@ -507,3 +507,22 @@ func TestHybridAdmissionMatchesModel(t *testing.T) {
 	}
 	require.NoError(t, p.Check())
 }
+
+// A Lease recycled from a pool of several groups into a pool of one (and
+// back), as the C ABI recycles its lease structs, carries no scratch of
+// the other pool's groups into its release.
+func TestLeaseRecycledAcrossPoolsOfOtherGroups(t *testing.T) {
+	hybrid := newPool(t, hybridConfig(16, 2))
+	plain := newPool(t, tinyConfig(16))
+	var l Lease
+	for i, p := range []*Pool{hybrid, plain, hybrid, plain} {
+		require.NoError(t, p.TryAdmitInto(Request{ID: fmt.Sprint("r", i), Tenant: "a", PromptTokens: 6}, &l))
+		require.NoError(t, l.Release(), "round %d", i)
+		require.NoError(t, p.Check())
+	}
+	for _, p := range []*Pool{hybrid, plain} {
+		for _, g := range p.Stats().Groups {
+			assert.Equal(t, g.Pages, g.Free, "group %q", g.Name)
+		}
+	}
+}

@@ -108,6 +108,10 @@ func (p *Pool) detachLocked(l *Lease, b scrubBatch) scrubBatch {
 		l.export.timer.Stop()
 		l.export = nil
 	}
+	if len(b.side) != len(p.side) {
+		// Scratch of a lease that last lived in a pool of other groups.
+		b.side, b.all = nil, nil
+	}
 	before := len(b.pages)
 	b.pages = p.releasePagesLocked(l, b.pages) // shared pages may stay cached
 	p.q.BeginLocked(len(b.pages) - before)
@@ -136,7 +140,7 @@ func (p *Pool) scrub(b scrubBatch, after cudaops.Ordering) error {
 		slices.Sort(s)
 	}
 	issue := func(after cudaops.Ordering) (cudaops.Fence, error) {
-		if b.side == nil {
+		if len(p.side) == 0 {
 			return p.q.Issue(b.pages, after)
 		}
 		return p.q.IssueSpaces(b.spaces(), after)
@@ -216,7 +220,7 @@ func (p *Pool) finishScrub(b scrubBatch, fillErr error) error {
 func (p *Pool) finishScrubLocked(b scrubBatch, fillErr error) error {
 	p.assertHeld()
 	var err error
-	if b.side == nil {
+	if len(p.side) == 0 {
 		err = p.q.FinishLocked(b.pages, fillErr)
 	} else {
 		err = p.q.FinishSpacesLocked(b.spaces(), fillErr)

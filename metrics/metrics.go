@@ -67,6 +67,7 @@ type Collector struct {
 
 type descs struct {
 	pages, capacity, usage, leases, faulted, closed *prometheus.Desc
+	groupPages                                      *prometheus.Desc
 	admissions, refusals                            *prometheus.Desc
 	tenantAdmissions, tenantRefusals                *prometheus.Desc
 	tenantUsed, tenantQuota, tenantReserved         *prometheus.Desc
@@ -93,6 +94,9 @@ func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
 	c.d = descs{
 		pages:    d("kvfence_pool_pages", "Pages of the pool by state (free, in_use, cached, quarantined, retired).", "state"),
 		capacity: d("kvfence_pool_capacity_pages", "Pages of the pool, all states."),
+		groupPages: d("kvfence_cache_group_pages",
+			"Pages (state slots) of each cache group of a pool made from a cache spec, by state; the per-token group's are kvfence_pool_pages.",
+			"group", "kind", "state"),
 		usage: d("vllm:kv_cache_usage_perc",
 			"Fraction of KV-cache pages not available to a new request: 1 - (free + evictable cached) / total."),
 		leases:  d("kvfence_pool_live_leases", "Leases that hold pages now."),
@@ -146,7 +150,7 @@ func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
 func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	d := &c.d
 	for _, x := range []*prometheus.Desc{
-		d.pages, d.capacity, d.usage, d.leases, d.faulted, d.closed, d.admissions, d.refusals,
+		d.pages, d.groupPages, d.capacity, d.usage, d.leases, d.faulted, d.closed, d.admissions, d.refusals,
 		d.fills, d.fillPages, d.fillBytes, d.fillErrors, d.fillSeconds, d.retired, d.canaryChecks, d.canaryFailures,
 		d.prefixQueries, d.prefixHits, d.prefixIndexed, d.prefixCached, d.prefixStored, d.prefixEvicted, d.events,
 	} {
@@ -200,6 +204,16 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}{{"free", s.FreePages}, {"in_use", s.InUsePages}, {"cached", s.CachedPages},
 		{"quarantined", s.QuarantinedPages}, {"retired", s.RetiredPages}} {
 		gauge(d.pages, float64(st.n), st.name)
+	}
+	if len(s.Groups) > 1 { // a pool of one group has nothing to add
+		for _, g := range s.Groups {
+			for _, st := range []struct {
+				n    int
+				name string
+			}{{g.Free, "free"}, {g.InUse, "in_use"}, {g.Cached, "cached"}, {g.Quarantined, "quarantined"}, {g.Retired, "retired"}} {
+				gauge(d.groupPages, float64(st.n), g.Name, g.Kind.String(), st.name)
+			}
+		}
 	}
 	gauge(d.capacity, float64(s.TotalPages))
 	usage := 0.0

@@ -338,3 +338,62 @@ func TestCollectorCountsHandoffOutcomesAndPublishedEvents(t *testing.T) {
 	assert.Equal(t, 0.0, testutil.ToFloat64(only(t, reg, "kvfence_kv_events_lost_total")))
 	assert.Equal(t, 2.0, testutil.ToFloat64(only(t, reg, "kvfence_kv_events_total", "outcome", "sent")))
 }
+
+// A pool made from a cache spec reports every group's pages by state; a
+// pool of one group adds no series (its pages are kvfence_pool_pages).
+func TestCollectorReportsEveryCacheGroup(t *testing.T) {
+	spec := kvcache.CacheSpec{Model: "hybrid", Groups: []kvcache.CacheGroup{
+		{Name: "kv", Kind: kvcache.GroupPerToken, TokensPerPage: 4,
+			Regions: kvcache.MLALatent([]int{0, 1}, 12, 4, kvcache.BF16, 4)},
+		{Name: "swa", Kind: kvcache.GroupSlidingWindow, TokensPerPage: 4, WindowTokens: 8,
+			Regions: kvcache.AttentionKVOf([]int{2}, 1, 8, kvcache.BF16, 4)},
+		{Name: "state", Kind: kvcache.GroupState,
+			Regions: kvcache.LinearAttentionState([]int{3}, 8, 4, kvcache.BF16, 2, 4, 4, kvcache.FP32)},
+	}}
+	p, err := kvcache.New(kvcache.Config{Cache: spec, Pages: 16, MaxLeases: 3, MaxContextTokens: 64,
+		Tenants: []kvcache.TenantConfig{{Name: "a"}}})
+	require.NoError(t, err)
+	defer p.Close()
+	l, err := p.TryAdmit(kvcache.Request{ID: "r", Tenant: "a", PromptTokens: 20})
+	require.NoError(t, err)
+
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(p, metrics.Options{})))
+	got := map[string]float64{}
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	for _, mf := range mfs {
+		if mf.GetName() != "kvfence_cache_group_pages" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			lab := map[string]string{}
+			for _, lp := range m.GetLabel() {
+				lab[lp.GetName()] = lp.GetValue()
+			}
+			got[lab["group"]+"/"+lab["kind"]+"/"+lab["state"]] = m.GetGauge().GetValue()
+		}
+	}
+	s := p.Stats()
+	require.Len(t, s.Groups, 3)
+	assert.Equal(t, 5.0, got["kv/per_token/in_use"], "20 tokens in pages of 4")
+	assert.Equal(t, 11.0, got["kv/per_token/free"])
+	assert.Equal(t, float64(s.Groups[1].InUse), got["swa/sliding_window/in_use"])
+	assert.Equal(t, 3.0, got["swa/sliding_window/in_use"], "a window of 8 tokens holds 8/4+1 pages")
+	assert.Equal(t, 1.0, got["state/state/in_use"])
+	assert.Equal(t, 2.0, got["state/state/free"])
+	assert.Len(t, got, 15, "three groups, five states each")
+
+	require.NoError(t, l.Release())
+	require.NoError(t, p.Check())
+
+	one, err := kvcache.New(kvcache.Config{Geometry: geometry, Pages: 8, MaxContextTokens: 32,
+		Tenants: []kvcache.TenantConfig{{Name: "a"}}})
+	require.NoError(t, err)
+	defer one.Close()
+	reg = prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(one, metrics.Options{})))
+	n, err := testutil.GatherAndCount(reg, "kvfence_cache_group_pages")
+	require.NoError(t, err)
+	assert.Zero(t, n)
+}

@@ -69,6 +69,7 @@ def main():
         prefix_demo(pool)
     handoff_demo()
     growth_demo()
+    cache_groups_demo()
 
 
 def prefix_demo(pool):
@@ -169,6 +170,65 @@ def growth_demo():
         again.release()
         again.free()
         pool.check()
+
+def cache_groups_demo():
+    """A model that is not plain K/V: an MLA latent and its sparse-attention
+    indexer keys per token, and a recurrent state slot per request, in one
+    pool (a "cache" spec). The latent cache is the engine's own buffer, laid
+    out as vLLM lays out a layer's [num_blocks, block_size, latent]; the pool
+    adopts it and scrubs its pages in place."""
+    import ctypes
+    import struct
+    blocks, page = 32, 16 * 576 * 2  # 16 tokens of a 512+64 bf16 latent
+    latent = (ctypes.c_uint8 * (blocks * page))()
+    indexer = (ctypes.c_uint8 * (blocks * 16 * 132))()  # every region of a spec is adopted, or none
+    state = (ctypes.c_uint8 * (2 * 16 * 128 * 128 * 4))()
+
+    def memory(buf):
+        return {"base": hex(ctypes.addressof(buf)), "bytes": len(buf)}
+    config = {
+        "cache": {"model": "demo-hybrid", "groups": [
+            {"name": "kv", "kind": "per_token", "tokens_per_page": 16, "regions": [
+                {"name": "layer.0.latent", "dtype": "bf16", "page_bytes": page, "memory": memory(latent)},
+                {"name": "layer.0.indexer", "dtype": "fp8_e4m3", "also_holds": ["fp32"], "page_bytes": 16 * 132,
+                 "memory": memory(indexer)}]},
+            {"name": "state", "kind": "state", "regions": [
+                {"name": "layer.1.state", "dtype": "fp32", "page_bytes": 16 * 128 * 128 * 4, "memory": memory(state)}]}]},
+        "max_leases": 2, "pages": blocks, "max_context_tokens": 512,
+        "tenants": [{"name": "acme"}, {"name": "globex"}],
+        "scrub": {"kind": "poison"},
+    }
+    with kvfence.Pool(config) as pool:
+        rs = pool.regions()
+        assert rs[0]["base"] == ctypes.addressof(latent), "the pool's region is the engine's buffer"
+        a = pool.admit("a", "acme", prompt_tokens=40)
+        b = pool.admit("b", "globex", prompt_tokens=20)
+        try:
+            pool.admit("c", "acme", prompt_tokens=4)
+        except kvfence.KvfenceError as e:
+            assert e.name == "KVF_ERR_POOL_EXHAUSTED" and "state" in e.message, e.message
+            print("cache groups: a third request is refused, naming the state group:", e.message.split(": ", 1)[1])
+        first, slot = a.group_table("state")
+        kv = a.block_table()
+        print("cache groups: acme's lease holds pages %s and state slot %s" % (kv, slot))
+        for p in kv:  # the engine writes its latents into its own buffer
+            ctypes.memset(ctypes.addressof(latent) + p * page, 0x5A, page)
+        a.release(stream=0)
+        a.free()
+        for p in kv:
+            word = struct.unpack_from("<I", latent, p * page + page - 4)[0]
+            assert word == 0x80008000, "page %d not scrubbed: %#x" % (p, word)
+        print("cache groups: released pages hold bf16 -0 in the engine's buffer again")
+        b.release(stream=0)
+        b.free()
+        stats = pool.stats()
+        print("cache groups:", ", ".join("%s %d/%d free" % (g["name"], g["free"], g["pages"]) for g in stats["groups"]))
+        pool.check()
+    with kvfence.Pool({"preset": "deepseek-v3", "pages": 4, "max_context_tokens": 256,
+                       "tenants": [{"name": "acme"}]}) as pool:
+        print("preset deepseek-v3: %d bytes per page of %d tokens"
+              % (pool.stats()["page_bytes"], pool.stats()["tokens_per_page"]))
+
 
 # The tensor-parallel group of ranks_demo: each rank holds 2 of the 4 KV
 # heads of 2 layers (4 regions), 16 pages of 4 fp32 tokens: 128 bytes per

@@ -219,6 +219,10 @@ _import_free = _fn("kvf_import_free", _status, _handle)
 _grow = _fn("kvf_lease_grow", _status, _handle, _i64, _i64)
 _preempt = _fn("kvf_lease_preempt", _status, _handle, _P(ctypes.c_int32), _size, _P(_i64))
 
+# ABI 4.
+_group_table = _fn("kvf_lease_group_table", _status, _handle, ctypes.c_char_p, _P(ctypes.c_int32), _size, _P(_size), _P(_i64))
+_slide_windows = _fn("kvf_lease_slide_windows", _status, _handle, ctypes.c_size_t, ctypes.c_size_t, _P(_i64))
+
 # ABI 5.
 _rank_worker_create = _fn("kvf_rank_worker_create", _status, ctypes.c_char_p, _P(_Region), _size, _P(_handle))
 _rank_step = _fn("kvf_rank_step", _status, _handle, ctypes.c_size_t, ctypes.c_size_t, _P(_size))
@@ -388,6 +392,31 @@ class Lease:
 
     def commit(self, tokens):
         _check(_commit(self._h, tokens))
+
+    def group_table(self, group):
+        """The pages (slots) the lease holds in cache group `group` of a
+        pool made from a cache spec, and the logical page the first holds:
+        (first, [ids]). A sliding window's ring comes in logical order from
+        its oldest page; a state group gives the lease's one slot."""
+        name = _bytes(group)
+        n, first = _size(), _i64()
+        st = _group_table(self._h, name, None, 0, ctypes.byref(n), ctypes.byref(first))
+        if st != ERR_BUFFER_TOO_SMALL:
+            _check(st)
+        buf = (ctypes.c_int32 * max(1, n.value))()
+        _check(_group_table(self._h, name, buf, n.value, ctypes.byref(n), ctypes.byref(first)))
+        return first.value, list(buf[: n.value])
+
+    def slide_windows(self, stream=None, event=0):
+        """Moves the sliding windows to the written watermark: pages that
+        fell out of a window are scrubbed (after the engine's work, as
+        release() orders it) before this returns, and become the ring's
+        pages for the next tokens. Returns the pages scrubbed."""
+        if stream is None:
+            stream = default_stream()
+        n = _i64()
+        _check(_slide_windows(self._h, stream, event, ctypes.byref(n)))
+        return n.value
 
     def grow(self, tokens, wait_ms=0):
         """Makes room for tokens more tokens after the written watermark

@@ -2,7 +2,8 @@
 // pools and reports what scrubbing costs and what the isolation audit saw.
 //
 // It simulates an inference engine with continuous batching on a virtual
-// clock: requests arrive (from a synthetic generator or a JSONL trace),
+// clock: requests arrive (from a synthetic generator, a kvbench JSONL
+// trace, or a Mooncake or Azure trace imported as it is read),
 // are admitted by a kvfence pool (or refused, with the reason counted),
 // compute their prompts within a per-step prefill budget (skipping the
 // prefix shared from kvfence's prefix cache and publishing the prompt for
@@ -12,9 +13,11 @@
 // device, and are timed; the engine's compute is not simulated. The same
 // trace is replayed once per scrub policy, pool size and sharing-domain
 // layout, and each policy is compared with the unsafe "none" baseline,
-// which skips the fills.
+// which skips the fills. Each run's prefix-cache hit rate is printed
+// beside the trace's own bound (an infinite cache).
 //
 //	go run ./bench/cmd/kvbench -duration 5s -out DIR
+//	go run ./bench/cmd/kvbench -trace mooncake.jsonl -pool-tokens 1M,3M,10M,50M -policies zero
 //
 // Run with -help for the flags, the exit statuses and the trace format.
 package main
@@ -28,6 +31,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -63,7 +67,9 @@ func badFlag(name, format string, args ...any) error {
 
 type options struct {
 	duration, step, queueTimeout time.Duration
-	trace, emitTrace, out        string
+	trace, traceFormat           string
+	traceTenants                 int
+	emitTrace, out               string
 	seed                         uint64
 	rate, overlong, abort        float64
 	tenants, orgSize             int
@@ -74,7 +80,10 @@ type options struct {
 	poolPages                    []int
 	maxContext, maxBatch         int
 	geometry                     kvcache.Geometry
+	reportGeometry               *kvcache.Geometry
+	reportModel                  *kvcache.CacheSpec
 	audit, writeKV               bool
+	progressEvery                time.Duration
 	device                       string
 	bandwidth                    float64
 	durationSet                  bool
@@ -85,12 +94,14 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs := flag.NewFlagSet("kvbench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.DurationVar(&o.duration, "duration", 30*time.Second, "virtual serving time to replay (synthetic arrivals span it; with -trace, default: last arrival + 1m)")
-	fs.StringVar(&o.trace, "trace", "", "replay this JSONL trace (\"-\" for stdin) instead of the synthetic workload")
+	fs.StringVar(&o.trace, "trace", "", "replay this trace (\"-\" for stdin) instead of the synthetic workload: kvbench JSONL, Mooncake JSONL or Azure CSV (see -trace-format)")
+	fs.StringVar(&o.traceFormat, "trace-format", kvsim.FormatAuto, "format of -trace: "+strings.Join(kvsim.TraceFormats, ", ")+" (auto: told by its first record)")
+	fs.IntVar(&o.traceTenants, "trace-tenants", 1, "spread an imported (Mooncake, Azure) trace's requests over this many tenants, round robin in file order (1..255); with -domains shared they form domains of -org-size tenants")
 	fs.StringVar(&o.emitTrace, "emit-trace", "", "also write the replayed workload as a JSONL trace to this file")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the synthetic workload (same seed, same workload)")
 	fs.Float64Var(&o.rate, "rate", 10, "synthetic mean arrivals per second (Poisson)")
 	fs.IntVar(&o.tenants, "tenants", 8, "synthetic tenants (Zipf popularity; the last has a quota of 1/4 of the pool)")
-	fs.IntVar(&o.orgSize, "org-size", 4, "synthetic tenants per organisation: they share a system prompt and, with -domains shared, a sharing domain (1: every tenant alone)")
+	fs.IntVar(&o.orgSize, "org-size", 4, "tenants per organisation, of the synthetic workload or of an imported trace spread with -trace-tenants: with -domains shared they share a sharing domain (synthetic ones also a system prompt; 1: every tenant alone)")
 	prefixCache := fs.String("prefix-cache", "on", "prefix caching: on (requests carry token IDs, hits skip prefill, prompts are published after prefill) or off")
 	domains := fs.String("domains", kvsim.DomainsPerTenant, "sharing-domain layouts to compare, comma-separated: per-tenant (one domain per tenant), shared (the trace's or the organisations' domains)")
 	fs.IntVar(&o.prefillTokens, "prefill-tokens", 8192, "engine prefill budget in tokens per step, shared by running prompts (0: no limit)")
@@ -98,12 +109,15 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.abort, "abort", 0.05, "synthetic share of requests aborted by their client")
 	policies := fs.String("policies", strings.Join(kvsim.Policies, ","), "scrub policies to compare: zero, poison, canary, none (none = UNSAFE baseline that skips fills)")
 	pools := fs.String("pool-pages", "8192", "pool sizes in pages to compare, comma-separated")
+	poolTokens := fs.String("pool-tokens", "", "pool sizes in tokens instead of -pool-pages, comma-separated, with an optional k, M, G (powers of 1000) or Ki, Mi, Gi suffix (e.g. 1M,3M,10M,50M); rounded up to whole pages")
 	fs.IntVar(&o.maxContext, "max-context", 262144, "engine context window in tokens")
 	fs.IntVar(&o.geometry.TokensPerPage, "page-tokens", 16, "tokens per page")
 	fs.IntVar(&o.geometry.Layers, "layers", 4, "model layers (regions = 2 × layers)")
 	fs.IntVar(&o.geometry.KVHeads, "kv-heads", 4, "KV heads")
 	fs.IntVar(&o.geometry.HeadDim, "head-dim", 64, "head dimension")
 	dtype := fs.String("dtype", "fp16", "KV dtype: fp8_e4m3, fp8_e5m2, fp16, bf16, fp32")
+	model := fs.String("model", "", "report bytes at this model preset's size (one of: "+presetNames()+"), while the pools are allocated at -layers/-kv-heads/-head-dim/-dtype")
+	reportGeometry := fs.String("report-geometry", "", "report bytes at this model's KV geometry, e.g. layers=32,kv-heads=8,head-dim=128,dtype=bf16 (same page size), while the pools are allocated at -layers/-kv-heads/-head-dim/-dtype")
 	fs.DurationVar(&o.step, "step", 20*time.Millisecond, "virtual time of one decode step")
 	fs.IntVar(&o.maxBatch, "max-batch", 256, "most requests running at once")
 	fs.DurationVar(&o.queueTimeout, "queue-timeout", 30*time.Second, "virtual time a request waits for pages before it is dropped")
@@ -112,6 +126,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.device, "device", "host", "device backend: host or cuda")
 	bw := fs.String("device-bandwidth", "", "device fill bandwidth (e.g. 4TB/s, 900GB/s, 3.2e12) to estimate device fill time per second of serving")
 	fs.StringVar(&o.out, "out", "", "directory for report.json and the plots (default: a new ./kvbench-* directory)")
+	fs.DurationVar(&o.progressEvery, "progress-interval", 5*time.Second, "when stderr is not a terminal, print a progress line this often (0: never); a terminal gets a progress bar")
 	fs.Usage = func() { usage(fs) }
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -119,7 +134,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if fs.NArg() > 0 {
 		return nil, &usageError{fmt.Sprintf("unexpected argument %q (flags only; see -help)", fs.Arg(0))}
 	}
-	fs.Visit(func(f *flag.Flag) { o.durationSet = o.durationSet || f.Name == "duration" })
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	o.durationSet = set["duration"]
 
 	for _, p := range strings.Split(*policies, ",") {
 		p = strings.TrimSpace(p)
@@ -148,19 +165,56 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if !o.prefixCache && len(o.domains) > 1 {
 		return nil, badFlag("domains", "%s compares prefix sharing, which -prefix-cache off turns off", *domains)
 	}
-	for _, s := range strings.Split(*pools, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(s))
-		if err != nil || n < 1 {
-			return nil, badFlag("pool-pages", "%q is not a positive page count", s)
-		}
-		o.poolPages = append(o.poolPages, n)
-	}
 	var err error
 	if o.geometry.DType, err = isolation.ParseDType(*dtype); err != nil {
 		return nil, badFlag("dtype", "unknown dtype %q (want fp8_e4m3, fp8_e5m2, fp16, bf16, fp32)", *dtype)
 	}
 	if err := o.geometry.Validate(); err != nil {
 		return nil, &usageError{fmt.Sprintf("flags -page-tokens/-layers/-kv-heads/-head-dim/-dtype: %v", err)}
+	}
+	switch {
+	case *poolTokens != "" && set["pool-pages"]:
+		return nil, badFlag("pool-tokens", "give pool sizes in pages (-pool-pages) or in tokens, not both")
+	case *poolTokens != "":
+		for _, s := range strings.Split(*poolTokens, ",") {
+			n, err := parseTokens(s)
+			if err != nil {
+				return nil, badFlag("pool-tokens", "%v", err)
+			}
+			pages := (n + int64(o.geometry.TokensPerPage) - 1) / int64(o.geometry.TokensPerPage)
+			if pages > math.MaxInt32 {
+				return nil, badFlag("pool-tokens", "%q is %d pages of %d tokens, more than a pool holds", s, pages, o.geometry.TokensPerPage)
+			}
+			o.poolPages = append(o.poolPages, int(pages))
+		}
+	default:
+		for _, s := range strings.Split(*pools, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(s))
+			if err != nil || n < 1 {
+				return nil, badFlag("pool-pages", "%q is not a positive page count", s)
+			}
+			o.poolPages = append(o.poolPages, n)
+		}
+	}
+	if *model != "" {
+		if *reportGeometry != "" {
+			return nil, badFlag("model", "give -model or -report-geometry, not both")
+		}
+		spec, err := kvcache.Preset(*model)
+		if err != nil {
+			return nil, badFlag("model", "%v", err)
+		}
+		o.reportModel = &spec
+	}
+	if *reportGeometry != "" {
+		g, err := parseGeometry(*reportGeometry, o.geometry.TokensPerPage)
+		if err != nil {
+			return nil, badFlag("report-geometry", "%v", err)
+		}
+		o.reportGeometry = &g
+	}
+	if !slices.Contains(kvsim.TraceFormats, o.traceFormat) {
+		return nil, badFlag("trace-format", "unknown format %q (want %s)", o.traceFormat, strings.Join(kvsim.TraceFormats, ", "))
 	}
 	if o.bandwidth, err = parseBandwidth(*bw); err != nil {
 		return nil, badFlag("device-bandwidth", "%v", err)
@@ -186,6 +240,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		{"max-context", o.maxContext >= 1, "want ≥ 1 token"},
 		{"max-batch", o.maxBatch >= 1, "want ≥ 1"},
 		{"queue-timeout", o.queueTimeout > 0, "want > 0"},
+		{"trace-tenants", o.traceTenants >= 1 && o.traceTenants <= 255, "want 1..255"},
+		{"progress-interval", o.progressEvery >= 0, "want ≥ 0 (0: no progress lines)"},
 	}
 	for _, c := range checks {
 		if !c.ok {
@@ -196,6 +252,72 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, badFlag("duration", "%v is more than 10M steps of %v", o.duration, o.step)
 	}
 	return o, nil
+}
+
+// parseTokens reads a token count: an integer with an optional k, M, G
+// (powers of 1000) or Ki, Mi, Gi (powers of 1024) suffix.
+func parseTokens(s string) (int64, error) {
+	t := strings.TrimSpace(s)
+	mult := int64(1)
+	for _, u := range []struct {
+		suffix string
+		mult   int64
+	}{{"Ki", 1 << 10}, {"Mi", 1 << 20}, {"Gi", 1 << 30}, {"k", 1e3}, {"K", 1e3}, {"M", 1e6}, {"G", 1e9}} {
+		if rest, ok := strings.CutSuffix(t, u.suffix); ok {
+			t, mult = rest, u.mult
+			break
+		}
+	}
+	n, err := strconv.ParseInt(t, 10, 64)
+	if err != nil || n < 1 || n > math.MaxInt64/mult {
+		return 0, fmt.Errorf("%q is not a positive token count (e.g. 3M, 262144, 256Ki)", s)
+	}
+	return n * mult, nil
+}
+
+// parseGeometry reads a model's KV geometry as
+// layers=L,kv-heads=H,head-dim=D,dtype=T, every key given once, at
+// tokensPerPage tokens per page.
+func parseGeometry(s string, tokensPerPage int) (kvcache.Geometry, error) {
+	g := kvcache.Geometry{TokensPerPage: tokensPerPage}
+	ints := map[string]*int{"layers": &g.Layers, "kv-heads": &g.KVHeads, "head-dim": &g.HeadDim}
+	seen := map[string]bool{}
+	for _, kv := range strings.Split(s, ",") {
+		k, v, ok := strings.Cut(strings.TrimSpace(kv), "=")
+		switch {
+		case !ok:
+			return g, fmt.Errorf("%q is not key=value (keys: layers, kv-heads, head-dim, dtype)", kv)
+		case seen[k]:
+			return g, fmt.Errorf("%s given twice", k)
+		}
+		seen[k] = true
+		if k == "dtype" {
+			dt, err := isolation.ParseDType(v)
+			if err != nil {
+				return g, fmt.Errorf("unknown dtype %q (want fp8_e4m3, fp8_e5m2, fp16, bf16, fp32)", v)
+			}
+			g.DType = dt
+			continue
+		}
+		p, known := ints[k]
+		if !known {
+			return g, fmt.Errorf("unknown key %q (keys: layers, kv-heads, head-dim, dtype)", k)
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return g, fmt.Errorf("%s=%q is not an integer", k, v)
+		}
+		*p = n
+	}
+	for _, k := range []string{"layers", "kv-heads", "head-dim", "dtype"} {
+		if !seen[k] {
+			return g, fmt.Errorf("%s missing (give layers, kv-heads, head-dim and dtype)", k)
+		}
+	}
+	if err := g.Validate(); err != nil {
+		return g, err
+	}
+	return g, nil
 }
 
 func contains(list []string, s string) bool {
@@ -238,8 +360,8 @@ func usage(fs *flag.FlagSet) {
 	w := fs.Output()
 	fmt.Fprint(w, `Usage: kvbench [flags]
 
-kvbench replays a multi-tenant serving workload (synthetic, or a JSONL
-trace) against kvfence pools on a virtual clock with continuous batching,
+kvbench replays a multi-tenant serving workload (synthetic, or a trace)
+against kvfence pools on a virtual clock with continuous batching,
 once per scrub policy, pool size and sharing-domain layout, and reports
 admissions per second, admission latency percentiles, pages and bytes
 scrubbed, the share of run time spent filling, pool utilisation over
@@ -247,8 +369,10 @@ time, refusals by reason, the prefix cache's hit rate and prefill avoided
 (-domains per-tenant,shared compares the layouts), time to first token,
 and the isolation audit. Each policy is compared with the UNSAFE "none"
 baseline, which skips the fills. It prints a table and writes report.json
-and PNG plots (utilisation, admission latency CDF, scrub bandwidth per
-batch size) into -out.
+and PNG plots (hit rate against pool size with the trace's bound, queue
+length, utilisation, admission latency CDF, scrub bandwidth per batch
+size) into -out. Traces: kvbench's JSONL, Mooncake's JSONL (prompts as
+chains of hashed 512-token blocks) or Azure's CSV (below).
 
 Flags:
 `)
@@ -265,7 +389,9 @@ it exits 1 naming the driver's error. The engine's KV writes are then not
 simulated, and the audit reads pages back from the device.
 
 %s
-`, kvsim.TraceFormat)
+
+%s
+`, kvsim.TraceFormat, kvsim.ImportFormat)
 }
 
 func run(args []string, stdout, stderr io.Writer, stderrIsTerminal bool) int {
@@ -321,17 +447,20 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	capTokens := minPool * o.geometry.TokensPerPage
 
 	var tr *kvsim.Trace
-	source := "synthetic"
+	source, format := "synthetic", "synthetic"
 	var seed *uint64
 	if o.trace != "" {
 		source = o.trace
-		if tr, err = readTrace(o.trace); err != nil {
+		if tr, format, err = readTrace(o.trace, o.traceFormat, kvsim.ImportConfig{Tenants: o.traceTenants, OrgSize: o.orgSize}); err != nil {
 			return err
 		}
 		if !o.durationSet {
 			o.duration = tr.Duration() + time.Minute
 		}
 	} else {
+		if o.traceTenants > 1 {
+			return badFlag("trace-tenants", "spreads an imported trace (-trace) over tenants; the synthetic workload has -tenants")
+		}
 		tr, err = kvsim.Generate(kvsim.GenConfig{Seed: o.seed, Duration: o.duration, Rate: o.rate, Tenants: o.tenants, OrgSize: o.orgSize,
 			OverlongFraction: o.overlong, AbortFraction: o.abort, CapacityTokens: capTokens,
 			MaxContext: o.maxContext, TokensPerPage: o.geometry.TokensPerPage})
@@ -369,27 +498,51 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 		Geometry: kvsim.ReportGeometry(o.geometry), MaxContext: o.maxContext, Step: o.step.Seconds(),
 		MaxBatch: o.maxBatch, DeviceBandwidth: o.bandwidth, PrefixCache: cacheState, Domains: o.domains,
 		PrefillTokens: o.prefillTokens}
-	rep.Workload.Seed = seed
+	rep.Workload.Seed, rep.Workload.Format = seed, format
+	if o.reportGeometry != nil {
+		g := kvsim.ReportGeometry(*o.reportGeometry)
+		rep.ReportGeometry = &g
+	}
+	if o.reportModel != nil {
+		g := kvsim.ModelReport(*o.reportModel, o.geometry.TokensPerPage)
+		rep.ReportGeometry = &g
+	}
+	if o.prefixCache {
+		for _, d := range o.domains {
+			rep.Workload.PrefixBounds = append(rep.Workload.PrefixBounds, kvsim.Bound(tr, o.geometry.TokensPerPage, o.maxContext, d))
+		}
+	}
 
 	steps := int64((o.duration + o.step - 1) / o.step)
+	runs := len(o.policies) * len(o.poolPages) * len(o.domains)
 	var bar *progressbar.ProgressBar
-	if tty {
+	var lines *progressLines
+	switch {
+	case tty:
 		bar = progressbar.NewOptions64(steps*int64(len(o.policies)*len(o.poolPages)*len(o.domains)),
 			progressbar.OptionSetWriter(stderr), progressbar.OptionSetDescription("kvbench"),
 			progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionClearOnFinish(),
 			progressbar.OptionShowElapsedTimeOnFinish(), progressbar.OptionSetPredictTime(true))
+	case o.progressEvery > 0:
+		lines = &progressLines{w: stderr, every: o.progressEvery, last: time.Now(), runs: runs}
 	}
 	var auditErr error
 	for _, pages := range o.poolPages {
 		for _, domains := range o.domains {
 			for _, policy := range o.policies {
-				cfg := kvsim.RunConfig{Geometry: o.geometry, PoolPages: pages, MaxContext: o.maxContext, Policy: policy,
-					Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
+				cfg := kvsim.RunConfig{Geometry: o.geometry, ReportGeometry: o.reportGeometry, ReportModel: o.reportModel, PoolPages: pages, MaxContext: o.maxContext,
+					Policy: policy, Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
 					Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open, PrefixCache: o.prefixCache,
 					Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens}
-				if bar != nil {
-					bar.Describe(fmt.Sprintf("%s/%dp/%s", policy, pages, domains))
-					cfg.Progress = func(n int) { _ = bar.Add(n) }
+				label := fmt.Sprintf("%s/%dp/%s", policy, pages, domains)
+				switch {
+				case bar != nil:
+					bar.Describe(label)
+					cfg.Progress = func(kvsim.Progress) { _ = bar.Add(1) }
+				case lines != nil:
+					lines.run++
+					lines.label = label
+					cfg.Progress = lines.update
 				}
 				res, err := kvsim.Run(tr, cfg)
 				switch {
@@ -472,16 +625,39 @@ func namesDomains(tr *kvsim.Trace) bool {
 	return false
 }
 
-func readTrace(path string) (*kvsim.Trace, error) {
+func readTrace(path, format string, ic kvsim.ImportConfig) (*kvsim.Trace, string, error) {
 	if path == "-" {
-		return kvsim.ParseTrace(os.Stdin, "stdin")
+		return kvsim.ReadTrace(os.Stdin, "stdin", format, ic)
 	}
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, &usageError{fmt.Sprintf("flag -trace: %v", err)}
+		return nil, "", &usageError{fmt.Sprintf("flag -trace: %v", err)}
 	}
 	defer f.Close()
-	return kvsim.ParseTrace(f, path)
+	return kvsim.ReadTrace(f, path, format, ic)
+}
+
+// progressLines prints a line of progress every so often, for a stderr
+// that is not a terminal (a log, a CI job), where a progress bar would be
+// a stream of carriage returns.
+type progressLines struct {
+	w         io.Writer
+	every     time.Duration
+	last      time.Time
+	run, runs int
+	label     string
+}
+
+func (p *progressLines) update(pr kvsim.Progress) {
+	// One clock read per step is a few tens of nanoseconds; a step costs
+	// microseconds.
+	now := time.Now()
+	if now.Sub(p.last) < p.every {
+		return
+	}
+	p.last = now
+	fmt.Fprintf(p.w, "kvbench: run %d/%d %s: %d of %d requests done, %.1f of %.1f s simulated, %d queued, %d running, %d refusals\n",
+		p.run, p.runs, p.label, pr.Done, pr.Requests, pr.Now.Seconds(), pr.Duration.Seconds(), pr.Queued, pr.Running, pr.Refusals)
 }
 
 func writeTrace(path string, tr *kvsim.Trace) error {
@@ -507,4 +683,13 @@ func outDir(dir string) (string, error) {
 		return "", &usageError{fmt.Sprintf("flag -out: %v", err)}
 	}
 	return dir, nil
+}
+
+// presetNames lists the model presets for -model's help.
+func presetNames() string {
+	var names []string
+	for _, p := range kvcache.Presets() {
+		names = append(names, p.Name)
+	}
+	return strings.Join(names, ", ")
 }

@@ -3,8 +3,11 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
+	"github.com/kvfence/kvfence/kvcache"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -29,7 +32,7 @@ func TestEndToEnd(t *testing.T) {
 	args := append([]string{"-duration", "2s", "-out", dir, "-audit", "-device-bandwidth", "4TB/s", "-emit-trace", trace}, small...)
 	code, stdout, stderr := runKvbench(t, args...)
 	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
-	assert.Empty(t, stderr, "no progress bar when stderr is not a terminal")
+	assert.NotContains(t, stderr, "\r", "no progress bar when stderr is not a terminal")
 	for _, want := range []string{"policy", "zero", "poison", "canary", "none (UNSAFE)", "GPU fill/s", "prefix cache (", "hit rate", "prefill avoided",
 		"audit none: FAILED", "audit zero: passed"} {
 		assert.Contains(t, stdout, want)
@@ -173,7 +176,7 @@ func TestNothingAdmitted(t *testing.T) {
 		assert.Zero(t, r.Admitted, r.Policy)
 	}
 	assert.Empty(t, rep.PlotErrors)
-	assert.Equal(t, []string{"utilisation.png", "admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
+	assert.Equal(t, []string{"hit-rate.png", "queue.png", "utilisation.png", "admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
 	for _, p := range rep.Plots {
 		b, err := os.ReadFile(filepath.Join(dir, p))
 		require.NoError(t, err)
@@ -193,7 +196,7 @@ func TestPlotFailureKeepsReport(t *testing.T) {
 	assert.Contains(t, stderr, "report.json is written")
 	rep := readReport(t, dir)
 	require.Len(t, rep.Runs, 1)
-	assert.Equal(t, []string{"admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
+	assert.Equal(t, []string{"hit-rate.png", "queue.png", "admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
 	require.Len(t, rep.PlotErrors, 1)
 	assert.Contains(t, rep.PlotErrors[0], "utilisation.png")
 }
@@ -209,6 +212,10 @@ func TestBadInput(t *testing.T) {
 		"bad-prefix-id":  header + `{"type":"request","at":0,"tenant":"acme","prompt":10,"prefix_id":"sys","output":3}` + "\n",
 		"no-requests":    "# a workload to come\n" + header,
 		"empty":          "",
+		"prose":          "hello\n",
+		"bad-mooncake": `{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}` + "\n" +
+			`{"timestamp": 1, "input_length": 1000, "output_length": 1, "hash_ids": [0]}` + "\n",
+		"bad-azure": "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:47.0,-2,44\n",
 	}
 	for name, body := range traces {
 		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644))
@@ -242,6 +249,23 @@ func TestBadInput(t *testing.T) {
 		{"unknown flag", []string{"-nope"}, []string{"flag provided but not defined: -nope"}},
 		{"malformed flag value", []string{"-duration", "soon"}, []string{`invalid value "soon" for flag -duration`}},
 		{"stray argument", []string{"trace.jsonl"}, []string{`unexpected argument "trace.jsonl"`}},
+		{"unknown trace format", []string{"-trace-format", "parquet"}, []string{"flag -trace-format", `"parquet"`}},
+		{"no tenants", []string{"-trace-tenants", "0"}, []string{"flag -trace-tenants", "1..255"}},
+		{"too many tenants", []string{"-trace-tenants", "256"}, []string{"flag -trace-tenants"}},
+		{"tenants spread on the synthetic workload", []string{"-trace-tenants", "2"}, []string{"flag -trace-tenants", "-tenants"}},
+		{"tenants spread on a kvbench trace", []string{"-trace", filepath.Join(dir, "negative"), "-trace-tenants", "2", "-trace-format", "kvbench"},
+			[]string{"declares its own tenants"}},
+		{"bad pool tokens", []string{"-pool-tokens", "3M,lots"}, []string{"flag -pool-tokens", `"lots"`}},
+		{"pool tokens and pages", []string{"-pool-tokens", "3M", "-pool-pages", "64"}, []string{"flag -pool-tokens", "not both"}},
+		{"report geometry not key=value", []string{"-report-geometry", "llama"}, []string{"flag -report-geometry", "not key=value"}},
+		{"report geometry key missing", []string{"-report-geometry", "layers=32,kv-heads=8,head-dim=128"}, []string{"flag -report-geometry", "dtype missing"}},
+		{"report geometry unknown key", []string{"-report-geometry", "layers=32,heads=8"}, []string{"flag -report-geometry", `unknown key "heads"`}},
+		{"report geometry bad dtype", []string{"-report-geometry", "layers=32,kv-heads=8,head-dim=128,dtype=fp4"}, []string{"flag -report-geometry", `"fp4"`}},
+		{"report geometry invalid", []string{"-report-geometry", "layers=0,kv-heads=8,head-dim=128,dtype=bf16"}, []string{"flag -report-geometry", "Layers = 0"}},
+		{"negative progress interval", []string{"-progress-interval", "-1s"}, []string{"flag -progress-interval"}},
+		{"undetectable trace", []string{"-trace", filepath.Join(dir, "prose")}, []string{"prose:1:", "cannot tell the trace format"}},
+		{"bad Mooncake line", []string{"-trace", filepath.Join(dir, "bad-mooncake")}, []string{"bad-mooncake:2:", `field "hash_ids"`, "want 2"}},
+		{"bad Azure row", []string{"-trace", filepath.Join(dir, "bad-azure")}, []string{"bad-azure:3:", `field "ContextTokens"`}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -251,6 +275,237 @@ func TestBadInput(t *testing.T) {
 				assert.Contains(t, stderr, w)
 			}
 		})
+	}
+}
+
+// mooncakeTrace writes a Mooncake trace of n requests, one every 200 ms:
+// every request starts with block 0 (a shared system prompt), odd ones
+// continue the conversation of the request before them (its chain and one
+// block more), even ones start a new one.
+func mooncakeTrace(t *testing.T, n int) string {
+	t.Helper()
+	var b strings.Builder
+	next := int64(1)
+	var prev []int64
+	for i := range n {
+		ids := []int64{0}
+		if i%2 == 1 {
+			ids = append(slices.Clone(prev), next)
+		} else {
+			ids = append(ids, next)
+		}
+		next++
+		prev = ids
+		raw, err := json.Marshal(map[string]any{"timestamp": 200 * i, "input_length": 512*len(ids) - 100, "output_length": 5 + i%7, "hash_ids": ids})
+		require.NoError(t, err)
+		b.Write(raw)
+		b.WriteByte('\n')
+	}
+	path := filepath.Join(t.TempDir(), "mooncake.jsonl")
+	require.NoError(t, os.WriteFile(path, []byte(b.String()), 0o644))
+	return path
+}
+
+// report is the part of report.json these tests read.
+type report struct {
+	Workload struct {
+		Format       string
+		BlockTokens  int `json:"block_tokens"`
+		Requests     int
+		Tenants      int
+		PrefixBounds []struct {
+			Domains string
+			HitRate float64 `json:"hit_rate"`
+		} `json:"prefix_bounds"`
+	}
+	ReportGeometry *struct {
+		PageBytes int64 `json:"page_bytes"`
+	} `json:"report_geometry"`
+	Runs []struct {
+		Policy, Domains string
+		PoolPages       int               `json:"pool_pages"`
+		PoolBytes       int64             `json:"pool_bytes"`
+		HostPoolBytes   int64             `json:"host_pool_bytes"`
+		BytesScrubbed   uint64            `json:"bytes_scrubbed"`
+		HostScrubbed    uint64            `json:"host_bytes_scrubbed"`
+		Admitted        uint64            `json:"admitted"`
+		Refusals        map[string]uint64 `json:"refusals"`
+		Dropped         map[string]uint64 `json:"dropped"`
+		Prefix          struct {
+			HitRate     float64 `json:"hit_rate"`
+			HitPages    uint64  `json:"hit_pages"`
+			LookupPages uint64  `json:"lookup_pages"`
+			Bound       struct {
+				HitRate  float64 `json:"hit_rate"`
+				HitPages uint64  `json:"hit_pages"`
+			}
+		} `json:"prefix_cache"`
+	}
+	Plots      []string
+	PlotErrors []string `json:"plot_errors"`
+}
+
+func readFullReport(t *testing.T, dir string) report {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(dir, "report.json"))
+	require.NoError(t, err)
+	var rep report
+	require.NoError(t, json.Unmarshal(raw, &rep))
+	return rep
+}
+
+// A Mooncake trace is detected, replayed with its block chains, spread
+// over tenants and domains, and reported with its bound; written back in
+// kvbench's format (-emit-trace) it replays to the same hits.
+func TestMooncakeTrace(t *testing.T) {
+	trace := mooncakeTrace(t, 40)
+	dir, emitted := t.TempDir(), filepath.Join(t.TempDir(), "emitted.jsonl")
+	args := append([]string{"-trace", trace, "-out", dir, "-policies", "zero", "-trace-tenants", "4", "-org-size", "2",
+		"-domains", "per-tenant,shared", "-emit-trace", emitted, "-audit"}, small...)
+	code, stdout, stderr := runKvbench(t, args...)
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	for _, want := range []string{"(mooncake, blocks of 512 tokens)", "40 requests from 4 tenants", "infinite-cache hit rate (the trace's bound): ",
+		"hit rate  bound  served", "audit zero/shared: passed"} {
+		assert.Contains(t, stdout, want)
+	}
+	rep := readFullReport(t, dir)
+	assert.Equal(t, "mooncake", rep.Workload.Format)
+	assert.Equal(t, 512, rep.Workload.BlockTokens)
+	require.Len(t, rep.Workload.PrefixBounds, 2)
+	require.Len(t, rep.Runs, 2)
+	for i, r := range rep.Runs {
+		assert.EqualValues(t, 40, r.Admitted)
+		px := r.Prefix
+		assert.Positive(t, px.Bound.HitRate)
+		assert.InDelta(t, rep.Workload.PrefixBounds[i].HitRate, px.Bound.HitRate, 1e-12, "the pool takes every request")
+		assert.LessOrEqual(t, px.HitPages, px.Bound.HitPages)
+		assert.Positive(t, px.HitPages)
+	}
+	perTenant, shared := rep.Runs[0].Prefix, rep.Runs[1].Prefix
+	assert.Greater(t, shared.Bound.HitRate, perTenant.Bound.HitRate, "block 0 is shared across tenants only in shared domains")
+	assert.Len(t, rep.Plots, 5)
+
+	code, stdout2, stderr := runKvbench(t, append([]string{"-trace", emitted, "-out", t.TempDir(), "-policies", "zero",
+		"-domains", "per-tenant,shared"}, small...)...)
+	require.Equal(t, 0, code, stderr)
+	assert.Contains(t, stdout2, "(kvbench, blocks of 512 tokens)")
+	prefixRows := func(s string) string {
+		_, table, _ := strings.Cut(s, "hit rate  bound  served")
+		rows, _, _ := strings.Cut(table, "shared vs per-tenant")
+		var hits []string
+		for _, l := range strings.Split(rows, "\n") {
+			if f := strings.Fields(l); len(f) > 6 {
+				hits = append(hits, strings.Join(f[:7], " ")) // through hit tokens; the hashing time varies
+			}
+		}
+		return strings.Join(hits, "\n")
+	}
+	assert.Equal(t, prefixRows(stdout), prefixRows(stdout2))
+}
+
+func TestAzureTrace(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "azure.csv")
+	var b strings.Builder
+	b.WriteString("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+	for i := range 30 {
+		fmt.Fprintf(&b, "2023-11-16 18:15:%02d.%07d,%d,%d\n", 10+i, 123*i, 100+37*i, 10+i)
+	}
+	require.NoError(t, os.WriteFile(path, []byte(b.String()), 0o644))
+	dir := t.TempDir()
+	code, stdout, stderr := runKvbench(t, append([]string{"-trace", path, "-out", dir, "-policies", "zero"}, small...)...)
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	assert.Contains(t, stdout, "(azure), 30 requests from 1 tenants over 29.0s")
+	rep := readFullReport(t, dir)
+	assert.Equal(t, "azure", rep.Workload.Format)
+	require.Len(t, rep.Runs, 1)
+	assert.EqualValues(t, 30, rep.Runs[0].Admitted)
+	assert.Zero(t, rep.Runs[0].Prefix.Bound.HitRate, "no prefix information: every prompt is unique")
+	assert.Zero(t, rep.Runs[0].Prefix.HitPages)
+}
+
+// The incident's shape: every request is longer than the context window
+// (1,048,576 tokens) on a pool of 681,280 tokens. The replay runs to the
+// end, refuses every request for good with its reason, hashes none of the
+// prompts, and writes every plot (saying there is no data where there is
+// none).
+func TestIncidentTrace(t *testing.T) {
+	const n = 200
+	var b strings.Builder
+	b.WriteString(`{"type":"tenant","name":"a"}` + "\n" + `{"type":"tenant","name":"b"}` + "\n")
+	for i := range n {
+		fmt.Fprintf(&b, `{"type":"request","at":%g,"tenant":"%s","prompt":%d,"output":%d}`+"\n", 0.05*float64(i), []string{"a", "b"}[i%2],
+			1048576+1000*i, 1+i%50)
+	}
+	path := filepath.Join(t.TempDir(), "incident.jsonl")
+	require.NoError(t, os.WriteFile(path, []byte(b.String()), 0o644))
+	dir := t.TempDir()
+	code, stdout, stderr := runKvbench(t, "-trace", path, "-out", dir, "-max-context", "1048576", "-pool-tokens", "681280",
+		"-layers", "1", "-kv-heads", "1", "-head-dim", "2", "-audit")
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	rep := readFullReport(t, dir)
+	require.Len(t, rep.Runs, 4)
+	for _, r := range rep.Runs {
+		assert.Zero(t, r.Admitted, r.Policy)
+		assert.Equal(t, map[string]uint64{"exceeds_max_context": n}, r.Refusals, "%s: every request refused, by reason", r.Policy)
+		assert.EqualValues(t, n, r.Dropped["exceeds_max_context"], r.Policy)
+		assert.Zero(t, r.Prefix.LookupPages)
+	}
+	assert.Contains(t, stdout, "refused:exceeds_max_context")
+	assert.Contains(t, stdout, "hashed") // the prefix table is there, with nothing hashed
+	assert.Empty(t, rep.PlotErrors)
+	assert.Equal(t, []string{"hit-rate.png", "queue.png", "utilisation.png", "admission-latency-cdf.png", "scrub-bandwidth.png"}, rep.Plots)
+	for _, p := range rep.Plots {
+		raw, err := os.ReadFile(filepath.Join(dir, p))
+		require.NoError(t, err)
+		assert.True(t, bytes.HasPrefix(raw, []byte("\x89PNG\r\n\x1a\n")), "%s is a PNG", p)
+	}
+}
+
+// When stderr is not a terminal, progress is a line every
+// -progress-interval, naming the run, the requests done, the simulated
+// time and the refusals; never a bar's carriage returns.
+func TestProgressLines(t *testing.T) {
+	code, _, stderr := runKvbench(t, append([]string{"-duration", "1s", "-policies", "zero,none", "-out", t.TempDir(), "-progress-interval", "1ns"}, small...)...)
+	require.Equal(t, 0, code, stderr)
+	assert.NotContains(t, stderr, "\r")
+	lines := strings.Split(strings.TrimSpace(stderr), "\n")
+	require.Greater(t, len(lines), 10, "a line per step at this interval")
+	for _, l := range lines {
+		require.Regexp(t, `^kvbench: run [12]/2 (zero|none)/1024p/per-tenant: \d+ of \d+ requests done, [0-9.]+ of 1\.0 s simulated, \d+ queued, \d+ running, \d+ refusals$`, l)
+	}
+	assert.Contains(t, stderr, "run 2/2 none/1024p/per-tenant")
+}
+
+// -report-geometry reports bytes at the model's size; the pool allocated
+// stays the small one. (And -progress-interval 0 prints no progress.)
+func TestReportGeometry(t *testing.T) {
+	dir := t.TempDir()
+	code, stdout, stderr := runKvbench(t, append([]string{"-duration", "1s", "-policies", "zero", "-out", dir,
+		"-report-geometry", "layers=32,kv-heads=8,head-dim=128,dtype=bf16", "-progress-interval", "0"}, small...)...)
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	assert.Empty(t, stderr, "-progress-interval 0: no progress lines")
+	assert.Contains(t, stdout, "bytes reported at 32 layers × 8 KV heads × 128 dim bf16: 2.0 MiB/page, 128.0 KiB/token")
+	rep := readFullReport(t, dir)
+	require.NotNil(t, rep.ReportGeometry)
+	const modelPage = 16 * 32 * 2 * 8 * 128 * 2 // tokens × layers × K,V × heads × dim × bytes
+	const hostPage = 16 * 2 * 2 * 1 * 16 * 2    // -layers 2 -kv-heads 1 -head-dim 16, fp16
+	assert.EqualValues(t, modelPage, rep.ReportGeometry.PageBytes)
+	r := rep.Runs[0]
+	assert.EqualValues(t, 1024*modelPage, r.PoolBytes)
+	assert.EqualValues(t, 1024*hostPage, r.HostPoolBytes, "allocated at the small geometry")
+	assert.Positive(t, r.HostScrubbed)
+	assert.EqualValues(t, r.HostScrubbed/hostPage*modelPage, r.BytesScrubbed)
+}
+
+func TestParseTokens(t *testing.T) {
+	for in, want := range map[string]int64{"3M": 3_000_000, "262144": 262144, "256Ki": 262144, "1Mi": 1 << 20, "50M": 50_000_000, " 2k ": 2000, "1G": 1e9} {
+		got, err := parseTokens(in)
+		require.NoError(t, err, in)
+		assert.Equal(t, want, got, in)
+	}
+	for _, in := range []string{"", "0", "-3M", "3.5M", "lots", "9999999999999999999G"} {
+		_, err := parseTokens(in)
+		assert.Error(t, err, in)
 	}
 }
 
@@ -266,7 +521,8 @@ func TestCUDAWithoutDriver(t *testing.T) {
 func TestHelp(t *testing.T) {
 	code, _, stderr := runKvbench(t, "-help")
 	assert.Equal(t, 0, code)
-	for _, want := range []string{"Usage: kvbench", "-policies", "Exit status", "Trace format (JSONL)", "abort_after", "-prefix-cache", "-domains", "prefix_id"} {
+	for _, want := range []string{"Usage: kvbench", "-policies", "Exit status", "Trace format (JSONL)", "abort_after", "-prefix-cache", "-domains", "prefix_id",
+		"block_tokens", "Imported traces", "hash_ids", "ContextTokens", "-trace-tenants", "-report-geometry", "-pool-tokens", "-progress-interval"} {
 		assert.Contains(t, stderr, want)
 	}
 }
@@ -296,5 +552,26 @@ func TestParseBandwidth(t *testing.T) {
 		}
 		require.NoError(t, err, tt.in)
 		assert.InDelta(t, tt.want, got, tt.want*1e-12, tt.in)
+	}
+}
+
+// -model reports bytes at a preset's size; unknown presets and -model
+// with -report-geometry are refused.
+func TestModelPreset(t *testing.T) {
+	dir := t.TempDir()
+	code, stdout, stderr := runKvbench(t, append([]string{"-duration", "1s", "-policies", "zero", "-out", dir,
+		"-model", "deepseek-v3", "-progress-interval", "0"}, small...)...)
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	spec, err := kvcache.Preset("deepseek-v3")
+	require.NoError(t, err)
+	assert.Contains(t, stdout, "bytes reported at model deepseek-v3:")
+	rep := readFullReport(t, dir)
+	require.NotNil(t, rep.ReportGeometry)
+	assert.EqualValues(t, 16*spec.TokenBytes(), rep.ReportGeometry.PageBytes)
+	assert.EqualValues(t, 1024*16*spec.TokenBytes(), rep.Runs[0].PoolBytes)
+	for _, args := range [][]string{{"-model", "gpt-5"}, {"-model", "glm-5", "-report-geometry", "layers=32,kv-heads=8,head-dim=128,dtype=bf16"}} {
+		code, _, stderr := runKvbench(t, append(args, small...)...)
+		assert.Equal(t, 2, code, "%v", args)
+		assert.Contains(t, stderr, "flag -model", "%v", args)
 	}
 }

@@ -5,15 +5,24 @@
 // # Model
 //
 // Time is virtual. A Trace lists tenants (with the sharing domain they
-// join when domains are shared) and requests (arrival, prompt, prefix
-// shared with other requests and the prefix's identity, output, output
-// budget, client abort); it comes from ParseTrace (JSONL, see
-// TraceFormat) or from Generate (seeded and deterministic: Poisson
-// arrivals, Zipf tenant popularity, organisations sharing a system
-// prompt, lognormal prompt and output lengths, round max_tokens budgets,
-// a share of over-long requests and of aborts). Prompts get token IDs
-// from the seed (AppendPromptTokens): equal over a shared prefix, unique
-// elsewhere.
+// join when domains are shared) and requests (arrival, prompt, the
+// prompt's shared content, output, output budget, client abort). Shared
+// content is either a prefix and its identity, or a chain of block IDs
+// (Mooncake's hash_ids: block i's tokens follow from its ID alone). A
+// Trace comes from ParseTrace (kvbench's JSONL, see TraceFormat), from
+// ParseMooncake or ParseAzure (the public traces; ReadTrace tells the
+// formats apart and ImportConfig gives them tenants), or from Generate
+// (seeded and deterministic: Poisson arrivals, Zipf tenant popularity,
+// organisations sharing a system prompt, lognormal prompt and output
+// lengths, round max_tokens budgets, a share of over-long requests and of
+// aborts). Prompts get token IDs from the seed (AppendPromptTokens): equal
+// over a shared prefix or chain, unique elsewhere.
+//
+// Bound is the most a prefix cache can hit on a trace: an infinite cache
+// that every request fills before the next arrives, counted per page and
+// per sharing domain as the pool counts hits. Every run reports it beside
+// its hit rate, with the same count over the requests it served, which
+// its hits never exceed.
 //
 // Run replays it as an engine with continuous batching would: every Step
 // the arrived requests are offered to the pool in arrival order
@@ -48,7 +57,11 @@
 //     domain: another domain's KV, or no KV, fails any run, the baseline
 //     included (sharing does not depend on scrubbing).
 //   - Prefix hits depend on the trace, the pool size and the domain
-//     layout, never on the scrub policy.
+//     layout, never on the scrub policy; they never exceed the served
+//     bound (PrefixResult.ServedBound), whose lookups are the run's.
+//   - With ReportGeometry, byte figures are the model's, scaled page for
+//     page from the small pool actually allocated; counts and ratios do
+//     not change.
 //
 // The "none" baseline runs the zero policy's bookkeeping on a device whose
 // Fill does nothing (UnsafeNoScrub): it is what an engine that does not

@@ -46,12 +46,18 @@ type EmptyTraceError struct {
 	File    string // as given to ParseTrace; may be empty
 	Lines   int    // lines read, blank and comment lines included
 	Tenants int    // tenant records among them
+	// Format is empty for a kvbench trace; for an imported one, what its
+	// lines are called ("request", "row").
+	Format string
 }
 
 func (e *EmptyTraceError) Error() string {
 	file := e.File
 	if file == "" {
 		file = "trace"
+	}
+	if e.Format != "" {
+		return fmt.Sprintf("%s: no requests to replay: want at least one %s (read %d lines, none a request)", file, e.Format, e.Lines)
 	}
 	return fmt.Sprintf(`%s: no requests to replay: want at least one {"type":"request",...} line `+
 		"(read %d lines: %d tenant, no request)", file, e.Lines, e.Tenants)

@@ -114,14 +114,14 @@ func TestGenerateOrganisationsAndTokens(t *testing.T) {
 	assert.Equal(t, first.PrefixID, other.PrefixID)
 	assert.Equal(t, first.Prefix, other.Prefix)
 
-	a := AppendPromptTokens(nil, 1, first)
-	b := AppendPromptTokens(nil, 1, other)
+	a := AppendPromptTokens(nil, 1, first, 0)
+	b := AppendPromptTokens(nil, 1, other, 0)
 	require.Len(t, a, first.Prompt)
 	require.Len(t, b, other.Prompt)
-	assert.Equal(t, a, AppendPromptTokens(nil, 1, first), "same seed, same tokens")
+	assert.Equal(t, a, AppendPromptTokens(nil, 1, first, 0), "same seed, same tokens")
 	assert.Equal(t, a[:first.Prefix], b[:first.Prefix], "the shared system prompt")
 	assert.NotEqual(t, a[first.Prefix:min(len(a), len(b))], b[first.Prefix:min(len(a), len(b))], "the users' prompts differ")
-	assert.NotEqual(t, a[:first.Prefix], AppendPromptTokens(nil, 2, first)[:first.Prefix], "another seed, other tokens")
+	assert.NotEqual(t, a[:first.Prefix], AppendPromptTokens(nil, 2, first, 0)[:first.Prefix], "another seed, other tokens")
 	for _, tok := range a {
 		require.True(t, tok >= 0 && tok < Vocab)
 	}
@@ -129,7 +129,7 @@ func TestGenerateOrganisationsAndTokens(t *testing.T) {
 	seen := map[[16]int32]string{}
 	for i := range tr.Requests[:min(len(tr.Requests), 200)] {
 		r := &tr.Requests[i]
-		toks := AppendPromptTokens(nil, 1, r)
+		toks := AppendPromptTokens(nil, 1, r, 0)
 		for p := (r.Prefix + 15) / 16 * 16; p+16 <= len(toks); p += 16 {
 			k := [16]int32(toks[p : p+16])
 			if prev, dup := seen[k]; dup {

@@ -148,6 +148,12 @@ func TestRunPrefixAuditSynthetic(t *testing.T) {
 				require.NoError(t, err)
 				assert.Positive(t, res.Prefix.HitPages)
 				assert.Positive(t, res.Prefix.EvictedPages, "a pool this small evicts")
+				// The served bound counts what the run admitted as the pool
+				// does, with an infinite cache: the same lookups, no fewer hits.
+				sb := res.Prefix.ServedBound
+				assert.Equal(t, res.Prefix.LookupPages, sb.LookupPages)
+				assert.EqualValues(t, res.Admitted, sb.Requests)
+				assert.LessOrEqual(t, res.Prefix.HitPages, sb.HitPages, "an infinite cache hits at least as much")
 				assert.True(t, res.Prefix.LeaseHitTokensMatch)
 				assert.Positive(t, res.Audit.HitPagesChecked)
 				assert.Zero(t, res.Audit.ForeignHitPages+res.Audit.EmptyHitPages)

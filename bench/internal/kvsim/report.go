@@ -17,21 +17,30 @@ import (
 
 // ReportVersion changes when the JSON report's shape does. 3 added
 // plot_errors and each run's prefix_cache.key_derivations and key_seconds.
-const ReportVersion = 3
+// 4 replaced the runs' prefix_shareable_tokens and _fraction, and the
+// workload's shared_prefix_percent, with the trace's own bound
+// (prefix_cache.bound, workload.prefix_bounds), and added the workload's
+// format and block_tokens, report_geometry, and each run's pool_tokens,
+// host_pool_bytes and host_bytes_scrubbed.
+const ReportVersion = 4
 
 // Report is the whole output of one kvbench invocation.
 type Report struct {
-	Tool            string         `json:"tool"`
-	Version         int            `json:"version"`
-	Started         time.Time      `json:"started"`
-	Args            []string       `json:"args"`
-	Machine         Machine        `json:"machine"`
-	Workload        Workload       `json:"workload"`
-	Geometry        GeometryReport `json:"geometry"`
-	MaxContext      int            `json:"max_context_tokens"`
-	Step            float64        `json:"decode_step_seconds"`
-	MaxBatch        int            `json:"max_batch"`
-	DeviceBandwidth float64        `json:"device_bandwidth_bytes_per_s,omitempty"`
+	Tool     string         `json:"tool"`
+	Version  int            `json:"version"`
+	Started  time.Time      `json:"started"`
+	Args     []string       `json:"args"`
+	Machine  Machine        `json:"machine"`
+	Workload Workload       `json:"workload"`
+	Geometry GeometryReport `json:"geometry"`
+	// ReportGeometry, when set, is the model whose bytes the figures are
+	// given at (pool, KV written, scrubbed, prefill avoided); the pools
+	// were allocated at Geometry.
+	ReportGeometry  *GeometryReport `json:"report_geometry,omitempty"`
+	MaxContext      int             `json:"max_context_tokens"`
+	Step            float64         `json:"decode_step_seconds"`
+	MaxBatch        int             `json:"max_batch"`
+	DeviceBandwidth float64         `json:"device_bandwidth_bytes_per_s,omitempty"`
 	// PrefixCache is "on" or "off"; Domains the sharing-domain layouts
 	// replayed; PrefillTokens the engine's prefill budget per step (0: no
 	// limit).
@@ -64,8 +73,10 @@ func ThisMachine() Machine {
 	return Machine{GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, CPUs: runtime.NumCPU(), Go: runtime.Version(), Host: h}
 }
 
-// GeometryReport is the simulated model's KV geometry.
+// GeometryReport is the simulated model's KV geometry; for a model
+// preset (ModelReport) its name and bytes only.
 type GeometryReport struct {
+	Model         string `json:"model,omitempty"`
 	TokensPerPage int    `json:"tokens_per_page"`
 	Layers        int    `json:"layers"`
 	KVHeads       int    `json:"kv_heads"`
@@ -81,37 +92,48 @@ func ReportGeometry(g kvcache.Geometry) GeometryReport {
 		DType: g.DType.String(), PageBytes: g.PageBytes(), TokenBytes: g.TokenBytes()}
 }
 
+// ModelReport describes a cache spec (a model preset) at a pool of
+// tokensPerPage tokens per page: its per-token group's bytes per token.
+func ModelReport(s kvcache.CacheSpec, tokensPerPage int) GeometryReport {
+	return GeometryReport{Model: s.Model, TokensPerPage: tokensPerPage,
+		PageBytes: s.TokenBytes() * int64(tokensPerPage), TokenBytes: s.TokenBytes()}
+}
+
 // Workload summarises a trace.
 type Workload struct {
-	Source          string  `json:"source"` // "synthetic" or the trace file
-	Seed            *uint64 `json:"seed,omitempty"`
-	Requests        int     `json:"requests"`
-	Tenants         int     `json:"tenants"`
-	SpanSeconds     float64 `json:"arrival_span_seconds"`
-	PromptP50       int     `json:"prompt_p50"`
-	PromptP99       int     `json:"prompt_p99"`
-	PromptMax       int     `json:"prompt_max"`
-	OutputP50       int     `json:"output_p50"`
-	OutputP99       int     `json:"output_p99"`
-	MaxNewP50       int     `json:"max_new_p50"`
-	OverMaxContext  int     `json:"over_max_context"`   // prompt + max_new above the context window
-	OverCapacity    int     `json:"over_pool_capacity"` // within the window, above the smallest pool
-	Aborting        int     `json:"aborting"`
-	SharedPrefixPct float64 `json:"shared_prefix_percent"` // of prompt tokens
+	Source string `json:"source"` // "synthetic" or the trace file
+	// Format is the trace's (FormatKvbench, FormatMooncake, FormatAzure),
+	// "synthetic" for a generated workload.
+	Format         string  `json:"format"`
+	BlockTokens    int     `json:"block_tokens,omitempty"` // of the requests' block chains
+	Seed           *uint64 `json:"seed,omitempty"`
+	Requests       int     `json:"requests"`
+	Tenants        int     `json:"tenants"`
+	SpanSeconds    float64 `json:"arrival_span_seconds"`
+	PromptP50      int     `json:"prompt_p50"`
+	PromptP99      int     `json:"prompt_p99"`
+	PromptMax      int     `json:"prompt_max"`
+	OutputP50      int     `json:"output_p50"`
+	OutputP99      int     `json:"output_p99"`
+	MaxNewP50      int     `json:"max_new_p50"`
+	OverMaxContext int     `json:"over_max_context"`   // prompt + max_new above the context window
+	OverCapacity   int     `json:"over_pool_capacity"` // within the window, above the smallest pool
+	Aborting       int     `json:"aborting"`
+	// PrefixBounds are the trace's bounds on the prefix cache's hit rate,
+	// one per domain layout replayed, at the pools' page size.
+	PrefixBounds []PrefixBound `json:"prefix_bounds,omitempty"`
 }
 
 // SummarizeWorkload describes tr as replayed against pools of at least
 // capacityTokens with a context window of maxContext.
 func SummarizeWorkload(tr *Trace, source string, capacityTokens, maxContext int) Workload {
 	w := Workload{Source: source, Requests: len(tr.Requests), Tenants: len(tr.Tenants), SpanSeconds: tr.Duration().Seconds()}
+	w.BlockTokens = tr.BlockTokens
 	var prompts, outputs, maxNew []int
-	var prefix, prompt int64
 	for _, r := range tr.Requests {
 		prompts = append(prompts, r.Prompt)
 		outputs = append(outputs, r.Output)
 		maxNew = append(maxNew, r.MaxNew)
-		prefix += int64(r.Prefix)
-		prompt += int64(r.Prompt)
 		switch total := r.Prompt + r.MaxNew; {
 		case total > maxContext:
 			w.OverMaxContext++
@@ -131,9 +153,6 @@ func SummarizeWorkload(tr *Trace, source string, capacityTokens, maxContext int)
 	}
 	w.OutputP50, w.OutputP99 = Percentile(outputs, 0.5), Percentile(outputs, 0.99)
 	w.MaxNewP50 = Percentile(maxNew, 0.5)
-	if prompt > 0 {
-		w.SharedPrefixPct = 100 * float64(prefix) / float64(prompt)
-	}
 	return w
 }
 
@@ -202,14 +221,17 @@ func (r *Report) writePrefixTable(w io.Writer, many Variety) {
 		return
 	}
 	fmt.Fprintln(w, "prefix cache (hit rate: full prompt pages found in the tenant's domain ÷ looked up; "+
-		"of prompt: hit tokens ÷ prompt tokens admitted; shareable: system-prompt tokens ÷ prompt tokens admitted; "+
+		"bound: the same for an infinite cache that every request of the trace this pool can take fills before the next arrives, "+
+		"the most the trace allows; served: that bound over the requests this run admitted, never below its hit rate; "+
+		"of prompt: hit tokens ÷ prompt tokens admitted; "+
 		"hashed: requests whose prompt was hashed into page keys, once each, and the time it took):")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\tdomains\thit rate\thit tokens\tof prompt\tshareable\tprefill avoided\tstored\tevicted\thashed\tin\tTTFT p50\tp99\t")
+	fmt.Fprintln(tw, "policy\tdomains\thit rate\tbound\tserved\thit tokens\tof prompt\tprefill avoided\tstored\tevicted\thashed\tin\tTTFT p50\tp99\t")
 	for _, run := range r.Runs {
 		px := run.Prefix
-		fmt.Fprintf(tw, "%s\t%d %s\t%.1f%%\t%d\t%.1f%%\t%.1f%%\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t\n", RunLabel(run, many), px.Domains, run.Domains,
-			100*px.HitRate, px.HitTokens, 100*px.PromptHitShare, 100*run.PrefixShareableFraction, FormatBytes(float64(px.PrefillBytesAvoided)),
+		fmt.Fprintf(tw, "%s\t%d %s\t%s\t%.1f%%\t%s\t%d\t%.1f%%\t%s\t%d\t%d\t%d\t%s\t%s\t%s\t\n", RunLabel(run, many), px.Domains, run.Domains,
+			fmtHitRate(px.HitRate, px.LookupPages), 100*px.Bound.HitRate, fmtHitRate(px.ServedBound.HitRate, px.ServedBound.LookupPages),
+			px.HitTokens, 100*px.PromptHitShare, FormatBytes(float64(px.PrefillBytesAvoided)),
 			px.StoredPages, px.EvictedPages, px.KeyDerivations, fmtSeconds(px.KeySeconds), fmtSeconds(run.TTFT.P50), fmtSeconds(run.TTFT.P99))
 	}
 	tw.Flush()
@@ -222,6 +244,15 @@ func (r *Report) writePrefixTable(w io.Writer, many Variety) {
 			FormatBytes(float64(c.Shared.PrefillBytesAvoided)), FormatBytes(float64(c.PerTenant.PrefillBytesAvoided)),
 			c.PrefillAvoidedRatio, c.Shared.Domains, c.PerTenant.Domains, fmtSeconds(c.Shared.TTFTP99), fmtSeconds(c.PerTenant.TTFTP99))
 	}
+}
+
+// fmtHitRate prints a hit rate, or "-" when nothing was looked up (no
+// request admitted).
+func fmtHitRate(rate float64, lookups uint64) string {
+	if lookups == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f%%", 100*rate)
 }
 
 func fmtSeconds(s float64) string {
@@ -280,15 +311,33 @@ func fmtRatio(v float64) string {
 // WriteTable prints the report for people.
 func (r *Report) WriteTable(w io.Writer) {
 	wl := r.Workload
-	fmt.Fprintf(w, "workload: %s, %d requests from %d tenants over %.1fs; prompt p50/p99/max %d/%d/%d tokens, "+
-		"output p50/p99 %d/%d, max_new p50 %d; %d over the context window, %d over the pool, %d aborting; "+
-		"%.0f%% of prompt tokens are shared system prompts\n",
-		wl.Source, wl.Requests, wl.Tenants, wl.SpanSeconds, wl.PromptP50, wl.PromptP99, wl.PromptMax,
-		wl.OutputP50, wl.OutputP99, wl.MaxNewP50, wl.OverMaxContext, wl.OverCapacity, wl.Aborting, wl.SharedPrefixPct)
+	format := wl.Format
+	if wl.BlockTokens > 0 {
+		format += fmt.Sprintf(", blocks of %d tokens", wl.BlockTokens)
+	}
+	fmt.Fprintf(w, "workload: %s (%s), %d requests from %d tenants over %.1fs; prompt p50/p99/max %d/%d/%d tokens, "+
+		"output p50/p99 %d/%d, max_new p50 %d; %d over the context window, %d over the pool, %d aborting",
+		wl.Source, format, wl.Requests, wl.Tenants, wl.SpanSeconds, wl.PromptP50, wl.PromptP99, wl.PromptMax,
+		wl.OutputP50, wl.OutputP99, wl.MaxNewP50, wl.OverMaxContext, wl.OverCapacity, wl.Aborting)
+	for i, b := range wl.PrefixBounds {
+		sep := "; "
+		if i == 0 {
+			sep = "; infinite-cache hit rate (the trace's bound): "
+		}
+		fmt.Fprintf(w, "%s%.1f%% %s", sep, 100*b.HitRate, b.Domains)
+	}
+	fmt.Fprintln(w)
 	g := r.Geometry
 	fmt.Fprintf(w, "geometry: %d layers × %d KV heads × %d dim %s, %d tokens/page: %s/page, %s/token; max context %d tokens; step %v, batch ≤ %d\n",
 		g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, FormatBytes(float64(g.PageBytes)), FormatBytes(float64(g.TokenBytes)),
 		r.MaxContext, time.Duration(r.Step*1e9), r.MaxBatch)
+	if rg := r.ReportGeometry; rg != nil && rg.Model != "" {
+		fmt.Fprintf(w, "bytes reported at model %s: %s/page, %s/token of its per-token caches (the pools were allocated at the geometry above)\n",
+			rg.Model, FormatBytes(float64(rg.PageBytes)), FormatBytes(float64(rg.TokenBytes)))
+	} else if rg != nil {
+		fmt.Fprintf(w, "bytes reported at %d layers × %d KV heads × %d dim %s: %s/page, %s/token (the pools were allocated at the geometry above)\n",
+			rg.Layers, rg.KVHeads, rg.HeadDim, rg.DType, FormatBytes(float64(rg.PageBytes)), FormatBytes(float64(rg.TokenBytes)))
+	}
 	fmt.Fprintf(w, "machine: %s/%s, %d CPUs, %s\n\n", r.Machine.GOOS, r.Machine.GOARCH, r.Machine.CPUs, r.Machine.Go)
 
 	many := VarietyOf(r.Runs)

@@ -10,11 +10,15 @@ import (
 // virtual (the trace's clock); the others are wall-clock times of this
 // process, on its device.
 type RunResult struct {
-	Policy            string `json:"policy"`
-	Unsafe            bool   `json:"unsafe"` // the "none" baseline: fills skipped
-	Device            string `json:"device"`
-	PoolPages         int    `json:"pool_pages"`
+	Policy     string `json:"policy"`
+	Unsafe     bool   `json:"unsafe"` // the "none" baseline: fills skipped
+	Device     string `json:"device"`
+	PoolPages  int    `json:"pool_pages"`
+	PoolTokens int    `json:"pool_tokens"`
+	// PoolBytes is the pool at the report geometry (RunConfig.ReportGeometry,
+	// else the pool's own); HostPoolBytes what was allocated.
 	PoolBytes         int64  `json:"pool_bytes"`
+	HostPoolBytes     int64  `json:"host_pool_bytes"`
 	Domains           string `json:"domains"` // DomainsPerTenant or DomainsShared
 	KVWritesSimulated bool   `json:"kv_writes_simulated"`
 
@@ -42,12 +46,17 @@ type RunResult struct {
 	AdmitLatency               LatencySummary  `json:"admit_latency"`
 	Latencies                  []time.Duration `json:"-"`
 
-	PromptTokens                uint64  `json:"prompt_tokens"`
-	TokensGenerated             uint64  `json:"tokens_generated"`
-	KVBytesWritten              uint64  `json:"kv_bytes_written"`
-	ScrubFills                  uint64  `json:"scrub_fills"`
-	PagesScrubbed               uint64  `json:"pages_scrubbed"`
-	BytesScrubbed               uint64  `json:"bytes_scrubbed"` // bytes the device actually wrote
+	PromptTokens    uint64 `json:"prompt_tokens"`
+	TokensGenerated uint64 `json:"tokens_generated"`
+	KVBytesWritten  uint64 `json:"kv_bytes_written"`
+	ScrubFills      uint64 `json:"scrub_fills"`
+	PagesScrubbed   uint64 `json:"pages_scrubbed"`
+	// BytesScrubbed is what the fills wrote, at the report geometry;
+	// HostBytesScrubbed what the device actually wrote. KVBytesWritten
+	// and the prefix cache's PrefillBytesAvoided are at the report
+	// geometry too.
+	BytesScrubbed               uint64  `json:"bytes_scrubbed"`
+	HostBytesScrubbed           uint64  `json:"host_bytes_scrubbed"`
 	ScrubBytesPerGeneratedToken float64 `json:"scrub_bytes_per_generated_token"`
 	ScrubPerKVWritten           float64 `json:"scrub_bytes_per_kv_byte_written"`
 	FillShare                   float64 `json:"fill_share_of_run_time"`
@@ -56,9 +65,7 @@ type RunResult struct {
 	GPUFillPerServingSecond *float64     `json:"gpu_fill_seconds_per_serving_second"`
 	ScrubByBatch            []FillBucket `json:"scrub_by_batch"`
 
-	PrefixShareableTokens   uint64       `json:"prefix_shareable_tokens"`
-	PrefixShareableFraction float64      `json:"prefix_shareable_fraction"`
-	Prefix                  PrefixResult `json:"prefix_cache"`
+	Prefix PrefixResult `json:"prefix_cache"`
 	// TTFT is the virtual time from arrival to the first generated token
 	// (queueing and prefill), of requests that generate one.
 	TTFT TTFTSummary `json:"ttft"`
@@ -130,8 +137,18 @@ type PrefixResult struct {
 	KeySeconds     float64 `json:"key_seconds"`
 	// LeaseHitTokensMatch: the pool's hit-token counters equal the sum of
 	// the leases' HitTokens.
-	LeaseHitTokensMatch bool           `json:"lease_hit_tokens_match"`
-	PerDomain           []DomainPrefix `json:"per_domain,omitempty"`
+	LeaseHitTokensMatch bool `json:"lease_hit_tokens_match"`
+	// Bound is the most this trace lets a prefix cache hit with this
+	// run's page size, domain layout and longest admissible request (the
+	// context window or the pool, if smaller; see PrefixBound).
+	Bound PrefixBound `json:"bound"`
+	// ServedBound is the same count over the requests the run admitted,
+	// in the order it admitted them: the most an infinite cache could have
+	// hit on what this run served. HitRate never exceeds it; it differs
+	// from Bound when requests the pool could take were not served
+	// (queue timeouts, still queued at the end).
+	ServedBound PrefixBound    `json:"served_bound"`
+	PerDomain   []DomainPrefix `json:"per_domain,omitempty"`
 }
 
 // DomainPrefix is one sharing domain's prefix-cache counters.

@@ -90,11 +90,22 @@ type RunConfig struct {
 	// completes generates its first token in the same step. 0: no limit,
 	// every prompt is computed in the step that admits it.
 	PrefillTokens int
+	// ReportGeometry, when set, is the model whose bytes the result
+	// reports (pool, KV written, scrubbed, prefill avoided): the pool is
+	// allocated at Geometry, small enough for host memory, and every byte
+	// figure is scaled to what the same pages hold at ReportGeometry. It
+	// must have Geometry's page size. Fill bandwidths and times stay the
+	// host's.
+	ReportGeometry *kvcache.Geometry
+	// ReportModel, instead of ReportGeometry, is a cache spec (a model
+	// preset, kvcache.Preset) whose per-token bytes the result reports:
+	// its per-token group's bytes per token, whatever its own page size.
+	ReportModel *kvcache.CacheSpec
 	// OpenDevice returns the device for one run's pool; nil means a new
 	// Host. The run closes it.
 	OpenDevice func() (cudaops.Device, error)
-	// Progress, if set, is called after every step with the steps done.
-	Progress   func(steps int)
+	// Progress, if set, is called after every step.
+	Progress   func(Progress)
 	MaxSamples int // utilisation samples kept (default 1000)
 
 	// afterAdmit, in tests, runs after each admission, before the audit.
@@ -127,7 +138,41 @@ func (c *RunConfig) validate() error {
 	case c.PrefillTokens < 0:
 		return bad("prefill budget of %d tokens per step, want ≥ 0 (0: no limit)", c.PrefillTokens)
 	}
-	return c.Geometry.Validate()
+	if err := c.Geometry.Validate(); err != nil {
+		return err
+	}
+	if c.ReportGeometry != nil && c.ReportModel != nil {
+		return bad("a report geometry and a report model: give one")
+	}
+	if m := c.ReportModel; m != nil {
+		if err := m.Validate(); err != nil {
+			return bad("report model: %v", err)
+		}
+	}
+	if g := c.ReportGeometry; g != nil {
+		if err := g.Validate(); err != nil {
+			return bad("report geometry: %v", err)
+		}
+		if g.TokensPerPage != c.Geometry.TokensPerPage {
+			return bad("report geometry of %d tokens per page, want the pool's %d", g.TokensPerPage, c.Geometry.TokensPerPage)
+		}
+	}
+	return nil
+}
+
+// Progress is where a run stands, given to RunConfig.Progress after every
+// step.
+type Progress struct {
+	Step, Steps   int           // steps done, of all
+	Now, Duration time.Duration // virtual time replayed, of all
+	Requests      int           // in the trace
+	// Done counts the requests that ended: completed, aborted, or dropped
+	// (refused for good, or timed out in the queue).
+	Done            uint64
+	Queued, Running int
+	// Refusals counts the admission attempts refused so far, retries
+	// included.
+	Refusals uint64
 }
 
 // markerBit is set in every word the simulated engine writes and clear in
@@ -193,9 +238,12 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		cfg: cfg, tr: tr, pool: pool, dev: metered, tenantIdx: tenantIdx, domainOf: domainOf,
 		reused: make([]bool, cfg.PoolPages),
 		res: &RunResult{Policy: cfg.Policy, Unsafe: unsafe, Device: metered.Name(), PoolPages: cfg.PoolPages,
-			PoolBytes: int64(cfg.PoolPages) * cfg.Geometry.PageBytes(), KVWritesSimulated: cfg.WriteKV,
-			Domains: cfg.Domains, Dropped: map[string]uint64{}},
+			PoolTokens: cfg.PoolPages * cfg.Geometry.TokensPerPage, HostPoolBytes: int64(cfg.PoolPages) * cfg.Geometry.PageBytes(),
+			KVWritesSimulated: cfg.WriteKV, Domains: cfg.Domains, Dropped: map[string]uint64{}},
 	}
+	s.report = reportBytesOf(cfg)
+	s.res.PoolBytes = int64(cfg.PoolPages) * s.report.page
+	s.served = newBoundIndex(tr, cfg.Geometry.TokensPerPage, min(cfg.MaxContext, cfg.PoolPages*cfg.Geometry.TokensPerPage), cfg.Domains)
 	s.spec = spec
 	if unsafe {
 		// The safe pools scrubbed every page at creation, which also
@@ -287,8 +335,12 @@ type sim struct {
 	spec        cudaops.FillSpec
 	scrub0      isolation.ScrubStats // the pool's own scrub at creation, not part of serving
 	tenantIdx   map[string]int
-	domainOf    []string // tenant index → its sharing domain's name in the pool
+	domainOf    []string    // tenant index → its sharing domain's name in the pool
+	report      reportBytes // whose bytes the result reports
+	served      *boundIndex // the prefix bound of the admitted requests, in admission order
 	ttft        []time.Duration
+	refused     uint64        // admission attempts refused
+	done        uint64        // requests completed, aborted or dropped
 	endStats    kvcache.Stats // at the end of serving, before Close
 	fillTime    time.Duration
 	filled      uint64
@@ -334,7 +386,8 @@ func (s *sim) run() error {
 			s.sample()
 		}
 		if s.cfg.Progress != nil {
-			s.cfg.Progress(1)
+			s.cfg.Progress(Progress{Step: step + 1, Steps: steps, Now: s.now + s.cfg.Step, Duration: s.cfg.Duration,
+				Requests: len(s.tr.Requests), Done: s.done, Queued: len(s.queue), Running: len(s.running), Refusals: s.refused})
 		}
 	}
 	// Shutdown: the serving window is over.
@@ -392,6 +445,7 @@ func (s *sim) admit() error {
 	for _, q := range s.queue {
 		if s.now-q.since > s.cfg.QueueTimeout {
 			s.res.Dropped["queue_timeout"]++
+			s.done++
 			s.recycleKeys(&q)
 			continue
 		}
@@ -427,6 +481,7 @@ func (s *sim) admit() error {
 			continue
 		}
 		s.spare = append(s.spare, a)
+		s.refused++
 		var ae *kvcache.AdmissionError
 		switch {
 		case errors.As(err, &ae) && ae.Retryable():
@@ -436,6 +491,7 @@ func (s *sim) admit() error {
 			i++
 		case errors.As(err, &ae):
 			s.res.Dropped[reason(err)]++
+			s.done++
 			s.dequeue(i)
 		case errors.Is(err, kvcache.ErrCanaryMismatch):
 			// The pool's own canary audit caught a written free page:
@@ -455,8 +511,10 @@ func (s *sim) admit() error {
 
 // deriveKeys tokenises q's prompt and hashes it into the page keys the
 // pool would derive for it (Pool.PageKeys), once: a request that waits
-// keeps its keys. A request of a tenant the pool does not know gets none;
-// its admission refuses it.
+// keeps its keys. A request of a tenant the pool does not know gets none,
+// nor does one longer than the context window or the pool, as an engine
+// would not hash a prompt it cannot serve: admission refuses them for
+// good.
 func (s *sim) deriveKeys(q *queued) error {
 	if q.keyed {
 		return nil
@@ -465,8 +523,11 @@ func (s *sim) deriveKeys(q *queued) error {
 	if _, ok := s.tenantIdx[q.req.Tenant]; !ok {
 		return nil
 	}
+	if tokens := q.req.Prompt + q.req.MaxNew; tokens > s.cfg.MaxContext || tokens > s.cfg.PoolPages*s.cfg.Geometry.TokensPerPage {
+		return nil
+	}
 	start := time.Now()
-	s.tokens = AppendPromptTokens(s.tokens[:0], s.cfg.Seed, q.req)
+	s.tokens = AppendPromptTokens(s.tokens[:0], s.cfg.Seed, q.req, s.tr.BlockTokens)
 	var buf []kvcache.BlockKey
 	if n := len(s.spareKeys); n > 0 {
 		buf, s.spareKeys = s.spareKeys[n-1], s.spareKeys[:n-1]
@@ -520,9 +581,9 @@ func (s *sim) start(a *active, since time.Duration) error {
 	s.res.Admitted++
 	s.res.QueueWaitSeconds += (s.now - since).Seconds()
 	s.res.PromptTokens += uint64(a.req.Prompt)
-	s.res.PrefixShareableTokens += uint64(a.req.Prefix)
 	s.res.Prefix.HitTokens += uint64(a.hit)
-	s.res.Prefix.PrefillBytesAvoided += uint64(a.hit) * uint64(s.cfg.Geometry.TokenBytes())
+	s.served.add(a.req)
+	s.res.Prefix.PrefillBytesAvoided += uint64(a.hit) * uint64(s.report.token)
 	if s.cfg.afterAdmit != nil {
 		s.cfg.afterAdmit(s, a)
 	}
@@ -598,6 +659,7 @@ func (s *sim) decode() error {
 		} else {
 			s.res.Completed++
 		}
+		s.done++
 		if err := s.release(a); err != nil {
 			return err
 		}
@@ -610,7 +672,7 @@ func (s *sim) decode() error {
 // write appends n tokens of KV to the request's pages and commits them.
 func (s *sim) write(a *active, n int) error {
 	from, to := a.written, a.written+n
-	s.res.KVBytesWritten += uint64(n) * uint64(s.cfg.Geometry.TokenBytes())
+	s.res.KVBytesWritten += uint64(n) * uint64(s.report.token)
 	if s.host != nil {
 		start := time.Now()
 		tpp := s.cfg.Geometry.TokensPerPage
@@ -794,7 +856,9 @@ func (s *sim) finish() {
 	r.Refusals = refusalsMap(st.Refused)
 	r.PagesScrubbed = st.Scrub.PagesScrubbed - s.scrub0.PagesScrubbed
 	r.ScrubFills = st.Scrub.Fills - s.scrub0.Fills
-	r.BytesScrubbed, r.FillSeconds = s.filled, s.fillTime.Seconds()
+	// Fills write whole pages, so the bytes scale exactly page for page.
+	r.HostBytesScrubbed, r.FillSeconds = s.filled, s.fillTime.Seconds()
+	r.BytesScrubbed = s.filled / uint64(s.cfg.Geometry.PageBytes()) * uint64(s.report.page)
 	r.AdmitSeconds = s.admitTime.Seconds()
 	r.Prefix.KeySeconds = s.keyTime.Seconds()
 	r.ReleaseSeconds = s.releaseTime.Seconds()
@@ -817,9 +881,6 @@ func (s *sim) finish() {
 	}
 	if r.KVBytesWritten > 0 {
 		r.ScrubPerKVWritten = float64(r.BytesScrubbed) / float64(r.KVBytesWritten)
-	}
-	if r.PromptTokens > 0 {
-		r.PrefixShareableFraction = float64(r.PrefixShareableTokens) / float64(r.PromptTokens)
 	}
 	s.finishPrefix()
 	slices.Sort(s.ttft)
@@ -885,6 +946,8 @@ func (s *sim) finishPrefix() {
 		}
 	}
 	px.LeaseHitTokensMatch = px.HitTokens == hitTokens
+	px.Bound = Bound(s.tr, s.cfg.Geometry.TokensPerPage, min(s.cfg.MaxContext, s.cfg.PoolPages*s.cfg.Geometry.TokensPerPage), s.cfg.Domains)
+	px.ServedBound = s.served.bound()
 	px.LookupPages = px.HitPages + px.MissPages
 	if px.LookupPages > 0 {
 		px.HitRate = float64(px.HitPages) / float64(px.LookupPages)
@@ -910,4 +973,21 @@ func refusalsMap(r kvcache.Refusals) map[string]uint64 {
 		}
 	}
 	return m
+}
+
+// reportBytes is what one simulated page and token stand for in the
+// result's byte figures.
+type reportBytes struct{ page, token int64 }
+
+// reportBytesOf is the pool's own geometry, or the report geometry, or
+// the report model's bytes per token at the pool's page size.
+func reportBytesOf(cfg RunConfig) reportBytes {
+	switch {
+	case cfg.ReportModel != nil:
+		t := cfg.ReportModel.TokenBytes()
+		return reportBytes{page: t * int64(cfg.Geometry.TokensPerPage), token: t}
+	case cfg.ReportGeometry != nil:
+		return reportBytes{page: cfg.ReportGeometry.PageBytes(), token: cfg.ReportGeometry.TokenBytes()}
+	}
+	return reportBytes{page: cfg.Geometry.PageBytes(), token: cfg.Geometry.TokenBytes()}
 }

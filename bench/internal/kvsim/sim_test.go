@@ -78,6 +78,14 @@ func TestRunHandTrace(t *testing.T) {
 	}
 }
 
+func sumValues(m map[string]uint64) uint64 {
+	var n uint64
+	for _, v := range m {
+		n += v
+	}
+	return n
+}
+
 func withoutZeros(m map[string]uint64) map[string]uint64 {
 	out := map[string]uint64{}
 	for k, v := range m {
@@ -120,10 +128,20 @@ func TestRunSyntheticAccounting(t *testing.T) {
 	cfg := handConfig("zero")
 	cfg.PoolPages, cfg.MaxContext, cfg.Duration, cfg.QueueTimeout = 256, 8192, 3*time.Second, 500*time.Millisecond
 	var steps int
-	cfg.Progress = func(n int) { steps += n }
+	var last Progress
+	cfg.Progress = func(p Progress) {
+		steps++
+		require.Equal(t, steps, p.Step)
+		require.GreaterOrEqual(t, p.Done, last.Done, "requests done never go back")
+		require.GreaterOrEqual(t, p.Refusals, last.Refusals)
+		last = p
+	}
 	res, err := Run(tr, cfg)
 	require.NoError(t, err)
 	assert.Equal(t, 300, steps)
+	assert.Equal(t, Progress{Step: 300, Steps: 300, Now: 3 * time.Second, Duration: 3 * time.Second, Requests: len(tr.Requests),
+		Done:   res.Completed + res.Aborted + sumValues(res.Dropped) - res.Dropped["unserved_at_end"] - res.Dropped["not_arrived"],
+		Queued: last.Queued, Running: last.Running, Refusals: sumValues(res.Refusals)}, last)
 	var dropped uint64
 	for k, v := range res.Dropped {
 		if k != "not_arrived" {
@@ -220,4 +238,88 @@ func TestRunWholePoolQuotaNoOvertaking(t *testing.T) {
 	assert.Equal(t, []string{"hogA", "hogB", "big"}, order[:3], "big is admitted before the small requests queued after it: %v", order)
 	assert.Zero(t, res.Refusals["exceeds_quota"], "a full pool refuses a tenant whose quota is the pool with pool_exhausted: %v", res.Refusals)
 	assert.Positive(t, res.Refusals["pool_exhausted"], "big waited for pages")
+}
+
+// With a report geometry, byte figures are those of the model's pages
+// (here 16× the pool's per token: 4 layers × 2 heads × 16 dims fp32 against
+// 2 × 1 × 8 fp16), the pool stays small, and ratios and counts do not move.
+func TestRunReportGeometry(t *testing.T) {
+	tr, err := ParseTrace(strings.NewReader(handTrace), "hand")
+	require.NoError(t, err)
+	model := kvcache.Geometry{TokensPerPage: 16, Layers: 4, KVHeads: 2, HeadDim: 16, DType: kvcache.FP32}
+	require.Equal(t, 16*tinyGeometry.TokenBytes(), model.TokenBytes(), "16× the pool's bytes per token")
+	for _, policy := range []string{"zero", Baseline} {
+		host, err := Run(tr, handConfig(policy))
+		require.NoError(t, err)
+		cfg := handConfig(policy)
+		cfg.ReportGeometry = &model
+		got, err := Run(tr, cfg)
+		require.NoError(t, err)
+		assert.Equal(t, host.HostPoolBytes, got.HostPoolBytes, "the same pool is allocated")
+		assert.Equal(t, 64*model.PageBytes(), got.PoolBytes)
+		assert.Equal(t, 64*tinyGeometry.PageBytes(), host.PoolBytes)
+		assert.Equal(t, 16*host.KVBytesWritten, got.KVBytesWritten)
+		assert.Equal(t, 16*host.BytesScrubbed, got.BytesScrubbed)
+		assert.Equal(t, host.BytesScrubbed, got.HostBytesScrubbed, "the device wrote the small pages")
+		assert.Equal(t, host.PagesScrubbed, got.PagesScrubbed)
+		assert.InDelta(t, host.ScrubPerKVWritten, got.ScrubPerKVWritten, 1e-12)
+		assert.InDelta(t, 16*host.ScrubBytesPerGeneratedToken, got.ScrubBytesPerGeneratedToken, 1e-9)
+		if policy == Baseline {
+			assert.Zero(t, got.BytesScrubbed)
+		}
+	}
+	cfg := handConfig("zero")
+	other := model
+	other.TokensPerPage = 32
+	cfg.ReportGeometry = &other
+	_, err = Run(tr, cfg)
+	assert.ErrorIs(t, err, ErrBadConfig, "a report geometry of another page size")
+	cfg.ReportGeometry = &kvcache.Geometry{TokensPerPage: 16}
+	_, err = Run(tr, cfg)
+	assert.ErrorIs(t, err, ErrBadConfig, "an invalid report geometry")
+}
+
+// A prompt no pool of this run can serve (longer than the context window
+// or than the pool) is refused for good at its first attempt; the
+// simulator tokenised and hashed it all the same, which on a trace of
+// million-token prompts (the incident's) was most of the run.
+func TestRunDoesNotHashUnservablePrompts(t *testing.T) {
+	tr, err := ParseTrace(strings.NewReader(handTrace), "hand")
+	require.NoError(t, err)
+	cfg := handConfig("zero")
+	cfg.PrefixCache = true
+	derived := map[string]int{}
+	cfg.onKeys = func(r *Request) { derived[r.ID]++ }
+	res, err := Run(tr, cfg)
+	require.NoError(t, err)
+	assert.Equal(t, map[string]int{"r1": 1, "over-quota": 1, "r5": 1, "r6": 1, "r7": 1}, derived,
+		"too-long (over the window) and too-big (over the pool) are not hashed")
+	assert.EqualValues(t, 1, res.Dropped["exceeds_max_context"])
+	assert.EqualValues(t, 1, res.Dropped["exceeds_capacity"])
+}
+
+// A report model (a preset) scales byte figures by its bytes per token;
+// the allocated pool stays the small one.
+func TestRunReportModel(t *testing.T) {
+	tr, err := ParseTrace(strings.NewReader(handTrace), "hand")
+	require.NoError(t, err)
+	spec, err := kvcache.Preset("glm-5")
+	require.NoError(t, err)
+	host, err := Run(tr, handConfig("zero"))
+	require.NoError(t, err)
+	cfg := handConfig("zero")
+	cfg.ReportModel = &spec
+	got, err := Run(tr, cfg)
+	require.NoError(t, err)
+	tokens := host.KVBytesWritten / uint64(tinyGeometry.TokenBytes())
+	pages := host.BytesScrubbed / uint64(tinyGeometry.PageBytes())
+	require.Positive(t, tokens)
+	assert.Equal(t, host.HostPoolBytes, got.HostPoolBytes)
+	assert.Equal(t, 64*spec.TokenBytes()*int64(tinyGeometry.TokensPerPage), got.PoolBytes)
+	assert.Equal(t, tokens*uint64(spec.TokenBytes()), got.KVBytesWritten)
+	assert.Equal(t, pages*uint64(spec.TokenBytes())*uint64(tinyGeometry.TokensPerPage), got.BytesScrubbed)
+	g := tinyGeometry
+	cfg.ReportGeometry = &g
+	_, err = Run(tr, cfg)
+	assert.ErrorIs(t, err, ErrBadConfig, "a report geometry and a report model")
 }

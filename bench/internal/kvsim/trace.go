@@ -22,6 +22,11 @@ import (
 const TraceFormat = `Trace format (JSONL): one JSON object per line; blank lines and lines
 starting with # are ignored. Every object has a "type".
 
+  {"type":"trace","block_tokens":512}
+    block_tokens    tokens per block of the requests' "blocks" lists
+                    (1..1048576); at most one trace line, before the first
+                    request with blocks
+
   {"type":"tenant","name":"acme","quota_pages":0,"reserved_pages":0,
    "system_prompt":512,"domain":"acme-org"}
     name            required, 1..256 bytes, unique
@@ -35,6 +40,7 @@ starting with # are ignored. Every object has a "type".
 
   {"type":"request","at":0.125,"id":"r1","tenant":"acme","prompt":1834,
    "prefix":512,"prefix_id":"acme-org","output":211,"max_new":512,"abort_after":40}
+  {"type":"request","at":0.2,"tenant":"acme","prompt":1100,"blocks":[7,8,31],"output":64}
     at              arrival, seconds from the start of the trace (≥ 0)
     id              optional, unique in the trace (default "L<line>")
     tenant          required; must be declared by an earlier tenant line
@@ -47,6 +53,16 @@ starting with # are ignored. Every object has a "type".
                     names one, else the tenant's name). The other prompt
                     tokens are unique to the request. Token IDs are derived
                     from -seed, prefix_id and id
+    blocks          optional, instead of prefix: the prompt as a chain of
+                    block IDs (integers ≥ 0), one per block_tokens tokens,
+                    the last block possibly partial, so exactly
+                    ceil(prompt / block_tokens) of them. Block i's tokens
+                    are derived from -seed and its ID alone: requests whose
+                    chains start alike share those tokens, and so those
+                    pages, whatever the page size; two chains that differ
+                    in a block differ, at pages of 4 tokens or more, in
+                    that block's first page and in every page after it
+                    (Mooncake's hash_ids are such chains)
     output          tokens the request generates if not aborted, ≥ 0
     max_new         output budget reserved at admission, ≥ output;
                     default output
@@ -80,8 +96,14 @@ type Request struct {
 	// same PrefixID start with the same Prefix token IDs. Set when Prefix
 	// > 0 (ParseTrace and Generate fill in the default).
 	PrefixID string
-	Output   int // tokens generated unless aborted
-	MaxNew   int // output budget reserved at admission, ≥ Output
+	// Blocks, when set (and then Prefix is 0), is the prompt as a chain of
+	// block IDs, one per Trace.BlockTokens tokens, the last possibly
+	// partial: block i's token IDs follow from its ID alone (see
+	// AppendPromptTokens), so requests whose chains start alike share
+	// those tokens.
+	Blocks []int64
+	Output int // tokens generated unless aborted
+	MaxNew int // output budget reserved at admission, ≥ Output
 	// AbortAfter is the number of generated tokens after which the client
 	// aborts; -1 when it does not.
 	AbortAfter int
@@ -97,8 +119,17 @@ func (r Request) Generated() int {
 
 // Trace is a replayable workload: tenants, then requests sorted by arrival.
 type Trace struct {
-	Tenants  []Tenant
-	Requests []Request
+	Tenants []Tenant
+	// BlockTokens is the size in tokens of the blocks of Request.Blocks;
+	// 0 when no request has blocks.
+	BlockTokens int
+	Requests    []Request
+}
+
+// BlockCount is the number of blocks of blockTokens tokens that a prompt
+// of prompt tokens spans, the last possibly partial.
+func BlockCount(prompt, blockTokens int) int {
+	return (prompt + blockTokens - 1) / blockTokens
 }
 
 // Duration is the arrival time of the last request.
@@ -115,12 +146,15 @@ const (
 	maxTraceAt     = 365 * 24 * time.Hour
 	maxTraceLine   = 1 << 20
 	maxNameLen     = 256
+	maxBlockTokens = 1 << 20
 )
 
 // record is the union of all record types. Pointers tell a missing field
 // from a zero one.
 type record struct {
 	Type string `json:"type"`
+	// trace
+	BlockTokens *int64 `json:"block_tokens"`
 	// tenant
 	Name          *string `json:"name"`
 	QuotaPages    *int64  `json:"quota_pages"`
@@ -137,12 +171,17 @@ type record struct {
 	Output     *int64   `json:"output"`
 	MaxNew     *int64   `json:"max_new"`
 	AbortAfter *int64   `json:"abort_after"`
+	Blocks     *[]int64 `json:"blocks"`
 }
 
 var fieldsOf = map[string][]string{
+	"trace":   {"type", "block_tokens"},
 	"tenant":  {"type", "name", "quota_pages", "reserved_pages", "system_prompt", "domain"},
-	"request": {"type", "at", "id", "tenant", "prompt", "prefix", "prefix_id", "output", "max_new", "abort_after"},
+	"request": {"type", "at", "id", "tenant", "prompt", "prefix", "prefix_id", "blocks", "output", "max_new", "abort_after"},
 }
+
+// recordTypes lists the record types for messages.
+const recordTypes = `"trace", "tenant" or "request"`
 
 // ParseTrace reads a JSONL trace (see TraceFormat). name labels errors
 // (usually the file name). Any bad line is reported as a *TraceError
@@ -185,6 +224,8 @@ type traceParser struct {
 	tenants map[string]int    // name → declaring line
 	domains map[string]string // tenant name → its domain field
 	ids     map[string]int    // request ID → line
+	// traceLine is the line of the trace record, 0 before it.
+	traceLine int
 }
 
 func (p *traceParser) fail(field, format string, args ...any) error {
@@ -199,10 +240,10 @@ func (p *traceParser) parseLine(line []byte) error {
 		return p.jsonError(err)
 	}
 	if head.Type == nil {
-		return p.fail("type", "missing (want \"tenant\" or \"request\")")
+		return p.fail("type", "missing (want %s)", recordTypes)
 	}
 	if _, ok := fieldsOf[*head.Type]; !ok {
-		return p.fail("type", "unknown record type %q (want \"tenant\" or \"request\")", *head.Type)
+		return p.fail("type", "unknown record type %q (want %s)", *head.Type, recordTypes)
 	}
 	var rec record
 	dec := json.NewDecoder(bytes.NewReader(line))
@@ -213,7 +254,10 @@ func (p *traceParser) parseLine(line []byte) error {
 	if f := p.foreignField(&rec); f != "" {
 		return p.fail(f, "not a field of a %q record (fields: %s)", rec.Type, strings.Join(fieldsOf[rec.Type], ", "))
 	}
-	if rec.Type == "tenant" {
+	switch rec.Type {
+	case "trace":
+		return p.traceRecord(&rec)
+	case "tenant":
 		return p.tenant(&rec)
 	}
 	return p.request(&rec)
@@ -226,16 +270,15 @@ func (p *traceParser) foreignField(r *record) string {
 		name string
 		set  bool
 	}
-	var foreign []field
-	if r.Type == "tenant" {
-		foreign = []field{{"at", r.At != nil}, {"id", r.ID != nil}, {"tenant", r.Tenant != nil}, {"prompt", r.Prompt != nil},
-			{"prefix", r.Prefix != nil}, {"prefix_id", r.PrefixID != nil}, {"output", r.Output != nil}, {"max_new", r.MaxNew != nil}, {"abort_after", r.AbortAfter != nil}}
-	} else {
-		foreign = []field{{"name", r.Name != nil}, {"quota_pages", r.QuotaPages != nil},
-			{"reserved_pages", r.ReservedPages != nil}, {"system_prompt", r.SystemPrompt != nil}, {"domain", r.Domain != nil}}
-	}
-	for _, f := range foreign {
-		if f.set {
+	all := []field{{"block_tokens", r.BlockTokens != nil},
+		{"name", r.Name != nil}, {"quota_pages", r.QuotaPages != nil}, {"reserved_pages", r.ReservedPages != nil},
+		{"system_prompt", r.SystemPrompt != nil}, {"domain", r.Domain != nil},
+		{"at", r.At != nil}, {"id", r.ID != nil}, {"tenant", r.Tenant != nil}, {"prompt", r.Prompt != nil},
+		{"prefix", r.Prefix != nil}, {"prefix_id", r.PrefixID != nil}, {"blocks", r.Blocks != nil},
+		{"output", r.Output != nil}, {"max_new", r.MaxNew != nil}, {"abort_after", r.AbortAfter != nil}}
+	own := fieldsOf[r.Type]
+	for _, f := range all {
+		if f.set && !slices.Contains(own, f.name) {
 			return f.name
 		}
 	}
@@ -257,6 +300,8 @@ func (p *traceParser) jsonError(err error) error {
 			want = "a number"
 		case "string":
 			want = "a string"
+		case "[]int64":
+			want = "an array of integers"
 		}
 		field := te.Field
 		if field == "" {
@@ -300,6 +345,22 @@ func (p *traceParser) name(field string, v *string) (string, error) {
 		return "", p.fail(field, "%d bytes, want 1..%d", len(*v), maxNameLen)
 	}
 	return *v, nil
+}
+
+func (p *traceParser) traceRecord(r *record) error {
+	if p.traceLine > 0 {
+		return p.fail("type", "a second trace record (the first is on line %d)", p.traceLine)
+	}
+	if len(p.trace.Requests) > 0 {
+		return p.fail("type", "a trace record after the first request (it must come before them)")
+	}
+	n, err := p.intField("block_tokens", r.BlockTokens, -1, 1, maxBlockTokens)
+	if err != nil {
+		return err
+	}
+	p.traceLine = p.line
+	p.trace.BlockTokens = n
+	return nil
 }
 
 func (p *traceParser) tenant(r *record) error {
@@ -376,6 +437,11 @@ func (p *traceParser) request(r *record) error {
 	if req.Prefix, err = p.intField("prefix", r.Prefix, 0, 0, int64(req.Prompt)); err != nil {
 		return err
 	}
+	if r.Blocks != nil {
+		if req.Blocks, err = p.blocks(*r.Blocks, req.Prompt, r.Prefix != nil || r.PrefixID != nil); err != nil {
+			return err
+		}
+	}
 	switch {
 	case r.PrefixID != nil && req.Prefix == 0:
 		return p.fail("prefix_id", "given for a request with no prefix (set prefix ≥ 1)")
@@ -405,6 +471,26 @@ func (p *traceParser) request(r *record) error {
 	return nil
 }
 
+// blocks checks a request's block chain against its prompt.
+func (p *traceParser) blocks(ids []int64, prompt int, hasPrefix bool) ([]int64, error) {
+	bt := p.trace.BlockTokens
+	switch {
+	case hasPrefix:
+		return nil, p.fail("blocks", "given with prefix or prefix_id: a request's shared content is either a block chain or a prefix")
+	case bt == 0:
+		return nil, p.fail("blocks", `no block size: declare it first with {"type":"trace","block_tokens":N}`)
+	case len(ids) != BlockCount(prompt, bt):
+		return nil, p.fail("blocks", "%d block IDs for a prompt of %d tokens, want %d (one per %d tokens, the last possibly partial)",
+			len(ids), prompt, BlockCount(prompt, bt), bt)
+	}
+	for i, id := range ids {
+		if id < 0 {
+			return nil, p.fail("blocks", "block %d: ID %d is negative, want ≥ 0", i, id)
+		}
+	}
+	return ids, nil
+}
+
 // DefaultPrefixID is the prefix_id of a request that names none: its
 // tenant's domain if that names one, else the tenant.
 func DefaultPrefixID(tenant, domain string) string {
@@ -419,6 +505,15 @@ func DefaultPrefixID(tenant, domain string) string {
 func WriteTrace(w io.Writer, t *Trace) error {
 	bw := bufio.NewWriter(w)
 	enc := json.NewEncoder(bw)
+	if t.BlockTokens > 0 {
+		rec := struct {
+			Type        string `json:"type"`
+			BlockTokens int    `json:"block_tokens"`
+		}{"trace", t.BlockTokens}
+		if err := enc.Encode(rec); err != nil {
+			return err
+		}
+	}
 	for _, tn := range t.Tenants {
 		rec := struct {
 			Type string `json:"type"`
@@ -437,11 +532,12 @@ func WriteTrace(w io.Writer, t *Trace) error {
 			Prompt     int         `json:"prompt"`
 			Prefix     int         `json:"prefix,omitempty"`
 			PrefixID   string      `json:"prefix_id,omitempty"`
+			Blocks     []int64     `json:"blocks,omitempty"`
 			Output     int         `json:"output"`
 			MaxNew     int         `json:"max_new"`
 			AbortAfter *int        `json:"abort_after,omitempty"`
 		}{Type: "request", At: json.Number(strconv.FormatFloat(r.At.Round(time.Microsecond).Seconds(), 'f', -1, 64)),
-			ID: r.ID, Tenant: r.Tenant, Prompt: r.Prompt, Prefix: r.Prefix, Output: r.Output, MaxNew: r.MaxNew}
+			ID: r.ID, Tenant: r.Tenant, Prompt: r.Prompt, Prefix: r.Prefix, Blocks: r.Blocks, Output: r.Output, MaxNew: r.MaxNew}
 		if r.Prefix > 0 {
 			rec.PrefixID = r.PrefixID
 		}

@@ -27,6 +27,13 @@ func TestParseTraceBadInput(t *testing.T) {
 		{"not an object", `[1,2]`, "", "not a JSON object"},
 		{"missing type", `{"at":1}`, "type", "missing"},
 		{"unknown type", `{"type":"reqest"}`, "type", "unknown record type"},
+		{"blocks without a block size", `{"type":"request","at":0,"tenant":"acme","prompt":10,"blocks":[1],"output":1}`, "blocks", "no block size"},
+		{"block_tokens on a request", `{"type":"request","at":0,"tenant":"acme","prompt":10,"block_tokens":4,"output":1}`, "block_tokens", "not a field"},
+		{"blocks on a tenant", `{"type":"tenant","name":"c","blocks":[1]}`, "blocks", "not a field"},
+		{"name on a trace record", `{"type":"trace","block_tokens":4,"name":"x"}`, "name", "not a field"},
+		{"trace record without block_tokens", `{"type":"trace"}`, "block_tokens", "missing"},
+		{"zero block_tokens", `{"type":"trace","block_tokens":0}`, "block_tokens", "out of range"},
+		{"huge block_tokens", `{"type":"trace","block_tokens":1048577}`, "block_tokens", "out of range"},
 		{"type not a string", `{"type":5}`, "type", "want a string"},
 		{"unknown field", `{"type":"request","at":0,"tenant":"acme","prompt":1,"output":1,"promt":3}`, "promt", "unknown field"},
 		{"tenant field on request", `{"type":"request","at":0,"tenant":"acme","prompt":1,"output":1,"quota_pages":3}`, "quota_pages", "not a field"},
@@ -96,6 +103,72 @@ func TestParseTraceEmpty(t *testing.T) {
 	}
 	_, err := ParseTrace(strings.NewReader(""), "")
 	assert.Contains(t, err.Error(), "trace: no requests", "a name when none is given")
+}
+
+// blocksHeader declares blocks of 4 tokens and a tenant.
+const blocksHeader = `{"type":"trace","block_tokens":4}
+{"type":"tenant","name":"acme"}
+`
+
+func TestParseTraceBlocksBadInput(t *testing.T) {
+	tests := []struct {
+		name  string
+		line  string // line 3
+		field string
+		msg   string
+	}{
+		{"too few blocks", `{"type":"request","at":0,"tenant":"acme","prompt":9,"blocks":[1,2],"output":1}`, "blocks", "2 block IDs for a prompt of 9 tokens, want 3"},
+		{"too many blocks", `{"type":"request","at":0,"tenant":"acme","prompt":8,"blocks":[1,2,3],"output":1}`, "blocks", "want 2"},
+		{"no blocks", `{"type":"request","at":0,"tenant":"acme","prompt":1,"blocks":[],"output":1}`, "blocks", "want 1"},
+		{"negative block ID", `{"type":"request","at":0,"tenant":"acme","prompt":8,"blocks":[1,-2],"output":1}`, "blocks", "block 1: ID -2 is negative"},
+		{"fractional block ID", `{"type":"request","at":0,"tenant":"acme","prompt":8,"blocks":[1,2.5],"output":1}`, "blocks", "want an integer"},
+		{"blocks not an array", `{"type":"request","at":0,"tenant":"acme","prompt":8,"blocks":7,"output":1}`, "blocks", "want an array of integers"},
+		{"blocks and a prefix", `{"type":"request","at":0,"tenant":"acme","prompt":8,"prefix":4,"blocks":[1,2],"output":1}`, "blocks", "either a block chain or a prefix"},
+		{"a second trace record", `{"type":"trace","block_tokens":8}`, "type", "second trace record (the first is on line 1)"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := ParseTrace(strings.NewReader(blocksHeader+tt.line+"\n"), "b.jsonl")
+			var te *TraceError
+			require.ErrorAs(t, err, &te)
+			assert.ErrorIs(t, err, ErrBadTrace)
+			assert.Equal(t, 3, te.Line, "line of %v", err)
+			assert.Equal(t, tt.field, te.Field, "field of %v", err)
+			assert.Contains(t, err.Error(), tt.msg)
+		})
+	}
+	// The block size must be known before the first request.
+	_, err := ParseTrace(strings.NewReader(`{"type":"tenant","name":"acme"}
+{"type":"request","at":0,"tenant":"acme","prompt":1,"output":1}
+{"type":"trace","block_tokens":4}
+`), "late.jsonl")
+	assert.ErrorContains(t, err, `late.jsonl:3: field "type": a trace record after the first request`)
+}
+
+func TestParseTraceBlocks(t *testing.T) {
+	in := blocksHeader + `{"type":"request","at":1,"id":"a","tenant":"acme","prompt":9,"blocks":[0,1,2],"output":3}
+{"type":"request","at":0,"id":"b","tenant":"acme","prompt":4,"blocks":[0],"output":0}
+{"type":"request","at":2,"id":"c","tenant":"acme","prompt":5,"prefix":2,"output":1}
+`
+	tr, err := ParseTrace(strings.NewReader(in), "")
+	require.NoError(t, err)
+	assert.Equal(t, 4, tr.BlockTokens)
+	require.Len(t, tr.Requests, 3)
+	assert.Equal(t, Request{Line: 4, At: 0, ID: "b", Tenant: "acme", Prompt: 4, Blocks: []int64{0}, MaxNew: 0, AbortAfter: -1}, tr.Requests[0])
+	assert.Equal(t, []int64{0, 1, 2}, tr.Requests[1].Blocks)
+	assert.Nil(t, tr.Requests[2].Blocks, "a request with a prefix has no chain")
+	assert.Equal(t, "acme", tr.Requests[2].PrefixID)
+
+	// A trace with blocks writes back to the same trace.
+	var buf bytes.Buffer
+	require.NoError(t, WriteTrace(&buf, tr))
+	assert.True(t, strings.HasPrefix(buf.String(), `{"type":"trace","block_tokens":4}`+"\n"), buf.String())
+	back, err := ParseTrace(&buf, "")
+	require.NoError(t, err)
+	for i := range back.Requests {
+		back.Requests[i].Line = tr.Requests[i].Line
+	}
+	assert.Equal(t, tr, back)
 }
 
 func TestParseTraceDuplicateID(t *testing.T) {
@@ -170,6 +243,7 @@ func FuzzParseTrace(f *testing.F) {
 	f.Add(`{"type":"request","at":1e400}`)
 	f.Add(`{"type":"tenant","name":"x","domain":"org"}` + "\n" + `{"type":"request","at":0,"tenant":"x","prompt":9,"prefix":3,"prefix_id":"p","output":0}`)
 	f.Add("{\"type\":\"tenant\",\"name\":\"\xff\"}\n#\n\n[]")
+	f.Add(blocksHeader + `{"type":"request","at":0,"tenant":"acme","prompt":9,"blocks":[0,1,2],"output":3,"max_new":8}`)
 	f.Fuzz(func(t *testing.T, in string) {
 		tr, err := ParseTrace(strings.NewReader(in), "fuzz")
 		if err != nil {

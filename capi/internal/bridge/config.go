@@ -21,7 +21,8 @@ import (
 // the pool.
 type ConfigJSON struct {
 	Geometry            GeometryJSON   `json:"geometry,omitzero"`
-	Cache               *CacheSpecJSON `json:"cache,omitempty"` // instead of geometry
+	Cache               *CacheSpecJSON `json:"cache,omitempty"`  // instead of geometry
+	Preset              string         `json:"preset,omitempty"` // instead of geometry and cache: kvcache.Preset
 	MaxLeases           int            `json:"max_leases,omitempty"`
 	Pages               int            `json:"pages,omitempty"`
 	PoolBytes           int64          `json:"pool_bytes,omitempty"`
@@ -232,10 +233,13 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
 		return fail("config JSON: trailing data after the object")
 	}
+	if cj.Preset != "" && (cj.Cache != nil || cj.Geometry != (GeometryJSON{})) {
+		return fail("preset %q and a geometry or cache: give one", cj.Preset)
+	}
 	var geom kvcache.Geometry
-	if cj.Cache == nil || cj.Geometry != (GeometryJSON{}) {
+	if (cj.Cache == nil && cj.Preset == "") || cj.Geometry != (GeometryJSON{}) {
 		if cj.Geometry.DType == "" {
-			return fail("geometry.dtype missing (give geometry or cache)")
+			return fail("geometry.dtype missing (give geometry, cache or preset)")
 		}
 		dtype, err := isolation.ParseDType(cj.Geometry.DType)
 		if err != nil {
@@ -261,6 +265,12 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 		}
 		if spec.IsZero() {
 			return fail("cache has no groups")
+		}
+	}
+	if cj.Preset != "" {
+		var err error
+		if spec, err = kvcache.Preset(cj.Preset); err != nil {
+			return kvcache.Config{}, DeviceJSON{}, err
 		}
 	}
 	var err error

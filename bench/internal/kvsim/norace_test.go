@@ -1,0 +1,5 @@
+//go:build !race
+
+package kvsim
+
+const raceEnabled = false
