@@ -284,7 +284,10 @@ func TestPythonExample(t *testing.T) {
 	for _, want := range []string{"block table", "KVF_ERR_EXCEEDS_QUOTA need=125 limit=64", "free=256/256",
 		"chat-2 hit 96 tokens", "identical prompt hit 0 tokens", "forged manifest refused: KVF_ERR_BAD_MAC",
 		"decode lease prefilled, 32 pages, 300 prompt tokens written", "replay refused: KVF_ERR_REPLAY",
-		"prefill pool 256/256 pages free, decode pool 256/256"} {
+		"prefill pool 256/256 pages free, decode pool 256/256",
+		"ranks: 15 pages quarantined before rank 1 stepped", "ranks: 16/16 pages free once every rank reported",
+		"over both shards passed", "rank 1 after the pool's destruction: error KVF_ERR_POOL_CLOSED",
+		"(Lease.release, RankWorker.step)"} {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("demo output lacks %q", want)
 		}

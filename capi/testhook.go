@@ -29,11 +29,14 @@ type (
 	cExport   = C.kvf_export
 	cReceiver = C.kvf_receiver
 	cImport   = C.kvf_import
+	cWorker   = C.kvf_rank_worker
+	cRegion   = C.kvf_region
 	cTransfer = C.kvf_transfer_info
 	cChar     = C.char
 	cUint8    = C.uint8_t
 	cInt32    = C.int32_t
 	cInt64    = C.int64_t
+	cUint64   = C.uint64_t
 	cSize     = C.size_t
 )
 

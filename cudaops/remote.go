@@ -2,12 +2,14 @@ package cudaops
 
 import (
 	"bufio"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -280,12 +282,14 @@ func (r *remoteRank) send(seq uint64, kind byte, payload []byte) <-chan remoteRe
 	return ch
 }
 
-// await waits for one reply, declaring the rank lost past the deadline.
-func (r *remoteRank) await(ch <-chan remoteReply, deadline *time.Timer, what string) remoteReply {
+// await waits for one reply, declaring the rank lost once expired is
+// closed. One deadline covers every rank of a fill, so it is a channel
+// that stays closed: a timer's fires once, for the first rank lost only.
+func (r *remoteRank) await(ch <-chan remoteReply, expired <-chan struct{}, what string) remoteReply {
 	select {
 	case rep := <-ch:
 		return rep
-	case <-deadline.C:
+	case <-expired:
 		r.lose(fmt.Errorf("%w: rank %d did not report %s in time", ErrDriver, r.rank, what))
 		return <-ch
 	}
@@ -343,11 +347,11 @@ func (d *RemoteRanks) Fill(pages []int32, spec FillSpec, _ Ordering) (Fence, err
 	go func() {
 		// One goroutine per fill in flight, parked on channels: no OS
 		// thread, no CPU.
-		deadline := time.NewTimer(d.timeout)
-		defer deadline.Stop()
+		deadline, cancel := context.WithTimeout(context.Background(), d.timeout)
+		defer cancel()
 		var first error
 		for i, r := range d.ranks {
-			if rep := r.await(replies[i], deadline, fmt.Sprintf("fill %d", seq)); rep.err != nil && first == nil {
+			if rep := r.await(replies[i], deadline.Done(), fmt.Sprintf("fill %d", seq)); rep.err != nil && first == nil {
 				first = rep.err
 			}
 		}
@@ -395,8 +399,8 @@ func (d *RemoteRanks) pageOp(kind byte, r int, p int32, buf []byte) error {
 	if err != nil {
 		return err
 	}
-	deadline := time.NewTimer(d.timeout)
-	defer deadline.Stop()
+	deadline, cancel := context.WithTimeout(context.Background(), d.timeout)
+	defer cancel()
 	off := 0
 	for _, rk := range d.ranks {
 		n := int(rk.regions[r].PageBytes)
@@ -407,7 +411,7 @@ func (d *RemoteRanks) pageOp(kind byte, r int, p int32, buf []byte) error {
 		if kind == frameWrite {
 			msg = append(msg, buf[off:off+n]...)
 		}
-		rep := rk.await(rk.send(seq, kind, msg), deadline, fmt.Sprintf("page %d of region %d", p, r))
+		rep := rk.await(rk.send(seq, kind, msg), deadline.Done(), fmt.Sprintf("page %d of region %d", p, r))
 		if rep.err != nil {
 			return rep.err
 		}
@@ -467,7 +471,7 @@ type RankWorker struct {
 	conn net.Conn
 	dev  Device
 	rank int
-	auto bool
+	auto atomic.Bool // launch batches as they arrive (SetAutoStep)
 
 	wmu     sync.Mutex
 	mu      sync.Mutex
@@ -509,7 +513,8 @@ func ServeRank(conn net.Conn, rank int, dev Device, autoStep bool) (*RankWorker,
 	if err := writeFrame(conn, frameHello, b); err != nil {
 		return nil, fmt.Errorf("%w: rank %d hello: %w", ErrDriver, rank, err)
 	}
-	w := &RankWorker{conn: conn, dev: dev, rank: rank, auto: autoStep, reports: make(chan rankReport, 1024), done: make(chan struct{})}
+	w := &RankWorker{conn: conn, dev: dev, rank: rank, reports: make(chan rankReport, 1024), done: make(chan struct{})}
+	w.auto.Store(autoStep)
 	go w.reportLoop()
 	go w.readLoop()
 	return w, nil
@@ -542,6 +547,19 @@ func (w *RankWorker) Step(after Ordering) (int, error) {
 		w.mu.Unlock()
 	}
 	return len(batches), nil
+}
+
+// SetAutoStep switches between launching batches as they arrive, with the
+// zero ordering (after all prior work of the device), and leaving them for
+// Step. Switched on, it launches what is queued at once. A worker that
+// starts with AutoStep and switches it off at its first Step serves the
+// batches sent before its engine runs any kernel (the pool's initial
+// scrub, which the scheduler waits for) without a Step of its own.
+func (w *RankWorker) SetAutoStep(on bool) {
+	w.auto.Store(on)
+	if on {
+		_, _ = w.Step(Ordering{})
+	}
 }
 
 // Wait blocks until the scheduler closed the connection (or it failed)
@@ -578,7 +596,7 @@ func (w *RankWorker) readLoop() {
 			w.mu.Lock()
 			w.queued = append(w.queued, batch)
 			w.mu.Unlock()
-			if w.auto {
+			if w.auto.Load() {
 				_, _ = w.Step(Ordering{})
 			}
 		case (kind == frameRead || kind == frameWrite) && len(b) >= 16:

@@ -262,3 +262,27 @@ func TestRemoteRanksGPU(t *testing.T) {
 	assert.Empty(t, p.Stats().Fault)
 	require.NoError(t, p.Check())
 }
+
+// Two ranks that hang on the same fill: the deadline that declares the
+// first lost must declare the second lost too. (A fill used to wait for
+// the second for ever, its deadline timer already spent on the first: the
+// fence never completed and the pool neither faulted nor closed.)
+func TestRemoteRanksTwoHungFreedPages(t *testing.T) {
+	hang := []string{"KVFENCE_RANK_HANG_ON_BATCH=2"}
+	d := startRanksTimeout(t, 3, "host", map[int][]string{0: hang, 1: hang}, 300*time.Millisecond)
+	p := rankPool(t, d, 3)
+	l, err := p.TryAdmit(kvcache.Request{ID: "r", Tenant: "acme", PromptTokens: 60})
+	require.NoError(t, err)
+	leased := l.Pages()
+	_ = l.Release()
+	faulted := assert.Eventually(t, func() bool { return p.Stats().Fault != "" }, 10*time.Second, time.Millisecond)
+	if !faulted {
+		_ = d.Close() // fail the fill, so that Close does not wait for it for ever
+	}
+	require.NoError(t, p.Close())
+	if faulted {
+		st := p.Stats()
+		assert.Contains(t, st.Fault, "rank 0 did not report")
+		assert.Equal(t, leased, st.RetiredPages)
+	}
+}

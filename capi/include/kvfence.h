@@ -65,8 +65,11 @@ extern "C" {
  * sliding windows, state slots, engine-owned tensors), the tables of a
  * lease's cache groups (kvf_lease_group_table), sliding windows
  * (kvf_lease_slide_windows), host regions' addresses in kvf_pool_regions
- * and "groups" in the stats JSON. */
-#define KVF_ABI_VERSION 4
+ * and "groups" in the stats JSON; version 5 adds tensor-parallel groups
+ * with one process per rank: a pool over remote ranks ("device": {"kind":
+ * "remote"}) and the rank worker each rank's process runs
+ * (kvf_rank_worker_create, kvf_rank_step, ...). */
+#define KVF_ABI_VERSION 5
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -139,6 +142,7 @@ typedef uint64_t kvf_lease;
 typedef uint64_t kvf_export;   /* since ABI 2 */
 typedef uint64_t kvf_receiver; /* since ABI 2 */
 typedef uint64_t kvf_import;   /* since ABI 2 */
+typedef uint64_t kvf_rank_worker; /* since ABI 5 */
 
 /* A lease's handoff phase (kvf_lease_phase). Since ABI 2. */
 enum {
@@ -246,7 +250,8 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  *    "sizing": {"mode": "full"},      (or {"mode": "on_demand",
  *                                        "headroom_tokens": 256})
  *    "growth_watermark": 0.01,
- *    "device": {"kind": "host"}}      (or {"kind": "cuda", "ordinal": 0})
+ *    "device": {"kind": "host"}}      (or {"kind": "cuda", "ordinal": 0},
+ *                                        or {"kind": "remote", ...}: below)
  *
  * Unknown fields are rejected. A pool that cannot hold max_context_tokens
  * returns KVF_ERR_UNDERSIZED_POOL unless allow_undersized_pool is true.
@@ -286,7 +291,34 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  * a host address ("bytes" long, required) on a host pool; the engine keeps
  * the memory alive until kvf_pool_destroy. Overlapping tensors, strides
  * smaller than a page and memory smaller than its group are refused
- * (KVF_ERR_INVALID_CONFIG), with nothing adopted. */
+ * (KVF_ERR_INVALID_CONFIG), with nothing adopted.
+ *
+ * "device": {"kind": "remote", "listen": "unix:/run/kvf.sock" (or
+ * "tcp:HOST:PORT"), "ranks": 4, "report_timeout_ms": 30000,
+ * "accept_timeout_ms": 60000} (since ABI 5) makes this the scheduler's
+ * pool of a tensor-parallel group with one process per rank: each rank's
+ * process holds its shard of every region and serves it with a rank
+ * worker (kvf_rank_worker_create, below). The call listens on the address,
+ * blocks until every rank in [0, ranks) has connected once, with shards
+ * of one shape, and scrubs every page on every rank (the workers launch
+ * that scrub without a step), then stops listening; ranks missing after
+ * accept_timeout_ms (0: 60 s), a socket file already there, or a refused
+ * rank is KVF_ERR_NO_DEVICE with the reason. Region r of the pool is the
+ * ranks' region r side by side, rank 0 first: geometry.kv_heads counts
+ * the heads of all ranks, and "pages" must not exceed the ranks' own
+ * (such a pool takes a "geometry"; a "cache" over remote ranks is not
+ * supported yet: KVF_ERR_INVALID_CONFIG). A
+ * page returns to the free list only after every rank has reported its
+ * scrub; a rank that fails one, disconnects or stays silent for
+ * report_timeout_ms (0: 30 s) fails it: the pages are retired, the pool
+ * faults (KVF_ERR_POOL_FAULTED), and every later fill fails, so the group
+ * must be rebuilt (destroy the pool, create it again). Orderings given to
+ * kvf_lease_release are ignored: each rank orders its scrub after its own
+ * stream (kvf_rank_step). kvf_pool_destroy waits for the scrubs in flight,
+ * up to report_timeout_ms, then closes the connections: the workers see
+ * KVF_ERR_POOL_CLOSED. The protocol authenticates nothing: listen on a
+ * Unix socket in a directory only the engine's user can reach, or on TCP
+ * only inside a trusted network. */
 KVF_API kvf_status kvf_pool_create(const char *config_json, kvf_pool *out);
 
 /* Closes the pool: live leases are released and scrubbed, fills are
@@ -606,6 +638,94 @@ KVF_API kvf_status kvf_import_abort(kvf_import imp);
 /* Aborts the import unless it completed, and frees the handle; a
  * completed import's lease is unaffected. */
 KVF_API kvf_status kvf_import_free(kvf_import imp);
+
+/* ---- Rank workers (since ABI 5) ---------------------------------------- *
+ *
+ * Tensor parallelism with one process per rank (vLLM's and SGLang's
+ * workers): the scheduler's process owns admission through a pool over
+ * remote ranks (kvf_pool_create, "device": {"kind": "remote"}); each
+ * rank's process holds the rank's shard of every region on its GPU and
+ * runs a rank worker, which scrubs that shard when the scheduler frees
+ * pages, on the worker's own stream, ordered after the engine's kernels:
+ *
+ *   kvf_region shard[2 * layers];   layer l's K shard in 2l, V in 2l+1
+ *   kvf_rank_worker w;
+ *   kvf_rank_worker_create("{\"connect\": \"unix:/run/kvf.sock\", \"rank\": 1,"
+ *                          " \"device\": {\"kind\": \"cuda\", \"ordinal\": 1}}",
+ *                          shard, 2 * layers, &w);
+ *   each engine step:  ... queue the step's kernels on stream ...
+ *                      kvf_rank_step(w, (uintptr_t)stream, 0, NULL);
+ *   at the end:        kvf_rank_worker_close(w);
+ *
+ * Page IDs are the scheduler's: page p of shard region r is at
+ * base + p * stride, and the pool's page p is page p of every rank.
+ */
+
+/* Opens the rank's device, registers its shard's regions, connects to the
+ * scheduler and says hello as its rank. config_json:
+ *   {"connect": "unix:PATH" or "tcp:HOST:PORT"   (the pool's "listen"),
+ *    "rank": 0,                     (required; 0 <= rank < the pool's ranks)
+ *    "device": {"kind": "cuda", "ordinal": 1}   (as a pool's; default host),
+ *    "auto_step": false,            (true: launch each batch as it arrives)
+ *    "connect_timeout_ms": 60000}   (0: 60 s)
+ * The scheduler need not listen yet: the call tries again until
+ * connect_timeout_ms, then returns KVF_ERR_NO_DEVICE. regions are the
+ * rank's shard, n_regions of them (2 x layers, as the pool's regions):
+ * base is the engine's memory, adopted (a CUDA device address, e.g. a
+ * KV tensor's data_ptr(); on a host device the address of host memory),
+ * which must stay allocated until kvf_rank_worker_close returns and be
+ * written only under the scheduler's leases; base 0 asks the worker to
+ * allocate the region (stride 0 or page_bytes; kvf_rank_worker_regions
+ * gives the addresses). Every rank must describe shards of the same
+ * number of regions; the scheduler's geometry must add up to the ranks'
+ * page bytes. A bad region is KVF_ERR_INVALID_ARGUMENT, bad JSON
+ * KVF_ERR_INVALID_CONFIG, and a failed call leaves nothing open: no
+ * connection, no device. The worker owns a CUDA device's context retain
+ * (the primary context, which the runtime and PyTorch share). */
+KVF_API kvf_status kvf_rank_worker_create(const char *config_json, const kvf_region *regions, size_t n_regions,
+                                          kvf_rank_worker *out);
+
+/* Launches every scrub batch the scheduler handed to this rank since the
+ * last step, ordered after stream and event with kvf_lease_release's rules
+ * (a CUstream / cudaStream_t, KVF_STREAM_LEGACY, KVF_STREAM_PER_THREAD, a
+ * CUevent; stream = event = 0: after all work of the device's context,
+ * which blocks until the GPU is idle; a host device ignores them).
+ * *launched (if not NULL) gets how many batches it launched, 0 if none
+ * was waiting. Each batch is reported to the scheduler once its scrub has
+ * completed; the scheduler frees its pages when every rank has. Call it
+ * after queuing each engine step's kernels, and also while the engine is
+ * idle, at least once per report_timeout_ms: a batch no step launches
+ * makes the scheduler declare the rank lost. Until the first call,
+ * batches launch as they arrive with stream = event = 0 (the first is the
+ * pool's initial scrub, which kvf_pool_create waits for before any engine
+ * could step); with "auto_step" they always do, and a step seldom finds
+ * one left. A stream or event the driver refuses is KVF_ERR_BAD_ORDERING:
+ * nothing is launched and the batches wait for the next step. Once the
+ * connection has ended, KVF_ERR_POOL_CLOSED if the scheduler closed it
+ * (it destroyed its pool, or its process ended: the two look alike), or
+ * KVF_ERR_DEVICE_FAILED with the reason if it broke; then close the
+ * worker. */
+KVF_API kvf_status kvf_rank_step(kvf_rank_worker worker, uintptr_t stream, uintptr_t event, size_t *launched);
+
+/* Waits up to wait_ms for the connection to the scheduler to end (0 only
+ * looks; wait_ms < 0 is KVF_ERR_INVALID_ARGUMENT). *ended (if not NULL)
+ * gets 1 once it has ended and 0 if wait_ms passed first. The status is
+ * KVF_OK, or KVF_ERR_DEVICE_FAILED with the reason when the connection
+ * broke rather than closed (*ended is then 1). */
+KVF_API kvf_status kvf_rank_worker_wait(kvf_rank_worker worker, int64_t wait_ms, int32_t *ended);
+
+/* Copies the worker's regions into buf, as kvf_pool_regions does (base:
+ * the device address, or the host memory's); *len (if not NULL) gets the
+ * count. */
+KVF_API kvf_status kvf_rank_worker_regions(kvf_rank_worker worker, kvf_region *buf, size_t buf_len, size_t *len);
+
+/* Waits for steps in flight on other threads, closes the connection and
+ * the device (memory it allocated is freed; adopted memory is not), and
+ * invalidates the handle, whatever the status. Afterwards kvfence touches
+ * the shard no more. A worker that closes while its pool lives makes the
+ * scheduler lose the rank: scrubs in flight and every later one fail, and
+ * the pool faults. */
+KVF_API kvf_status kvf_rank_worker_close(kvf_rank_worker worker);
 
 #endif /* KVFENCE_TYPES_ONLY */
 

@@ -1,6 +1,7 @@
 /*
- * capi_test.c drives every function of kvfence.h, every bad-input case the
- * header documents, and concurrent use from several threads. It exits 0 if
+ * capi_test.c (with capi_test_v2.inc to _v5.inc) drives every
+ * function of kvfence.h, every bad-input case the header documents, and
+ * concurrent use from several threads. It exits 0 if
  * every check passed; each failed check prints its line and the library's
  * last error. Built and run by capi's Go tests and scripts/ci-capi.sh (also
  * under valgrind).
@@ -527,6 +528,7 @@ static void test_long_strings(void) {
 #include "capi_test_v2.inc"
 #include "capi_test_v3.inc"
 #include "capi_test_v4.inc"
+#include "capi_test_v5.inc"
 
 int main(void) {
     test_library();
@@ -548,6 +550,7 @@ int main(void) {
     test_growth();
     test_cache_groups();
     test_adopted_host_tensors();
+    test_ranks();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);
         return 1;

@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
 """Two tenants share one kvfence pool through the C ABI; a prefix is
 shared between two requests of one tenant; a prompt's KV is handed off
-from a prefill pool to a decode pool.
+from a prefill pool to a decode pool; a tensor-parallel group of two
+worker processes (this script with --rank-worker) scrubs its shards.
 
     go build -buildmode=c-shared -o capi/libkvfence.so ./capi
     python3 examples/python/demo.py
 """
 
 import os
+import shutil
+import struct
+import subprocess
 import sys
+import tempfile
+import time
 
 sys.dont_write_bytecode = True  # keep the source tree clean when CI runs this
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -224,6 +230,147 @@ def cache_groups_demo():
               % (pool.stats()["page_bytes"], pool.stats()["tokens_per_page"]))
 
 
+# The tensor-parallel group of ranks_demo: each rank holds 2 of the 4 KV
+# heads of 2 layers (4 regions), 16 pages of 4 fp32 tokens: 128 bytes per
+# page and region on each rank.
+RANKS = 2
+RANK_PAGES = 16
+RANK_PAGE_BYTES = 128
+RANK_REGIONS = 4
+
+
+def rank_worker(connect, rank):
+    """A worker process of the group (what a vLLM or SGLang worker would
+    run beside its model), driven by ranks_demo on stdin: its shard is host
+    memory here; on a GPU it would be the KV tensors' data_ptr()s."""
+    shard = [bytearray(b"\xee" * (RANK_PAGES * RANK_PAGE_BYTES)) for _ in range(RANK_REGIONS)]
+    regions = [{"memory": m, "pages": RANK_PAGES, "page_bytes": RANK_PAGE_BYTES} for m in shard]
+    with kvfence.RankWorker(connect, rank, regions, connect_timeout_ms=30000) as w:
+        print("ready", flush=True)
+        for line in sys.stdin:
+            cmd = line.split()
+            try:
+                if cmd[0] == "write":  # the engine writes KV into pages
+                    for m in shard:
+                        for p in map(int, cmd[2:]):
+                            m[p * RANK_PAGE_BYTES:(p + 1) * RANK_PAGE_BYTES] = bytes([int(cmd[1])]) * RANK_PAGE_BYTES
+                    answer = "ok"
+                elif cmd[0] == "step":  # after the engine step's kernels
+                    answer = "stepped %d" % w.step()
+                elif cmd[0] == "word":  # the first word of a page, and whether every word is that one
+                    p = int(cmd[1])
+                    words = set()
+                    for m in shard:
+                        words.update(struct.unpack_from("<%dI" % (RANK_PAGE_BYTES // 4), m, p * RANK_PAGE_BYTES))
+                    answer = "word %08x %d" % (struct.unpack_from("<I", shard[0], p * RANK_PAGE_BYTES)[0], len(words) == 1)
+                elif cmd[0] == "wait":
+                    answer = "ended %d" % w.wait(int(cmd[1]))
+                else:
+                    break
+            except kvfence.KvfenceError as e:
+                answer = "error %s" % e.name
+            print(answer, flush=True)
+        regions_seen = len(w.regions())
+    print("closed, %d regions" % regions_seen, flush=True)
+
+
+class Rank:
+    """ranks_demo's end of one worker process."""
+
+    def __init__(self, connect, rank):
+        self.rank = rank
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank-worker", connect, str(rank)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def line(self):
+        out = self.p.stdout.readline().strip()
+        if not out:
+            raise RuntimeError("rank %d ended" % self.rank)
+        return out
+
+    def do(self, *cmd):
+        self.p.stdin.write(" ".join(map(str, cmd)) + "\n")
+        self.p.stdin.flush()
+        return self.line()
+
+    def step_arrived(self):
+        """Steps until the batch the scheduler just handed over (it
+        reaches the worker asynchronously) has been launched."""
+        for _ in range(5000):
+            out = self.do("step")
+            if out != "stepped 0":
+                return out
+            time.sleep(0.002)
+        return out
+
+
+def ranks_demo():
+    """The scheduler's pool over a group of two worker processes: a page
+    is free again only once every rank has scrubbed its shard of it, each
+    on its own step, and the canary audit reads every rank's shard."""
+    tmp = tempfile.mkdtemp(prefix="kvfd")
+    connect = "unix:" + os.path.join(tmp, "s")
+    ranks = [Rank(connect, r) for r in range(RANKS)]  # they wait for the scheduler to listen
+    config = {
+        "geometry": {"tokens_per_page": 4, "layers": 2, "kv_heads": 2 * RANKS, "head_dim": 4, "dtype": "fp32"},
+        "pages": RANK_PAGES, "max_context_tokens": 64, "tenants": [{"name": "acme"}, {"name": "globex"}],
+        "scrub": {"kind": "canary"},
+        "device": {"kind": "remote", "listen": connect, "ranks": RANKS, "report_timeout_ms": 20000},
+    }
+    try:
+        with kvfence.Pool(config) as pool:  # returns once every rank connected and scrubbed its shard
+            for r in ranks:
+                assert r.line() == "ready"
+                assert r.do("word", 0).endswith(" 1") and not r.do("word", 0).startswith("word eeeeeeee")
+                assert r.do("step") == "stepped 0"  # before any batch: from now on scrubs wait for a step
+            s = pool.stats()
+            print("ranks: pool over %s, %d pages of %d bytes (%d per rank)"
+                  % (s["device"], s["total_pages"], pool.regions()[0]["page_bytes"], RANK_PAGE_BYTES))
+            lease = pool.admit("tp-1", "acme", prompt_tokens=60)
+            table = lease.block_table()
+            for r in ranks:
+                assert r.do("write", 0x5A, *table) == "ok"
+            lease.release()
+            for r in ranks:
+                time.sleep(0.02)  # a report that must not come
+                q = pool.stats()["quarantined_pages"]
+                print("ranks: %d pages quarantined before rank %d stepped" % (q, r.rank))
+                assert q == len(table) and r.do("word", table[0]) == "word 5a5a5a5a 1"
+                assert r.step_arrived() == "stepped 1"
+                word = r.do("word", table[0])
+                assert word.endswith(" 1") and word != "word 5a5a5a5a 1"
+                print("ranks: rank %d stepped, its shard of page %d now holds %s" % (r.rank, table[0], word.split()[1]))
+            for _ in range(5000):
+                if pool.stats()["free_pages"] == RANK_PAGES:
+                    break
+                time.sleep(0.002)
+            s = pool.stats()
+            print("ranks: %d/%d pages free once every rank reported" % (s["free_pages"], s["total_pages"]))
+            assert s["free_pages"] == RANK_PAGES
+            other = pool.admit("tp-2", "globex", prompt_tokens=64)  # every page, audited on every rank
+            s = pool.stats()
+            assert s["scrub"]["canary_failures"] == 0 and not s["fault"]
+            print("ranks: canary audit of %d pages over both shards passed" % s["scrub"]["canary_checks"])
+            other.free()
+            for r in ranks:
+                assert r.step_arrived() == "stepped 1"
+            pool.check()
+        for r in ranks:
+            assert r.do("wait", 10000) == "ended 1"
+            out = r.do("step")
+            print("ranks: rank %d after the pool's destruction: %s" % (r.rank, out))
+            assert out == "error KVF_ERR_POOL_CLOSED"
+            r.p.stdin.close()
+            assert r.line() == "closed, %d regions" % RANK_REGIONS
+            assert r.p.wait(10) == 0
+    finally:
+        for r in ranks:
+            if r.p.poll() is None:
+                r.p.kill()
+                r.p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def check_default_stream():
     """Lease.release() with no stream orders the scrub after PyTorch's
     current stream; its default stream (cuda_stream 0) is passed as the
@@ -251,19 +398,41 @@ def check_default_stream():
     class Torch:
         cuda = Cuda()
 
+    # RankWorker.step() orders after the same stream; the C call is
+    # replaced by one that records what it is given.
+    given = []
+
+    def fake_step(handle, stream, event, launched):
+        given.append(stream)
+        return kvfence.OK
+
+    real_step, kvfence._rank_step = kvfence._rank_step, fake_step
+    worker = kvfence.RankWorker.__new__(kvfence.RankWorker)
+    worker._h = 1
+
     sys.modules["torch"] = Torch()
     try:
         assert kvfence.default_stream() == kvfence.STREAM_LEGACY
+        worker.step()
         Torch.cuda.handle = 0x7f00dead
         assert kvfence.default_stream() == 0x7f00dead
+        worker.step()
+        worker.step(stream=0x1234)
+        assert given == [kvfence.STREAM_LEGACY, 0x7f00dead, 0x1234], given
     finally:
+        kvfence._rank_step = real_step
+        worker._h = 0
         if real is None:
             del sys.modules["torch"]
         else:
             sys.modules["torch"] = real
-    print("default stream: PyTorch's current stream, its default one as STREAM_LEGACY")
+    print("default stream: PyTorch's current stream, its default one as STREAM_LEGACY (Lease.release, RankWorker.step)")
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--rank-worker":
+        rank_worker(sys.argv[2], int(sys.argv[3]))
+        sys.exit(0)
     main()
+    ranks_demo()
     check_default_stream()

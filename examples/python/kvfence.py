@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-ABI_VERSION = 4  # the library must implement at least this
+ABI_VERSION = 5  # the library must implement at least this
 
 # Status codes, as in kvfence.h.
 OK = 0
@@ -222,6 +222,13 @@ _preempt = _fn("kvf_lease_preempt", _status, _handle, _P(ctypes.c_int32), _size,
 # ABI 4.
 _group_table = _fn("kvf_lease_group_table", _status, _handle, ctypes.c_char_p, _P(ctypes.c_int32), _size, _P(_size), _P(_i64))
 _slide_windows = _fn("kvf_lease_slide_windows", _status, _handle, ctypes.c_size_t, ctypes.c_size_t, _P(_i64))
+
+# ABI 5.
+_rank_worker_create = _fn("kvf_rank_worker_create", _status, ctypes.c_char_p, _P(_Region), _size, _P(_handle))
+_rank_step = _fn("kvf_rank_step", _status, _handle, ctypes.c_size_t, ctypes.c_size_t, _P(_size))
+_rank_worker_wait = _fn("kvf_rank_worker_wait", _status, _handle, _i64, _P(ctypes.c_int32))
+_rank_worker_regions = _fn("kvf_rank_worker_regions", _status, _handle, _P(_Region), _size, _P(_size))
+_rank_worker_close = _fn("kvf_rank_worker_close", _status, _handle)
 
 
 def version():
@@ -596,3 +603,102 @@ class Import:
 
     def __exit__(self, *exc):
         self.free()
+
+
+class RankWorker:
+    """One rank of a tensor-parallel group with one process per rank, as
+    vLLM's and SGLang's worker processes run: the scheduler's process owns
+    the Pool (config "device": {"kind": "remote", "listen": ..., "ranks":
+    N}), and each rank's process serves its shard of every region with a
+    RankWorker, which scrubs the pages the scheduler frees on this rank,
+    after the engine's own kernels, when step() is called.
+
+    connect is the pool's "listen" address ("unix:PATH" or "tcp:HOST:PORT");
+    the scheduler need not listen yet (the worker keeps trying for
+    connect_timeout_ms, 0: 60 s). regions is the rank's shard, one item per
+    region (layer l's K is 2l, V is 2l+1), each a dict with "pages",
+    "page_bytes" and either "base" (the engine's memory: a CUDA tensor's
+    data_ptr(), with its "stride" between pages; base 0 or absent: the
+    worker allocates the region) or, on a host device, "memory": a
+    writable buffer (bytearray, ctypes array) that the worker adopts and
+    keeps a reference to until close(). device is a pool's "device" dict
+    ({"kind": "cuda", "ordinal": N}; default: host). With auto_step,
+    batches launch as they arrive, after all work of the device's context,
+    and step() is never needed. Use as a context manager, or call close().
+    """
+
+    def __init__(self, connect, rank, regions, device=None, auto_step=False, connect_timeout_ms=0):
+        cfg = {"connect": connect, "rank": rank}
+        if device is not None:
+            cfg["device"] = device
+        if auto_step:
+            cfg["auto_step"] = True
+        if connect_timeout_ms:
+            cfg["connect_timeout_ms"] = connect_timeout_ms
+        self._keep = []  # adopted buffers, alive until close()
+        arr = (_Region * len(regions))()
+        for i, r in enumerate(regions):
+            base = r.get("base", 0)
+            stride = r.get("stride", r["page_bytes"] if base or r.get("memory") is not None else 0)
+            if r.get("memory") is not None:
+                size = memoryview(r["memory"]).nbytes
+                if size < (r["pages"] - 1) * stride + r["page_bytes"]:
+                    raise ValueError("region %d: memory of %d bytes for %d pages %d bytes apart" % (i, size, r["pages"], stride))
+                view = (ctypes.c_char * size).from_buffer(r["memory"])
+                self._keep.append(view)
+                base = ctypes.addressof(view)
+            arr[i] = _Region(base, stride, r["page_bytes"], r["pages"])
+        h = _handle()
+        _check(_rank_worker_create(_bytes(json.dumps(cfg)), arr, len(arr), ctypes.byref(h)))
+        self._h = h.value
+
+    def step(self, stream=None, event=0):
+        """Launches the scrubs the scheduler handed to this rank since the
+        last step, after the engine's work: the CUDA stream (an integer
+        handle; default: default_stream(), PyTorch's current stream, as
+        Lease.release) and event. Returns how many batches it launched.
+        Call it after each engine step, and while idle at least once per
+        the pool's report_timeout_ms. Raises KvfenceError: ERR_BAD_ORDERING
+        (nothing launched; step again with a usable stream),
+        ERR_POOL_CLOSED once the scheduler closed the connection,
+        ERR_DEVICE_FAILED if it broke."""
+        if stream is None:
+            stream = default_stream()
+        n = _size()
+        _check(_rank_step(self._h, stream, event, ctypes.byref(n)))
+        return n.value
+
+    def wait(self, wait_ms=0):
+        """Waits up to wait_ms for the connection to the scheduler to end;
+        True once it has (the scheduler destroyed its pool or is gone).
+        Raises KvfenceError (ERR_DEVICE_FAILED) if it broke."""
+        ended = ctypes.c_int32()
+        _check(_rank_worker_wait(self._h, wait_ms, ctypes.byref(ended)))
+        return bool(ended.value)
+
+    def regions(self):
+        """The worker's regions, as Pool.regions()."""
+        n = _size()
+        st = _rank_worker_regions(self._h, None, 0, ctypes.byref(n))
+        if st != ERR_BUFFER_TOO_SMALL:
+            _check(st)
+        buf = (_Region * n.value)()
+        _check(_rank_worker_regions(self._h, buf, n.value, ctypes.byref(n)))
+        return [{f: getattr(r, f) for f, _ in _Region._fields_} for r in buf[: n.value]]
+
+    def close(self):
+        """Closes the connection and the device; kvfence touches the shard
+        no more. While the scheduler's pool lives, it loses this rank and
+        faults."""
+        if self._h:
+            h, self._h = self._h, 0
+            try:
+                _check(_rank_worker_close(h))
+            finally:
+                self._keep = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -55,18 +55,83 @@ type PrefixJSON struct {
 	EventBuffer int  `json:"event_buffer,omitempty"`
 }
 
-// DeviceJSON selects the device: kind "host" (or empty) or "cuda" with
-// the driver's device ordinal.
+// DeviceJSON selects the device: kind "host" (or empty), "cuda" with the
+// driver's device ordinal, or (a pool's only, since ABI 5) "remote": the
+// ranks of a tensor-parallel group, one worker process each
+// (cudaops.RemoteRanks), which connect to Listen and serve their shards
+// (CreateRankWorker).
 type DeviceJSON struct {
 	Kind    string `json:"kind,omitempty"`
 	Ordinal int    `json:"ordinal,omitempty"`
+	// Remote: the address the ranks connect to ("unix:PATH" or
+	// "tcp:HOST:PORT"), how many must, how long a fill waits for a rank's
+	// report before the rank is lost (0: 30 s), and how long the pool's
+	// creation waits for every rank to connect (0: 60 s).
+	Listen          string `json:"listen,omitempty"`
+	Ranks           int    `json:"ranks,omitempty"`
+	ReportTimeoutMS int64  `json:"report_timeout_ms,omitempty"`
+	AcceptTimeoutMS int64  `json:"accept_timeout_ms,omitempty"`
 }
 
 // Device kinds.
 const (
-	DeviceHost = "host"
-	DeviceCUDA = "cuda"
+	DeviceHost   = "host"
+	DeviceCUDA   = "cuda"
+	DeviceRemote = "remote"
 )
+
+// maxRanks bounds a remote group: far beyond any tensor-parallel degree,
+// and small enough that a typo is not a minute-long accept loop.
+const maxRanks = 4096
+
+// remoteFields reports whether any field of a remote group is set.
+func (d DeviceJSON) remoteFields() bool {
+	return d.Listen != "" || d.Ranks != 0 || d.ReportTimeoutMS != 0 || d.AcceptTimeoutMS != 0
+}
+
+// checkLocal checks a host or CUDA device selection (a pool's or a rank
+// worker's) and normalises an empty kind to host.
+func (d DeviceJSON) checkLocal() (DeviceJSON, error) {
+	if d.remoteFields() {
+		return DeviceJSON{}, fmt.Errorf("%w: device.listen, .ranks, .report_timeout_ms and .accept_timeout_ms are for kind %q",
+			kvcache.ErrInvalidConfig, DeviceRemote)
+	}
+	switch d.Kind {
+	case "", DeviceHost:
+		if d.Ordinal != 0 {
+			return DeviceJSON{}, fmt.Errorf("%w: device.ordinal %d for a host device", kvcache.ErrInvalidConfig, d.Ordinal)
+		}
+		d.Kind = DeviceHost
+	case DeviceCUDA:
+		if d.Ordinal < 0 {
+			return DeviceJSON{}, fmt.Errorf("%w: device.ordinal %d", kvcache.ErrInvalidConfig, d.Ordinal)
+		}
+	default:
+		return DeviceJSON{}, fmt.Errorf("%w: device.kind %q, want %q or %q", kvcache.ErrInvalidConfig, d.Kind, DeviceHost, DeviceCUDA)
+	}
+	return d, nil
+}
+
+// checkRemote checks a remote group's fields.
+func (d DeviceJSON) checkRemote() error {
+	fail := func(format string, args ...any) error {
+		return fmt.Errorf("%w: device: "+format, append([]any{kvcache.ErrInvalidConfig}, args...)...)
+	}
+	if _, _, err := parseAddress("device.listen", d.Listen); err != nil {
+		return err
+	}
+	switch {
+	case d.Ordinal != 0:
+		return fail("ordinal %d for a remote group (each rank names its own device)", d.Ordinal)
+	case d.Ranks <= 0 || d.Ranks > maxRanks:
+		return fail("ranks %d, want 1 to %d", d.Ranks, maxRanks)
+	case d.ReportTimeoutMS < 0:
+		return fail("report_timeout_ms %d", d.ReportTimeoutMS)
+	case d.AcceptTimeoutMS < 0:
+		return fail("accept_timeout_ms %d", d.AcceptTimeoutMS)
+	}
+	return nil
+}
 
 // GeometryJSON is kvcache.Geometry with the dtype by name
 // (isolation.ParseDType: fp8_e4m3, fp8_e5m2, fp16, bf16, fp32 and aliases).
@@ -136,17 +201,15 @@ func parseConfig(data []byte) (kvcache.Config, DeviceJSON, error) {
 		return kvcache.Config{}, DeviceJSON{}, err
 	}
 	switch dev.Kind {
-	case "", DeviceHost:
-		if dev.Ordinal != 0 {
-			return kvcache.Config{}, DeviceJSON{}, fmt.Errorf("%w: device.ordinal %d for a host device", kvcache.ErrInvalidConfig, dev.Ordinal)
-		}
-		dev.Kind = DeviceHost
-	case DeviceCUDA:
-		if dev.Ordinal < 0 {
-			return kvcache.Config{}, DeviceJSON{}, fmt.Errorf("%w: device.ordinal %d", kvcache.ErrInvalidConfig, dev.Ordinal)
-		}
+	case DeviceRemote:
+		err = dev.checkRemote()
+	case "", DeviceHost, DeviceCUDA:
+		dev, err = dev.checkLocal()
 	default:
-		return kvcache.Config{}, DeviceJSON{}, fmt.Errorf("%w: device.kind %q, want %q or %q", kvcache.ErrInvalidConfig, dev.Kind, DeviceHost, DeviceCUDA)
+		err = fmt.Errorf("%w: device.kind %q, want %q, %q or %q", kvcache.ErrInvalidConfig, dev.Kind, DeviceHost, DeviceCUDA, DeviceRemote)
+	}
+	if err != nil {
+		return kvcache.Config{}, DeviceJSON{}, err
 	}
 	return cfg, dev, nil
 }
@@ -186,6 +249,11 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 			KVHeads: cj.Geometry.KVHeads, HeadDim: cj.Geometry.HeadDim, DType: dtype}
 	}
 	var spec kvcache.CacheSpec
+	if cj.Cache != nil && cj.Device.Kind == DeviceRemote {
+		// The ranks' hellos describe regions of a geometry's shape, and
+		// the protocol carries page batches, not a spec's spans.
+		return fail("cache over a remote group: a pool over remote ranks takes a geometry")
+	}
 	if cj.Cache != nil {
 		kind := cj.Device.Kind
 		if kind == "" {

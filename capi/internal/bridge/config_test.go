@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -99,7 +100,11 @@ func TestCreatePoolValidatesLikeGo(t *testing.T) {
 			t.Fatalf("%s: kvcache.New accepted it", js)
 		}
 		h, cErr := CreatePool([]byte(js))
-		if h != 0 || cErr == nil || cErr.Error() != goErr.Error() || Classify(cErr) != Classify(goErr) {
+		// The memory this process can still use moves between the two
+		// calls; every other number must agree.
+		canUse := regexp.MustCompile(`can use \d+ more`)
+		same := func(e error) string { return canUse.ReplaceAllString(e.Error(), "can use N more") }
+		if h != 0 || cErr == nil || same(cErr) != same(goErr) || !sameClass(Classify(cErr), Classify(goErr)) {
 			t.Errorf("%s:\nC  %v (%v)\nGo %v (%v)", js, cErr, Classify(cErr).Status, goErr, Classify(goErr).Status)
 		}
 	}
@@ -230,4 +235,11 @@ func TestParseCacheSpecJSON(t *testing.T) {
 			t.Errorf("%s: %v, want ErrInvalidConfig", name, err)
 		}
 	}
+}
+
+// sameClass compares two classifications but for Have, which for a pool
+// too big for this process is the memory it can still use (it moves).
+func sameClass(a, b Info) bool {
+	a.Have, b.Have = 0, 0
+	return a == b
 }

@@ -147,12 +147,16 @@ func newLease(pe *poolEntry, l *kvcache.Lease, noRecycle bool) Handle {
 }
 
 // openDevice opens the device a config selects; nil for host memory,
-// which the pool allocates and owns itself.
+// which the pool allocates and owns itself. A remote group waits here for
+// its ranks (ranks.go).
 func openDevice(d DeviceJSON) (cudaops.Device, error) {
-	if d.Kind != DeviceCUDA {
-		return nil, nil
+	switch d.Kind {
+	case DeviceCUDA:
+		return cudaops.OpenCUDA(d.Ordinal)
+	case DeviceRemote:
+		return openRemote(d)
 	}
-	return cudaops.OpenCUDA(d.Ordinal)
+	return nil, nil
 }
 
 // CreatePool builds a pool from a ConfigJSON document.
