@@ -396,7 +396,9 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 		x.counters(l.domain).storedPages++
 		if p.mu.events.enabled() {
 			if stored == nil {
-				stored = &KVEvent{Kind: KVStored, Domain: l.domain.Name, Parent: e.parent}
+				// Sized for the rest of the prompt: one allocation, not a doubling per page.
+				stored = &KVEvent{Kind: KVStored, Domain: l.domain.Name, Parent: e.parent,
+					Keys: make([]BlockKey, 0, len(l.keys)-i)}
 			}
 			stored.Keys = append(stored.Keys, e.key)
 			stored.Tokens += tpp

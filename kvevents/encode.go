@@ -108,7 +108,7 @@ func (e *encoder) event(w *errWriter, ev *kvcache.KVEvent) {
 		if ev.Parent.IsZero() {
 			w.nil()
 		} else {
-			e.hash(w, ev.Parent)
+			e.hash(w, &ev.Parent)
 		}
 		e.field(w, "token_ids")
 		w.arrayLen(0) // kvfence keeps no prompt tokens: see the package doc
@@ -162,16 +162,18 @@ func (e *encoder) field(w *errWriter, name string) {
 
 func (e *encoder) hashes(w *errWriter, keys []kvcache.BlockKey) {
 	w.arrayLen(len(keys))
-	for _, k := range keys {
-		e.hash(w, k)
+	for i := range keys {
+		e.hash(w, &keys[i])
 	}
 }
 
-func (e *encoder) hash(w *errWriter, k kvcache.BlockKey) {
+// hash takes the key by pointer: a key passed by value would escape (its
+// bytes go to the encoder) and cost an allocation per block.
+func (e *encoder) hash(w *errWriter, k *kvcache.BlockKey) {
 	if e.fullHashes {
 		w.bytes(k[:])
 	} else {
-		w.uint(BlockHash(k))
+		w.uint(BlockHash(*k))
 	}
 }
 
