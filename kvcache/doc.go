@@ -52,7 +52,9 @@
 //
 // Only three things happen outside the lock, and each is followed by
 // another attempt: deriving the prompt's page keys (SHA-256, once per
-// request; again only if the tenant moved to another domain), scrubbing
+// request, and only when they are needed: a prompt given as tokens is
+// matched under the lock in its domain's trie, by the tokens themselves,
+// unless the domain holds pages published by keys alone), scrubbing
 // cached pages the admission evicted (their pages are promised to it
 // meanwhile: Pool.mu.claimed), and waiting.
 //
