@@ -297,9 +297,9 @@ func (r *Report) writeSizingTable(w io.Writer, many Variety) {
 	}
 	tw.Flush()
 	for _, c := range r.SizingComparison {
-		fmt.Fprintf(w, "on-demand vs full sizing (%d pages, %s, %s): concurrent %.1f vs %.1f (×%.2f), max %d vs %d, KV util %.1f%% vs %.1f%%, "+
+		fmt.Fprintf(w, "on-demand vs full sizing (%d pages, %s, %s): concurrent %.1f vs %.1f (%s), max %d vs %d, KV util %.1f%% vs %.1f%%, "+
 			"TTFT p50 %s vs %s, p99 %s vs %s, completed %d vs %d, %d preemptions, scrub÷KV %.2f vs %.2f\n",
-			c.PoolPages, c.Domains, c.Policy, c.OnDemand.ConcurrencyMean, c.Full.ConcurrencyMean, c.ConcurrencyRatio,
+			c.PoolPages, c.Domains, c.Policy, c.OnDemand.ConcurrencyMean, c.Full.ConcurrencyMean, fmtRatio(c.ConcurrencyRatio),
 			c.OnDemand.ConcurrencyMax, c.Full.ConcurrencyMax, 100*c.OnDemand.KVUtilisation, 100*c.Full.KVUtilisation,
 			fmtSeconds(c.OnDemand.TTFTP50), fmtSeconds(c.Full.TTFTP50), fmtSeconds(c.OnDemand.TTFTP99), fmtSeconds(c.Full.TTFTP99),
 			c.OnDemand.Completed, c.Full.Completed, c.OnDemand.Preempted, c.OnDemand.ScrubPerKVWritten, c.Full.ScrubPerKVWritten)
