@@ -154,7 +154,7 @@ type UtilSample struct {
 	// WrittenPages are the pages leases hold that hold written KV (a page
 	// shared by several leases counts once, as in InUse).
 	WrittenPages float64 `json:"written_pages"`
-	Written      float64 `json:"written"` // token slots holding KV
+	Written      float64 `json:"written"` // token slots holding KV (a shared page's once)
 	Quarantined  float64 `json:"quarantined"`
 	Cached       float64 `json:"cached"` // published pages no lease holds: evictable
 	Queued       int     `json:"queued"`

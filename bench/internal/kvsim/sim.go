@@ -1145,17 +1145,21 @@ func (s *sim) ownMarker(a *active, w uint32) bool {
 func (s *sim) sample() {
 	start := time.Now()
 	st := s.pool.Stats()
-	written, unwritten := 0, 0
+	// Only full written pages are ever shared, so a lease's pages past its
+	// written tokens, and the free slots of a part-written last page, are
+	// its own: subtracted from the pages in use (where a shared page
+	// counts once) they leave what holds KV, each shared page once.
+	unwritten, freeSlots := 0, 0
 	tpp := st.TokensPerPage
 	for _, a := range s.running {
-		written += a.written
-		// A lease's pages past its written tokens are its own (only full
-		// written pages are ever shared), so they are counted once here
-		// as they are in InUsePages.
 		unwritten += a.lease.Pages() - (a.written+tpp-1)/tpp
+		if r := a.written % tpp; r != 0 {
+			freeSlots += tpp - r
+		}
 	}
 	inUse := float64(st.InUsePages) / float64(st.TotalPages)
 	writtenPages := float64(st.InUsePages-unwritten) / float64(st.TotalPages)
+	written := (st.InUsePages-unwritten)*tpp - freeSlots
 	s.inUseShare += inUse
 	s.writtenShare += writtenPages
 	s.res.Utilisation = append(s.res.Utilisation, UtilSample{

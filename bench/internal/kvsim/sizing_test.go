@@ -291,6 +291,12 @@ func TestRunOnDemandSyntheticAccounting(t *testing.T) {
 	truncated := sumCounts(g.Truncated)
 	assert.Equal(t, res.Admitted, res.Completed+res.Aborted+res.ShutdownReleases+truncated+g.PreemptedAtEnd)
 	assert.Equal(t, res.Admitted+g.Readmitted, res.Releases+g.Preempted, "each lease ends once")
+	// A page shared by several leases holds KV once: the written shares
+	// count it once, as the pages in use do.
+	for _, u := range res.Utilisation {
+		require.LessOrEqual(t, u.Written, u.WrittenPages+1e-12, "at %.2fs", u.T)
+		require.LessOrEqual(t, u.WrittenPages, u.InUse+1e-12, "at %.2fs", u.T)
+	}
 	var how = map[string]uint64{}
 	for _, h := range ends {
 		how[h]++
