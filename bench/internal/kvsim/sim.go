@@ -596,6 +596,17 @@ func (s *sim) admit() error {
 		s.refused++
 		var ae *kvcache.AdmissionError
 		switch {
+		case errors.Is(err, kvcache.ErrCanaryMismatch):
+			// The pool's own canary audit caught a written free page:
+			// it retired the page and faulted (the refusal is an
+			// ErrPoolFaulted caused by the mismatch, so this comes
+			// before the refusals). Record it and carry on.
+			s.res.Audit.PoolCanaryFaults++
+			if len(s.res.Audit.Examples) < maxAuditExamples {
+				s.res.Audit.Examples = append(s.res.Audit.Examples, err.Error())
+			}
+			s.pool.ClearFault()
+			return nil
 		case errors.As(err, &ae) && ae.Retryable():
 			if errors.Is(err, kvcache.ErrPoolExhausted) {
 				return nil
@@ -612,15 +623,6 @@ func (s *sim) admit() error {
 			s.res.Dropped[reason(err)]++
 			s.done++
 			s.dequeue(i)
-		case errors.Is(err, kvcache.ErrCanaryMismatch):
-			// The pool's own canary audit caught a written free page:
-			// it retired the page and faulted. Record it and carry on.
-			s.res.Audit.PoolCanaryFaults++
-			if len(s.res.Audit.Examples) < maxAuditExamples {
-				s.res.Audit.Examples = append(s.res.Audit.Examples, err.Error())
-			}
-			s.pool.ClearFault()
-			return nil
 		default:
 			return fmt.Errorf("admitting %s (trace line %d): %w", q.req.ID, q.req.Line, err)
 		}
@@ -863,8 +865,10 @@ const (
 // oldest requests then finish first and free their pages, as first come,
 // first served promises; it is also vLLM's policy, so figures compare.
 // A refusal nothing can lift (the request can never hold its output: more
-// than the pool in service, or than its tenant's whole quota; a faulted
-// pool) ends the request with the tokens it has generated (truncated). A
+// than the pool in service, or than its tenant's whole quota; a pool
+// faulted by a failed fill) ends the request with the tokens it has
+// generated (truncated). The pool's canary audit failing on the page it
+// would get is no page this step (the fault is cleared, as in admit). A
 // refused growth is never taken for room: the request writes nothing
 // until it holds the page.
 func (s *sim) grow(i int, a *active) (growOutcome, error) {
@@ -887,6 +891,16 @@ func (s *sim) grow(i int, a *active) (growOutcome, error) {
 		}
 		var ae *kvcache.AdmissionError
 		switch {
+		case errors.Is(err, kvcache.ErrCanaryMismatch):
+			// As in admit: the pool's canary audit caught a written free
+			// page, retired it and faulted. No page this step.
+			s.res.Audit.PoolCanaryFaults++
+			if len(s.res.Audit.Examples) < maxAuditExamples {
+				s.res.Audit.Examples = append(s.res.Audit.Examples, err.Error())
+			}
+			s.pool.ClearFault()
+			s.res.Growth.Stalls++
+			return grewStalled, nil
 		case errors.As(err, &ae) && ae.Retryable():
 			v := s.victim(i, a, errors.Is(err, kvcache.ErrExceedsQuota))
 			if err := s.preempt(v); err != nil {
@@ -902,16 +916,6 @@ func (s *sim) grow(i int, a *active) (growOutcome, error) {
 		case errors.As(err, &ae):
 			s.res.Growth.Truncated[reason(err)]++
 			return grewEnded, s.end(a, "truncated")
-		case errors.Is(err, kvcache.ErrCanaryMismatch):
-			// As in admit: the pool's canary audit caught a written free
-			// page, retired it and faulted.
-			s.res.Audit.PoolCanaryFaults++
-			if len(s.res.Audit.Examples) < maxAuditExamples {
-				s.res.Audit.Examples = append(s.res.Audit.Examples, err.Error())
-			}
-			s.pool.ClearFault()
-			s.res.Growth.Stalls++
-			return grewStalled, nil
 		default:
 			return 0, fmt.Errorf("growing %s: %w", a.req.ID, err)
 		}

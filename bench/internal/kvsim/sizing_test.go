@@ -8,6 +8,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/cudaops"
 )
 
 // pagesOf is how many pages of the tiny geometry hold tokens.
@@ -346,4 +348,36 @@ func TestWithWindowBudgets(t *testing.T) {
 		a.MaxNew = b.MaxNew
 		assert.Equal(t, b, a)
 	}
+}
+
+// A growth whose page fails the canary policy's own audit (a device that
+// drops every fill after the pool's first scrub, so pages come back
+// written) gets no page that step: the request writes nothing, the fault
+// is cleared, and the run goes on to fail its audit, every page check
+// holding at every step.
+func TestRunOnDemandGrowthAgainstAFailedCanaryStalls(t *testing.T) {
+	tr := burstTrace(4, 64, 100, 0)
+	cfg := onDemandConfig("canary", 32)
+	cfg.OpenDevice = func() (cudaops.Device, error) { return &dropsAfterFirstFill{Host: cudaops.NewHost()}, nil }
+	preemptionChecks(t, &cfg)
+	res, err := Run(tr, cfg)
+	require.ErrorIs(t, err, ErrAuditFailed)
+	require.NotNil(t, res)
+	assert.Positive(t, res.Growth.Stalls, "growths met the failed canary")
+	assert.GreaterOrEqual(t, res.Audit.PoolCanaryFaults, res.Growth.Stalls)
+	assert.False(t, res.Audit.Passed)
+}
+
+// dropsAfterFirstFill is a broken Host whose fills after the first (the
+// pool's scrub at creation) do nothing.
+type dropsAfterFirstFill struct {
+	*cudaops.Host
+	fills int
+}
+
+func (d *dropsAfterFirstFill) Fill(pages []int32, spec cudaops.FillSpec, o cudaops.Ordering) (cudaops.Fence, error) {
+	if d.fills++; d.fills == 1 {
+		return d.Host.Fill(pages, spec, o)
+	}
+	return cudaops.Completed(nil), cudaops.CheckPages(d.Regions(), pages)
 }
