@@ -3,7 +3,8 @@
 # short kvbench acceptance run
 # with the prefix cache on and both sharing-domain layouts (JSON and all
 # plots written, audit of every safe policy passes, the unsafe
-# baseline's fails, the layouts compared), a Mooncake-format trace
+# baseline's fails, the layouts compared), full against on-demand lease
+# sizing (growth, preemption, re-admission), a Mooncake-format trace
 # imported and replayed against its bound, the incident's shape (every
 # request longer than the context window) replayed to the end, and one
 # iteration of every benchmark, so that they keep compiling, running and
@@ -66,6 +67,22 @@ for w in '(mooncake, blocks of 512 tokens), 60 requests from 4 tenants' "infinit
 	'audit zero/shared: passed'; do
 	want "$out/mooncake.txt" "$w" "the Mooncake trace is imported and replayed against its bound"
 done
+
+# Leases sized on demand against full reservation, every budget the rest
+# of an 8k window on a pool of one window: full sizing runs one request at
+# a time, on-demand runs many, preempts when growth is refused, and the
+# preempted requests are admitted again; the audit covers grown and
+# re-admitted pages.
+"$out/kvbench" -duration 3s -rate 20 -pool-pages 512 -max-context 8192 -budget window -sizing full,on-demand -policies zero,none \
+	-audit -out "$out/sizing" >"$out/sizing.txt"
+check_plots "$out/sizing"
+for w in 'on-demand vs full sizing (512 pages, per-tenant, zero): concurrent' 'audit zero/on-demand: passed' 'audit none/on-demand: FAILED'; do
+	want "$out/sizing.txt" "$w" "full and on-demand sizing are compared, the audit covers grown pages"
+done
+test "$(grep -c '"preempted": [1-9]' "$out/sizing/report.json")" -ge 2 || {
+	echo "ci-kvbench: want preemptions in both on-demand runs of $out/sizing/report.json" >&2
+	exit 1
+}
 
 # The incident's shape: every request longer than the 1,048,576-token
 # window, on a pool of 681,280 tokens. It runs to the end and refuses

@@ -11,10 +11,12 @@
 // decode step, and release their pages when they finish or their client
 // aborts. The kvfence calls and the KV writes run for real, on the chosen
 // device, and are timed; the engine's compute is not simulated. The same
-// trace is replayed once per scrub policy, pool size and sharing-domain
-// layout, and each policy is compared with the unsafe "none" baseline,
-// which skips the fills. Each run's prefix-cache hit rate is printed
-// beside the trace's own bound (an infinite cache).
+// trace is replayed once per scrub policy, pool size, sharing-domain
+// layout and lease sizing (full reservation, or on demand: the lease
+// grows as the request generates and a refused growth preempts), and
+// each policy is compared with the unsafe "none" baseline, which skips
+// the fills. Each run's prefix-cache hit rate is printed beside the
+// trace's own bound (an infinite cache).
 //
 //	go run ./bench/cmd/kvbench -duration 5s -out DIR
 //	go run ./bench/cmd/kvbench -trace mooncake.jsonl -pool-tokens 1M,3M,10M,50M -policies zero
@@ -77,6 +79,10 @@ type options struct {
 	domains                      []string
 	prefillTokens                int
 	policies                     []string
+	sizings                      []string
+	headroom                     int
+	watermark                    float64
+	budget                       string
 	poolPages                    []int
 	maxContext, maxBatch         int
 	geometry                     kvcache.Geometry
@@ -108,6 +114,11 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.overlong, "overlong", 0.02, "synthetic share of requests longer than the pool or the context window")
 	fs.Float64Var(&o.abort, "abort", 0.05, "synthetic share of requests aborted by their client")
 	policies := fs.String("policies", strings.Join(kvsim.Policies, ","), "scrub policies to compare: zero, poison, canary, none (none = UNSAFE baseline that skips fills)")
+	sizings := fs.String("sizing", kvsim.SizingFull, "lease sizings to compare, comma-separated: full (admission reserves prompt + output budget) or on-demand "+
+		"(the prompt and -headroom output tokens; the lease grows a page at a time as it generates, and a refused growth preempts the newest request)")
+	fs.IntVar(&o.headroom, "headroom", 0, "on-demand sizing: output tokens admission reserves beyond the prompt (0: the prompt alone, as vLLM)")
+	fs.Float64Var(&o.watermark, "watermark", 0.01, fmt.Sprintf("on-demand sizing: share of the pool new admissions leave free for growth, 0..%v (vLLM's default is 0.01); full runs keep none", kvcache.MaxGrowthWatermark))
+	fs.StringVar(&o.budget, "budget", kvsim.BudgetTrace, "output budget of each request: trace (its max_new; an imported trace's output length) or window (the rest of the context window, as for a client that sends no max_tokens)")
 	pools := fs.String("pool-pages", "8192", "pool sizes in pages to compare, comma-separated")
 	poolTokens := fs.String("pool-tokens", "", "pool sizes in tokens instead of -pool-pages, comma-separated, with an optional k, M, G (powers of 1000) or Ki, Mi, Gi suffix (e.g. 1M,3M,10M,50M); rounded up to whole pages")
 	fs.IntVar(&o.maxContext, "max-context", 262144, "engine context window in tokens")
@@ -146,6 +157,27 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		if !contains(o.policies, p) {
 			o.policies = append(o.policies, p)
 		}
+	}
+	for _, z := range strings.Split(*sizings, ",") {
+		z = strings.TrimSpace(z)
+		if !contains(kvsim.SizingModes, z) {
+			return nil, badFlag("sizing", "unknown sizing %q (want %s)", z, strings.Join(kvsim.SizingModes, ", "))
+		}
+		if !contains(o.sizings, z) {
+			o.sizings = append(o.sizings, z)
+		}
+	}
+	switch {
+	case o.headroom < 0 || o.headroom > isolation.MaxHeadroomTokens:
+		return nil, badFlag("headroom", "%d tokens, want 0..%d", o.headroom, isolation.MaxHeadroomTokens)
+	case set["headroom"] && !contains(o.sizings, kvsim.SizingOnDemand):
+		return nil, badFlag("headroom", "sizes on-demand leases, and -sizing %s has none (add on-demand)", *sizings)
+	case !(o.watermark >= 0 && o.watermark <= kvcache.MaxGrowthWatermark): // NaN fails too
+		return nil, badFlag("watermark", "%v, want a share of the pool in 0..%v", o.watermark, kvcache.MaxGrowthWatermark)
+	case set["watermark"] && !contains(o.sizings, kvsim.SizingOnDemand):
+		return nil, badFlag("watermark", "keeps pages for on-demand leases to grow into, and -sizing %s has none (add on-demand)", *sizings)
+	case !contains(kvsim.Budgets, o.budget):
+		return nil, badFlag("budget", "unknown budget %q (want %s)", o.budget, strings.Join(kvsim.Budgets, ", "))
 	}
 	switch *prefixCache {
 	case "on", "off":
@@ -362,12 +394,14 @@ func usage(fs *flag.FlagSet) {
 
 kvbench replays a multi-tenant serving workload (synthetic, or a trace)
 against kvfence pools on a virtual clock with continuous batching,
-once per scrub policy, pool size and sharing-domain layout, and reports
-admissions per second, admission latency percentiles, pages and bytes
-scrubbed, the share of run time spent filling, pool utilisation over
-time, refusals by reason, the prefix cache's hit rate and prefill avoided
-(-domains per-tenant,shared compares the layouts), time to first token,
-and the isolation audit. Each policy is compared with the UNSAFE "none"
+once per scrub policy, pool size, sharing-domain layout and lease sizing,
+and reports admissions per second, admission latency percentiles, pages
+and bytes scrubbed, the share of run time spent filling, pool
+utilisation over time, refusals by reason, the prefix cache's hit rate
+and prefill avoided (-domains per-tenant,shared compares the layouts),
+time to first token, requests running at once, the share of held pages
+holding KV, growth and preemptions (-sizing full,on-demand compares
+full reservation with leases that grow), and the isolation audit. Each policy is compared with the UNSAFE "none"
 baseline, which skips the fills. It prints a table and writes report.json
 and PNG plots (hit rate against pool size with the trace's bound, queue
 length, utilisation, admission latency CDF, scrub bandwidth per batch
@@ -469,6 +503,9 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 		}
 		seed = &o.seed
 	}
+	if o.budget == kvsim.BudgetWindow {
+		tr = tr.WithWindowBudgets(o.maxContext)
+	}
 	if contains(o.domains, kvsim.DomainsShared) && !namesDomains(tr) {
 		fmt.Fprintln(stdout, "kvbench: note: the trace's tenants name no domain, so -domains shared is per-tenant")
 	}
@@ -489,15 +526,19 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	if o.prefixCache {
 		cacheState = "on"
 	}
-	fmt.Fprintf(stdout, "kvbench: %d requests, %v of serving, policies %s, pools of %v pages (up to %s of host memory), prefix cache %s, domains %s\n",
+	fmt.Fprintf(stdout, "kvbench: %d requests, %v of serving, policies %s, pools of %v pages (up to %s of host memory), prefix cache %s, domains %s, sizing %s, %s budgets\n",
 		len(tr.Requests), o.duration, strings.Join(o.policies, ","), o.poolPages,
-		kvsim.FormatBytes(float64(int64(maxPool)*o.geometry.PageBytes())), cacheState, strings.Join(o.domains, ","))
+		kvsim.FormatBytes(float64(int64(maxPool)*o.geometry.PageBytes())), cacheState, strings.Join(o.domains, ","),
+		strings.Join(o.sizings, ","), o.budget)
 
 	rep := &kvsim.Report{Tool: "kvbench", Version: kvsim.ReportVersion, Started: time.Now().UTC(), Args: args,
 		Machine: kvsim.ThisMachine(), Workload: kvsim.SummarizeWorkload(tr, source, capTokens, o.maxContext),
 		Geometry: kvsim.ReportGeometry(o.geometry), MaxContext: o.maxContext, Step: o.step.Seconds(),
 		MaxBatch: o.maxBatch, DeviceBandwidth: o.bandwidth, PrefixCache: cacheState, Domains: o.domains,
-		PrefillTokens: o.prefillTokens}
+		PrefillTokens: o.prefillTokens, Sizings: o.sizings, Budget: o.budget}
+	if contains(o.sizings, kvsim.SizingOnDemand) {
+		rep.HeadroomTokens, rep.GrowthWatermark = o.headroom, o.watermark
+	}
 	rep.Workload.Seed, rep.Workload.Format = seed, format
 	if o.reportGeometry != nil {
 		g := kvsim.ReportGeometry(*o.reportGeometry)
@@ -514,12 +555,12 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	}
 
 	steps := int64((o.duration + o.step - 1) / o.step)
-	runs := len(o.policies) * len(o.poolPages) * len(o.domains)
+	runs := len(o.policies) * len(o.poolPages) * len(o.domains) * len(o.sizings)
 	var bar *progressbar.ProgressBar
 	var lines *progressLines
 	switch {
 	case tty:
-		bar = progressbar.NewOptions64(steps*int64(len(o.policies)*len(o.poolPages)*len(o.domains)),
+		bar = progressbar.NewOptions64(steps*int64(runs),
 			progressbar.OptionSetWriter(stderr), progressbar.OptionSetDescription("kvbench"),
 			progressbar.OptionThrottle(100*time.Millisecond), progressbar.OptionClearOnFinish(),
 			progressbar.OptionShowElapsedTimeOnFinish(), progressbar.OptionSetPredictTime(true))
@@ -529,30 +570,38 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	var auditErr error
 	for _, pages := range o.poolPages {
 		for _, domains := range o.domains {
-			for _, policy := range o.policies {
-				cfg := kvsim.RunConfig{Geometry: o.geometry, ReportGeometry: o.reportGeometry, ReportModel: o.reportModel, PoolPages: pages, MaxContext: o.maxContext,
-					Policy: policy, Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
-					Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open, PrefixCache: o.prefixCache,
-					Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens}
-				label := fmt.Sprintf("%s/%dp/%s", policy, pages, domains)
-				switch {
-				case bar != nil:
-					bar.Describe(label)
-					cfg.Progress = func(kvsim.Progress) { _ = bar.Add(1) }
-				case lines != nil:
-					lines.run++
-					lines.label = label
-					cfg.Progress = lines.update
+			for _, sizing := range o.sizings {
+				for _, policy := range o.policies {
+					cfg := kvsim.RunConfig{Geometry: o.geometry, ReportGeometry: o.reportGeometry, ReportModel: o.reportModel, PoolPages: pages, MaxContext: o.maxContext,
+						Policy: policy, Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
+						Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open, PrefixCache: o.prefixCache,
+						Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens, Sizing: sizing}
+					if sizing == kvsim.SizingOnDemand {
+						cfg.HeadroomTokens, cfg.GrowthWatermark = o.headroom, o.watermark
+					}
+					label := fmt.Sprintf("%s/%dp/%s", policy, pages, domains)
+					if len(o.sizings) > 1 {
+						label += "/" + sizing
+					}
+					switch {
+					case bar != nil:
+						bar.Describe(label)
+						cfg.Progress = func(kvsim.Progress) { _ = bar.Add(1) }
+					case lines != nil:
+						lines.run++
+						lines.label = label
+						cfg.Progress = lines.update
+					}
+					res, err := kvsim.Run(tr, cfg)
+					switch {
+					case errors.Is(err, kvsim.ErrAuditFailed) && res != nil:
+						auditErr = errors.Join(auditErr, err)
+					case err != nil:
+						return fmt.Errorf("policy %s, pool of %d pages, %s domains, %s sizing: %w", policy, pages, domains, sizing, err)
+					}
+					rep.Runs = append(rep.Runs, res)
+					debug.FreeOSMemory() // the next pool allocates afresh
 				}
-				res, err := kvsim.Run(tr, cfg)
-				switch {
-				case errors.Is(err, kvsim.ErrAuditFailed) && res != nil:
-					auditErr = errors.Join(auditErr, err)
-				case err != nil:
-					return fmt.Errorf("policy %s, pool of %d pages, %s domains: %w", policy, pages, domains, err)
-				}
-				rep.Runs = append(rep.Runs, res)
-				debug.FreeOSMemory() // the next pool allocates afresh
 			}
 		}
 	}
@@ -561,6 +610,7 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	}
 	kvsim.CompareWithBaseline(rep.Runs, o.bandwidth)
 	rep.DomainComparison = kvsim.CompareDomains(rep.Runs)
+	rep.SizingComparison = kvsim.CompareSizings(rep.Runs)
 
 	// The report is written before the plots, so that a plot that cannot
 	// be drawn never costs the figures, and written again once the plots

@@ -119,6 +119,74 @@ func TestDomainComparison(t *testing.T) {
 	assert.InDelta(t, float64(c.Shared.PrefillBytesAvoided)/float64(c.PerTenant.PrefillBytesAvoided), c.PrefillAvoidedRatio, 1e-9)
 }
 
+// -sizing full,on-demand replays the same trace with both sizings and
+// compares them; with window budgets (-budget window) full leases hold
+// the whole context window each, so on-demand runs more requests at once
+// and uses more of what it holds. Each policy is compared with the
+// baseline of its own sizing.
+func TestSizingComparison(t *testing.T) {
+	dir := t.TempDir()
+	args := append([]string{"-duration", "2s", "-out", dir, "-audit", "-policies", "zero,none", "-sizing", "full,on-demand",
+		"-headroom", "32", "-watermark", "0.02", "-budget", "window"}, small...)
+	code, stdout, stderr := runKvbench(t, args...)
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	for _, want := range []string{"sizing full,on-demand, window budgets", "zero/full", "zero/on-demand", "none/on-demand (UNSAFE)",
+		"on-demand headroom 32 tokens, growth watermark 0.02", "on-demand vs full sizing (1024 pages, per-tenant, zero): concurrent",
+		"audit zero/on-demand: passed", "audit none/on-demand: FAILED"} {
+		assert.Contains(t, stdout, want)
+	}
+	raw, err := os.ReadFile(filepath.Join(dir, "report.json"))
+	require.NoError(t, err)
+	var rep struct {
+		Sizings          []string
+		HeadroomTokens   int     `json:"headroom_tokens"`
+		GrowthWatermark  float64 `json:"growth_watermark"`
+		Budget           string
+		SizingComparison []struct {
+			Policy           string
+			Full             sizingFigures
+			OnDemand         sizingFigures `json:"on_demand"`
+			ConcurrencyRatio float64       `json:"concurrency_ratio"`
+		} `json:"sizing_comparison"`
+		Runs []struct {
+			Policy, Sizing  string
+			HeadroomTokens  int            `json:"headroom_tokens"`
+			GrowthWatermark float64        `json:"growth_watermark"`
+			VsBaseline      map[string]any `json:"vs_baseline"`
+			Growth          map[string]any
+		}
+	}
+	require.NoError(t, json.Unmarshal(raw, &rep))
+	assert.Equal(t, []string{"full", "on-demand"}, rep.Sizings)
+	assert.Equal(t, 32, rep.HeadroomTokens)
+	assert.InDelta(t, 0.02, rep.GrowthWatermark, 1e-12)
+	assert.Equal(t, "window", rep.Budget)
+	require.Len(t, rep.Runs, 4)
+	for _, r := range rep.Runs {
+		assert.Contains(t, r.Growth, "preempted")
+		if r.Sizing == "full" {
+			assert.Zero(t, r.HeadroomTokens, "full leases have no headroom")
+			assert.Zero(t, r.GrowthWatermark, "nor keep pages for growth")
+		} else {
+			assert.Equal(t, 32, r.HeadroomTokens)
+		}
+		if r.Policy == "zero" {
+			assert.NotNil(t, r.VsBaseline, "zero/%s against none/%s", r.Sizing, r.Sizing)
+		}
+	}
+	require.Len(t, rep.SizingComparison, 2, "zero and none")
+	c := rep.SizingComparison[0]
+	assert.Equal(t, "zero", c.Policy)
+	assert.Greater(t, c.OnDemand.ConcurrencyMean, c.Full.ConcurrencyMean)
+	assert.Greater(t, c.OnDemand.KVUtilisation, c.Full.KVUtilisation)
+	assert.InDelta(t, c.OnDemand.ConcurrencyMean/c.Full.ConcurrencyMean, c.ConcurrencyRatio, 1e-9)
+}
+
+type sizingFigures struct {
+	ConcurrencyMean float64 `json:"concurrency_mean"`
+	KVUtilisation   float64 `json:"kv_utilisation"`
+}
+
 type prefixFigures struct {
 	HitRate             float64 `json:"hit_rate"`
 	PrefillBytesAvoided uint64  `json:"prefill_bytes_avoided"`
@@ -263,6 +331,16 @@ func TestBadInput(t *testing.T) {
 		{"report geometry bad dtype", []string{"-report-geometry", "layers=32,kv-heads=8,head-dim=128,dtype=fp4"}, []string{"flag -report-geometry", `"fp4"`}},
 		{"report geometry invalid", []string{"-report-geometry", "layers=0,kv-heads=8,head-dim=128,dtype=bf16"}, []string{"flag -report-geometry", "Layers = 0"}},
 		{"negative progress interval", []string{"-progress-interval", "-1s"}, []string{"flag -progress-interval"}},
+		{"unknown sizing", []string{"-sizing", "full,lazy"}, []string{"flag -sizing", `"lazy"`, "full, on-demand"}},
+		{"negative headroom", []string{"-sizing", "on-demand", "-headroom", "-1"}, []string{"flag -headroom", "-1 tokens", "0..1073741824"}},
+		{"headroom too large", []string{"-sizing", "on-demand", "-headroom", "1073741825"}, []string{"flag -headroom", "0..1073741824"}},
+		{"malformed headroom", []string{"-sizing", "on-demand", "-headroom", "lots"}, []string{`invalid value "lots" for flag -headroom`}},
+		{"headroom without on-demand", []string{"-headroom", "16"}, []string{"flag -headroom", "-sizing full has none"}},
+		{"watermark above the max", []string{"-sizing", "full,on-demand", "-watermark", "0.6"}, []string{"flag -watermark", "0.6", "0..0.5"}},
+		{"negative watermark", []string{"-sizing", "on-demand", "-watermark", "-0.01"}, []string{"flag -watermark", "0..0.5"}},
+		{"NaN watermark", []string{"-sizing", "on-demand", "-watermark", "NaN"}, []string{"flag -watermark", "NaN"}},
+		{"watermark without on-demand", []string{"-watermark", "0.05"}, []string{"flag -watermark", "-sizing full has none"}},
+		{"unknown budget", []string{"-budget", "infinite"}, []string{"flag -budget", `"infinite"`, "trace, window"}},
 		{"undetectable trace", []string{"-trace", filepath.Join(dir, "prose")}, []string{"prose:1:", "cannot tell the trace format"}},
 		{"bad Mooncake line", []string{"-trace", filepath.Join(dir, "bad-mooncake")}, []string{"bad-mooncake:2:", `field "hash_ids"`, "want 2"}},
 		{"bad Azure row", []string{"-trace", filepath.Join(dir, "bad-azure")}, []string{"bad-azure:3:", `field "ContextTokens"`}},

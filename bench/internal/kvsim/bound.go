@@ -51,11 +51,14 @@ type boundKey struct {
 type boundIndex struct {
 	tr            *Trace
 	tokensPerPage int
-	b             PrefixBound
-	tenantDomain  map[string]int32
-	nodes         map[boundKey]int32
-	published     []int // node → most tokens of its segment published
-	segs          []boundSegment
+	// admits says whether admission can take a request at all (default:
+	// prompt + budget within MaxTokens).
+	admits       func(*Request) bool
+	b            PrefixBound
+	tenantDomain map[string]int32
+	nodes        map[boundKey]int32
+	published    []int // node → most tokens of its segment published
+	segs         []boundSegment
 }
 
 type boundSegment struct {
@@ -86,7 +89,14 @@ func newBoundIndex(tr *Trace, tokensPerPage, maxTokens int, domains string) *bou
 // add looks r up, counting its pages, then publishes its full prompt
 // pages. Requests longer than MaxTokens are left out.
 func (x *boundIndex) add(r *Request) {
-	if r.Prompt+r.MaxNew > x.b.MaxTokens || x.tokensPerPage < 1 {
+	if x.tokensPerPage < 1 {
+		return
+	}
+	if x.admits != nil {
+		if !x.admits(r) {
+			return
+		}
+	} else if r.Prompt+r.MaxNew > x.b.MaxTokens {
 		return
 	}
 	x.b.Requests++
@@ -163,6 +173,38 @@ func (x *boundIndex) bound() PrefixBound {
 // and the given domain layout.
 func Bound(tr *Trace, tokensPerPage, maxTokens int, domains string) PrefixBound {
 	x := newBoundIndex(tr, tokensPerPage, maxTokens, domains)
+	for i := range tr.Requests {
+		x.add(&tr.Requests[i])
+	}
+	return x.bound()
+}
+
+// admissible reports whether a pool of cfg can ever admit r: prompt and
+// budget within the context window, and what its sizing reserves at
+// admission (everything under full sizing, the prompt and the headroom
+// under on-demand) within the pool.
+func admissible(r *Request, cfg RunConfig) bool {
+	reserve := r.MaxNew
+	if cfg.Sizing == SizingOnDemand {
+		reserve = min(r.MaxNew, cfg.HeadroomTokens)
+	}
+	return r.Prompt+r.MaxNew <= cfg.MaxContext && r.Prompt+reserve <= cfg.PoolPages*cfg.Geometry.TokensPerPage
+}
+
+// newBoundIndexFor is a run's bound index: the requests its pool can
+// admit (admissible) count. Under full sizing that is Bound's rule with
+// the context window or the pool, whichever is smaller; under on-demand
+// sizing a request longer than the pool counts if its prompt and headroom
+// fit (MaxTokens still names the smaller of the two).
+func newBoundIndexFor(tr *Trace, cfg RunConfig) *boundIndex {
+	x := newBoundIndex(tr, cfg.Geometry.TokensPerPage, min(cfg.MaxContext, cfg.PoolPages*cfg.Geometry.TokensPerPage), cfg.Domains)
+	x.admits = func(r *Request) bool { return admissible(r, cfg) }
+	return x
+}
+
+// boundFor is a run's PrefixBound over the whole trace.
+func boundFor(tr *Trace, cfg RunConfig) PrefixBound {
+	x := newBoundIndexFor(tr, cfg)
 	for i := range tr.Requests {
 		x.add(&tr.Requests[i])
 	}

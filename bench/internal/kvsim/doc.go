@@ -25,7 +25,8 @@
 // its hits never exceed.
 //
 // Run replays it as an engine with continuous batching would: every Step
-// the arrived requests are offered to the pool in arrival order
+// the arrived requests are offered to the pool in arrival order (requests
+// preempted by a refused growth first, see below)
 // (TryAdmitInto, which never waits: a busy pool refuses at once and the
 // request stays queued; lack of pages holds the queue, quota waits only hold that request, permanent refusals drop the
 // request and count its reason). With the prefix cache on, requests carry
@@ -39,12 +40,49 @@
 // engine's compute is simulated: the pool calls, the device fills and the
 // KV writes are real and timed on the wall clock.
 //
+// # Lease sizing, growth and preemption
+//
+// RunConfig.Sizing picks how admission sizes a lease. SizingFull (the
+// default) reserves prompt + output budget: a lease never grows and no
+// request is preempted. SizingOnDemand reserves the whole prompt (never
+// less) and HeadroomTokens of output; before a request writes a token past
+// its lease's pages the engine grows it by one page (Lease.TryGrow), and
+// the pool's GrowthWatermark keeps a share of the pages from new
+// admissions for that. A refused growth is never taken for room: the
+// request writes nothing until it holds the page. A refusal the pool may
+// lift (ErrPoolExhausted; ErrExceedsQuota while the tenant's other leases
+// hold its quota) preempts the newest request of the batch (the newest of
+// the tenant, for a quota), which may be the growing one itself, and the
+// growth is tried again: newest first, as vLLM does, because it has
+// computed the least and the oldest then finish first. Lease.Preempt
+// publishes the full pages of the tokens the victim wrote and scrubs the
+// rest; the victim goes back to the head of the queue with the page keys
+// of everything it computed (its prompt, then its output so far, whose
+// token IDs come from the seed: AppendOutputTokens), is admitted again
+// with those as its prompt and the rest of its budget, computes again
+// only what the prefix cache lost, and generates its next token. A
+// preempted request never times out in the queue. A refusal nothing can
+// lift (more than the pool in service or the tenant's whole quota) ends
+// the request with what it generated (truncated). Re-admissions are
+// counted apart (RunResult.Growth): admissions, prompt tokens and the
+// prefix cache's figures are first admissions', so that hit rates stay
+// comparable with the bound.
+//
+// Each run also reports how many requests ran at once (mean over the
+// steps that ran any, and max), the share of the pages leases held that
+// held written KV (KVUtilisation), and time to first token, which counts
+// a token as delivered when its KV is written.
+//
 // # What a run guarantees
 //
 //   - The same trace and config give the same sequence of pool calls, so
 //     runs under different policies differ only in what the policy does.
 //   - Every run ends with Pool.Check passing, or Run fails with
 //     ErrAuditFailed.
+//   - A request generates each token of its output once, however often it
+//     is preempted, and never writes past the pages its lease holds (a
+//     write there fails the run); a lease never grows past its prompt +
+//     budget.
 //   - With Audit, every freshly allocated page a lease receives that an
 //     earlier lease held is read back, before the engine writes, and must
 //     hold exactly the policy's scrub pattern in every region. The

@@ -32,7 +32,7 @@ var PlotFiles = []string{HitRatePlot, QueuePlot, UtilisationPlot, LatencyCDFPlot
 
 // Variety says what differs between the runs of a report besides the
 // policy, so that labels name it.
-type Variety struct{ Pools, Domains bool }
+type Variety struct{ Pools, Domains, Sizings bool }
 
 // VarietyOf looks at runs.
 func VarietyOf(runs []*RunResult) Variety {
@@ -40,6 +40,7 @@ func VarietyOf(runs []*RunResult) Variety {
 	for _, r := range runs {
 		v.Pools = v.Pools || r.PoolPages != runs[0].PoolPages
 		v.Domains = v.Domains || r.Domains != runs[0].Domains
+		v.Sizings = v.Sizings || r.Sizing != runs[0].Sizing
 	}
 	return v
 }
@@ -52,6 +53,9 @@ func RunLabel(r *RunResult, v Variety) string {
 	}
 	if v.Domains {
 		label += "/" + r.Domains
+	}
+	if v.Sizings {
+		label += "/" + r.Sizing
 	}
 	return label
 }
@@ -277,22 +281,23 @@ func (f *figure) addLine(xys plotter.XYs, c color.Color, dashes []vg.Length, lab
 	return nil
 }
 
-// poolLayout is one pool size and domain layout: what the policies of a
-// report share. The pool calls do not depend on the scrub policy, so
-// neither do admissions, queues, occupancy or prefix hits: one series per
-// poolLayout says them for every policy.
+// poolLayout is one pool size, domain layout and sizing: what the
+// policies of a report share. The pool calls do not depend on the scrub
+// policy, so neither do admissions, queues, occupancy or prefix hits: one
+// series per poolLayout says them for every policy.
 type poolLayout struct {
 	pages   int
 	domains string
+	sizing  string
 }
 
-// byPoolLayout returns the first run of each pool size and layout, in
-// report order.
+// byPoolLayout returns the first run of each pool size, layout and
+// sizing, in report order.
 func byPoolLayout(runs []*RunResult) []*RunResult {
 	seen := map[poolLayout]bool{}
 	var out []*RunResult
 	for _, r := range runs {
-		k := poolLayout{r.PoolPages, r.Domains}
+		k := poolLayout{r.PoolPages, r.Domains, r.Sizing}
 		if !seen[k] {
 			seen[k] = true
 			out = append(out, r)
@@ -312,6 +317,9 @@ func poolLayoutLabel(r *RunResult, many Variety) string {
 			label += ", "
 		}
 		label += r.Domains
+	}
+	if many.Sizings {
+		label += ", " + r.Sizing
 	}
 	return label
 }
@@ -337,12 +345,16 @@ func hitRatePlot(runs []*RunResult) (*figure, error) {
 	f := newFigure("Prefix cache hit rate against pool size (dashed: the trace's bound, an infinite cache)",
 		"pool size (tokens)", "hit rate (% of full prompt pages looked up)")
 	f.Y.Min, f.Y.Max = 0, 100
-	var layouts []string
+	// A series per domain layout and sizing: on-demand sizing admits more
+	// requests at once, so it may hit otherwise.
+	type layoutSizing struct{ domains, sizing string }
+	var layouts []layoutSizing
 	for _, r := range runs {
-		if r.Prefix.Enabled && !slices.Contains(layouts, r.Domains) {
-			layouts = append(layouts, r.Domains)
+		if k := (layoutSizing{r.Domains, r.Sizing}); r.Prefix.Enabled && !slices.Contains(layouts, k) {
+			layouts = append(layouts, k)
 		}
 	}
+	many := VarietyOf(runs)
 	if len(layouts) == 0 {
 		return f, noData(f, "no run had the prefix cache on")
 	}
@@ -371,7 +383,7 @@ func hitRatePlot(runs []*RunResult) (*figure, error) {
 		var xys, bounds, served plotter.XYs
 		servedDiffers := false
 		for _, r := range byPoolLayout(runs) {
-			if r.Domains != layout || !r.Prefix.Enabled {
+			if (layoutSizing{r.Domains, r.Sizing}) != layout || !r.Prefix.Enabled {
 				continue
 			}
 			px := r.Prefix
@@ -387,8 +399,11 @@ func hitRatePlot(runs []*RunResult) (*figure, error) {
 		slices.SortFunc(bounds, byX)
 		slices.SortFunc(served, byX)
 		suffix := ""
-		if len(layouts) > 1 {
-			suffix = ", " + layout
+		if many.Domains {
+			suffix += ", " + layout.domains
+		}
+		if many.Sizings {
+			suffix += ", " + layout.sizing
 		}
 		// The bound is the trace's, the same for every pool that holds all
 		// its requests: a level line across the plot. A pool too small for

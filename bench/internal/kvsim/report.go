@@ -21,8 +21,13 @@ import (
 // workload's shared_prefix_percent, with the trace's own bound
 // (prefix_cache.bound, workload.prefix_bounds), and added the workload's
 // format and block_tokens, report_geometry, and each run's pool_tokens,
-// host_pool_bytes and host_bytes_scrubbed.
-const ReportVersion = 4
+// host_pool_bytes and host_bytes_scrubbed. 5 added sizings,
+// headroom_tokens, growth_watermark, budget and sizing_comparison, and
+// each run's sizing, headroom_tokens, growth_watermark, kv_utilisation,
+// concurrency, growth and utilisation samples' written_pages; a run's
+// prefix_cache figures now leave out the re-admissions of preempted
+// requests (in growth).
+const ReportVersion = 5
 
 // Report is the whole output of one kvbench invocation.
 type Report struct {
@@ -47,9 +52,19 @@ type Report struct {
 	PrefixCache   string   `json:"prefix_cache"`
 	Domains       []string `json:"domains"`
 	PrefillTokens int      `json:"prefill_tokens_per_step"`
+	// Sizings are the lease sizings replayed (SizingModes); HeadroomTokens
+	// and GrowthWatermark are the on-demand runs'. Budget is how output
+	// budgets were set: BudgetTrace or BudgetWindow.
+	Sizings         []string `json:"sizings"`
+	HeadroomTokens  int      `json:"headroom_tokens"`
+	GrowthWatermark float64  `json:"growth_watermark"`
+	Budget          string   `json:"budget"`
 	// DomainComparison sets, for every pool size and policy replayed with
 	// both layouts, shared domains against one domain per tenant.
 	DomainComparison []DomainComparison `json:"domain_comparison,omitempty"`
+	// SizingComparison sets, for every pool size, layout and policy
+	// replayed with both sizings, on-demand against full.
+	SizingComparison []SizingComparison `json:"sizing_comparison,omitempty"`
 	Runs             []*RunResult       `json:"runs"`
 	// Plots are the PNG files written beside the report; PlotErrors say
 	// why a plot is missing (the report is written before the plots, so a
@@ -156,11 +171,12 @@ func SummarizeWorkload(tr *Trace, source string, capacityTokens, maxContext int)
 	return w
 }
 
-// DomainComparison is one pool size and policy replayed with one domain
-// per tenant and with shared domains.
+// DomainComparison is one pool size, policy and sizing replayed with one
+// domain per tenant and with shared domains.
 type DomainComparison struct {
 	PoolPages int           `json:"pool_pages"`
 	Policy    string        `json:"policy"`
+	Sizing    string        `json:"sizing"`
 	PerTenant PrefixFigures `json:"per_tenant"`
 	Shared    PrefixFigures `json:"shared"`
 	// PrefillAvoidedRatio is shared ÷ per-tenant prefill bytes avoided
@@ -185,8 +201,8 @@ func figuresOf(r *RunResult) PrefixFigures {
 		EvictedPages: r.Prefix.EvictedPages, TTFTP99: r.TTFT.P99}
 }
 
-// CompareDomains pairs the runs of each pool size and policy replayed
-// with both domain layouts.
+// CompareDomains pairs the runs of each pool size, policy and sizing
+// replayed with both domain layouts.
 func CompareDomains(runs []*RunResult) []DomainComparison {
 	var out []DomainComparison
 	for _, pt := range runs {
@@ -194,8 +210,8 @@ func CompareDomains(runs []*RunResult) []DomainComparison {
 			continue
 		}
 		for _, sh := range runs {
-			if sh.Domains == DomainsShared && sh.PoolPages == pt.PoolPages && sh.Policy == pt.Policy {
-				c := DomainComparison{PoolPages: pt.PoolPages, Policy: pt.Policy, PerTenant: figuresOf(pt), Shared: figuresOf(sh)}
+			if sh.Domains == DomainsShared && sh.PoolPages == pt.PoolPages && sh.Policy == pt.Policy && sh.Sizing == pt.Sizing {
+				c := DomainComparison{PoolPages: pt.PoolPages, Policy: pt.Policy, Sizing: pt.Sizing, PerTenant: figuresOf(pt), Shared: figuresOf(sh)}
 				c.PrefillAvoidedRatio = ratio(float64(sh.Prefix.PrefillBytesAvoided), float64(pt.Prefix.PrefillBytesAvoided))
 				out = append(out, c)
 				break
@@ -203,6 +219,91 @@ func CompareDomains(runs []*RunResult) []DomainComparison {
 		}
 	}
 	return out
+}
+
+// SizingComparison is one pool size, domain layout and policy replayed
+// with full and with on-demand sizing.
+type SizingComparison struct {
+	PoolPages int           `json:"pool_pages"`
+	Domains   string        `json:"domains"`
+	Policy    string        `json:"policy"`
+	Full      SizingFigures `json:"full"`
+	OnDemand  SizingFigures `json:"on_demand"`
+	// ConcurrencyRatio is on-demand ÷ full mean concurrency (0 when full
+	// ran nothing).
+	ConcurrencyRatio float64 `json:"concurrency_ratio"`
+}
+
+// SizingFigures are the headline figures of one run for the comparison
+// of sizings.
+type SizingFigures struct {
+	ConcurrencyMean   float64 `json:"concurrency_mean"`
+	ConcurrencyMax    int     `json:"concurrency_max"`
+	KVUtilisation     float64 `json:"kv_utilisation"`
+	TTFTP50           float64 `json:"ttft_p50_s"`
+	TTFTP99           float64 `json:"ttft_p99_s"`
+	Admitted          uint64  `json:"admitted"`
+	Completed         uint64  `json:"completed"`
+	Preempted         uint64  `json:"preempted"`
+	ReadmitHitTokens  uint64  `json:"readmit_hit_tokens"`
+	ScrubPerKVWritten float64 `json:"scrub_bytes_per_kv_byte_written"`
+}
+
+func sizingFiguresOf(r *RunResult) SizingFigures {
+	return SizingFigures{ConcurrencyMean: r.Concurrency.Mean, ConcurrencyMax: r.Concurrency.Max, KVUtilisation: r.KVUtilisation,
+		TTFTP50: r.TTFT.P50, TTFTP99: r.TTFT.P99, Admitted: r.Admitted, Completed: r.Completed,
+		Preempted: r.Growth.Preempted, ReadmitHitTokens: r.Growth.ReadmitHitTokens, ScrubPerKVWritten: r.ScrubPerKVWritten}
+}
+
+// CompareSizings pairs the runs of each pool size, layout and policy
+// replayed with both sizings.
+func CompareSizings(runs []*RunResult) []SizingComparison {
+	var out []SizingComparison
+	for _, f := range runs {
+		if f.Sizing != SizingFull {
+			continue
+		}
+		for _, od := range runs {
+			if od.Sizing == SizingOnDemand && od.PoolPages == f.PoolPages && od.Domains == f.Domains && od.Policy == f.Policy {
+				out = append(out, SizingComparison{PoolPages: f.PoolPages, Domains: f.Domains, Policy: f.Policy,
+					Full: sizingFiguresOf(f), OnDemand: sizingFiguresOf(od), ConcurrencyRatio: ratio(od.Concurrency.Mean, f.Concurrency.Mean)})
+				break
+			}
+		}
+	}
+	return out
+}
+
+// writeSizingTable prints, per run, what lease sizing changed: how many
+// requests ran at once, how much of what leases held was written, time to
+// first token, growth and preemption.
+func (r *Report) writeSizingTable(w io.Writer, many Variety) {
+	fmt.Fprintln(w)
+	head := "sizing (concurrent: requests running per step, mean over the steps that ran any, and max; KV util: pages holding written KV ÷ pages held by leases; " +
+		"preempted: leases preempted when a growth was refused, newest first; readmit hits: tokens their re-admissions shared back from the prefix cache, " +
+		"recomputed: tokens they computed again; truncated: ended before their output, their lease could never grow to it"
+	if slices.Contains(r.Sizings, SizingOnDemand) {
+		head += fmt.Sprintf("; on-demand headroom %d tokens, growth watermark %.3g", r.HeadroomTokens, r.GrowthWatermark)
+	}
+	fmt.Fprintln(w, head+"):")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "policy\tsizing\tconcurrent\tmax\tKV util\tTTFT p50\tp99\tadmitted\tcompleted\tgrown pages\tpreempted\treadmitted\treadmit hits\trecomputed\ttruncated\tscrub÷KV\t")
+	for _, run := range r.Runs {
+		g := run.Growth
+		fmt.Fprintf(tw, "%s\t%s\t%.1f\t%d\t%.1f%%\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%.2f\t\n", RunLabel(run, many), run.Sizing,
+			run.Concurrency.Mean, run.Concurrency.Max, 100*run.KVUtilisation, fmtSeconds(run.TTFT.P50), fmtSeconds(run.TTFT.P99),
+			run.Admitted, run.Completed, g.PagesGrown, g.Preempted, g.Readmitted, g.ReadmitHitTokens, g.RecomputedTokens,
+			sumCounts(g.Truncated), run.ScrubPerKVWritten)
+	}
+	tw.Flush()
+	for _, c := range r.SizingComparison {
+		fmt.Fprintf(w, "on-demand vs full sizing (%d pages, %s, %s): concurrent %.1f vs %.1f (%s), max %d vs %d, KV util %.1f%% vs %.1f%%, "+
+			"TTFT p50 %s vs %s, p99 %s vs %s, completed %d vs %d, %d preemptions, scrub÷KV %.2f vs %.2f\n",
+			c.PoolPages, c.Domains, c.Policy, c.OnDemand.ConcurrencyMean, c.Full.ConcurrencyMean, fmtRatio(c.ConcurrencyRatio),
+			c.OnDemand.ConcurrencyMax, c.Full.ConcurrencyMax, 100*c.OnDemand.KVUtilisation, 100*c.Full.KVUtilisation,
+			fmtSeconds(c.OnDemand.TTFTP50), fmtSeconds(c.Full.TTFTP50), fmtSeconds(c.OnDemand.TTFTP99), fmtSeconds(c.Full.TTFTP99),
+			c.OnDemand.Completed, c.Full.Completed, c.OnDemand.Preempted, c.OnDemand.ScrubPerKVWritten, c.Full.ScrubPerKVWritten)
+	}
 }
 
 // WriteJSON writes the report, indented.
@@ -239,8 +340,12 @@ func (r *Report) writePrefixTable(w io.Writer, many Variety) {
 		if c.Policy != r.DomainComparison[0].Policy {
 			continue // hits do not depend on the scrub policy: one line per pool says it
 		}
+		what := c.Policy
+		if many.Sizings {
+			what += ", " + c.Sizing + " sizing"
+		}
 		fmt.Fprintf(w, "shared vs per-tenant domains (%d pages, %s): hit rate %.1f%% vs %.1f%%, prefill avoided %s vs %s (×%.2f), "+
-			"%d vs %d domains, TTFT p99 %s vs %s\n", c.PoolPages, c.Policy, 100*c.Shared.HitRate, 100*c.PerTenant.HitRate,
+			"%d vs %d domains, TTFT p99 %s vs %s\n", c.PoolPages, what, 100*c.Shared.HitRate, 100*c.PerTenant.HitRate,
 			FormatBytes(float64(c.Shared.PrefillBytesAvoided)), FormatBytes(float64(c.PerTenant.PrefillBytesAvoided)),
 			c.PrefillAvoidedRatio, c.Shared.Domains, c.PerTenant.Domains, fmtSeconds(c.Shared.TTFTP99), fmtSeconds(c.PerTenant.TTFTP99))
 	}
@@ -422,6 +527,7 @@ func (r *Report) WriteTable(w io.Writer) {
 		}
 	}
 	r.writePrefixTable(w, many)
+	r.writeSizingTable(w, many)
 	if r.DeviceBandwidth == 0 {
 		fmt.Fprintln(w, "GPU estimate: pass -device-bandwidth (e.g. 4TB/s) to estimate device fill time per second of serving")
 	}

@@ -21,6 +21,11 @@ type RunResult struct {
 	HostPoolBytes     int64  `json:"host_pool_bytes"`
 	Domains           string `json:"domains"` // DomainsPerTenant or DomainsShared
 	KVWritesSimulated bool   `json:"kv_writes_simulated"`
+	// Sizing is SizingFull or SizingOnDemand; HeadroomTokens and
+	// GrowthWatermark are on-demand's (0 under full sizing).
+	Sizing          string  `json:"sizing"`
+	HeadroomTokens  int     `json:"headroom_tokens"`
+	GrowthWatermark float64 `json:"growth_watermark"`
 
 	ServingSeconds    float64 `json:"serving_seconds"`     // virtual time replayed
 	WallSeconds       float64 `json:"wall_seconds"`        // the replay loop, everything included
@@ -73,20 +78,87 @@ type RunResult struct {
 	Utilisation []UtilSample `json:"utilisation"`
 	PeakInUse   float64      `json:"peak_in_use"`
 	MeanInUse   float64      `json:"mean_in_use"`
+	// KVUtilisation is the pages holding written KV ÷ the pages leases
+	// hold, summed over the utilisation samples (page-weighted): what
+	// share of its reservations the engine used. 0 when no lease was held
+	// at any sample.
+	KVUtilisation float64 `json:"kv_utilisation"`
+	// Concurrency is the requests running in each step (after its
+	// admissions), over the steps that ran any.
+	Concurrency Concurrency `json:"concurrency"`
+	// Growth is what on-demand sizing did: growths, preemptions,
+	// re-admissions (all zero under full sizing).
+	Growth GrowthResult `json:"growth"`
 
 	Audit      AuditResult `json:"audit"`
 	VsBaseline *Ratios     `json:"vs_baseline,omitempty"`
 }
 
+// Concurrency is how many requests ran at once. The mean is over the
+// steps that ran at least one request (BusySeconds of them, in virtual
+// time): over the whole window it would be the work served ÷ the window,
+// the same for any sizing that serves the same requests.
+type Concurrency struct {
+	Mean        float64 `json:"mean"`
+	Max         int     `json:"max"`
+	BusySeconds float64 `json:"busy_seconds"`
+}
+
+// GrowthResult counts the growth of on-demand leases, the preemptions
+// refused growths caused and the re-admissions of the preempted requests.
+type GrowthResult struct {
+	Grown      uint64            `json:"grown"`       // growths that added pages (the pool's count)
+	PagesGrown uint64            `json:"pages_grown"` // pages they added
+	Refused    map[string]uint64 `json:"refused"`     // growths refused, by reason (the pool's count)
+	// Preempted counts the leases preempted; PreemptKeptPages the pages
+	// their preemption left in the prefix cache (the pool's count).
+	Preempted        uint64 `json:"preempted"`
+	PreemptKeptPages uint64 `json:"preempt_kept_pages"`
+	// Readmitted counts the admissions of preempted requests, which
+	// RunResult.Admitted does not count again; ReadmitWaitSeconds their
+	// time back in the queue (virtual).
+	Readmitted         uint64  `json:"readmitted"`
+	ReadmitWaitSeconds float64 `json:"readmit_wait_seconds"`
+	// Prefix hits of the re-admissions (pages as the pool counts a
+	// lookup), which RunResult.Prefix leaves out so that its hit rate
+	// stays comparable with the trace's bound: ReadmitHitTokens were
+	// shared back rather than computed again, RecomputedTokens computed
+	// again.
+	ReadmitLookupPages uint64 `json:"readmit_lookup_pages"`
+	ReadmitHitPages    uint64 `json:"readmit_hit_pages"`
+	ReadmitHitTokens   uint64 `json:"readmit_hit_tokens"`
+	RecomputedTokens   uint64 `json:"recomputed_tokens"`
+	// Truncated counts, by reason, requests ended before their output
+	// because their lease could never grow to it, or they could never be
+	// admitted again (more than the pool in service or the tenant's whole
+	// quota); they keep the tokens they generated.
+	Truncated map[string]uint64 `json:"truncated"`
+	// Stalls counts the steps a request wrote nothing because its growth
+	// met a pool faulted by its own canary audit (cleared, as in
+	// admission).
+	Stalls uint64 `json:"stalls"`
+	// PreemptedAtEnd counts preempted requests still waiting at the end
+	// of the serving window.
+	PreemptedAtEnd uint64 `json:"preempted_at_end"`
+	// GrowSeconds and PreemptSeconds are the wall time of the growths
+	// (TryGrow, refused ones included) and of the preemptions (Preempt and
+	// hashing the computed tokens into page keys).
+	GrowSeconds    float64 `json:"grow_seconds"`
+	PreemptSeconds float64 `json:"preempt_seconds"`
+}
+
 // UtilSample is the pool at one virtual instant, as fractions of its pages.
 type UtilSample struct {
-	T           float64 `json:"t"`
-	InUse       float64 `json:"in_use"`  // pages held by leases
-	Written     float64 `json:"written"` // token slots holding KV
-	Quarantined float64 `json:"quarantined"`
-	Cached      float64 `json:"cached"` // published pages no lease holds: evictable
-	Queued      int     `json:"queued"`
-	Running     int     `json:"running"`
+	T     float64 `json:"t"`
+	InUse float64 `json:"in_use"` // pages held by leases
+	// WrittenPages are the pages leases hold that hold written KV (a page
+	// shared by several leases counts once, as in InUse).
+	WrittenPages float64 `json:"written_pages"`
+	Written      float64 `json:"written"` // token slots holding KV (a shared page's once)
+	Quarantined  float64 `json:"quarantined"`
+	Cached       float64 `json:"cached"` // published pages no lease holds: evictable
+	Queued       int     `json:"queued"`
+	Running      int     `json:"running"`
 }
 
 // AuditResult is the isolation audit of a run.
@@ -226,6 +298,15 @@ func Percentile[T any](sorted []T, q float64) T {
 	return sorted[min(max(i, 0), len(sorted)-1)]
 }
 
+// sumCounts adds up counts by reason.
+func sumCounts(m map[string]uint64) uint64 {
+	var n uint64
+	for _, v := range m {
+		n += v
+	}
+	return n
+}
+
 func ratio(a, b float64) float64 {
 	if b == 0 {
 		return 0
@@ -234,7 +315,8 @@ func ratio(a, b float64) float64 {
 }
 
 // CompareWithBaseline fills in every run's ratios to the unsafe baseline
-// of the same pool size and domain layout (runs without one are left alone) and, with a
+// of the same pool size, domain layout and sizing (runs without one are
+// left alone) and, with a
 // device bandwidth in bytes/s, its estimated device fill time per second
 // of serving.
 func CompareWithBaseline(runs []*RunResult, deviceBandwidth float64) {
@@ -247,7 +329,7 @@ func CompareWithBaseline(runs []*RunResult, deviceBandwidth float64) {
 			continue
 		}
 		for _, b := range runs {
-			if b.Unsafe && b.PoolPages == r.PoolPages && b.Domains == r.Domains {
+			if b.Unsafe && b.PoolPages == r.PoolPages && b.Domains == r.Domains && b.Sizing == r.Sizing {
 				r.VsBaseline = &Ratios{
 					RunTime:         ratio(r.ServingCPUSeconds, b.ServingCPUSeconds),
 					AdmitP50:        ratio(float64(r.AdmitLatency.P50), float64(b.AdmitLatency.P50)),

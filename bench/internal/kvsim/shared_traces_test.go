@@ -40,3 +40,41 @@ func TestMooncakeSyntheticHitRateAgainstBound(t *testing.T) {
 		})
 	}
 }
+
+// Mooncake's synthetic trace gives no max_tokens: with the rest of a
+// 262k-token window as every request's budget, full reservation holds
+// three or four requests in a 1M-token pool, on-demand sizing all that
+// arrive; every request on-demand admits completes, none truncated.
+// Five minutes of the trace (about 1,100 requests); skipped like the
+// test above.
+func TestMooncakeSyntheticOnDemandAgainstWindowBudgets(t *testing.T) {
+	if testing.Short() || raceEnabled {
+		t.Skip("replays 1k requests twice")
+	}
+	tr, _, err := ReadTrace(openSharedTrace(t, "mooncake/synthetic_trace.jsonl"), "synthetic", FormatMooncake, ImportConfig{})
+	require.NoError(t, err)
+	const window, poolTokens = 1 << 18, 1_000_000
+	tr = tr.WithWindowBudgets(window)
+	g := kvcache.Geometry{TokensPerPage: 16, Layers: 1, KVHeads: 1, HeadDim: 2, DType: kvcache.FP16}
+	res := map[string]*RunResult{}
+	for _, sizing := range SizingModes {
+		cfg := RunConfig{Geometry: g, PoolPages: poolTokens / g.TokensPerPage, MaxContext: window, Policy: "zero",
+			Step: 20 * time.Millisecond, MaxBatch: 256, QueueTimeout: 30 * time.Second, Duration: 5 * time.Minute,
+			WriteKV: true, PrefixCache: true, PrefillTokens: 8192, Sizing: sizing}
+		if sizing == SizingOnDemand {
+			cfg.GrowthWatermark = 0.01
+		}
+		r, err := Run(tr, cfg)
+		require.NoError(t, err, sizing)
+		t.Logf("%s: concurrency %.1f (max %d), KV util %.1f%%, admitted %d, completed %d, TTFT p99 %.2fs, %d preempted",
+			sizing, r.Concurrency.Mean, r.Concurrency.Max, 100*r.KVUtilisation, r.Admitted, r.Completed, r.TTFT.P99, r.Growth.Preempted)
+		res[sizing] = r
+	}
+	full, od := res[SizingFull], res[SizingOnDemand]
+	perWindow := poolTokens / window
+	assert.LessOrEqual(t, full.Concurrency.Max, perWindow+1, "full: a window per request (a shared prefix may let one more in)")
+	assert.Greater(t, od.Concurrency.Mean, 2*full.Concurrency.Mean)
+	assert.Greater(t, od.Completed, full.Completed)
+	assert.Empty(t, od.Growth.Truncated)
+	assert.Equal(t, od.Admitted, od.Completed+od.ShutdownReleases+od.Growth.PreemptedAtEnd)
+}

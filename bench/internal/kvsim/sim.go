@@ -37,6 +37,21 @@ const (
 // DomainModes are the layouts kvbench compares.
 var DomainModes = []string{DomainsPerTenant, DomainsShared}
 
+// Sizings a run can use: how admission sizes a lease.
+const (
+	// SizingFull reserves prompt + output budget at admission (kvcache's
+	// SizeFull, the default): a lease never grows, no request is ever
+	// preempted.
+	SizingFull = "full"
+	// SizingOnDemand reserves the prompt and a headroom of output tokens
+	// (kvcache's SizeOnDemand); the lease grows a page at a time as the
+	// request generates, and a refused growth preempts (see Run).
+	SizingOnDemand = "on-demand"
+)
+
+// SizingModes are the sizings kvbench compares.
+var SizingModes = []string{SizingFull, SizingOnDemand}
+
 // ParsePolicy maps a policy name to the pool's scrub policy; unsafe is
 // true for "none", which keeps the zero policy's bookkeeping but runs on a
 // device that skips the fills.
@@ -82,6 +97,17 @@ type RunConfig struct {
 	PrefixCache bool
 	// Domains is DomainsPerTenant (also when empty) or DomainsShared.
 	Domains string
+	// Sizing is SizingFull (also when empty) or SizingOnDemand.
+	Sizing string
+	// HeadroomTokens is, under SizingOnDemand, the output tokens admission
+	// reserves beyond the prompt (0: the prompt alone; its last page may
+	// still hold a few output tokens).
+	HeadroomTokens int
+	// GrowthWatermark is, under SizingOnDemand, the share of the pool that
+	// new admissions (re-admissions of preempted requests included) leave
+	// free for the growth of running leases (kvcache's
+	// Config.GrowthWatermark, 0..kvcache.MaxGrowthWatermark).
+	GrowthWatermark float64
 	// Seed derives the prompts' token IDs.
 	Seed uint64
 	// PrefillTokens is the engine's prefill budget per step (chunked
@@ -113,6 +139,14 @@ type RunConfig struct {
 	// onKeys, in tests, runs each time a request's token IDs and page
 	// keys are derived.
 	onKeys func(r *Request)
+	// afterGrow, in tests, runs after each growth that added pages.
+	afterGrow func(s *sim, a *active)
+	// onEnd, in tests, runs when a request ends for good (completed,
+	// aborted, truncated, released at shutdown), before its lease is
+	// released.
+	onEnd func(s *sim, a *active, how string)
+	// afterStep, in tests, runs after every step.
+	afterStep func(s *sim)
 }
 
 func (c *RunConfig) validate() error {
@@ -137,6 +171,15 @@ func (c *RunConfig) validate() error {
 		return bad("domains %q, want %s", c.Domains, strings.Join(DomainModes, " or "))
 	case c.PrefillTokens < 0:
 		return bad("prefill budget of %d tokens per step, want ≥ 0 (0: no limit)", c.PrefillTokens)
+	case c.Sizing != "" && !slices.Contains(SizingModes, c.Sizing):
+		return bad("sizing %q, want %s", c.Sizing, strings.Join(SizingModes, " or "))
+	case c.HeadroomTokens < 0 || c.HeadroomTokens > isolation.MaxHeadroomTokens:
+		return bad("headroom of %d tokens, want 0..%d", c.HeadroomTokens, isolation.MaxHeadroomTokens)
+	case !(c.GrowthWatermark >= 0 && c.GrowthWatermark <= kvcache.MaxGrowthWatermark): // NaN fails too
+		return bad("growth watermark %v, want 0..%v", c.GrowthWatermark, kvcache.MaxGrowthWatermark)
+	case c.Sizing != SizingOnDemand && (c.HeadroomTokens != 0 || c.GrowthWatermark != 0):
+		return bad("a headroom (%d tokens) or a growth watermark (%v) with %s sizing: they are for %s leases only",
+			c.HeadroomTokens, c.GrowthWatermark, SizingFull, SizingOnDemand)
 	}
 	if err := c.Geometry.Validate(); err != nil {
 		return err
@@ -226,24 +269,34 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		}
 		tenantIdx[t.Name] = i
 	}
+	if cfg.Sizing == "" {
+		cfg.Sizing = SizingFull
+	}
+	sizing := kvcache.Sizing{Mode: kvcache.SizeFull}
+	if cfg.Sizing == SizingOnDemand {
+		sizing = kvcache.Sizing{Mode: kvcache.SizeOnDemand, HeadroomTokens: cfg.HeadroomTokens}
+	}
 	pool, err := kvcache.New(kvcache.Config{
 		Geometry: cfg.Geometry, Pages: cfg.PoolPages, MaxContextTokens: cfg.MaxContext,
 		AllowUndersizedPool: true, Tenants: tenants, Scrub: policy, Device: metered,
 		Prefix: kvcache.PrefixConfig{Disable: !cfg.PrefixCache},
+		Sizing: sizing, GrowthWatermark: cfg.GrowthWatermark,
 	})
 	if err != nil {
 		return nil, err
 	}
 	s := &sim{
 		cfg: cfg, tr: tr, pool: pool, dev: metered, tenantIdx: tenantIdx, domainOf: domainOf,
-		reused: make([]bool, cfg.PoolPages),
+		reused: make([]bool, cfg.PoolPages), readmitByDomain: map[string]readmitCount{},
 		res: &RunResult{Policy: cfg.Policy, Unsafe: unsafe, Device: metered.Name(), PoolPages: cfg.PoolPages,
 			PoolTokens: cfg.PoolPages * cfg.Geometry.TokensPerPage, HostPoolBytes: int64(cfg.PoolPages) * cfg.Geometry.PageBytes(),
-			KVWritesSimulated: cfg.WriteKV, Domains: cfg.Domains, Dropped: map[string]uint64{}},
+			KVWritesSimulated: cfg.WriteKV, Domains: cfg.Domains, Dropped: map[string]uint64{},
+			Sizing: cfg.Sizing, HeadroomTokens: cfg.HeadroomTokens, GrowthWatermark: cfg.GrowthWatermark,
+			Growth: GrowthResult{Truncated: map[string]uint64{}}},
 	}
 	s.report = reportBytesOf(cfg)
 	s.res.PoolBytes = int64(cfg.PoolPages) * s.report.page
-	s.served = newBoundIndex(tr, cfg.Geometry.TokensPerPage, min(cfg.MaxContext, cfg.PoolPages*cfg.Geometry.TokensPerPage), cfg.Domains)
+	s.served = newBoundIndexFor(tr, cfg)
 	s.spec = spec
 	if unsafe {
 		// The safe pools scrubbed every page at creation, which also
@@ -308,23 +361,45 @@ type hostMemory interface {
 // tokenised and hashed once, not once per attempt: on an overloaded pool
 // that hashing was nearly all of the run's CPU. The keys depend on the
 // tenant's sharing domain, which never changes during a run.
+//
+// A preempted request waits here too, at the head of the queue, with the
+// keys of every token it had computed (its prompt, then the tokens it
+// generated): its next admission takes them all as its prompt, so that the
+// prefix cache gives back the pages Preempt kept.
 type queued struct {
 	req   *Request
 	since time.Duration
 	keys  []kvcache.BlockKey
 	keyed bool // keys derived (they may be none: a prompt shorter than a page)
+	// resumed: a preempted request, which has generated tokens so far.
+	// It is admitted again, never dropped from the queue for waiting.
+	resumed   bool
+	generated int
 }
 
 type active struct {
-	req     *Request
-	tenant  int
-	lease   *kvcache.Lease
-	table   []int32
-	hit     int // leading prompt tokens shared from the prefix cache
-	written int // tokens whose KV is in the pages (hit ones included)
-	target  int // prompt + tokens generated before the request ends
-	marker  []byte
+	req    *Request
+	tenant int
+	lease  *kvcache.Lease
+	table  []int32
+	hit    int // leading prompt tokens shared from the prefix cache
+	// prompt is what this lease was admitted with as its prompt: the
+	// request's, or after a preemption its prompt and the tokens it had
+	// generated, which it computes again (after the hit) before it
+	// generates the next one.
+	prompt    int
+	written   int // tokens whose KV is in the pages (hit ones included)
+	target    int // prompt + tokens generated before the request ends
+	generated int // output tokens generated, over all its admissions
+	marker    []byte
+	// preempted: taken off the batch by a refused growth during this
+	// step's decode; the loop drops it when it gets there.
+	preempted bool
 }
+
+// readmitCount is what re-admissions looked up and hit in one domain, to
+// be told apart from the pool's counters (which count every admission).
+type readmitCount struct{ lookups, hits uint64 }
 
 type sim struct {
 	cfg         RunConfig
@@ -348,12 +423,22 @@ type sim struct {
 	reused      []bool // page was held by a lease before
 	queue       []queued
 	running     []*active
-	spare       []*active
-	tokens      []int32              // scratch: the prompt being hashed into keys
-	spareKeys   [][]kvcache.BlockKey // key buffers of requests no longer queued
-	now         time.Duration
-	lat         []time.Duration
-	res         *RunResult
+	// Concurrency: requests running, summed and at most, over the steps
+	// that ran any.
+	runningSum      uint64
+	runningMax      int
+	busySteps       int
+	writtenShare    float64 // samples' pages holding written KV, summed (share of the pool)
+	inUseShare      float64 // samples' pages held by leases, summed (share of the pool)
+	readmitByDomain map[string]readmitCount
+	growTime        time.Duration
+	preemptTime     time.Duration
+	spare           []*active
+	tokens          []int32              // scratch: the prompt being hashed into keys
+	spareKeys       [][]kvcache.BlockKey // key buffers of requests no longer queued
+	now             time.Duration
+	lat             []time.Duration
+	res             *RunResult
 
 	auditBuf, wantBuf []byte
 	auditTime         time.Duration
@@ -379,11 +464,19 @@ func (s *sim) run() error {
 		if err := s.admit(); err != nil {
 			return err
 		}
+		if n := len(s.running); n > 0 {
+			s.runningSum += uint64(n)
+			s.busySteps++
+			s.runningMax = max(s.runningMax, n)
+		}
 		if err := s.decode(); err != nil {
 			return err
 		}
 		if step%every == 0 || step == steps-1 {
 			s.sample()
+		}
+		if s.cfg.afterStep != nil {
+			s.cfg.afterStep(s)
 		}
 		if s.cfg.Progress != nil {
 			s.cfg.Progress(Progress{Step: step + 1, Steps: steps, Now: s.now + s.cfg.Step, Duration: s.cfg.Duration,
@@ -394,12 +487,21 @@ func (s *sim) run() error {
 	s.now = s.cfg.Duration
 	for _, a := range s.running {
 		s.res.ShutdownReleases++
+		if s.cfg.onEnd != nil {
+			s.cfg.onEnd(s, a, "shutdown")
+		}
 		if err := s.release(a); err != nil {
 			return err
 		}
 	}
 	s.running = nil
-	s.res.Dropped["unserved_at_end"] += uint64(len(s.queue))
+	for _, q := range s.queue {
+		if q.resumed {
+			s.res.Growth.PreemptedAtEnd++
+		} else {
+			s.res.Dropped["unserved_at_end"]++
+		}
+	}
 	s.res.Dropped["not_arrived"] += uint64(len(s.tr.Requests) - next)
 	wall := time.Since(start)
 	s.res.WallSeconds = wall.Seconds()
@@ -410,6 +512,9 @@ func (s *sim) run() error {
 	// The figures end here: Close scrubs the pages still cached, which
 	// is not serving (CachedPagesAtEnd counts them).
 	s.endStats = s.pool.Stats()
+	if got, want := s.res.Growth.Preempted, s.endStats.Growth.Preempted; got != want {
+		return fmt.Errorf("%w: the engine preempted %d leases, the pool counts %d", ErrAuditFailed, got, want)
+	}
 	s.fillTime, s.filled = s.dev.totals()
 	s.fillBuckets = s.dev.report()
 	return nil
@@ -437,13 +542,14 @@ func reason(err error) string {
 	return "other"
 }
 
-// admit tries queued requests in arrival order. A request the pool cannot
+// admit tries queued requests in arrival order, preempted ones first
+// (they are put back at the head of the queue). A request the pool cannot
 // take now for lack of pages holds the queue (first come, first served); a
 // request over its tenant's quota waits without holding the others.
 func (s *sim) admit() error {
 	kept := s.queue[:0]
 	for _, q := range s.queue {
-		if s.now-q.since > s.cfg.QueueTimeout {
+		if !q.resumed && s.now-q.since > s.cfg.QueueTimeout {
 			s.res.Dropped["queue_timeout"]++
 			s.done++
 			s.recycleKeys(&q)
@@ -457,6 +563,12 @@ func (s *sim) admit() error {
 	for i < len(s.queue) && len(s.running) < s.cfg.MaxBatch {
 		q := &s.queue[i]
 		req := kvcache.Request{ID: q.req.ID, Tenant: q.req.Tenant, PromptTokens: q.req.Prompt, MaxNewTokens: q.req.MaxNew}
+		if q.resumed {
+			// Everything it computed is its prompt now; the rest of its
+			// budget is what it may still generate.
+			req.PromptTokens += q.generated
+			req.MaxNewTokens -= q.generated
+		}
 		if s.cfg.PrefixCache {
 			if err := s.deriveKeys(q); err != nil {
 				return err
@@ -473,9 +585,9 @@ func (s *sim) admit() error {
 		s.admitTime += took
 		if err == nil {
 			s.lat = append(s.lat, took)
-			since := q.since
+			qq := *q
 			s.dequeue(i) // the lease holds a copy of the keys
-			if err := s.start(a, since); err != nil {
+			if err := s.start(a, &qq, len(req.PageKeys)); err != nil {
 				return err
 			}
 			continue
@@ -484,24 +596,33 @@ func (s *sim) admit() error {
 		s.refused++
 		var ae *kvcache.AdmissionError
 		switch {
-		case errors.As(err, &ae) && ae.Retryable():
-			if errors.Is(err, kvcache.ErrPoolExhausted) {
-				return nil
-			}
-			i++
-		case errors.As(err, &ae):
-			s.res.Dropped[reason(err)]++
-			s.done++
-			s.dequeue(i)
 		case errors.Is(err, kvcache.ErrCanaryMismatch):
 			// The pool's own canary audit caught a written free page:
-			// it retired the page and faulted. Record it and carry on.
+			// it retired the page and faulted (the refusal is an
+			// ErrPoolFaulted caused by the mismatch, so this comes
+			// before the refusals). Record it and carry on.
 			s.res.Audit.PoolCanaryFaults++
 			if len(s.res.Audit.Examples) < maxAuditExamples {
 				s.res.Audit.Examples = append(s.res.Audit.Examples, err.Error())
 			}
 			s.pool.ClearFault()
 			return nil
+		case errors.As(err, &ae) && ae.Retryable():
+			if errors.Is(err, kvcache.ErrPoolExhausted) {
+				return nil
+			}
+			i++
+		case errors.As(err, &ae) && q.resumed:
+			// Admitted before, refused for good now (its computed
+			// tokens and headroom outgrew the pool or the quota): it
+			// ends with the tokens it generated.
+			s.res.Growth.Truncated[reason(err)]++
+			s.done++
+			s.dequeue(i)
+		case errors.As(err, &ae):
+			s.res.Dropped[reason(err)]++
+			s.done++
+			s.dequeue(i)
 		default:
 			return fmt.Errorf("admitting %s (trace line %d): %w", q.req.ID, q.req.Line, err)
 		}
@@ -523,7 +644,7 @@ func (s *sim) deriveKeys(q *queued) error {
 	if _, ok := s.tenantIdx[q.req.Tenant]; !ok {
 		return nil
 	}
-	if tokens := q.req.Prompt + q.req.MaxNew; tokens > s.cfg.MaxContext || tokens > s.cfg.PoolPages*s.cfg.Geometry.TokensPerPage {
+	if !admissible(q.req, s.cfg) {
 		return nil
 	}
 	start := time.Now()
@@ -566,29 +687,54 @@ func (s *sim) newActive(r *Request) *active {
 	} else {
 		a = &active{lease: new(kvcache.Lease)}
 	}
-	a.req, a.tenant = r, s.tenantIdx[r.Tenant]
+	a.req, a.tenant, a.preempted = r, s.tenantIdx[r.Tenant], false
 	return a
 }
 
-// start sets an admitted request, queued since then, running; its
-// prefill starts in this step's decode.
-func (s *sim) start(a *active, since time.Duration) error {
+// start sets an admitted request, queued as q, running; its prefill
+// starts in this step's decode. keys is how many page keys the admission
+// carried. A preempted request admitted again counts as a re-admission,
+// not as an admission: its prompt, output and first admission were
+// counted already.
+func (s *sim) start(a *active, q *queued, keys int) error {
 	var err error
 	if a.table, err = a.lease.AppendBlockTable(a.table[:0]); err != nil {
 		return err
 	}
 	a.hit = a.lease.HitTokens()
-	s.res.Admitted++
-	s.res.QueueWaitSeconds += (s.now - since).Seconds()
-	s.res.PromptTokens += uint64(a.req.Prompt)
-	s.res.Prefix.HitTokens += uint64(a.hit)
-	s.served.add(a.req)
-	s.res.Prefix.PrefillBytesAvoided += uint64(a.hit) * uint64(s.report.token)
+	a.prompt, a.generated = a.req.Prompt, 0
+	if q.resumed {
+		a.prompt, a.generated = a.req.Prompt+q.generated, q.generated
+		g := &s.res.Growth
+		g.Readmitted++
+		g.ReadmitWaitSeconds += (s.now - q.since).Seconds()
+		tpp := s.cfg.Geometry.TokensPerPage
+		if s.cfg.PrefixCache {
+			// As the pool counts a lookup (countMatchLocked): the full
+			// pages it has keys for, but the one holding the last token.
+			looked := uint64(min(keys, (a.prompt-1)/tpp))
+			hits := uint64(a.hit / tpp)
+			g.ReadmitLookupPages += looked
+			g.ReadmitHitPages += hits
+			d := s.readmitByDomain[s.domainOf[a.tenant]]
+			d.lookups, d.hits = d.lookups+looked, d.hits+hits
+			s.readmitByDomain[s.domainOf[a.tenant]] = d
+		}
+		g.ReadmitHitTokens += uint64(a.hit)
+		g.RecomputedTokens += uint64(a.prompt - a.hit)
+	} else {
+		s.res.Admitted++
+		s.res.QueueWaitSeconds += (s.now - q.since).Seconds()
+		s.res.PromptTokens += uint64(a.req.Prompt)
+		s.res.Prefix.HitTokens += uint64(a.hit)
+		s.served.add(a.req)
+		s.res.Prefix.PrefillBytesAvoided += uint64(a.hit) * uint64(s.report.token)
+	}
 	if s.cfg.afterAdmit != nil {
 		s.cfg.afterAdmit(s, a)
 	}
 	if s.cfg.Audit {
-		s.audit(a)
+		s.audit(a, 0)
 	}
 	if s.host != nil {
 		rb := int(s.cfg.Geometry.RegionPageBytes())
@@ -596,7 +742,7 @@ func (s *sim) start(a *active, since time.Duration) error {
 			a.marker = make([]byte, rb)
 		}
 		a.marker = a.marker[:rb]
-		w := markerWord(a.tenant, int(s.res.Admitted))
+		w := markerWord(a.tenant, int(s.res.Admitted+s.res.Growth.Readmitted))
 		for off := 0; off < rb; off += 4 {
 			binary.LittleEndian.PutUint32(a.marker[off:], w)
 		}
@@ -611,7 +757,8 @@ func (s *sim) start(a *active, since time.Duration) error {
 // decode is one continuous-batching step: running requests compute their
 // prompts, oldest first, within the step's prefill budget (and publish
 // them to the prefix cache when complete); every request past its prompt
-// writes one token; those that reached their end (or their client's
+// writes one token, growing its lease first when it is full (on-demand
+// sizing; see grow); those that reached their end (or their client's
 // abort) are released.
 func (s *sim) decode() error {
 	budget := s.cfg.PrefillTokens
@@ -619,8 +766,11 @@ func (s *sim) decode() error {
 		budget = math.MaxInt
 	}
 	kept := s.running[:0]
-	for _, a := range s.running {
-		if prompt := a.req.Prompt; a.written < prompt {
+	for i, a := range s.running {
+		if a.preempted {
+			continue // a newer request's growth took its pages this step
+		}
+		if prompt := a.prompt; a.written < prompt {
 			n := min(prompt-a.written, budget)
 			if n == 0 {
 				kept = append(kept, a)
@@ -639,28 +789,46 @@ func (s *sim) decode() error {
 					return fmt.Errorf("publishing the prompt of %s: %w", a.req.ID, err)
 				}
 			}
-			if a.target > prompt {
-				// The step that completes the prompt samples the first token.
-				s.ttft = append(s.ttft, s.now+s.cfg.Step-a.req.At)
-			}
 		}
 		if a.written < a.target {
+			if a.written >= a.lease.CapacityTokens() {
+				// The next token needs a page the lease does not have: it
+				// writes nothing until it holds one.
+				out, err := s.grow(i, a)
+				if err != nil {
+					return err
+				}
+				switch out {
+				case grewStalled:
+					kept = append(kept, a)
+					continue
+				case grewEnded:
+					continue
+				}
+			}
+			if a.generated == 0 {
+				// The step that completes the prompt samples the first
+				// token; it is delivered with its KV written.
+				s.ttft = append(s.ttft, s.now+s.cfg.Step-a.req.At)
+			}
 			if err := s.write(a, 1); err != nil {
 				return err
 			}
+			a.generated++
 			s.res.TokensGenerated++
 		}
 		if a.written < a.target {
 			kept = append(kept, a)
 			continue
 		}
+		how := "completed"
 		if a.req.AbortAfter >= 0 {
 			s.res.Aborted++
+			how = "aborted"
 		} else {
 			s.res.Completed++
 		}
-		s.done++
-		if err := s.release(a); err != nil {
+		if err := s.end(a, how); err != nil {
 			return err
 		}
 	}
@@ -669,9 +837,155 @@ func (s *sim) decode() error {
 	return nil
 }
 
+// end releases a request that ended for good.
+func (s *sim) end(a *active, how string) error {
+	s.done++
+	if s.cfg.onEnd != nil {
+		s.cfg.onEnd(s, a, how)
+	}
+	return s.release(a)
+}
+
+// What a growth came to.
+type growOutcome uint8
+
+const (
+	grewRoom    growOutcome = iota // the lease holds the page: write
+	grewStalled                    // no page this step (a faulted pool was cleared): write nothing, try again next step
+	grewEnded                      // preempted, or ended for good: off the batch
+)
+
+// grow adds the page running[i] (a) needs for its next token. A refusal
+// the pool may lift (ErrPoolExhausted, or ErrExceedsQuota while the
+// tenant's other leases hold its quota) preempts, as vLLM does, the newest
+// request in the batch (for a quota, the newest of a's tenant) and tries
+// again; the newest may be a itself, which then waits at the head of the
+// queue. Newest first, because it has computed the least (the least to
+// lose, and what it loses the prefix cache mostly keeps), and because the
+// oldest requests then finish first and free their pages, as first come,
+// first served promises; it is also vLLM's policy, so figures compare.
+// A refusal nothing can lift (the request can never hold its output: more
+// than the pool in service, or than its tenant's whole quota; a pool
+// faulted by a failed fill) ends the request with the tokens it has
+// generated (truncated). The pool's canary audit failing on the page it
+// would get is no page this step (the fault is cleared, as in admit). A
+// refused growth is never taken for room: the request writes nothing
+// until it holds the page.
+func (s *sim) grow(i int, a *active) (growOutcome, error) {
+	for {
+		start := time.Now()
+		had := len(a.table)
+		err := a.lease.TryGrow(1)
+		s.growTime += time.Since(start)
+		if err == nil {
+			if a.table, err = a.lease.AppendBlockTable(a.table[:0]); err != nil {
+				return 0, err
+			}
+			if s.cfg.afterGrow != nil {
+				s.cfg.afterGrow(s, a)
+			}
+			if s.cfg.Audit {
+				s.audit(a, had)
+			}
+			return grewRoom, nil
+		}
+		var ae *kvcache.AdmissionError
+		switch {
+		case errors.Is(err, kvcache.ErrCanaryMismatch):
+			// As in admit: the pool's canary audit caught a written free
+			// page, retired it and faulted. No page this step.
+			s.res.Audit.PoolCanaryFaults++
+			if len(s.res.Audit.Examples) < maxAuditExamples {
+				s.res.Audit.Examples = append(s.res.Audit.Examples, err.Error())
+			}
+			s.pool.ClearFault()
+			s.res.Growth.Stalls++
+			return grewStalled, nil
+		case errors.As(err, &ae) && ae.Retryable():
+			v := s.victim(i, a, errors.Is(err, kvcache.ErrExceedsQuota))
+			if err := s.preempt(v); err != nil {
+				return 0, err
+			}
+			if v == a {
+				return grewEnded, nil
+			}
+		case errors.As(err, &ae) && errors.Is(err, kvcache.ErrExceedsMaxContext):
+			// The engine asks for one token while it has budget left:
+			// this refusal is a simulator bug, not a workload's.
+			return 0, fmt.Errorf("growing %s at %d of %d tokens: %w", a.req.ID, a.written, a.target, err)
+		case errors.As(err, &ae):
+			s.res.Growth.Truncated[reason(err)]++
+			return grewEnded, s.end(a, "truncated")
+		default:
+			return 0, fmt.Errorf("growing %s: %w", a.req.ID, err)
+		}
+	}
+}
+
+// victim is the request a refused growth of running[i] (a) preempts: the
+// newest in the batch not preempted yet (the newest of a's tenant when its
+// quota binds), a itself when none is newer. The batch is in admission
+// order (a re-admitted request is newest again), so that is the last one.
+func (s *sim) victim(i int, a *active, sameTenant bool) *active {
+	for j := len(s.running) - 1; j > i; j-- {
+		v := s.running[j]
+		if !v.preempted && (!sameTenant || v.tenant == a.tenant) {
+			return v
+		}
+	}
+	return a
+}
+
+// preempt takes a off the batch: Lease.Preempt publishes the full pages
+// of the tokens it has written in its domain's prefix cache and scrubs the
+// rest, and the request goes back to the head of the queue with the page
+// keys of everything it computed (its prompt and the tokens it generated),
+// so that its next admission shares those pages back. Without the prefix
+// cache nothing is kept and the next admission computes it all again.
+func (s *sim) preempt(a *active) error {
+	start := time.Now()
+	defer func() { s.preemptTime += time.Since(start) }()
+	q := queued{req: a.req, since: s.now, keyed: true, resumed: true, generated: a.generated}
+	var tokens []int32
+	if s.cfg.PrefixCache {
+		s.tokens = AppendPromptTokens(s.tokens[:0], s.cfg.Seed, a.req, s.tr.BlockTokens)
+		s.tokens = AppendOutputTokens(s.tokens, s.cfg.Seed, a.req, a.generated)
+		// The lease's written watermark: what it committed (a request
+		// preempted before its first write has committed nothing).
+		tokens = s.tokens[:a.lease.Written()]
+	}
+	if _, err := a.lease.Preempt(tokens); err != nil {
+		return fmt.Errorf("preempting %s: %w", a.req.ID, err)
+	}
+	if s.cfg.PrefixCache {
+		var buf []kvcache.BlockKey
+		if n := len(s.spareKeys); n > 0 {
+			buf, s.spareKeys = s.spareKeys[n-1], s.spareKeys[:n-1]
+		}
+		var err error
+		if q.keys, err = s.pool.PageKeys(a.req.Tenant, "", s.tokens[:a.req.Prompt+a.generated], buf); err != nil {
+			return fmt.Errorf("deriving the page keys of preempted %s: %w", a.req.ID, err)
+		}
+	}
+	s.res.Growth.Preempted++
+	for _, p := range a.table {
+		s.reused[p] = true
+	}
+	a.preempted = true
+	s.spare = append(s.spare, a)
+	s.queue = slices.Insert(s.queue, 0, q)
+	return nil
+}
+
 // write appends n tokens of KV to the request's pages and commits them.
+// Past the pages its block table holds is a simulator bug (a growth taken
+// for granted), refused before anything is written.
 func (s *sim) write(a *active, n int) error {
 	from, to := a.written, a.written+n
+	if to > len(a.table)*s.cfg.Geometry.TokensPerPage {
+		return fmt.Errorf("writing tokens %d..%d of %s: its lease holds %d pages (%d tokens)",
+			from, to, a.req.ID, len(a.table), len(a.table)*s.cfg.Geometry.TokensPerPage)
+	}
 	s.res.KVBytesWritten += uint64(n) * uint64(s.report.token)
 	if s.host != nil {
 		start := time.Now()
@@ -709,10 +1023,12 @@ func (s *sim) release(a *active) error {
 
 const maxAuditExamples = 5
 
-// audit checks, before the engine writes, that every page the new lease
-// got that an earlier lease held reads back as the policy's scrub word in
-// every region.
-func (s *sim) audit(a *active) {
+// audit checks, before the engine writes, that every page the lease got
+// from its from-th on (0 at admission; after a growth, the pages it added)
+// that an earlier lease held reads back as the policy's scrub word in
+// every region, and that the pages it shares from the prefix cache hold
+// its own domain's KV.
+func (s *sim) audit(a *active, from int) {
 	start := time.Now()
 	defer func() { s.auditTime += time.Since(start) }()
 	au := &s.res.Audit
@@ -722,7 +1038,8 @@ func (s *sim) audit(a *active) {
 	}
 	example := false // one example per lease keeps the report varied
 	hitPages := a.hit / s.cfg.Geometry.TokensPerPage
-	for i, p := range a.table {
+	for i, p := range a.table[from:] {
+		i += from
 		if i < hitPages {
 			if s.host != nil {
 				s.auditHit(a, p)
@@ -832,18 +1149,32 @@ func (s *sim) ownMarker(a *active, w uint32) bool {
 func (s *sim) sample() {
 	start := time.Now()
 	st := s.pool.Stats()
-	written := 0
+	// Only full written pages are ever shared, so a lease's pages past its
+	// written tokens, and the free slots of a part-written last page, are
+	// its own: subtracted from the pages in use (where a shared page
+	// counts once) they leave what holds KV, each shared page once.
+	unwritten, freeSlots := 0, 0
+	tpp := st.TokensPerPage
 	for _, a := range s.running {
-		written += a.written
+		unwritten += a.lease.Pages() - (a.written+tpp-1)/tpp
+		if r := a.written % tpp; r != 0 {
+			freeSlots += tpp - r
+		}
 	}
+	inUse := float64(st.InUsePages) / float64(st.TotalPages)
+	writtenPages := float64(st.InUsePages-unwritten) / float64(st.TotalPages)
+	written := (st.InUsePages-unwritten)*tpp - freeSlots
+	s.inUseShare += inUse
+	s.writtenShare += writtenPages
 	s.res.Utilisation = append(s.res.Utilisation, UtilSample{
-		T:           s.now.Seconds(),
-		InUse:       float64(st.InUsePages) / float64(st.TotalPages),
-		Written:     float64(written) / float64(st.TotalPages*st.TokensPerPage),
-		Quarantined: float64(st.QuarantinedPages) / float64(st.TotalPages),
-		Cached:      float64(st.CachedPages) / float64(st.TotalPages),
-		Queued:      len(s.queue),
-		Running:     len(s.running),
+		T:            s.now.Seconds(),
+		InUse:        inUse,
+		WrittenPages: writtenPages,
+		Written:      float64(written) / float64(st.TotalPages*st.TokensPerPage),
+		Quarantined:  float64(st.QuarantinedPages) / float64(st.TotalPages),
+		Cached:       float64(st.CachedPages) / float64(st.TotalPages),
+		Queued:       len(s.queue),
+		Running:      len(s.running),
 	})
 	s.sampleTime += time.Since(start)
 }
@@ -882,6 +1213,14 @@ func (s *sim) finish() {
 	if r.KVBytesWritten > 0 {
 		r.ScrubPerKVWritten = float64(r.BytesScrubbed) / float64(r.KVBytesWritten)
 	}
+	r.Concurrency = Concurrency{Mean: ratio(float64(s.runningSum), float64(s.busySteps)), Max: s.runningMax,
+		BusySeconds: (time.Duration(s.busySteps) * s.cfg.Step).Seconds()}
+	r.KVUtilisation = ratio(s.writtenShare, s.inUseShare)
+	g := &r.Growth
+	g.Grown, g.PagesGrown = st.Growth.Grown, st.Growth.PagesGrown
+	g.Refused = refusalsMap(st.Growth.Refused)
+	g.PreemptKeptPages = st.Growth.PreemptKeptPages
+	g.GrowSeconds, g.PreemptSeconds = s.growTime.Seconds(), s.preemptTime.Seconds()
 	s.finishPrefix()
 	slices.Sort(s.ttft)
 	r.TTFT = ttftSummary(s.ttft)
@@ -929,24 +1268,32 @@ func (s *sim) finish() {
 func (s *sim) finishPrefix() {
 	px := &s.res.Prefix
 	px.Enabled = s.endStats.Prefix.Enabled && s.cfg.PrefixCache
-	hitTokens := px.HitTokens // counted from the leases
+	hitTokens := px.HitTokens // counted from the leases' first admissions
 	px.HitTokens = 0
+	tpp := uint64(s.cfg.Geometry.TokensPerPage)
+	var poolHitTokens uint64
 	for _, d := range s.endStats.Prefix.Domains {
+		// The pool counts every admission's lookup; the figures here are
+		// first admissions', comparable with the bound: re-admissions of
+		// preempted requests are in Growth.
+		rc := s.readmitByDomain[d.Name]
+		hits, misses := d.HitPages-rc.hits, d.MissPages-(rc.lookups-rc.hits)
+		poolHitTokens += d.HitTokens
 		px.Domains++
-		px.HitPages += d.HitPages
-		px.MissPages += d.MissPages
-		px.HitTokens += d.HitTokens
+		px.HitPages += hits
+		px.MissPages += misses
+		px.HitTokens += hits * tpp
 		px.StoredPages += d.StoredPages
 		px.EvictedPages += d.EvictedPages
 		px.CachedPagesAtEnd += d.CachedPages
 		if d.HitPages+d.MissPages+d.StoredPages > 0 {
 			px.PerDomain = append(px.PerDomain, DomainPrefix{Name: d.Name, Shared: d.Shared, Tenants: d.Tenants,
-				HitPages: d.HitPages, MissPages: d.MissPages, HitTokens: d.HitTokens,
+				HitPages: hits, MissPages: misses, HitTokens: hits * tpp,
 				StoredPages: d.StoredPages, EvictedPages: d.EvictedPages})
 		}
 	}
-	px.LeaseHitTokensMatch = px.HitTokens == hitTokens
-	px.Bound = Bound(s.tr, s.cfg.Geometry.TokensPerPage, min(s.cfg.MaxContext, s.cfg.PoolPages*s.cfg.Geometry.TokensPerPage), s.cfg.Domains)
+	px.LeaseHitTokensMatch = poolHitTokens == hitTokens+s.res.Growth.ReadmitHitTokens && px.HitTokens == hitTokens
+	px.Bound = boundFor(s.tr, s.cfg)
 	px.ServedBound = s.served.bound()
 	px.LookupPages = px.HitPages + px.MissPages
 	if px.LookupPages > 0 {

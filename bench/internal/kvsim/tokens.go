@@ -82,3 +82,12 @@ func mix64(z uint64) uint64 {
 	z = (z ^ z>>27) * 0x94d049bb133111eb
 	return z ^ z>>31
 }
+
+// AppendOutputTokens appends the first n token IDs r generates under seed
+// to dst: a stream of its own, named by the request's ID, so that a
+// preempted request's written tokens (AppendPromptTokens, then these) hash
+// to the same page keys when it is admitted again, and to no other
+// request's.
+func AppendOutputTokens(dst []int32, seed uint64, r *Request, n int) []int32 {
+	return appendStream(dst, seed, "output\x00"+r.ID, n)
+}

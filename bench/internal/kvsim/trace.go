@@ -140,6 +140,34 @@ func (t *Trace) Duration() time.Duration {
 	return t.Requests[len(t.Requests)-1].At
 }
 
+// Output budgets a replay can give its requests.
+const (
+	// BudgetTrace keeps each request's own max_new (an imported trace's:
+	// its output length, a budget no client could know in advance).
+	BudgetTrace = "trace"
+	// BudgetWindow gives every request the rest of the context window as
+	// its budget, as an engine does for a client that sends no max_tokens.
+	BudgetWindow = "window"
+)
+
+// Budgets are the output budgets kvbench can replay with.
+var Budgets = []string{BudgetTrace, BudgetWindow}
+
+// WithWindowBudgets returns a copy of t in which every request's output
+// budget (MaxNew) is the rest of a maxContext-token context window:
+// maxContext - Prompt, or its own budget where that is larger (a request
+// already longer than the window, which admission refuses either way).
+// Outputs, and so the tokens generated, do not change.
+func (t *Trace) WithWindowBudgets(maxContext int) *Trace {
+	c := *t
+	c.Requests = slices.Clone(t.Requests)
+	for i := range c.Requests {
+		r := &c.Requests[i]
+		r.MaxNew = max(r.MaxNew, maxContext-r.Prompt)
+	}
+	return &c
+}
+
 // Limits beyond which a trace value is taken for a mistake.
 const (
 	maxTraceTokens = 1 << 30
