@@ -45,13 +45,16 @@ _DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
 DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
 
 _NAME = b"dltensor"
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+# Our own function objects: ctypes.pythonapi's are shared by every module
+# of the process, and another's argtypes would change how ours convert.
+_api = ctypes.PyDLL(ctypes.pythonapi._name)
+_PyCapsule_New = _api.PyCapsule_New
 _PyCapsule_New.restype = ctypes.py_object
 _PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_PyCapsule_IsValid = ctypes.pythonapi.PyCapsule_IsValid
+_PyCapsule_IsValid = _api.PyCapsule_IsValid
 _PyCapsule_IsValid.restype = ctypes.c_int
 _PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
+_PyCapsule_GetPointer = _api.PyCapsule_GetPointer
 _PyCapsule_GetPointer.restype = ctypes.c_void_p
 _PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 
