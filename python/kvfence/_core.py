@@ -45,6 +45,8 @@ def _int32s(ids, what="token_ids"):
     other sequence of ints goes through array('i')."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(ids, torch.Tensor):
+        if ids.dtype is torch.int32 and ids.dim() == 1 and not ids.is_cuda and ids.is_contiguous():
+            return ids.data_ptr(), ids.numel(), ids  # read in place
         if ids.dim() != 1:
             raise ValueError("kvfence: %s must be 1-D, got shape %s" % (what, tuple(ids.shape)))
         if ids.dtype != torch.int32:
@@ -77,6 +79,23 @@ def _int32s(ids, what="token_ids"):
     except OverflowError as e:
         raise ValueError("kvfence: %s outside int32: %s" % (what, e)) from None
     return a.buffer_info()[0], len(a), a
+
+
+def _int32_out(out):
+    """(address, capacity) of a writable contiguous int32 buffer."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(out, torch.Tensor):
+        if out.dtype != torch.int32 or out.is_cuda or not out.is_contiguous():
+            raise ValueError("kvfence: out must be a contiguous int32 CPU tensor")
+        return out.data_ptr(), out.numel()
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(out, np.ndarray):
+        if out.dtype != np.int32 or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("kvfence: out must be a writable contiguous int32 array")
+        return out.ctypes.data, out.size
+    if isinstance(out, array.array) and out.typecode == "i" and out.itemsize == 4:
+        return out.buffer_info()
+    raise TypeError("kvfence: out must be an int32 tensor, numpy array or array('i'), not %s" % type(out).__name__)
 
 
 def _buffer(data, writable):
@@ -273,19 +292,25 @@ class Pool:
         h = ctypes.c_uint64()
         check(_lib.admit(self._handle(), _b(request_id), _b(tenant), prompt_tokens, max_new_tokens, wait_ms,
                          ctypes.byref(h)))
-        return Lease(self, h.value)
+        return Lease(self, h.value, -(-(prompt_tokens + max_new_tokens) // self.tokens_per_page))
 
     def admit_tokens(self, request_id, tenant, token_ids, max_new_tokens=0, adapter=None, wait_ms=0):
         """Admits a prompt given as its token IDs (a list, array('i'), or an
         int32/int64 tensor or numpy array: int32 ones are read in place);
         kvfence derives the page keys and the lease shares the longest
         prefix cached in the tenant's domain (Lease.hit_tokens())."""
+        state = self._state
+        if state.closed:
+            raise PoolClosed("the pool is closed", _ERR_POOL_CLOSED)
         addr, n, keep = _int32s(token_ids)
         h = ctypes.c_uint64()
-        check(_lib.admit_tokens(self._handle(), _b(request_id), _b(tenant), addr, n, max_new_tokens,
-                                _b(adapter) if adapter else None, wait_ms, ctypes.byref(h)))
+        st = _lib.admit_tokens(state.handle, request_id.encode() if type(request_id) is str else request_id,
+                               tenant.encode() if type(tenant) is str else tenant, addr, n, max_new_tokens,
+                               _b(adapter) if adapter else None, wait_ms, ctypes.byref(h))
+        if st:
+            raise from_last_error(st)
         del keep
-        return Lease(self, h.value)
+        return Lease(self, h.value, -(-(n + max_new_tokens) // self.tokens_per_page))
 
     def receiver(self, key, config=None):
         """A Receiver importing handoffs into this pool, verifying with key."""
@@ -403,11 +428,15 @@ class Lease:
     when collected, released after all work of the device (on CUDA that
     blocks until the GPU is idle)."""
 
-    __slots__ = ("_h", "pool", "__weakref__")
+    __slots__ = ("_h", "pool", "_released", "_cap", "__weakref__")
 
-    def __init__(self, pool, handle):
+    def __init__(self, pool, handle, max_pages=0):
         self._h = handle
         self.pool = pool
+        self._released = False  # by this object's release(): free() need not try again
+        # The most pages the block table can hold: prompt + max new tokens
+        # (growth never passes them), so that a table is read with one call.
+        self._cap = max_pages
         pool._leases.add(self)
 
     def __del__(self):
@@ -422,28 +451,47 @@ class Lease:
         self.free()
 
     def _table_len(self):
-        n = ctypes.c_size_t()
-        st = _lib.lease_block_table(self._h, None, 0, ctypes.byref(n))
-        if st != _ERR_BUFFER_TOO_SMALL and st:
-            check(st)
-        return n.value
+        li = _lib.LeaseInfo()  # a successful call: cheaper than a size query's error
+        check(_lib.lease_describe(self._h, ctypes.byref(li)))
+        return li.pages
 
     def block_table(self):
         """The page IDs in token order, as a list."""
-        n = self._table_len()
+        n = self._cap or self._table_len()
         buf = (ctypes.c_int32 * max(1, n))()
         m = ctypes.c_size_t()
-        check(_lib.lease_block_table(self._h, ctypes.addressof(buf), n, ctypes.byref(m)))
+        st = _lib.lease_block_table(self._h, ctypes.addressof(buf), n, ctypes.byref(m))
+        if st == _ERR_BUFFER_TOO_SMALL and self._cap:
+            self._cap = 0
+            return self.block_table()
+        check(st)
         return list(buf[: m.value])
 
     def block_table_tensor(self, dtype=None):
-        """The block table as a 1-D torch tensor (int32; or torch.int64)."""
+        """The block table as a new 1-D torch tensor (int32; or torch.int64)."""
         torch = _views._torch()
-        n = self._table_len()
+        n = self._cap or self._table_len()
         out = torch.empty(n, dtype=torch.int32)
         m = ctypes.c_size_t()
-        check(_lib.lease_block_table(self._h, out.data_ptr(), n, ctypes.byref(m)))
+        st = _lib.lease_block_table(self._h, out.data_ptr(), n, ctypes.byref(m))
+        if st == _ERR_BUFFER_TOO_SMALL and self._cap:
+            self._cap = 0
+            return self.block_table_tensor(dtype)
+        check(st)
+        if m.value != n:
+            out = out[: m.value]
         return out if dtype in (None, torch.int32) else out.to(dtype)
+
+    def write_block_table(self, out):
+        """Writes the block table into out, a contiguous int32 CPU tensor
+        (the request's row of the engine's persistent block-table buffer),
+        a numpy int32 array or an array('i'), and returns its length: no
+        allocation. A table longer than out raises BufferTooSmall with
+        out unchanged."""
+        addr, cap = _int32_out(out)
+        m = ctypes.c_size_t()
+        check(_lib.lease_block_table(self._h, addr, cap, ctypes.byref(m)))
+        return m.value
 
     def slot_mapping(self, start, end):
         """Slots (page * tokens_per_page + offset) of tokens [start, end), a list."""
@@ -557,18 +605,21 @@ class Lease:
         if stream is None:
             stream = default_stream()
         check(_lib.lease_release(self._h, stream, event))
+        self._released = True
 
     def _release_quietly(self):
-        if self._h:
+        if self._h and not self._released:
             _lib.lease_release(self._h, default_stream(), 0)
 
     def free(self):
         """Releases the lease if still live (after default_stream()) and
-        frees the handle."""
+        frees the handle. (On a host pool, which ignores orderings, that is
+        kvf_lease_free alone: one call.)"""
         if self._h:
-            st = _lib.lease_release(self._h, default_stream(), 0)
-            if st not in (0, _ERR_LEASE_RELEASED, _ERR_POOL_CLOSED):
-                check(st)
+            if not self._released and self.pool.device != "cpu":
+                st = _lib.lease_release(self._h, default_stream(), 0)
+                if st not in (0, _ERR_LEASE_RELEASED, _ERR_POOL_CLOSED):
+                    check(st)
             h, self._h = self._h, 0
             check(_lib.lease_free(h))
 

@@ -95,3 +95,28 @@ def test_block_tables_tensor_is_each_lease_table_padded():
         b.free()
     finally:
         cache.close()
+
+
+def test_write_block_table_fills_the_engines_row_or_refuses_a_short_one():
+    import array
+
+    import kvfence
+    import numpy as np
+    cache = Cache("owned", torch.float32, pages=32, tenants=["a"])
+    try:
+        lease = cache.pool.admit("x", "a", 3 * BLOCK + 1)  # 4 pages
+        want = lease.block_table()
+        for out in (torch.full((8,), -1, dtype=torch.int32), np.full(8, -1, dtype=np.int32), array.array("i", [-1] * 8)):
+            assert lease.write_block_table(out) == 4
+            assert list(out[:4]) == want and list(out[4:]) == [-1] * 4
+        short = torch.full((3,), -1, dtype=torch.int32)
+        with pytest.raises(kvfence.BufferTooSmall) as ei:
+            lease.write_block_table(short)
+        assert ei.value.need == 4 and short.tolist() == [-1, -1, -1]
+        with pytest.raises(ValueError):
+            lease.write_block_table(torch.zeros(8, dtype=torch.int64))
+        with pytest.raises(TypeError):
+            lease.write_block_table([0] * 8)
+        lease.free()
+    finally:
+        cache.close()

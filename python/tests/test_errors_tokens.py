@@ -143,6 +143,7 @@ def test_release_is_ordered_after_torchs_current_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
     assert kvfence.default_stream() == kvfence.STREAM_LEGACY
     with pool() as p:
+        p.device = ("cuda", 0)  # free() releases with an ordering only where one means something
         p.admit("r1", "b", 4).release()
         Stream.cuda_stream = 0x7F00DEAD
         with p.admit("r2", "b", 4):
