@@ -20,8 +20,12 @@ gives min / median / max over the rounds.
 needs torch, Go (it builds the capi test binary unless --go-test names
 one) and the kvfence package (PYTHONPATH=python KVFENCE_LIB=... or
 installed). --vllm-src: a directory holding vllm/v1/core/block_pool.py
-and kv_cache_utils.py (bench/vllmcmp/blockpool.py loads them with
-stand-ins for the rest of vLLM).
+and kv_cache_utils.py from a vLLM checkout (bench/vllmcmp/blockpool.py
+loads them with stand-ins for the rest of vLLM; no vLLM code is in this
+repository). vLLM's side is timed as its scheduler pays for a new
+request: the prompt's 128 block hashes (its default "sha256" hash:
+SHA-256 of the pickled (parent, tokens, extra keys)) and BlockPool's
+get_new_blocks + free_blocks of 128 blocks.
 """
 
 import argparse
@@ -109,40 +113,50 @@ def go_round(binary, seconds):
 
 
 def vllm_sha256(obj):
-    """vLLM's sha256 prefix-caching hash (vllm.utils.sha256 of the v0.9
-    line): SHA-256 of the pickled object, as an int."""
-    return int.from_bytes(hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest(), "big")
+    """vLLM's default prefix-caching hash ("sha256": SHA-256 of the pickled
+    object; vllm/utils/hashing.py)."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
 def load_vllm(src):
+    """vLLM's BlockPool and kv_cache_utils through kvfence's loader
+    (bench/vllmcmp/blockpool.py), and its hash_block_tokens: the file's own
+    when it has it, else (an excerpt that stops before it) restated as
+    vLLM writes it: hash_function((parent or NONE_HASH, tuple(tokens),
+    extra_keys)). Returns (block_pool module, hash_block_tokens, note)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "vllmcmp"))
-    import blockpool  # noqa: E402  (kvfence's loader of vLLM's two files)
-    sys.modules.setdefault("vllm.utils", __import__("types").ModuleType("vllm.utils"))
-    sys.modules["vllm.utils"].sha256 = vllm_sha256
-    sys.modules["vllm.utils"].GiB_bytes = 1 << 30
-    sys.modules["vllm.utils"].cdiv = lambda a, b: -(-a // b)
+    import blockpool  # noqa: E402
     bp = blockpool.load_vllm(src)
-    return bp, sys.modules["vllm.v1.core.kv_cache_utils"]
+    utils = sys.modules["vllm.v1.core.kv_cache_utils"]
+    if hasattr(utils, "init_none_hash"):
+        utils.init_none_hash(vllm_sha256)
+    none_hash = getattr(utils, "NONE_HASH", b"\0" * 32)
+    if callable(getattr(utils, "hash_block_tokens", None)):
+        return bp, utils.hash_block_tokens, "vLLM's hash_block_tokens"
+
+    def hash_block_tokens(hash_function, parent_block_hash, curr_block_token_ids, extra_keys=None):
+        return hash_function((parent_block_hash or none_hash, tuple(curr_block_token_ids), extra_keys))
+    return bp, hash_block_tokens, "hash_block_tokens restated (the excerpt lacks it)"
 
 
-def vllm_cycle(bp, utils, ids, n):
+def vllm_cycle(vllm, ids, n):
+    bp, hash_block_tokens, _ = vllm
     pool = bp.BlockPool(num_gpu_blocks=1024 + 1, enable_caching=True, hash_block_size=16)
-    hash_block_tokens = utils.hash_block_tokens
     bs = 16
     start = time.perf_counter_ns()
     for _ in range(n):
         parent, hashes = None, []
-        for i in range(0, TOKENS, bs):  # the request's block hashes, as vLLM computes them per request
-            h = hash_block_tokens(vllm_sha256, parent, ids[i:i + bs], None)
-            hashes.append(h)
-            parent = h.hash_value if hasattr(h, "hash_value") else h
+        for i in range(0, TOKENS, bs):  # the request's block hashes (vLLM hashes them once per request)
+            parent = hash_block_tokens(vllm_sha256, parent, ids[i:i + bs], None)
+            hashes.append(parent)
         blocks = pool.get_new_blocks(TOKENS // bs)
         table = [b.block_id for b in blocks]
-        blocks.reverse()
+        blocks.reverse()  # as vLLM's manager frees a request
         pool.free_blocks(blocks)
     ns = (time.perf_counter_ns() - start) / n
-    if len(table) != 128 or len(hashes) != 128 or pool.get_num_free_blocks() != 1024:
-        raise SystemExit("vLLM cycle: %d blocks, %d hashes, %d free" % (len(table), len(hashes), pool.get_num_free_blocks()))
+    if len(set(table)) != 128 or len(set(hashes)) != 128 or pool.get_num_free_blocks() != 1024:
+        raise SystemExit("vLLM cycle: %d blocks, %d hashes, %d free" % (len(set(table)), len(set(hashes)),
+                                                                        pool.get_num_free_blocks()))
     return ns
 
 
@@ -178,7 +192,7 @@ def main():
             row["ctypes_floor"] = calibrated(lambda n: ctypes_floor(pool, t32, n), args.seconds / 4)
             row["go"] = go_round(binary, args.seconds)
             if vllm:
-                row["vllm"] = calibrated(lambda n: vllm_cycle(*vllm, IDS, n), args.seconds)
+                row["vllm"] = calibrated(lambda n: vllm_cycle(vllm, IDS, n), args.seconds)
             print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
             rows.append(row)
         pool.check()
@@ -199,7 +213,7 @@ def main():
         if vllm:
             print("  %-27s        vLLM / kvfence-Python %s" % ("", mmm([r["vllm"] / r[key] for r in rows], "%.1f")))
     if vllm:
-        print("  vLLM hashing + BlockPool    ns/op  %s" % mmm([r["vllm"] for r in rows]))
+        print("  vLLM hashing + BlockPool    ns/op  %s  (%s)" % (mmm([r["vllm"] for r in rows]), vllm[2]))
     if tmp:
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
