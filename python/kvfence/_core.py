@@ -38,15 +38,26 @@ def _b(s):
     return s.encode() if isinstance(s, str) else s
 
 
+_Tensor = None  # torch.Tensor, once torch is loaded: `type(x) is _Tensor` is the fast check
+
+
+def _tensor_type():
+    global _Tensor, _INT32
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _Tensor, _INT32 = torch.Tensor, torch.int32
+    return torch
+
+
 def _int32s(ids, what="token_ids"):
     """(address, count, keep-alive) of ids as contiguous int32: a torch
     tensor or numpy array of int32 is passed as it is (no copy); other
     integer tensors and arrays are converted after a range check; any
     other sequence of ints goes through array('i')."""
-    torch = sys.modules.get("torch")
+    if type(ids) is _Tensor and ids.dtype is _INT32 and ids.dim() == 1 and not ids.is_cuda and ids.is_contiguous():
+        return ids.data_ptr(), ids.numel(), ids  # read in place
+    torch = _tensor_type()
     if torch is not None and isinstance(ids, torch.Tensor):
-        if ids.dtype is torch.int32 and ids.dim() == 1 and not ids.is_cuda and ids.is_contiguous():
-            return ids.data_ptr(), ids.numel(), ids  # read in place
         if ids.dim() != 1:
             raise ValueError("kvfence: %s must be 1-D, got shape %s" % (what, tuple(ids.shape)))
         if ids.dtype != torch.int32:
@@ -83,7 +94,9 @@ def _int32s(ids, what="token_ids"):
 
 def _int32_out(out):
     """(address, capacity) of a writable contiguous int32 buffer."""
-    torch = sys.modules.get("torch")
+    if type(out) is _Tensor and out.dtype is _INT32 and not out.is_cuda and out.is_contiguous():
+        return out.data_ptr(), out.numel()
+    torch = _tensor_type()
     if torch is not None and isinstance(out, torch.Tensor):
         if out.dtype != torch.int32 or out.is_cuda or not out.is_contiguous():
             raise ValueError("kvfence: out must be a contiguous int32 CPU tensor")
@@ -96,6 +109,13 @@ def _int32_out(out):
     if isinstance(out, array.array) and out.typecode == "i" and out.itemsize == 4:
         return out.buffer_info()
     raise TypeError("kvfence: out must be an int32 tensor, numpy array or array('i'), not %s" % type(out).__name__)
+
+
+class _NoDtype:
+    pass
+
+
+_INT32 = _NoDtype  # torch.int32 once torch is loaded (set by _tensor_type)
 
 
 def _buffer(data, writable):
@@ -197,7 +217,9 @@ class Pool:
         self._state = _PoolState(h.value, adopt)
         self._mem = _views.Memory(self._state)
         self._finalizer = weakref.finalize(self._mem, _destroy, self._state)
-        self._leases = weakref.WeakSet()
+        # Handles of the leases not yet freed (a set of ints, cheaper than
+        # weak references on the admission path): close() releases them.
+        self._live = set()
         self.adopted = adopt
         stats = self.stats()
         self.tokens_per_page = stats["tokens_per_page"]
@@ -231,8 +253,9 @@ class Pool:
         st = self._state
         if st.closed:
             return
-        for lease in list(self._leases):
-            lease._release_quietly()
+        stream = default_stream()
+        for h in list(self._live):
+            _lib.lease_release(h, stream, 0)  # already released or freed: a refusal, nothing else
         st.closed = True
         self._mem = None  # the last reference but the views': destroys now if there are none
         if not st.destroyed:
@@ -437,11 +460,12 @@ class Lease:
         # The most pages the block table can hold: prompt + max new tokens
         # (growth never passes them), so that a table is read with one call.
         self._cap = max_pages
-        pool._leases.add(self)
+        pool._live.add(handle)
 
     def __del__(self):
         h = getattr(self, "_h", 0)
         if h and _lib is not None and _lib.lease_free is not None:
+            self.pool._live.discard(h)
             _lib.lease_free(h)
 
     def __enter__(self):
@@ -607,10 +631,6 @@ class Lease:
         check(_lib.lease_release(self._h, stream, event))
         self._released = True
 
-    def _release_quietly(self):
-        if self._h and not self._released:
-            _lib.lease_release(self._h, default_stream(), 0)
-
     def free(self):
         """Releases the lease if still live (after default_stream()) and
         frees the handle. (On a host pool, which ignores orderings, that is
@@ -621,6 +641,7 @@ class Lease:
                 if st not in (0, _ERR_LEASE_RELEASED, _ERR_POOL_CLOSED):
                     check(st)
             h, self._h = self._h, 0
+            self.pool._live.discard(h)
             check(_lib.lease_free(h))
 
 
