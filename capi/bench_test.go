@@ -4,6 +4,7 @@ package main
 
 import (
 	"encoding/json"
+	"os"
 	"testing"
 	"time"
 
@@ -156,5 +157,78 @@ func checkTable(b *testing.B, who string, table []int32, want, total int) {
 	}
 	if len(seen) != want {
 		b.Fatalf("%s block table of %d pages, want %d", who, len(seen), want)
+	}
+}
+
+// BenchmarkGoAdmitTokensRelease is the pure-Go side of the Python
+// package's benchmark (python/bench/bench_admit.py): a 2,048-token prompt
+// admitted by its token IDs (kvfence derives the page keys, SHA-256 per
+// page), its block table read, released, with no prefix published, so
+// every cycle derives every key. The pool is the Python run's: the JSON
+// config in KVF_BENCH_CONFIG, or benchConfig.
+// Metrics: ns/op, ns/page.
+//
+// It fails unless every cycle's table held the prompt's pages, each of
+// them distinct, and the pool admitted every cycle and holds nothing
+// afterwards.
+func BenchmarkGoAdmitTokensRelease(b *testing.B) {
+	b.ReportAllocs()
+	js := benchConfig
+	if env := os.Getenv("KVF_BENCH_CONFIG"); env != "" {
+		js = env
+	}
+	cfg, err := bridge.ParseConfig([]byte(js))
+	if err != nil {
+		b.Fatal(err)
+	}
+	pool, err := kvcache.New(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer pool.Close()
+	tokens := make([]int32, benchTokens)
+	for i := range tokens {
+		tokens[i] = int32((i*7919 + 13) % 50000)
+	}
+	tpp := cfg.Geometry.TokensPerPage
+	if tpp == 0 {
+		b.Fatal("KVF_BENCH_CONFIG must be a \"geometry\" pool")
+	}
+	pages := (benchTokens + tpp - 1) / tpp
+	tenant := cfg.Tenants[0].Name
+	req := kvcache.Request{ID: "bench", Tenant: tenant, PromptTokens: benchTokens, TokenIDs: tokens}
+	var l kvcache.Lease
+	dst := make([]int32, 0, pages)
+	cycle := func() {
+		if err := pool.TryAdmitInto(req, &l); err != nil {
+			b.Fatal(err)
+		}
+		if dst, err = l.AppendBlockTable(dst[:0]); err != nil {
+			b.Fatal(err)
+		}
+		if len(dst) != pages {
+			b.Fatalf("block table of %d pages, want %d", len(dst), pages)
+		}
+		if err := l.Release(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	for range 100 {
+		cycle()
+	}
+	b.ResetTimer()
+	for range b.N {
+		cycle()
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(pages), "ns/page")
+	checkTable(b, "Go", dst, pages, cfg.Pages)
+	if err := pool.Check(); err != nil {
+		b.Fatal(err)
+	}
+	s := pool.Stats()
+	if s.Admitted != uint64(100+b.N) || s.InUsePages != 0 || s.LiveLeases != 0 || s.Refused.Total() != 0 {
+		b.Fatalf("after %d cycles: %d admitted, %d refused, %d pages in use, %d leases",
+			100+b.N, s.Admitted, s.Refused.Total(), s.InUsePages, s.LiveLeases)
 	}
 }

@@ -2,7 +2,7 @@
 # CI for kvfence's C ABI (capi/): builds libkvfence as a shared library and
 # as a static archive, checks kvfence.h against the cgo-generated header,
 # runs the C test program against both builds and under valgrind memcheck,
-# and runs the Python ctypes example. Run from anywhere; needs cgo and gcc,
+# and runs the Python demo (examples/python, on the package in python/). Run from anywhere; needs cgo and gcc,
 # uses valgrind and python3 when present (set KVF_REQUIRE_ALL=1 to make
 # their absence an error). Build outputs go to a temporary directory.
 set -euo pipefail
@@ -73,7 +73,7 @@ else
 	missing valgrind "memcheck run"
 fi
 
-step "Python ctypes example"
+step "Python demo (examples/python/demo.py on python/kvfence)"
 if command -v python3 >/dev/null; then
 	KVFENCE_LIB="$out/shared/libkvfence.so" python3 examples/python/demo.py
 else

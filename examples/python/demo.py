@@ -4,8 +4,12 @@ shared between two requests of one tenant; a prompt's KV is handed off
 from a prefill pool to a decode pool; a tensor-parallel group of two
 worker processes (this script with --rank-worker) scrubs its shards.
 
+It uses the kvfence package (python/): installed (`pip install
+--no-build-isolation ./python`), or from this checkout with the library
+built beside the C ABI:
+
     go build -buildmode=c-shared -o capi/libkvfence.so ./capi
-    python3 examples/python/demo.py
+    python3 examples/python/demo.py        # or KVFENCE_LIB=/path/libkvfence.so
 """
 
 import os
@@ -17,7 +21,10 @@ import tempfile
 import time
 
 sys.dont_write_bytecode = True  # keep the source tree clean when CI runs this
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    import kvfence  # noqa: F401  (installed)
+except ImportError:  # this checkout's python/
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 import kvfence  # noqa: E402
 
@@ -406,7 +413,7 @@ def check_default_stream():
         given.append(stream)
         return kvfence.OK
 
-    real_step, kvfence._rank_step = kvfence._rank_step, fake_step
+    real_step, kvfence._lib.rank_step = kvfence._lib.rank_step, fake_step
     worker = kvfence.RankWorker.__new__(kvfence.RankWorker)
     worker._h = 1
 
@@ -420,7 +427,7 @@ def check_default_stream():
         worker.step(stream=0x1234)
         assert given == [kvfence.STREAM_LEGACY, 0x7f00dead, 0x1234], given
     finally:
-        kvfence._rank_step = real_step
+        kvfence._lib.rank_step = real_step
         worker._h = 0
         if real is None:
             del sys.modules["torch"]

@@ -1,0 +1,850 @@
+"""Pools, leases, handoffs and rank workers over the C ABI."""
+
+import array
+import ctypes
+import gc
+import json
+import sys
+import warnings
+import weakref
+
+from . import _lib, _views
+from ._lib import STREAM_LEGACY
+from .errors import BufferTooSmall, PoolClosed, check, from_last_error
+
+PHASES = ("admitted", "prefilling", "prefilled", "exported", "importing", "released", "aborted")
+
+_ERR_BUFFER_TOO_SMALL = BufferTooSmall.status
+_ERR_LEASE_RELEASED = 32
+_ERR_POOL_CLOSED = PoolClosed.status
+
+
+def default_stream():
+    """The stream a release is ordered after when none is given: PyTorch's
+    current stream on the current device, if PyTorch is loaded and CUDA is
+    initialized. Its default stream, whose cuda_stream reads 0, is the
+    legacy default stream: returned as STREAM_LEGACY, since a 0 ordering
+    means "all work of the context" to kvfence and would stall until the
+    GPU is idle. Without PyTorch (or CUDA) it is 0: host pools ignore
+    orderings. PyTorch is never imported here."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    s = torch.cuda.current_stream().cuda_stream
+    return s if s else STREAM_LEGACY
+
+
+def _b(s):
+    return s.encode() if isinstance(s, str) else s
+
+
+_Tensor = None  # torch.Tensor, once torch is loaded: `type(x) is _Tensor` is the fast check
+
+
+def _tensor_type():
+    global _Tensor, _INT32
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _Tensor, _INT32 = torch.Tensor, torch.int32
+    return torch
+
+
+def _int32s(ids, what="token_ids"):
+    """(address, count, keep-alive) of ids as contiguous int32: a torch
+    tensor or numpy array of int32 is passed as it is (no copy); other
+    integer tensors and arrays are converted after a range check; any
+    other sequence of ints goes through array('i')."""
+    if type(ids) is _Tensor and ids.dtype is _INT32 and ids.dim() == 1 and not ids.is_cuda and ids.is_contiguous():
+        return ids.data_ptr(), ids.numel(), ids  # read in place
+    torch = _tensor_type()
+    if torch is not None and isinstance(ids, torch.Tensor):
+        if ids.dim() != 1:
+            raise ValueError("kvfence: %s must be 1-D, got shape %s" % (what, tuple(ids.shape)))
+        if ids.dtype != torch.int32:
+            if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                raise TypeError("kvfence: %s must be integers, got %s" % (what, ids.dtype))
+            if ids.numel() and (int(ids.min()) < -(1 << 31) or int(ids.max()) >= (1 << 31)):
+                raise ValueError("kvfence: %s outside int32" % what)
+            ids = ids.to(torch.int32)
+        if ids.device.type != "cpu":
+            ids = ids.cpu()
+        ids = ids.contiguous()
+        return ids.data_ptr(), ids.numel(), ids
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise ValueError("kvfence: %s must be 1-D, got shape %s" % (what, ids.shape))
+        if ids.dtype != np.int32:
+            if ids.dtype.kind not in "iu":
+                raise TypeError("kvfence: %s must be integers, got %s" % (what, ids.dtype))
+            if ids.size and (int(ids.min()) < -(1 << 31) or int(ids.max()) >= (1 << 31)):
+                raise ValueError("kvfence: %s outside int32" % what)
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        return ids.ctypes.data, ids.size, ids
+    if isinstance(ids, array.array) and ids.typecode == "i" and ids.itemsize == 4:
+        return ids.buffer_info()[0], len(ids), ids
+    if isinstance(ids, (bytes, bytearray, memoryview, str)):
+        raise TypeError("kvfence: %s must be integers, not %s" % (what, type(ids).__name__))
+    try:
+        a = array.array("i", ids)
+    except OverflowError as e:
+        raise ValueError("kvfence: %s outside int32: %s" % (what, e)) from None
+    return a.buffer_info()[0], len(a), a
+
+
+def _int32_out(out):
+    """(address, capacity) of a writable contiguous int32 buffer."""
+    if type(out) is _Tensor and out.dtype is _INT32 and not out.is_cuda and out.is_contiguous():
+        return out.data_ptr(), out.numel()
+    torch = _tensor_type()
+    if torch is not None and isinstance(out, torch.Tensor):
+        if out.dtype != torch.int32 or out.is_cuda or not out.is_contiguous():
+            raise ValueError("kvfence: out must be a contiguous int32 CPU tensor")
+        return out.data_ptr(), out.numel()
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(out, np.ndarray):
+        if out.dtype != np.int32 or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("kvfence: out must be a writable contiguous int32 array")
+        return out.ctypes.data, out.size
+    if isinstance(out, array.array) and out.typecode == "i" and out.itemsize == 4:
+        return out.buffer_info()
+    raise TypeError("kvfence: out must be an int32 tensor, numpy array or array('i'), not %s" % type(out).__name__)
+
+
+class _NoDtype:
+    pass
+
+
+_INT32 = _NoDtype  # torch.int32 once torch is loaded (set by _tensor_type)
+
+
+def _buffer(data, writable):
+    """(address, bytes, keep-alive) of a contiguous buffer: bytes (read
+    only), bytearray, memoryview, a ctypes array, a numpy array or a CPU
+    torch tensor."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(data, torch.Tensor):
+        if data.device.type != "cpu" or not data.is_contiguous():
+            raise ValueError("kvfence: a page buffer must be a contiguous CPU tensor")
+        return data.data_ptr(), data.numel() * data.element_size(), data
+    if isinstance(data, bytes):
+        if writable:
+            raise TypeError("kvfence: bytes are read-only; pass a bytearray or a tensor")
+        c = ctypes.c_char_p(data)
+        return ctypes.cast(c, ctypes.c_void_p).value or 0, len(data), (data, c)
+    mv = memoryview(data)
+    if not mv.contiguous:
+        raise ValueError("kvfence: a page buffer must be contiguous")
+    if mv.readonly:
+        if writable:
+            raise TypeError("kvfence: a read-only buffer cannot receive pages")
+        b = mv.tobytes()
+        return _buffer(b, False)
+    c = (ctypes.c_char * mv.nbytes).from_buffer(mv)
+    return ctypes.addressof(c), mv.nbytes, (mv, c)
+
+
+def _sized_text(call):
+    need = ctypes.c_size_t()
+    st = call(None, 0, ctypes.byref(need))
+    if st != _ERR_BUFFER_TOO_SMALL:
+        check(st)
+    buf = ctypes.create_string_buffer(need.value)
+    check(call(buf, len(buf), ctypes.byref(need)))
+    return buf.raw[: need.value]
+
+
+def _regions(call, h):
+    n = ctypes.c_size_t()
+    st = call(h, None, 0, ctypes.byref(n))
+    if st != _ERR_BUFFER_TOO_SMALL:
+        check(st)
+    buf = (_lib.Region * max(1, n.value))()
+    check(call(h, buf, n.value, ctypes.byref(n)))
+    return [{f: getattr(r, f) for f, _ in _lib.Region._fields_} for r in buf[: n.value]]
+
+
+class _PoolState:
+    """What a pool's handle, its leases, views and finalizer share."""
+
+    __slots__ = ("handle", "closed", "destroyed", "error", "keep", "__weakref__")
+
+    def __init__(self, handle, keep):
+        self.handle = handle
+        self.closed = False
+        self.destroyed = False
+        self.error = None
+        self.keep = keep  # adopted engine memory: alive until the Go pool is destroyed
+
+
+def _destroy(state):
+    """Runs once the pool is closed (or unreachable) and no view of its
+    memory is left: destroys the Go pool, which frees its memory."""
+    st = _lib.pool_destroy(state.handle)
+    state.destroyed = True
+    if st:
+        state.error = from_last_error(st)
+    state.keep = None
+
+
+class Pool:
+    """A kvfence pool. config is a dict or a JSON string (capi/README.md
+    has the schema); adopt, instead of the config's "geometry"/"cache", is
+    an engine cache of kvfence.layouts (tensors the engine allocated, which
+    the pool adopts: the pool keeps them referenced until it is destroyed).
+
+    Use as a context manager, or call close(). See _views for what views
+    of the pool's memory may do, and close() for their lifetime."""
+
+    def __init__(self, config, adopt=None):
+        if isinstance(config, (str, bytes)):
+            config = json.loads(config)
+        config = dict(config)
+        if adopt is not None:
+            clash = [k for k in ("geometry", "cache", "preset") if k in config]
+            if clash:
+                raise ValueError("kvfence: adopt= gives the cache; the config must not have %s" % ", ".join(clash))
+            config["cache"] = adopt.cache_spec()
+            config.setdefault("pages", adopt.num_blocks)
+        self.config = config
+        dev = config.get("device") or {}
+        kind = dev.get("kind", "host")
+        self.device = ("cuda", int(dev.get("ordinal", 0))) if kind == "cuda" else ("remote" if kind == "remote" else "cpu")
+        if adopt is not None and adopt.device != self.device:
+            raise ValueError("kvfence: the adopted cache is on %s, the pool's device is %s" % (adopt.device, self.device))
+        h = ctypes.c_uint64()
+        check(_lib.pool_create(_b(json.dumps(config)), ctypes.byref(h)))
+        self._state = _PoolState(h.value, adopt)
+        self._mem = _views.Memory(self._state)
+        self._finalizer = weakref.finalize(self._mem, _destroy, self._state)
+        # Handles of the leases not yet freed (a set of ints, cheaper than
+        # weak references on the admission path): close() releases them.
+        self._live = set()
+        self.adopted = adopt
+        stats = self.stats()
+        self.tokens_per_page = stats["tokens_per_page"]
+        self.num_pages = stats["total_pages"]
+
+    # ---- lifetime
+
+    @property
+    def closed(self):
+        return self._state.closed
+
+    @property
+    def destroyed(self):
+        """True once the Go pool is destroyed and its memory freed (after
+        close() and the last view's end)."""
+        return self._state.destroyed
+
+    def _handle(self):
+        if self._state.closed:
+            raise PoolClosed("the pool is closed", _ERR_POOL_CLOSED)
+        return self._state.handle
+
+    def close(self):
+        """Closes the pool: live leases are released (ordered after
+        default_stream()) and scrubbed, and every later call on the pool,
+        its views and its leases' admissions raises PoolClosed. The Go pool
+        (kvf_pool_destroy: the prefix cache dropped and scrubbed, memory
+        freed) is destroyed now if no view of its memory is left, else
+        when the last one dies, with a ResourceWarning: no view ever points
+        into freed memory. Raises the final scrub's error, if any."""
+        st = self._state
+        if st.closed:
+            return
+        stream = default_stream()
+        for h in list(self._live):
+            _lib.lease_release(h, stream, 0)  # already released or freed: a refusal, nothing else
+        st.closed = True
+        self._mem = None  # the last reference but the views': destroys now if there are none
+        if not st.destroyed:
+            gc.collect()  # views in reference cycles
+        if not st.destroyed:
+            warnings.warn("kvfence: pool closed while views of its memory are alive; the pool (and its "
+                          "memory) is destroyed when the last of them dies", ResourceWarning, stacklevel=2)
+        elif st.error is not None:
+            err, st.error = st.error, None
+            raise err
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- tenants, stats
+
+    def add_tenant(self, name, quota_pages=0, reserved_pages=0):
+        check(_lib.pool_add_tenant(self._handle(), _b(name), quota_pages, reserved_pages))
+
+    def update_tenant(self, name, quota_pages=0, reserved_pages=0):
+        """Changes quota and reservation; the tenant keeps its domain."""
+        check(_lib.pool_update_tenant(self._handle(), _b(name), quota_pages, reserved_pages))
+
+    def add_tenant_config(self, tenant):
+        """Registers a tenant from a dict like the config's "tenants" items."""
+        check(_lib.pool_add_tenant_json(self._handle(), _b(json.dumps(tenant))))
+
+    def replace_tenant_config(self, tenant):
+        """Replaces a tenant's whole configuration; no "domain" means its own."""
+        check(_lib.pool_update_tenant_json(self._handle(), _b(json.dumps(tenant))))
+
+    def stats(self):
+        h = self._handle()
+        return json.loads(_sized_text(lambda b, n, need: _lib.pool_stats_json(h, b, n, need)).rstrip(b"\0"))
+
+    def check(self):
+        """Verifies the pool's accounting (raises Internal if broken)."""
+        check(_lib.pool_check(self._handle()))
+
+    def clear_fault(self):
+        check(_lib.pool_clear_fault(self._handle()))
+
+    def events(self):
+        """The next batch of prefix-cache events (needs prefix.event_buffer)."""
+        h = self._handle()
+        return json.loads(_sized_text(lambda b, n, need: _lib.pool_events_json(h, b, n, need)).rstrip(b"\0"))["events"]
+
+    # ---- admission
+
+    def admit(self, request_id, tenant, prompt_tokens, max_new_tokens=0, wait_ms=0):
+        """A Lease holding every page the request can need, or raises an
+        AdmissionError (nothing allocated). wait_ms > 0 waits that long for
+        pages (the GIL is released meanwhile)."""
+        h = ctypes.c_uint64()
+        check(_lib.admit(self._handle(), _b(request_id), _b(tenant), prompt_tokens, max_new_tokens, wait_ms,
+                         ctypes.byref(h)))
+        return Lease(self, h.value, -(-(prompt_tokens + max_new_tokens) // self.tokens_per_page))
+
+    def admit_tokens(self, request_id, tenant, token_ids, max_new_tokens=0, adapter=None, wait_ms=0):
+        """Admits a prompt given as its token IDs (a list, array('i'), or an
+        int32/int64 tensor or numpy array: int32 ones are read in place);
+        kvfence derives the page keys and the lease shares the longest
+        prefix cached in the tenant's domain (Lease.hit_tokens())."""
+        state = self._state
+        if state.closed:
+            raise PoolClosed("the pool is closed", _ERR_POOL_CLOSED)
+        addr, n, keep = _int32s(token_ids)
+        h = ctypes.c_uint64()
+        st = _lib.admit_tokens(state.handle, request_id.encode() if type(request_id) is str else request_id,
+                               tenant.encode() if type(tenant) is str else tenant, addr, n, max_new_tokens,
+                               _b(adapter) if adapter else None, wait_ms, ctypes.byref(h))
+        if st:
+            raise from_last_error(st)
+        del keep
+        return Lease(self, h.value, -(-(n + max_new_tokens) // self.tokens_per_page))
+
+    def receiver(self, key, config=None):
+        """A Receiver importing handoffs into this pool, verifying with key."""
+        return Receiver(self, key, config)
+
+    # ---- memory
+
+    def regions(self):
+        """The pool's regions as dicts: base (a host or device address),
+        stride, page_bytes, pages. Geometry pools: layer l's K is region
+        2l, V 2l+1; cache specs: the spec's regions, group by group."""
+        return _regions(_lib.pool_regions, self._handle())
+
+    def _region_meta(self):
+        """(name, dtype, default page shape) per region, from the config."""
+        cfg = self.config
+        if "geometry" in cfg:
+            g = cfg["geometry"]
+            shape = (g["tokens_per_page"], g["kv_heads"], g["head_dim"])
+            dt = _views.dtype_name(g.get("dtype", "bf16"))
+            return [("layer.%d.%s" % (i // 2, "kv"[i % 2]), dt, shape) for i in range(2 * g["layers"])]
+        if "cache" in cfg:
+            meta = []
+            shapes = self.adopted.page_shapes() if self.adopted is not None else {}
+            for grp in cfg["cache"]["groups"]:
+                for r in grp["regions"]:
+                    dt = r.get("dtype")
+                    meta.append((r.get("name"), _views.dtype_name(dt) if dt else None, shapes.get(r.get("name"))))
+            return meta
+        return None  # a preset: the engine names the shape
+
+    def region(self, index):
+        """A RegionView of region index (raises PoolClosed once closed)."""
+        regs = self.regions()
+        if not 0 <= index < len(regs):
+            raise IndexError("kvfence: region %d of %d" % (index, len(regs)))
+        meta = self._region_meta()
+        name, dt, shape = meta[index] if meta and index < len(meta) else (None, None, None)
+        return _views.RegionView(self, self._mem, index, regs[index], name, dt, shape)
+
+    def region_views(self):
+        return [self.region(i) for i in range(len(self.regions()))]
+
+    def kv_views(self, layer):
+        """(K, V) torch tensors of a "geometry" pool's layer, each
+        [num_blocks, block_size, kv_heads, head_dim] (vLLM's flash layout
+        after kv_cache.unbind(0); SGLang's k_buffer is
+        .flatten(0, 1): [tokens, heads, dim], slot = the slot mapping)."""
+        g = self.config.get("geometry")
+        if g is None:
+            raise TypeError("kvfence: kv_views needs a \"geometry\" pool; use region(i).tensor(page_shape=...)")
+        if not 0 <= layer < g["layers"]:
+            raise IndexError("kvfence: layer %d of %d" % (layer, g["layers"]))
+        return self.region(2 * layer).tensor(), self.region(2 * layer + 1).tensor()
+
+    def vllm_kv_cache(self, layer):
+        """vLLM's [2, num_blocks, block_size, kv_heads, head_size] tensor of a
+        layer, over the pool's memory: for a pool that adopted a
+        kvfence.layouts.vllm cache, whose K and V lie in one tensor (a
+        "geometry" pool's K and V are separate allocations: use kv_views)."""
+        cache = self.adopted
+        if cache is None or cache.kind != "vllm":
+            raise TypeError("kvfence: vllm_kv_cache needs a pool that adopted layouts.vllm(); a pool's own K and V "
+                            "regions are separate allocations (kv_views gives them)")
+        k, v = self.region(2 * layer), self.region(2 * layer + 1)
+        k._check()
+        es = _views.element_size(cache.dtype)
+        bs, heads, dim = k.default_page_shape
+        gap = v.base - k.base
+        if gap <= 0 or gap % es or gap < (k.pages - 1) * k.stride + k.page_bytes:
+            raise ValueError("kvfence: layer %d's V (%#x) does not follow its K (%#x)" % (layer, v.base, k.base))
+        return _views.tensor_over(self._mem, self.device, k.base, cache.dtype, (2, k.pages, bs, heads, dim),
+                                  (gap // es, k.stride // es, heads * dim, dim, 1))
+
+    # ---- tables for a batch
+
+    def block_tables(self, leases, width=None, pad=0, dtype=None):
+        """The block tables of a batch of leases as one [batch, width]
+        tensor (int32 by default, or torch.int64), rows padded with pad:
+        the block_tables argument of a paged-attention kernel."""
+        torch = _views._torch()
+        sizes = [lease._table_len() for lease in leases]
+        w = max(sizes, default=0) if width is None else width
+        if sizes and max(sizes) > w:
+            raise ValueError("kvfence: a block table of %d pages does not fit width %d" % (max(sizes), w))
+        out = torch.full((len(leases), w), pad, dtype=torch.int32)
+        base, n = out.data_ptr(), ctypes.c_size_t()
+        for i, lease in enumerate(leases):
+            check(_lib.lease_block_table(lease._h, base + 4 * w * i, w, ctypes.byref(n)))
+        return out if dtype in (None, torch.int32) else out.to(dtype)
+
+    def slot_mappings(self, spans, offset=0):
+        """The slot mapping of a batch, int64: for each (lease, start, end)
+        the slots of tokens [start, end), concatenated (vLLM's
+        slot_mapping); offset is added to every slot (SGLang's padding
+        page: kvfence.layouts.sglang_mha)."""
+        torch = _views._torch()
+        total = sum(e - s for _, s, e in spans)
+        out = torch.empty(total, dtype=torch.int64)
+        at, n = out.data_ptr(), ctypes.c_size_t()
+        for lease, s, e in spans:
+            if e < s:
+                raise ValueError("kvfence: token range [%d, %d)" % (s, e))
+            check(_lib.lease_slot_mapping(lease._h, s, e, at, e - s, ctypes.byref(n)))
+            at += 8 * (e - s)
+        if offset:
+            out += offset
+        return out
+
+
+class Lease:
+    """An admitted request's pages. Use as a context manager (it frees the
+    lease at the end, releasing it after default_stream() if still live),
+    or call release() and free(). A lease dropped without free() is freed
+    when collected, released after all work of the device (on CUDA that
+    blocks until the GPU is idle)."""
+
+    __slots__ = ("_h", "pool", "_released", "_cap", "__weakref__")
+
+    def __init__(self, pool, handle, max_pages=0):
+        self._h = handle
+        self.pool = pool
+        self._released = False  # by this object's release(): free() need not try again
+        # The most pages the block table can hold: prompt + max new tokens
+        # (growth never passes them), so that a table is read with one call.
+        self._cap = max_pages
+        pool._live.add(handle)
+
+    def __del__(self):
+        h = getattr(self, "_h", 0)
+        if h and _lib is not None and _lib.lease_free is not None:
+            self.pool._live.discard(h)
+            _lib.lease_free(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+    def _table_len(self):
+        li = _lib.LeaseInfo()  # a successful call: cheaper than a size query's error
+        check(_lib.lease_describe(self._h, ctypes.byref(li)))
+        return li.pages
+
+    def block_table(self):
+        """The page IDs in token order, as a list."""
+        n = self._cap or self._table_len()
+        buf = (ctypes.c_int32 * max(1, n))()
+        m = ctypes.c_size_t()
+        st = _lib.lease_block_table(self._h, ctypes.addressof(buf), n, ctypes.byref(m))
+        if st == _ERR_BUFFER_TOO_SMALL and self._cap:
+            self._cap = 0
+            return self.block_table()
+        check(st)
+        return list(buf[: m.value])
+
+    def block_table_tensor(self, dtype=None):
+        """The block table as a new 1-D torch tensor (int32; or torch.int64)."""
+        torch = _views._torch()
+        n = self._cap or self._table_len()
+        out = torch.empty(n, dtype=torch.int32)
+        m = ctypes.c_size_t()
+        st = _lib.lease_block_table(self._h, out.data_ptr(), n, ctypes.byref(m))
+        if st == _ERR_BUFFER_TOO_SMALL and self._cap:
+            self._cap = 0
+            return self.block_table_tensor(dtype)
+        check(st)
+        if m.value != n:
+            out = out[: m.value]
+        return out if dtype in (None, torch.int32) else out.to(dtype)
+
+    def write_block_table(self, out):
+        """Writes the block table into out, a contiguous int32 CPU tensor
+        (the request's row of the engine's persistent block-table buffer),
+        a numpy int32 array or an array('i'), and returns its length: no
+        allocation. A table longer than out raises BufferTooSmall with
+        out unchanged."""
+        addr, cap = _int32_out(out)
+        m = ctypes.c_size_t()
+        check(_lib.lease_block_table(self._h, addr, cap, ctypes.byref(m)))
+        return m.value
+
+    def slot_mapping(self, start, end):
+        """Slots (page * tokens_per_page + offset) of tokens [start, end), a list."""
+        if end < start:
+            raise ValueError("kvfence: token range [%d, %d)" % (start, end))
+        buf = (ctypes.c_int64 * max(1, end - start))()
+        n = ctypes.c_size_t()
+        check(_lib.lease_slot_mapping(self._h, start, end, ctypes.addressof(buf), end - start, ctypes.byref(n)))
+        return list(buf[: n.value])
+
+    def slot_mapping_tensor(self, start, end, offset=0):
+        """Slots of tokens [start, end) as an int64 torch tensor (+ offset)."""
+        return self.pool.slot_mappings([(self, start, end)], offset)
+
+    def commit(self, tokens):
+        """Records that the first `tokens` tokens have been written."""
+        check(_lib.lease_commit(self._h, tokens))
+
+    def grow(self, tokens, wait_ms=0):
+        """Makes room for `tokens` more tokens after the written watermark
+        (leases sized on demand). A refusal (PoolExhausted, ExceedsQuota,
+        ExceedsMaxContext, ...) tells the engine to finish or preempt."""
+        check(_lib.lease_grow(self._h, tokens, wait_ms))
+
+    def preempt(self, token_ids=None):
+        """Gives the pages back, keeping the full pages of the written
+        tokens (token_ids: all of them, prompt then output) in the prefix
+        cache; returns the tokens kept. Admit again with admit_tokens to
+        resume."""
+        if token_ids is None or len(token_ids) == 0:
+            addr, n, keep = None, 0, None
+        else:
+            addr, n, keep = _int32s(token_ids)
+        kept = ctypes.c_int64()
+        check(_lib.lease_preempt(self._h, addr, n, ctypes.byref(kept)))
+        del keep
+        return kept.value
+
+    def info(self):
+        li = _lib.LeaseInfo()
+        check(_lib.lease_describe(self._h, ctypes.byref(li)))
+        return {f: getattr(li, f) for f, _ in _lib.LeaseInfo._fields_ if f != "reserved0"}
+
+    @property
+    def live(self):
+        return bool(self._h) and bool(self.info()["live"])
+
+    def hit_tokens(self):
+        """Leading prompt tokens shared from the prefix cache: prefill starts there."""
+        n = ctypes.c_int64()
+        check(_lib.lease_hit_tokens(self._h, ctypes.byref(n)))
+        return n.value
+
+    def cache_prefix(self, tokens):
+        """Publishes the full prompt pages holding the first `tokens`
+        tokens (committed) to the domain's prefix cache; returns the tokens
+        shared. Published pages are immutable."""
+        n = ctypes.c_int64()
+        check(_lib.lease_cache_prefix(self._h, tokens, ctypes.byref(n)))
+        return n.value
+
+    def group_table(self, group):
+        """(first logical page, [pages]) the lease holds in cache group
+        `group` of a cache-spec pool."""
+        name = _b(group)
+        n, first = ctypes.c_size_t(), ctypes.c_int64()
+        st = _lib.lease_group_table(self._h, name, None, 0, ctypes.byref(n), ctypes.byref(first))
+        if st != _ERR_BUFFER_TOO_SMALL:
+            check(st)
+        buf = (ctypes.c_int32 * max(1, n.value))()
+        check(_lib.lease_group_table(self._h, name, ctypes.addressof(buf), n.value, ctypes.byref(n), ctypes.byref(first)))
+        return first.value, list(buf[: n.value])
+
+    def slide_windows(self, stream=None, event=0):
+        """Moves the sliding windows to the written watermark; returns the
+        pages scrubbed (after stream/event, as release orders it)."""
+        if stream is None:
+            stream = default_stream()
+        n = ctypes.c_int64()
+        check(_lib.lease_slide_windows(self._h, stream, event, ctypes.byref(n)))
+        return n.value
+
+    def phase(self):
+        ph = ctypes.c_int32()
+        check(_lib.lease_phase(self._h, ctypes.byref(ph)))
+        return PHASES[ph.value] if 0 <= ph.value < len(PHASES) else ph.value
+
+    def begin_prefill(self):
+        check(_lib.lease_begin_prefill(self._h))
+
+    def finish_prefill(self):
+        check(_lib.lease_finish_prefill(self._h))
+
+    def abort(self):
+        check(_lib.lease_abort(self._h))
+
+    def export(self, key, max_new_tokens, ttl_ms=0):
+        """Pins this prefilled lease's prompt pages for a handoff."""
+        key = _b(key)
+        h = ctypes.c_uint64()
+        check(_lib.export_create(self._h, key, len(key), max_new_tokens, ttl_ms, ctypes.byref(h)))
+        return Export(h.value)
+
+    def release(self, stream=None, event=0):
+        """Ends the lease; its pages are scrubbed after the engine's work on
+        them: the CUDA stream (an integer handle; default default_stream(),
+        torch.cuda.current_stream()) and event. stream=0 with event=0 orders
+        it after all work of the pool's CUDA context (it blocks until the
+        GPU is idle). A stream kvfence cannot use raises BadOrdering and
+        leaves the lease live. Host pools ignore the ordering."""
+        if stream is None:
+            stream = default_stream()
+        check(_lib.lease_release(self._h, stream, event))
+        self._released = True
+
+    def free(self):
+        """Releases the lease if still live (after default_stream()) and
+        frees the handle. (On a host pool, which ignores orderings, that is
+        kvf_lease_free alone: one call.)"""
+        if self._h:
+            if not self._released and self.pool.device != "cpu":
+                st = _lib.lease_release(self._h, default_stream(), 0)
+                if st not in (0, _ERR_LEASE_RELEASED, _ERR_POOL_CLOSED):
+                    check(st)
+            h, self._h = self._h, 0
+            self.pool._live.discard(h)
+            check(_lib.lease_free(h))
+
+
+class Export:
+    """The prefill side of a handoff: manifest() and read_pages() give the
+    bytes to carry; ack() once the decode side completed the import."""
+
+    def __init__(self, handle):
+        self._h = handle
+
+    def __del__(self):
+        h = getattr(self, "_h", 0)
+        if h and _lib is not None and _lib.export_free is not None:
+            _lib.export_free(h)
+
+    def manifest(self):
+        return _sized_text(lambda b, n, need: _lib.export_manifest(self._h, b, n, need))
+
+    def info(self):
+        ti = _lib.TransferInfo()
+        check(_lib.export_describe(self._h, ctypes.byref(ti)))
+        return {f: getattr(ti, f) for f, _ in _lib.TransferInfo._fields_}
+
+    def read_pages(self, first, count, out=None):
+        """Copies pages [first, first + count) into out (a writable buffer
+        or CPU tensor of count * page_bytes bytes), or into new bytes."""
+        pb = self.info()["page_bytes"]
+        if out is None:
+            buf = ctypes.create_string_buffer(count * pb)
+            check(_lib.export_read_pages(self._h, first, ctypes.addressof(buf), len(buf)))
+            return buf.raw
+        addr, n, keep = _buffer(out, writable=True)
+        check(_lib.export_read_pages(self._h, first, addr, n))
+        return out
+
+    def ack(self):
+        check(_lib.export_ack(self._h))
+
+    def abort(self):
+        check(_lib.export_abort(self._h))
+
+    def free(self):
+        if self._h:
+            h, self._h = self._h, 0
+            check(_lib.export_free(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+
+class Receiver:
+    """The decode side of a handoff for one pool."""
+
+    def __init__(self, pool, key, config=None):
+        key = _b(key)
+        cfg = _b(json.dumps(config)) if config else None
+        h = ctypes.c_uint64()
+        check(_lib.receiver_create(pool._handle(), key, len(key), cfg, ctypes.byref(h)))
+        self._h = h.value
+        self.pool = pool
+
+    def __del__(self):
+        h = getattr(self, "_h", 0)
+        if h and _lib is not None and _lib.receiver_destroy is not None:
+            _lib.receiver_destroy(h)
+
+    def begin(self, manifest):
+        """Verifies the manifest and admits its import fail-closed."""
+        self.pool._handle()  # PoolClosed once the pool is closed
+        h = ctypes.c_uint64()
+        check(_lib.import_begin(self._h, manifest, len(manifest), ctypes.byref(h)))
+        return Import(self.pool, h.value)
+
+    def close(self):
+        if self._h:
+            h, self._h = self._h, 0
+            check(_lib.receiver_destroy(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Import:
+    """An import in progress; complete() returns the decode Lease."""
+
+    def __init__(self, pool, handle):
+        self._h = handle
+        self.pool = pool
+
+    def __del__(self):
+        h = getattr(self, "_h", 0)
+        if h and _lib is not None and _lib.import_free is not None:
+            _lib.import_free(h)
+
+    def info(self):
+        ti = _lib.TransferInfo()
+        check(_lib.import_describe(self._h, ctypes.byref(ti)))
+        return {f: getattr(ti, f) for f, _ in _lib.TransferInfo._fields_}
+
+    def write_pages(self, first, data):
+        """Writes whole pages from page first (bytes, a buffer or a CPU
+        tensor). A range outside the import raises InvalidArgument and
+        leaves the import live; any other error aborts it."""
+        addr, n, keep = _buffer(data, writable=False)
+        check(_lib.import_write_pages(self._h, first, addr, n))
+
+    def complete(self):
+        h = ctypes.c_uint64()
+        check(_lib.import_complete(self._h, ctypes.byref(h)))
+        return Lease(self.pool, h.value)
+
+    def abort(self):
+        check(_lib.import_abort(self._h))
+
+    def free(self):
+        if self._h:
+            h, self._h = self._h, 0
+            check(_lib.import_free(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+
+
+class RankWorker:
+    """One rank of a tensor-parallel group with one process per rank (vLLM's
+    and SGLang's worker processes): the scheduler's process owns the Pool
+    (config "device": {"kind": "remote", "listen": ..., "ranks": N}); each
+    rank's process serves its shard of every region with a RankWorker,
+    which scrubs the pages the scheduler frees on this rank, after the
+    engine's own kernels, when step() is called.
+
+    connect is the pool's "listen" address; regions is the rank's shard,
+    one dict per region (layer l's K is 2l, V 2l+1) with "pages",
+    "page_bytes" and either "base" (the engine's memory, e.g. a CUDA
+    tensor's data_ptr(), with its "stride"; 0 or absent: the worker
+    allocates the region) or, on a host device, "memory": a writable
+    buffer the worker adopts and keeps referenced until close(). device
+    is a pool's "device" dict (default host)."""
+
+    def __init__(self, connect, rank, regions, device=None, auto_step=False, connect_timeout_ms=0):
+        cfg = {"connect": connect, "rank": rank}
+        if device is not None:
+            cfg["device"] = device
+        if auto_step:
+            cfg["auto_step"] = True
+        if connect_timeout_ms:
+            cfg["connect_timeout_ms"] = connect_timeout_ms
+        self._keep = []
+        arr = (_lib.Region * max(1, len(regions)))()
+        for i, r in enumerate(regions):
+            base = r.get("base", 0)
+            stride = r.get("stride", r["page_bytes"] if base or r.get("memory") is not None else 0)
+            if r.get("memory") is not None:
+                size = memoryview(r["memory"]).nbytes
+                if size < (r["pages"] - 1) * stride + r["page_bytes"]:
+                    raise ValueError("region %d: memory of %d bytes for %d pages %d bytes apart"
+                                     % (i, size, r["pages"], stride))
+                view = (ctypes.c_char * size).from_buffer(r["memory"])
+                self._keep.append(view)
+                base = ctypes.addressof(view)
+            arr[i] = _lib.Region(base, stride, r["page_bytes"], r["pages"])
+        h = ctypes.c_uint64()
+        check(_lib.rank_worker_create(_b(json.dumps(cfg)), arr, len(regions), ctypes.byref(h)))
+        self._h = h.value
+
+    def step(self, stream=None, event=0):
+        """Launches the scrubs handed to this rank since the last step,
+        after stream (default default_stream()) and event; returns how many
+        batches it launched."""
+        if stream is None:
+            stream = default_stream()
+        n = ctypes.c_size_t()
+        check(_lib.rank_step(self._h, stream, event, ctypes.byref(n)))
+        return n.value
+
+    def wait(self, wait_ms=0):
+        """True once the connection to the scheduler has ended."""
+        ended = ctypes.c_int32()
+        check(_lib.rank_worker_wait(self._h, wait_ms, ctypes.byref(ended)))
+        return bool(ended.value)
+
+    def regions(self):
+        return _regions(_lib.rank_worker_regions, self._h)
+
+    def close(self):
+        if self._h:
+            h, self._h = self._h, 0
+            try:
+                check(_lib.rank_worker_close(h))
+            finally:
+                self._keep = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,164 @@
+"""The C ABI (capi/include/kvfence.h) through ctypes: the library, its
+structs and its functions, nothing else. Standard library only.
+
+The library is found, in this order, at $KVFENCE_LIB, next to this file
+(where `pip install` puts the one it built), in a source checkout
+(capi/libkvfence.so two directories up), then on the system's library
+path.
+"""
+
+import ctypes
+import ctypes.util
+import os
+
+ABI_VERSION = 5  # the library must implement at least this
+
+# The driver's special stream handles (KVF_STREAM_LEGACY, KVF_STREAM_PER_THREAD).
+STREAM_LEGACY = 0x1
+STREAM_PER_THREAD = 0x2
+
+
+class ErrorInfo(ctypes.Structure):
+    _fields_ = [
+        ("status", ctypes.c_int32),
+        ("retryable", ctypes.c_int32),
+        ("permanent", ctypes.c_int32),
+        ("reserved0", ctypes.c_int32),
+        ("need", ctypes.c_int64),
+        ("have", ctypes.c_int64),
+        ("limit", ctypes.c_int64),
+        ("need_tokens", ctypes.c_int64),
+        ("limit_tokens", ctypes.c_int64),
+        ("message_len", ctypes.c_uint64),
+    ]
+
+
+class LeaseInfo(ctypes.Structure):
+    _fields_ = [
+        ("pages", ctypes.c_int64),
+        ("capacity_tokens", ctypes.c_int64),
+        ("prompt_tokens", ctypes.c_int64),
+        ("max_new_tokens", ctypes.c_int64),
+        ("written_tokens", ctypes.c_int64),
+        ("live", ctypes.c_int32),
+        ("reserved0", ctypes.c_int32),
+    ]
+
+
+class Region(ctypes.Structure):
+    _fields_ = [
+        ("base", ctypes.c_uint64),
+        ("stride", ctypes.c_int64),
+        ("page_bytes", ctypes.c_int64),
+        ("pages", ctypes.c_int64),
+    ]
+
+
+class TransferInfo(ctypes.Structure):
+    _fields_ = [
+        ("pages", ctypes.c_int64),
+        ("page_bytes", ctypes.c_int64),
+        ("prompt_tokens", ctypes.c_int64),
+        ("max_new_tokens", ctypes.c_int64),
+        ("checksum", ctypes.c_uint32),
+        ("live", ctypes.c_int32),
+    ]
+
+
+def library_path():
+    """Where the library is loaded from (see the module doc)."""
+    env = os.environ.get("KVFENCE_LIB")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.path.join(here, "libkvfence.so"), os.path.join(here, "..", "..", "capi", "libkvfence.so")):
+        if os.path.exists(cand):
+            return os.path.normpath(cand)
+    found = ctypes.util.find_library("kvfence")
+    if found:
+        return found
+    raise OSError("libkvfence not found: `pip install ./python` builds it, or build it with "
+                  "`go build -buildmode=c-shared -o capi/libkvfence.so ./capi` and set KVFENCE_LIB")
+
+
+lib = ctypes.CDLL(library_path())
+
+_st = ctypes.c_int32
+_h = ctypes.c_uint64
+_i64 = ctypes.c_int64
+_sz = ctypes.c_size_t
+_up = ctypes.c_size_t  # uintptr_t
+_vp = ctypes.c_void_p  # buffers: passed as integer addresses (no ctypes casts on the hot path)
+_s = ctypes.c_char_p
+_P = ctypes.POINTER
+
+
+def _fn(name, restype, *argtypes):
+    f = getattr(lib, name)
+    f.restype = restype
+    f.argtypes = list(argtypes)
+    return f
+
+
+version = _fn("kvf_version", _s)
+abi_version = _fn("kvf_abi_version", ctypes.c_uint32)
+if abi_version() < ABI_VERSION:
+    raise ImportError("libkvfence at %s implements ABI %d, this package needs %d"
+                      % (library_path(), abi_version(), ABI_VERSION))
+
+status_name = _fn("kvf_status_name", _s, _st)
+last_error = _fn("kvf_last_error", _st, _P(ErrorInfo))
+last_error_message = _fn("kvf_last_error_message", _st, _s, _sz, _P(_sz))
+
+pool_create = _fn("kvf_pool_create", _st, _s, _P(_h))
+pool_destroy = _fn("kvf_pool_destroy", _st, _h)
+pool_add_tenant = _fn("kvf_pool_add_tenant", _st, _h, _s, _i64, _i64)
+pool_update_tenant = _fn("kvf_pool_update_tenant", _st, _h, _s, _i64, _i64)
+pool_add_tenant_json = _fn("kvf_pool_add_tenant_json", _st, _h, _s)
+pool_update_tenant_json = _fn("kvf_pool_update_tenant_json", _st, _h, _s)
+pool_stats_json = _fn("kvf_pool_stats_json", _st, _h, _s, _sz, _P(_sz))
+pool_check = _fn("kvf_pool_check", _st, _h)
+pool_clear_fault = _fn("kvf_pool_clear_fault", _st, _h)
+pool_regions = _fn("kvf_pool_regions", _st, _h, _P(Region), _sz, _P(_sz))
+pool_events_json = _fn("kvf_pool_events_json", _st, _h, _s, _sz, _P(_sz))
+
+admit = _fn("kvf_admit", _st, _h, _s, _s, _i64, _i64, _i64, _P(_h))
+admit_tokens = _fn("kvf_admit_tokens", _st, _h, _s, _s, _vp, _sz, _i64, _s, _i64, _P(_h))
+lease_block_table = _fn("kvf_lease_block_table", _st, _h, _vp, _sz, _P(_sz))
+lease_slot_mapping = _fn("kvf_lease_slot_mapping", _st, _h, _i64, _i64, _vp, _sz, _P(_sz))
+lease_commit = _fn("kvf_lease_commit", _st, _h, _i64)
+lease_grow = _fn("kvf_lease_grow", _st, _h, _i64, _i64)
+lease_preempt = _fn("kvf_lease_preempt", _st, _h, _vp, _sz, _P(_i64))
+lease_describe = _fn("kvf_lease_describe", _st, _h, _P(LeaseInfo))
+lease_group_table = _fn("kvf_lease_group_table", _st, _h, _s, _vp, _sz, _P(_sz), _P(_i64))
+lease_slide_windows = _fn("kvf_lease_slide_windows", _st, _h, _up, _up, _P(_i64))
+lease_release = _fn("kvf_lease_release", _st, _h, _up, _up)
+lease_free = _fn("kvf_lease_free", _st, _h)
+lease_hit_tokens = _fn("kvf_lease_hit_tokens", _st, _h, _P(_i64))
+lease_cache_prefix = _fn("kvf_lease_cache_prefix", _st, _h, _i64, _P(_i64))
+lease_phase = _fn("kvf_lease_phase", _st, _h, _P(ctypes.c_int32))
+lease_begin_prefill = _fn("kvf_lease_begin_prefill", _st, _h)
+lease_finish_prefill = _fn("kvf_lease_finish_prefill", _st, _h)
+lease_abort = _fn("kvf_lease_abort", _st, _h)
+
+export_create = _fn("kvf_export_create", _st, _h, _s, _sz, _i64, _i64, _P(_h))
+export_manifest = _fn("kvf_export_manifest", _st, _h, _s, _sz, _P(_sz))
+export_describe = _fn("kvf_export_describe", _st, _h, _P(TransferInfo))
+export_read_pages = _fn("kvf_export_read_pages", _st, _h, _i64, _vp, _sz)
+export_ack = _fn("kvf_export_ack", _st, _h)
+export_abort = _fn("kvf_export_abort", _st, _h)
+export_free = _fn("kvf_export_free", _st, _h)
+receiver_create = _fn("kvf_receiver_create", _st, _h, _s, _sz, _s, _P(_h))
+receiver_destroy = _fn("kvf_receiver_destroy", _st, _h)
+import_begin = _fn("kvf_import_begin", _st, _h, _s, _sz, _P(_h))
+import_describe = _fn("kvf_import_describe", _st, _h, _P(TransferInfo))
+import_write_pages = _fn("kvf_import_write_pages", _st, _h, _i64, _vp, _sz)
+import_complete = _fn("kvf_import_complete", _st, _h, _P(_h))
+import_abort = _fn("kvf_import_abort", _st, _h)
+import_free = _fn("kvf_import_free", _st, _h)
+
+rank_worker_create = _fn("kvf_rank_worker_create", _st, _s, _P(Region), _sz, _P(_h))
+rank_step = _fn("kvf_rank_step", _st, _h, _up, _up, _P(_sz))
+rank_worker_wait = _fn("kvf_rank_worker_wait", _st, _h, _i64, _P(ctypes.c_int32))
+rank_worker_regions = _fn("kvf_rank_worker_regions", _st, _h, _P(Region), _sz, _P(_sz))
+rank_worker_close = _fn("kvf_rank_worker_close", _st, _h)
