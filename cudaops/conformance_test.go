@@ -56,7 +56,8 @@ func runCUDAModes(t *testing.T, open func(t *testing.T) *cudaops.CUDA, scratch u
 }
 
 // TestCUDAConformanceSimulated runs the suite on the CUDA device over the
-// simulated driver: everything but the driver and the PTX itself.
+// simulated driver: everything but the driver itself, since the simulated
+// driver runs the text of fill.ptx (internal/ptx).
 func TestCUDAConformanceSimulated(t *testing.T) {
 	runCUDAModes(t, func(t *testing.T) *cudaops.CUDA {
 		d, f, err := cudaops.OpenFake()
@@ -64,6 +65,8 @@ func TestCUDAConformanceSimulated(t *testing.T) {
 		t.Cleanup(func() {
 			require.Empty(t, f.Leaks(), "after Close")
 		})
+		// The kernel mode must run fill.ptx, not fall back to memsets.
+		require.NoError(t, d.KernelError())
 		return d
 	}, 4096)
 }

@@ -130,7 +130,8 @@ type CUDA struct {
 		regions []Region
 		owned   []bool // regions[i] was allocated by us
 		mode    FillMode
-		table   uint64 // device copy of the region table (regionEntryBytes per region)
+		table   uint64     // device copy of the region table (regionEntryBytes per region)
+		args    kernelArgs // the launch's arguments, reused
 		ring    stagingRing
 		// ringFreed is signalled by the reaper when it frees ring space.
 		ringFreed *sync.Cond
@@ -140,6 +141,10 @@ type CUDA struct {
 	module  uintptr
 	fillFn  uintptr
 	kernErr error // why FillKernel is unavailable, or nil
+	// gridLimit bounds a fill launch's blocks; the kernel loops over the
+	// rest. maxGrid, except in tests that make batches larger than the
+	// grid.
+	gridLimit uint32
 
 	reap reaper
 
@@ -198,7 +203,7 @@ func openCUDA(drv driver, ordinal int, ctx uintptr) (_ *CUDA, err error) {
 	}
 	// d, not the result, so the cleanup below still sees it after a
 	// "return nil, err".
-	d := &CUDA{drv: drv, ordinal: ordinal, ctx: ctx}
+	d := &CUDA{drv: drv, ordinal: ordinal, ctx: ctx, gridLimit: maxGrid}
 	if ctx == 0 {
 		if d.dev, err = drv.deviceGet(ordinal); err != nil {
 			return nil, fmt.Errorf("%w: cuda:%d: %w", ErrNoDevice, ordinal, err)
@@ -262,7 +267,8 @@ func (d *CUDA) loadKernel() {
 		d.module = m
 		d.fillFn, err = d.drv.moduleGetFunction(m, fillKernelName)
 		if err == nil {
-			err = d.drv.launchFill(d.fillFn, 1, fillBlock, d.stream, fillArgs{nregions: 1})
+			// No items: every thread finds nothing to do.
+			err = d.drv.launchKernel(d.fillFn, [3]uint32{1, 1, 1}, fillBlock, d.stream, d.fillArgsLocked(0, 0, 0, 1, FillSpec{}))
 		}
 		if err == nil {
 			err = d.drv.streamSynchronize(d.stream)

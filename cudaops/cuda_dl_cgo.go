@@ -189,14 +189,16 @@ static CUresult kvf_module_unload(uintptr_t m) { return kvf.ModuleUnload((CUmodu
 static CUresult kvf_module_function(uintptr_t *f, uintptr_t m, const char *name) {
 	return kvf.ModuleGetFunction((CUfunction *)f, (CUmodule)m, name);
 }
-// kvf_launch_fill launches kvf_fill. The parameter array points at this
-// frame's copies of the arguments; cuLaunchKernel copies them before it
-// returns.
-static CUresult kvf_launch_fill(uintptr_t f, unsigned grid, unsigned block, uintptr_t s,
-		uint64_t table, uint64_t pages, uint64_t nitems,
-		unsigned nregions, unsigned word, unsigned salt, unsigned clear) {
-	void *params[] = {&table, &pages, &nitems, &nregions, &word, &salt, &clear};
-	return kvf.LaunchKernel((CUfunction)f, grid, 1, 1, block, 1, 1, 0, (CUstream)s, params, NULL);
+// kvf_launch launches f with the n arguments whose bytes lie in buf at
+// offs[i], as many as the kernel declares for each. cuLaunchKernel copies
+// them before it returns, so buf is not referenced afterwards.
+#define KVF_MAX_ARGS 32
+static CUresult kvf_launch(uintptr_t f, unsigned gx, unsigned gy, unsigned gz, unsigned block, uintptr_t s,
+		unsigned char *buf, const unsigned *offs, int n) {
+	void *params[KVF_MAX_ARGS];
+	if (n < 0 || n > KVF_MAX_ARGS) return 1; // CUDA_ERROR_INVALID_VALUE
+	for (int i = 0; i < n; i++) params[i] = buf + offs[i];
+	return kvf.LaunchKernel((CUfunction)f, gx, gy, gz, block, 1, 1, 0, (CUstream)s, params, NULL);
 }
 static CUresult kvf_stream_create(uintptr_t *s, unsigned flags) { return kvf.StreamCreate((CUstream *)s, flags); }
 static CUresult kvf_stream_destroy(uintptr_t s) { return kvf.StreamDestroy((CUstream)s); }
@@ -416,10 +418,14 @@ func (dl) moduleGetFunction(m uintptr, name string) (uintptr, error) {
 	return uintptr(f), err
 }
 
-func (dl) launchFill(fn uintptr, grid, block uint32, s uintptr, a fillArgs) error {
-	return check("cuLaunchKernel", C.kvf_launch_fill(C.uintptr_t(fn), C.unsigned(grid), C.unsigned(block),
-		C.uintptr_t(s), C.uint64_t(a.table), C.uint64_t(a.pages), C.uint64_t(a.nitems),
-		C.unsigned(a.nregions), C.unsigned(a.word), C.unsigned(a.salt), C.unsigned(a.clear)))
+func (dl) launchKernel(fn uintptr, grid [3]uint32, block uint32, s uintptr, args *kernelArgs) error {
+	n := len(args.offs)
+	if n == 0 || n > maxKernelArgs {
+		return &DriverError{Call: "cuLaunchKernel", Code: cuErrorInvalidValue, Name: cuResultName(cuErrorInvalidValue)}
+	}
+	return check("cuLaunchKernel", C.kvf_launch(C.uintptr_t(fn), C.unsigned(grid[0]), C.unsigned(grid[1]), C.unsigned(grid[2]),
+		C.unsigned(block), C.uintptr_t(s), (*C.uchar)(unsafe.Pointer(unsafe.SliceData(args.buf))),
+		(*C.unsigned)(unsafe.Pointer(unsafe.SliceData(args.offs))), C.int(n)))
 }
 
 func (dl) streamCreate(flags uint32) (uintptr, error) {

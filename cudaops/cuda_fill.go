@@ -40,7 +40,7 @@ var fillPTX []byte
 const (
 	fillKernelName   = "kvf_fill"
 	fillBlock        = 256     // threads per block
-	maxGrid          = 1 << 20 // blocks; the kernel loops over further items
+	maxGrid          = 1 << 20 // blocks (CUDA.gridLimit); the kernel loops over further items
 	regionEntryBytes = 24      // {base, stride, words} as u64 in fill.ptx
 	maxPageBytes     = 1 << 40 // bound that keeps every product below 2^63
 )
@@ -250,16 +250,9 @@ func (d *CUDA) launchKernelLocked(spans []Span, n int, spec FillSpec, slot uint6
 			continue
 		}
 		items := uint64(s.Count) * uint64(len(s.Pages))
-		grid := uint32(min(items, maxGrid))
-		err := d.drv.launchFill(d.fillFn, grid, fillBlock, d.stream, fillArgs{
-			table:    d.mu.table + uint64(s.First)*regionEntryBytes,
-			pages:    devPages,
-			nitems:   items,
-			nregions: uint32(s.Count),
-			word:     spec.Word,
-			salt:     spec.PageSalt,
-			clear:    spec.ClearMask,
-		})
+		grid := uint32(min(items, uint64(d.gridLimit)))
+		args := d.fillArgsLocked(d.mu.table+uint64(s.First)*regionEntryBytes, devPages, items, uint32(s.Count), spec)
+		err := d.drv.launchKernel(d.fillFn, [3]uint32{grid, 1, 1}, fillBlock, d.stream, args)
 		if err != nil {
 			return launches, fmt.Errorf("%w: %s fill of %d pages × %d regions: %w", ErrDriver, fillKernelName, len(s.Pages), s.Count, err)
 		}
@@ -267,6 +260,21 @@ func (d *CUDA) launchKernelLocked(spans []Span, n int, spec FillSpec, slot uint6
 		devPages += 4 * uint64(len(s.Pages))
 	}
 	return launches, nil
+}
+
+// fillArgsLocked builds kvf_fill's arguments, in the order and with the
+// names and sizes fill.ptx declares (the simulated driver checks them).
+func (d *CUDA) fillArgsLocked(table, pages, nitems uint64, nregions uint32, spec FillSpec) *kernelArgs {
+	a := &d.mu.args
+	a.reset()
+	a.u64("kvf_fill_table", table)
+	a.u64("kvf_fill_pages", pages)
+	a.u64("kvf_fill_nitems", nitems)
+	a.u32("kvf_fill_nregions", nregions)
+	a.u32("kvf_fill_word", spec.Word)
+	a.u32("kvf_fill_salt", spec.PageSalt)
+	a.u32("kvf_fill_clear", spec.ClearMask)
+	return a
 }
 
 // memsetLocked fills with one driver memset per run of adjacent page IDs

@@ -22,6 +22,7 @@ func openFake(t *testing.T) (*cudaops.CUDA, *cudaops.FakeDriver) {
 		_ = d.Close()
 		assert.Empty(t, f.Leaks(), "driver resources left after Close")
 	})
+	require.NoError(t, d.KernelError(), "the simulated driver could not load or run fill.ptx")
 	return d, f
 }
 

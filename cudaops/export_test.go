@@ -343,3 +343,62 @@ func (d *CUDA) Scratch(n uint64) (uint64, func(), error) {
 		}
 	}, nil
 }
+
+// SetBudget sets the instruction budget of each simulated launch.
+func (f *fakeDriver) SetBudget(n int64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.budget = n
+}
+
+// KernelStats are what the PTX interpreter ran on this driver, over all
+// launches.
+type KernelStats = fakeKernelStats
+
+func (f *fakeDriver) KernelStats() KernelStats {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.kstats
+}
+
+// SetGridLimit bounds the blocks of d's fill launches, so tests can make
+// batches larger than the grid; 0 restores the default.
+func (d *CUDA) SetGridLimit(n uint32) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if n == 0 {
+		n = maxGrid
+	}
+	d.gridLimit = n
+}
+
+// RewriteImage makes every later module load parse rewrite(image)
+// instead of the image the device passed: how the mutation tests load a
+// deliberately broken kernel.
+func (f *fakeDriver) RewriteImage(rewrite func([]byte) []byte) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.rewrite = rewrite
+}
+
+// Peek returns a copy of n bytes of simulated device memory at addr (nil
+// unless they lie in one allocation); it does not order after queued
+// work, so synchronise first.
+func (f *fakeDriver) Peek(addr uint64, n int) []byte {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	b := f.spanLocked(addr, uint64(n))
+	return append([]byte(nil), b...)
+}
+
+// Poke writes b into simulated device memory at addr, at once.
+func (f *fakeDriver) Poke(addr uint64, b []byte) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	d := f.spanLocked(addr, uint64(len(b)))
+	copy(d, b)
+	return d != nil
+}
+
+// FillKernelPTX is the kernel image the device loads.
+func FillKernelPTX() []byte { return append([]byte(nil), fillPTX...) }

@@ -1,0 +1,391 @@
+package cudaops_test
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/cudaops"
+)
+
+// Tests of the fill kernel itself. The simulated driver runs the text of
+// fill.ptx (internal/ptx), so these catch a kernel that writes too little,
+// too much or in the wrong place; without a GPU nothing else would.
+
+// kernelRig is a CUDA device over the simulated driver whose regions have
+// every shape the kernel has a path for, and a shadow of every byte they
+// span, gaps between adopted pages included.
+type kernelRig struct {
+	d     *cudaops.CUDA
+	f     *cudaops.FakeDriver
+	rng   *rand.Rand
+	pages int
+	exts  []extent
+	// region r lies in exts[ext[r]], its page 0 at offset off[r].
+	ext, off []int
+}
+
+type extent struct {
+	base uint64
+	want []byte
+}
+
+const rigPages = 24
+
+// newKernelRig opens the device on f and lays out its regions:
+//
+//	0  allocated, 1032-byte pages: 258 words (≡ 2 mod 4); even pages are
+//	   16-byte aligned, odd ones 8-byte aligned
+//	1  allocated, 4096-byte pages: all 16-byte vectors
+//	2  adopted, 64-byte pages 72 bytes apart (stride ≡ 8 mod 16): pages
+//	   alternately 16- and 8-byte aligned, 8-byte gaps between them
+//	3  adopted, 36-byte pages 40 bytes apart at a 4-byte aligned base
+//	4  allocated, 16-byte pages: one vector each
+func newKernelRig(f *cudaops.FakeDriver, rng *rand.Rand) (*kernelRig, func(), error) {
+	d, err := cudaops.OpenOn(f, 0)
+	if err != nil {
+		return nil, nil, err
+	}
+	rig := &kernelRig{d: d, f: f, rng: rng, pages: rigPages}
+	var frees []func()
+	done := func() {
+		for _, fr := range frees {
+			fr()
+		}
+		_ = d.Close()
+	}
+	if err := d.KernelError(); err != nil {
+		done()
+		return nil, nil, fmt.Errorf("the fill kernel did not load: %w", err)
+	}
+	alloc := func(pb int64) error {
+		r, err := d.AllocRegion(rigPages, pb)
+		if err != nil {
+			return err
+		}
+		reg := d.Regions()[r]
+		rig.addExtent(reg.Base, int(reg.Bytes()), 0)
+		return nil
+	}
+	adopt := func(stride, pb int64, skew uint64) error {
+		n := uint64(stride*rigPages) + 16
+		base, free, err := d.Scratch(n)
+		if err != nil {
+			return err
+		}
+		frees = append(frees, free)
+		if _, err := d.AdoptRegion(base+skew, rigPages, stride, pb); err != nil {
+			return err
+		}
+		rig.addExtent(base, int(n), int(skew))
+		return nil
+	}
+	for _, step := range []func() error{
+		func() error { return alloc(1032) },
+		func() error { return alloc(4096) },
+		func() error { return adopt(72, 64, 0) },
+		func() error { return adopt(40, 36, 4) },
+		func() error { return alloc(16) },
+	} {
+		if err := step(); err != nil {
+			done()
+			return nil, nil, err
+		}
+	}
+	for _, e := range rig.exts {
+		for i := range e.want {
+			e.want[i] = byte(rng.Uint32())
+		}
+		if !f.Poke(e.base, e.want) {
+			done()
+			return nil, nil, fmt.Errorf("poke %#x", e.base)
+		}
+	}
+	return rig, done, nil
+}
+
+func (r *kernelRig) addExtent(base uint64, n, off int) {
+	r.ext = append(r.ext, len(r.exts))
+	r.off = append(r.off, off)
+	r.exts = append(r.exts, extent{base: base, want: make([]byte, n)})
+}
+
+// fill runs one FillSpans (spans nil: Fill of pages over every region),
+// waits, records what it must have written, and compares every byte of
+// every extent; and the kernel must have stored exactly the bytes the
+// fill covers, no byte twice.
+func (r *kernelRig) fill(spans []cudaops.Span, pages []int32, spec cudaops.FillSpec) error {
+	before, kBefore := r.d.Counters(), r.f.KernelStats()
+	var fc cudaops.Fence
+	var err error
+	if spans == nil {
+		fc, err = r.d.Fill(pages, spec, cudaops.Ordering{})
+		spans = []cudaops.Span{{First: 0, Count: len(r.d.Regions()), Pages: pages}}
+	} else {
+		fc, err = r.d.FillSpans(spans, spec, cudaops.Ordering{})
+	}
+	if err != nil {
+		return err
+	}
+	if err := fc.Wait(); err != nil {
+		return err
+	}
+	regs := r.d.Regions()
+	for _, s := range spans {
+		for ri := s.First; ri < s.First+s.Count; ri++ {
+			reg, e := regs[ri], r.exts[r.ext[ri]]
+			for _, p := range s.Pages {
+				local := p - s.IDBase
+				w := spec.WordFor(local)
+				at := r.off[ri] + int(int64(local)*reg.Stride)
+				for i := 0; i < int(reg.PageBytes); i += 4 {
+					binary.LittleEndian.PutUint32(e.want[at+i:], w)
+				}
+			}
+		}
+	}
+	for ei, e := range r.exts {
+		got := r.f.Peek(e.base, len(e.want))
+		if !bytes.Equal(got, e.want) {
+			i := 0
+			for got[i] == e.want[i] {
+				i++
+			}
+			return fmt.Errorf("%s: %s differs first at byte %d: got %#02x, want %#02x", r.d.Stats().Mode, r.where(ei, i), i, got[i], e.want[i])
+		}
+	}
+	after, kAfter := r.d.Counters(), r.f.KernelStats()
+	if filled, stored := after.BytesFilled-before.BytesFilled, kAfter.BytesStored-kBefore.BytesStored; r.d.Stats().Mode == cudaops.FillKernel && int64(filled) != stored {
+		return fmt.Errorf("the kernel stored %d bytes for a fill of %d", stored, filled)
+	}
+	want := uint64(0) // one launch per span
+	for _, s := range spans {
+		if len(s.Pages) > 0 {
+			want++
+		}
+	}
+	if got := after.Launches - before.Launches; r.d.Stats().Mode == cudaops.FillKernel && got != want {
+		return fmt.Errorf("%d launches for a fill of %d spans", got, len(spans))
+	}
+	return nil
+}
+
+// where names the region and page (or gap) byte i of extent ei is in.
+func (r *kernelRig) where(ei, i int) string {
+	regs := r.d.Regions()
+	for ri, x := range r.ext {
+		if x != ei {
+			continue
+		}
+		rel := int64(i - r.off[ri])
+		p, in := rel/regs[ri].Stride, rel%regs[ri].Stride
+		if rel < 0 || p >= int64(regs[ri].Pages) {
+			return fmt.Sprintf("region %d, outside its pages", ri)
+		}
+		if in >= regs[ri].PageBytes {
+			return fmt.Sprintf("region %d, the gap after page %d", ri, p)
+		}
+		return fmt.Sprintf("region %d page %d (word %d of %d)", ri, p, in/4, regs[ri].PageBytes/4)
+	}
+	return fmt.Sprintf("extent %d", ei)
+}
+
+// check runs every geometry: a single page, a single region, a batch of
+// every page over a grid of three blocks, several spans, and a scattered
+// batch; it returns the first that went wrong.
+func (r *kernelRig) check() error {
+	canary := cudaops.FillSpec{Word: r.rng.Uint32(), PageSalt: 0x9e3779b9, ClearMask: 0x40004000}
+	poison := cudaops.FillSpec{Word: 0x80008000}
+	all := make([]int32, r.pages)
+	for i := range all {
+		all[i] = int32(i)
+	}
+	scattered := append([]int32(nil), all...)
+	r.rng.Shuffle(len(scattered), func(i, j int) { scattered[i], scattered[j] = scattered[j], scattered[i] })
+	scattered = scattered[:r.pages/2]
+	odd, shifted := []int32{}, []int32{}
+	for p := int32(1); p < int32(r.pages); p += 2 {
+		odd = append(odd, p)
+	}
+	for _, p := range scattered[:5] {
+		shifted = append(shifted, 1000+p)
+	}
+	steps := []struct {
+		name  string
+		spans []cudaops.Span
+		pages []int32
+		spec  cudaops.FillSpec
+		grid  uint32
+	}{
+		{"one page", nil, []int32{7}, poison, 0},
+		{"one odd page", nil, []int32{13}, canary, 0},
+		{"one region", []cudaops.Span{{First: 1, Count: 1, Pages: []int32{0, 3, 4, 5, 23}}}, nil, canary, 0},
+		{"one region, strided", []cudaops.Span{{First: 2, Count: 1, Pages: odd}}, nil, poison, 0},
+		{"every page over 3 blocks", nil, all, canary, 3},
+		{"several spans", []cudaops.Span{
+			{First: 0, Count: 1, Pages: odd},
+			{First: 2, Count: 2, IDBase: 1000, Pages: shifted},
+			{First: 4, Count: 1, Pages: []int32{2}},
+		}, nil, canary, 0},
+		{"several spans over 2 blocks", []cudaops.Span{
+			{First: 3, Count: 2, Pages: scattered},
+			{First: 0, Count: 3, IDBase: 1000, Pages: shifted},
+		}, nil, poison, 2},
+		{"scattered", nil, scattered, cudaops.FillSpec{}, 0},
+	}
+	for _, s := range steps {
+		if s.grid != 0 {
+			r.d.SetGridLimit(s.grid)
+		}
+		err := r.fill(s.spans, s.pages, s.spec)
+		r.d.SetGridLimit(0)
+		if err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+	}
+	return nil
+}
+
+// The fill kernel, run from its text, writes exactly the pages of every
+// batch shape in every region shape, and nothing else (a kernel that
+// skipped words, wrote gaps or stored a byte twice used to pass every
+// test: the simulated driver re-implemented the kernel in Go).
+func TestCUDAFillKernelWroteWrongBytes(t *testing.T) {
+	for _, mode := range []cudaops.FillMode{cudaops.FillKernel, cudaops.FillMemset} {
+		t.Run(mode.String(), func(t *testing.T) {
+			f := cudaops.NewFakeDriver()
+			seed := uint64(rand.Uint32())
+			t.Logf("seed %d", seed)
+			rig, done, err := newKernelRig(f, rand.New(rand.NewPCG(seed, 1)))
+			require.NoError(t, err)
+			defer done()
+			require.NoError(t, rig.d.SetFillMode(mode))
+			require.NoError(t, rig.check())
+		})
+	}
+}
+
+// kernelMutants are edits of fill.ptx that break it in ways a test must
+// notice; the kernel text must contain each pattern exactly once.
+var kernelMutants = []struct{ name, from, to string }{
+	{"vector stride 8 bytes", "shl.b64\t\t%rd21, %rd19, 4;", "shl.b64\t\t%rd21, %rd19, 3;"},
+	{"word loop dropped", "@%p2 bra\tWORDS;", "@%p2 bra\tNEXT;"},
+	{"region table stride 16", "mul.lo.u64\t%rd12, %rd10, 24;", "mul.lo.u64\t%rd12, %rd10, 16;"},
+}
+
+// Each mutant of the kernel must load (it is still valid PTX) and fail
+// the geometry check: a check that passes a broken kernel checks nothing.
+func TestCUDAFillKernelMutantSurvived(t *testing.T) {
+	src := string(cudaops.FillKernelPTX())
+	for _, m := range kernelMutants {
+		t.Run(m.name, func(t *testing.T) {
+			require.Equal(t, 1, strings.Count(src, m.from), "fill.ptx no longer holds %q once: update the mutant", m.from)
+			f := cudaops.NewFakeDriver()
+			f.RewriteImage(func(image []byte) []byte {
+				return []byte(strings.Replace(string(image), m.from, m.to, 1))
+			})
+			rig, done, err := newKernelRig(f, rand.New(rand.NewPCG(1, 1)))
+			require.NoError(t, err, "the mutant must still load")
+			defer done()
+			err = rig.check()
+			require.Error(t, err, "the mutant passed")
+			t.Logf("caught: %v", err)
+		})
+	}
+}
+
+// A Go argument list that does not match the kernel's declared parameters
+// (here the kernel text is changed to declare one differently) must fail
+// the launch, loudly, instead of handing the GPU garbage.
+func TestCUDAFillLaunchedWithMismatchedParams(t *testing.T) {
+	for _, c := range []struct{ name, from, to, want string }{
+		{"type", ".param .u32 kvf_fill_nregions", ".param .u64 kvf_fill_nregions", "kvf_fill_nregions is .u64 (8 bytes), the launch passes 4 bytes"},
+		{"name", "kvf_fill_salt", "kvf_fill_pepper", "parameter 5 is kvf_fill_pepper, the launch passes kvf_fill_salt"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			f := cudaops.NewFakeDriver()
+			f.RewriteImage(func(image []byte) []byte {
+				return []byte(strings.ReplaceAll(string(image), c.from, c.to))
+			})
+			d, err := cudaops.OpenOn(f, 0)
+			require.NoError(t, err)
+			defer d.Close()
+			// The warm-up launch at open fails, so the device fills with
+			// memsets and says why.
+			require.Error(t, d.KernelError())
+			assert.ErrorContains(t, d.KernelError(), c.want)
+			assert.ErrorContains(t, d.KernelError(), "CUDA_ERROR_INVALID_VALUE")
+			assert.Equal(t, cudaops.FillMemset, d.Stats().Mode)
+		})
+	}
+}
+
+// A kernel the interpreter finds faulting (an out-of-bounds store) fails
+// the fill's fence with the driver's error and the interpreter's account
+// of the thread and the instruction.
+func TestCUDAFillKernelFaultWasSilent(t *testing.T) {
+	f := cudaops.NewFakeDriver()
+	// Every store lands a page further than it should.
+	f.RewriteImage(func(image []byte) []byte {
+		return []byte(strings.Replace(string(image), "add.s64\t\t%rd16, %rd13, %rd16;", "add.s64\t\t%rd16, %rd13, %rd16;\n\tadd.s64\t\t%rd16, %rd16, %rd14;", 1))
+	})
+	d, err := cudaops.OpenOn(f, 0)
+	require.NoError(t, err)
+	defer d.Close()
+	require.NoError(t, d.KernelError())
+	_, err = d.AllocRegion(4, 64)
+	require.NoError(t, err)
+	fc, err := d.Fill([]int32{3}, cudaops.FillSpec{}, cudaops.Ordering{})
+	require.NoError(t, err)
+	err = fc.Wait()
+	require.ErrorIs(t, err, cudaops.ErrDriver)
+	assert.ErrorContains(t, err, "CUDA_ERROR_ILLEGAL_ADDRESS")
+	assert.ErrorContains(t, err, "not inside one allocation")
+	var de *cudaops.DriverError
+	require.True(t, errors.As(err, &de))
+}
+
+// A kernel that never ends is stopped by the instruction budget and fails
+// its fence, instead of hanging the test.
+func TestCUDAFillKernelRanForever(t *testing.T) {
+	f := cudaops.NewFakeDriver()
+	f.RewriteImage(func(image []byte) []byte {
+		return []byte(strings.Replace(string(image), "bra\t\tITEM;", "bra\t\tNEXT;", 1))
+	})
+	f.SetBudget(1 << 16)
+	d, err := cudaops.OpenOn(f, 0)
+	require.NoError(t, err)
+	defer d.Close()
+	require.NoError(t, d.KernelError(), "no item at warm-up: it ends")
+	_, err = d.AllocRegion(4, 64)
+	require.NoError(t, err)
+	fc, err := d.Fill([]int32{1}, cudaops.FillSpec{}, cudaops.Ordering{})
+	require.NoError(t, err)
+	err = fc.Wait()
+	require.ErrorIs(t, err, cudaops.ErrDriver)
+	assert.ErrorContains(t, err, "CUDA_ERROR_LAUNCH_TIMEOUT")
+	assert.ErrorContains(t, err, "instruction budget")
+}
+
+// An image outside the interpreter's subset is refused at load with the
+// parser's message as the JIT log, and the device falls back to memsets.
+func TestCUDAKernelOutsideSubsetLoaded(t *testing.T) {
+	f := cudaops.NewFakeDriver()
+	f.RewriteImage(func(image []byte) []byte {
+		return []byte(strings.Replace(string(image), "ret;", "bar.sync 0;\n\tret;", 1))
+	})
+	d, err := cudaops.OpenOn(f, 0)
+	require.NoError(t, err)
+	defer d.Close()
+	require.Error(t, d.KernelError())
+	assert.ErrorContains(t, d.KernelError(), "CUDA_ERROR_INVALID_PTX")
+	assert.ErrorContains(t, d.KernelError(), `opcode "bar.sync" is not in the subset`)
+	assert.Equal(t, cudaops.FillMemset, d.Stats().Mode)
+}
