@@ -72,14 +72,20 @@ import (
 // A Fill of a non-empty batch is, on the device's stream:
 //
 //  1. the wait for the engine (above);
-//  2. an async copy of the page list from the staging ring (page-locked
-//     host memory, allocated with the regions, never on the release
-//     path) to its device twin; the region table is already in device
-//     memory, uploaded when regions are added;
-//  3. ONE launch of kvf_fill (fill.ptx) over pages × regions, or, in
-//     FillMemset mode, one cuMemsetD32Async / cuMemsetD2D32Async per run
-//     of adjacent pages per region (the baseline, and the fallback when
-//     the kernel cannot be loaded or fails its warm-up launch at open);
+//  2. for a batch of more than fillInlineIDs (512) pages only, an async
+//     copy of the page list from the staging ring (page-locked host
+//     memory, allocated with the regions, never on the release path) to
+//     its device twin; smaller batches carry their page IDs in the
+//     launch's parameters, so a typical release is a launch and nothing
+//     else. The region table (with how the kernel splits each region's
+//     pages into chunks) is resident in device memory, uploaded when
+//     regions are added;
+//  3. ONE launch of kvf_fill (fill.ptx) over every region of every span,
+//     a grid over (chunk, region) with streaming stores (see the
+//     kernel's header), or, in FillMemset mode, one cuMemsetD32Async /
+//     cuMemsetD2D32Async per run of adjacent pages per region (the
+//     baseline, and the fallback when the kernel cannot be loaded or
+//     fails its warm-up launch at open);
 //  4. an event record: the Fence.
 //
 // # Completion
@@ -130,8 +136,9 @@ type CUDA struct {
 		regions []Region
 		owned   []bool // regions[i] was allocated by us
 		mode    FillMode
-		table   uint64     // device copy of the region table (regionEntryBytes per region)
-		args    kernelArgs // the launch's arguments, reused
+		table   uint64         // device copy of the region table (regionEntryBytes per region)
+		args    kernelArgs     // the launch's arguments, reused
+		chunks  []regionChunks // how the kernel splits each region's pages (in table)
 		ring    stagingRing
 		// ringFreed is signalled by the reaper when it frees ring space.
 		ringFreed *sync.Cond
@@ -145,6 +152,15 @@ type CUDA struct {
 	// rest. maxGrid, except in tests that make batches larger than the
 	// grid.
 	gridLimit uint32
+	// chunkWords is the target size of a kernel chunk: chunkWords,
+	// except in tests that split small pages into many chunks.
+	chunkWords uint32
+	// inlineIDs is how many page IDs a launch may carry in its
+	// parameters: fillInlineIDs, except in tests of the staging ring.
+	inlineIDs int
+	// block is a fill launch's threads: fillBlock, except in tests that
+	// make the kernel's loops iterate with few threads.
+	block uint32
 
 	reap reaper
 
@@ -203,7 +219,7 @@ func openCUDA(drv driver, ordinal int, ctx uintptr) (_ *CUDA, err error) {
 	}
 	// d, not the result, so the cleanup below still sees it after a
 	// "return nil, err".
-	d := &CUDA{drv: drv, ordinal: ordinal, ctx: ctx, gridLimit: maxGrid}
+	d := &CUDA{drv: drv, ordinal: ordinal, ctx: ctx, gridLimit: maxGrid, chunkWords: chunkWords, inlineIDs: fillInlineIDs, block: fillBlock}
 	if ctx == 0 {
 		if d.dev, err = drv.deviceGet(ordinal); err != nil {
 			return nil, fmt.Errorf("%w: cuda:%d: %w", ErrNoDevice, ordinal, err)
@@ -267,8 +283,9 @@ func (d *CUDA) loadKernel() {
 		d.module = m
 		d.fillFn, err = d.drv.moduleGetFunction(m, fillKernelName)
 		if err == nil {
-			// No items: every thread finds nothing to do.
-			err = d.drv.launchKernel(d.fillFn, [3]uint32{1, 1, 1}, fillBlock, d.stream, d.fillArgsLocked(0, 0, 0, 1, FillSpec{}))
+			// No spans: every thread finds nothing to do.
+			args, grid := d.fillArgsLocked(nil, 0, FillSpec{})
+			err = d.drv.launchKernel(d.fillFn, grid, d.block, d.stream, args)
 		}
 		if err == nil {
 			err = d.drv.streamSynchronize(d.stream)

@@ -37,7 +37,29 @@ type extent struct {
 	want []byte
 }
 
-const rigPages = 24
+// rigVariant is how the device launches the kernel: the production
+// geometry, or one that makes the kernel's loops iterate and its rarer
+// paths run on small regions.
+type rigVariant struct {
+	name   string
+	pages  int    // per region
+	block  uint32 // threads per block (0: production)
+	chunk  uint32 // target chunk words (0: production)
+	inline int    // page IDs a launch may carry (0: production)
+}
+
+var rigVariants = []rigVariant{
+	// As on a GPU: 256 threads, 16 KiB chunks (region 5's pages are four
+	// chunks), page IDs in the parameters.
+	{name: "production", pages: 24},
+	// Chunks of 64 words, 4 threads: pages of many chunks, some of them
+	// empty, and vector loops that iterate.
+	{name: "small chunks", pages: 8, block: 4, chunk: 64},
+	// Page lists through the staging ring.
+	{name: "ring", pages: 12, block: 32, inline: 3},
+	// One thread: head and tail loops that iterate.
+	{name: "one thread", pages: 6, block: 1, chunk: 16},
+}
 
 // newKernelRig opens the device on f and lays out its regions:
 //
@@ -48,12 +70,17 @@ const rigPages = 24
 //	   alternately 16- and 8-byte aligned, 8-byte gaps between them
 //	3  adopted, 36-byte pages 40 bytes apart at a 4-byte aligned base
 //	4  allocated, 16-byte pages: one vector each
-func newKernelRig(f *cudaops.FakeDriver, rng *rand.Rand) (*kernelRig, func(), error) {
+//	5  allocated, 49160-byte pages: larger than a chunk, 12290 words
+//	6  adopted, 20-byte pages 24 bytes apart at an 8-byte aligned base
+//	7  allocated, 48-byte pages
+//	8  allocated, 4-byte pages: one word
+//	9  allocated, 260-byte pages
+func newKernelRig(f *cudaops.FakeDriver, rng *rand.Rand, v rigVariant) (*kernelRig, func(), error) {
 	d, err := cudaops.OpenOn(f, 0)
 	if err != nil {
 		return nil, nil, err
 	}
-	rig := &kernelRig{d: d, f: f, rng: rng, pages: rigPages}
+	rig := &kernelRig{d: d, f: f, rng: rng, pages: v.pages}
 	var frees []func()
 	done := func() {
 		for _, fr := range frees {
@@ -65,8 +92,14 @@ func newKernelRig(f *cudaops.FakeDriver, rng *rand.Rand) (*kernelRig, func(), er
 		done()
 		return nil, nil, fmt.Errorf("the fill kernel did not load: %w", err)
 	}
+	d.SetFillBlock(v.block)
+	d.SetInlineIDs(v.inline)
+	if err := d.SetChunkWords(v.chunk); err != nil {
+		done()
+		return nil, nil, err
+	}
 	alloc := func(pb int64) error {
-		r, err := d.AllocRegion(rigPages, pb)
+		r, err := d.AllocRegion(v.pages, pb)
 		if err != nil {
 			return err
 		}
@@ -75,13 +108,13 @@ func newKernelRig(f *cudaops.FakeDriver, rng *rand.Rand) (*kernelRig, func(), er
 		return nil
 	}
 	adopt := func(stride, pb int64, skew uint64) error {
-		n := uint64(stride*rigPages) + 16
+		n := uint64(stride*int64(v.pages)) + 16
 		base, free, err := d.Scratch(n)
 		if err != nil {
 			return err
 		}
 		frees = append(frees, free)
-		if _, err := d.AdoptRegion(base+skew, rigPages, stride, pb); err != nil {
+		if _, err := d.AdoptRegion(base+skew, v.pages, stride, pb); err != nil {
 			return err
 		}
 		rig.addExtent(base, int(n), int(skew))
@@ -93,6 +126,11 @@ func newKernelRig(f *cudaops.FakeDriver, rng *rand.Rand) (*kernelRig, func(), er
 		func() error { return adopt(72, 64, 0) },
 		func() error { return adopt(40, 36, 4) },
 		func() error { return alloc(16) },
+		func() error { return alloc(49160) },
+		func() error { return adopt(24, 20, 8) },
+		func() error { return alloc(48) },
+		func() error { return alloc(4) },
+		func() error { return alloc(260) },
 	} {
 		if err := step(); err != nil {
 			done()
@@ -119,8 +157,9 @@ func (r *kernelRig) addExtent(base uint64, n, off int) {
 
 // fill runs one FillSpans (spans nil: Fill of pages over every region),
 // waits, records what it must have written, and compares every byte of
-// every extent; and the kernel must have stored exactly the bytes the
-// fill covers, no byte twice.
+// every extent. In kernel mode the kernel must also have stored exactly
+// the bytes the fill covers (no byte twice), in one launch per
+// FillSpanSlots non-empty spans.
 func (r *kernelRig) fill(spans []cudaops.Span, pages []int32, spec cudaops.FillSpec) error {
 	before, kBefore := r.d.Counters(), r.f.KernelStats()
 	var fc cudaops.Fence
@@ -138,7 +177,11 @@ func (r *kernelRig) fill(spans []cudaops.Span, pages []int32, spec cudaops.FillS
 		return err
 	}
 	regs := r.d.Regions()
+	nonEmpty := 0
 	for _, s := range spans {
+		if len(s.Pages) > 0 {
+			nonEmpty++
+		}
 		for ri := s.First; ri < s.First+s.Count; ri++ {
 			reg, e := regs[ri], r.exts[r.ext[ri]]
 			for _, p := range s.Pages {
@@ -161,18 +204,16 @@ func (r *kernelRig) fill(spans []cudaops.Span, pages []int32, spec cudaops.FillS
 			return fmt.Errorf("%s: %s differs first at byte %d: got %#02x, want %#02x", r.d.Stats().Mode, r.where(ei, i), i, got[i], e.want[i])
 		}
 	}
+	if r.d.Stats().Mode != cudaops.FillKernel {
+		return nil
+	}
 	after, kAfter := r.d.Counters(), r.f.KernelStats()
-	if filled, stored := after.BytesFilled-before.BytesFilled, kAfter.BytesStored-kBefore.BytesStored; r.d.Stats().Mode == cudaops.FillKernel && int64(filled) != stored {
+	if filled, stored := after.BytesFilled-before.BytesFilled, kAfter.BytesStored-kBefore.BytesStored; int64(filled) != stored {
 		return fmt.Errorf("the kernel stored %d bytes for a fill of %d", stored, filled)
 	}
-	want := uint64(0) // one launch per span
-	for _, s := range spans {
-		if len(s.Pages) > 0 {
-			want++
-		}
-	}
-	if got := after.Launches - before.Launches; r.d.Stats().Mode == cudaops.FillKernel && got != want {
-		return fmt.Errorf("%d launches for a fill of %d spans", got, len(spans))
+	want := uint64(nonEmpty+cudaops.FillSpanSlots-1) / cudaops.FillSpanSlots
+	if got := after.Launches - before.Launches; got != want {
+		return fmt.Errorf("%d launches for a fill of %d spans, want %d", got, nonEmpty, want)
 	}
 	return nil
 }
@@ -197,25 +238,30 @@ func (r *kernelRig) where(ei, i int) string {
 	return fmt.Sprintf("extent %d", ei)
 }
 
-// check runs every geometry: a single page, a single region, a batch of
-// every page over a grid of three blocks, several spans, and a scattered
-// batch; it returns the first that went wrong.
+// check runs every batch shape: single pages, single regions, every page
+// over grids of 2 and 3 blocks, several spans, more spans than one launch
+// takes, and a scattered batch; it returns the first that went wrong.
 func (r *kernelRig) check() error {
 	canary := cudaops.FillSpec{Word: r.rng.Uint32(), PageSalt: 0x9e3779b9, ClearMask: 0x40004000}
 	poison := cudaops.FillSpec{Word: 0x80008000}
-	all := make([]int32, r.pages)
+	n := int32(r.pages)
+	all := make([]int32, n)
 	for i := range all {
 		all[i] = int32(i)
 	}
 	scattered := append([]int32(nil), all...)
 	r.rng.Shuffle(len(scattered), func(i, j int) { scattered[i], scattered[j] = scattered[j], scattered[i] })
-	scattered = scattered[:r.pages/2]
+	scattered = scattered[:n/2]
 	odd, shifted := []int32{}, []int32{}
-	for p := int32(1); p < int32(r.pages); p += 2 {
+	for p := int32(1); p < n; p += 2 {
 		odd = append(odd, p)
 	}
-	for _, p := range scattered[:5] {
+	for _, p := range scattered[:3] {
 		shifted = append(shifted, 1000+p)
+	}
+	var each []cudaops.Span // one span per region, each with its own pages
+	for ri := range r.d.Regions() {
+		each = append(each, cudaops.Span{First: ri, Count: 1, IDBase: int32(100 * ri), Pages: []int32{int32(100*ri) + int32(ri)%n, int32(100*ri) + (n - 1)}})
 	}
 	steps := []struct {
 		name  string
@@ -224,20 +270,26 @@ func (r *kernelRig) check() error {
 		spec  cudaops.FillSpec
 		grid  uint32
 	}{
-		{"one page", nil, []int32{7}, poison, 0},
-		{"one odd page", nil, []int32{13}, canary, 0},
-		{"one region", []cudaops.Span{{First: 1, Count: 1, Pages: []int32{0, 3, 4, 5, 23}}}, nil, canary, 0},
+		{"one page", nil, []int32{4}, poison, 0},
+		{"one odd page", nil, []int32{n - 1}, canary, 0},
+		{"one region", []cudaops.Span{{First: 1, Count: 1, Pages: []int32{0, 3, n - 1}}}, nil, canary, 0},
 		{"one region, strided", []cudaops.Span{{First: 2, Count: 1, Pages: odd}}, nil, poison, 0},
+		{"one region, larger than a chunk", []cudaops.Span{{First: 5, Count: 1, Pages: odd}}, nil, canary, 0},
 		{"every page over 3 blocks", nil, all, canary, 3},
 		{"several spans", []cudaops.Span{
 			{First: 0, Count: 1, Pages: odd},
 			{First: 2, Count: 2, IDBase: 1000, Pages: shifted},
 			{First: 4, Count: 1, Pages: []int32{2}},
+			{First: 5, Count: 2}, // no pages
+			{First: 7, Count: 3, Pages: scattered},
 		}, nil, canary, 0},
 		{"several spans over 2 blocks", []cudaops.Span{
-			{First: 3, Count: 2, Pages: scattered},
+			{First: 3, Count: 3, Pages: scattered},
 			{First: 0, Count: 3, IDBase: 1000, Pages: shifted},
+			{First: 6, Count: 4, Pages: odd},
 		}, nil, poison, 2},
+		{"a span per region, more than a launch takes", each, nil, canary, 0},
+		{"a span per region over 3 blocks", each, nil, poison, 3},
 		{"scattered", nil, scattered, cudaops.FillSpec{}, 0},
 	}
 	for _, s := range steps {
@@ -259,44 +311,66 @@ func (r *kernelRig) check() error {
 // test: the simulated driver re-implemented the kernel in Go).
 func TestCUDAFillKernelWroteWrongBytes(t *testing.T) {
 	for _, mode := range []cudaops.FillMode{cudaops.FillKernel, cudaops.FillMemset} {
-		t.Run(mode.String(), func(t *testing.T) {
-			f := cudaops.NewFakeDriver()
-			seed := uint64(rand.Uint32())
-			t.Logf("seed %d", seed)
-			rig, done, err := newKernelRig(f, rand.New(rand.NewPCG(seed, 1)))
-			require.NoError(t, err)
-			defer done()
-			require.NoError(t, rig.d.SetFillMode(mode))
-			require.NoError(t, rig.check())
-		})
+		for _, v := range rigVariants {
+			if mode == cudaops.FillMemset && v.name != "production" {
+				continue
+			}
+			t.Run(mode.String()+"/"+v.name, func(t *testing.T) {
+				f := cudaops.NewFakeDriver()
+				seed := uint64(rand.Uint32())
+				t.Logf("seed %d", seed)
+				rig, done, err := newKernelRig(f, rand.New(rand.NewPCG(seed, 1)), v)
+				require.NoError(t, err)
+				defer done()
+				require.NoError(t, rig.d.SetFillMode(mode))
+				require.NoError(t, rig.check())
+			})
+		}
 	}
 }
 
 // kernelMutants are edits of fill.ptx that break it in ways a test must
 // notice; the kernel text must contain each pattern exactly once.
 var kernelMutants = []struct{ name, from, to string }{
-	{"vector stride 8 bytes", "shl.b64\t\t%rd21, %rd19, 4;", "shl.b64\t\t%rd21, %rd19, 3;"},
-	{"word loop dropped", "@%p2 bra\tWORDS;", "@%p2 bra\tNEXT;"},
-	{"region table stride 16", "mul.lo.u64\t%rd12, %rd10, 24;", "mul.lo.u64\t%rd12, %rd10, 16;"},
+	{"vector stride 8 bytes", "shl.b64\t\t%rd29, %rd28, 4;", "shl.b64\t\t%rd29, %rd28, 3;"},
+	{"tail loop dropped", "@%p5 bra\tTAIL;", "@%p5 bra\tNEXTCHUNK;"},
+	{"head loop dropped", "@%p4 bra\tBODY;", "bra\t\tBODY;"},
+	{"region table stride 24", "mul.wide.u32\t%rd4, %r16, 32;", "mul.wide.u32\t%rd4, %r16, 24;"},
+	{"chunk shift ignored", "shr.u64\t\t%rd13, %rd11, %r18;", "mov.u64\t\t%rd13, %rd11;"},
+	{"empty chunk written", "@%p3 bra\tNEXTCHUNK;\t\t// an empty last chunk", "// an empty last chunk"},
+	{"chunk stride 1", "add.s64\t\t%rd11, %rd11, %rd12;", "add.s64\t\t%rd11, %rd11, 1;"},
+	{"slot stride 1", "add.u32\t\t%r8, %r8, %r19;", "add.u32\t\t%r8, %r8, 1;"},
+	{"span list offset ignored", "cvt.u64.u32\t%rd24, %r14;", "mov.u64\t\t%rd24, 0;"},
+	{"thread stride 1 in the vector loop", "add.s64\t\t%rd28, %rd28, %rd23;\n\tbra\t\tVECTORS;", "add.s64\t\t%rd28, %rd28, 1;\n\tbra\t\tVECTORS;"},
+	{"salt ignored", "mul.lo.u32\t%r21, %r20, %r2;", "mov.u32\t\t%r21, 0;"},
+	{"ring list ignored", "@!%p7 bra\tLISTID;", "// no list"},
 }
 
 // Each mutant of the kernel must load (it is still valid PTX) and fail
-// the geometry check: a check that passes a broken kernel checks nothing.
+// the geometry check in some variant: a check that passes a broken kernel
+// checks nothing.
 func TestCUDAFillKernelMutantSurvived(t *testing.T) {
 	src := string(cudaops.FillKernelPTX())
 	for _, m := range kernelMutants {
 		t.Run(m.name, func(t *testing.T) {
 			require.Equal(t, 1, strings.Count(src, m.from), "fill.ptx no longer holds %q once: update the mutant", m.from)
-			f := cudaops.NewFakeDriver()
-			f.RewriteImage(func(image []byte) []byte {
-				return []byte(strings.Replace(string(image), m.from, m.to, 1))
-			})
-			rig, done, err := newKernelRig(f, rand.New(rand.NewPCG(1, 1)))
-			require.NoError(t, err, "the mutant must still load")
-			defer done()
-			err = rig.check()
-			require.Error(t, err, "the mutant passed")
-			t.Logf("caught: %v", err)
+			var caught error
+			for _, v := range rigVariants {
+				f := cudaops.NewFakeDriver()
+				f.SetBudget(1 << 24)
+				f.RewriteImage(func(image []byte) []byte {
+					return []byte(strings.Replace(string(image), m.from, m.to, 1))
+				})
+				rig, done, err := newKernelRig(f, rand.New(rand.NewPCG(1, 1)), v)
+				require.NoError(t, err, "the mutant must still load")
+				caught = rig.check()
+				done()
+				if caught != nil {
+					t.Logf("caught in %s: %v", v.name, caught)
+					break
+				}
+			}
+			require.Error(t, caught, "the mutant passed every variant")
 		})
 	}
 }
@@ -306,8 +380,9 @@ func TestCUDAFillKernelMutantSurvived(t *testing.T) {
 // the launch, loudly, instead of handing the GPU garbage.
 func TestCUDAFillLaunchedWithMismatchedParams(t *testing.T) {
 	for _, c := range []struct{ name, from, to, want string }{
-		{"type", ".param .u32 kvf_fill_nregions", ".param .u64 kvf_fill_nregions", "kvf_fill_nregions is .u64 (8 bytes), the launch passes 4 bytes"},
-		{"name", "kvf_fill_salt", "kvf_fill_pepper", "parameter 5 is kvf_fill_pepper, the launch passes kvf_fill_salt"},
+		{"type", ".param .u32 kvf_fill_nslots", ".param .u64 kvf_fill_nslots", "kvf_fill_nslots is .u64 (8 bytes), the launch passes 4 bytes"},
+		{"name", "kvf_fill_salt", "kvf_fill_pepper", "parameter 3 is kvf_fill_pepper, the launch passes kvf_fill_salt"},
+		{"array size", "kvf_fill_ids[2048]", "kvf_fill_ids[1024]", "kvf_fill_ids is .b8 (1024 bytes), the launch passes 2048 bytes"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			f := cudaops.NewFakeDriver()
@@ -334,7 +409,7 @@ func TestCUDAFillKernelFaultWasSilent(t *testing.T) {
 	f := cudaops.NewFakeDriver()
 	// Every store lands a page further than it should.
 	f.RewriteImage(func(image []byte) []byte {
-		return []byte(strings.Replace(string(image), "add.s64\t\t%rd16, %rd13, %rd16;", "add.s64\t\t%rd16, %rd13, %rd16;\n\tadd.s64\t\t%rd16, %rd16, %rd14;", 1))
+		return []byte(strings.Replace(string(image), "mad.lo.u64\t%rd19, %rd19, %rd6, %rd5;", "mad.lo.u64\t%rd19, %rd19, %rd6, %rd5;\n\tadd.s64\t\t%rd19, %rd19, %rd6;", 1))
 	})
 	d, err := cudaops.OpenOn(f, 0)
 	require.NoError(t, err)
@@ -357,13 +432,13 @@ func TestCUDAFillKernelFaultWasSilent(t *testing.T) {
 func TestCUDAFillKernelRanForever(t *testing.T) {
 	f := cudaops.NewFakeDriver()
 	f.RewriteImage(func(image []byte) []byte {
-		return []byte(strings.Replace(string(image), "bra\t\tITEM;", "bra\t\tNEXT;", 1))
+		return []byte(strings.Replace(string(image), "add.s64\t\t%rd11, %rd11, %rd12;", "add.s64\t\t%rd11, %rd11, 0;", 1))
 	})
 	f.SetBudget(1 << 16)
 	d, err := cudaops.OpenOn(f, 0)
 	require.NoError(t, err)
 	defer d.Close()
-	require.NoError(t, d.KernelError(), "no item at warm-up: it ends")
+	require.NoError(t, d.KernelError(), "no span at warm-up: it ends")
 	_, err = d.AllocRegion(4, 64)
 	require.NoError(t, err)
 	fc, err := d.Fill([]int32{1}, cudaops.FillSpec{}, cudaops.Ordering{})

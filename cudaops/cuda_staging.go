@@ -5,12 +5,13 @@ import (
 	"fmt"
 )
 
-// Host↔device copies. A kernel fill reads the region table and its page
-// list from device memory. The table changes only when a region is added,
-// so it is uploaded then; each batch's page list is written into the
-// staging ring (page-locked host memory) and copied asynchronously to its
-// device twin. The slot must outlive that queued copy, so it is freed
-// only when the fill's fence completes. The ring is sized, when regions
+// Host↔device copies. A kernel fill reads the region table from device
+// memory: it changes only when a region is added, so it is uploaded
+// then. A batch too large for the launch's parameters (fillInlineIDs
+// pages) has its page list written into the staging ring (page-locked
+// host memory) and copied asynchronously to its device twin. The slot
+// must outlive that queued copy, so it is freed only when the fill's
+// fence completes. The ring is sized, when regions
 // are added, for several of the largest batches a pool can issue, so a
 // fill never allocates or frees driver memory (which can synchronise the
 // device). ReadPage and WritePage copy Go memory synchronously on the
@@ -73,12 +74,16 @@ func (d *CUDA) resizeLocked(regions []Region) error {
 		return fmt.Errorf("%w: %s: %w", ErrDriver, what, err)
 	}
 	table := make([]byte, len(regions)*regionEntryBytes)
+	chunks := make([]regionChunks, len(regions))
 	minPages := regions[0].Pages
 	for i, r := range regions {
 		e := table[i*regionEntryBytes:]
+		chunks[i] = chunksFor(uint64(r.PageBytes/4), uint64(d.chunkWords))
 		binary.LittleEndian.PutUint64(e[0:], r.Base)
 		binary.LittleEndian.PutUint64(e[8:], uint64(r.Stride))
 		binary.LittleEndian.PutUint64(e[16:], uint64(r.PageBytes/4))
+		binary.LittleEndian.PutUint32(e[24:], chunks[i].words)
+		binary.LittleEndian.PutUint32(e[28:], chunks[i].shift)
 		minPages = min(minPages, r.Pages)
 	}
 	dev, err := d.drv.memAlloc(uint64(len(table)))
@@ -115,6 +120,7 @@ func (d *CUDA) resizeLocked(regions []Region) error {
 		_ = d.drv.memFree(d.mu.table)
 	}
 	d.mu.table = dev
+	d.mu.chunks = chunks
 	return nil
 }
 

@@ -130,6 +130,9 @@ func TestCUDAFillDriverErrors(t *testing.T) {
 			d, f := openFake(t)
 			_, err := d.AllocRegion(8, 64)
 			require.NoError(t, err)
+			if call == "cuMemcpyHtoDAsync_v2" {
+				d.SetInlineIDs(1) // the page list goes through the staging ring
+			}
 			f.FailNext(call, 719)
 			fc, err := d.Fill([]int32{1, 2}, cudaops.FillSpec{}, cudaops.Ordering{})
 			require.ErrorIs(t, err, cudaops.ErrDriver)

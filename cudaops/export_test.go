@@ -61,7 +61,7 @@ func (f *fakeDriver) Leaks() string { return f.leaks() }
 func (f *fakeDriver) ContextDepth() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return len(f.ctxStack)
+	return f.ctxDepthLocked()
 }
 
 // SetLoadLog is the JIT error log a failing module load reports.
@@ -127,7 +127,7 @@ func (f *fakeDriver) CaptureStatus(s uintptr) int {
 	defer f.mu.Unlock()
 	st, err := f.streamLocked(s)
 	if err != nil {
-		if len(f.ctxStack) == 0 { // the special streams need a context: look in the primary one
+		if f.curCtxLocked() == 0 { // the special streams need a context: look in the primary one
 			st = f.special[[2]uintptr{fakePrimaryCtx, max(s, 1)}]
 		}
 		if st == nil {
@@ -402,3 +402,47 @@ func (f *fakeDriver) Poke(addr uint64, b []byte) bool {
 
 // FillKernelPTX is the kernel image the device loads.
 func FillKernelPTX() []byte { return append([]byte(nil), fillPTX...) }
+
+// SetChunkWords sets the target size of the kernel's chunks, in words
+// (0: the default), so that small pages are split into many chunks; call
+// it before the first region is added.
+func (d *CUDA) SetChunkWords(n uint32) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.mu.regions) > 0 {
+		return fmt.Errorf("%w: chunk size set after regions were added", ErrInvalidArgument)
+	}
+	if n == 0 {
+		n = chunkWords
+	}
+	d.chunkWords = n
+	return nil
+}
+
+// SetInlineIDs bounds the page IDs a launch carries in its parameters
+// (0: the default), so that small batches take the staging ring.
+func (d *CUDA) SetInlineIDs(n int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if n == 0 {
+		n = fillInlineIDs
+	}
+	d.inlineIDs = min(n, fillInlineIDs)
+}
+
+// FillLimits are the kernel's per-launch limits.
+const (
+	FillSpanSlots = fillSpanSlots
+	FillInlineIDs = fillInlineIDs
+)
+
+// SetFillBlock sets the threads of d's fill launches (0: the default), so
+// that the kernel's loops over a chunk's words iterate.
+func (d *CUDA) SetFillBlock(n uint32) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if n == 0 {
+		n = fillBlock
+	}
+	d.block = n
+}

@@ -27,25 +27,28 @@ import (
 // the kernel text, every thread of every block, over simulated device
 // memory, each load and store bounds- and alignment-checked.
 type fakeDriver struct {
-	mu       sync.Mutex
-	initErr  int // CUresult cuInit returns
-	devices  int
-	mem      map[uint64]*fakeAlloc // allocation base → memory
-	next     uint64
-	host     map[*byte]uintptr // page-locked buffers → their context
-	streams  map[uintptr]*fakeStream
-	events   map[uintptr]*fakeEvent
-	special  map[[2]uintptr]*fakeStream // (context, CU_STREAM_LEGACY or _PER_THREAD) → stream
-	handle   uintptr
-	ctxStack []uintptr
-	retained int
-	failAt   map[string]int // call name → CUresult for its next call
-	faultAt  map[string]int // op name → CUresult it raises when it runs
-	sticky   int            // a fault poisons the context, as on a GPU
-	calls    map[string]int
-	loadErr  int    // cuModuleLoadData result
-	loadLog  string // the JIT error log that goes with it
-	stubborn bool   // event queries never let work run
+	mu      sync.Mutex
+	initErr int // CUresult cuInit returns
+	devices int
+	mem     map[uint64]*fakeAlloc // allocation base → memory
+	next    uint64
+	host    map[*byte]uintptr // page-locked buffers → their context
+	streams map[uintptr]*fakeStream
+	events  map[uintptr]*fakeEvent
+	special map[[2]uintptr]*fakeStream // (context, CU_STREAM_LEGACY or _PER_THREAD) → stream
+	handle  uintptr
+	// ctxStacks are the context stacks of the OS threads, as the driver
+	// keeps them (the device locks its goroutine to a thread around
+	// every driver section; reapers run on threads of their own).
+	ctxStacks map[int][]uintptr
+	retained  int
+	failAt    map[string]int // call name → CUresult for its next call
+	faultAt   map[string]int // op name → CUresult it raises when it runs
+	sticky    int            // a fault poisons the context, as on a GPU
+	calls     map[string]int
+	loadErr   int    // cuModuleLoadData result
+	loadLog   string // the JIT error log that goes with it
+	stubborn  bool   // event queries never let work run
 	// relaxed counts threads (callers between two exchanges) in
 	// CU_STREAM_CAPTURE_MODE_RELAXED; the fake cannot tell OS threads
 	// apart, so "any caller relaxed" stands for "this caller".
@@ -125,6 +128,7 @@ func newFakeDriver() *fakeDriver {
 		faultAt:    map[string]int{},
 		calls:      map[string]int{},
 		eventFlags: map[uintptr]uint32{},
+		ctxStacks:  map[int][]uintptr{},
 		modules:    map[uintptr]fakeModule{},
 		funcs:      map[uintptr]fakeFunc{},
 		budget:     1 << 28,
@@ -160,10 +164,20 @@ func (f *fakeDriver) newHandleLocked() uintptr {
 }
 
 func (f *fakeDriver) curCtxLocked() uintptr {
-	if len(f.ctxStack) == 0 {
+	st := f.ctxStacks[osThread()]
+	if len(st) == 0 {
 		return 0
 	}
-	return f.ctxStack[len(f.ctxStack)-1]
+	return st[len(st)-1]
+}
+
+// ctxDepthLocked is how many contexts are pushed, over all threads.
+func (f *fakeDriver) ctxDepthLocked() int {
+	n := 0
+	for _, st := range f.ctxStacks {
+		n += len(st)
+	}
+	return n
 }
 
 // unsafeLocked is the check of a "potentially unsafe" call during stream
@@ -390,17 +404,24 @@ func (f *fakeDriver) ctxPush(ctx uintptr) error {
 	if err := f.enterLocked("cuCtxPushCurrent_v2"); err != nil {
 		return err
 	}
-	f.ctxStack = append(f.ctxStack, ctx)
+	tid := osThread()
+	f.ctxStacks[tid] = append(f.ctxStacks[tid], ctx)
 	return nil
 }
 
 func (f *fakeDriver) ctxPop() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if len(f.ctxStack) == 0 {
+	tid := osThread()
+	st := f.ctxStacks[tid]
+	if len(st) == 0 {
 		return f.errLocked("cuCtxPopCurrent_v2", cuErrorInvalidContext)
 	}
-	f.ctxStack = f.ctxStack[:len(f.ctxStack)-1]
+	if len(st) == 1 {
+		delete(f.ctxStacks, tid)
+	} else {
+		f.ctxStacks[tid] = st[:len(st)-1]
+	}
 	return nil
 }
 
@@ -752,6 +773,10 @@ func (f *fakeDriver) memLocked() *fakeMem {
 	return m
 }
 
+// Global is not instrumented by the race detector (go:norace, as the
+// interpreter's loop): it runs with f.mu held.
+//
+//go:norace
 func (m *fakeMem) Global(addr uint64, n int) []byte {
 	i := m.last
 	if i >= len(m.bases) || addr < m.bases[i] || addr-m.bases[i] >= uint64(len(m.allocs[i].b)) {
@@ -970,10 +995,10 @@ func (f *fakeDriver) eventDestroy(ev uintptr) error {
 func (f *fakeDriver) leaks() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if len(f.mem) == 0 && len(f.host) == 0 && len(f.events) == 0 && len(f.streams) == 0 && f.retained == 0 && len(f.ctxStack) == 0 &&
+	if len(f.mem) == 0 && len(f.host) == 0 && len(f.events) == 0 && len(f.streams) == 0 && f.retained == 0 && f.ctxDepthLocked() == 0 &&
 		len(f.modules) == 0 {
 		return ""
 	}
 	return fmt.Sprintf("%d device allocations, %d host buffers, %d events, %d streams, %d modules, %d context retains, context depth %d",
-		len(f.mem), len(f.host), len(f.events), len(f.streams), len(f.modules), f.retained, len(f.ctxStack))
+		len(f.mem), len(f.host), len(f.events), len(f.streams), len(f.modules), f.retained, f.ctxDepthLocked())
 }

@@ -44,6 +44,7 @@ type Entry struct {
 	ParamBytes int       // size of the packed parameter buffer
 	code       []instr
 	endLine    int     // of the closing brace
+	paramAt    []int16 // per byte of the parameter buffer: the parameter there, or -1
 	regWidth   []uint8 // per register: 1 (pred), 32 or 64
 	regNames   []string
 }
@@ -291,6 +292,15 @@ func (p *parser) entry() error {
 	}
 	if err := p.expect(")"); err != nil {
 		return err
+	}
+	e.paramAt = make([]int16, e.ParamBytes)
+	for i := range e.paramAt {
+		e.paramAt[i] = -1
+	}
+	for i, prm := range e.Params {
+		for b := prm.Offset; b < prm.Offset+prm.Size; b++ {
+			e.paramAt[b] = int16(i)
+		}
 	}
 	for p.peek() != "{" {
 		switch t := p.next(); t {

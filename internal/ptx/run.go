@@ -177,6 +177,14 @@ type machine struct {
 
 // thread runs the current thread to its ret. On a fault it returns the
 // instruction, what happened and the kind.
+//
+// It, global and Run's loop are not instrumented by the race detector
+// (go:norace): they touch only the launch's own registers and the
+// Memory's bytes, which one goroutine at a time owns for the launch
+// (cudaops' simulated driver runs kernels under its mutex), so there is
+// nothing to detect, and instrumented they are ten times slower.
+//
+//go:norace
 func (m *machine) thread() (*instr, string, error) {
 	code, regs := m.e.code, m.regs
 	pc := 0
@@ -308,6 +316,7 @@ func (m *machine) thread() (*instr, string, error) {
 	}
 }
 
+//go:norace
 func compare(in *instr, a, b uint64) bool {
 	if in.signed {
 		x, y := sext(a, in.width), sext(b, in.width)
@@ -338,6 +347,8 @@ func compare(in *instr, a, b uint64) bool {
 }
 
 // global runs a global load or store, checked.
+//
+//go:norace
 func (m *machine) global(in *instr) (string, error) {
 	regs := m.regs
 	addr := get(regs, in.addr) + uint64(in.off)
@@ -382,20 +393,20 @@ func (m *machine) global(in *instr) (string, error) {
 
 // paramAccess checks an n-byte ld.param at addr: it must lie inside one
 // declared parameter and be aligned to n. It returns why not, or "".
+//
+//go:norace
 func (e *Entry) paramAccess(addr uint64, n int) string {
 	off := addr - paramWindow
-	if addr < paramWindow || off >= uint64(e.ParamBytes) {
+	if addr < paramWindow || off >= uint64(e.ParamBytes) || uint64(n) > uint64(e.ParamBytes)-off {
 		return "not a parameter's address"
 	}
 	if addr%uint64(n) != 0 {
 		return "misaligned"
 	}
-	for _, p := range e.Params {
-		if off >= uint64(p.Offset) && off+uint64(n) <= uint64(p.Offset+p.Size) {
-			return ""
-		}
+	if p := e.paramAt[off]; p < 0 || e.paramAt[off+uint64(n)-1] != p {
+		return "not inside one parameter"
 	}
-	return "not inside one parameter"
+	return ""
 }
 
 // CheckLaunch reports, running nothing, why Run would refuse l (its
