@@ -64,6 +64,7 @@ static struct {
 	CUresult (*EventQuery)(CUevent);
 	CUresult (*EventSynchronize)(CUevent);
 	CUresult (*EventDestroy)(CUevent);
+	CUresult (*EventElapsedTime)(float *, CUevent, CUevent);
 } kvf;
 
 // kvf_load opens the driver and fills kvf. It returns 0, or 1 with the
@@ -114,6 +115,7 @@ static int kvf_load(char *msg, size_t n) {
 	SYM(EventQuery, "cuEventQuery")
 	SYM(EventSynchronize, "cuEventSynchronize")
 	SYM(EventDestroy, "cuEventDestroy_v2")
+	SYM(EventElapsedTime, "cuEventElapsedTime")
 #undef SYM
 	return 0;
 }
@@ -213,12 +215,14 @@ static CUresult kvf_event_record(uintptr_t e, uintptr_t s) { return kvf.EventRec
 static CUresult kvf_event_query(uintptr_t e) { return kvf.EventQuery((CUevent)e); }
 static CUresult kvf_event_sync(uintptr_t e) { return kvf.EventSynchronize((CUevent)e); }
 static CUresult kvf_event_destroy(uintptr_t e) { return kvf.EventDestroy((CUevent)e); }
+static CUresult kvf_event_elapsed(float *ms, uintptr_t a, uintptr_t b) { return kvf.EventElapsedTime(ms, (CUevent)a, (CUevent)b); }
 */
 import "C"
 
 import (
 	"fmt"
 	"sync"
+	"time"
 	"unsafe"
 )
 
@@ -482,4 +486,12 @@ func (dl) eventSynchronize(ev uintptr) error {
 
 func (dl) eventDestroy(ev uintptr) error {
 	return check("cuEventDestroy_v2", C.kvf_event_destroy(C.uintptr_t(ev)))
+}
+
+func (dl) eventElapsed(start, end uintptr) (time.Duration, error) {
+	var ms C.float
+	if err := check("cuEventElapsedTime", C.kvf_event_elapsed(&ms, C.uintptr_t(start), C.uintptr_t(end))); err != nil {
+		return 0, err
+	}
+	return time.Duration(float64(ms) * float64(time.Millisecond)), nil
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"time"
 )
 
 // driver is the slice of the CUDA driver API the CUDA device uses, in Go
@@ -84,6 +85,9 @@ type driver interface {
 	eventQuery(ev uintptr) (bool, error)
 	eventSynchronize(ev uintptr) error
 	eventDestroy(ev uintptr) error
+	// eventElapsed is the device time between two completed events
+	// created with timing (benchmarks only; fences have none).
+	eventElapsed(start, end uintptr) (time.Duration, error)
 }
 
 // kernelArgs is a launch's argument list, built without allocating once

@@ -1,6 +1,9 @@
 package cudaops
 
-import "fmt"
+import (
+	"fmt"
+	"time"
+)
 
 // Test hooks for the external test package (cudaops_test), which may
 // import devicetest; this package's own tests may not.
@@ -445,4 +448,85 @@ func (d *CUDA) SetFillBlock(n uint32) {
 		n = fillBlock
 	}
 	d.block = n
+}
+
+// Timed is device work bracketed by two timing events on the device's
+// stream, for benchmarks: Elapsed is the device time between them once
+// the work's fence has completed.
+type Timed struct {
+	d          *CUDA
+	start, end uintptr
+}
+
+// NewTimed creates the two timing events; Close destroys them.
+func (d *CUDA) NewTimed() (*Timed, error) {
+	g, err := d.enter()
+	if err != nil {
+		return nil, err
+	}
+	defer g.leave()
+	t := &Timed{d: d}
+	if t.start, err = d.drv.eventCreate(0); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	if t.end, err = d.drv.eventCreate(0); err != nil {
+		_ = d.drv.eventDestroy(t.start)
+		return nil, fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return t, nil
+}
+
+func (t *Timed) record(ev uintptr) error {
+	t.d.mu.Lock()
+	defer t.d.mu.Unlock()
+	g, err := t.d.enter()
+	if err != nil {
+		return err
+	}
+	defer g.leave()
+	if err := t.d.drv.eventRecord(ev, t.d.stream); err != nil {
+		return fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return nil
+}
+
+// Run records the start event, runs work (which queues on the device's
+// stream: a Fill, a MemsetBaseline), records the end event and returns
+// work's fence.
+func (t *Timed) Run(work func() (Fence, error)) (Fence, error) {
+	if err := t.record(t.start); err != nil {
+		return nil, err
+	}
+	f, err := work()
+	if err != nil {
+		return nil, err
+	}
+	return f, t.record(t.end)
+}
+
+// Elapsed is the device time from the start event to the end event; call
+// it after the fence completed.
+func (t *Timed) Elapsed() (time.Duration, error) {
+	g, err := t.d.enter()
+	if err != nil {
+		return 0, err
+	}
+	defer g.leave()
+	if err := t.d.drv.eventSynchronize(t.end); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	el, err := t.d.drv.eventElapsed(t.start, t.end)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return el, nil
+}
+
+// Close destroys the events.
+func (t *Timed) Close() {
+	if g, err := t.d.enter(); err == nil {
+		_ = t.d.drv.eventDestroy(t.start)
+		_ = t.d.drv.eventDestroy(t.end)
+		g.leave()
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sort"
 	"sync"
+	"time"
 
 	"github.com/kvfence/kvfence/internal/ptx"
 )
@@ -989,6 +990,26 @@ func (f *fakeDriver) eventDestroy(ev uintptr) error {
 	}
 	delete(f.events, ev)
 	return nil
+}
+
+// eventElapsed has no clock to read: it checks what the driver checks
+// (both events exist, were created with timing, and are recorded and
+// complete) and reports no time.
+func (f *fakeDriver) eventElapsed(start, end uintptr) (time.Duration, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, ev := range []uintptr{start, end} {
+		e, ok := f.events[ev]
+		switch {
+		case !ok || f.eventFlags[ev]&cuEventDisableTiming != 0:
+			return 0, f.errLocked("cuEventElapsedTime", cuErrorInvalidHandle)
+		case e.stream == nil:
+			return 0, f.errLocked("cuEventElapsedTime", cuErrorInvalidValue)
+		case e.stream.done < e.upTo:
+			return 0, f.errLocked("cuEventElapsedTime", cuErrorNotReady)
+		}
+	}
+	return 0, nil
 }
 
 // leaks describes resources still held, for tests that Close.
