@@ -23,8 +23,10 @@ import (
 // every shape the kernel has a path for, and a shadow of every byte they
 // span, gaps between adopted pages included.
 type kernelRig struct {
-	d     *cudaops.CUDA
-	f     *cudaops.FakeDriver
+	d *cudaops.CUDA
+	// stats, on the simulated driver, are what the interpreter ran; nil
+	// on a GPU.
+	stats func() cudaops.KernelStats
 	rng   *rand.Rand
 	pages int
 	exts  []extent
@@ -61,7 +63,7 @@ var rigVariants = []rigVariant{
 	{name: "one thread", pages: 6, block: 1, chunk: 16},
 }
 
-// newKernelRig opens the device on f and lays out its regions:
+// newKernelRig lays out the regions of d, which has none yet:
 //
 //	0  allocated, 1032-byte pages: 258 words (≡ 2 mod 4); even pages are
 //	   16-byte aligned, odd ones 8-byte aligned
@@ -75,18 +77,15 @@ var rigVariants = []rigVariant{
 //	7  allocated, 48-byte pages
 //	8  allocated, 4-byte pages: one word
 //	9  allocated, 260-byte pages
-func newKernelRig(f *cudaops.FakeDriver, rng *rand.Rand, v rigVariant) (*kernelRig, func(), error) {
-	d, err := cudaops.OpenOn(f, 0)
-	if err != nil {
-		return nil, nil, err
-	}
-	rig := &kernelRig{d: d, f: f, rng: rng, pages: v.pages}
+//
+// The caller closes d after done.
+func newKernelRig(d *cudaops.CUDA, stats func() cudaops.KernelStats, rng *rand.Rand, v rigVariant) (*kernelRig, func(), error) {
+	rig := &kernelRig{d: d, stats: stats, rng: rng, pages: v.pages}
 	var frees []func()
 	done := func() {
 		for _, fr := range frees {
 			fr()
 		}
-		_ = d.Close()
 	}
 	if err := d.KernelError(); err != nil {
 		done()
@@ -141,9 +140,9 @@ func newKernelRig(f *cudaops.FakeDriver, rng *rand.Rand, v rigVariant) (*kernelR
 		for i := range e.want {
 			e.want[i] = byte(rng.Uint32())
 		}
-		if !f.Poke(e.base, e.want) {
+		if err := d.CopyIn(e.base, e.want); err != nil {
 			done()
-			return nil, nil, fmt.Errorf("poke %#x", e.base)
+			return nil, nil, err
 		}
 	}
 	return rig, done, nil
@@ -161,7 +160,11 @@ func (r *kernelRig) addExtent(base uint64, n, off int) {
 // the bytes the fill covers (no byte twice), in one launch per
 // FillSpanSlots non-empty spans.
 func (r *kernelRig) fill(spans []cudaops.Span, pages []int32, spec cudaops.FillSpec) error {
-	before, kBefore := r.d.Counters(), r.f.KernelStats()
+	before := r.d.Counters()
+	var kBefore cudaops.KernelStats
+	if r.stats != nil {
+		kBefore = r.stats()
+	}
 	var fc cudaops.Fence
 	var err error
 	if spans == nil {
@@ -195,7 +198,10 @@ func (r *kernelRig) fill(spans []cudaops.Span, pages []int32, spec cudaops.FillS
 		}
 	}
 	for ei, e := range r.exts {
-		got := r.f.Peek(e.base, len(e.want))
+		got := make([]byte, len(e.want))
+		if err := r.d.CopyOut(e.base, got); err != nil {
+			return err
+		}
 		if !bytes.Equal(got, e.want) {
 			i := 0
 			for got[i] == e.want[i] {
@@ -207,9 +213,11 @@ func (r *kernelRig) fill(spans []cudaops.Span, pages []int32, spec cudaops.FillS
 	if r.d.Stats().Mode != cudaops.FillKernel {
 		return nil
 	}
-	after, kAfter := r.d.Counters(), r.f.KernelStats()
-	if filled, stored := after.BytesFilled-before.BytesFilled, kAfter.BytesStored-kBefore.BytesStored; int64(filled) != stored {
-		return fmt.Errorf("the kernel stored %d bytes for a fill of %d", stored, filled)
+	after := r.d.Counters()
+	if r.stats != nil {
+		if filled, stored := after.BytesFilled-before.BytesFilled, r.stats().BytesStored-kBefore.BytesStored; int64(filled) != stored {
+			return fmt.Errorf("the kernel stored %d bytes for a fill of %d", stored, filled)
+		}
 	}
 	want := uint64(nonEmpty+cudaops.FillSpanSlots-1) / cudaops.FillSpanSlots
 	if got := after.Launches - before.Launches; got != want {
@@ -316,16 +324,35 @@ func TestCUDAFillKernelWroteWrongBytes(t *testing.T) {
 				continue
 			}
 			t.Run(mode.String()+"/"+v.name, func(t *testing.T) {
-				f := cudaops.NewFakeDriver()
 				seed := uint64(rand.Uint32())
 				t.Logf("seed %d", seed)
-				rig, done, err := newKernelRig(f, rand.New(rand.NewPCG(seed, 1)), v)
+				d, f := openFake(t)
+				rig, done, err := newKernelRig(d, f.KernelStats, rand.New(rand.NewPCG(seed, 1)), v)
 				require.NoError(t, err)
 				defer done()
 				require.NoError(t, rig.d.SetFillMode(mode))
 				require.NoError(t, rig.check())
 			})
 		}
+	}
+}
+
+// TestCUDAFillKernelGPU is the same check on GPU 0: the JIT-compiled
+// kernel writes exactly every batch shape in every region shape, in every
+// variant (it skips without a GPU; scripts/gpu-check.sh runs it, also
+// under compute-sanitizer's memcheck).
+func TestCUDAFillKernelGPU(t *testing.T) {
+	for _, v := range rigVariants {
+		t.Run(v.name, func(t *testing.T) {
+			d := openGPU(t)
+			defer d.Close()
+			seed := uint64(rand.Uint32())
+			t.Logf("seed %d", seed)
+			rig, done, err := newKernelRig(d, nil, rand.New(rand.NewPCG(seed, 1)), v)
+			require.NoError(t, err)
+			defer done()
+			require.NoError(t, rig.check())
+		})
 	}
 }
 
@@ -361,10 +388,14 @@ func TestCUDAFillKernelMutantSurvived(t *testing.T) {
 				f.RewriteImage(func(image []byte) []byte {
 					return []byte(strings.Replace(string(image), m.from, m.to, 1))
 				})
-				rig, done, err := newKernelRig(f, rand.New(rand.NewPCG(1, 1)), v)
-				require.NoError(t, err, "the mutant must still load")
+				d, err := cudaops.OpenOn(f, 0)
+				require.NoError(t, err)
+				require.NoError(t, d.KernelError(), "the mutant must still load")
+				rig, done, err := newKernelRig(d, f.KernelStats, rand.New(rand.NewPCG(1, 1)), v)
+				require.NoError(t, err)
 				caught = rig.check()
 				done()
+				_ = d.Close() // fails after a mutant's fault: the context is poisoned, as on a GPU
 				if caught != nil {
 					t.Logf("caught in %s: %v", v.name, caught)
 					break

@@ -530,3 +530,35 @@ func (t *Timed) Close() {
 		g.leave()
 	}
 }
+
+// CopyIn writes b to device memory at addr (any allocation: regions,
+// scratch) on the device's stream, after every fill queued before.
+func (d *CUDA) CopyIn(addr uint64, b []byte) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	g, err := d.enter()
+	if err != nil {
+		return err
+	}
+	defer g.leave()
+	if err := d.drv.memcpyHtoDSync(addr, b, d.stream); err != nil {
+		return fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return nil
+}
+
+// CopyOut reads device memory at addr into b on the device's stream,
+// after every fill queued before.
+func (d *CUDA) CopyOut(addr uint64, b []byte) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	g, err := d.enter()
+	if err != nil {
+		return err
+	}
+	defer g.leave()
+	if err := d.drv.memcpyDtoHSync(b, addr, d.stream); err != nil {
+		return fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return nil
+}
