@@ -212,23 +212,27 @@ func benchFillBatch(b *testing.B, run benchRun, d *cudaops.CUDA, timer *cudaops.
 	if !run.timed {
 		return
 	}
-	// Device times of the fill alone, and the baseline's, in the same run.
+	// In the same run: the baseline's wall time, measured as the fill's
+	// (no timing events around it), and the device times of the fill
+	// alone and of the baseline, from timing events around them.
 	runs := min(b.N, maxTimedRuns)
-	var kernel, base, baseKernel durations
-	for range runs {
-		wait(timer.Run(fill))
+	memset := func() (cudaops.Fence, error) { return d.MemsetBaseline(scratch, 0x80008000, bytes/4) }
+	elapsed := func() time.Duration {
 		el, err := timer.Elapsed()
 		if err != nil {
 			b.Fatal(err)
 		}
-		kernel = append(kernel, el)
+		return el
+	}
+	var kernel, base, baseKernel durations
+	for range runs {
 		t0 := time.Now()
-		wait(timer.Run(func() (cudaops.Fence, error) { return d.MemsetBaseline(scratch, 0x80008000, bytes/4) }))
+		wait(memset())
 		base = append(base, time.Since(t0))
-		if el, err = timer.Elapsed(); err != nil {
-			b.Fatal(err)
-		}
-		baseKernel = append(baseKernel, el)
+		wait(timer.Run(fill))
+		kernel = append(kernel, elapsed())
+		wait(timer.Run(memset))
+		baseKernel = append(baseKernel, elapsed())
 	}
 	gbs := func(t time.Duration) float64 { return float64(bytes) / t.Seconds() / 1e9 }
 	lo, med, hi := wall.stats()

@@ -54,6 +54,14 @@ import (
 // never synchronises with the legacy default stream by accident: an
 // engine on the default stream must name it (StreamLegacy) or pass zero.
 //
+// It is created at the default priority, 0, which is also the least
+// (cuCtxGetStreamPriorityRange: lower numbers are higher priorities, and
+// 0 is the least): a scrub is already the low-priority work, and blocks
+// of an engine's kernels on streams of a higher priority (negative, such
+// as PyTorch's torch.cuda.Stream(priority=-1)) are scheduled before the
+// fill's when both are ready. A lower-priority stream for scrubs does not
+// exist to be had.
+//
 // CheckOrdering vets an Ordering without queuing anything: the stream
 // exists, belongs to the device's context and is not capturing a CUDA
 // graph (cuStreamGetCtx, cuStreamIsCapturing), the event exists and was

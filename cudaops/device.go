@@ -35,7 +35,11 @@
 // staging copies, fences); only cuda_dl_cgo.go uses cgo and unsafe, and
 // its twin cuda_dl_nocgo.go keeps CGO_ENABLED=0 builds working, so no
 // build of this package needs a CUDA toolkit. Both backends pass the
-// conformance suite in cudaops/devicetest.
+// conformance suite in cudaops/devicetest; on a machine without a GPU the
+// CUDA backend runs it over a simulated driver that executes the fill
+// kernel's own PTX text (internal/ptx), every thread, every access
+// checked, so a kernel that writes one byte wrong fails go test anywhere.
+// scripts/gpu-check.sh runs the rest on a GPU.
 //
 // # Tensor parallelism
 //
