@@ -147,7 +147,10 @@ type CUDA struct {
 		table   uint64         // device copy of the region table (regionEntryBytes per region)
 		args    kernelArgs     // the launch's arguments, reused
 		chunks  []regionChunks // how the kernel splits each region's pages (in table)
-		ring    stagingRing
+		// copyHost is the page-locked staging of batched copies
+		// (PageCopier), allocated at the first.
+		copyHost []byte
+		ring     stagingRing
 		// ringFreed is signalled by the reaper when it frees ring space.
 		ringFreed *sync.Cond
 	}
@@ -169,6 +172,9 @@ type CUDA struct {
 	// block is a fill launch's threads: fillBlock, except in tests that
 	// make the kernel's loops iterate with few threads.
 	block uint32
+	// copyStaging is the size of copyHost: copyStagingBytes, except in
+	// tests of batches larger than it.
+	copyStaging int
 
 	reap reaper
 
@@ -227,7 +233,8 @@ func openCUDA(drv driver, ordinal int, ctx uintptr) (_ *CUDA, err error) {
 	}
 	// d, not the result, so the cleanup below still sees it after a
 	// "return nil, err".
-	d := &CUDA{drv: drv, ordinal: ordinal, ctx: ctx, gridLimit: maxGrid, chunkWords: chunkWords, inlineIDs: fillInlineIDs, block: fillBlock}
+	d := &CUDA{drv: drv, ordinal: ordinal, ctx: ctx, gridLimit: maxGrid, chunkWords: chunkWords, inlineIDs: fillInlineIDs, block: fillBlock,
+		copyStaging: copyStagingBytes}
 	if ctx == 0 {
 		if d.dev, err = drv.deviceGet(ordinal); err != nil {
 			return nil, fmt.Errorf("%w: cuda:%d: %w", ErrNoDevice, ordinal, err)
@@ -557,6 +564,10 @@ func (d *CUDA) Close() error {
 // teardownLocked frees the device's own resources; the context is current.
 func (d *CUDA) teardownLocked() {
 	d.mu.ring.free(d.drv)
+	if d.mu.copyHost != nil {
+		_ = d.drv.memFreeHost(d.mu.copyHost)
+		d.mu.copyHost = nil
+	}
 	if d.mu.table != 0 {
 		_ = d.drv.memFree(d.mu.table)
 		d.mu.table = 0

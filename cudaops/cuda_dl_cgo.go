@@ -159,6 +159,9 @@ static CUresult kvf_mem_free_host(void *p) { return kvf.MemFreeHost(p); }
 static CUresult kvf_htod_async(CUdeviceptr d, const void *h, size_t n, uintptr_t s) {
 	return kvf.MemcpyHtoDAsync(d, h, n, (CUstream)s);
 }
+static CUresult kvf_dtoh_async(void *h, CUdeviceptr d, size_t n, uintptr_t s) {
+	return kvf.MemcpyDtoHAsync(h, d, n, (CUstream)s);
+}
 static CUresult kvf_htod_sync(CUdeviceptr d, const void *h, size_t n, uintptr_t s, int *which) {
 	CUresult r = kvf.MemcpyHtoDAsync(d, h, n, (CUstream)s);
 	*which = 0;
@@ -366,6 +369,14 @@ func (dl) memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error {
 	}
 	return check("cuMemcpyHtoDAsync_v2", C.kvf_htod_async(C.CUdeviceptr(dst),
 		unsafe.Pointer(unsafe.SliceData(src)), C.size_t(len(src)), C.uintptr_t(s)))
+}
+
+func (dl) memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error {
+	if len(dst) == 0 {
+		return nil
+	}
+	return check("cuMemcpyDtoHAsync_v2", C.kvf_dtoh_async(unsafe.Pointer(unsafe.SliceData(dst)), C.CUdeviceptr(src),
+		C.size_t(len(dst)), C.uintptr_t(s)))
 }
 
 func (dl) memcpyHtoDSync(dst uint64, src []byte, s uintptr) error {

@@ -49,6 +49,9 @@ type driver interface {
 	// memcpyHtoDAsync queues a copy from page-locked memory (from
 	// memAllocHost) on stream s.
 	memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error
+	// memcpyDtoHAsync queues a copy into page-locked memory (from
+	// memAllocHost) on stream s.
+	memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error
 	// memcpyHtoDSync and memcpyDtoHSync queue a copy on stream s and wait
 	// for s to drain before returning, so the copy is ordered after all
 	// work queued on s and Go memory is never referenced after the call.

@@ -562,3 +562,15 @@ func (d *CUDA) CopyOut(addr uint64, b []byte) error {
 	}
 	return nil
 }
+
+// SetCopyStaging sets the size of the staging buffer batched copies use
+// (0: the default), so that tests make batches larger than it; call it
+// before the first ReadPages or WritePages.
+func (d *CUDA) SetCopyStaging(n int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if n == 0 {
+		n = copyStagingBytes
+	}
+	d.copyStaging = n
+}

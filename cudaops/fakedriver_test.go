@@ -560,6 +560,21 @@ func (f *fakeDriver) memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error {
 	}})
 }
 
+func (f *fakeDriver) memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	// The destination is written when the copy runs, as DMA to pinned
+	// memory is: only after the stream is waited for may it be read.
+	return f.queueLocked("cuMemcpyDtoHAsync_v2", s, fakeOp{run: func() int {
+		d := f.spanLocked(src, uint64(len(dst)))
+		if d == nil {
+			return 700
+		}
+		copy(dst, d)
+		return 0
+	}})
+}
+
 func (f *fakeDriver) syncCopyLocked(call string, s uintptr, run func() int) error {
 	if err := f.queueLocked(call, s, fakeOp{run: run}); err != nil {
 		return err
