@@ -56,7 +56,8 @@ func runCUDAModes(t *testing.T, open func(t *testing.T) *cudaops.CUDA, scratch u
 }
 
 // TestCUDAConformanceSimulated runs the suite on the CUDA device over the
-// simulated driver: everything but the driver and the PTX itself.
+// simulated driver: everything but the driver itself, since the simulated
+// driver runs the text of fill.ptx (internal/ptx).
 func TestCUDAConformanceSimulated(t *testing.T) {
 	runCUDAModes(t, func(t *testing.T) *cudaops.CUDA {
 		d, f, err := cudaops.OpenFake()
@@ -64,6 +65,8 @@ func TestCUDAConformanceSimulated(t *testing.T) {
 		t.Cleanup(func() {
 			require.Empty(t, f.Leaks(), "after Close")
 		})
+		// The kernel mode must run fill.ptx, not fall back to memsets.
+		require.NoError(t, d.KernelError())
 		return d
 	}, 4096)
 }
@@ -84,6 +87,30 @@ func openGPU(t testing.TB) *cudaops.CUDA {
 		t.Errorf("fill kernel did not load: %v", kerr)
 	}
 	return d
+}
+
+// TestCUDADeviceUsable is scripts/gpu-check.sh's first step: GPU 0 opens,
+// its fill kernel loads and passes its warm-up launch, and a kernel fill
+// of a page reads back. It skips without a GPU, and fails then when
+// KVFENCE_REQUIRE_GPU is set.
+func TestCUDADeviceUsable(t *testing.T) {
+	d := openGPU(t)
+	defer d.Close()
+	free, total, err := d.MemInfo()
+	require.NoError(t, err)
+	t.Logf("device %s: %d of %d MiB free, fill mode %s", d.Name(), free>>20, total>>20, d.Stats().Mode)
+	require.NoError(t, d.KernelError(), "the fill kernel did not load")
+	_, err = d.AllocRegion(4, 4096)
+	require.NoError(t, err)
+	require.NoError(t, d.WritePage(0, 2, make([]byte, 4096)))
+	f, err := d.Fill([]int32{2}, cudaops.FillSpec{Word: 0x80008000}, cudaops.Ordering{})
+	require.NoError(t, err)
+	require.NoError(t, f.Wait())
+	got := make([]byte, 4096)
+	require.NoError(t, d.ReadPage(0, 2, got))
+	for i := 0; i < len(got); i += 4 {
+		require.Equal(t, []byte{0, 0x80, 0, 0x80}, got[i:i+4], "byte %d", i)
+	}
 }
 
 // TestCUDAConformance runs the suite on a real GPU, and skips without one.

@@ -54,6 +54,14 @@ import (
 // never synchronises with the legacy default stream by accident: an
 // engine on the default stream must name it (StreamLegacy) or pass zero.
 //
+// It is created at the default priority, 0, which is also the least
+// (cuCtxGetStreamPriorityRange: lower numbers are higher priorities, and
+// 0 is the least): a scrub is already the low-priority work, and blocks
+// of an engine's kernels on streams of a higher priority (negative, such
+// as PyTorch's torch.cuda.Stream(priority=-1)) are scheduled before the
+// fill's when both are ready. A lower-priority stream for scrubs does not
+// exist to be had.
+//
 // CheckOrdering vets an Ordering without queuing anything: the stream
 // exists, belongs to the device's context and is not capturing a CUDA
 // graph (cuStreamGetCtx, cuStreamIsCapturing), the event exists and was
@@ -72,14 +80,20 @@ import (
 // A Fill of a non-empty batch is, on the device's stream:
 //
 //  1. the wait for the engine (above);
-//  2. an async copy of the page list from the staging ring (page-locked
-//     host memory, allocated with the regions, never on the release
-//     path) to its device twin; the region table is already in device
-//     memory, uploaded when regions are added;
-//  3. ONE launch of kvf_fill (fill.ptx) over pages × regions, or, in
-//     FillMemset mode, one cuMemsetD32Async / cuMemsetD2D32Async per run
-//     of adjacent pages per region (the baseline, and the fallback when
-//     the kernel cannot be loaded or fails its warm-up launch at open);
+//  2. for a batch of more than fillInlineIDs (512) pages only, an async
+//     copy of the page list from the staging ring (page-locked host
+//     memory, allocated with the regions, never on the release path) to
+//     its device twin; smaller batches carry their page IDs in the
+//     launch's parameters, so a typical release is a launch and nothing
+//     else. The region table (with how the kernel splits each region's
+//     pages into chunks) is resident in device memory, uploaded when
+//     regions are added;
+//  3. ONE launch of kvf_fill (fill.ptx) over every region of every span,
+//     a grid over (chunk, region) with streaming stores (see the
+//     kernel's header), or, in FillMemset mode, one cuMemsetD32Async /
+//     cuMemsetD2D32Async per run of adjacent pages per region (the
+//     baseline, and the fallback when the kernel cannot be loaded or
+//     fails its warm-up launch at open);
 //  4. an event record: the Fence.
 //
 // # Completion
@@ -130,8 +144,13 @@ type CUDA struct {
 		regions []Region
 		owned   []bool // regions[i] was allocated by us
 		mode    FillMode
-		table   uint64 // device copy of the region table (regionEntryBytes per region)
-		ring    stagingRing
+		table   uint64         // device copy of the region table (regionEntryBytes per region)
+		args    kernelArgs     // the launch's arguments, reused
+		chunks  []regionChunks // how the kernel splits each region's pages (in table)
+		// copyHost is the page-locked staging of batched copies
+		// (PageCopier), allocated at the first.
+		copyHost []byte
+		ring     stagingRing
 		// ringFreed is signalled by the reaper when it frees ring space.
 		ringFreed *sync.Cond
 	}
@@ -140,6 +159,22 @@ type CUDA struct {
 	module  uintptr
 	fillFn  uintptr
 	kernErr error // why FillKernel is unavailable, or nil
+	// gridLimit bounds a fill launch's blocks; the kernel loops over the
+	// rest. maxGrid, except in tests that make batches larger than the
+	// grid.
+	gridLimit uint32
+	// chunkWords is the target size of a kernel chunk: chunkWords,
+	// except in tests that split small pages into many chunks.
+	chunkWords uint32
+	// inlineIDs is how many page IDs a launch may carry in its
+	// parameters: fillInlineIDs, except in tests of the staging ring.
+	inlineIDs int
+	// block is a fill launch's threads: fillBlock, except in tests that
+	// make the kernel's loops iterate with few threads.
+	block uint32
+	// copyStaging is the size of copyHost: copyStagingBytes, except in
+	// tests of batches larger than it.
+	copyStaging int
 
 	reap reaper
 
@@ -198,7 +233,8 @@ func openCUDA(drv driver, ordinal int, ctx uintptr) (_ *CUDA, err error) {
 	}
 	// d, not the result, so the cleanup below still sees it after a
 	// "return nil, err".
-	d := &CUDA{drv: drv, ordinal: ordinal, ctx: ctx}
+	d := &CUDA{drv: drv, ordinal: ordinal, ctx: ctx, gridLimit: maxGrid, chunkWords: chunkWords, inlineIDs: fillInlineIDs, block: fillBlock,
+		copyStaging: copyStagingBytes}
 	if ctx == 0 {
 		if d.dev, err = drv.deviceGet(ordinal); err != nil {
 			return nil, fmt.Errorf("%w: cuda:%d: %w", ErrNoDevice, ordinal, err)
@@ -262,7 +298,9 @@ func (d *CUDA) loadKernel() {
 		d.module = m
 		d.fillFn, err = d.drv.moduleGetFunction(m, fillKernelName)
 		if err == nil {
-			err = d.drv.launchFill(d.fillFn, 1, fillBlock, d.stream, fillArgs{nregions: 1})
+			// No spans: every thread finds nothing to do.
+			args, grid := d.fillArgsLocked(nil, 0, FillSpec{})
+			err = d.drv.launchKernel(d.fillFn, grid, d.block, d.stream, args)
 		}
 		if err == nil {
 			err = d.drv.streamSynchronize(d.stream)
@@ -526,6 +564,10 @@ func (d *CUDA) Close() error {
 // teardownLocked frees the device's own resources; the context is current.
 func (d *CUDA) teardownLocked() {
 	d.mu.ring.free(d.drv)
+	if d.mu.copyHost != nil {
+		_ = d.drv.memFreeHost(d.mu.copyHost)
+		d.mu.copyHost = nil
+	}
 	if d.mu.table != 0 {
 		_ = d.drv.memFree(d.mu.table)
 		d.mu.table = 0

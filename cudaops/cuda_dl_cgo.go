@@ -64,6 +64,7 @@ static struct {
 	CUresult (*EventQuery)(CUevent);
 	CUresult (*EventSynchronize)(CUevent);
 	CUresult (*EventDestroy)(CUevent);
+	CUresult (*EventElapsedTime)(float *, CUevent, CUevent);
 } kvf;
 
 // kvf_load opens the driver and fills kvf. It returns 0, or 1 with the
@@ -114,6 +115,7 @@ static int kvf_load(char *msg, size_t n) {
 	SYM(EventQuery, "cuEventQuery")
 	SYM(EventSynchronize, "cuEventSynchronize")
 	SYM(EventDestroy, "cuEventDestroy_v2")
+	SYM(EventElapsedTime, "cuEventElapsedTime")
 #undef SYM
 	return 0;
 }
@@ -157,6 +159,9 @@ static CUresult kvf_mem_free_host(void *p) { return kvf.MemFreeHost(p); }
 static CUresult kvf_htod_async(CUdeviceptr d, const void *h, size_t n, uintptr_t s) {
 	return kvf.MemcpyHtoDAsync(d, h, n, (CUstream)s);
 }
+static CUresult kvf_dtoh_async(void *h, CUdeviceptr d, size_t n, uintptr_t s) {
+	return kvf.MemcpyDtoHAsync(h, d, n, (CUstream)s);
+}
 static CUresult kvf_htod_sync(CUdeviceptr d, const void *h, size_t n, uintptr_t s, int *which) {
 	CUresult r = kvf.MemcpyHtoDAsync(d, h, n, (CUstream)s);
 	*which = 0;
@@ -189,14 +194,16 @@ static CUresult kvf_module_unload(uintptr_t m) { return kvf.ModuleUnload((CUmodu
 static CUresult kvf_module_function(uintptr_t *f, uintptr_t m, const char *name) {
 	return kvf.ModuleGetFunction((CUfunction *)f, (CUmodule)m, name);
 }
-// kvf_launch_fill launches kvf_fill. The parameter array points at this
-// frame's copies of the arguments; cuLaunchKernel copies them before it
-// returns.
-static CUresult kvf_launch_fill(uintptr_t f, unsigned grid, unsigned block, uintptr_t s,
-		uint64_t table, uint64_t pages, uint64_t nitems,
-		unsigned nregions, unsigned word, unsigned salt, unsigned clear) {
-	void *params[] = {&table, &pages, &nitems, &nregions, &word, &salt, &clear};
-	return kvf.LaunchKernel((CUfunction)f, grid, 1, 1, block, 1, 1, 0, (CUstream)s, params, NULL);
+// kvf_launch launches f with the n arguments whose bytes lie in buf at
+// offs[i], as many as the kernel declares for each. cuLaunchKernel copies
+// them before it returns, so buf is not referenced afterwards.
+#define KVF_MAX_ARGS 32
+static CUresult kvf_launch(uintptr_t f, unsigned gx, unsigned gy, unsigned gz, unsigned block, uintptr_t s,
+		unsigned char *buf, const unsigned *offs, int n) {
+	void *params[KVF_MAX_ARGS];
+	if (n < 0 || n > KVF_MAX_ARGS) return 1; // CUDA_ERROR_INVALID_VALUE
+	for (int i = 0; i < n; i++) params[i] = buf + offs[i];
+	return kvf.LaunchKernel((CUfunction)f, gx, gy, gz, block, 1, 1, 0, (CUstream)s, params, NULL);
 }
 static CUresult kvf_stream_create(uintptr_t *s, unsigned flags) { return kvf.StreamCreate((CUstream *)s, flags); }
 static CUresult kvf_stream_destroy(uintptr_t s) { return kvf.StreamDestroy((CUstream)s); }
@@ -211,12 +218,14 @@ static CUresult kvf_event_record(uintptr_t e, uintptr_t s) { return kvf.EventRec
 static CUresult kvf_event_query(uintptr_t e) { return kvf.EventQuery((CUevent)e); }
 static CUresult kvf_event_sync(uintptr_t e) { return kvf.EventSynchronize((CUevent)e); }
 static CUresult kvf_event_destroy(uintptr_t e) { return kvf.EventDestroy((CUevent)e); }
+static CUresult kvf_event_elapsed(float *ms, uintptr_t a, uintptr_t b) { return kvf.EventElapsedTime(ms, (CUevent)a, (CUevent)b); }
 */
 import "C"
 
 import (
 	"fmt"
 	"sync"
+	"time"
 	"unsafe"
 )
 
@@ -362,6 +371,14 @@ func (dl) memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error {
 		unsafe.Pointer(unsafe.SliceData(src)), C.size_t(len(src)), C.uintptr_t(s)))
 }
 
+func (dl) memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error {
+	if len(dst) == 0 {
+		return nil
+	}
+	return check("cuMemcpyDtoHAsync_v2", C.kvf_dtoh_async(unsafe.Pointer(unsafe.SliceData(dst)), C.CUdeviceptr(src),
+		C.size_t(len(dst)), C.uintptr_t(s)))
+}
+
 func (dl) memcpyHtoDSync(dst uint64, src []byte, s uintptr) error {
 	if len(src) == 0 {
 		return nil
@@ -416,10 +433,14 @@ func (dl) moduleGetFunction(m uintptr, name string) (uintptr, error) {
 	return uintptr(f), err
 }
 
-func (dl) launchFill(fn uintptr, grid, block uint32, s uintptr, a fillArgs) error {
-	return check("cuLaunchKernel", C.kvf_launch_fill(C.uintptr_t(fn), C.unsigned(grid), C.unsigned(block),
-		C.uintptr_t(s), C.uint64_t(a.table), C.uint64_t(a.pages), C.uint64_t(a.nitems),
-		C.unsigned(a.nregions), C.unsigned(a.word), C.unsigned(a.salt), C.unsigned(a.clear)))
+func (dl) launchKernel(fn uintptr, grid [3]uint32, block uint32, s uintptr, args *kernelArgs) error {
+	n := len(args.offs)
+	if n == 0 || n > maxKernelArgs {
+		return &DriverError{Call: "cuLaunchKernel", Code: cuErrorInvalidValue, Name: cuResultName(cuErrorInvalidValue)}
+	}
+	return check("cuLaunchKernel", C.kvf_launch(C.uintptr_t(fn), C.unsigned(grid[0]), C.unsigned(grid[1]), C.unsigned(grid[2]),
+		C.unsigned(block), C.uintptr_t(s), (*C.uchar)(unsafe.Pointer(unsafe.SliceData(args.buf))),
+		(*C.unsigned)(unsafe.Pointer(unsafe.SliceData(args.offs))), C.int(n)))
 }
 
 func (dl) streamCreate(flags uint32) (uintptr, error) {
@@ -476,4 +497,12 @@ func (dl) eventSynchronize(ev uintptr) error {
 
 func (dl) eventDestroy(ev uintptr) error {
 	return check("cuEventDestroy_v2", C.kvf_event_destroy(C.uintptr_t(ev)))
+}
+
+func (dl) eventElapsed(start, end uintptr) (time.Duration, error) {
+	var ms C.float
+	if err := check("cuEventElapsedTime", C.kvf_event_elapsed(&ms, C.uintptr_t(start), C.uintptr_t(end))); err != nil {
+		return 0, err
+	}
+	return time.Duration(float64(ms) * float64(time.Millisecond)), nil
 }

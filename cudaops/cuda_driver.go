@@ -1,8 +1,10 @@
 package cudaops
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"time"
 )
 
 // driver is the slice of the CUDA driver API the CUDA device uses, in Go
@@ -10,7 +12,8 @@ import (
 // one function resolved from libcuda.so.1 with dlsym; tests substitute a
 // simulated driver, so everything above this interface (validation, the
 // region table, staging, ordering, fences, counters) is tested without a
-// GPU. Handles are the driver's opaque pointers as uintptrs; device
+// GPU, and so is the fill kernel: the simulated driver executes the PTX
+// text the device loads (internal/ptx). Handles are the driver's opaque pointers as uintptrs; device
 // addresses are uint64 (CUdeviceptr).
 //
 // Every method that needs a context acts on the one current on the calling
@@ -46,6 +49,9 @@ type driver interface {
 	// memcpyHtoDAsync queues a copy from page-locked memory (from
 	// memAllocHost) on stream s.
 	memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error
+	// memcpyDtoHAsync queues a copy into page-locked memory (from
+	// memAllocHost) on stream s.
+	memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error
 	// memcpyHtoDSync and memcpyDtoHSync queue a copy on stream s and wait
 	// for s to drain before returning, so the copy is ordered after all
 	// work queued on s and Go memory is never referenced after the call.
@@ -59,7 +65,12 @@ type driver interface {
 	moduleLoadData(image []byte) (m uintptr, log string, err error)
 	moduleUnload(m uintptr) error
 	moduleGetFunction(m uintptr, name string) (uintptr, error)
-	launchFill(fn uintptr, grid, block uint32, s uintptr, a fillArgs) error
+	// launchKernel launches fn over grid blocks of block threads on
+	// stream s. args holds each argument's bytes and the name of the
+	// .param it is for: the real driver passes the bytes (cuLaunchKernel
+	// reads as many as the kernel declares), the simulated one checks
+	// the names and sizes against the PTX the module was loaded from.
+	launchKernel(fn uintptr, grid [3]uint32, block uint32, s uintptr, args *kernelArgs) error
 
 	streamCreate(flags uint32) (uintptr, error)
 	streamDestroy(s uintptr) error
@@ -77,19 +88,44 @@ type driver interface {
 	eventQuery(ev uintptr) (bool, error)
 	eventSynchronize(ev uintptr) error
 	eventDestroy(ev uintptr) error
+	// eventElapsed is the device time between two completed events
+	// created with timing (benchmarks only; fences have none).
+	eventElapsed(start, end uintptr) (time.Duration, error)
 }
 
-// fillArgs are the parameters of the kvf_fill kernel in fill.ptx, in the
-// order it declares them.
-type fillArgs struct {
-	table    uint64 // device address of the region table (regionEntryBytes per region)
-	pages    uint64 // device address of the page list (uint32 each)
-	nitems   uint64 // regions × pages
-	nregions uint32
-	word     uint32
-	salt     uint32
-	clear    uint32
+// kernelArgs is a launch's argument list, built without allocating once
+// its buffers have grown: argument i's bytes are buf[offs[i]:][:sizes[i]],
+// each at a 16-byte aligned offset, for the kernel parameter names[i].
+type kernelArgs struct {
+	buf   []byte
+	offs  []uint32
+	sizes []uint32
+	names []string
 }
+
+// maxKernelArgs bounds a launch's arguments (cuda_dl_cgo.go's array).
+const maxKernelArgs = 32
+
+func (a *kernelArgs) reset() {
+	a.buf, a.offs, a.sizes, a.names = a.buf[:0], a.offs[:0], a.sizes[:0], a.names[:0]
+}
+
+// add appends an argument of n bytes for the parameter name and returns
+// its bytes to fill in, zeroed.
+func (a *kernelArgs) add(name string, n int) []byte {
+	off := (len(a.buf) + 15) &^ 15
+	a.buf = append(a.buf, make([]byte, off+n-len(a.buf))...)
+	a.offs = append(a.offs, uint32(off))
+	a.sizes = append(a.sizes, uint32(n))
+	a.names = append(a.names, name)
+	return a.buf[off : off+n]
+}
+
+func (a *kernelArgs) u32(name string, v uint32) { binary.LittleEndian.PutUint32(a.add(name, 4), v) }
+func (a *kernelArgs) u64(name string, v uint64) { binary.LittleEndian.PutUint64(a.add(name, 8), v) }
+
+// arg returns argument i's bytes.
+func (a *kernelArgs) arg(i int) []byte { return a.buf[a.offs[i] : a.offs[i]+a.sizes[i]] }
 
 // ptrInfo is what cuPointerGetAttribute reports of a device address.
 type ptrInfo struct {
@@ -125,6 +161,12 @@ const (
 	cuErrorNoDevice         = 100 // CUDA_ERROR_NO_DEVICE
 	cuErrorInvalidDevice    = 101 // CUDA_ERROR_INVALID_DEVICE
 	cuErrorLaunchOutOfRsrcs = 701 // CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+	cuErrorIllegalAddress   = 700 // CUDA_ERROR_ILLEGAL_ADDRESS
+	cuErrorLaunchTimeout    = 702 // CUDA_ERROR_LAUNCH_TIMEOUT
+	cuErrorMisaligned       = 716 // CUDA_ERROR_MISALIGNED_ADDRESS
+	cuErrorLaunchFailed     = 719 // CUDA_ERROR_LAUNCH_FAILED
+	cuErrorInvalidPTX       = 218 // CUDA_ERROR_INVALID_PTX
+	cuErrorNotFound         = 500 // CUDA_ERROR_NOT_FOUND
 )
 
 // DriverError is a failed CUDA driver call. Backends wrap it with the
@@ -175,6 +217,7 @@ var cuResultNames = map[int]string{
 	700: "CUDA_ERROR_ILLEGAL_ADDRESS",
 	701: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
 	702: "CUDA_ERROR_LAUNCH_TIMEOUT",
+	716: "CUDA_ERROR_MISALIGNED_ADDRESS",
 	719: "CUDA_ERROR_LAUNCH_FAILED",
 	900: "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
 	901: "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",

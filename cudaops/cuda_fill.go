@@ -40,8 +40,13 @@ var fillPTX []byte
 const (
 	fillKernelName   = "kvf_fill"
 	fillBlock        = 256     // threads per block
-	maxGrid          = 1 << 20 // blocks; the kernel loops over further items
-	regionEntryBytes = 24      // {base, stride, words} as u64 in fill.ptx
+	maxGrid          = 4096    // blocks of a launch (CUDA.gridLimit): a persistent grid that loops over the rest
+	maxGridY         = 65535   // the driver's bound on gridDim.y
+	regionEntryBytes = 32      // {base, stride, words u64; chunk words, chunk shift u32} in fill.ptx
+	chunkWords       = 4096    // a chunk's target size: 16 KiB, 4 vectors for each of a block's threads
+	fillSpanSlots    = 8       // spans a launch can take (kvf_fill_spans)
+	fillSpanBytes    = 16      // {first region, regions, list offset, pages} as u32
+	fillInlineIDs    = 512     // page IDs a launch can take in its parameters (kvf_fill_ids)
 	maxPageBytes     = 1 << 40 // bound that keeps every product below 2^63
 )
 
@@ -80,8 +85,7 @@ func (d *CUDA) Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error)
 
 // FillSpans implements SpanFiller, with Fill's rules. The spans are queued
 // together, ordered after after and completed by one fence; in kernel
-// mode each span is one launch over its own slice of the resident region
-// table.
+// mode they are one launch (one per fillSpanSlots non-empty spans).
 func (d *CUDA) FillSpans(spans []Span, spec FillSpec, after Ordering) (Fence, error) {
 	if spans == nil {
 		spans = []Span{}
@@ -133,7 +137,7 @@ func (d *CUDA) fill(spans []Span, pages []int32, spec FillSpec, after Ordering) 
 	}
 	var slot uint64
 	prevHead := d.mu.ring.head
-	if d.mu.mode == FillKernel {
+	if d.mu.mode == FillKernel && !d.inlineLocked(spans) {
 		for {
 			var ok bool
 			prevHead = d.mu.ring.head
@@ -228,45 +232,136 @@ func (d *CUDA) batchBytesLocked(spans []Span) uint64 {
 	return total
 }
 
-// launchKernelLocked copies the spans' page lists (as their regions' own
-// page numbers) through their ring slot in one upload and launches
-// kvf_fill once per span over its slice of the region table in device
-// memory. It returns the launches queued.
+// inlineLocked reports whether the batch goes to the kernel in its launch
+// parameters alone: few enough spans for one launch, few enough pages to
+// be listed in it (fillInlineIDs, or fewer in tests of the ring). Else
+// the page list goes through the staging ring.
+func (d *CUDA) inlineLocked(spans []Span) bool {
+	n, k := 0, 0
+	for _, s := range spans {
+		if len(s.Pages) > 0 {
+			n += len(s.Pages)
+			k++
+		}
+	}
+	return k <= fillSpanSlots && n <= d.inlineIDs
+}
+
+// launchKernelLocked queues the batch as launches of kvf_fill: ONE for a
+// batch of up to fillSpanSlots non-empty spans, which is every Fill and
+// any FillSpans of a pool's cache groups, and one per further
+// fillSpanSlots spans. The page IDs (as their regions' own page numbers)
+// travel in the launch's parameters when the batch is inlineLocked; else
+// they are copied from their ring slot in one upload. It returns the
+// launches queued.
 func (d *CUDA) launchKernelLocked(spans []Span, n int, spec FillSpec, slot uint64) (launches uint64, err error) {
-	buf := d.mu.ring.host[slot : slot+4*uint64(n)]
-	i := 0
-	for _, s := range spans {
-		for _, p := range s.Pages {
-			binary.LittleEndian.PutUint32(buf[4*i:], uint32(p-s.IDBase))
-			i++
+	var list uint64 // device address of the page list, 0 when inline
+	if !d.inlineLocked(spans) {
+		buf := d.mu.ring.host[slot : slot+4*uint64(n)]
+		i := 0
+		for _, s := range spans {
+			for _, p := range s.Pages {
+				binary.LittleEndian.PutUint32(buf[4*i:], uint32(p-s.IDBase))
+				i++
+			}
+		}
+		list = d.mu.ring.dev + slot
+		if err := d.drv.memcpyHtoDAsync(list, buf, d.stream); err != nil {
+			return 0, fmt.Errorf("%w: uploading the fill batch: %w", ErrDriver, err)
 		}
 	}
-	devPages := d.mu.ring.dev + slot
-	if err := d.drv.memcpyHtoDAsync(devPages, buf, d.stream); err != nil {
-		return 0, fmt.Errorf("%w: uploading the fill batch: %w", ErrDriver, err)
-	}
-	for _, s := range spans {
-		if len(s.Pages) == 0 {
-			continue
+	for len(spans) > 0 {
+		// The next launch: up to fillSpanSlots non-empty spans.
+		var group []Span
+		pages := 0
+		for len(spans) > 0 && len(group) < fillSpanSlots {
+			if len(spans[0].Pages) > 0 {
+				group = append(group, spans[0])
+				pages += len(spans[0].Pages)
+			}
+			spans = spans[1:]
 		}
-		items := uint64(s.Count) * uint64(len(s.Pages))
-		grid := uint32(min(items, maxGrid))
-		err := d.drv.launchFill(d.fillFn, grid, fillBlock, d.stream, fillArgs{
-			table:    d.mu.table + uint64(s.First)*regionEntryBytes,
-			pages:    devPages,
-			nitems:   items,
-			nregions: uint32(s.Count),
-			word:     spec.Word,
-			salt:     spec.PageSalt,
-			clear:    spec.ClearMask,
-		})
-		if err != nil {
-			return launches, fmt.Errorf("%w: %s fill of %d pages × %d regions: %w", ErrDriver, fillKernelName, len(s.Pages), s.Count, err)
+		if len(group) == 0 {
+			break
+		}
+		args, grid := d.fillArgsLocked(group, list, spec)
+		if err := d.drv.launchKernel(d.fillFn, grid, d.block, d.stream, args); err != nil {
+			return launches, fmt.Errorf("%w: %s fill of %d pages in %d spans: %w", ErrDriver, fillKernelName, pages, len(group), err)
 		}
 		launches++
-		devPages += 4 * uint64(len(s.Pages))
+		if list != 0 {
+			list += 4 * uint64(pages)
+		}
 	}
 	return launches, nil
+}
+
+// fillArgsLocked builds kvf_fill's arguments for one launch over group
+// (non-empty spans, at most fillSpanSlots), in the order and with the
+// names and sizes fill.ptx declares (the simulated driver checks them),
+// and sizes its grid: a row of blocks per region (gridDim.y, up to the
+// driver's bound), as many columns as the largest region's chunks need,
+// the whole at most gridLimit blocks; the kernel loops over the rest.
+// With list 0 the page IDs go into the parameters. An empty group is the
+// warm-up launch: no work.
+func (d *CUDA) fillArgsLocked(group []Span, list uint64, spec FillSpec) (*kernelArgs, [3]uint32) {
+	a := &d.mu.args
+	a.reset()
+	a.u64("kvf_fill_table", d.mu.table)
+	a.u64("kvf_fill_list", list)
+	a.u32("kvf_fill_word", spec.Word)
+	a.u32("kvf_fill_salt", spec.PageSalt)
+	a.u32("kvf_fill_keep", ^spec.ClearMask)
+	slots, maxChunks := 0, uint64(1)
+	for _, s := range group {
+		slots += s.Count
+		for _, c := range d.mu.chunks[s.First : s.First+s.Count] {
+			maxChunks = max(maxChunks, uint64(len(s.Pages))<<c.shift)
+		}
+	}
+	a.u32("kvf_fill_nslots", uint32(slots))
+	a.u32("kvf_fill_nspans", uint32(len(group)))
+	desc := a.add("kvf_fill_spans", fillSpanSlots*fillSpanBytes)
+	ids := a.add("kvf_fill_ids", 4*fillInlineIDs)
+	off := 0
+	for i, s := range group {
+		e := desc[i*fillSpanBytes:]
+		binary.LittleEndian.PutUint32(e[0:], uint32(s.First))
+		binary.LittleEndian.PutUint32(e[4:], uint32(s.Count))
+		binary.LittleEndian.PutUint32(e[8:], uint32(off))
+		binary.LittleEndian.PutUint32(e[12:], uint32(len(s.Pages)))
+		if list == 0 {
+			for j, p := range s.Pages {
+				binary.LittleEndian.PutUint32(ids[4*(off+j):], uint32(p-s.IDBase))
+			}
+		}
+		off += len(s.Pages)
+	}
+	limit := uint64(max(d.gridLimit, 1))
+	gy := min(uint64(max(slots, 1)), maxGridY, limit)
+	gx := min(maxChunks, max(limit/gy, 1), 1<<31-1)
+	return a, [3]uint32{uint32(gx), uint32(gy), 1}
+}
+
+// regionChunks is how the kernel splits a region's pages (the region
+// table's last two fields): 1 << shift chunks of words words each, the
+// last ones shorter or empty.
+type regionChunks struct {
+	words uint32
+	shift uint32
+}
+
+// chunksFor splits pages of pageWords words into a power of two of chunks
+// of at most about target words, each a multiple of 4 words so that
+// every chunk starts at its page's 16-byte phase.
+func chunksFor(pageWords, target uint64) regionChunks {
+	var c regionChunks
+	for k := uint64(1); k*target < pageWords; k <<= 1 {
+		c.shift++
+	}
+	k := uint64(1) << c.shift
+	c.words = uint32((pageWords+k-1)/k+3) &^ 3
+	return c
 }
 
 // memsetLocked fills with one driver memset per run of adjacent page IDs

@@ -5,12 +5,13 @@ import (
 	"fmt"
 )
 
-// Host↔device copies. A kernel fill reads the region table and its page
-// list from device memory. The table changes only when a region is added,
-// so it is uploaded then; each batch's page list is written into the
-// staging ring (page-locked host memory) and copied asynchronously to its
-// device twin. The slot must outlive that queued copy, so it is freed
-// only when the fill's fence completes. The ring is sized, when regions
+// Host↔device copies. A kernel fill reads the region table from device
+// memory: it changes only when a region is added, so it is uploaded
+// then. A batch too large for the launch's parameters (fillInlineIDs
+// pages) has its page list written into the staging ring (page-locked
+// host memory) and copied asynchronously to its device twin. The slot
+// must outlive that queued copy, so it is freed only when the fill's
+// fence completes. The ring is sized, when regions
 // are added, for several of the largest batches a pool can issue, so a
 // fill never allocates or frees driver memory (which can synchronise the
 // device). ReadPage and WritePage copy Go memory synchronously on the
@@ -73,12 +74,16 @@ func (d *CUDA) resizeLocked(regions []Region) error {
 		return fmt.Errorf("%w: %s: %w", ErrDriver, what, err)
 	}
 	table := make([]byte, len(regions)*regionEntryBytes)
+	chunks := make([]regionChunks, len(regions))
 	minPages := regions[0].Pages
 	for i, r := range regions {
 		e := table[i*regionEntryBytes:]
+		chunks[i] = chunksFor(uint64(r.PageBytes/4), uint64(d.chunkWords))
 		binary.LittleEndian.PutUint64(e[0:], r.Base)
 		binary.LittleEndian.PutUint64(e[8:], uint64(r.Stride))
 		binary.LittleEndian.PutUint64(e[16:], uint64(r.PageBytes/4))
+		binary.LittleEndian.PutUint32(e[24:], chunks[i].words)
+		binary.LittleEndian.PutUint32(e[28:], chunks[i].shift)
 		minPages = min(minPages, r.Pages)
 	}
 	dev, err := d.drv.memAlloc(uint64(len(table)))
@@ -115,6 +120,7 @@ func (d *CUDA) resizeLocked(regions []Region) error {
 		_ = d.drv.memFree(d.mu.table)
 	}
 	d.mu.table = dev
+	d.mu.chunks = chunks
 	return nil
 }
 
@@ -169,6 +175,101 @@ func (d *CUDA) copyPage(r int, p int32, n int, verb string, copyAt func(addr uin
 	defer g.leave()
 	if err := copyAt(addr); err != nil {
 		return fmt.Errorf("%w: %s page %d of region %d: %w", ErrDriver, verb, p, r, err)
+	}
+	return nil
+}
+
+// copyStagingBytes is the size of the page-locked buffer batched copies
+// go through (PageCopier), allocated at the first such copy; a page
+// larger than it gets a buffer of its own size.
+const copyStagingBytes = 8 << 20
+
+// ReadPages implements PageCopier: pages go from the device into
+// page-locked staging with one asynchronous copy per run of adjacent
+// pages (per page in a strided region), a staging buffer's worth at a
+// time, each batch waited for once and then copied out.
+func (d *CUDA) ReadPages(r int, pages []int32, dst []byte) error {
+	return d.copyPages(r, pages, dst, false)
+}
+
+// WritePages implements PageCopier, the other way: src is copied into
+// staging, each staging buffer's worth goes to the device with one
+// asynchronous copy per run of adjacent pages, and is waited for; the
+// writes have landed when it returns.
+func (d *CUDA) WritePages(r int, pages []int32, src []byte) error {
+	return d.copyPages(r, pages, src, true)
+}
+
+var _ PageCopier = (*CUDA)(nil)
+
+func (d *CUDA) copyPages(r int, pages []int32, buf []byte, write bool) error {
+	d.life.RLock()
+	defer d.life.RUnlock()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return ErrClosed
+	}
+	reg, err := checkCopy(d.mu.regions, r, pages, len(buf))
+	if err != nil || len(pages) == 0 {
+		return err
+	}
+	g, err := d.enter()
+	if err != nil {
+		return err
+	}
+	defer g.leave()
+	pb := uint64(reg.PageBytes)
+	if need := max(uint64(d.copyStaging), pb); uint64(len(d.mu.copyHost)) < need {
+		host, err := d.drv.memAllocHost(int(need))
+		if err != nil {
+			return fmt.Errorf("%w: copy staging: %w", ErrDriver, err)
+		}
+		if d.mu.copyHost != nil {
+			_ = d.drv.memFreeHost(d.mu.copyHost) // no copy uses it: each waits before returning
+		}
+		d.mu.copyHost = host
+	}
+	verb := "reading"
+	if write {
+		verb = "writing"
+	}
+	per := len(d.mu.copyHost) / int(pb)
+	for i := 0; i < len(pages); i += per {
+		batch := pages[i:min(i+per, len(pages))]
+		part := buf[uint64(i)*pb:][:uint64(len(batch))*pb]
+		stage := d.mu.copyHost[:len(part)]
+		if write {
+			copy(stage, part)
+		}
+		for j := 0; j < len(batch); {
+			k := j + 1
+			for reg.Contiguous() && k < len(batch) && batch[k] == batch[k-1]+1 {
+				k++
+			}
+			addr := reg.Base + uint64(batch[j])*uint64(reg.Stride)
+			b := stage[uint64(j)*pb : uint64(k)*pb]
+			if write {
+				err = d.drv.memcpyHtoDAsync(addr, b, d.stream)
+			} else {
+				err = d.drv.memcpyDtoHAsync(b, addr, d.stream)
+			}
+			if err != nil {
+				break
+			}
+			j = k
+		}
+		// Wait even after a failed queue: staging must not be reused
+		// while a queued copy may still read or write it.
+		if serr := d.drv.streamSynchronize(d.stream); err == nil {
+			err = serr
+		}
+		if err != nil {
+			return fmt.Errorf("%w: %s %d pages of region %d: %w", ErrDriver, verb, len(pages), r, err)
+		}
+		if !write {
+			copy(part, stage)
+		}
 	}
 	return nil
 }

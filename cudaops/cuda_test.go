@@ -22,6 +22,7 @@ func openFake(t *testing.T) (*cudaops.CUDA, *cudaops.FakeDriver) {
 		_ = d.Close()
 		assert.Empty(t, f.Leaks(), "driver resources left after Close")
 	})
+	require.NoError(t, d.KernelError(), "the simulated driver could not load or run fill.ptx")
 	return d, f
 }
 
@@ -129,6 +130,9 @@ func TestCUDAFillDriverErrors(t *testing.T) {
 			d, f := openFake(t)
 			_, err := d.AllocRegion(8, 64)
 			require.NoError(t, err)
+			if call == "cuMemcpyHtoDAsync_v2" {
+				d.SetInlineIDs(1) // the page list goes through the staging ring
+			}
 			f.FailNext(call, 719)
 			fc, err := d.Fill([]int32{1, 2}, cudaops.FillSpec{}, cudaops.Ordering{})
 			require.ErrorIs(t, err, cudaops.ErrDriver)
@@ -261,4 +265,89 @@ func TestCUDAContextBalanced(t *testing.T) {
 	_, _, err = d.MemInfo()
 	assert.ErrorIs(t, err, cudaops.ErrClosed)
 	assert.ErrorIs(t, d.SetFillMode(cudaops.FillMemset), cudaops.ErrClosed)
+}
+
+// A handoff read or wrote a page per synchronous copy: a 32k-token
+// lease was about 131k round trips. ReadPages and WritePages make one
+// asynchronous copy per run of adjacent pages (per page in a strided
+// region) and one wait per staging buffer's worth, and are exact in both
+// kinds of region and across staging batches.
+func TestCUDAPageCopiesMadeACopyPerPage(t *testing.T) {
+	d, f := openFake(t)
+	const n, pb = 64, 256
+	_, err := d.AllocRegion(n, pb)
+	require.NoError(t, err)
+	base, free, err := d.Scratch(2 * n * pb)
+	require.NoError(t, err)
+	t.Cleanup(free)
+	_, err = d.AdoptRegion(base+pb, n, 2*pb, pb) // strided: pages 512 bytes apart
+	require.NoError(t, err)
+	pages := []int32{}
+	for _, run := range [][2]int32{{0, 16}, {20, 30}, {40, 41}, {50, 64}} {
+		for p := run[0]; p < run[1]; p++ {
+			pages = append(pages, p)
+		}
+	}
+	src := make([]byte, len(pages)*pb)
+	for i := range src {
+		src[i] = byte(i*7 + i/pb)
+	}
+	calls := func() (h2d, d2h, syncs int) {
+		return f.Calls("cuMemcpyHtoDAsync_v2"), f.Calls("cuMemcpyDtoHAsync_v2"), f.Calls("cuStreamSynchronize")
+	}
+	for r, wantCopies := range []int{4, len(pages)} {
+		h0, d0, s0 := calls()
+		require.NoError(t, d.WritePages(r, pages, src))
+		got := make([]byte, len(src))
+		require.NoError(t, d.ReadPages(r, pages, got))
+		h1, d1, s1 := calls()
+		assert.Equal(t, wantCopies, h1-h0, "region %d: copies to the device", r)
+		assert.Equal(t, wantCopies, d1-d0, "region %d: copies from the device", r)
+		assert.Equal(t, 2, s1-s0, "region %d: one wait per call", r)
+		require.Equal(t, src, got, "region %d", r)
+		for i, p := range pages {
+			assert.Equal(t, src[i*pb:(i+1)*pb], readPage(t, d, r, p), "region %d page %d", r, p)
+		}
+	}
+	// The strided region's gaps (the allocated region's pages would be
+	// there in a vLLM layout) are untouched.
+	gap := make([]byte, pb)
+	require.NoError(t, d.CopyOut(base, gap))
+	assert.Equal(t, make([]byte, pb), gap, "the byte before the adopted region's page 0")
+
+	// Batches larger than the staging buffer: 5 pages a batch.
+	d2, f2 := openFake(t)
+	d2.SetCopyStaging(5 * pb)
+	_, err = d2.AllocRegion(n, pb)
+	require.NoError(t, err)
+	require.NoError(t, d2.WritePages(0, pages, src))
+	got := make([]byte, len(src))
+	s0 := f2.Calls("cuStreamSynchronize")
+	require.NoError(t, d2.ReadPages(0, pages, got))
+	require.Equal(t, src, got)
+	assert.Equal(t, (len(pages)+4)/5, f2.Calls("cuStreamSynchronize")-s0, "one wait per staging batch")
+}
+
+func readPage(t *testing.T, d cudaops.Device, r int, p int32) []byte {
+	t.Helper()
+	b := make([]byte, d.Regions()[r].PageBytes)
+	require.NoError(t, d.ReadPage(r, p, b))
+	return b
+}
+
+// A failed queued copy must not leave staging in use by a copy still
+// pending, and must say which call failed.
+func TestCUDAPageCopiesFailedCopy(t *testing.T) {
+	d, f := openFake(t)
+	_, err := d.AllocRegion(8, 64)
+	require.NoError(t, err)
+	f.FailNext("cuMemcpyDtoHAsync_v2", 719)
+	err = d.ReadPages(0, []int32{1, 3}, make([]byte, 128))
+	require.ErrorIs(t, err, cudaops.ErrDriver)
+	require.ErrorContains(t, err, "cuMemcpyDtoHAsync_v2")
+	src := bytes.Repeat([]byte{9}, 128)
+	require.NoError(t, d.WritePages(0, []int32{1, 3}, src), "the device still works")
+	got := make([]byte, 128)
+	require.NoError(t, d.ReadPages(0, []int32{1, 3}, got))
+	assert.Equal(t, src, got)
 }

@@ -35,7 +35,11 @@
 // staging copies, fences); only cuda_dl_cgo.go uses cgo and unsafe, and
 // its twin cuda_dl_nocgo.go keeps CGO_ENABLED=0 builds working, so no
 // build of this package needs a CUDA toolkit. Both backends pass the
-// conformance suite in cudaops/devicetest.
+// conformance suite in cudaops/devicetest; on a machine without a GPU the
+// CUDA backend runs it over a simulated driver that executes the fill
+// kernel's own PTX text (internal/ptx), every thread, every access
+// checked, so a kernel that writes one byte wrong fails go test anywhere.
+// scripts/gpu-check.sh runs the rest on a GPU.
 //
 // # Tensor parallelism
 //
@@ -217,6 +221,41 @@ type PartWriter interface {
 	// off on; off+len(src) must not exceed the region's PageBytes. The
 	// write is ordered as WritePage's.
 	WritePagePart(r int, p int32, off int, src []byte) error
+}
+
+// PageCopier is implemented by devices that copy many pages of a region
+// in one call: on CUDA through page-locked staging, one asynchronous copy
+// per run of adjacent pages and one wait per staging buffer's worth,
+// instead of a synchronous round trip per page. A handoff moves whole
+// leases, so this is its device path (kvcache's export and import do not
+// use it yet).
+type PageCopier interface {
+	// ReadPages copies pages of region r, in the order listed, into dst,
+	// which must be exactly len(pages) × the region's PageBytes long. It
+	// is ordered as ReadPage: after fills already issued.
+	ReadPages(r int, pages []int32, dst []byte) error
+	// WritePages copies src, len(pages) × PageBytes, into pages of region
+	// r in the order listed; the writes have landed when it returns. A
+	// page listed twice gets its last copy.
+	WritePages(r int, pages []int32, src []byte) error
+}
+
+// checkCopy validates a PageCopier call against region r of regions: it
+// returns the region.
+func checkCopy(regions []Region, r int, pages []int32, n int) (Region, error) {
+	if r < 0 || r >= len(regions) {
+		return Region{}, fmt.Errorf("%w: region %d of %d", ErrInvalidArgument, r, len(regions))
+	}
+	reg := regions[r]
+	for _, p := range pages {
+		if p < 0 || int(p) >= reg.Pages {
+			return Region{}, fmt.Errorf("%w: page %d outside [0, %d)", ErrInvalidArgument, p, reg.Pages)
+		}
+	}
+	if int64(n) != int64(len(pages))*reg.PageBytes {
+		return Region{}, fmt.Errorf("%w: buffer of %d bytes for %d pages of %d", ErrInvalidArgument, n, len(pages), reg.PageBytes)
+	}
+	return reg, nil
 }
 
 // Completed returns a Fence that is already done with err.

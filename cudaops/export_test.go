@@ -1,6 +1,9 @@
 package cudaops
 
-import "fmt"
+import (
+	"fmt"
+	"time"
+)
 
 // Test hooks for the external test package (cudaops_test), which may
 // import devicetest; this package's own tests may not.
@@ -61,7 +64,7 @@ func (f *fakeDriver) Leaks() string { return f.leaks() }
 func (f *fakeDriver) ContextDepth() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return len(f.ctxStack)
+	return f.ctxDepthLocked()
 }
 
 // SetLoadLog is the JIT error log a failing module load reports.
@@ -127,7 +130,7 @@ func (f *fakeDriver) CaptureStatus(s uintptr) int {
 	defer f.mu.Unlock()
 	st, err := f.streamLocked(s)
 	if err != nil {
-		if len(f.ctxStack) == 0 { // the special streams need a context: look in the primary one
+		if f.curCtxLocked() == 0 { // the special streams need a context: look in the primary one
 			st = f.special[[2]uintptr{fakePrimaryCtx, max(s, 1)}]
 		}
 		if st == nil {
@@ -342,4 +345,232 @@ func (d *CUDA) Scratch(n uint64) (uint64, func(), error) {
 			g.leave()
 		}
 	}, nil
+}
+
+// SetBudget sets the instruction budget of each simulated launch.
+func (f *fakeDriver) SetBudget(n int64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.budget = n
+}
+
+// KernelStats are what the PTX interpreter ran on this driver, over all
+// launches.
+type KernelStats = fakeKernelStats
+
+func (f *fakeDriver) KernelStats() KernelStats {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.kstats
+}
+
+// SetGridLimit bounds the blocks of d's fill launches, so tests can make
+// batches larger than the grid; 0 restores the default.
+func (d *CUDA) SetGridLimit(n uint32) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if n == 0 {
+		n = maxGrid
+	}
+	d.gridLimit = n
+}
+
+// RewriteImage makes every later module load parse rewrite(image)
+// instead of the image the device passed: how the mutation tests load a
+// deliberately broken kernel.
+func (f *fakeDriver) RewriteImage(rewrite func([]byte) []byte) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.rewrite = rewrite
+}
+
+// Peek returns a copy of n bytes of simulated device memory at addr (nil
+// unless they lie in one allocation); it does not order after queued
+// work, so synchronise first.
+func (f *fakeDriver) Peek(addr uint64, n int) []byte {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	b := f.spanLocked(addr, uint64(n))
+	return append([]byte(nil), b...)
+}
+
+// Poke writes b into simulated device memory at addr, at once.
+func (f *fakeDriver) Poke(addr uint64, b []byte) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	d := f.spanLocked(addr, uint64(len(b)))
+	copy(d, b)
+	return d != nil
+}
+
+// FillKernelPTX is the kernel image the device loads.
+func FillKernelPTX() []byte { return append([]byte(nil), fillPTX...) }
+
+// SetChunkWords sets the target size of the kernel's chunks, in words
+// (0: the default), so that small pages are split into many chunks; call
+// it before the first region is added.
+func (d *CUDA) SetChunkWords(n uint32) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if len(d.mu.regions) > 0 {
+		return fmt.Errorf("%w: chunk size set after regions were added", ErrInvalidArgument)
+	}
+	if n == 0 {
+		n = chunkWords
+	}
+	d.chunkWords = n
+	return nil
+}
+
+// SetInlineIDs bounds the page IDs a launch carries in its parameters
+// (0: the default), so that small batches take the staging ring.
+func (d *CUDA) SetInlineIDs(n int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if n == 0 {
+		n = fillInlineIDs
+	}
+	d.inlineIDs = min(n, fillInlineIDs)
+}
+
+// FillLimits are the kernel's per-launch limits.
+const (
+	FillSpanSlots = fillSpanSlots
+	FillInlineIDs = fillInlineIDs
+)
+
+// SetFillBlock sets the threads of d's fill launches (0: the default), so
+// that the kernel's loops over a chunk's words iterate.
+func (d *CUDA) SetFillBlock(n uint32) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if n == 0 {
+		n = fillBlock
+	}
+	d.block = n
+}
+
+// Timed is device work bracketed by two timing events on the device's
+// stream, for benchmarks: Elapsed is the device time between them once
+// the work's fence has completed.
+type Timed struct {
+	d          *CUDA
+	start, end uintptr
+}
+
+// NewTimed creates the two timing events; Close destroys them.
+func (d *CUDA) NewTimed() (*Timed, error) {
+	g, err := d.enter()
+	if err != nil {
+		return nil, err
+	}
+	defer g.leave()
+	t := &Timed{d: d}
+	if t.start, err = d.drv.eventCreate(0); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	if t.end, err = d.drv.eventCreate(0); err != nil {
+		_ = d.drv.eventDestroy(t.start)
+		return nil, fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return t, nil
+}
+
+func (t *Timed) record(ev uintptr) error {
+	t.d.mu.Lock()
+	defer t.d.mu.Unlock()
+	g, err := t.d.enter()
+	if err != nil {
+		return err
+	}
+	defer g.leave()
+	if err := t.d.drv.eventRecord(ev, t.d.stream); err != nil {
+		return fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return nil
+}
+
+// Run records the start event, runs work (which queues on the device's
+// stream: a Fill, a MemsetBaseline), records the end event and returns
+// work's fence.
+func (t *Timed) Run(work func() (Fence, error)) (Fence, error) {
+	if err := t.record(t.start); err != nil {
+		return nil, err
+	}
+	f, err := work()
+	if err != nil {
+		return nil, err
+	}
+	return f, t.record(t.end)
+}
+
+// Elapsed is the device time from the start event to the end event; call
+// it after the fence completed.
+func (t *Timed) Elapsed() (time.Duration, error) {
+	g, err := t.d.enter()
+	if err != nil {
+		return 0, err
+	}
+	defer g.leave()
+	if err := t.d.drv.eventSynchronize(t.end); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	el, err := t.d.drv.eventElapsed(t.start, t.end)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return el, nil
+}
+
+// Close destroys the events.
+func (t *Timed) Close() {
+	if g, err := t.d.enter(); err == nil {
+		_ = t.d.drv.eventDestroy(t.start)
+		_ = t.d.drv.eventDestroy(t.end)
+		g.leave()
+	}
+}
+
+// CopyIn writes b to device memory at addr (any allocation: regions,
+// scratch) on the device's stream, after every fill queued before.
+func (d *CUDA) CopyIn(addr uint64, b []byte) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	g, err := d.enter()
+	if err != nil {
+		return err
+	}
+	defer g.leave()
+	if err := d.drv.memcpyHtoDSync(addr, b, d.stream); err != nil {
+		return fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return nil
+}
+
+// CopyOut reads device memory at addr into b on the device's stream,
+// after every fill queued before.
+func (d *CUDA) CopyOut(addr uint64, b []byte) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	g, err := d.enter()
+	if err != nil {
+		return err
+	}
+	defer g.leave()
+	if err := d.drv.memcpyDtoHSync(b, addr, d.stream); err != nil {
+		return fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return nil
+}
+
+// SetCopyStaging sets the size of the staging buffer batched copies use
+// (0: the default), so that tests make batches larger than it; call it
+// before the first ReadPages or WritePages.
+func (d *CUDA) SetCopyStaging(n int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if n == 0 {
+		n = copyStagingBytes
+	}
+	d.copyStaging = n
 }

@@ -2,8 +2,14 @@ package cudaops
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
+	"slices"
+	"sort"
 	"sync"
+	"time"
+
+	"github.com/kvfence/kvfence/internal/ptx"
 )
 
 // fakeDriver simulates the CUDA driver in host memory so that the CUDA
@@ -14,29 +20,36 @@ import (
 // its events). That is the most hostile legal schedule: a copy reads its
 // page-locked source when it runs, not when it was queued, so a staging
 // buffer reused too early corrupts a fill; and engine work a fill failed to
-// wait for lands after the fill. The kernel is emulated from its documented
-// semantics (fill.ptx's header), reading its table and page list from
-// simulated device memory.
+// wait for lands after the fill.
+//
+// Kernels are not emulated: module load parses the very PTX image the
+// device passes (internal/ptx), function lookup resolves its .entry, and
+// a launch checks its arguments against the declared .params and runs
+// the kernel text, every thread of every block, over simulated device
+// memory, each load and store bounds- and alignment-checked.
 type fakeDriver struct {
-	mu       sync.Mutex
-	initErr  int // CUresult cuInit returns
-	devices  int
-	mem      map[uint64]*fakeAlloc // allocation base → memory
-	next     uint64
-	host     map[*byte]uintptr // page-locked buffers → their context
-	streams  map[uintptr]*fakeStream
-	events   map[uintptr]*fakeEvent
-	special  map[[2]uintptr]*fakeStream // (context, CU_STREAM_LEGACY or _PER_THREAD) → stream
-	handle   uintptr
-	ctxStack []uintptr
-	retained int
-	failAt   map[string]int // call name → CUresult for its next call
-	faultAt  map[string]int // op name → CUresult it raises when it runs
-	sticky   int            // a fault poisons the context, as on a GPU
-	calls    map[string]int
-	loadErr  int    // cuModuleLoadData result
-	loadLog  string // the JIT error log that goes with it
-	stubborn bool   // event queries never let work run
+	mu      sync.Mutex
+	initErr int // CUresult cuInit returns
+	devices int
+	mem     map[uint64]*fakeAlloc // allocation base → memory
+	next    uint64
+	host    map[*byte]uintptr // page-locked buffers → their context
+	streams map[uintptr]*fakeStream
+	events  map[uintptr]*fakeEvent
+	special map[[2]uintptr]*fakeStream // (context, CU_STREAM_LEGACY or _PER_THREAD) → stream
+	handle  uintptr
+	// ctxStacks are the context stacks of the OS threads, as the driver
+	// keeps them (the device locks its goroutine to a thread around
+	// every driver section; reapers run on threads of their own).
+	ctxStacks map[int][]uintptr
+	retained  int
+	failAt    map[string]int // call name → CUresult for its next call
+	faultAt   map[string]int // op name → CUresult it raises when it runs
+	sticky    int            // a fault poisons the context, as on a GPU
+	calls     map[string]int
+	loadErr   int    // cuModuleLoadData result
+	loadLog   string // the JIT error log that goes with it
+	stubborn  bool   // event queries never let work run
 	// relaxed counts threads (callers between two exchanges) in
 	// CU_STREAM_CAPTURE_MODE_RELAXED; the fake cannot tell OS threads
 	// apart, so "any caller relaxed" stands for "this caller".
@@ -45,6 +58,17 @@ type fakeDriver struct {
 	hold chan struct{}
 	// eventFlags are the flags each event was created with.
 	eventFlags map[uintptr]uint32
+	// The loaded modules and the functions looked up in them.
+	modules map[uintptr]fakeModule
+	funcs   map[uintptr]fakeFunc
+	// budget is each launch's instruction budget.
+	budget int64
+	// faultMsg is the interpreter's account of the fault that set sticky.
+	faultMsg string
+	kstats   fakeKernelStats
+	// rewrite, when set, changes the image a module load receives: the
+	// mutation tests' way to load a broken kernel.
+	rewrite func([]byte) []byte
 }
 
 // fakeAlloc is one device allocation: its bytes and where they live.
@@ -105,14 +129,24 @@ func newFakeDriver() *fakeDriver {
 		faultAt:    map[string]int{},
 		calls:      map[string]int{},
 		eventFlags: map[uintptr]uint32{},
+		ctxStacks:  map[int][]uintptr{},
+		modules:    map[uintptr]fakeModule{},
+		funcs:      map[uintptr]fakeFunc{},
+		budget:     1 << 28,
 	}
 }
 
+// errLocked is the error of a failed call. The sticky error of a kernel
+// that faulted also names what the interpreter saw.
 func (f *fakeDriver) errLocked(call string, code int) error {
 	if code == 0 {
 		return nil
 	}
-	return &DriverError{Call: call, Code: code, Name: cuResultName(code)}
+	name := cuResultName(code)
+	if code == f.sticky && f.faultMsg != "" {
+		name += " [simulated: " + f.faultMsg + "]"
+	}
+	return &DriverError{Call: call, Code: code, Name: name}
 }
 
 // enterLocked counts a call and returns its injected failure, if any.
@@ -131,10 +165,20 @@ func (f *fakeDriver) newHandleLocked() uintptr {
 }
 
 func (f *fakeDriver) curCtxLocked() uintptr {
-	if len(f.ctxStack) == 0 {
+	st := f.ctxStacks[osThread()]
+	if len(st) == 0 {
 		return 0
 	}
-	return f.ctxStack[len(f.ctxStack)-1]
+	return st[len(st)-1]
+}
+
+// ctxDepthLocked is how many contexts are pushed, over all threads.
+func (f *fakeDriver) ctxDepthLocked() int {
+	n := 0
+	for _, st := range f.ctxStacks {
+		n += len(st)
+	}
+	return n
 }
 
 // unsafeLocked is the check of a "potentially unsafe" call during stream
@@ -347,6 +391,11 @@ func (f *fakeDriver) primaryCtxRelease(dev int32) error {
 			delete(f.events, h)
 		}
 	}
+	for h, m := range f.modules {
+		if m.ctx == ctx {
+			delete(f.modules, h)
+		}
+	}
 	return nil
 }
 
@@ -356,17 +405,24 @@ func (f *fakeDriver) ctxPush(ctx uintptr) error {
 	if err := f.enterLocked("cuCtxPushCurrent_v2"); err != nil {
 		return err
 	}
-	f.ctxStack = append(f.ctxStack, ctx)
+	tid := osThread()
+	f.ctxStacks[tid] = append(f.ctxStacks[tid], ctx)
 	return nil
 }
 
 func (f *fakeDriver) ctxPop() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if len(f.ctxStack) == 0 {
+	tid := osThread()
+	st := f.ctxStacks[tid]
+	if len(st) == 0 {
 		return f.errLocked("cuCtxPopCurrent_v2", cuErrorInvalidContext)
 	}
-	f.ctxStack = f.ctxStack[:len(f.ctxStack)-1]
+	if len(st) == 1 {
+		delete(f.ctxStacks, tid)
+	} else {
+		f.ctxStacks[tid] = st[:len(st)-1]
+	}
 	return nil
 }
 
@@ -504,6 +560,21 @@ func (f *fakeDriver) memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error {
 	}})
 }
 
+func (f *fakeDriver) memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	// The destination is written when the copy runs, as DMA to pinned
+	// memory is: only after the stream is waited for may it be read.
+	return f.queueLocked("cuMemcpyDtoHAsync_v2", s, fakeOp{run: func() int {
+		d := f.spanLocked(src, uint64(len(dst)))
+		if d == nil {
+			return 700
+		}
+		copy(dst, d)
+		return 0
+	}})
+}
+
 func (f *fakeDriver) syncCopyLocked(call string, s uintptr, run func() int) error {
 	if err := f.queueLocked(call, s, fakeOp{run: run}); err != nil {
 		return err
@@ -570,9 +641,16 @@ func putWords(b []byte, w uint32) {
 	}
 }
 
+// moduleLoadData parses the image with the PTX interpreter's parser, as
+// the driver's JIT would compile it: an image outside the interpreter's
+// subset fails here with CUDA_ERROR_INVALID_PTX and the parser's message
+// as the JIT log.
 func (f *fakeDriver) moduleLoadData(image []byte) (uintptr, string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if err := f.enterLocked("cuModuleLoadDataEx"); err != nil {
+		return 0, "", err
+	}
 	if err := f.unsafeLocked("cuModuleLoadDataEx"); err != nil {
 		return 0, "", err
 	}
@@ -582,47 +660,158 @@ func (f *fakeDriver) moduleLoadData(image []byte) (uintptr, string, error) {
 	if len(image) == 0 {
 		return 0, "", f.errLocked("cuModuleLoadDataEx", 200)
 	}
-	return f.newHandleLocked(), "", nil
-}
-
-func (f *fakeDriver) moduleUnload(uintptr) error { return nil }
-
-func (f *fakeDriver) moduleGetFunction(_ uintptr, name string) (uintptr, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if name != fillKernelName {
-		return 0, f.errLocked("cuModuleGetFunction", 500)
+	if f.rewrite != nil {
+		image = f.rewrite(image)
 	}
-	return f.newHandleLocked(), nil
+	m, err := ptx.Parse(image)
+	if err != nil {
+		return 0, err.Error(), f.errLocked("cuModuleLoadDataEx", cuErrorInvalidPTX)
+	}
+	h := f.newHandleLocked()
+	f.modules[h] = fakeModule{m, f.curCtxLocked()}
+	return h, "", nil
 }
 
-// launchFill emulates kvf_fill item by item.
-func (f *fakeDriver) launchFill(fn uintptr, grid, block uint32, s uintptr, a fillArgs) error {
+func (f *fakeDriver) moduleUnload(m uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if fn == 0 || grid == 0 || block == 0 || block > 1024 || a.nregions == 0 {
-		return f.errLocked("cuLaunchKernel", cuErrorInvalidValue)
+	if _, ok := f.modules[m]; !ok {
+		return f.errLocked("cuModuleUnload", cuErrorInvalidHandle)
+	}
+	delete(f.modules, m)
+	for h, fn := range f.funcs {
+		if fn.module == m {
+			delete(f.funcs, h)
+		}
+	}
+	return nil
+}
+
+func (f *fakeDriver) moduleGetFunction(m uintptr, name string) (uintptr, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	mod, ok := f.modules[m]
+	if !ok {
+		return 0, f.errLocked("cuModuleGetFunction", cuErrorInvalidHandle)
+	}
+	e, err := mod.m.Entry(name)
+	if err != nil {
+		return 0, f.errLocked("cuModuleGetFunction", cuErrorNotFound)
+	}
+	h := f.newHandleLocked()
+	f.funcs[h] = fakeFunc{module: m, entry: e}
+	return h, nil
+}
+
+// fakeModule is a loaded module and the context it was loaded in.
+type fakeModule struct {
+	m   *ptx.Module
+	ctx uintptr
+}
+
+// fakeFunc is a function handle: an entry of a loaded module.
+type fakeFunc struct {
+	module uintptr
+	entry  *ptx.Entry
+}
+
+// launchKernel packs the arguments against the entry's declared
+// parameters (a name or size that differs is refused, as the Go side
+// passing what the kernel text does not declare) and queues a run of the
+// kernel text by the PTX interpreter over simulated device memory. A
+// thread that faults (out of bounds, misaligned, over the instruction
+// budget) poisons the context with the matching CUresult, and the error
+// then carries the interpreter's account of it.
+func (f *fakeDriver) launchKernel(fn uintptr, grid [3]uint32, block uint32, s uintptr, args *kernelArgs) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	kf, ok := f.funcs[fn]
+	if !ok {
+		f.calls["cuLaunchKernel"]++
+		return f.errLocked("cuLaunchKernel", cuErrorInvalidHandle)
+	}
+	list := make([]ptx.Arg, len(args.offs))
+	for i := range list {
+		list[i] = ptx.Arg{Name: args.names[i], Bytes: append([]byte(nil), args.arg(i)...)}
+	}
+	params, err := kf.entry.Pack(list)
+	l := ptx.Launch{Grid: grid, Block: [3]uint32{block, 1, 1}, Params: params, Mem: &fakeMem{}, Budget: f.budget}
+	if err == nil {
+		err = kf.entry.CheckLaunch(l)
+	}
+	if err != nil {
+		f.calls["cuLaunchKernel"]++
+		return &DriverError{Call: "cuLaunchKernel", Code: cuErrorInvalidValue,
+			Name: cuResultName(cuErrorInvalidValue) + " [simulated: " + err.Error() + "]"}
 	}
 	return f.queueLocked("cuLaunchKernel", s, fakeOp{run: func() int {
-		for k := uint64(0); k < a.nitems; k++ {
-			i, r := k/uint64(a.nregions), k%uint64(a.nregions)
-			pb := f.spanLocked(a.pages+4*i, 4)
-			e := f.spanLocked(a.table+regionEntryBytes*r, regionEntryBytes)
-			if pb == nil || e == nil {
-				return 700
-			}
-			p := binary.LittleEndian.Uint32(pb)
-			base := binary.LittleEndian.Uint64(e[0:])
-			stride := binary.LittleEndian.Uint64(e[8:])
-			words := binary.LittleEndian.Uint64(e[16:])
-			page := f.spanLocked(base+uint64(p)*stride, 4*words)
-			if page == nil {
-				return 700
-			}
-			putWords(page, (a.word^p*a.salt)&^a.clear)
+		l.Mem = f.memLocked()
+		st, err := kf.entry.Run(l)
+		f.kstats.Launches++
+		f.kstats.Threads += st.Threads
+		f.kstats.Instructions += st.Instructions
+		f.kstats.BytesStored += st.BytesStored
+		f.kstats.Stores += st.Stores
+		if err == nil {
+			return 0
 		}
-		return 0
+		f.faultMsg = err.Error()
+		switch {
+		case errors.Is(err, ptx.ErrOutOfBounds):
+			return cuErrorIllegalAddress
+		case errors.Is(err, ptx.ErrMisaligned):
+			return cuErrorMisaligned
+		case errors.Is(err, ptx.ErrBudget):
+			return cuErrorLaunchTimeout
+		}
+		return cuErrorLaunchFailed
 	}})
+}
+
+// fakeMem is simulated device memory as the interpreter sees it: the
+// allocations as they are when the kernel runs (ops run with f.mu held,
+// so none come or go meanwhile), sorted by base.
+type fakeMem struct {
+	bases  []uint64
+	allocs []*fakeAlloc
+	last   int
+}
+
+func (f *fakeDriver) memLocked() *fakeMem {
+	m := &fakeMem{}
+	for b := range f.mem {
+		m.bases = append(m.bases, b)
+	}
+	slices.Sort(m.bases)
+	for _, b := range m.bases {
+		m.allocs = append(m.allocs, f.mem[b])
+	}
+	return m
+}
+
+// Global is not instrumented by the race detector (go:norace, as the
+// interpreter's loop): it runs with f.mu held.
+//
+//go:norace
+func (m *fakeMem) Global(addr uint64, n int) []byte {
+	i := m.last
+	if i >= len(m.bases) || addr < m.bases[i] || addr-m.bases[i] >= uint64(len(m.allocs[i].b)) {
+		i = sort.Search(len(m.bases), func(j int) bool { return m.bases[j] > addr }) - 1
+		if i < 0 {
+			return nil
+		}
+		m.last = i
+	}
+	b, off := m.allocs[i].b, addr-m.bases[i]
+	if off >= uint64(len(b)) || uint64(n) > uint64(len(b))-off {
+		return nil
+	}
+	return b[off : off+uint64(n)]
+}
+
+// fakeKernelStats are what the interpreter ran, over all launches.
+type fakeKernelStats struct {
+	Launches, Threads, Instructions, Stores, BytesStored int64
 }
 
 func (f *fakeDriver) streamCreate(flags uint32) (uintptr, error) {
@@ -818,13 +1007,34 @@ func (f *fakeDriver) eventDestroy(ev uintptr) error {
 	return nil
 }
 
+// eventElapsed has no clock to read: it checks what the driver checks
+// (both events exist, were created with timing, and are recorded and
+// complete) and reports no time.
+func (f *fakeDriver) eventElapsed(start, end uintptr) (time.Duration, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, ev := range []uintptr{start, end} {
+		e, ok := f.events[ev]
+		switch {
+		case !ok || f.eventFlags[ev]&cuEventDisableTiming != 0:
+			return 0, f.errLocked("cuEventElapsedTime", cuErrorInvalidHandle)
+		case e.stream == nil:
+			return 0, f.errLocked("cuEventElapsedTime", cuErrorInvalidValue)
+		case e.stream.done < e.upTo:
+			return 0, f.errLocked("cuEventElapsedTime", cuErrorNotReady)
+		}
+	}
+	return 0, nil
+}
+
 // leaks describes resources still held, for tests that Close.
 func (f *fakeDriver) leaks() string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if len(f.mem) == 0 && len(f.host) == 0 && len(f.events) == 0 && len(f.streams) == 0 && f.retained == 0 && len(f.ctxStack) == 0 {
+	if len(f.mem) == 0 && len(f.host) == 0 && len(f.events) == 0 && len(f.streams) == 0 && f.retained == 0 && f.ctxDepthLocked() == 0 &&
+		len(f.modules) == 0 {
 		return ""
 	}
-	return fmt.Sprintf("%d device allocations, %d host buffers, %d events, %d streams, %d context retains, context depth %d",
-		len(f.mem), len(f.host), len(f.events), len(f.streams), f.retained, len(f.ctxStack))
+	return fmt.Sprintf("%d device allocations, %d host buffers, %d events, %d streams, %d modules, %d context retains, context depth %d",
+		len(f.mem), len(f.host), len(f.events), len(f.streams), len(f.modules), f.retained, f.ctxDepthLocked())
 }

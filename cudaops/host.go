@@ -259,6 +259,41 @@ func (h *Host) WritePagePart(r int, p int32, off int, src []byte) error {
 
 var _ PartWriter = (*Host)(nil)
 
+// ReadPages implements PageCopier.
+func (h *Host) ReadPages(r int, pages []int32, dst []byte) error {
+	return h.copyPages(r, pages, dst, false)
+}
+
+// WritePages implements PageCopier.
+func (h *Host) WritePages(r int, pages []int32, src []byte) error {
+	return h.copyPages(r, pages, src, true)
+}
+
+func (h *Host) copyPages(r int, pages []int32, buf []byte, write bool) error {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	if h.mu.closed {
+		return ErrClosed
+	}
+	reg, err := checkCopy(h.mu.regions, r, pages, len(buf))
+	if err != nil {
+		return err
+	}
+	for i, p := range pages {
+		off := int64(p) * reg.Stride
+		page := h.mu.mem[r][off : off+reg.PageBytes]
+		part := buf[int64(i)*reg.PageBytes:][:reg.PageBytes]
+		if write {
+			memfill.CopyStreaming(page, part)
+		} else {
+			copy(part, page)
+		}
+	}
+	return nil
+}
+
+var _ PageCopier = (*Host)(nil)
+
 // PageBytes returns the live memory of page p in region r, for tests and
 // host-side engines that read and write KV in place. It is nil for an
 // invalid page or a closed device.

@@ -7,15 +7,17 @@
 # 774 MB) with `apt-get download`, using a private apt configuration under
 # the cache directory so that neither /etc/apt nor the system's package lists
 # change, and extracts only usr/include and the stub libraries
-# (usr/lib/x86_64-linux-gnu/stubs/) from it, plus ptxas from
-# nvidia-cuda-toolkit (84 MB) to assemble the fill kernel. The .debs are
-# deleted afterwards; the extracted tree (about 35 MB) is the cache. A second run finds the
-# marker file and only prints the exports.
+# (usr/lib/x86_64-linux-gnu/stubs/) from it, plus, from nvidia-cuda-toolkit
+# (84 MB), ptxas to assemble the fill kernel and compute-sanitizer (its
+# binary and the libraries it loads from its own directory, flat in
+# compute-sanitizer/) for scripts/gpu-check.sh to carry. The .debs are
+# deleted afterwards; the extracted tree (about 56 MB) is the cache. A
+# second run finds the marker file and only prints the exports.
 #
 # Usage:
 #   eval "$(scripts/cuda-sdk.sh)"      # sets CGO_CFLAGS, CGO_LDFLAGS,
 #                                      # KVFENCE_CUDA_SDK, KVFENCE_CUDA_STUB_LIB,
-#                                      # KVFENCE_PTXAS
+#                                      # KVFENCE_PTXAS, KVFENCE_SANITIZER
 #   CUDA_SDK_DIR=/elsewhere scripts/cuda-sdk.sh
 #
 # Progress goes to stderr; stdout carries only the export lines.
@@ -41,7 +43,8 @@ marker=$dir/.complete
 
 log() { printf 'cuda-sdk: %s\n' "$*" >&2; }
 
-if [ ! -f "$marker" ]; then
+# A cache from before compute-sanitizer was kept is fetched again.
+if [ ! -f "$marker" ] || [ ! -x "$dir/compute-sanitizer/compute-sanitizer" ]; then
 	arch=$(dpkg --print-architecture)
 	if [ "$arch" != amd64 ]; then
 		log "only amd64 is supported (this is $arch)"
@@ -95,7 +98,17 @@ SRC
 	# The driver's runtime names, for LD_LIBRARY_PATH: cuInit then fails
 	# with CUDA_ERROR_STUB_LIBRARY and nvmlInit with DRIVER_NOT_LOADED.
 	# ptxas assembles fill.ptx in CI, so a PTX error shows up without a GPU.
-	dpkg-deb --fsys-tarfile "$(ls "$apt"/dl/"$toolkit"_*.deb)" | tar -x -C "$dir" ./usr/bin/ptxas
+	tk=$(ls "$apt"/dl/"$toolkit"_*.deb)
+	dpkg-deb --fsys-tarfile "$tk" | tar -x -C "$dir" ./usr/bin/ptxas
+	# compute-sanitizer finds its injection libraries beside itself.
+	mkdir -p "$dir/compute-sanitizer" "$apt/cs"
+	dpkg-deb --fsys-tarfile "$tk" |
+		tar -x -C "$apt/cs" ./usr/bin/compute-sanitizer --wildcards './usr/lib/nvidia-cuda-toolkit/compute-sanitizer/*.so'
+	mv "$apt/cs/usr/bin/compute-sanitizer" "$apt"/cs/usr/lib/nvidia-cuda-toolkit/compute-sanitizer/*.so "$dir/compute-sanitizer/"
+	if [ ! -x "$dir/compute-sanitizer/compute-sanitizer" ] || [ ! -f "$dir/compute-sanitizer/libsanitizer-collection.so" ]; then
+		log "$toolkit did not contain compute-sanitizer and its libraries"
+		exit 1
+	fi
 	mkdir -p "$dir/stub-libs"
 	cp -L "$stub" "$dir/stub-libs/libcuda.so.1"
 	cp -L "${stub%/*}/libnvidia-ml.so" "$dir/stub-libs/libnvidia-ml.so.1"
@@ -109,5 +122,6 @@ lib=$dir/usr/lib/x86_64-linux-gnu/stubs
 printf 'export KVFENCE_CUDA_SDK=%q\n' "$dir"
 printf 'export KVFENCE_CUDA_STUB_LIB=%q\n' "$dir/stub-libs"
 printf 'export KVFENCE_PTXAS=%q\n' "$dir/usr/bin/ptxas"
+printf 'export KVFENCE_SANITIZER=%q\n' "$dir/compute-sanitizer"
 printf 'export CGO_CFLAGS=%q\n' "-O2 -g -I$inc"
 printf 'export CGO_LDFLAGS=%q\n' "-L$lib"

@@ -62,6 +62,7 @@ func RunWith(t *testing.T, c Config) {
 	t.Run("FillCorrectness", func(t *testing.T) { testFillCorrectness(t, c) })
 	t.Run("FillOutOfRange", func(t *testing.T) { testFillOutOfRange(t, c) })
 	t.Run("Spans", func(t *testing.T) { testSpans(t, c) })
+	t.Run("PageCopies", func(t *testing.T) { testPageCopies(t, c) })
 	t.Run("PageBounds", func(t *testing.T) { testPageBounds(t, c) })
 	t.Run("Fence", func(t *testing.T) { testFence(t, c) })
 	t.Run("Ordering", func(t *testing.T) { testOrdering(t, c) })
@@ -579,4 +580,80 @@ func testSpans(t *testing.T, c Config) {
 	f, err := sf.FillSpans(nil, cudaops.FillSpec{}, cudaops.Ordering{})
 	require.NoError(t, err, "an empty span batch")
 	require.NoError(t, f.Wait())
+}
+
+// testPageCopies checks ReadPages and WritePages, for devices that
+// implement PageCopier: every region, run-heavy and scattered batches, a
+// page listed twice, reads ordered after a fill not waited for, and
+// refusals that touch nothing.
+func testPageCopies(t *testing.T, c Config) {
+	d := open(t, c)
+	pc, ok := d.(cudaops.PageCopier)
+	if !ok {
+		t.Skipf("%s does not implement PageCopier", d.Name())
+	}
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	regs := d.Regions()
+	for r, reg := range regs {
+		pb := int(reg.PageBytes)
+		for _, order := range []string{"runs", "scattered"} {
+			pages := batch(rng, reg.Pages, order)
+			got := make([]byte, len(pages)*pb)
+			require.NoError(t, pc.ReadPages(r, pages, got), "region %d", r)
+			for i, p := range pages {
+				if !bytes.Equal(got[i*pb:(i+1)*pb], img[r][p]) {
+					t.Fatalf("ReadPages of region %d (%s): page %d (item %d) differs", r, order, p, i)
+				}
+			}
+			src := make([]byte, len(pages)*pb)
+			for i := range src {
+				src[i] = byte(rng.Uint32())
+			}
+			require.NoError(t, pc.WritePages(r, pages, src), "region %d", r)
+			for i, p := range pages {
+				img[r][p] = append([]byte(nil), src[i*pb:(i+1)*pb]...)
+			}
+		}
+	}
+	verify(t, d, img, "after batched writes")
+
+	// A page listed twice gets its last copy.
+	pb := int(regs[0].PageBytes)
+	src := bytes.Repeat([]byte{1}, 3*pb)
+	copy(src[2*pb:], bytes.Repeat([]byte{2}, pb))
+	require.NoError(t, pc.WritePages(0, []int32{5, 6, 5}, src))
+	img[0][5], img[0][6] = bytes.Repeat([]byte{2}, pb), bytes.Repeat([]byte{1}, pb)
+	verify(t, d, img, "after a write listing a page twice")
+
+	// Reads are ordered after fills issued before them.
+	spec := cudaops.FillSpec{Word: 0x80008000}
+	f, err := d.Fill([]int32{7, 8}, spec, cudaops.Ordering{})
+	require.NoError(t, err)
+	img.apply([]int32{7, 8}, spec)
+	got := make([]byte, 2*pb)
+	require.NoError(t, pc.ReadPages(0, []int32{7, 8}, got))
+	assert.Equal(t, append(append([]byte(nil), img[0][7]...), img[0][8]...), got, "ReadPages before the fill's fence was waited for")
+	require.NoError(t, f.Wait())
+
+	// Refusals write nothing, read into nothing.
+	before := bytes.Repeat([]byte{0xa5}, 2*pb)
+	for name, call := range map[string]func(buf []byte) error{
+		"read of a region past the end": func(b []byte) error { return pc.ReadPages(len(regs), []int32{0, 1}, b) },
+		"read of a page out of range":   func(b []byte) error { return pc.ReadPages(0, []int32{0, int32(regs[0].Pages)}, b) },
+		"read of a negative page":       func(b []byte) error { return pc.ReadPages(0, []int32{-1, 0}, b) },
+		"read into a short buffer":      func(b []byte) error { return pc.ReadPages(0, []int32{0, 1}, b[:len(b)-4]) },
+		"write of a page out of range":  func(b []byte) error { return pc.WritePages(0, []int32{3, int32(regs[0].Pages)}, b) },
+		"write from a long buffer":      func(b []byte) error { return pc.WritePages(0, []int32{3}, b) },
+		"write to a negative region":    func(b []byte) error { return pc.WritePages(-1, []int32{3, 4}, b) },
+	} {
+		buf := append([]byte(nil), before...)
+		assert.ErrorIs(t, call(buf), cudaops.ErrInvalidArgument, name)
+		assert.Equal(t, before, buf, "%s: the buffer changed", name)
+	}
+	require.NoError(t, pc.ReadPages(0, nil, nil), "an empty read")
+	verify(t, d, img, "after refused copies")
+	require.NoError(t, d.Close())
+	assert.ErrorIs(t, pc.ReadPages(0, []int32{0}, make([]byte, pb)), cudaops.ErrClosed)
+	assert.ErrorIs(t, pc.WritePages(0, []int32{0}, make([]byte, pb)), cudaops.ErrClosed)
 }
