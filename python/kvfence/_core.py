@@ -38,14 +38,25 @@ def _b(s):
     return s.encode() if isinstance(s, str) else s
 
 
-_Tensor = None  # torch.Tensor, once torch is loaded: `type(x) is _Tensor` is the fast check
+# torch.Tensor, torch.int32 and torch.strided once torch is loaded (and
+# has Tensor.is_cpu): `type(x) is _Tensor and x.dtype is _INT32 and
+# x.layout is _STRIDED and x.is_cpu ...` is the fast test of a tensor that
+# C may read or write as it is. Until then nothing passes it.
+_Tensor = None
+
+
+class _NoDtype:
+    pass
+
+
+_INT32 = _STRIDED = _NoDtype
 
 
 def _tensor_type():
-    global _Tensor, _INT32
+    global _Tensor, _INT32, _STRIDED
     torch = sys.modules.get("torch")
-    if torch is not None:
-        _Tensor, _INT32 = torch.Tensor, torch.int32
+    if torch is not None and hasattr(torch.Tensor, "is_cpu"):
+        _Tensor, _INT32, _STRIDED = torch.Tensor, torch.int32, torch.strided
     return torch
 
 
@@ -54,14 +65,19 @@ def _int32s(ids, what="token_ids"):
     tensor or numpy array of int32 is passed as it is (no copy); other
     integer tensors and arrays are converted after a range check; any
     other sequence of ints goes through array('i')."""
-    if type(ids) is _Tensor and ids.dtype is _INT32 and ids.dim() == 1 and not ids.is_cuda and ids.is_contiguous():
+    if (type(ids) is _Tensor and ids.dtype is _INT32 and ids.layout is _STRIDED and ids.is_cpu and ids.ndim == 1
+            and ids.is_contiguous()):
         return ids.data_ptr(), ids.numel(), ids  # read in place
     torch = _tensor_type()
     if torch is not None and isinstance(ids, torch.Tensor):
+        if ids.layout != torch.strided:
+            raise TypeError("kvfence: %s must be a dense tensor, not %s" % (what, ids.layout))
         if ids.dim() != 1:
             raise ValueError("kvfence: %s must be 1-D, got shape %s" % (what, tuple(ids.shape)))
+        if ids.device.type == "meta":
+            raise ValueError("kvfence: %s is a meta tensor, which holds no values" % what)
         if ids.dtype != torch.int32:
-            if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
                 raise TypeError("kvfence: %s must be integers, got %s" % (what, ids.dtype))
             if ids.numel() and (int(ids.min()) < -(1 << 31) or int(ids.max()) >= (1 << 31)):
                 raise ValueError("kvfence: %s outside int32" % what)
@@ -93,13 +109,16 @@ def _int32s(ids, what="token_ids"):
 
 
 def _int32_out(out):
-    """(address, capacity) of a writable contiguous int32 buffer."""
-    if type(out) is _Tensor and out.dtype is _INT32 and not out.is_cuda and out.is_contiguous():
+    """(address, capacity) of a writable contiguous int32 buffer: a dense
+    CPU tensor, a numpy array or an array('i')."""
+    if type(out) is _Tensor and out.dtype is _INT32 and out.layout is _STRIDED and out.is_cpu and out.is_contiguous():
         return out.data_ptr(), out.numel()
     torch = _tensor_type()
     if torch is not None and isinstance(out, torch.Tensor):
-        if out.dtype != torch.int32 or out.is_cuda or not out.is_contiguous():
-            raise ValueError("kvfence: out must be a contiguous int32 CPU tensor")
+        if (out.dtype != torch.int32 or out.layout != torch.strided or out.device.type != "cpu"
+                or not out.is_contiguous()):
+            raise ValueError("kvfence: out must be a contiguous int32 CPU tensor, not a %s %s tensor on %s"
+                             % (out.layout, out.dtype, out.device))
         return out.data_ptr(), out.numel()
     np = sys.modules.get("numpy")
     if np is not None and isinstance(out, np.ndarray):
@@ -109,13 +128,6 @@ def _int32_out(out):
     if isinstance(out, array.array) and out.typecode == "i" and out.itemsize == 4:
         return out.buffer_info()
     raise TypeError("kvfence: out must be an int32 tensor, numpy array or array('i'), not %s" % type(out).__name__)
-
-
-class _NoDtype:
-    pass
-
-
-_INT32 = _NoDtype  # torch.int32 once torch is loaded (set by _tensor_type)
 
 
 def _buffer(data, writable):
