@@ -18,6 +18,13 @@ _ERR_BUFFER_TOO_SMALL = BufferTooSmall.status
 _ERR_LEASE_RELEASED = 32
 _ERR_POOL_CLOSED = PoolClosed.status
 
+# Pool.admit_tokens passes a max_new_tokens or wait_ms that is the int 0
+# object itself (the defaults) as this one c_int64, which ctypes passes
+# without converting; every other value, 0.0 and False included, goes
+# through ctypes' conversion as before.
+_ZERO = 0
+_I64_ZERO = ctypes.c_int64(0)
+
 
 def default_stream():
     """The stream a release is ordered after when none is given: PyTorch's
@@ -181,10 +188,14 @@ def _regions(call, h):
 class _PoolState:
     """What a pool's handle, its leases, views and finalizer share."""
 
-    __slots__ = ("handle", "closed", "destroyed", "error", "keep", "__weakref__")
+    __slots__ = ("handle", "harg", "closed", "destroyed", "error", "keep", "__weakref__")
 
     def __init__(self, handle, keep):
         self.handle = handle
+        # The handle as a ctypes argument, for the admission's calls: an
+        # instance of the argument's type passes as it is, with no
+        # conversion per call.
+        self.harg = ctypes.c_uint64(handle)
         self.closed = False
         self.destroyed = False
         self.error = None
@@ -359,9 +370,11 @@ class Pool:
         rid = request_id.encode() if type(request_id) is str else request_id
         ten = tenant.encode() if type(tenant) is str else tenant
         ad = _b(adapter) if adapter else None
+        mn = _I64_ZERO if max_new_tokens is _ZERO else max_new_tokens
+        wt = _I64_ZERO if wait_ms is _ZERO else wait_ms
         h = ctypes.c_uint64()
         if block_table is None:
-            st = _lib.admit_tokens(state.handle, rid, ten, addr, n, max_new_tokens, ad, wait_ms, h)
+            st = _lib.admit_tokens(state.harg, rid, ten, addr, n, mn, ad, wt, h)
             pages = 0
         else:
             if (type(block_table) is _Tensor and block_table.dtype is _INT32 and block_table.layout is _STRIDED
@@ -371,8 +384,7 @@ class Pool:
                 table, cap = _int32_out(block_table)
             if _lib.admit_tokens_table is not None:
                 m = ctypes.c_size_t()
-                st = _lib.admit_tokens_table(state.handle, rid, ten, addr, n, max_new_tokens, ad, wait_ms, table, cap,
-                                             m, h)
+                st = _lib.admit_tokens_table(state.harg, rid, ten, addr, n, mn, ad, wt, table, cap, m, h)
                 pages = m.value
             else:
                 st, pages = self._admit_then_table(rid, ten, addr, n, max_new_tokens, ad, wait_ms, table, cap, h)
@@ -398,7 +410,7 @@ class Pool:
             if need > cap:
                 raise BufferTooSmall("kvfence: buffer too small: block table needs %d, buffer holds %d" % (need, cap),
                                      _ERR_BUFFER_TOO_SMALL, need, cap, cap)
-        st = _lib.admit_tokens(self._state.handle, rid, ten, addr, n, max_new_tokens, ad, wait_ms, h)
+        st = _lib.admit_tokens(self._state.harg, rid, ten, addr, n, max_new_tokens, ad, wait_ms, h)
         if st:
             return st, 0
         m = ctypes.c_size_t()

@@ -4,6 +4,7 @@ lease's block table into the engine's row in the same call
 one with the same checks first. Each test runs both ways."""
 
 import array
+import ctypes
 
 import kvfence
 import numpy as np
@@ -146,3 +147,18 @@ def test_a_closed_pool_refuses_before_reading_anything():
     pool.close()
     with pytest.raises(kvfence.PoolClosed):
         pool.admit_tokens("r", "b", IDS, block_table=untouched(8))
+
+
+@pytest.mark.parametrize("arg", ["max_new_tokens", "wait_ms"])
+def test_a_zero_that_is_not_the_int_zero_is_still_refused_by_ctypes(arg):
+    """The int 0 passes as a prepared c_int64 (a shortcut); 0.0 must not
+    take it and be passed as 0, but be refused as any float is."""
+    with kvfence.Pool(CONFIG) as pool:
+        for bad in (0.0, 1.5):
+            with pytest.raises(ctypes.ArgumentError):
+                pool.admit_tokens("r", "b", IDS, **{arg: bad})
+            with pytest.raises(ctypes.ArgumentError):
+                pool.admit_tokens("r", "b", IDS, block_table=untouched(8), **{arg: bad})
+        assert pool.stats()["live_leases"] == 0
+        with pool.admit_tokens("r", "b", IDS, **{arg: 0}) as lease:
+            assert lease.table_len == 0
