@@ -513,8 +513,8 @@ KVF_API kvf_status kvf_admit_tokens(kvf_pool pool, const char *request_id, const
  * for the size) returns KVF_ERR_BUFFER_TOO_SMALL before anything is
  * admitted: no lease, no refusal counted, the pool as it was; the number
  * needed is in *table_length and the last error's need (have: table_len).
- * That check comes after the pool handle's and wait_ms's, and applies to
- * requests the admission can take: with n_tokens 0, a negative
+ * That check comes after those of the pointers, the strings, the pool
+ * handle and wait_ms, and applies to requests the admission can take: with n_tokens 0, a negative
  * max_new_tokens or more than the pool's max_context_tokens the call
  * returns kvf_admit_tokens's refusal whatever the table. On success
  * *out is the lease, table[0 .. *table_length) its block table (the pages
