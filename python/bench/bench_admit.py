@@ -6,13 +6,16 @@ over the prompt's 128 full blocks with vLLM's sha256) plus BlockPool
 get_new_blocks and free_blocks.
 
 The kvfence cycle is what a scheduler does per request: admit by token
-IDs (kvfence derives the 128 page keys in Go, SHA-256 chained), the block
-table into the engine's int32 row (by the admission itself, or after it;
-or as a new tensor or list), Lease.free() (release after torch's current
-stream, and free: on a host pool one call, kvf_lease_free, since host
-pools ignore orderings; on CUDA two). Nothing is published to the prefix
-cache, so every cycle derives every key; the Go cycle (BenchmarkGoAdmitTokensRelease in capi/) is the
-same on a pool of the same config. Rounds interleave the sides so that
+IDs, the block table into the engine's int32 row (by the admission
+itself, or after it; or as a new tensor or list), Lease.free() (release
+after torch's current stream, and free: on a host pool one call,
+kvf_lease_free, since host pools ignore orderings; on CUDA two). The
+admission copies the 2,048 IDs into the lease and walks the tenant
+domain's prefix trie with them; nothing is published, so nothing matches
+and no page key is hashed (kvcache hashes a prompt's keys only while its
+domain holds pages published by keys alone, and when a lease publishes).
+The Go cycle (BenchmarkGoAdmitTokensRelease in capi/) is the same on a
+pool of the same config. Rounds interleave the sides so that
 all see the same machine load; each prints its figures, and the summary
 gives min / median / max over the rounds.
 
