@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -118,6 +119,20 @@ func TestLongStrings(t *testing.T) {
 	wantCall(t, "admit_tokens adapter", func() cStatus {
 		return kvf_admit_tokens(pool, req, acme, tok, 3, 0, longS, 0, &lease)
 	}, bridge.StatusInvalidRequest, "adapter")
+	table := make([]int32, 4)
+	tbl := (*cInt32)(unsafe.Pointer(&table[0]))
+	var tableLen cSize
+	for _, c := range []struct {
+		what            string
+		id, tenant, ada *cChar
+	}{{"request_id", longS, acme, nil}, {"tenant", req, longS, nil}, {"adapter", req, acme, longS}} {
+		wantCall(t, "admit_tokens_table "+c.what, func() cStatus {
+			return kvf_admit_tokens_table(pool, c.id, c.tenant, tok, 3, 0, c.ada, 0, tbl, 4, &tableLen, &lease)
+		}, bridge.StatusInvalidRequest, c.what)
+	}
+	if !slices.Equal(table, []int32{0, 0, 0, 0}) || tableLen != 0 {
+		t.Errorf("refused admit_tokens_table wrote table %v, length %d", table, tableLen)
+	}
 	if lease != 0 {
 		t.Errorf("refused admission wrote handle %#x", lease)
 	}
@@ -283,6 +298,7 @@ func TestAdmitNoWait(t *testing.T) {
 	defer kvf_lease_free(hold[0])
 	defer kvf_lease_free(hold[1])
 	toks := []int32{1, 2, 3}
+	table := make([]int32, 1)
 	var l cLease
 	for _, c := range []struct {
 		name string
@@ -293,7 +309,15 @@ func TestAdmitNoWait(t *testing.T) {
 		{"kvf_admit_tokens", 0, func(w cInt64) cStatus {
 			return kvf_admit_tokens(pool, ps[2], ps[4], (*cInt32)(unsafe.Pointer(&toks[0])), 3, 0, nil, w, &l)
 		}},
+		{"kvf_admit_tokens_table", 0, func(w cInt64) cStatus {
+			return kvf_admit_tokens_table(pool, ps[2], ps[4], (*cInt32)(unsafe.Pointer(&toks[0])), 3, 0, nil, w,
+				(*cInt32)(unsafe.Pointer(&table[0])), cSize(len(table)), nil, &l)
+		}},
 		{"kvf_admit", 30, func(w cInt64) cStatus { return kvf_admit(pool, ps[2], ps[4], 16, 0, w, &l) }},
+		{"kvf_admit_tokens_table", 30, func(w cInt64) cStatus {
+			return kvf_admit_tokens_table(pool, ps[2], ps[4], (*cInt32)(unsafe.Pointer(&toks[0])), 3, 0, nil, w,
+				(*cInt32)(unsafe.Pointer(&table[0])), cSize(len(table)), nil, &l)
+		}},
 	} {
 		start := time.Now()
 		wantCall(t, c.name, func() cStatus { return c.f(c.wait) }, bridge.StatusPoolExhausted)

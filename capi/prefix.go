@@ -2,8 +2,9 @@
 
 package main
 
-// The prefix cache: admission by token IDs, the hit, and publishing a
-// lease's prompt pages.
+// The prefix cache: admission by token IDs (with the block table in the
+// same call, since ABI 6), the hit, and publishing a lease's prompt
+// pages.
 
 // #include "lasterror.h"
 import "C"
@@ -39,6 +40,50 @@ func kvf_admit_tokens(pool C.kvf_pool, requestID, tenant *C.char, tokenIDs *C.in
 		return fail(err)
 	}
 	h, err := bridge.AdmitTokens(uint64(pool), id, tn, toks, int64(maxNewTokens), ad, waitDuration(waitMS))
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.kvf_lease(h)
+	return C.KVF_OK
+}
+
+// Admission with the block table in the same call (since ABI 6).
+
+//export kvf_admit_tokens_table
+func kvf_admit_tokens_table(pool C.kvf_pool, requestID, tenant *C.char, tokenIDs *C.int32_t, nTokens C.size_t,
+	maxNewTokens C.int64_t, adapter *C.char, waitMS C.int64_t, table *C.int32_t, tableLen C.size_t,
+	tableLength *C.size_t, out *C.kvf_lease) (st C.kvf_status) {
+	defer guard(&st)
+	if tableLength != nil {
+		*tableLength = 0
+	}
+	if out == nil {
+		return nullPointer("out")
+	}
+	id, err := cString(requestID, "request_id", kvcache.ErrInvalidRequest)
+	if err != nil {
+		return fail(err)
+	}
+	tn, err := cString(tenant, "tenant", kvcache.ErrInvalidRequest)
+	if err != nil {
+		return fail(err)
+	}
+	ad, err := optString(adapter, "adapter", kvcache.ErrInvalidRequest)
+	if err != nil {
+		return fail(err)
+	}
+	toks, err := cSlice((*int32)(unsafe.Pointer(tokenIDs)), nTokens, "token_ids")
+	if err != nil {
+		return fail(err)
+	}
+	dst, err := cSlice((*int32)(unsafe.Pointer(table)), tableLen, "table")
+	if err != nil {
+		return fail(err)
+	}
+	h, n, err := bridge.AdmitTokensTable(uint64(pool), id, tn, toks, int64(maxNewTokens), ad, waitDuration(waitMS), dst)
+	if tableLength != nil {
+		*tableLength = C.size_t(n)
+	}
 	if err != nil {
 		return fail(err)
 	}

@@ -68,8 +68,10 @@ extern "C" {
  * and "groups" in the stats JSON; version 5 adds tensor-parallel groups
  * with one process per rank: a pool over remote ranks ("device": {"kind":
  * "remote"}) and the rank worker each rank's process runs
- * (kvf_rank_worker_create, kvf_rank_step, ...). */
-#define KVF_ABI_VERSION 5
+ * (kvf_rank_worker_create, kvf_rank_step, ...); version 6 adds
+ * kvf_admit_tokens_table, admission by token IDs that writes the block
+ * table in the same call. */
+#define KVF_ABI_VERSION 6
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -500,6 +502,31 @@ KVF_API kvf_status kvf_lease_free(kvf_lease lease);
 KVF_API kvf_status kvf_admit_tokens(kvf_pool pool, const char *request_id, const char *tenant,
                                     const int32_t *token_ids, size_t n_tokens, int64_t max_new_tokens,
                                     const char *adapter, int64_t wait_ms, kvf_lease *out);
+
+/* kvf_admit_tokens that also copies the new lease's block table (as
+ * kvf_lease_block_table would) into table, in the same call: one crossing
+ * into the library per admission instead of two, for engines that call it
+ * from Python. table_len must cover the most pages the lease can ever
+ * hold, ceil((n_tokens + max_new_tokens) / tokens_per_page) of the pool's
+ * (per-token) pages, whatever the sizing: an on-demand lease starts with
+ * fewer and grows up to that. A shorter table (NULL with table_len 0 asks
+ * for the size) returns KVF_ERR_BUFFER_TOO_SMALL before anything is
+ * admitted: no lease, no refusal counted, the pool as it was; the number
+ * needed is in *table_length and the last error's need (have: table_len).
+ * That check comes after those of the pointers, the strings, the pool
+ * handle and wait_ms, and applies to requests the admission can take: with n_tokens 0, a negative
+ * max_new_tokens or more than the pool's max_context_tokens the call
+ * returns kvf_admit_tokens's refusal whatever the table. On success
+ * *out is the lease, table[0 .. *table_length) its block table (the pages
+ * it holds now) and the rest of table untouched; on any failure table is
+ * not written, *out is not set and *table_length (if not NULL) is 0,
+ * except for the size of KVF_ERR_BUFFER_TOO_SMALL. Every other status and
+ * error is kvf_admit_tokens's; table NULL with table_len > 0 is
+ * KVF_ERR_NULL_POINTER. Since ABI 6. */
+KVF_API kvf_status kvf_admit_tokens_table(kvf_pool pool, const char *request_id, const char *tenant,
+                                          const int32_t *token_ids, size_t n_tokens, int64_t max_new_tokens,
+                                          const char *adapter, int64_t wait_ms, int32_t *table, size_t table_len,
+                                          size_t *table_length, kvf_lease *out);
 
 /* Leading prompt tokens the lease shares from the prefix cache (a multiple
  * of tokens_per_page; never the page holding the last prompt token). */

@@ -1,5 +1,5 @@
 /*
- * capi_test.c (with capi_test_v2.inc to _v5.inc) drives every
+ * capi_test.c (with capi_test_v2.inc to _v6.inc) drives every
  * function of kvfence.h, every bad-input case the header documents, and
  * concurrent use from several threads. It exits 0 if
  * every check passed; each failed check prints its line and the library's
@@ -529,6 +529,7 @@ static void test_long_strings(void) {
 #include "capi_test_v3.inc"
 #include "capi_test_v4.inc"
 #include "capi_test_v5.inc"
+#include "capi_test_v6.inc"
 
 int main(void) {
     test_library();
@@ -551,6 +552,7 @@ int main(void) {
     test_cache_groups();
     test_adopted_host_tensors();
     test_ranks();
+    test_admit_tokens_table();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);
         return 1;

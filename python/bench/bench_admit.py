@@ -6,12 +6,16 @@ over the prompt's 128 full blocks with vLLM's sha256) plus BlockPool
 get_new_blocks and free_blocks.
 
 The kvfence cycle is what a scheduler does per request: admit by token
-IDs (kvfence derives the 128 page keys in Go, SHA-256 chained), the block
-table as a torch int32 tensor, Lease.free() (release after torch's current
-stream, and free: on a host pool one call, kvf_lease_free, since host
-pools ignore orderings; on CUDA two). Nothing is published to the prefix cache, so every cycle derives
-every key; the Go cycle (BenchmarkGoAdmitTokensRelease in capi/) is the
-same on a pool of the same config. Rounds interleave the sides so that
+IDs, the block table into the engine's int32 row (by the admission
+itself, or after it; or as a new tensor or list), Lease.free() (release
+after torch's current stream, and free: on a host pool one call,
+kvf_lease_free, since host pools ignore orderings; on CUDA two). The
+admission copies the 2,048 IDs into the lease and walks the tenant
+domain's prefix trie with them; nothing is published, so nothing matches
+and no page key is hashed (kvcache hashes a prompt's keys only while its
+domain holds pages published by keys alone, and when a lease publishes).
+The Go cycle (BenchmarkGoAdmitTokensRelease in capi/) is the same on a
+pool of the same config. Rounds interleave the sides so that
 all see the same machine load; each prints its figures, and the summary
 gives min / median / max over the rounds.
 
@@ -58,8 +62,12 @@ def kvfence_cycle(pool, ids, n, table_into="row"):
     start = time.perf_counter_ns()
     for i in range(n):
         check = i == n - 1
+        if table_into == "row":  # the table written by the admission itself (one C call with ABI 6)
+            lease = admit("bench", tenant, ids, block_table=ROW)
+            lease.free()  # release after torch's current stream, and free
+            continue
         lease = admit("bench", tenant, ids)
-        if table_into == "row":
+        if table_into == "write":
             table = ROW[: lease.write_block_table(ROW)] if check else lease.write_block_table(ROW)
         elif table_into == "tensor":
             table = lease.block_table_tensor()
@@ -67,23 +75,37 @@ def kvfence_cycle(pool, ids, n, table_into="row"):
             table = lease.block_table()
         lease.free()  # release after torch's current stream, and free
     ns = (time.perf_counter_ns() - start) / n
-    if len(table) != TOKENS // 16:
+    if table_into == "row":
+        if lease.table_len != TOKENS // 16:
+            raise SystemExit("block table of %d pages" % lease.table_len)
+        table = ROW[: lease.table_len]
+    if len(table) != TOKENS // 16 or len(set(table.tolist() if hasattr(table, "tolist") else table)) != TOKENS // 16:
         raise SystemExit("block table of %d pages" % len(table))
     return ns
 
 
-def ctypes_floor(pool, ids, n):
-    """The same three C calls with every argument converted once, outside
-    the loop: what ctypes itself costs, the floor under the package."""
+def ctypes_floor(pool, ids, n, calls=3):
+    """The same C calls with every argument made once, outside the loop, as
+    the ctypes instance it is passed as (no conversion per call; the lease
+    handle is its out-parameter's instance): what ctypes itself costs, the
+    floor under the package. calls=3: kvf_admit_tokens,
+    kvf_lease_block_table, kvf_lease_free; calls=2: kvf_admit_tokens_table
+    (ABI 6), kvf_lease_free."""
     import ctypes
     from kvfence import _lib
     h, m = ctypes.c_uint64(), ctypes.c_size_t()
-    ph, tp, rp = pool._state.handle, ids.data_ptr(), ROW.data_ptr()
-    admit, table, free, ref = _lib.admit_tokens, _lib.lease_block_table, _lib.lease_free, ctypes.byref
+    ph, tp, rp = ctypes.c_uint64(pool._state.handle), ctypes.c_void_p(ids.data_ptr()), ctypes.c_void_p(ROW.data_ptr())
+    nt, cap, zero = ctypes.c_size_t(TOKENS), ctypes.c_size_t(1024), ctypes.c_int64(0)
+    admit, table, free, admit_table = _lib.admit_tokens, _lib.lease_block_table, _lib.lease_free, _lib.admit_tokens_table
     start = time.perf_counter_ns()
-    for _ in range(n):
-        if admit(ph, b"bench", b"bench", tp, TOKENS, 0, None, 0, ref(h)) or table(h.value, rp, 1024, ref(m)) or free(h.value):
-            raise SystemExit("ctypes floor: a call failed")
+    if calls == 2:
+        for _ in range(n):
+            if admit_table(ph, b"bench", b"bench", tp, nt, zero, None, zero, rp, cap, m, h) or free(h):
+                raise SystemExit("ctypes floor: a call failed")
+    else:
+        for _ in range(n):
+            if admit(ph, b"bench", b"bench", tp, nt, zero, None, zero, h) or table(h, rp, cap, m) or free(h):
+                raise SystemExit("ctypes floor: a call failed")
     ns = (time.perf_counter_ns() - start) / n
     if m.value != TOKENS // 16:
         raise SystemExit("block table of %d pages" % m.value)
@@ -177,10 +199,16 @@ def main():
     vllm = load_vllm(args.vllm_src) if args.vllm_src else None
     t32 = torch.tensor(IDS, dtype=torch.int32)
     # (token IDs, where the block table goes): the engine's int32 tensor of
-    # token IDs into its block-table row; a new table tensor; IDs as an
-    # array('i') into a list (no torch); IDs as a list (converted each time).
-    forms = {"tensor>row": (t32, "row"), "tensor>new": (t32, "tensor"), "array>list": (array.array("i", IDS), "list"),
-             "list>row": (list(IDS), "row")}
+    # token IDs into its block-table row, by the admission itself
+    # (admit_tokens(block_table=): one C call with ABI 6) or by
+    # write_block_table() after it (a second call); a new table tensor; IDs
+    # as an array('i') into a list (no torch); IDs as a list (converted each
+    # time) into the row.
+    two_calls = kvfence._lib.admit_tokens_table is not None
+    print("libkvfence ABI %d: admit_tokens(block_table=) is %s" % (
+        kvfence.abi_version(), "kvf_admit_tokens_table" if two_calls else "kvf_admit_tokens + kvf_lease_block_table"))
+    forms = {"tensor>row": (t32, "row"), "tensor>write": (t32, "write"), "tensor>new": (t32, "tensor"),
+             "array>list": (array.array("i", IDS), "list"), "list>row": (list(IDS), "row")}
     rows = []
     with kvfence.Pool(CONFIG) as pool:
         for form, (ids, into) in forms.items():
@@ -190,6 +218,8 @@ def main():
             for form, (ids, into) in forms.items():
                 row["py_" + form] = calibrated(lambda n: kvfence_cycle(pool, ids, n, into), args.seconds / 4)
             row["ctypes_floor"] = calibrated(lambda n: ctypes_floor(pool, t32, n), args.seconds / 4)
+            if two_calls:
+                row["ctypes_floor2"] = calibrated(lambda n: ctypes_floor(pool, t32, n, calls=2), args.seconds / 4)
             row["go"] = go_round(binary, args.seconds)
             if vllm:
                 row["vllm"] = calibrated(lambda n: vllm_cycle(vllm, IDS, n), args.seconds)
@@ -206,6 +236,9 @@ def main():
     print("  Go (same run)               ns/op  %s" % mmm([r["go"] for r in rows]))
     print("  ctypes floor (3 raw calls)  ns/op  %s | x Go %s" % (mmm([r["ctypes_floor"] for r in rows]),
                                                          mmm([r["ctypes_floor"] / r["go"] for r in rows], "%.2f")))
+    if two_calls:
+        print("  ctypes floor (2 raw calls)  ns/op  %s | x Go %s" % (mmm([r["ctypes_floor2"] for r in rows]),
+                                                             mmm([r["ctypes_floor2"] / r["go"] for r in rows], "%.2f")))
     for form in forms:
         key = "py_" + form
         print("  Python, ids>table %-10s ns/op  %s | x Go %s" % (form, mmm([r[key] for r in rows]),

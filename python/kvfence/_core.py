@@ -18,6 +18,13 @@ _ERR_BUFFER_TOO_SMALL = BufferTooSmall.status
 _ERR_LEASE_RELEASED = 32
 _ERR_POOL_CLOSED = PoolClosed.status
 
+# Pool.admit_tokens passes a max_new_tokens or wait_ms that is the int 0
+# object itself (the defaults) as this one c_int64, which ctypes passes
+# without converting; every other value, 0.0 and False included, goes
+# through ctypes' conversion as before.
+_ZERO = 0
+_I64_ZERO = ctypes.c_int64(0)
+
 
 def default_stream():
     """The stream a release is ordered after when none is given: PyTorch's
@@ -38,14 +45,25 @@ def _b(s):
     return s.encode() if isinstance(s, str) else s
 
 
-_Tensor = None  # torch.Tensor, once torch is loaded: `type(x) is _Tensor` is the fast check
+# torch.Tensor, torch.int32 and torch.strided once torch is loaded (and
+# has Tensor.is_cpu): `type(x) is _Tensor and x.dtype is _INT32 and
+# x.layout is _STRIDED and x.is_cpu ...` is the fast test of a tensor that
+# C may read or write as it is. Until then nothing passes it.
+_Tensor = None
+
+
+class _NoDtype:
+    pass
+
+
+_INT32 = _STRIDED = _NoDtype
 
 
 def _tensor_type():
-    global _Tensor, _INT32
+    global _Tensor, _INT32, _STRIDED
     torch = sys.modules.get("torch")
-    if torch is not None:
-        _Tensor, _INT32 = torch.Tensor, torch.int32
+    if torch is not None and hasattr(torch.Tensor, "is_cpu"):
+        _Tensor, _INT32, _STRIDED = torch.Tensor, torch.int32, torch.strided
     return torch
 
 
@@ -53,15 +71,21 @@ def _int32s(ids, what="token_ids"):
     """(address, count, keep-alive) of ids as contiguous int32: a torch
     tensor or numpy array of int32 is passed as it is (no copy); other
     integer tensors and arrays are converted after a range check; any
-    other sequence of ints goes through array('i')."""
-    if type(ids) is _Tensor and ids.dtype is _INT32 and ids.dim() == 1 and not ids.is_cuda and ids.is_contiguous():
+    other sequence of ints goes through array('i'). (Pool.admit_tokens
+    repeats the first test inline: a dense 1-D int32 CPU tensor.)"""
+    if (type(ids) is _Tensor and ids.dtype is _INT32 and ids.layout is _STRIDED and ids.is_cpu and ids.ndim == 1
+            and ids.is_contiguous()):
         return ids.data_ptr(), ids.numel(), ids  # read in place
     torch = _tensor_type()
     if torch is not None and isinstance(ids, torch.Tensor):
+        if ids.layout != torch.strided:
+            raise TypeError("kvfence: %s must be a dense tensor, not %s" % (what, ids.layout))
         if ids.dim() != 1:
             raise ValueError("kvfence: %s must be 1-D, got shape %s" % (what, tuple(ids.shape)))
+        if ids.device.type == "meta":
+            raise ValueError("kvfence: %s is a meta tensor, which holds no values" % what)
         if ids.dtype != torch.int32:
-            if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
                 raise TypeError("kvfence: %s must be integers, got %s" % (what, ids.dtype))
             if ids.numel() and (int(ids.min()) < -(1 << 31) or int(ids.max()) >= (1 << 31)):
                 raise ValueError("kvfence: %s outside int32" % what)
@@ -93,13 +117,17 @@ def _int32s(ids, what="token_ids"):
 
 
 def _int32_out(out):
-    """(address, capacity) of a writable contiguous int32 buffer."""
-    if type(out) is _Tensor and out.dtype is _INT32 and not out.is_cuda and out.is_contiguous():
+    """(address, capacity) of a writable contiguous int32 buffer: a dense
+    CPU tensor, a numpy array or an array('i'). (Lease.write_block_table
+    and Pool.admit_tokens repeat the tensor test inline.)"""
+    if type(out) is _Tensor and out.dtype is _INT32 and out.layout is _STRIDED and out.is_cpu and out.is_contiguous():
         return out.data_ptr(), out.numel()
     torch = _tensor_type()
     if torch is not None and isinstance(out, torch.Tensor):
-        if out.dtype != torch.int32 or out.is_cuda or not out.is_contiguous():
-            raise ValueError("kvfence: out must be a contiguous int32 CPU tensor")
+        if (out.dtype != torch.int32 or out.layout != torch.strided or out.device.type != "cpu"
+                or not out.is_contiguous()):
+            raise ValueError("kvfence: out must be a contiguous int32 CPU tensor, not a %s %s tensor on %s"
+                             % (out.layout, out.dtype, out.device))
         return out.data_ptr(), out.numel()
     np = sys.modules.get("numpy")
     if np is not None and isinstance(out, np.ndarray):
@@ -109,13 +137,6 @@ def _int32_out(out):
     if isinstance(out, array.array) and out.typecode == "i" and out.itemsize == 4:
         return out.buffer_info()
     raise TypeError("kvfence: out must be an int32 tensor, numpy array or array('i'), not %s" % type(out).__name__)
-
-
-class _NoDtype:
-    pass
-
-
-_INT32 = _NoDtype  # torch.int32 once torch is loaded (set by _tensor_type)
 
 
 def _buffer(data, writable):
@@ -167,10 +188,14 @@ def _regions(call, h):
 class _PoolState:
     """What a pool's handle, its leases, views and finalizer share."""
 
-    __slots__ = ("handle", "closed", "destroyed", "error", "keep", "__weakref__")
+    __slots__ = ("handle", "harg", "closed", "destroyed", "error", "keep", "__weakref__")
 
     def __init__(self, handle, keep):
         self.handle = handle
+        # The handle as a ctypes argument, for the admission's calls: an
+        # instance of the argument's type passes as it is, with no
+        # conversion per call.
+        self.harg = ctypes.c_uint64(handle)
         self.closed = False
         self.destroyed = False
         self.error = None
@@ -224,6 +249,7 @@ class Pool:
         stats = self.stats()
         self.tokens_per_page = stats["tokens_per_page"]
         self.num_pages = stats["total_pages"]
+        self._max_context = int(config.get("max_context_tokens", 0))  # for admit_tokens(block_table=) before ABI 6
 
     # ---- lifetime
 
@@ -317,23 +343,83 @@ class Pool:
                          ctypes.byref(h)))
         return Lease(self, h.value, -(-(prompt_tokens + max_new_tokens) // self.tokens_per_page))
 
-    def admit_tokens(self, request_id, tenant, token_ids, max_new_tokens=0, adapter=None, wait_ms=0):
+    def admit_tokens(self, request_id, tenant, token_ids, max_new_tokens=0, adapter=None, wait_ms=0, block_table=None):
         """Admits a prompt given as its token IDs (a list, array('i'), or an
         int32/int64 tensor or numpy array: int32 ones are read in place);
         kvfence derives the page keys and the lease shares the longest
-        prefix cached in the tenant's domain (Lease.hit_tokens())."""
+        prefix cached in the tenant's domain (Lease.hit_tokens()).
+
+        block_table, if given, receives the lease's block table, as
+        Lease.write_block_table(block_table) would, in the same call into
+        the library (kvf_admit_tokens_table; two calls with a library
+        older than ABI 6); its length is the lease's table_len. It must
+        hold ceil((len(token_ids) + max_new_tokens) / tokens_per_page)
+        entries, the most the lease can grow to, or BufferTooSmall is
+        raised (need: that number) with nothing admitted and block_table
+        unchanged."""
         state = self._state
         if state.closed:
             raise PoolClosed("the pool is closed", _ERR_POOL_CLOSED)
-        addr, n, keep = _int32s(token_ids)
+        # The test of _int32s, inline: a dense 1-D int32 CPU tensor is read
+        # in place (token_ids keeps it alive through the call).
+        if (type(token_ids) is _Tensor and token_ids.dtype is _INT32 and token_ids.layout is _STRIDED
+                and token_ids.is_cpu and token_ids.ndim == 1 and token_ids.is_contiguous()):
+            addr, n, keep = token_ids.data_ptr(), token_ids.numel(), None
+        else:
+            addr, n, keep = _int32s(token_ids)
+        rid = request_id.encode() if type(request_id) is str else request_id
+        ten = tenant.encode() if type(tenant) is str else tenant
+        ad = _b(adapter) if adapter else None
+        mn = _I64_ZERO if max_new_tokens is _ZERO else max_new_tokens
+        wt = _I64_ZERO if wait_ms is _ZERO else wait_ms
         h = ctypes.c_uint64()
-        st = _lib.admit_tokens(state.handle, request_id.encode() if type(request_id) is str else request_id,
-                               tenant.encode() if type(tenant) is str else tenant, addr, n, max_new_tokens,
-                               _b(adapter) if adapter else None, wait_ms, ctypes.byref(h))
+        if block_table is None:
+            st = _lib.admit_tokens(state.harg, rid, ten, addr, n, mn, ad, wt, h)
+            pages = 0
+        else:
+            if (type(block_table) is _Tensor and block_table.dtype is _INT32 and block_table.layout is _STRIDED
+                    and block_table.is_cpu and block_table.is_contiguous()):
+                table, cap = block_table.data_ptr(), block_table.numel()
+            else:
+                table, cap = _int32_out(block_table)
+            if _lib.admit_tokens_table is not None:
+                m = ctypes.c_size_t()
+                st = _lib.admit_tokens_table(state.harg, rid, ten, addr, n, mn, ad, wt, table, cap, m, h)
+                pages = m.value
+            else:
+                st, pages = self._admit_then_table(rid, ten, addr, n, max_new_tokens, ad, wait_ms, table, cap, h)
         if st:
             raise from_last_error(st)
         del keep
-        return Lease(self, h.value, -(-(n + max_new_tokens) // self.tokens_per_page))
+        lease = _new_lease(Lease)  # Lease.__init__'s work, without the call
+        lease.pool = self
+        lease._h = h = h.value
+        lease._released = False
+        lease._cap = -(-(n + max_new_tokens) // self.tokens_per_page)
+        lease.table_len = pages
+        self._live.add(h)
+        return lease
+
+    def _admit_then_table(self, rid, ten, addr, n, max_new_tokens, ad, wait_ms, table, cap, h):
+        """admit_tokens(block_table=) on a library older than ABI 6: the
+        checks of kvf_admit_tokens_table, then kvf_admit_tokens and
+        kvf_lease_block_table. Returns (status, table length)."""
+        if (type(max_new_tokens) is int and type(wait_ms) is int and wait_ms >= 0 and n > 0
+                and 0 <= max_new_tokens <= self._max_context - n):
+            need = -(-(n + max_new_tokens) // self.tokens_per_page)
+            if need > cap:
+                raise BufferTooSmall("kvfence: buffer too small: block table needs %d, buffer holds %d" % (need, cap),
+                                     _ERR_BUFFER_TOO_SMALL, need, cap, cap)
+        st = _lib.admit_tokens(self._state.harg, rid, ten, addr, n, max_new_tokens, ad, wait_ms, h)
+        if st:
+            return st, 0
+        m = ctypes.c_size_t()
+        st = _lib.lease_block_table(h.value, table, cap, m)
+        if st:  # cannot happen (the table has room): undo the admission
+            err = from_last_error(st)
+            _lib.lease_free(h.value)
+            raise err
+        return 0, m.value
 
     def receiver(self, key, config=None):
         """A Receiver importing handoffs into this pool, verifying with key."""
@@ -449,17 +535,25 @@ class Lease:
     lease at the end, releasing it after default_stream() if still live),
     or call release() and free(). A lease dropped without free() is freed
     when collected, released after all work of the device (on CUDA that
-    blocks until the GPU is idle)."""
+    blocks until the GPU is idle).
 
-    __slots__ = ("_h", "pool", "_released", "_cap", "__weakref__")
+    table_len is the length of the block table that
+    Pool.admit_tokens(..., block_table=) wrote at admission (0 when none
+    was asked for); grow() appends pages after them (write_block_table()
+    gives the table of now)."""
+
+    __slots__ = ("_h", "pool", "_released", "_cap", "table_len", "__weakref__")
 
     def __init__(self, pool, handle, max_pages=0):
-        self._h = handle
+        # Pool.admit_tokens sets these slots itself (without a call of
+        # __init__), in this order: pool before _h, which __del__ reads.
         self.pool = pool
+        self._h = handle
         self._released = False  # by this object's release(): free() need not try again
         # The most pages the block table can hold: prompt + max new tokens
         # (growth never passes them), so that a table is read with one call.
         self._cap = max_pages
+        self.table_len = 0
         pool._live.add(handle)
 
     def __del__(self):
@@ -512,9 +606,15 @@ class Lease:
         a numpy int32 array or an array('i'), and returns its length: no
         allocation. A table longer than out raises BufferTooSmall with
         out unchanged."""
-        addr, cap = _int32_out(out)
+        if (type(out) is _Tensor and out.dtype is _INT32 and out.layout is _STRIDED and out.is_cpu
+                and out.is_contiguous()):
+            addr, cap = out.data_ptr(), out.numel()  # _int32_out's test, inline
+        else:
+            addr, cap = _int32_out(out)
         m = ctypes.c_size_t()
-        check(_lib.lease_block_table(self._h, addr, cap, ctypes.byref(m)))
+        st = _lib.lease_block_table(self._h, addr, cap, m)
+        if st:
+            raise from_last_error(st)
         return m.value
 
     def slot_mapping(self, start, end):
@@ -635,14 +735,20 @@ class Lease:
         """Releases the lease if still live (after default_stream()) and
         frees the handle. (On a host pool, which ignores orderings, that is
         kvf_lease_free alone: one call.)"""
-        if self._h:
+        h = self._h
+        if h:
             if not self._released and self.pool.device != "cpu":
-                st = _lib.lease_release(self._h, default_stream(), 0)
+                st = _lib.lease_release(h, default_stream(), 0)
                 if st not in (0, _ERR_LEASE_RELEASED, _ERR_POOL_CLOSED):
                     check(st)
-            h, self._h = self._h, 0
+            self._h = 0
             self.pool._live.discard(h)
-            check(_lib.lease_free(h))
+            st = _lib.lease_free(h)
+            if st:
+                raise from_last_error(st)
+
+
+_new_lease = object.__new__  # _new_lease(Lease): a Lease without __init__ (Pool.admit_tokens)
 
 
 class Export:

@@ -89,6 +89,8 @@ _i64 = ctypes.c_int64
 _sz = ctypes.c_size_t
 _up = ctypes.c_size_t  # uintptr_t
 _vp = ctypes.c_void_p  # buffers: passed as integer addresses (no ctypes casts on the hot path)
+# Out-parameters (POINTER(T)) take a T instance as it is: ctypes passes its
+# address, which costs less than a byref() per call.
 _s = ctypes.c_char_p
 _P = ctypes.POINTER
 
@@ -124,6 +126,10 @@ pool_events_json = _fn("kvf_pool_events_json", _st, _h, _s, _sz, _P(_sz))
 
 admit = _fn("kvf_admit", _st, _h, _s, _s, _i64, _i64, _i64, _P(_h))
 admit_tokens = _fn("kvf_admit_tokens", _st, _h, _s, _s, _vp, _sz, _i64, _s, _i64, _P(_h))
+# ABI 6: admission by token IDs that writes the block table in the same
+# call; None with an older library (the package then makes two calls).
+admit_tokens_table = (_fn("kvf_admit_tokens_table", _st, _h, _s, _s, _vp, _sz, _i64, _s, _i64, _vp, _sz, _P(_sz),
+                          _P(_h)) if abi_version() >= 6 else None)
 lease_block_table = _fn("kvf_lease_block_table", _st, _h, _vp, _sz, _P(_sz))
 lease_slot_mapping = _fn("kvf_lease_slot_mapping", _st, _h, _i64, _i64, _vp, _sz, _P(_sz))
 lease_commit = _fn("kvf_lease_commit", _st, _h, _i64)

@@ -113,8 +113,10 @@ def test_write_block_table_fills_the_engines_row_or_refuses_a_short_one():
         with pytest.raises(kvfence.BufferTooSmall) as ei:
             lease.write_block_table(short)
         assert ei.value.need == 4 and short.tolist() == [-1, -1, -1]
-        with pytest.raises(ValueError):
-            lease.write_block_table(torch.zeros(8, dtype=torch.int64))
+        for bad in (torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int32).to_sparse(),
+                    torch.zeros(8, dtype=torch.int32, device="meta"), torch.zeros(16, dtype=torch.int32)[::2]):
+            with pytest.raises(ValueError):
+                lease.write_block_table(bad)
         with pytest.raises(TypeError):
             lease.write_block_table([0] * 8)
         lease.free()

@@ -111,6 +111,8 @@ def test_token_ids_in_any_form_derive_the_same_page_keys(form):
     ([1, 2, 1 << 40], ValueError),
     (torch.tensor([1.0, 2.0]), TypeError),
     (torch.ones(2, 2, dtype=torch.int32), ValueError),
+    (torch.ones(3, dtype=torch.int32).to_sparse(), TypeError),  # its values are not at data_ptr()
+    (torch.ones(3, dtype=torch.int32, device="meta"), ValueError),  # no data at all
     ("1234", TypeError),
     (b"\x01\x00\x00\x00", TypeError),
 ])

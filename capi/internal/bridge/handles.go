@@ -3,6 +3,7 @@ package bridge
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -28,8 +29,11 @@ var (
 )
 
 type poolEntry struct {
-	pool   *kvcache.Pool
-	device cudaops.Device // owned by the entry, closed after the pool; nil: the pool's own host device
+	pool *kvcache.Pool
+	// maxContext is the config's max_context_tokens: AdmitTokensTable
+	// sizes the block table it needs before admitting.
+	maxContext int
+	device     cudaops.Device // owned by the entry, closed after the pool; nil: the pool's own host device
 	// admin serialises tenant changes, so that the domains recorded in mu
 	// are the registry's. Held across the call into kvcache.
 	admin sync.Mutex
@@ -177,7 +181,7 @@ func CreatePool(configJSON []byte) (Handle, error) {
 		}
 		return 0, err
 	}
-	pe := &poolEntry{pool: p, device: dev}
+	pe := &poolEntry{pool: p, device: dev, maxContext: cfg.MaxContextTokens}
 	pe.events.ch = p.Events()
 	for _, t := range cfg.Tenants {
 		pe.remember(t)
@@ -275,6 +279,59 @@ func AdmitTokens(h Handle, id, tenant string, tokens []int32, maxNewTokens int64
 		TokenIDs: tokens, Adapter: strings.Clone(adapter)}, wait)
 }
 
+// AdmitTokensTable is AdmitTokens that also copies the new lease's block
+// table into table, in the same call, and returns the handle and the
+// table's length.
+//
+// table must hold the most pages the lease can ever have: the pages of
+// prompt + max new tokens, whatever the sizing (an on-demand lease starts
+// with fewer and grows up to that). A shorter one is refused before
+// anything is admitted, with a *BufferError naming that number, and the
+// pool is left as it was: not even a refusal is counted. A request the
+// admission refuses whatever the buffer (no tokens, a negative max new,
+// more than the pool's max context) is refused as AdmitTokens refuses
+// it, so that its error is the specific one. On any error table is not
+// written.
+func AdmitTokensTable(h Handle, id, tenant string, tokens []int32, maxNewTokens int64, adapter string, wait time.Duration,
+	table []int32) (Handle, int, error) {
+	pe, err := lookupPool(h)
+	if err != nil {
+		return 0, 0, err
+	}
+	if wait < 0 {
+		return 0, 0, fmt.Errorf("%w: negative wait %v", kvcache.ErrInvalidArgument, wait)
+	}
+	if n := int64(len(tokens)); n > 0 && maxNewTokens >= 0 && maxNewTokens <= int64(pe.maxContext)-n {
+		tpp := int64(pe.pool.TokensPerPage())
+		if need := int((n + maxNewTokens + tpp - 1) / tpp); need > len(table) {
+			return 0, need, &BufferError{What: "block table", Need: need, Have: len(table)}
+		}
+	}
+	l, err := pe.admit(kvcache.Request{ID: id, Tenant: tenant, PromptTokens: len(tokens), MaxNewTokens: clampInt(maxNewTokens),
+		TokenIDs: tokens, Adapter: strings.Clone(adapter)}, wait)
+	if err != nil {
+		return 0, 0, err
+	}
+	// The table is read before the handle exists, so that no other call
+	// can grow, release or free the lease in between; only the pool's
+	// destruction can end it.
+	n := l.Pages()
+	if n > len(table) {
+		// Cannot happen: an admitted lease holds at most the pages
+		// checked above. Undo it rather than write past the buffer.
+		err = fmt.Errorf("%w: an admitted lease of %d pages, more than the %d the table holds",
+			ErrInternal, n, len(table))
+	} else if _, err = l.AppendBlockTable(table[:0]); errors.Is(err, kvcache.ErrLeaseReleased) {
+		err = fmt.Errorf("%w: the pool was destroyed during the admission", kvcache.ErrPoolClosed)
+	}
+	if err != nil {
+		l.Release() // nothing stays admitted; a lease the destruction released refuses, harmlessly
+		spareLeases.Put(l)
+		return 0, 0, err
+	}
+	return newLease(pe, l, false), n, nil
+}
+
 func admit(h Handle, req kvcache.Request, wait time.Duration) (Handle, error) {
 	pe, err := lookupPool(h)
 	if err != nil {
@@ -283,9 +340,19 @@ func admit(h Handle, req kvcache.Request, wait time.Duration) (Handle, error) {
 	if wait < 0 {
 		return 0, fmt.Errorf("%w: negative wait %v", kvcache.ErrInvalidArgument, wait)
 	}
+	l, err := pe.admit(req, wait)
+	if err != nil {
+		return 0, err
+	}
+	return newLease(pe, l, false), nil
+}
+
+// admit admits req into a recycled lease; wait is not negative.
+func (pe *poolEntry) admit(req kvcache.Request, wait time.Duration) (*kvcache.Lease, error) {
 	req.ID = strings.Clone(req.ID)
 	req.Tenant = pe.intern(req.Tenant)
 	l := spareLeases.Get().(*kvcache.Lease)
+	var err error
 	if wait == 0 {
 		err = tryAdmitInto(pe.pool, req, l)
 	} else {
@@ -295,9 +362,9 @@ func admit(h Handle, req kvcache.Request, wait time.Duration) (Handle, error) {
 	}
 	if err != nil {
 		spareLeases.Put(l)
-		return 0, err
+		return nil, err
 	}
-	return newLease(pe, l, false), nil
+	return l, nil
 }
 
 // The two admissions of kvcache, the only ones the bridge makes (imports
