@@ -162,9 +162,9 @@ func checkTable(b *testing.B, who string, table []int32, want, total int) {
 
 // BenchmarkGoAdmitTokensRelease is the pure-Go side of the Python
 // package's benchmark (python/bench/bench_admit.py): a 2,048-token prompt
-// admitted by its token IDs (kvfence derives the page keys, SHA-256 per
-// page), its block table read, released, with no prefix published, so
-// every cycle derives every key. The pool is the Python run's: the JSON
+// admitted by its token IDs (matched in its domain's prefix trie by the
+// tokens themselves; with nothing published, no page key is derived), its
+// block table read, released. The pool is the Python run's: the JSON
 // config in KVF_BENCH_CONFIG, or benchConfig.
 // Metrics: ns/op, ns/page.
 //
