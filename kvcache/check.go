@@ -15,7 +15,9 @@ import (
 // the quarantine's and the prefix index's own, and then that they agree:
 //
 //   - every page of a live lease is in use by the lease's domain at the
-//     lease's generation, and its block table matches its handles;
+//     lease's generation, and its block table matches its handles; only
+//     its first published pages (hits and what it published) are in the
+//     prefix index, which is all its release looks up;
 //   - each page's refcount is the number of live leases holding it, and a
 //     page without an index entry is held by at most one;
 //   - each entry's per-tenant counts are its leases' tenants, and each
@@ -127,6 +129,11 @@ func (p *Pool) checkSharingLocked(c *checker) {
 				c.failf("lease %q page %d: %+v, want in use by domain %q at generation %d", id, h.Page, info, l.domain.Name, h.Gen)
 			}
 			refs[h.Page]++
+			if x.byPage[h.Page] != nil && i >= l.published {
+				// releasePagesLocked looks pages up in the index only up to
+				// published: this one would be released as private.
+				c.failf("lease %q page %d (its %dth) is in the prefix index, past the %d pages it published or shared", id, h.Page, i, l.published)
+			}
 			if x.byPage[h.Page] != nil {
 				if entryRefs[tenantPage{l.tenant, h.Page}]++; entryRefs[tenantPage{l.tenant, h.Page}] == 1 {
 					charged[l.tenant]++
