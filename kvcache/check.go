@@ -94,8 +94,37 @@ func (p *Pool) checkLocked() error {
 	p.mu.prefix.check(&c)
 	p.checkSharingLocked(&c)
 	p.checkAdmissionsLocked(&c)
+	p.checkMatchesLocked(&c)
 	p.checkSideLocked(&c)
 	return c.err()
+}
+
+// checkMatchesLocked checks the prefix matches that leases hold between
+// attempts (admitted leases, and admissions waiting in the queue): a
+// match still valid at the index's epoch, which an attempt would use as
+// it is, holds only entries in the index, never a spare one (see
+// prefixIndex.recycle).
+func (p *Pool) checkMatchesLocked(c *checker) {
+	p.assertHeld()
+	x := &p.mu.prefix
+	check := func(l *Lease) {
+		m := &l.match
+		if !m.valid || m.epoch != x.epoch {
+			return
+		}
+		for i, e := range m.entries {
+			if e.spare || e.detached || e.page < 0 || int(e.page) >= len(x.byPage) || x.byPage[e.page] != e {
+				c.failf("lease %q: entry %d of its current prefix match is not in the index (spare %v)", l.id, i, e.spare)
+				return
+			}
+		}
+	}
+	for _, l := range p.mu.leases {
+		check(l)
+	}
+	for l := p.mu.waiters.head; l != nil; l = l.wait.next {
+		check(l)
+	}
 }
 
 // checkSharingLocked checks leases, refcounts, tenant charges and the

@@ -2,7 +2,6 @@ package kvcache
 
 import (
 	"fmt"
-	"slices"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
@@ -190,7 +189,6 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 		next := e.next
 		if !e.pinned {
 			x.lruRemove(e)
-			x.drop(e)
 			x.counters(e.dom).evictedPages++
 			pages = append(pages, e.page)
 			if p.mu.events.enabled() {
@@ -201,6 +199,7 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 					removed = append(removed, KVEvent{Kind: KVRemoved, Domain: e.dom.Name, Keys: []BlockKey{e.key}, Tokens: p.tpp})
 				}
 			}
+			x.drop(e) // last: e is a spare from here on
 		}
 		e = next
 	}
@@ -298,7 +297,7 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 		if e.detached {
 			before := len(pages)
 			if pages, err = p.mu.alloc.Release(pages, one, owner); err == nil && len(pages) > before {
-				x.drop(e)
+				x.drop(e) // e is a spare from here on
 			}
 		} else {
 			var buf [1]int32
@@ -390,12 +389,16 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 			parent = trieNodeOf(e)
 			continue
 		}
-		e = &cacheEntry{key: l.keys[i], dom: l.domain, page: page, leases: 1, tenants: []tenantRef{{t: l.tenant, refs: 1}}}
+		e = x.newEntry()
+		e.key, e.dom, e.page, e.leases = l.keys[i], l.domain, page, 1
+		e.tenants = append(e.tenants, tenantRef{t: l.tenant, refs: 1})
 		if i > 0 {
 			e.parent = l.keys[i-1]
 		}
 		if withTokens {
-			e.tokens = slices.Clone(l.tokens[i*tpp : (i+1)*tpp])
+			e.tokens = append(e.tokens, l.tokens[i*tpp:(i+1)*tpp]...)
+		} else {
+			e.tokens = nil // a key-only entry
 		}
 		x.insert(e, parent)
 		parent = trieNodeOf(e)
