@@ -244,8 +244,8 @@ func (p *proxy) cut() {
 
 // The connection dies while gRPC holds lent pages: frozen first, so that
 // frames wait in gRPC's queues and its window is full, then cut. The
-// export still ends (its reclaim deadline), which it can only do once
-// gRPC has let go of every lent page, and both pools end scrubbed.
+// export still ends (Abort), which it can only do once gRPC has let go of
+// every lent page, and both pools end scrubbed.
 func TestHandoffOfViewsEndsWhenTheConnectionDiesUnderIt(t *testing.T) {
 	prefill, decode := newViewPool(t, 4096), newViewPool(t, 4096)
 	recv, addr, _ := serve(t, decode, insecure.NewCredentials())
@@ -256,17 +256,25 @@ func TestHandoffOfViewsEndsWhenTheConnectionDiesUnderIt(t *testing.T) {
 	cv := &countViews{inner: tr}
 	l, err := testkit.Prefill(prefill, "dies", "victim", 3000*16) // 12 MiB: more than gRPC's window
 	require.NoError(t, err)
-	s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), ReclaimAfter: 300 * time.Millisecond})
+	s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), ReclaimAfter: time.Hour})
 	require.NoError(t, err)
 	exp, err := s.Export(l, 0)
 	require.NoError(t, err)
 	collected := grpcx.LentCollected()
 	sent := make(chan error, 1)
 	go func() { sent <- exp.Send(context.Background(), &freezeAfter{inner: cv, at: 2, freeze: px.freeze}) }()
-	require.Eventually(t, func() bool {
+	if !assert.Eventually(t, func() bool {
 		lent, back := cv.counts()
 		return lent >= 4 && lent > back
-	}, 10*time.Second, time.Millisecond, "frames wait in gRPC")
+	}, 10*time.Second, time.Millisecond, "frames wait in gRPC") {
+		lent, back := cv.counts()
+		select {
+		case err := <-sent:
+			t.Fatalf("%d frames lent, %d given back; Send returned %v", lent, back, err)
+		default:
+		}
+		t.Fatalf("%d frames lent, %d given back", lent, back)
+	}
 	px.cut()
 	select {
 	case err := <-sent:
@@ -282,8 +290,15 @@ func TestHandoffOfViewsEndsWhenTheConnectionDiesUnderIt(t *testing.T) {
 		n := runtime.Stack(buf, true)
 		os.WriteFile("/tmp/goroutines.txt", buf[:n], 0o644)
 	}
-	require.Eventually(t, func() bool { return !exp.Live() }, 30*time.Second, 10*time.Millisecond,
-		"the reclaim deadline never ended the export: the lent pages never came back")
+	aborted := make(chan error, 1)
+	go func() { aborted <- exp.Abort() }()
+	select {
+	case err := <-aborted:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("Abort never ended the export: the lent pages never came back")
+	}
+	assert.False(t, exp.Live())
 	lent, back := cv.counts()
 	assert.Equal(t, lent, back, "every lent frame was given back")
 	// gRPC dropped a message it held without freeing it (grpc-go 1.85
