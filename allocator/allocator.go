@@ -37,8 +37,12 @@
 // a page fails its check, so an error leaves the allocator exactly as it
 // was.
 //
-// Metadata is 12 bytes per page plus 4 for its slot on the free stack,
-// and steady-state calls do not allocate.
+// Each page's metadata is its generation, its owner and one word that
+// packs its state, reference count and a one-call mark, so that the batch
+// loops check a page with three compares (generation, owner, word) and
+// move it with one store; the loops call nothing, and build an error only
+// after the page that failed. That is 12 bytes per page plus 4 for its
+// slot on the free stack, and steady-state calls do not allocate.
 package allocator
 
 import (
@@ -101,22 +105,37 @@ type PageInfo struct {
 	Refs  int
 }
 
-// pageMeta is the per-page record: 12 bytes.
+// pageMeta is the per-page record: 12 bytes. The fields a batch checks
+// and changes together share one word, so that a page is checked with
+// three compares and moved with one store.
 type pageMeta struct {
 	gen   uint32
 	owner Owner
-	refs  uint16
-	state State
-	// mark is scratch of one call: a shared page already seen in this
-	// Release or Park batch, or a page of an Unclean batch or of Check's
-	// walk of the free stack. 0 between calls.
-	mark uint8
+	// word packs the rest: the reference count in bits 0–15, the state in
+	// bits 16–23, and in bit 24 the mark, scratch of one call: a shared
+	// page already seen in this Release or Park batch, or a page of an
+	// Unclean batch or of Check's walk of the free stack. The mark is 0
+	// between calls, and bits 25–31 always are.
+	word uint32
 }
+
+const (
+	refsMask   = 1<<16 - 1
+	stateShift = 16
+	markBit    = 1 << 24
+)
+
+// packed is the word of a page in state s with refs references, unmarked.
+func packed(s State, refs uint16) uint32 { return uint32(s)<<stateShift | uint32(refs) }
+
+func (m *pageMeta) state() State { return State(uint8(m.word >> stateShift)) }
+func (m *pageMeta) refs() uint16 { return uint16(m.word & refsMask) }
+func (m *pageMeta) marked() bool { return m.word&markBit != 0 }
 
 // Allocator is the page space [0, N).
 type Allocator struct {
 	pages []pageMeta
-	free  []int32 // the Free pages; Alloc pops from the end
+	free  []int32 // the Free pages; Alloc pops from the end. Capacity N.
 	count [numStates]int
 }
 
@@ -151,7 +170,7 @@ func (a *Allocator) Info(p int32) (PageInfo, error) {
 		return PageInfo{}, err
 	}
 	m := &a.pages[p]
-	return PageInfo{State: m.state, Owner: m.owner, Gen: m.gen, Refs: int(m.refs)}, nil
+	return PageInfo{State: m.state(), Owner: m.owner, Gen: m.gen, Refs: int(m.refs())}, nil
 }
 
 func (a *Allocator) checkID(p int32) error {
@@ -164,27 +183,70 @@ func (a *Allocator) checkID(p int32) error {
 // Alloc takes n free pages for owner, appends their handles to dst and
 // returns the extended slice. It takes all n or none.
 func (a *Allocator) Alloc(dst []Handle, n int, owner Owner) ([]Handle, error) {
+	dst, _, err := a.alloc(dst, nil, n, owner, false)
+	return dst, err
+}
+
+// AllocIDs is Alloc that also appends the pages' IDs, in the same order,
+// to ids (a block table), in the same pass.
+func (a *Allocator) AllocIDs(dst []Handle, ids []int32, n int, owner Owner) ([]Handle, []int32, error) {
+	return a.alloc(dst, ids, n, owner, true)
+}
+
+func (a *Allocator) alloc(dst []Handle, ids []int32, n int, owner Owner, withIDs bool) ([]Handle, []int32, error) {
 	if n < 0 || owner == 0 {
-		return dst, fmt.Errorf("%w: alloc of %d pages for owner %d", ErrInvalidArgument, n, owner)
+		return dst, ids, fmt.Errorf("%w: alloc of %d pages for owner %d", ErrInvalidArgument, n, owner)
 	}
 	top := len(a.free)
 	if n > top {
-		return dst, fmt.Errorf("%w: need %d, have %d of %d", ErrNoSpace, n, top, len(a.pages))
+		return dst, ids, fmt.Errorf("%w: need %d, have %d of %d", ErrNoSpace, n, top, len(a.pages))
 	}
 	base := len(dst)
 	dst = slices.Grow(dst, n)[:base+n]
 	out, meta := dst[base:], a.pages
-	for k, p := range a.free[top-n : top] {
-		m := &meta[p]
-		m.state = InUse
-		m.owner = owner
-		m.refs = 1
-		out[n-1-k] = Handle{Page: p, Gen: m.gen} // the top of the stack first
+	// The top of the stack first.
+	taken := a.free[top-n : top]
+	if withIDs {
+		ib := len(ids)
+		ids = slices.Grow(ids, n)[:ib+n]
+		allocRunIDs(meta, taken, out, ids[ib:], owner)
+	} else {
+		allocRun(meta, taken, out, owner)
 	}
 	a.free = a.free[:top-n]
 	a.count[Free] -= n
 	a.count[InUse] += n
-	return dst, nil
+	return dst, ids, nil
+}
+
+// allocRun gives each page of taken, from its end, to owner, and puts its
+// handle in out (as long as taken). Like dropRun it calls nothing, and it
+// is kept out of line (go:noinline): inlined into its caller, its loop
+// state spills to the stack, which made it a third slower.
+//
+//go:noinline
+func allocRun(meta []pageMeta, taken []int32, out []Handle, owner Owner) {
+	out = out[:len(taken)]
+	for k, i := 0, len(taken)-1; i >= 0; k, i = k+1, i-1 {
+		p := taken[i]
+		m := &meta[p]
+		m.owner, m.word = owner, packed(InUse, 1)
+		out[k] = Handle{Page: p, Gen: m.gen}
+	}
+}
+
+// allocRunIDs is allocRun that also puts each page's ID in ids.
+//
+//go:noinline
+func allocRunIDs(meta []pageMeta, taken []int32, out []Handle, ids []int32, owner Owner) {
+	out, ids = out[:len(taken)], ids[:len(taken)]
+	for k, i := 0, len(taken)-1; i >= 0; k, i = k+1, i-1 {
+		p := taken[i]
+		m := &meta[p]
+		m.owner, m.word = owner, packed(InUse, 1)
+		out[k] = Handle{Page: p, Gen: m.gen}
+		ids[k] = p
+	}
 }
 
 // PeekFree appends to dst the first n pages Alloc would hand out next (or
@@ -200,7 +262,7 @@ func (a *Allocator) PeekFree(dst []int32, n int) []int32 {
 // heldErr says why handle h fails Release's and Park's check: the page
 // is in use by owner at the handle's generation, and not already dropped
 // by this batch (a private page's first drop changed its state; a shared
-// page's set its mark). Only a failing handle gets here: the loops test
+// page's set its mark). Only a failing handle gets here: the loop tests
 // the same conditions inline.
 func (a *Allocator) heldErr(h Handle, owner Owner) error {
 	if err := a.checkID(h.Page); err != nil {
@@ -208,68 +270,92 @@ func (a *Allocator) heldErr(h Handle, owner Owner) error {
 	}
 	m := &a.pages[h.Page]
 	switch {
-	case m.mark != 0:
+	case m.marked():
 		return fmt.Errorf("%w: page %d appears twice in one batch", ErrDoubleFree, h.Page)
-	case m.state != InUse:
-		return fmt.Errorf("%w: page %d is %s", ErrDoubleFree, h.Page, m.state)
+	case m.state() != InUse:
+		return fmt.Errorf("%w: page %d is %s", ErrDoubleFree, h.Page, m.state())
 	case m.gen != h.Gen:
 		return fmt.Errorf("%w: page %d handle generation %d, page generation %d", ErrStaleHandle, h.Page, h.Gen, m.gen)
+	case m.owner != owner:
+		return fmt.Errorf("%w: page %d owned by %d, released by %d", ErrNotOwner, h.Page, m.owner, owner)
 	}
-	return fmt.Errorf("%w: page %d owned by %d, released by %d", ErrNotOwner, h.Page, m.owner, owner)
+	return fmt.Errorf("%w: page %d in use with %d references", ErrCorrupt, h.Page, m.refs())
 }
 
-// drop drops owner's reference on each page of hs, in one pass: a page
-// whose last reference goes moves to to (Quarantined, its generation
-// advancing, or Cached) and is appended to out. A page that fails its
-// check undoes the batch so far.
+// drop drops owner's reference on each page of hs, checking and applying
+// each page in one pass: a page whose last reference goes moves to to
+// (Quarantined, its generation advancing, or Cached) and is appended to
+// out. A page that fails its check undoes the batch so far.
 func (a *Allocator) drop(out []int32, hs []Handle, owner Owner, to State) ([]int32, error) {
 	start := len(out)
-	shared := false
+	out = slices.Grow(out, len(hs))
+	moved := out[start : start+len(hs)]
 	pages := a.pages
-	for i, h := range hs {
-		if uint(h.Page) >= uint(len(pages)) {
-			a.undoDrop(hs[:i], to)
-			return out[:start], a.heldErr(h, owner)
-		}
-		m := &pages[h.Page]
-		if m.state != InUse || m.gen != h.Gen || m.owner != owner || m.mark != 0 {
-			err := a.heldErr(h, owner)
-			a.undoDrop(hs[:i], to)
-			return out[:start], err
-		}
-		if m.refs--; m.refs == 0 {
-			m.state = to
-			if to == Quarantined {
-				m.gen++
-			}
-			out = append(out, h.Page)
-		} else {
-			m.mark, shared = 1, true
-		}
+	var inc uint32 // the generation's step
+	if to == Quarantined {
+		inc = 1
 	}
-	moved := len(out) - start
-	a.count[InUse] -= moved
-	a.count[to] += moved
+	applied, k := dropRun(pages, hs, moved, owner, packed(to, 0), inc)
+	if applied < len(hs) {
+		err := a.heldErr(hs[applied], owner)
+		a.undoDrop(hs[:applied], to, inc)
+		return out[:start], err
+	}
+	shared := k < applied
+	a.count[InUse] -= k
+	a.count[to] += k
 	if shared { // only then is there a mark to clear
 		for _, h := range hs {
-			a.pages[h.Page].mark = 0
+			pages[h.Page].word &^= markBit
 		}
 	}
-	return out, nil
+	return out[:start+k], nil
+}
+
+// dropRun is drop's pass: it drops a reference on each page of hs, in
+// order, until one fails its check, and returns how many it dropped and
+// how many of them moved (appended to moved[:k], whose length is at least
+// len(hs)). A page whose last reference goes gets word gone and its
+// generation advanced by inc; a shared page loses a reference and is
+// marked. It calls nothing and has few live values, so that its state
+// stays in registers.
+//
+//go:noinline
+func dropRun(pages []pageMeta, hs []Handle, moved []int32, owner Owner, gone, inc uint32) (applied, k int) {
+	moved = moved[:len(hs)]
+	for i, h := range hs {
+		p := uint(h.Page) // a negative page is a huge uint: out of range too
+		if p >= uint(len(pages)) {
+			return i, k
+		}
+		m := &pages[p]
+		if m.gen != h.Gen || m.owner != owner {
+			return i, k
+		}
+		if w := m.word; w == packed(InUse, 1) {
+			m.word = gone
+			m.gen += inc
+			moved[k] = h.Page
+			k++
+		} else if w&^refsMask == packed(InUse, 0) && w&refsMask > 1 { // shared, first seen
+			m.word = (w - 1) | markBit
+		} else {
+			return i, k
+		}
+	}
+	return len(hs), k
 }
 
 // undoDrop restores the pages of hs, which drop has just applied.
-func (a *Allocator) undoDrop(hs []Handle, to State) {
+func (a *Allocator) undoDrop(hs []Handle, to State, inc uint32) {
 	for i := len(hs) - 1; i >= 0; i-- {
 		m := &a.pages[hs[i].Page]
-		if m.state == to { // its last reference went in this batch
-			m.state = InUse
-			if to == Quarantined {
-				m.gen--
-			}
+		if m.marked() { // a shared page: one reference fewer
+			m.word = (m.word &^ markBit) + 1
+		} else { // its last reference went in this batch
+			m.word = packed(InUse, 1)
+			m.gen -= inc
 		}
-		m.refs++
-		m.mark = 0
 	}
 }
 
@@ -288,20 +374,18 @@ func (a *Allocator) Retain(p int32, owner Owner) (Handle, error) {
 		return Handle{}, err
 	}
 	m := &a.pages[p]
-	switch {
-	case m.state != InUse && m.state != Cached:
-		return Handle{}, fmt.Errorf("%w: retain of page %d, which is %s", ErrWrongState, p, m.state)
+	switch s := m.state(); {
+	case s != InUse && s != Cached:
+		return Handle{}, fmt.Errorf("%w: retain of page %d, which is %s", ErrWrongState, p, s)
 	case m.owner != owner || owner == 0:
 		return Handle{}, fmt.Errorf("%w: page %d owned by %d, retained by %d", ErrNotOwner, p, m.owner, owner)
-	case m.refs == MaxRefs:
-		return Handle{}, fmt.Errorf("%w: page %d has %d", ErrRefOverflow, p, m.refs)
-	}
-	if m.state == Cached {
-		m.state = InUse
+	case m.refs() == MaxRefs:
+		return Handle{}, fmt.Errorf("%w: page %d has %d", ErrRefOverflow, p, m.refs())
+	case s == Cached:
 		a.count[Cached]--
 		a.count[InUse]++
 	}
-	m.refs++
+	m.word = packed(InUse, m.refs()+1)
 	return Handle{Page: p, Gen: m.gen}, nil
 }
 
@@ -319,9 +403,38 @@ func (a *Allocator) Evict(pages []int32) error {
 }
 
 // Clean returns quarantined pages to the free list once their scrub has
-// completed.
+// completed. All pages must be quarantined: on error nothing changes.
+// Pages are pushed in reverse, so that Alloc hands them out again in the
+// order given: a sorted batch comes back sorted, and fills coalesce.
 func (a *Allocator) Clean(pages []int32) error {
-	return a.transition(pages, Quarantined, Free, "clean")
+	meta := a.pages
+	top := len(a.free)
+	if len(pages) > cap(a.free)-top { // more pages than are not free: one must fail
+		return a.transition(pages, Quarantined, Free, "clean")
+	}
+	stack := a.free[top : top+len(pages)] // the stack's capacity is every page
+	q := packed(Quarantined, 0)
+	bad := -1
+	for i := len(pages) - 1; i >= 0; i-- {
+		p := uint(pages[i]) // a negative page is a huge uint: out of range too
+		if p >= uint(len(meta)) || meta[p].word != q {
+			bad = i
+			break
+		}
+		meta[p].word = packed(Free, 0)
+		stack[len(pages)-1-i] = int32(p)
+	}
+	if bad >= 0 {
+		err := a.transitionErr(pages[bad:], Quarantined, Free, "clean")
+		for _, p := range pages[bad+1:] {
+			meta[p].word = q
+		}
+		return err
+	}
+	a.free = a.free[:top+len(pages)]
+	a.count[Quarantined] -= len(pages)
+	a.count[Free] += len(pages)
+	return nil
 }
 
 // Retire takes quarantined pages out of service for good (their scrub
@@ -340,23 +453,23 @@ func (a *Allocator) Unclean(pages []int32) error {
 		switch {
 		case a.checkID(p) != nil:
 			err = a.checkID(p)
-		case a.pages[p].mark != 0:
+		case a.pages[p].marked():
 			err = fmt.Errorf("%w: unclean: page %d appears twice in one batch", ErrInvalidArgument, p)
-		case a.pages[p].state != Free:
-			err = fmt.Errorf("%w: unclean of page %d, which is %s, not %s", ErrWrongState, p, a.pages[p].state, Free)
+		case a.pages[p].state() != Free:
+			err = fmt.Errorf("%w: unclean of page %d, which is %s, not %s", ErrWrongState, p, a.pages[p].state(), Free)
 		}
 		if err != nil {
 			for _, q := range pages[:i] {
-				a.pages[q].mark = 0
+				a.pages[q].word &^= markBit
 			}
 			return err
 		}
-		a.pages[p].mark = 1
+		a.pages[p].word |= markBit
 	}
 	kept := a.free[:0]
 	for _, p := range a.free {
-		if m := &a.pages[p]; m.mark != 0 {
-			m.mark, m.state = 0, Quarantined
+		if m := &a.pages[p]; m.marked() {
+			m.word = packed(Quarantined, 0)
 			continue
 		}
 		kept = append(kept, p)
@@ -368,30 +481,35 @@ func (a *Allocator) Unclean(pages []int32) error {
 }
 
 // transition moves pages from state from to state to, checking and
-// applying each page in one pass. Pages going Free are pushed in reverse,
-// so that Alloc hands them out again in the order given: a sorted batch
-// comes back sorted, and fills coalesce. A page that fails its check
-// undoes the batch so far (a page given twice fails the second time: the
-// first moved it out of from).
+// applying each page in one pass, in reverse (see Clean). A page that
+// fails its check undoes the batch so far (a page given twice fails the
+// second time: the first moved it out of from).
 func (a *Allocator) transition(pages []int32, from, to State, op string) error {
 	meta := a.pages
+	var inc uint32
+	if to == Quarantined {
+		inc = 1
+	}
+	wf, wt := packed(from, 0), packed(to, 0)
 	top := len(a.free)
 	for i := len(pages) - 1; i >= 0; i-- {
 		p := pages[i]
-		if uint(p) >= uint(len(meta)) || meta[p].state != from {
+		if uint(p) >= uint(len(meta)) || meta[p].word != wf {
 			err := a.transitionErr(pages[i:], from, to, op)
-			a.undoTransition(pages[i+1:], from, to)
+			for _, q := range pages[i+1:] {
+				meta[q].word = wf
+				meta[q].gen -= inc
+			}
+			if to == Free {
+				a.free = a.free[:top]
+			}
 			return err
 		}
 		m := &meta[p]
-		m.state = to
-		switch to {
-		case Free:
-			a.free = a.free[:top+1] // the stack's capacity is every page
-			a.free[top] = p
-			top++
-		case Quarantined:
-			m.gen++
+		m.word = wt
+		m.gen += inc
+		if to == Free {
+			a.free = append(a.free, p) // within capacity: every page
 		}
 	}
 	a.count[from] -= len(pages)
@@ -406,25 +524,10 @@ func (a *Allocator) transitionErr(pages []int32, from, to State, op string) erro
 	if err := a.checkID(p); err != nil {
 		return err
 	}
-	if s := a.pages[p].state; s != to || !slices.Contains(pages[1:], p) {
+	if s := a.pages[p].state(); s != to || !slices.Contains(pages[1:], p) {
 		return fmt.Errorf("%w: %s of page %d, which is %s, not %s", ErrWrongState, op, p, s, from)
 	}
 	return fmt.Errorf("%w: %s: page %d appears twice in one batch", ErrInvalidArgument, op, p)
-}
-
-// undoTransition restores pages, which transition has just moved (in
-// reverse order: the last of them first).
-func (a *Allocator) undoTransition(pages []int32, from, to State) {
-	for _, p := range pages {
-		m := &a.pages[p]
-		m.state = from
-		if to == Quarantined {
-			m.gen--
-		}
-	}
-	if to == Free {
-		a.free = a.free[:len(a.free)-len(pages)]
-	}
 }
 
 // Check verifies the accounting invariants listed in the package doc. It
@@ -433,26 +536,20 @@ func (a *Allocator) Check() error {
 	var seen [numStates]int
 	for i := range a.pages {
 		m := &a.pages[i]
-		if m.state >= numStates {
-			return fmt.Errorf("%w: page %d has state %d", ErrCorrupt, i, m.state)
-		}
-		if m.mark != 0 {
+		s, refs := m.state(), m.refs()
+		switch {
+		case s >= numStates || m.word>>25 != 0:
+			return fmt.Errorf("%w: page %d has state word %#x", ErrCorrupt, i, m.word)
+		case m.marked():
 			return fmt.Errorf("%w: page %d left marked", ErrCorrupt, i)
+		case s == InUse && refs == 0:
+			return fmt.Errorf("%w: page %d in use with no references", ErrCorrupt, i)
+		case s != InUse && refs != 0:
+			return fmt.Errorf("%w: page %d is %s with %d references", ErrCorrupt, i, s, refs)
+		case (s == InUse || s == Cached) && m.owner == 0:
+			return fmt.Errorf("%w: page %d is %s without owner", ErrCorrupt, i, s)
 		}
-		seen[m.state]++
-		switch m.state {
-		case InUse:
-			if m.refs == 0 {
-				return fmt.Errorf("%w: page %d in use with no references", ErrCorrupt, i)
-			}
-		default:
-			if m.refs != 0 {
-				return fmt.Errorf("%w: page %d is %s with %d references", ErrCorrupt, i, m.state, m.refs)
-			}
-		}
-		if (m.state == InUse || m.state == Cached) && m.owner == 0 {
-			return fmt.Errorf("%w: page %d is %s without owner", ErrCorrupt, i, m.state)
-		}
+		seen[s]++
 	}
 	total := 0
 	for s := range numStates {
@@ -473,19 +570,19 @@ func (a *Allocator) Check() error {
 			break
 		}
 		m := &a.pages[p]
-		if m.mark != 0 {
+		if m.marked() {
 			err = fmt.Errorf("%w: page %d twice on the free stack", ErrCorrupt, p)
 			break
 		}
-		if m.state != Free {
-			err = fmt.Errorf("%w: page %d on the free stack is %s", ErrCorrupt, p, m.state)
+		if m.state() != Free {
+			err = fmt.Errorf("%w: page %d on the free stack is %s", ErrCorrupt, p, m.state())
 			break
 		}
-		m.mark = 1
+		m.word |= markBit
 		n++
 	}
 	for _, p := range a.free[:n] {
-		a.pages[p].mark = 0
+		a.pages[p].word &^= markBit
 	}
 	if err != nil {
 		return err

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 	"unsafe"
@@ -209,10 +210,115 @@ func TestCheckFindsCorruption(t *testing.T) {
 	a.free = append(a.free[:3], 9) // a page that does not exist
 	assert.ErrorIs(t, a.Check(), ErrCorrupt)
 	a = mustNew(t, 4)
-	a.pages[1].state = InUse
+	a.pages[1].word = packed(InUse, 0)
 	a.count[Free]--
 	a.count[InUse]++
 	assert.ErrorIs(t, a.Check(), ErrCorrupt, "in use with no references")
+}
+
+// Every batch operation checks and applies each page in one pass and
+// undoes what it applied when a page fails: a bad entry at any place of a
+// batch, of every kind, leaves the allocator exactly as it was.
+func TestBatchWithABadEntryAnywhereChangesNothing(t *testing.T) {
+	const owner = 5
+	setup := func(t *testing.T) (a *Allocator, private, shared []Handle, quarantined, cached []int32, other Handle) {
+		a = mustNew(t, 32)
+		hs, err := a.Alloc(nil, 17, owner)
+		require.NoError(t, err)
+		private, shared = hs[:6], hs[6:10] // shared pages have a second reference
+		for _, h := range shared {
+			_, err := a.Retain(h.Page, owner)
+			require.NoError(t, err)
+		}
+		quarantined, err = a.Release(nil, hs[10:13], owner)
+		require.NoError(t, err)
+		cached, err = a.Park(nil, hs[13:16], owner)
+		require.NoError(t, err)
+		require.NoError(t, a.Check())
+		return a, private, shared, quarantined, cached, hs[16] // other: in use, in no batch
+	}
+	a, private, shared, quarantined, cached, other := setup(t)
+	freePage := a.PeekFree(nil, 1)[0]
+	good := append(append([]Handle(nil), private...), shared...) // interleaved below
+	good = []Handle{good[0], good[6], good[1], good[7], good[2], good[8], good[3], good[9], good[4], good[5]}
+	badHandles := []struct {
+		name string
+		h    Handle
+		want error
+	}{
+		{"out of range", Handle{Page: 99}, ErrInvalidArgument},
+		{"negative", Handle{Page: -3}, ErrInvalidArgument},
+		{"stale", Handle{Page: other.Page, Gen: other.Gen + 1}, ErrStaleHandle},
+		{"free", Handle{Page: freePage}, ErrDoubleFree},
+		{"quarantined", Handle{Page: quarantined[0], Gen: 1}, ErrDoubleFree},
+		{"cached", Handle{Page: cached[0]}, ErrDoubleFree},
+		{"a private page twice", private[3], ErrDoubleFree},
+		{"a shared page twice", shared[1], ErrDoubleFree},
+	}
+	for _, op := range []struct {
+		name string
+		f    func([]int32, []Handle, Owner) ([]int32, error)
+	}{{"release", a.Release}, {"park", a.Park}} {
+		for _, bad := range badHandles {
+			for at := 0; at <= len(good); at++ {
+				batch := slices.Insert(slices.Clone(good), at, bad.h)
+				if bad.h == private[3] && at <= slices.Index(good, private[3]) ||
+					bad.h == shared[1] && at <= slices.Index(good, shared[1]) {
+					continue // then the repeat is the good one, after the bad
+				}
+				before := snapshot(a)
+				out, err := op.f([]int32{-7}, batch, owner)
+				require.ErrorIs(t, err, bad.want, "%s, %s at %d", op.name, bad.name, at)
+				require.Equal(t, []int32{-7}, out, "%s, %s at %d: the output slice grew", op.name, bad.name, at)
+				require.Equal(t, before, snapshot(a), "%s, %s at %d changed the allocator", op.name, bad.name, at)
+				require.NoError(t, a.Check())
+			}
+		}
+		before := snapshot(a)
+		_, err := op.f(nil, good, owner+1)
+		require.ErrorIs(t, err, ErrNotOwner, "%s of another owner's pages", op.name)
+		require.Equal(t, before, snapshot(a))
+	}
+
+	for _, op := range []struct {
+		name   string
+		f      func([]int32) error
+		pages  []int32
+		wrong  int32 // a page in another state
+		repeat int   // index into pages of a page to repeat
+	}{
+		{"clean", a.Clean, quarantined, private[0].Page, 1},
+		{"retire", a.Retire, quarantined, cached[0], 2},
+		{"evict", a.Evict, cached, quarantined[0], 0},
+		{"unclean", a.Unclean, a.PeekFree(nil, 4), private[0].Page, 3},
+	} {
+		for _, bad := range []struct {
+			name string
+			p    int32
+			want error
+		}{
+			{"out of range", 99, ErrInvalidArgument},
+			{"negative", -1, ErrInvalidArgument},
+			{"in the wrong state", op.wrong, ErrWrongState},
+			{"twice", op.pages[op.repeat], ErrInvalidArgument},
+		} {
+			for at := 0; at <= len(op.pages); at++ {
+				if bad.name == "twice" && at <= op.repeat {
+					continue
+				}
+				batch := slices.Insert(slices.Clone(op.pages), at, bad.p)
+				before := snapshot(a)
+				require.ErrorIs(t, op.f(batch), bad.want, "%s, %s at %d", op.name, bad.name, at)
+				require.Equal(t, before, snapshot(a), "%s, %s at %d changed the allocator", op.name, bad.name, at)
+				require.NoError(t, a.Check())
+			}
+		}
+	}
+	// And the good batches still apply in full.
+	_, err := a.Release(nil, good, owner)
+	require.NoError(t, err)
+	require.NoError(t, a.Check())
+	assert.Equal(t, 5, a.Count(InUse), "one reference left on each shared page, and other")
 }
 
 // model is the reference: a map from page to its state and holder.
@@ -336,6 +442,34 @@ func runModel(t *testing.T, n int, next func() int, steps int) {
 			_, err = a.Release(nil, []Handle{h}, owners(h)+7)
 			require.True(t, errors.Is(err, ErrNotOwner))
 			require.Equal(t, before, snapshot(a))
+			// A batch of good handles of h's owner (each page once) with a
+			// stale one at any place: the pages before it, already applied
+			// in the one pass, are put back.
+			var batch []Handle
+			seen := map[int32]bool{}
+			for _, g := range held {
+				if owners(g) == owners(h) && !seen[g.Page] && len(batch) < 6 {
+					seen[g.Page] = true
+					batch = append(batch, g)
+				}
+			}
+			at := next() % (len(batch) + 1)
+			batch = append(batch[:at], append([]Handle{{Page: h.Page, Gen: h.Gen + 1}}, batch[at:]...)...)
+			if next()%2 == 0 {
+				_, err = a.Park(nil, batch, owners(h))
+			} else {
+				_, err = a.Release(nil, batch, owners(h))
+			}
+			require.Error(t, err)
+			require.Equal(t, before, snapshot(a), "a batch with a bad handle at %d of %d changed the allocator", at, len(batch))
+			// The same for a Clean of the quarantined pages with a page that
+			// is not quarantined in it.
+			if qs := inState(Quarantined); len(qs) > 0 {
+				at := next() % (len(qs) + 1)
+				bad := append(append(append([]int32(nil), qs[:at]...), h.Page), qs[at:]...)
+				require.ErrorIs(t, a.Clean(bad), ErrWrongState)
+				require.Equal(t, before, snapshot(a), "a clean with a bad page at %d of %d changed the allocator", at, len(bad))
+			}
 		}
 		require.NoError(t, a.Check())
 		for p := range int32(n) {
@@ -366,8 +500,13 @@ func FuzzAllocatorOps(f *testing.F) {
 	})
 }
 
+// BenchmarkAllocFree takes and gives back 128-page batches (Alloc +
+// Release + Clean) on a churned free list, and reports ns per page and
+// x_floor, its ratio to the same cycle on a plain stack of page IDs
+// (stackFloor). The two run in alternating slices of the same loop, so
+// that a change in the machine's load shows in both.
 func BenchmarkAllocFree(b *testing.B) {
-	const batch = 128
+	const batch, slice = 128, 1024 // cycles per slice of each side
 	for _, n := range []int{1024, 1 << 20} {
 		b.Run(fmt.Sprintf("pages=%d", n), func(b *testing.B) {
 			a := mustNew(b, n)
@@ -378,12 +517,25 @@ func BenchmarkAllocFree(b *testing.B) {
 			if err := a.Clean(q); err != nil {
 				b.Fatal(err)
 			}
+			floor := newStackFloor(n, batch)
 			handles := make([]Handle, 0, batch)
 			scratch := make([]int32, 0, batch)
 			var failed error
+			var own, base time.Duration
+			cycles, floorCycles := 0, 0
 			b.ReportAllocs()
 			b.ResetTimer()
 			for b.Loop() {
+				if cycles%slice == 0 && cycles > 0 {
+					own += time.Since(floor.mark)
+					b.StopTimer()
+					base += floor.run(slice)
+					floorCycles += slice
+					b.StartTimer()
+					floor.mark = time.Now()
+				} else if cycles == 0 {
+					floor.mark = time.Now()
+				}
 				var err1, err2, err3 error
 				handles, err1 = a.Alloc(handles[:0], batch, 1)
 				scratch, err2 = a.Release(scratch[:0], handles, 1)
@@ -391,10 +543,17 @@ func BenchmarkAllocFree(b *testing.B) {
 				if err1 != nil || err2 != nil || err3 != nil {
 					failed = errors.Join(err1, err2, err3)
 				}
+				cycles++
 			}
-			perPage := float64(b.Elapsed().Nanoseconds()) / float64(b.N*batch)
+			own += time.Since(floor.mark)
+			b.StopTimer()
+			if floorCycles == 0 { // too few cycles for a slice: one of the same length
+				base += floor.run(cycles)
+				floorCycles = cycles
+			}
+			perPage := float64(own.Nanoseconds()) / float64(cycles*batch)
 			b.ReportMetric(perPage, "ns/page")
-			b.ReportMetric(perPage/stackFloor(b, n, batch, b.N), "x_floor")
+			b.ReportMetric(perPage/(float64(base.Nanoseconds())/float64(floorCycles*batch)), "x_floor")
 			// Checked after the loop, so that the check costs nothing per
 			// cycle: every cycle took and gave back the whole batch.
 			if failed != nil {
@@ -406,38 +565,56 @@ func BenchmarkAllocFree(b *testing.B) {
 			if err := a.Check(); err != nil {
 				b.Fatal(err)
 			}
+			if err := floor.check(n); err != nil {
+				b.Fatal(err)
+			}
 		})
 	}
 }
 
-// stackFloor is the floor BenchmarkAllocFree is measured against, in the
-// same run: the same cycles on a plain stack of page IDs with one
-// metadata store per page taken and one per page given back (what any
-// allocator must at least do), on a churned stack of n pages. It returns
-// ns per page.
-func stackFloor(b *testing.B, n, batch, cycles int) float64 {
-	stack := make([]int32, n)
-	meta := make([]pageMeta, n)
+// stackFloor is the floor BenchmarkAllocFree is measured against: the
+// same cycles on a plain stack of page IDs with one metadata store per
+// page taken and one per page given back (what any allocator must at
+// least do), on a churned stack of n pages.
+type stackFloor struct {
+	stack, taken []int32
+	meta         []pageMeta
+	batch        int
+	mark         time.Time // scratch of the benchmark's own timing
+}
+
+func newStackFloor(n, batch int) *stackFloor {
+	f := &stackFloor{stack: make([]int32, n), meta: make([]pageMeta, n), taken: make([]int32, 0, batch), batch: batch}
 	for i, p := range rand.New(rand.NewPCG(3, 4)).Perm(n) {
-		stack[i] = int32(p)
+		f.stack[i] = int32(p)
 	}
-	taken := make([]int32, 0, batch)
+	return f
+}
+
+// run runs cycles cycles and returns the time they took.
+func (f *stackFloor) run(cycles int) time.Duration {
 	start := time.Now()
+	stack, taken, meta, batch := f.stack, f.taken, f.meta, f.batch
 	for range cycles {
 		top := len(stack)
 		taken = append(taken[:0], stack[top-batch:]...)
 		stack = stack[:top-batch]
 		for _, p := range taken {
-			meta[p].state = InUse
+			meta[p].word = packed(InUse, 1)
 		}
 		for i := len(taken) - 1; i >= 0; i-- {
-			meta[taken[i]].state = Free
+			meta[taken[i]].word = packed(Free, 0)
 			stack = append(stack, taken[i])
 		}
 	}
-	ns := float64(time.Since(start).Nanoseconds()) / float64(cycles*batch)
-	if len(stack) != n || meta[taken[0]].state != Free {
-		b.Fatalf("floor: %d of %d pages back", len(stack), n)
+	f.stack, f.taken = stack, taken
+	return time.Since(start)
+}
+
+// check verifies that every cycle gave back what it took.
+func (f *stackFloor) check(n int) error {
+	if len(f.stack) != n || (len(f.taken) > 0 && f.meta[f.taken[0]].state() != Free) {
+		return fmt.Errorf("floor: %d of %d pages back", len(f.stack), n)
 	}
-	return ns
+	return nil
 }

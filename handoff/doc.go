@@ -30,9 +30,12 @@
 //   - Sender: Export pins a prefilled lease (nothing else exports: a
 //     refused request has no lease, a placeholder that wrote 1 of N tokens
 //     is not prefilled) and signs its manifest; Send streams the manifest,
-//     waits for the receiver to accept it, streams the pages (device → host
-//     staging → wire), summing each as it is staged, seals the sum, and
-//     waits for the receiver's verdict. So the first page leaves as soon
+//     waits for the receiver to accept it, streams the pages, summing each
+//     just before the transport takes it, seals the sum, and waits for the
+//     receiver's verdict. On a ViewStream over a pool of host memory the
+//     transport reads the pages where they lie (kvcache's PageViews: pinned
+//     until the stream gives them back, and every end of the export waits
+//     for that); otherwise they are staged (device → host → wire). So the first page leaves as soon
 //     as the receiver has admitted the import, and each byte leaves the
 //     device once (a manifest carrying the checksum would need a whole
 //     pass over the pages first). The pages stay pinned until that ack, an
@@ -105,11 +108,13 @@
 // whole pages tagged with the transfer ID and their generations), an end
 // frame, and verdicts back. InProcess connects two pools in one process;
 // handoff/grpcx streams over gRPC (TLS or, on a trusted network, plain)
-// between processes and machines. Two optional interfaces save copies of
-// the page bytes: an OwningStream takes over the sender's data frames
-// instead of copying them, and a PartsEndpoint hands the receiver each
-// message in the buffers it arrived in, from which the pages are written
-// into the decode pool directly (kvcache.Incoming.WritePagesFrom).
+// between processes and machines. Three optional interfaces save copies
+// of the page bytes: a ViewStream sends the exporting pool's pages
+// themselves, with no staging copy (grpcx's does); an OwningStream takes
+// over the sender's staged data frames instead of copying them; and a
+// PartsEndpoint hands the receiver each message in the buffers it arrived
+// in, from which the pages are written into the decode pool directly
+// (kvcache.Incoming.WritePagesFrom).
 //
 // RDMA transports (NIXL, Mooncake's transfer engine, UCX) fit the same
 // protocol with the bytes moved out of band: the manifest and verdicts go

@@ -247,23 +247,22 @@ func (e *Export) sendPages(st Stream) error {
 	pb := int(e.out.PageBytes())
 	n := e.out.Pages()
 	per := max(1, min(n, (e.s.cfg.FrameBytes-dataFixed)/(pb+4)))
+	sums := make([]uint64, n)
+	if vs, ok := st.(ViewStream); ok && e.out.Viewable() {
+		if err := e.sendViews(vs, per, sums); err != nil {
+			return err
+		}
+		return e.send(st, appendSeal(nil, e.s.cfg.Key, e.m.TransferID, n, kvcache.ContentChecksum(sums)))
+	}
 	// Every frame buffer has a full frame's capacity: one size class in
 	// the pool per geometry and frame size.
 	full := dataFixed + per*(4+pb)
 	owning, _ := st.(OwningStream)
-	sums := make([]uint64, n)
-	le := binary.LittleEndian
 	for first := 0; first < n; {
 		k := min(per, n-first)
 		b := frameBuffers.get(dataFixed+k*(4+pb), full)
 		frame := *b
-		frame[0] = msgData
-		copy(frame[1:17], e.m.TransferID[:])
-		le.PutUint32(frame[17:], uint32(first))
-		le.PutUint32(frame[21:], uint32(k))
-		for i, g := range e.m.Generations[first : first+k] {
-			le.PutUint32(frame[dataFixed+4*i:], g)
-		}
+		e.putDataHead(frame, first, k)
 		pages := frame[dataFixed+4*k:]
 		if err := e.out.ReadPages(first, pages); err != nil {
 			frameBuffers.put(b)
@@ -285,6 +284,48 @@ func (e *Export) sendPages(st Stream) error {
 		first += k
 	}
 	return e.send(st, appendSeal(nil, e.s.cfg.Key, e.m.TransferID, n, kvcache.ContentChecksum(sums)))
+}
+
+// putDataHead writes the head of the data frame of pages first …
+// first+k-1 (kind, transfer ID, first, k, generations) into frame.
+func (e *Export) putDataHead(frame []byte, first, k int) {
+	le := binary.LittleEndian
+	frame[0] = msgData
+	copy(frame[1:17], e.m.TransferID[:])
+	le.PutUint32(frame[17:], uint32(first))
+	le.PutUint32(frame[21:], uint32(k))
+	for i, g := range e.m.Generations[first : first+k] {
+		le.PutUint32(frame[dataFixed+4*i:], g)
+	}
+}
+
+// sendViews sends the data frames of a ViewStream: each frame's pages
+// are lent by the pool (PageViews, pinned until the stream is done with
+// them) and summed where they lie, just before the stream copies them
+// out, so that the stream reads them from cache; nothing is staged.
+func (e *Export) sendViews(st ViewStream, per int, sums []uint64) error {
+	n := e.out.Pages()
+	head := make([]byte, dataFixed+4*per)
+	var views [][]byte
+	for first := 0; first < n; {
+		k := min(per, n-first)
+		h := head[:dataFixed+4*k]
+		e.putDataHead(h, first, k)
+		var done func()
+		var err error
+		if views, done, err = e.out.PageViews(first, k, views[:0]); err != nil {
+			return err
+		}
+		regions := len(views) / k
+		for i := range k {
+			sums[first+i] = kvcache.PageChecksumOf(views[i*regions : (i+1)*regions])
+		}
+		if err := e.check(st, st.SendViews(h, views, done)); err != nil {
+			return err
+		}
+		first += k
+	}
+	return nil
 }
 
 // send transmits msg; if the receiver has already ended the transfer,

@@ -44,6 +44,23 @@ type OwningStream interface {
 	SendOwned(msg []byte, done func()) error
 }
 
+// ViewStream is a Stream that can send a data frame whose pages it reads
+// where they lie, in the exporting pool's memory, instead of from a copy.
+// The sender uses it when the pool lends its pages
+// (kvcache.Outgoing.Viewable: host memory), so that no byte is staged
+// between the pages and the transport: the pages stay pinned, and every
+// end of the export waits, until the stream calls done.
+type ViewStream interface {
+	Stream
+	// SendViews transmits one message: head followed by the bytes of
+	// views, in order. The stream does not keep head or the views slice
+	// after SendViews returns; it reads the views' bytes until it calls
+	// done, exactly once, when it will read none of them again, whether
+	// or not the send succeeds (possibly before SendViews returns). It
+	// must not write them.
+	SendViews(head []byte, views [][]byte, done func()) error
+}
+
 // Endpoint is the receiver's end of one transfer, what a transport
 // passes to Receiver.Serve.
 type Endpoint interface {

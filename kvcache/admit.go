@@ -326,8 +326,8 @@ func (p *Pool) attemptLocked(a *admission) step {
 	// Nothing can fail from here on.
 	p.mu.tenants.Apply(t, dec)
 	hits := len(l.match.entries)
-	handles := p.shareMatchedLocked(l, t, l.handles[:0])
-	handles, err = p.mu.alloc.Alloc(handles, fresh, t.Domain.ID)
+	handles, table := p.shareMatchedLocked(l, t, l.handles[:0], l.table[:0])
+	handles, table, err = p.mu.alloc.AllocIDs(handles, table, fresh, t.Domain.ID)
 	if err != nil {
 		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
 	}
@@ -336,7 +336,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 	}
 	a.claim = 0
 	p.mu.seq++
-	l.reset(p, *req, t, handles, p.mu.seq)
+	l.reset(p, *req, t, handles, table, p.mu.seq)
 	if len(p.side) > 0 {
 		p.takeSideLocked(l, t)
 	}

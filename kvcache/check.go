@@ -15,7 +15,9 @@ import (
 // the quarantine's and the prefix index's own, and then that they agree:
 //
 //   - every page of a live lease is in use by the lease's domain at the
-//     lease's generation, and its block table matches its handles;
+//     lease's generation, and its block table matches its handles; only
+//     its first published pages (hits and what it published) are in the
+//     prefix index, which is all its release looks up;
 //   - each page's refcount is the number of live leases holding it, and a
 //     page without an index entry is held by at most one;
 //   - each entry's per-tenant counts are its leases' tenants, and each
@@ -92,8 +94,37 @@ func (p *Pool) checkLocked() error {
 	p.mu.prefix.check(&c)
 	p.checkSharingLocked(&c)
 	p.checkAdmissionsLocked(&c)
+	p.checkMatchesLocked(&c)
 	p.checkSideLocked(&c)
 	return c.err()
+}
+
+// checkMatchesLocked checks the prefix matches that leases hold between
+// attempts (admitted leases, and admissions waiting in the queue): a
+// match still valid at the index's epoch, which an attempt would use as
+// it is, holds only entries in the index, never a spare one (see
+// prefixIndex.recycle).
+func (p *Pool) checkMatchesLocked(c *checker) {
+	p.assertHeld()
+	x := &p.mu.prefix
+	check := func(l *Lease) {
+		m := &l.match
+		if !m.valid || m.epoch != x.epoch {
+			return
+		}
+		for i, e := range m.entries {
+			if e.spare || e.detached || e.page < 0 || int(e.page) >= len(x.byPage) || x.byPage[e.page] != e {
+				c.failf("lease %q: entry %d of its current prefix match is not in the index (spare %v)", l.id, i, e.spare)
+				return
+			}
+		}
+	}
+	for _, l := range p.mu.leases {
+		check(l)
+	}
+	for l := p.mu.waiters.head; l != nil; l = l.wait.next {
+		check(l)
+	}
 }
 
 // checkSharingLocked checks leases, refcounts, tenant charges and the
@@ -127,6 +158,11 @@ func (p *Pool) checkSharingLocked(c *checker) {
 				c.failf("lease %q page %d: %+v, want in use by domain %q at generation %d", id, h.Page, info, l.domain.Name, h.Gen)
 			}
 			refs[h.Page]++
+			if x.byPage[h.Page] != nil && i >= l.published {
+				// releasePagesLocked looks pages up in the index only up to
+				// published: this one would be released as private.
+				c.failf("lease %q page %d (its %dth) is in the prefix index, past the %d pages it published or shared", id, h.Page, i, l.published)
+			}
 			if x.byPage[h.Page] != nil {
 				if entryRefs[tenantPage{l.tenant, h.Page}]++; entryRefs[tenantPage{l.tenant, h.Page}] == 1 {
 					charged[l.tenant]++

@@ -38,6 +38,24 @@ func PageChecksum(page []byte) uint64 {
 	return sum
 }
 
+// PageChecksumOf is PageChecksum of the page whose bytes are parts, in
+// order (a page's region views from Outgoing.PageViews), hashed where
+// they lie: only a 4 KiB block that straddles two parts is copied.
+func PageChecksumOf(parts [][]byte) uint64 {
+	n := 0
+	for _, p := range parts {
+		n += len(p)
+	}
+	if n == 0 {
+		return PageChecksum(nil)
+	}
+	var small [64 * 8]byte
+	var block []byte
+	cur := partCursor{parts: parts}
+	sum, _ := cur.pageSum(n, &block, small[:0])
+	return sum
+}
+
 // ContentChecksum folds per-page checksums, in page order, into the
 // content checksum of a transfer.
 func ContentChecksum(pageSums []uint64) uint32 {

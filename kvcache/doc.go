@@ -173,7 +173,9 @@
 // page copies (Outgoing.ReadPages, Incoming.WritePages) are vetted under
 // Pool.mu and run outside it, with the lease pinned: an end of a pinned
 // lease, and Close, wait on a condition variable of Pool.mu (Pool.quiet)
-// until the copies are done.
+// until the copies are done. Outgoing.PageViews lends the pages' host
+// memory itself to a transport the same way: pinned until the transport
+// calls done.
 //
 // A Lease's own fields are immutable while it lives, except the written
 // watermark, the state and the handoff phase (phase.go), which are

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sync/errgroup"
@@ -214,6 +215,70 @@ func (o *Outgoing) ReadPages(first int, dst []byte) error {
 	}
 	defer p.unpin(o.lease)
 	return p.readPages(hs, dst)
+}
+
+// pageViewer is a device whose pages are host memory a copy can read in
+// place (cudaops.Host, and devices built on it).
+type pageViewer interface {
+	PageBytes(r int, p int32) []byte
+}
+
+// Viewable reports whether PageViews can lend the exported pages' memory
+// (the pool's pages are host memory); otherwise copy them with ReadPages.
+func (o *Outgoing) Viewable() bool {
+	_, ok := o.pool.dev.(pageViewer)
+	return ok
+}
+
+// PageViews is ReadPages without the copy, for a transport that sends
+// the pages' memory itself: it appends to views the live memory of
+// exported pages first … first+n-1, one view per page per region, each
+// page's regions in order, and pins the lease until done is called.
+// While pinned, the pages are the export's as ReadPages checks them (in
+// use, at the generations exported), and every end of the lease (Ack,
+// Abort, the reclaim deadline, Close) waits for done. The caller must
+// call done exactly once, when nothing will read the views again, and
+// must not write them; later calls of done do nothing. Errors are
+// ReadPages' (nothing is pinned then), and ErrInvalidArgument on a pool
+// whose pages are not host memory (see Viewable).
+func (o *Outgoing) PageViews(first, n int, views [][]byte) (_ [][]byte, done func(), err error) {
+	p := o.pool
+	pv, ok := p.dev.(pageViewer)
+	if !ok {
+		return views, nil, fmt.Errorf("%w: the pool's device (%s) has no host memory to view: copy with ReadPages", ErrInvalidArgument, p.dev.Name())
+	}
+	pb := int(p.PageBytes())
+	if n > len(o.handles) || !pageRangeOK(first, n, n*pb, pb, len(o.handles)) {
+		return views, nil, fmt.Errorf("%w: view of %d pages at page %d of %d", ErrInvalidArgument, n, first, len(o.handles))
+	}
+	hs := o.handles[first : first+n]
+	p.mu.Lock()
+	err = o.checkLocked()
+	if err == nil {
+		err = p.pinPagesLocked(o.lease, hs, false)
+	}
+	p.mu.Unlock()
+	if err != nil {
+		return views, nil, err
+	}
+	var once atomic.Bool
+	done = func() {
+		if once.CompareAndSwap(false, true) {
+			p.unpin(o.lease)
+		}
+	}
+	start := len(views)
+	for _, h := range hs {
+		for r := range p.lay.primary.count {
+			v := pv.PageBytes(r, h.Page)
+			if len(v) != int(p.lay.regions[r].PageBytes) {
+				done()
+				return views[:start], nil, fmt.Errorf("%w: page %d region %d: no memory to view", ErrDevice, h.Page, r)
+			}
+			views = append(views, v[:len(v):len(v)]) // nothing past the page
+		}
+	}
+	return views, done, nil
 }
 
 // pageRangeOK reports whether n ≥ 1 whole pages of pageBytes (bytes in

@@ -133,15 +133,11 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 
 	// Nothing can fail from here on.
 	p.mu.tenants.Apply(t, dec)
-	before := len(l.handles)
-	handles, err := p.mu.alloc.Alloc(l.handles, fresh, t.Domain.ID)
+	handles, table, err := p.mu.alloc.AllocIDs(l.handles, l.table, fresh, t.Domain.ID)
 	if err != nil {
 		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
 	}
-	l.handles = handles
-	for _, h := range handles[before:] {
-		l.table = append(l.table, h.Page)
-	}
+	l.handles, l.table = handles, table
 	l.publishTable()
 	if a.claimEpoch == p.mu.claimEpoch {
 		p.mu.claimed -= a.claim

@@ -284,3 +284,102 @@ func (d *countingReads) ReadPage(r int, p int32, dst []byte) error {
 	d.reads.Add(1)
 	return d.Device.ReadPage(r, p, dst)
 }
+
+// TestPageViewsLendThePagesUntilDone: a transport that sends the pages'
+// memory itself (PageViews) reads it after the pool lock is let go, so
+// the lease stays pinned until done: an Abort, the engine's Release or
+// Close waits for it, the pages are neither scrubbed nor reused while
+// lent, and the views hold exactly what ReadPages copies, checksum
+// included. done twice unpins once.
+func TestPageViewsLendThePagesUntilDone(t *testing.T) {
+	for _, how := range []string{"abort", "engine release", "close"} {
+		t.Run(how, func(t *testing.T) {
+			p := handoffPool(t, 16)
+			l := prefilled(t, p, "r", 10) // 3 pages
+			out, err := l.Export(time.Now().Add(time.Hour))
+			require.NoError(t, err)
+			require.True(t, out.Viewable())
+			pb := int(p.PageBytes())
+			want := make([]byte, 3*pb)
+			require.NoError(t, out.ReadPages(0, want))
+			views, done, err := out.PageViews(1, 2, nil)
+			require.NoError(t, err)
+			require.Len(t, views, 2*p.Geometry().Regions())
+			var lent []byte
+			for _, v := range views {
+				lent = append(lent, v...)
+			}
+			require.Equal(t, want[pb:], lent, "the views are the pages' bytes")
+			regions := p.Geometry().Regions()
+			assert.Equal(t, PageChecksum(want[pb:2*pb]), PageChecksumOf(views[:regions]))
+
+			ended := make(chan error, 1)
+			go func() {
+				switch how {
+				case "abort":
+					ended <- out.Abort()
+				case "engine release":
+					ended <- l.Release()
+				case "close":
+					ended <- p.Close()
+				}
+			}()
+			select {
+			case err := <-ended:
+				t.Fatalf("%s returned (%v) while the pages were lent", how, err)
+			case <-time.After(50 * time.Millisecond):
+			}
+			assert.Equal(t, 3, p.Stats().InUsePages, "a page left the lease while lent")
+			for i, v := range views {
+				lent = append(lent[:0], v...)
+				require.Equal(t, want[pb+i*len(v):pb+(i+1)*len(v)], lent, "view %d changed while lent", i)
+			}
+			if how != "close" {
+				_, _, err := out.PageViews(0, 1, nil)
+				assert.ErrorIs(t, err, ErrReclaimed, "a view once the release has begun")
+			}
+			done()
+			done() // once is what counts
+			require.NoError(t, <-ended)
+			assert.Equal(t, 0, p.Stats().InUsePages)
+			require.NoError(t, p.Check())
+		})
+	}
+}
+
+// TestPageViewsRefusals: a bad range pins nothing, a pool whose pages
+// are not host memory lends none, and an ended export none either.
+func TestPageViewsRefusals(t *testing.T) {
+	p := handoffPool(t, 16)
+	l := prefilled(t, p, "r", 10) // 3 pages
+	out, err := l.Export(time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	for _, r := range [][2]int{{0, 0}, {0, 4}, {3, 1}, {-1, 2}, {2, 2}, {0, -1}, {1 << 40, 1}, {0, 1 << 40}} {
+		views, done, err := out.PageViews(r[0], r[1], nil)
+		assert.ErrorIs(t, err, ErrInvalidArgument, "pages [%d, +%d)", r[0], r[1])
+		assert.Nil(t, done)
+		assert.Empty(t, views)
+	}
+	require.NoError(t, out.Abort()) // returns at once: nothing was pinned
+	_, _, err = out.PageViews(0, 1, nil)
+	assert.ErrorIs(t, err, ErrReclaimed)
+	require.NoError(t, p.Check())
+
+	g := Geometry{TokensPerPage: 4, Layers: 1, KVHeads: 1, HeadDim: 4, DType: FP16}
+	q, err := New(Config{Device: wholePagesOnly{cudaops.NewHost()}, Geometry: g, Pages: 8, MaxContextTokens: 32,
+		Tenants: []TenantConfig{{Name: "a"}}})
+	require.NoError(t, err)
+	defer q.Close()
+	ql, err := q.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: 4})
+	require.NoError(t, err)
+	require.NoError(t, ql.BeginPrefill())
+	require.NoError(t, ql.Commit(4))
+	require.NoError(t, ql.FinishPrefill())
+	qo, err := ql.Export(time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	assert.False(t, qo.Viewable())
+	_, _, err = qo.PageViews(0, 1, nil)
+	assert.ErrorIs(t, err, ErrInvalidArgument)
+	require.NoError(t, qo.Abort())
+	require.NoError(t, q.Check())
+}

@@ -85,14 +85,10 @@ type leaseMatch struct {
 	valid   bool
 }
 
-func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []allocator.Handle, seq uint64) {
+func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []allocator.Handle, table []int32, seq uint64) {
 	l.pool, l.id, l.tenant, l.domain, l.seq = p, req.ID, t, t.Domain, seq
 	l.prompt, l.maxNew, l.adapter = req.PromptTokens, req.MaxNewTokens, req.Adapter
-	l.handles = handles
-	l.table = l.table[:0]
-	for _, h := range handles {
-		l.table = append(l.table, h.Page)
-	}
+	l.handles, l.table = handles, table // table[i] == handles[i].Page
 	l.publishTable()
 	l.written.Store(0)
 	l.phase.Store(uint32(PhaseAdmitted))

@@ -576,3 +576,28 @@ func TestFailedEvictionVoidsTheClaim(t *testing.T) {
 	admit(t, p, "c", "b", 6*tinyGeometry.TokensPerPage) // 4 free + 2 cached left
 	require.NoError(t, p.Check())
 }
+
+// A release looks up only a lease's first published pages in the prefix
+// index (releasePagesLocked): a lease with an indexed page past them
+// would release that page as private, leaving the index pointing at a
+// quarantined page. Check names such a lease.
+func TestCheckFindsAnIndexedPagePastWhatTheLeasePublished(t *testing.T) {
+	p := newPrefixPool(t, 16, PrefixConfig{}, TenantConfig{Name: "a"})
+	toks := tokens(4*prefixTPP+1, 0, 1)
+	l := admitComputeCache(t, p, "l", "a", toks, 0)
+	p.mu.Lock()
+	published := l.published
+	require.Equal(t, 4, published)
+	l.published = 2 // pages 2 and 3 are in the index all the same
+	p.mu.Unlock()
+	err := p.Check()
+	require.ErrorIs(t, err, ErrCorrupt)
+	assert.ErrorContains(t, err, "past the 2 pages it published or shared")
+	p.mu.Lock()
+	l.published = published
+	p.mu.Unlock()
+	require.NoError(t, p.Check())
+	require.NoError(t, l.Release())
+	require.NoError(t, p.Check())
+	assert.Equal(t, 4, p.Stats().CachedPages, "every published page is cached after the release")
+}

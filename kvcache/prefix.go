@@ -2,7 +2,6 @@ package kvcache
 
 import (
 	"fmt"
-	"slices"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
@@ -190,7 +189,6 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 		next := e.next
 		if !e.pinned {
 			x.lruRemove(e)
-			x.drop(e)
 			x.counters(e.dom).evictedPages++
 			pages = append(pages, e.page)
 			if p.mu.events.enabled() {
@@ -201,6 +199,7 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 					removed = append(removed, KVEvent{Kind: KVRemoved, Domain: e.dom.Name, Keys: []BlockKey{e.key}, Tokens: p.tpp})
 				}
 			}
+			x.drop(e) // last: e is a spare from here on
 		}
 		e = next
 	}
@@ -218,8 +217,9 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 }
 
 // shareMatchedLocked retains l's matched prefix for a lease of t and
-// appends its handles. It runs after every check and cannot fail.
-func (p *Pool) shareMatchedLocked(l *Lease, t *isolation.Tenant, handles []allocator.Handle) []allocator.Handle {
+// appends its handles, and its pages to table. It runs after every check
+// and cannot fail.
+func (p *Pool) shareMatchedLocked(l *Lease, t *isolation.Tenant, handles []allocator.Handle, table []int32) ([]allocator.Handle, []int32) {
 	p.assertHeld()
 	x := &p.mu.prefix
 	for _, e := range l.match.entries {
@@ -237,8 +237,9 @@ func (p *Pool) shareMatchedLocked(l *Lease, t *isolation.Tenant, handles []alloc
 			e.tenants = append(e.tenants, tenantRef{t: t, refs: 1})
 		}
 		handles = append(handles, h)
+		table = append(table, h.Page)
 	}
-	return handles
+	return handles, table
 }
 
 // countMatchLocked records an admission's lookup in its domain's stats.
@@ -255,19 +256,29 @@ func (p *Pool) countMatchLocked(req *Request, dom *isolation.Domain, keys, hits 
 // reference goes are kept as Cached (LRU), the others are quarantined and
 // appended to pages. Tenants are uncharged once per page they no longer
 // hold.
+//
+// Only the lease's first l.published pages can be in the index (its hits,
+// and what CachePrefix or Preempt published: both count from the front),
+// so only they are looked up; Check proves that no page past them is. The
+// private pages among them are moved up to meet the rest, and all private
+// pages go in one batch.
 func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 	p.assertHeld()
 	x := &p.mu.prefix
 	owner := l.domain.ID
-	private := 0
+	hs := l.handles
+	front := min(l.published, len(hs))
+	w := front // hs[w:] are the private pages found so far, then the rest
 	parked := false
 	// Shared pages are released one by one, last page first, so that a
 	// prompt's deepest pages become the least recently used and are
 	// evicted before the pages its other prompts share.
-	for i := len(l.handles) - 1; i >= 0; i-- {
-		h := l.handles[i]
+	for i := front - 1; i >= 0; i-- {
+		h := hs[i]
 		e := x.byPage[h.Page]
 		if e == nil {
+			w--
+			hs[w] = h
 			continue
 		}
 		r := e.ref(l.tenant)
@@ -282,15 +293,16 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 		}
 		e.leases--
 		var err error
+		one := hs[i : i+1]
 		if e.detached {
 			before := len(pages)
-			if pages, err = p.mu.alloc.Release(pages, l.handles[i:i+1], owner); err == nil && len(pages) > before {
-				x.drop(e)
+			if pages, err = p.mu.alloc.Release(pages, one, owner); err == nil && len(pages) > before {
+				x.drop(e) // e is a spare from here on
 			}
 		} else {
-			var one [1]int32
+			var buf [1]int32
 			var got []int32
-			if got, err = p.mu.alloc.Park(one[:0], l.handles[i:i+1], owner); err == nil && len(got) > 0 {
+			if got, err = p.mu.alloc.Park(buf[:0], one, owner); err == nil && len(got) > 0 {
 				x.lruPush(e)
 				parked = true
 			}
@@ -298,20 +310,13 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 		if err != nil {
 			panic(fmt.Sprintf("kvcache: lease %q held shared page %d the allocator refuses: %v", l.id, h.Page, err))
 		}
-		l.handles[i].Page = -1 // done; the page may have left the index
 	}
 	if parked {
 		p.wakePagesLocked() // evictable pages are pages for whoever waits
 	}
-	// Private pages go in one batch; compact them to the front first.
-	for _, h := range l.handles {
-		if h.Page >= 0 {
-			l.handles[private] = h
-			private++
-		}
-	}
-	p.mu.tenants.Uncharge(l.tenant, private)
-	pages, err := p.mu.alloc.Release(pages, l.handles[:private], owner)
+	private := hs[w:]
+	p.mu.tenants.Uncharge(l.tenant, len(private))
+	pages, err := p.mu.alloc.Release(pages, private, owner)
 	if err != nil {
 		panic(fmt.Sprintf("kvcache: lease %q held pages the allocator refuses: %v", l.id, err))
 	}
@@ -384,12 +389,16 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 			parent = trieNodeOf(e)
 			continue
 		}
-		e = &cacheEntry{key: l.keys[i], dom: l.domain, page: page, leases: 1, tenants: []tenantRef{{t: l.tenant, refs: 1}}}
+		e = x.newEntry()
+		e.key, e.dom, e.page, e.leases = l.keys[i], l.domain, page, 1
+		e.tenants = append(e.tenants, tenantRef{t: l.tenant, refs: 1})
 		if i > 0 {
 			e.parent = l.keys[i-1]
 		}
 		if withTokens {
-			e.tokens = slices.Clone(l.tokens[i*tpp : (i+1)*tpp])
+			e.tokens = append(e.tokens, l.tokens[i*tpp:(i+1)*tpp]...)
+		} else {
+			e.tokens = nil // a key-only entry
 		}
 		x.insert(e, parent)
 		parent = trieNodeOf(e)

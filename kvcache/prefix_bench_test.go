@@ -252,3 +252,86 @@ func BenchmarkPageKey(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkPublishEvict is the prefix cache's churn: each cycle admits a
+// prompt of 128 full pages that no other shares (its first token is the
+// cycle's), computes it (Commit), publishes it (CachePrefix, keys derived
+// once per page) and releases it, its pages staying cached; the cache
+// holds 8 such prompts, so from the ninth on every admission evicts the
+// least recently used prompt's 128 pages (scrubbed, the fill excluded).
+// Baseline, timed in alternating slices of the same loop: the same cycle
+// without tokens (nothing published, nothing evicted). allocs/page is
+// the cycle's allocations per published page.
+func BenchmarkPublishEvict(b *testing.B) {
+	const pages, promptPages, slice = 1024, 128, 64
+	dev := &discardFills{Host: cudaops.NewHost()}
+	defer dev.Close()
+	p, err := New(Config{Geometry: benchGeometry, Pages: pages, MaxContextTokens: pages * benchTPP, Device: dev,
+		Tenants: []TenantConfig{{Name: "a"}}})
+	require.NoError(b, err)
+	defer p.Close()
+	toks := make([]int32, promptPages*benchTPP)
+	for i := range toks {
+		toks[i] = int32(i * 31)
+	}
+	var l Lease
+	cycle := func(req Request) {
+		if err := p.TryAdmitInto(req, &l); err != nil {
+			b.Fatal(err)
+		}
+		if err := l.Commit(len(toks)); err != nil {
+			b.Fatal(err)
+		}
+		if n, err := l.CachePrefix(len(toks)); err != nil || n != len(req.TokenIDs) {
+			b.Fatalf("CachePrefix: %d tokens, %v", n, err)
+		}
+		if err := l.Release(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	publish := Request{ID: "p", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks}
+	plain := Request{ID: "p", Tenant: "a", PromptTokens: len(toks)}
+	n := int32(0)
+	for range 2 * pages / promptPages { // the cache is full, and every Lease buffer grown
+		toks[0], n = n, n+1
+		cycle(publish)
+	}
+	before := p.Stats()
+	var own, base time.Duration
+	cycles, baseCycles := 0, 0
+	b.ReportAllocs()
+	b.ResetTimer()
+	start := time.Now()
+	for b.Loop() {
+		if cycles%slice == 0 && cycles > 0 {
+			own += time.Since(start)
+			b.StopTimer()
+			base += time.Duration(timePerOp(slice, func() { cycle(plain) }) * slice)
+			baseCycles += slice
+			b.StartTimer()
+			start = time.Now()
+		}
+		toks[0], n = n, n+1
+		cycle(publish)
+		cycles++
+	}
+	own += time.Since(start)
+	b.StopTimer()
+	if baseCycles == 0 {
+		base += time.Duration(timePerOp(cycles, func() { cycle(plain) }) * float64(cycles))
+		baseCycles = cycles
+	}
+	perOp := float64(own.Nanoseconds()) / float64(cycles)
+	b.ReportMetric(perOp/promptPages, "ns/page")
+	b.ReportMetric(perOp/(float64(base.Nanoseconds())/float64(baseCycles)), "x_plain")
+	// Every cycle published its 128 pages and evicted a prompt's worth.
+	s := p.Stats()
+	stored := s.Prefix.Domains[0].StoredPages - before.Prefix.Domains[0].StoredPages
+	evicted := s.Prefix.Domains[0].EvictedPages - before.Prefix.Domains[0].EvictedPages
+	if stored != uint64(promptPages*cycles) || evicted != stored || s.CachedPages != pages || s.LiveLeases != 0 {
+		b.Fatalf("after %d cycles: %d pages stored, %d evicted, %d cached, %d live leases", cycles, stored, evicted, s.CachedPages, s.LiveLeases)
+	}
+	if err := p.Check(); err != nil {
+		b.Fatal(err)
+	}
+}

@@ -50,7 +50,9 @@ func chainOf(e *cacheEntry) []*cacheEntry {
 //     indexed entry with tokens that names that node as its own (in), once;
 //     an entry out of the trie (unindexed, or whose parent was) names none;
 //   - epoch changes whenever a key enters or leaves the index, so a match
-//     made at one epoch is still valid at the same epoch.
+//     made at one epoch is still valid at the same epoch;
+//   - an entry on the spare list (dropped, waiting for reuse) is cleared
+//     and reachable from none of the above.
 //
 // Guarded by Pool.mu.
 type prefixIndex struct {
@@ -69,7 +71,18 @@ type prefixIndex struct {
 	lruLen           int
 	epoch            uint64
 	domains          []domainCounters // index = domain ID - 1, grown on demand
+	// spare is the entries dropped from the index, kept for newEntry to
+	// reuse with their token, tenant and child arrays (linked through
+	// chain, spareLen of them, at most maxSpareEntries): a published page
+	// then costs no allocation once the cache churns. See recycle for why
+	// a reused entry cannot be reached by what pointed at it before.
+	spare    *cacheEntry
+	spareLen int
 }
+
+// maxSpareEntries bounds the spare entries: what one eviction of a few
+// long prompts frees, without keeping a whole cleared cache's worth.
+const maxSpareEntries = 1 << 16
 
 // cacheEntry is one published page: full, immutable, in one domain.
 type cacheEntry struct {
@@ -99,6 +112,7 @@ type cacheEntry struct {
 	hash   uint64
 	node   trieNode
 	orphan bool // in orphans, chained through sib
+	spare  bool // on the spare list: in no index, held by nobody
 }
 
 // trieRoot names where a domain's pages under one adapter start.
@@ -375,7 +389,8 @@ func (x *prefixIndex) unindex(e *cacheEntry) {
 	// the next entry of the same content.
 	var kids []*cacheEntry
 	e.node.each(func(c *cacheEntry) { kids = append(kids, c) })
-	e.node = trieNode{}
+	clear(e.node.kids)
+	e.node = trieNode{kids: e.node.kids[:0]} // the array, for the entry's reuse
 	for _, c := range kids {
 		c.sib = nil
 		x.addOrphan(c)
@@ -386,13 +401,52 @@ func (x *prefixIndex) unindex(e *cacheEntry) {
 	x.epoch++
 }
 
-// drop forgets e entirely: its page is leaving the cache.
+// drop forgets e entirely: its page is leaving the cache. e goes to the
+// spare list.
 func (x *prefixIndex) drop(e *cacheEntry) {
 	if !e.detached {
 		x.unindex(e)
 	}
 	x.byPage[e.page] = nil
 	x.counters(e.dom).entries--
+	x.recycle(e)
+}
+
+// recycle puts e, just dropped, on the spare list, cleared but for its
+// arrays' capacity.
+//
+// Nothing can reach e afterwards: drop took it out of byPage, and
+// unindex (now, or when a ClearPrefixCache detached it) out of the key
+// chains, the trie (its own children became orphans) and the orphans;
+// an entry leaves the LRU list before it is dropped; and no lease holds
+// its page any more. Events carry keys, never entries. What remains is
+// admissions' matches (Lease.match), which hold entries between
+// attempts: every unindex advances the index's epoch, so a match that
+// could hold e is stale, and matchLocked makes it again before anything
+// reads it. Check proves all of it (prefixIndex.check, checkMatches):
+// no spare entry is reachable from the index or from a match still
+// valid.
+func (x *prefixIndex) recycle(e *cacheEntry) {
+	if x.spareLen >= maxSpareEntries {
+		return
+	}
+	tenants, tokens, kids := e.tenants[:0], e.tokens[:0], e.node.kids[:0]
+	clear(e.tenants[:cap(e.tenants)]) // no tenant kept alive by a spare
+	*e = cacheEntry{page: -1, spare: true, chain: x.spare, tenants: tenants, tokens: tokens}
+	e.node.kids = kids
+	x.spare = e
+	x.spareLen++
+}
+
+// newEntry returns a cleared entry, a spare one if there is one.
+func (x *prefixIndex) newEntry() *cacheEntry {
+	e := x.spare
+	if e == nil {
+		return new(cacheEntry)
+	}
+	x.spare, x.spareLen = e.chain, x.spareLen-1
+	e.chain, e.spare = nil, false
+	return e
 }
 
 func (x *prefixIndex) lruPush(e *cacheEntry) {
@@ -428,7 +482,7 @@ func (x *prefixIndex) lruRemove(e *cacheEntry) {
 func (x *prefixIndex) check(c *checker) {
 	lru := 0
 	for e := x.lruHead; e != nil; e = e.next {
-		if !e.inLRU || e.detached || (e.next != nil && e.next.prev != e) || (e.next == nil && x.lruTail != e) {
+		if e.spare || !e.inLRU || e.detached || (e.next != nil && e.next.prev != e) || (e.next == nil && x.lruTail != e) {
 			c.failf("prefix index: LRU list broken at page %d", e.page)
 			break
 		}
@@ -446,6 +500,10 @@ func (x *prefixIndex) check(c *checker) {
 	indexed, inLRU, inTrie := 0, 0, 0
 	for page, e := range x.byPage {
 		if e == nil {
+			continue
+		}
+		if e.spare {
+			c.failf("prefix index: page %d holds a spare entry", page)
 			continue
 		}
 		if int(e.page) != page {
@@ -492,7 +550,7 @@ func (x *prefixIndex) check(c *checker) {
 	orphans := 0
 	for _, head := range x.orphans {
 		for o := head; o != nil; o = o.sib {
-			if orphans++; orphans > len(x.byPage) || !o.orphan || x.byPage[o.page] != o {
+			if orphans++; orphans > len(x.byPage) || o.spare || !o.orphan || x.byPage[o.page] != o {
 				c.failf("prefix index: the orphans hold a stale entry for page %d", o.page)
 				break
 			}
@@ -503,6 +561,8 @@ func (x *prefixIndex) check(c *checker) {
 		n.each(func(k *cacheEntry) {
 			children++
 			switch {
+			case k.spare:
+				c.failf("prefix index: a spare entry is a child of %s", what)
 			case k.in != n:
 				c.failf("prefix index: page %d is a child of %s but names another node", k.page, what)
 			case k.detached || k.tokens == nil || x.byPage[k.page] != k:
@@ -533,13 +593,27 @@ func (x *prefixIndex) check(c *checker) {
 				c.failf("prefix index: key chains cycle")
 				return
 			}
-			if e.detached || int(e.page) >= len(x.byPage) || x.byPage[e.page] != e {
+			if e.spare || e.detached || int(e.page) >= len(x.byPage) || x.byPage[e.page] != e {
 				c.failf("prefix index: key chains hold a stale entry for page %d", e.page)
 			}
 		}
 	}
 	if chained != indexed {
 		c.failf("prefix index: key chains hold %d entries, %d pages are indexed", chained, indexed)
+	}
+	spares := 0
+	for e := x.spare; e != nil; e = e.chain {
+		if spares++; spares > x.spareLen || spares > maxSpareEntries {
+			c.failf("prefix index: the spare list holds more than the %d entries it counts", x.spareLen)
+			break
+		}
+		if !e.spare || e.page != -1 || e.in != nil || e.orphan || e.inLRU || e.detached || e.leases != 0 ||
+			len(e.tenants) != 0 || len(e.node.kids) != 0 || e.node.many != nil || e.dom != nil {
+			c.failf("prefix index: spare entry %d of %d is not a cleared spare (page %d)", spares, x.spareLen, e.page)
+		}
+	}
+	if spares != x.spareLen {
+		c.failf("prefix index: the spare list holds %d entries, counter says %d", spares, x.spareLen)
 	}
 	for d, k := range x.domains {
 		if k.entries != entries[d] || k.cachedPages != cached[d] || k.keyOnly != keyOnly[d] {

@@ -27,9 +27,10 @@ var benchGeometry = kvcache.Geometry{TokensPerPage: 16, Layers: 2, KVHeads: 8, H
 const benchPrompt = 32_768
 
 // BenchmarkHandoff hands a 32,768-token prompt's KV from a prefill pool to
-// a decode pool over loopback gRPC: export (checksum pass), manifest,
-// pages device → host staging → wire → decode device, content check, ack,
-// and the release of the prefill pages. The baseline is a raw TCP copy of
+// a decode pool over loopback gRPC: export, manifest, pages (lent from
+// the prefill pool's memory to gRPC, summed just before gRPC copies them
+// out) → wire → decode device, content check, ack, and the release of
+// the prefill pages. The baseline is a raw TCP copy of
 // the same bytes over loopback, measured in the same benchmark: one after
 // each handoff, so that both see the same load on a shared machine.
 //

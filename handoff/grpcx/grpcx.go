@@ -17,6 +17,12 @@
 // checksum against the MAC'd manifest and by the channel); use
 // insecure.NewCredentials only on loopback or a trusted fabric.
 //
+// The sender's data frames go to gRPC as the exporting pool's pages
+// themselves when it lends them (handoff.ViewStream: a pool of host
+// memory): gRPC's writer copies them from the pages into its write
+// buffer, and gives them back (the pages stay pinned until then) once it
+// has, or once it has dropped them; see SendViews for a dead connection.
+//
 // Flow-control windows are large (WindowBytes) because a transfer is one
 // long bulk stream: the default 64 KiB window would cap a loopback
 // transfer far below memory bandwidth. They are not larger than that,
@@ -43,7 +49,10 @@ import (
 	"errors"
 	"fmt"
 	"math/bits"
+	"runtime"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -76,10 +85,13 @@ var ErrNoCredentials = errors.New("grpcx: transport credentials required (TLS, o
 // copied into b or, if keep is set, kept as the buffers it arrived in.
 type frame struct {
 	b     []byte
-	owned mem.Buffer
-	keep  bool
-	kept  mem.BufferSlice // referenced until release
-	parts [][]byte        // kept's bytes
+	owned mem.BufferSlice // buffers gRPC takes over, if set
+	// marshaled: gRPC took the frame's buffers (Marshal ran), so it frees
+	// them; otherwise the sender must.
+	marshaled bool
+	keep      bool
+	kept      mem.BufferSlice // referenced until release
+	parts     [][]byte        // kept's bytes
 }
 
 // release frees the buffers a received frame kept.
@@ -110,7 +122,8 @@ func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
 		return nil, fmt.Errorf("%w: grpcx codec cannot marshal %T", handoff.ErrTransport, v)
 	}
 	if f.owned != nil {
-		return mem.BufferSlice{f.owned}, nil
+		f.marshaled = true
+		return f.owned, nil
 	}
 	return mem.BufferSlice{mem.Copy(f.b, mem.DefaultBufferPool())}, nil
 }
@@ -315,9 +328,13 @@ type clientStream struct {
 	st     grpc.ClientStream
 	cancel context.CancelFunc
 	in     frame
+	lent   []*lentState // of SendViews, for Close
 }
 
-var _ handoff.OwningStream = (*clientStream)(nil)
+var (
+	_ handoff.OwningStream = (*clientStream)(nil)
+	_ handoff.ViewStream   = (*clientStream)(nil)
+)
 
 // bufferPool is the connection's buffer pool: gRPC reads every incoming
 // HTTP/2 frame into one of its buffers. gRPC's default pool clears each
@@ -361,13 +378,147 @@ func (d donePool) Put(*[]byte)   { d.done() }
 // SendOwned sends msg without copying it: gRPC writes the frames of the
 // message straight from msg and frees it through done.
 func (s *clientStream) SendOwned(msg []byte, done func()) error {
-	var err error
 	if mem.IsBelowBufferPoolingThreshold(cap(msg)) {
-		err = s.st.SendMsg(&frame{b: msg}) // mem.NewBuffer would not report back
+		err := s.st.SendMsg(&frame{b: msg}) // mem.NewBuffer would not report back
 		done()
-	} else {
-		err = s.st.SendMsg(&frame{owned: mem.NewBuffer(&msg, donePool{done})})
+		return transportErr(err)
 	}
+	return s.sendOwned(mem.BufferSlice{mem.NewBuffer(&msg, donePool{done})})
+}
+
+// SendViews implements handoff.ViewStream: the message is head (copied)
+// and then each view, which gRPC writes to the connection straight from
+// the exporting pool's pages. A view too small for gRPC to report its
+// release is copied instead.
+//
+// done must run only when gRPC will read none of the views again. Each
+// lent view is a gRPC buffer whose release comes back to lentViews.Put,
+// and done runs when the last is back: gRPC frees a message's buffers
+// once its writer has copied them out, or when it drops the stream. But
+// when a connection dies, grpc-go (1.85) drops the messages still queued
+// on its streams without freeing them; nothing reads them any more, and
+// nothing would ever run done, so the export could never end. So every
+// lent buffer also points into one array per message (lentViews.views),
+// and a cleanup on that array runs done once it is unreachable: then no
+// gRPC buffer of the message exists, freed or dropped, and gRPC reads a
+// buffer's bytes only while it holds the buffer (the slices its writer
+// takes from one are dropped before it lets the buffer go). That needs a
+// garbage collection after gRPC dropped them: Close, on a stream that
+// ends with views still lent, asks for a few (nudgeCollections). done
+// must not reach the stream: it is the cleanup's argument, and through
+// the stream's queues it would keep the views' array reachable for ever.
+func (s *clientStream) SendViews(head []byte, views [][]byte, done func()) error {
+	st := &lentState{done: done}
+	st.left.Store(1) // SendViews' own, dropped below
+	msg := make(mem.BufferSlice, 0, 1+len(views))
+	msg = append(msg, mem.Copy(head, mem.DefaultBufferPool()))
+	lent := &lentViews{views: make([][]byte, 0, len(views)), st: st}
+	for _, v := range views {
+		if mem.IsBelowBufferPoolingThreshold(len(v)) {
+			msg = append(msg, mem.Copy(v, mem.DefaultBufferPool()))
+			continue
+		}
+		st.left.Add(1)
+		lent.views = append(lent.views, v[:len(v):len(v)]) // never reallocated: capacity len(views)
+		msg = append(msg, mem.NewBuffer(&lent.views[len(lent.views)-1], lent))
+	}
+	if len(lent.views) > 0 {
+		runtime.AddCleanup(&lent.views[0], (*lentState).collected, st)
+		s.lent = append(s.lent, st)
+	}
+	err := s.sendOwned(msg)
+	st.drop()
+	return err
+}
+
+// lentViews is the "pool" of one message's lent views: gRPC puts each
+// view's buffer back here when it frees it. views holds what the buffers
+// point at (see SendViews).
+type lentViews struct {
+	views [][]byte
+	st    *lentState
+}
+
+func (*lentViews) Get(int) *[]byte { panic("grpcx: lentViews lends nothing") }
+
+func (l *lentViews) Put(*[]byte) { l.st.drop() }
+
+// lentState counts one message's views gRPC holds (and SendViews itself,
+// while it runs) and runs done once, when the count reaches zero or the
+// message's buffers are gone. It must not reach the views' array, whose
+// cleanup it is the argument of.
+type lentState struct {
+	left     atomic.Int32
+	finished atomic.Bool
+	done     func()
+}
+
+func (s *lentState) drop() {
+	if s.left.Add(-1) == 0 {
+		s.finish()
+	}
+}
+
+func (s *lentState) finish() bool {
+	if s.finished.CompareAndSwap(false, true) {
+		s.done()
+		return true
+	}
+	return false
+}
+
+// lentCollected counts messages whose views came back only through their
+// cleanup: gRPC dropped buffers it never freed (tests read it).
+var lentCollected atomic.Uint64
+
+// collected is the cleanup of a message's views: none of its buffers
+// exists any more.
+func (s *lentState) collected() {
+	if s.finish() {
+		lentCollected.Add(1)
+	}
+}
+
+// nudgeCollections runs a few garbage collections, spaced out, while any
+// of lent is unfinished: the views of a stream whose connection died come
+// back only through their cleanup (SendViews), and the export they belong
+// to cannot end before. It gives up after about a minute; the runtime's
+// own collections go on.
+func nudgeCollections(lent []*lentState) {
+	unfinished := func() bool {
+		for _, s := range lent {
+			if !s.finished.Load() {
+				return true
+			}
+		}
+		return false
+	}
+	if !unfinished() {
+		return
+	}
+	go func() {
+		for _, d := range []time.Duration{10 * time.Millisecond, 100 * time.Millisecond, time.Second, 10 * time.Second, time.Minute} {
+			time.Sleep(d)
+			if !unfinished() {
+				return
+			}
+			runtime.GC()
+		}
+	}()
+}
+
+// sendOwned sends the buffers of msg, which gRPC frees once written; if
+// gRPC refused the message before it took them, they are freed here.
+func (s *clientStream) sendOwned(msg mem.BufferSlice) error {
+	f := &frame{owned: msg}
+	err := s.st.SendMsg(f)
+	if !f.marshaled {
+		msg.Free()
+	}
+	return transportErr(err)
+}
+
+func transportErr(err error) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", handoff.ErrTransport, err)
 	}
@@ -375,10 +526,7 @@ func (s *clientStream) SendOwned(msg []byte, done func()) error {
 }
 
 func (s *clientStream) Send(msg []byte) error {
-	if err := s.st.SendMsg(&frame{b: msg}); err != nil {
-		return fmt.Errorf("%w: %w", handoff.ErrTransport, err)
-	}
-	return nil
+	return transportErr(s.st.SendMsg(&frame{b: msg}))
 }
 
 func (s *clientStream) CloseSend() error {
@@ -397,5 +545,7 @@ func (s *clientStream) Recv() ([]byte, error) {
 
 func (s *clientStream) Close() error {
 	s.cancel()
+	nudgeCollections(s.lent)
+	s.lent = nil
 	return nil
 }
