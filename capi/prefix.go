@@ -16,6 +16,22 @@ import (
 	"github.com/kvfence/kvfence/kvcache"
 )
 
+// tokenAdmission converts the arguments both token admissions share, in
+// the order their errors are reported.
+func tokenAdmission(requestID, tenant, adapter *C.char, tokenIDs *C.int32_t, nTokens C.size_t) (id, tn, ad string, toks []int32, err error) {
+	if id, err = cString(requestID, "request_id", kvcache.ErrInvalidRequest); err != nil {
+		return
+	}
+	if tn, err = cString(tenant, "tenant", kvcache.ErrInvalidRequest); err != nil {
+		return
+	}
+	if ad, err = optString(adapter, "adapter", kvcache.ErrInvalidRequest); err != nil {
+		return
+	}
+	toks, err = cSlice((*int32)(unsafe.Pointer(tokenIDs)), nTokens, "token_ids")
+	return
+}
+
 //export kvf_admit_tokens
 func kvf_admit_tokens(pool C.kvf_pool, requestID, tenant *C.char, tokenIDs *C.int32_t, nTokens C.size_t,
 	maxNewTokens C.int64_t, adapter *C.char, waitMS C.int64_t, out *C.kvf_lease) (st C.kvf_status) {
@@ -23,19 +39,7 @@ func kvf_admit_tokens(pool C.kvf_pool, requestID, tenant *C.char, tokenIDs *C.in
 	if out == nil {
 		return nullPointer("out")
 	}
-	id, err := cString(requestID, "request_id", kvcache.ErrInvalidRequest)
-	if err != nil {
-		return fail(err)
-	}
-	tn, err := cString(tenant, "tenant", kvcache.ErrInvalidRequest)
-	if err != nil {
-		return fail(err)
-	}
-	ad, err := optString(adapter, "adapter", kvcache.ErrInvalidRequest)
-	if err != nil {
-		return fail(err)
-	}
-	toks, err := cSlice((*int32)(unsafe.Pointer(tokenIDs)), nTokens, "token_ids")
+	id, tn, ad, toks, err := tokenAdmission(requestID, tenant, adapter, tokenIDs, nTokens)
 	if err != nil {
 		return fail(err)
 	}
@@ -60,19 +64,7 @@ func kvf_admit_tokens_table(pool C.kvf_pool, requestID, tenant *C.char, tokenIDs
 	if out == nil {
 		return nullPointer("out")
 	}
-	id, err := cString(requestID, "request_id", kvcache.ErrInvalidRequest)
-	if err != nil {
-		return fail(err)
-	}
-	tn, err := cString(tenant, "tenant", kvcache.ErrInvalidRequest)
-	if err != nil {
-		return fail(err)
-	}
-	ad, err := optString(adapter, "adapter", kvcache.ErrInvalidRequest)
-	if err != nil {
-		return fail(err)
-	}
-	toks, err := cSlice((*int32)(unsafe.Pointer(tokenIDs)), nTokens, "token_ids")
+	id, tn, ad, toks, err := tokenAdmission(requestID, tenant, adapter, tokenIDs, nTokens)
 	if err != nil {
 		return fail(err)
 	}

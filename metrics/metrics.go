@@ -198,21 +198,16 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	counter := func(desc *prometheus.Desc, v uint64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(desc, prometheus.CounterValue, float64(v), labels...)
 	}
-	for _, st := range []struct {
-		name string
-		n    int
-	}{{"free", s.FreePages}, {"in_use", s.InUsePages}, {"cached", s.CachedPages},
-		{"quarantined", s.QuarantinedPages}, {"retired", s.RetiredPages}} {
-		gauge(d.pages, float64(st.n), st.name)
+	// byState reports one gauge per page state, in the states' order.
+	byState := func(desc *prometheus.Desc, counts [5]int, labels ...string) {
+		for i, name := range [5]string{"free", "in_use", "cached", "quarantined", "retired"} {
+			gauge(desc, float64(counts[i]), append(labels, name)...)
+		}
 	}
+	byState(d.pages, [5]int{s.FreePages, s.InUsePages, s.CachedPages, s.QuarantinedPages, s.RetiredPages})
 	if len(s.Groups) > 1 { // a pool of one group has nothing to add
 		for _, g := range s.Groups {
-			for _, st := range []struct {
-				n    int
-				name string
-			}{{g.Free, "free"}, {g.InUse, "in_use"}, {g.Cached, "cached"}, {g.Quarantined, "quarantined"}, {g.Retired, "retired"}} {
-				gauge(d.groupPages, float64(st.n), g.Name, g.Kind.String(), st.name)
-			}
+			byState(d.groupPages, [5]int{g.Free, g.InUse, g.Cached, g.Quarantined, g.Retired}, g.Name, g.Kind.String())
 		}
 	}
 	gauge(d.capacity, float64(s.TotalPages))
