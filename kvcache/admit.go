@@ -319,7 +319,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 			return st
 		}
 	}
-	if st, ready := p.claimLocked(a, t, dec, fresh, free, l.match.entries); !ready {
+	if st, ready := p.claimLocked(a, t, dec.Limit, fresh, free, l.match.entries); !ready {
 		return st
 	}
 
@@ -379,7 +379,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 // if other admissions' evictions already cover it, the caller waits for
 // their fills (stepWait). ready means the pages are free now, and (under
 // the canary policy) verified: allocate them.
-func (p *Pool) claimLocked(a *admission, t *isolation.Tenant, dec isolation.Decision, fresh, free int, keep []*cacheEntry) (st step, ready bool) {
+func (p *Pool) claimLocked(a *admission, t *isolation.Tenant, limit, fresh, free int, keep []*cacheEntry) (st step, ready bool) {
 	p.assertHeld()
 	p.mu.claimed += fresh - a.claim
 	a.claim = fresh
@@ -390,7 +390,7 @@ func (p *Pool) claimLocked(a *admission, t *isolation.Tenant, dec isolation.Deci
 		return stepEvict, false
 	}
 	if free < fresh {
-		a.blocked = AdmissionError{Err: ErrPoolExhausted, Need: fresh, Have: free, Limit: dec.Limit}
+		a.blocked = AdmissionError{Err: ErrPoolExhausted, Need: fresh, Have: free, Limit: limit}
 		return p.waitLocked(a, t, waitFill), false
 	}
 	if p.q.NeedsVerify() {

@@ -63,14 +63,17 @@ func (l *Lease) grow(a *admission, tokens int) error {
 	if tokens < 0 {
 		return fmt.Errorf("%w: Grow of lease %q by %d tokens", ErrInvalidArgument, l.id, tokens)
 	}
-	if err := a.ctx.Err(); err != nil {
-		return fmt.Errorf("%w: growth of request %q: %w", ErrContextDone, l.id, err)
+	if a.wait {
+		// TryGrow's context is Background: it cannot be done.
+		if err := a.ctx.Err(); err != nil {
+			return fmt.Errorf("%w: growth of request %q: %w", ErrContextDone, l.id, err)
+		}
 	}
 	if l.written.Load()&writeSealed != 0 {
 		return l.sealedErr("growth")
 	}
 	a.l, a.growing = l, true
-	a.req = Request{ID: l.id, Tenant: l.Tenant()}
+	a.req.ID, a.req.Tenant = l.id, l.Tenant() // named by a refusal
 	written := l.Written()
 	if limit := l.prompt + l.maxNew; tokens > limit-written {
 		return p.refuse(a, &AdmissionError{Err: ErrExceedsMaxContext, Need: written + tokens, Limit: limit})
@@ -127,7 +130,7 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 		p.releaseClaimLocked(a)
 		return p.blockedLocked(a, t, dec)
 	}
-	if st, ready := p.claimLocked(a, t, dec, fresh, free, nil); !ready {
+	if st, ready := p.claimLocked(a, t, dec.Limit, fresh, free, nil); !ready {
 		return st
 	}
 

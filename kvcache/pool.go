@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/bits"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -26,6 +27,7 @@ type Pool struct {
 	geom           Geometry // zero for a pool made from a CacheSpec
 	lay            *layout
 	tpp            int // tokens per page of the per-token group
+	tppShift       int // log2(tpp) when tpp is a power of two, else -1
 	total          int // per-token pages
 	side           []*sideGroup
 	maxContext     int
@@ -110,6 +112,7 @@ func New(cfg Config) (_ *Pool, err error) {
 	p := &Pool{
 		lay:            v.lay,
 		tpp:            v.lay.tpp,
+		tppShift:       log2Exact(v.lay.tpp),
 		total:          pages,
 		maxContext:     cfg.MaxContextTokens,
 		prefixDisabled: cfg.Prefix.Disable || len(v.lay.side) > 0,
@@ -201,7 +204,20 @@ func (p *Pool) PageBytes() int64 { return p.lay.primary.pageBytes }
 
 // pagesFor is the per-token pages that hold tokens tokens.
 func (p *Pool) pagesFor(tokens int) int {
+	if p.tppShift >= 0 && tokens >= 0 {
+		// The usual page sizes are powers of two; a 64-bit division
+		// costs as much as the rest of a one-page growth's decision.
+		return int((int64(tokens) + int64(p.tpp) - 1) >> p.tppShift)
+	}
 	return int((int64(tokens) + int64(p.tpp) - 1) / int64(p.tpp))
+}
+
+// log2Exact returns log2(n) for a power of two n ≥ 1, and -1 otherwise.
+func log2Exact(n int) int {
+	if n < 1 || n&(n-1) != 0 {
+		return -1
+	}
+	return bits.TrailingZeros(uint(n))
 }
 
 // Pages returns the pool size in pages.
