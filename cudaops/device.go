@@ -289,7 +289,7 @@ func CheckPages(regions []Region, pages []int32) error {
 		}
 	}
 	for _, p := range pages {
-		if p < 0 || p >= limit {
+		if uint32(p) >= uint32(limit) { // a negative page is a huge uint32: one compare for both ends
 			return fmt.Errorf("%w: page %d outside [0, %d)", ErrInvalidArgument, p, limit)
 		}
 	}

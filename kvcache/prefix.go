@@ -396,7 +396,7 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 			e.parent = l.keys[i-1]
 		}
 		if withTokens {
-			e.tokens = append(e.tokens, l.tokens[i*tpp:(i+1)*tpp]...)
+			e.setTokens(l.tokens[i*tpp : (i+1)*tpp])
 		} else {
 			e.tokens = nil // a key-only entry
 		}

@@ -2,7 +2,10 @@
 
 package kvcache
 
-import "unsafe"
+import (
+	"bytes"
+	"unsafe"
+)
 
 // tokenBytes is the little-endian bytes of tokens, the layout BlockKey
 // hashes: on a little-endian machine that is the tokens' own memory, so a
@@ -18,3 +21,12 @@ func tokenBytes(tokens []int32) []byte {
 
 // appendTokenBytes appends the little-endian bytes of tokens to dst.
 func appendTokenBytes(dst []byte, tokens []int32) []byte { return append(dst, tokenBytes(tokens)...) }
+
+// tokensEqual reports whether a and b hold the same token IDs, comparing
+// their memory at once (the runtime's vector compare) instead of a token
+// at a time: the trie compares a whole page per step of a walk. Equal
+// memory is equal tokens whatever the byte order; the twin compares
+// token by token.
+func tokensEqual(a, b []int32) bool {
+	return len(a) == len(b) && bytes.Equal(tokenBytes(a), tokenBytes(b))
+}

@@ -2,7 +2,10 @@
 
 package kvcache
 
-import "encoding/binary"
+import (
+	"encoding/binary"
+	"slices"
+)
 
 // appendTokenBytes appends the little-endian bytes of tokens to dst, one
 // token at a time: the twin of tokenbytes_le.go for big-endian machines.
@@ -12,3 +15,6 @@ func appendTokenBytes(dst []byte, tokens []int32) []byte {
 	}
 	return dst
 }
+
+// tokensEqual reports whether a and b hold the same token IDs.
+func tokensEqual(a, b []int32) bool { return slices.Equal(a, b) }
