@@ -369,7 +369,7 @@ func TestCUDAHandoffDriverFailure(t *testing.T) {
 		err := out.ReadPages(0, make([]byte, pages*handoffPage))
 		require.ErrorIs(t, err, kvcache.ErrDevice)
 		require.ErrorIs(t, err, cudaops.ErrDriver)
-		require.ErrorContains(t, err, "reading pages [3, 6) of region 0", "not the second batch's second copy")
+		require.ErrorContains(t, err, "reading pages [3, 6) of the 10 listed, region 0", "not the second batch's second copy")
 		require.NoError(t, src.p.Check())
 		require.True(t, out.Live(), "a failed read ends no export")
 		got := make([]byte, pages*handoffPage)
@@ -398,7 +398,7 @@ func TestCUDAHandoffDriverFailure(t *testing.T) {
 			require.ErrorIs(t, err, kvcache.ErrDevice)
 			require.ErrorIs(t, err, cudaops.ErrDriver)
 			if how == "refused copy" {
-				require.ErrorContains(t, err, "writing pages [3, 6) of region 0", "not the second batch's second copy")
+				require.ErrorContains(t, err, "writing pages [3, 6) of the 10 listed, region 0", "not the second batch's second copy")
 			}
 			scrubbed(t, dst.p)
 			s := dst.p.Stats()

@@ -16,6 +16,10 @@ import (
 // fill never allocates or frees driver memory (which can synchronise the
 // device). ReadPage and WritePage copy Go memory synchronously on the
 // device's stream, so they are ordered after every fill already queued.
+// Batched copies (PageCopier, StagedCopier) go through a page-locked
+// buffer of their own (copyHost), on the same stream: async copies of a
+// staging buffer's worth, one wait, and the buffer is reused only after
+// that wait, so no queued copy ever reads or writes it late.
 
 // ringBatches is how many batches of the largest size the ring holds.
 const ringBatches = 4
@@ -219,11 +223,12 @@ func (d *CUDA) WriteStaged(regions []int, pages []int32, fill func(first int, st
 
 var _ StagedCopier = (*CUDA)(nil)
 
-// copyStaged runs a PageCopier or StagedCopier call: regions of pages, a staging buffer's
-// worth at a time, each batch laid out region by region (see PageCopier)
-// so that a run of adjacent pages of a contiguous region is one copy, and
-// every copy of a batch, over all its regions, waited for once. stage
-// fills a batch before it is written, or drains it after it was read.
+// copyStaged runs a PageCopier or StagedCopier call: regions of pages, a
+// staging buffer's worth at a time, each batch laid out region by region
+// (see StagedCopier) so that a run of adjacent pages of a contiguous
+// region is one copy, and every copy of a batch, over all its regions,
+// waited for once. stage fills a batch before it is written, or drains it
+// after it was read.
 // With bufLen ≥ 0 the call is refused unless a buffer of bufLen bytes
 // holds exactly the pages (ReadPages, WritePages). Nothing is copied
 // unless the whole call is valid.
@@ -289,9 +294,11 @@ func (d *CUDA) copyStaged(regions []int, pages []int32, bufLen int, write bool, 
 		serr := d.drv.streamSynchronize(d.stream)
 		switch {
 		case err != nil:
-			return fmt.Errorf("%w: %s pages [%d, %d) of region %d: %w", ErrDriver, verb, first, first+len(batch), failed, err)
+			return fmt.Errorf("%w: %s pages [%d, %d) of the %d listed, region %d: %w",
+				ErrDriver, verb, first, first+len(batch), len(pages), failed, err)
 		case serr != nil:
-			return fmt.Errorf("%w: %s pages [%d, %d) of %d regions: %w", ErrDriver, verb, first, first+len(batch), len(regions), serr)
+			return fmt.Errorf("%w: %s pages [%d, %d) of the %d listed, %d regions: %w",
+				ErrDriver, verb, first, first+len(batch), len(pages), len(regions), serr)
 		}
 		if !write {
 			stage(first, staged)
