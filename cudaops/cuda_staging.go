@@ -16,6 +16,10 @@ import (
 // fill never allocates or frees driver memory (which can synchronise the
 // device). ReadPage and WritePage copy Go memory synchronously on the
 // device's stream, so they are ordered after every fill already queued.
+// Batched copies (PageCopier, StagedCopier) go through a page-locked
+// buffer of their own (copyHost), on the same stream: async copies of a
+// staging buffer's worth, one wait, and the buffer is reused only after
+// that wait, so no queued copy ever reads or writes it late.
 
 // ringBatches is how many batches of the largest size the ring holds.
 const ringBatches = 4
@@ -180,29 +184,55 @@ func (d *CUDA) copyPage(r int, p int32, n int, verb string, copyAt func(addr uin
 }
 
 // copyStagingBytes is the size of the page-locked buffer batched copies
-// go through (PageCopier), allocated at the first such copy; a page
-// larger than it gets a buffer of its own size.
+// go through (StagedCopier), allocated at the first such copy; a page
+// larger than it (over the regions copied) gets a buffer of its own size.
 const copyStagingBytes = 8 << 20
 
-// ReadPages implements PageCopier: pages go from the device into
-// page-locked staging with one asynchronous copy per run of adjacent
-// pages (per page in a strided region), a staging buffer's worth at a
-// time, each batch waited for once and then copied out.
+// ReadPages implements PageCopier: ReadStaged of region r, each batch
+// copied out of staging into its place in dst.
 func (d *CUDA) ReadPages(r int, pages []int32, dst []byte) error {
-	return d.copyPages(r, pages, dst, false)
+	return d.copyStaged([]int{r}, pages, len(dst), false, func(first int, staged [][]byte) {
+		pb := len(dst) / len(pages) // copyStaged checked len(dst) = len(pages) × PageBytes
+		copy(dst[first*pb:], staged[0])
+	})
 }
 
-// WritePages implements PageCopier, the other way: src is copied into
-// staging, each staging buffer's worth goes to the device with one
-// asynchronous copy per run of adjacent pages, and is waited for; the
-// writes have landed when it returns.
+// WritePages implements PageCopier: WriteStaged of region r, each batch
+// copied into staging from its place in src.
 func (d *CUDA) WritePages(r int, pages []int32, src []byte) error {
-	return d.copyPages(r, pages, src, true)
+	return d.copyStaged([]int{r}, pages, len(src), true, func(first int, staged [][]byte) {
+		pb := len(src) / len(pages)
+		copy(staged[0], src[first*pb:])
+	})
 }
 
-var _ PageCopier = (*CUDA)(nil)
+// ReadStaged implements StagedCopier: each batch goes from the device into
+// page-locked staging with one asynchronous copy per run of adjacent
+// pages per region (per page in a strided region), is waited for once,
+// and is then drained.
+func (d *CUDA) ReadStaged(regions []int, pages []int32, drain func(first int, staged [][]byte)) error {
+	return d.copyStaged(regions, pages, -1, false, drain)
+}
 
-func (d *CUDA) copyPages(r int, pages []int32, buf []byte, write bool) error {
+// WriteStaged implements StagedCopier, the other way: each batch is filled,
+// goes to the device with one asynchronous copy per run of adjacent pages
+// per region, and is waited for before staging is filled again.
+func (d *CUDA) WriteStaged(regions []int, pages []int32, fill func(first int, staged [][]byte)) error {
+	return d.copyStaged(regions, pages, -1, true, fill)
+}
+
+var _ StagedCopier = (*CUDA)(nil)
+
+// copyStaged runs a PageCopier or StagedCopier call: regions of pages, a
+// staging buffer's worth at a time, each batch laid out region by region
+// (see StagedCopier) so that a run of adjacent pages of a contiguous
+// region is one copy, and every copy of a batch, over all its regions,
+// waited for once. stage fills a batch before it is written, or drains it
+// after it was read.
+// With bufLen ≥ 0 the call is refused unless a buffer of bufLen bytes
+// holds exactly the pages (ReadPages, WritePages). Nothing is copied
+// unless the whole call is valid.
+func (d *CUDA) copyStaged(regions []int, pages []int32, bufLen int, write bool, stage func(first int, staged [][]byte)) error {
 	d.life.RLock()
 	defer d.life.RUnlock()
 	d.mu.Lock()
@@ -210,18 +240,23 @@ func (d *CUDA) copyPages(r int, pages []int32, buf []byte, write bool) error {
 	if d.closed {
 		return ErrClosed
 	}
-	reg, err := checkCopy(d.mu.regions, r, pages, len(buf))
-	if err != nil || len(pages) == 0 {
+	pageBytes, err := checkStaged(d.mu.regions, regions, pages)
+	if err != nil {
 		return err
+	}
+	if bufLen >= 0 && int64(bufLen) != int64(len(pages))*pageBytes {
+		return fmt.Errorf("%w: buffer of %d bytes for %d pages of %d", ErrInvalidArgument, bufLen, len(pages), pageBytes)
+	}
+	if len(pages) == 0 {
+		return nil
 	}
 	g, err := d.enter()
 	if err != nil {
 		return err
 	}
 	defer g.leave()
-	pb := uint64(reg.PageBytes)
-	if need := max(uint64(d.copyStaging), pb); uint64(len(d.mu.copyHost)) < need {
-		host, err := d.drv.memAllocHost(int(need))
+	if need := max(d.copyStaging, int(pageBytes)); len(d.mu.copyHost) < need {
+		host, err := d.drv.memAllocHost(need)
 		if err != nil {
 			return fmt.Errorf("%w: copy staging: %w", ErrDriver, err)
 		}
@@ -234,42 +269,66 @@ func (d *CUDA) copyPages(r int, pages []int32, buf []byte, write bool) error {
 	if write {
 		verb = "writing"
 	}
-	per := len(d.mu.copyHost) / int(pb)
-	for i := 0; i < len(pages); i += per {
-		batch := pages[i:min(i+per, len(pages))]
-		part := buf[uint64(i)*pb:][:uint64(len(batch))*pb]
-		stage := d.mu.copyHost[:len(part)]
-		if write {
-			copy(stage, part)
+	per := len(d.mu.copyHost) / int(pageBytes)
+	staged := make([][]byte, len(regions))
+	for first := 0; first < len(pages); first += per {
+		batch := pages[first:min(first+per, len(pages))]
+		off := 0
+		for k, r := range regions {
+			n := len(batch) * int(d.mu.regions[r].PageBytes)
+			staged[k] = d.mu.copyHost[off : off+n : off+n]
+			off += n
 		}
-		for j := 0; j < len(batch); {
-			k := j + 1
-			for reg.Contiguous() && k < len(batch) && batch[k] == batch[k-1]+1 {
-				k++
-			}
-			addr := reg.Base + uint64(batch[j])*uint64(reg.Stride)
-			b := stage[uint64(j)*pb : uint64(k)*pb]
-			if write {
-				err = d.drv.memcpyHtoDAsync(addr, b, d.stream)
-			} else {
-				err = d.drv.memcpyDtoHAsync(b, addr, d.stream)
-			}
-			if err != nil {
+		if write {
+			stage(first, staged)
+		}
+		failed := -1 // the region whose copy could not be queued
+		for k, r := range regions {
+			if err = d.queueRunsLocked(d.mu.regions[r], batch, staged[k], write); err != nil {
+				failed = r
 				break
 			}
-			j = k
 		}
 		// Wait even after a failed queue: staging must not be reused
 		// while a queued copy may still read or write it.
-		if serr := d.drv.streamSynchronize(d.stream); err == nil {
-			err = serr
-		}
-		if err != nil {
-			return fmt.Errorf("%w: %s %d pages of region %d: %w", ErrDriver, verb, len(pages), r, err)
+		serr := d.drv.streamSynchronize(d.stream)
+		switch {
+		case err != nil:
+			return fmt.Errorf("%w: %s pages [%d, %d) of the %d listed, region %d: %w",
+				ErrDriver, verb, first, first+len(batch), len(pages), failed, err)
+		case serr != nil:
+			return fmt.Errorf("%w: %s pages [%d, %d) of the %d listed, %d regions: %w",
+				ErrDriver, verb, first, first+len(batch), len(pages), len(regions), serr)
 		}
 		if !write {
-			copy(part, stage)
+			stage(first, staged)
 		}
+	}
+	return nil
+}
+
+// queueRunsLocked queues the copies between batch's pages of reg and
+// staged, their bytes page after page: one per run of adjacent pages
+// when the region is contiguous, one per page when it is strided.
+func (d *CUDA) queueRunsLocked(reg Region, batch []int32, staged []byte, write bool) error {
+	pb := int(reg.PageBytes)
+	for j := 0; j < len(batch); {
+		k := j + 1
+		for reg.Contiguous() && k < len(batch) && batch[k] == batch[k-1]+1 {
+			k++
+		}
+		addr := reg.Base + uint64(batch[j])*uint64(reg.Stride)
+		b := staged[j*pb : k*pb]
+		var err error
+		if write {
+			err = d.drv.memcpyHtoDAsync(addr, b, d.stream)
+		} else {
+			err = d.drv.memcpyDtoHAsync(b, addr, d.stream)
+		}
+		if err != nil {
+			return err
+		}
+		j = k
 	}
 	return nil
 }

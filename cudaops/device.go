@@ -214,8 +214,12 @@ type Device interface {
 // PartWriter is implemented by devices that can write part of a page in
 // place. kvcache uses it to write received pages straight from the
 // buffers they arrived in (a gRPC message is a list of 16 KiB buffers, so
-// a page's bytes are rarely contiguous); for other devices it assembles
-// each page region in host memory first and calls WritePage.
+// a page's bytes are rarely contiguous). The Host implements it. CUDA
+// does not, and need not: on a StagedCopier kvcache's import gathers the
+// parts straight into page-locked staging (WriteStaged), which is the one
+// host copy a write to GPU memory takes anyway, so a part writer there
+// would only cut each DMA into pieces. On a device with neither, kvcache
+// assembles each page region in host memory and calls WritePage.
 type PartWriter interface {
 	// WritePagePart copies src into page p of region r from byte offset
 	// off on; off+len(src) must not exceed the region's PageBytes. The
@@ -226,9 +230,12 @@ type PartWriter interface {
 // PageCopier is implemented by devices that copy many pages of a region
 // in one call: on CUDA through page-locked staging, one asynchronous copy
 // per run of adjacent pages and one wait per staging buffer's worth,
-// instead of a synchronous round trip per page. A handoff moves whole
-// leases, so this is its device path (kvcache's export and import do not
-// use it yet).
+// instead of a synchronous round trip per page; on the Host, one pass. A
+// handoff moves whole leases, but its buffers are page-major (a page's
+// regions one after the other) and arrive in parts, so kvcache copies
+// through the StagedCopier extension where a device has one (CUDA), and
+// on the Host, whose pages are host memory, in place (PartWriter,
+// Outgoing.PageViews) or a page region at a time.
 type PageCopier interface {
 	// ReadPages copies pages of region r, in the order listed, into dst,
 	// which must be exactly len(pages) × the region's PageBytes long. It
@@ -238,6 +245,39 @@ type PageCopier interface {
 	// r in the order listed; the writes have landed when it returns. A
 	// page listed twice gets its last copy.
 	WritePages(r int, pages []int32, src []byte) error
+}
+
+// StagedCopier is a PageCopier whose copies go through page-locked
+// staging (CUDA) and that hands the caller the staging itself, so that
+// the one host copy a DMA needs is also the caller's own: kvcache's
+// export scatters each page from staging to its place in the page-major
+// buffer, and its import gathers a page's received parts into staging
+// and sums the staged bytes, which are then exactly the bytes that land
+// on the device. Neither needs a scratch buffer in between, and every
+// region of a page is copied in the same call, so a batch's copies over
+// all regions are waited for once.
+//
+// A call copies the listed regions of the listed pages a staging
+// buffer's worth (a batch of whole pages) at a time. A batch is laid out
+// region by region: staged[k] holds region regions[k] of the batch's
+// pages, page after page, each that region's PageBytes long, so that a
+// run of adjacent pages of a contiguous region is one copy; first is the
+// index in pages of the batch's first page. The callbacks run on every
+// batch in page order with the device locked: they must only move bytes
+// (take no lock, call no device) and must not keep staged once they
+// return. A call that is not valid (a region or page out of range, no
+// regions) copies nothing and calls no callback.
+type StagedCopier interface {
+	PageCopier
+	// ReadStaged copies each batch into staging and, once it has
+	// arrived, calls drain with it. It is ordered as ReadPage: after
+	// fills already issued.
+	ReadStaged(regions []int, pages []int32, drain func(first int, staged [][]byte)) error
+	// WriteStaged calls fill with each batch's staging, which fill must
+	// fill in whole, and then copies it to the device; the writes have
+	// landed when it returns. A page listed twice gets its last copy. On
+	// an error, the batches before the failed one have landed.
+	WriteStaged(regions []int, pages []int32, fill func(first int, staged [][]byte)) error
 }
 
 // checkCopy validates a PageCopier call against region r of regions: it
@@ -256,6 +296,30 @@ func checkCopy(regions []Region, r int, pages []int32, n int) (Region, error) {
 		return Region{}, fmt.Errorf("%w: buffer of %d bytes for %d pages of %d", ErrInvalidArgument, n, len(pages), reg.PageBytes)
 	}
 	return reg, nil
+}
+
+// checkStaged validates a StagedCopier call against a region table: the
+// listed regions exist, there is one at least, and every page is valid in
+// each. It returns the bytes of one page over the listed regions.
+func checkStaged(table []Region, regions []int, pages []int32) (int64, error) {
+	if len(regions) == 0 {
+		return 0, fmt.Errorf("%w: a page copy of no regions", ErrInvalidArgument)
+	}
+	var pageBytes int64
+	limit := int(^uint32(0) >> 1)
+	for _, r := range regions {
+		if r < 0 || r >= len(table) {
+			return 0, fmt.Errorf("%w: region %d of %d", ErrInvalidArgument, r, len(table))
+		}
+		pageBytes += table[r].PageBytes
+		limit = min(limit, table[r].Pages)
+	}
+	for _, p := range pages {
+		if p < 0 || int(p) >= limit {
+			return 0, fmt.Errorf("%w: page %d outside [0, %d)", ErrInvalidArgument, p, limit)
+		}
+	}
+	return pageBytes, nil
 }
 
 // Completed returns a Fence that is already done with err.

@@ -50,6 +50,24 @@ func (f *fakeDriver) FaultNext(op string, code int) {
 	f.faultAt[op] = code
 }
 
+// FailLater makes the call of the named entry point after skip more
+// calls of it fail with code: a failure in the middle of a batch.
+func (f *fakeDriver) FailLater(call string, skip, code int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.failIn[call] = fakeFailure{skip: skip, code: code}
+}
+
+// CopiedBytes are the bytes copied between host and device so far:
+// pinned by async copies from or to page-locked memory (what staging
+// carries), pageable by synchronous copies from or to Go memory (which
+// the real driver carries through page-locked memory of its own).
+func (f *fakeDriver) CopiedBytes() (pinned, pageable uint64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.pinnedBytes, f.pageableBytes
+}
+
 // Calls returns how often the named entry point was called.
 func (f *fakeDriver) Calls(call string) int {
 	f.mu.Lock()

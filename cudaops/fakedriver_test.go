@@ -69,7 +69,18 @@ type fakeDriver struct {
 	// rewrite, when set, changes the image a module load receives: the
 	// mutation tests' way to load a broken kernel.
 	rewrite func([]byte) []byte
+	// Bytes copied between the host and the device: from or to
+	// page-locked memory (async copies, which staging feeds) and from or
+	// to Go memory (the synchronous copies, which the real driver stages
+	// through its own page-locked buffer).
+	pinnedBytes, pageableBytes uint64
+	// failIn: call name → the failure of a later call (FailLater).
+	failIn map[string]fakeFailure
 }
+
+// fakeFailure is a failure injected into a later call: the one after
+// skip more calls of that entry point.
+type fakeFailure struct{ skip, code int }
 
 // fakeAlloc is one device allocation: its bytes and where they live.
 type fakeAlloc struct {
@@ -126,6 +137,7 @@ func newFakeDriver() *fakeDriver {
 		special:    map[[2]uintptr]*fakeStream{},
 		handle:     0x1000,
 		failAt:     map[string]int{},
+		failIn:     map[string]fakeFailure{},
 		faultAt:    map[string]int{},
 		calls:      map[string]int{},
 		eventFlags: map[uintptr]uint32{},
@@ -155,6 +167,15 @@ func (f *fakeDriver) enterLocked(call string) error {
 	if c, ok := f.failAt[call]; ok {
 		delete(f.failAt, call)
 		return f.errLocked(call, c)
+	}
+	if fl, ok := f.failIn[call]; ok {
+		if fl.skip > 0 {
+			fl.skip--
+			f.failIn[call] = fl
+			return nil
+		}
+		delete(f.failIn, call)
+		return f.errLocked(call, fl.code)
 	}
 	return nil
 }
@@ -550,7 +571,8 @@ func (f *fakeDriver) memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	// The source is read when the copy runs, as DMA from pinned memory is.
-	return f.queueLocked("cuMemcpyHtoDAsync_v2", s, fakeOp{run: func() int {
+	f.pinnedBytes += uint64(len(src)) // undone below if it is not queued
+	err := f.queueLocked("cuMemcpyHtoDAsync_v2", s, fakeOp{run: func() int {
 		d := f.spanLocked(dst, uint64(len(src)))
 		if d == nil {
 			return 700
@@ -558,6 +580,10 @@ func (f *fakeDriver) memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error {
 		copy(d, src)
 		return 0
 	}})
+	if err != nil {
+		f.pinnedBytes -= uint64(len(src))
+	}
+	return err
 }
 
 func (f *fakeDriver) memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error {
@@ -565,7 +591,8 @@ func (f *fakeDriver) memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error {
 	defer f.mu.Unlock()
 	// The destination is written when the copy runs, as DMA to pinned
 	// memory is: only after the stream is waited for may it be read.
-	return f.queueLocked("cuMemcpyDtoHAsync_v2", s, fakeOp{run: func() int {
+	f.pinnedBytes += uint64(len(dst)) // undone below if it is not queued
+	err := f.queueLocked("cuMemcpyDtoHAsync_v2", s, fakeOp{run: func() int {
 		d := f.spanLocked(src, uint64(len(dst)))
 		if d == nil {
 			return 700
@@ -573,12 +600,21 @@ func (f *fakeDriver) memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error {
 		copy(dst, d)
 		return 0
 	}})
+	if err != nil {
+		f.pinnedBytes -= uint64(len(dst))
+	}
+	return err
 }
 
-func (f *fakeDriver) syncCopyLocked(call string, s uintptr, run func() int) error {
+// syncCopyLocked is the real driver's synchronous copy (cuda_dl_cgo.go):
+// an async copy of n bytes of Go memory and a wait for the stream, each
+// counted as the driver call it is.
+func (f *fakeDriver) syncCopyLocked(call string, s uintptr, n int, run func() int) error {
 	if err := f.queueLocked(call, s, fakeOp{run: run}); err != nil {
 		return err
 	}
+	f.pageableBytes += uint64(n)
+	f.calls["cuStreamSynchronize"]++
 	st, _ := f.streamLocked(s)
 	return f.errLocked("cuStreamSynchronize", f.runLocked(st, len(st.ops)))
 }
@@ -586,7 +622,7 @@ func (f *fakeDriver) syncCopyLocked(call string, s uintptr, run func() int) erro
 func (f *fakeDriver) memcpyHtoDSync(dst uint64, src []byte, s uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.syncCopyLocked("cuMemcpyHtoDAsync_v2", s, func() int {
+	return f.syncCopyLocked("cuMemcpyHtoDAsync_v2", s, len(src), func() int {
 		d := f.spanLocked(dst, uint64(len(src)))
 		if d == nil {
 			return 700
@@ -599,7 +635,7 @@ func (f *fakeDriver) memcpyHtoDSync(dst uint64, src []byte, s uintptr) error {
 func (f *fakeDriver) memcpyDtoHSync(dst []byte, src uint64, s uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.syncCopyLocked("cuMemcpyDtoHAsync_v2", s, func() int {
+	return f.syncCopyLocked("cuMemcpyDtoHAsync_v2", s, len(dst), func() int {
 		d := f.spanLocked(src, uint64(len(dst)))
 		if d == nil {
 			return 700

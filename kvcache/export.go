@@ -324,6 +324,9 @@ func (p *Pool) pinPagesLocked(l *Lease, hs []allocator.Handle, write bool) error
 
 // readPages copies whole pages into buf; the caller has pinned them.
 func (p *Pool) readPages(hs []allocator.Handle, buf []byte) error {
+	if sc, ok := p.dev.(cudaops.StagedCopier); ok {
+		return p.readStaged(sc, hs, buf)
+	}
 	off := 0
 	for _, h := range hs {
 		for r := range p.lay.primary.count {
@@ -335,6 +338,53 @@ func (p *Pool) readPages(hs []allocator.Handle, buf []byte) error {
 		}
 	}
 	return nil
+}
+
+// readStaged is readPages on a device that copies through page-locked
+// staging (CUDA): every region of every page in one call, one DMA per run
+// of adjacent pages per region and one wait per staging buffer's worth,
+// instead of a synchronous copy per page per region. Staging holds a batch
+// region by region, and buf is page-major, so each page region is copied
+// from staging to its place in buf: the copy out of page-locked memory
+// that any read into Go memory takes (the driver makes it itself for a
+// synchronous copy), and the only one, as neither a per-region scratch
+// nor a second pass is needed.
+func (p *Pool) readStaged(sc cudaops.StagedCopier, hs []allocator.Handle, buf []byte) error {
+	pb := int(p.PageBytes())
+	regions, pages := p.handoffRegions(), pageIDs(hs)
+	err := sc.ReadStaged(regions, pages, func(first int, staged [][]byte) {
+		at := first * pb // where the region's first page of the batch goes in buf
+		for k, r := range regions {
+			rb := int(p.lay.regions[r].PageBytes)
+			for j, dst := 0, at; j*rb < len(staged[k]); j, dst = j+1, dst+pb {
+				copy(buf[dst:dst+rb], staged[k][j*rb:])
+			}
+			at += rb
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("%w: reading %d pages: %w", ErrDevice, len(hs), err)
+	}
+	return nil
+}
+
+// handoffRegions lists the device regions a handoff copies: the
+// per-token group's, the first on the device, each page's in order.
+func (p *Pool) handoffRegions() []int {
+	regions := make([]int, p.lay.primary.count)
+	for k := range regions {
+		regions[k] = p.lay.primary.first + k
+	}
+	return regions
+}
+
+// pageIDs returns the pages of handles.
+func pageIDs(hs []allocator.Handle) []int32 {
+	pages := make([]int32, len(hs))
+	for i, h := range hs {
+		pages[i] = h.Page
+	}
+	return pages
 }
 
 // Ack ends the export after the receiver confirmed the import: the pages

@@ -126,7 +126,9 @@ func (in *Incoming) WritePages(first int, src []byte) error {
 // concatenated, are the pages (a gRPC message, for one, is a list of
 // 16 KiB buffers). On a device that writes parts of pages in place
 // (cudaops.PartWriter) the bytes go from the parts to the pages without
-// another copy.
+// another copy; on one that copies through page-locked staging
+// (cudaops.StagedCopier: CUDA) they are gathered from the parts straight
+// into it.
 func (in *Incoming) WritePagesFrom(first int, parts [][]byte) error {
 	pb := in.pageLen
 	total := 0
@@ -182,8 +184,11 @@ func (in *Incoming) WritePagesFrom(first int, parts [][]byte) error {
 // while its bytes are in cache, so the bytes written are the bytes summed.
 // A region that lies in one part is written from it; one split across
 // parts is written in pieces on a cudaops.PartWriter and assembled in
-// scratch memory elsewhere.
+// scratch memory elsewhere. A cudaops.StagedCopier takes writeStaged.
 func (p *Pool) writeParts(hs []allocator.Handle, parts [][]byte, sums []uint64) error {
+	if sc, ok := p.dev.(cudaops.StagedCopier); ok {
+		return p.writeStaged(sc, hs, parts, sums)
+	}
 	partial, _ := p.dev.(cudaops.PartWriter)
 	cur := partCursor{parts: parts}
 	var block, region, blockSums []byte // scratch
@@ -206,6 +211,41 @@ func (p *Pool) writeParts(hs []allocator.Handle, parts [][]byte, sums []uint64) 
 				return fmt.Errorf("%w: page %d region %d: %w", ErrDevice, h.Page, r, err)
 			}
 		}
+	}
+	return nil
+}
+
+// writeStaged is writeParts on a device that copies through page-locked
+// staging (CUDA): every region of every page in one call, one DMA per run
+// of adjacent pages per region and one wait per staging buffer's worth.
+// Each page's regions are gathered from the parts straight into their
+// places in staging (the one host copy a write from Go memory takes, so
+// no region is assembled in scratch first) and the page is then summed
+// over its staged bytes, while they are in cache: those are exactly the
+// bytes the DMA carries, so what is summed is what lands on the device.
+func (p *Pool) writeStaged(sc cudaops.StagedCopier, hs []allocator.Handle, parts [][]byte, sums []uint64) error {
+	pb := int(p.PageBytes())
+	regions, pages := p.handoffRegions(), pageIDs(hs)
+	cur := partCursor{parts: parts}
+	page := make([][]byte, len(regions)) // a staged page's regions
+	var block, blockSums []byte          // scratch of pageSum
+	err := sc.WriteStaged(regions, pages, func(first int, staged [][]byte) {
+		n := len(staged[0]) / int(p.lay.regions[regions[0]].PageBytes)
+		for j := range n {
+			for k, r := range regions {
+				rb := int(p.lay.regions[r].PageBytes)
+				dst := staged[k][j*rb : (j+1)*rb]
+				for d := dst; len(d) > 0; {
+					d = d[copy(d, cur.next(len(d))):]
+				}
+				page[k] = dst
+			}
+			landing := partCursor{parts: page}
+			sums[first+j], blockSums = landing.pageSum(pb, &block, blockSums)
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("%w: writing %d pages: %w", ErrDevice, len(hs), err)
 	}
 	return nil
 }

@@ -63,6 +63,7 @@ func RunWith(t *testing.T, c Config) {
 	t.Run("FillOutOfRange", func(t *testing.T) { testFillOutOfRange(t, c) })
 	t.Run("Spans", func(t *testing.T) { testSpans(t, c) })
 	t.Run("PageCopies", func(t *testing.T) { testPageCopies(t, c) })
+	t.Run("StagedCopies", func(t *testing.T) { testStagedCopies(t, c) })
 	t.Run("PageBounds", func(t *testing.T) { testPageBounds(t, c) })
 	t.Run("Fence", func(t *testing.T) { testFence(t, c) })
 	t.Run("Ordering", func(t *testing.T) { testOrdering(t, c) })
@@ -656,4 +657,133 @@ func testPageCopies(t *testing.T, c Config) {
 	require.NoError(t, d.Close())
 	assert.ErrorIs(t, pc.ReadPages(0, []int32{0}, make([]byte, pb)), cudaops.ErrClosed)
 	assert.ErrorIs(t, pc.WritePages(0, []int32{0}, make([]byte, pb)), cudaops.ErrClosed)
+}
+
+// testStagedCopies checks ReadStaged and WriteStaged, for devices that
+// implement StagedCopier: some of the regions, not in device order,
+// run-heavy and scattered batches, each batch the next pages of the list
+// laid out region by region, a page listed twice, reads ordered after a
+// fill not waited for, and refusals that copy nothing and call no
+// callback. The callbacks run with the device locked, so they report
+// with t.Errorf and never stop the test inside.
+func testStagedCopies(t *testing.T, c Config) {
+	d := open(t, c)
+	sc, ok := d.(cudaops.StagedCopier)
+	if !ok {
+		t.Skipf("%s does not implement StagedCopier", d.Name())
+	}
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	regs := d.Regions()
+	regions := []int{2, 0, 3}
+	// batches walks a call's batches: each must start where the last
+	// ended and hold, for every listed region, whole pages of it.
+	type walk struct{ next int }
+	pagesIn := func(w *walk, what string, first int, staged [][]byte) int {
+		if len(staged) != len(regions) {
+			t.Errorf("%s: a batch of %d regions, %d listed", what, len(staged), len(regions))
+			return 0
+		}
+		n := len(staged[0]) / int(regs[regions[0]].PageBytes)
+		if first != w.next || n == 0 {
+			t.Errorf("%s: a batch of %d pages at %d, the last ended at %d", what, n, first, w.next)
+		}
+		for k, r := range regions {
+			if len(staged[k]) != n*int(regs[r].PageBytes) {
+				t.Errorf("%s: region %d staged %d bytes for %d pages of %d", what, r, len(staged[k]), n, regs[r].PageBytes)
+				return 0
+			}
+		}
+		w.next = first + n
+		return n
+	}
+	for _, order := range []string{"runs", "scattered"} {
+		pages := batch(rng, geometry.pages, order)
+		w := &walk{}
+		require.NoError(t, sc.ReadStaged(regions, pages, func(first int, staged [][]byte) {
+			for j := range pagesIn(w, "ReadStaged", first, staged) {
+				p := pages[first+j]
+				for k, r := range regions {
+					pb := int(regs[r].PageBytes)
+					if !bytes.Equal(staged[k][j*pb:(j+1)*pb], img[r][p]) {
+						t.Errorf("ReadStaged (%s): region %d page %d (item %d) differs", order, r, p, first+j)
+					}
+				}
+			}
+		}))
+		assert.Equal(t, len(pages), w.next, "ReadStaged (%s) staged every page", order)
+
+		w = &walk{}
+		require.NoError(t, sc.WriteStaged(regions, pages, func(first int, staged [][]byte) {
+			for j := range pagesIn(w, "WriteStaged", first, staged) {
+				p := pages[first+j]
+				for k, r := range regions {
+					pb := int(regs[r].PageBytes)
+					page := staged[k][j*pb : (j+1)*pb]
+					for i := range page {
+						page[i] = byte(rng.Uint32())
+					}
+					img[r][p] = append([]byte(nil), page...)
+				}
+			}
+		}))
+		assert.Equal(t, len(pages), w.next, "WriteStaged (%s) staged every page", order)
+	}
+	verify(t, d, img, "after staged writes")
+
+	// A page listed twice gets its last copy.
+	stamp := func(first int, staged [][]byte) {
+		for k, r := range regions {
+			pb := int(regs[r].PageBytes)
+			for j := 0; j*pb < len(staged[k]); j++ {
+				page := staged[k][j*pb : (j+1)*pb]
+				for i := range page {
+					page[i] = byte(first + j + 1)
+				}
+			}
+		}
+	}
+	require.NoError(t, sc.WriteStaged(regions, []int32{5, 6, 5}, stamp))
+	for _, r := range regions {
+		pb := int(regs[r].PageBytes)
+		img[r][5], img[r][6] = bytes.Repeat([]byte{3}, pb), bytes.Repeat([]byte{2}, pb)
+	}
+	verify(t, d, img, "after a staged write listing a page twice")
+
+	// Reads are ordered after fills issued before them.
+	spec := cudaops.FillSpec{Word: 0x80008000}
+	f, err := d.Fill([]int32{7, 8}, spec, cudaops.Ordering{})
+	require.NoError(t, err)
+	img.apply([]int32{7, 8}, spec)
+	var got []byte
+	require.NoError(t, sc.ReadStaged([]int{0}, []int32{7, 8}, func(_ int, staged [][]byte) {
+		got = append(got, staged[0]...)
+	}))
+	assert.Equal(t, append(append([]byte(nil), img[0][7]...), img[0][8]...), got, "ReadStaged before the fill's fence was waited for")
+	require.NoError(t, f.Wait())
+
+	// Refusals copy nothing and call no callback.
+	called := 0
+	count := func(int, [][]byte) { called++ }
+	last := int32(geometry.pages)
+	for name, call := range map[string]func() error{
+		"read of no regions":            func() error { return sc.ReadStaged(nil, []int32{0}, count) },
+		"read of a region past the end": func() error { return sc.ReadStaged([]int{0, len(regs)}, []int32{0}, count) },
+		"read of a page out of range":   func() error { return sc.ReadStaged(regions, []int32{0, last}, count) },
+		"write of no regions":           func() error { return sc.WriteStaged([]int{}, []int32{0}, count) },
+		"write to a negative region":    func() error { return sc.WriteStaged([]int{1, -1}, []int32{0}, count) },
+		"write of a page out of range":  func() error { return sc.WriteStaged(regions, []int32{3, last}, count) },
+		"write of a negative page":      func() error { return sc.WriteStaged(regions, []int32{-1, 3}, count) },
+	} {
+		assert.ErrorIs(t, call(), cudaops.ErrInvalidArgument, name)
+		assert.Zero(t, called, "%s: a callback ran", name)
+	}
+	require.NoError(t, sc.ReadStaged(regions, nil, count), "an empty read")
+	require.NoError(t, sc.WriteStaged(regions, nil, count), "an empty write")
+	assert.Zero(t, called, "a callback ran for no pages")
+	verify(t, d, img, "after refused staged copies")
+	require.NoError(t, d.Close())
+	assert.ErrorIs(t, sc.ReadStaged(regions, []int32{0}, count), cudaops.ErrClosed)
+	assert.ErrorIs(t, sc.WriteStaged(regions, []int32{0}, count), cudaops.ErrClosed)
+	assert.Zero(t, called, "a callback ran on a closed device")
 }
