@@ -162,7 +162,9 @@
 // Pool.mu, which guards the allocator, the registry, the quarantine's
 // bookkeeping, the prefix index, the lease table and the waiting queue;
 // lower packages take no locks of their own except the device's internal
-// one, which is always innermost and never calls back. So the order is:
+// one, which is always innermost: it calls back into kvcache only for a
+// staged copy (cudaops.StagedCopier), whose callbacks move bytes between
+// staging and the caller's buffers and take no lock. So the order is:
 //
 //	Pool.mu → device
 //
