@@ -115,8 +115,14 @@
 // counts every drop, and bounds every read. Interoperability is tested
 // against both other implementations: go-zeromq/zmq4 is the Go subscriber
 // of the tests, and libzmq (through Debian's python3-zmq) the Python one.
-// Payloads are encoded with github.com/vmihailenco/msgpack/v5, the msgpack
-// library llm-d decodes them with, through its low-level encoder so that
-// the exact shape (array or map, field order, nil fields) is the one
-// written here.
+// Payloads are msgpack written by this package (encode.go), not by a
+// msgpack library: the shapes are fixed, so the constant parts of each
+// event are encoded once and a block costs its hash and a copy of its
+// domain's extra key, with no reflection and no allocation (about 0.6 µs
+// for an event of 128 blocks, against 7 µs through
+// github.com/vmihailenco/msgpack/v5's low-level encoder, which the
+// package used before; BenchmarkEncode). Every value takes msgpack's
+// shortest form, and the tests hold the bytes to that library's for the
+// same shapes (it is the library llm-d decodes with) besides decoding
+// them with it and with Python's msgpack.
 package kvevents

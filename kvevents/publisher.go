@@ -346,21 +346,30 @@ func (p *Publisher) resync(batch []kvcache.KVEvent, lost, last, next uint64) []k
 // publish encodes a batch, numbers it, keeps it for replay and queues it
 // for every subscriber of the topic.
 func (p *Publisher) publish(batch []kvcache.KVEvent) {
-	payload, err := p.enc.batch(time.Now(), batch)
-	if err != nil {
-		// Nothing in a KVEvent can fail to encode into a buffer; if it
-		// ever does, the gap in events shows up as a resync downstream.
-		p.log.Error("kvevents: batch dropped", slog.Any("error", err))
-		return
-	}
 	seq := p.batches.Load()
-	var seqb [8]byte
-	binary.BigEndian.PutUint64(seqb[:], seq)
-	// One allocation per batch: the message as sent, whose last frame is
-	// the payload the replay buffer keeps.
-	wire := make([]byte, 0, 3*9+len(p.cfg.Topic)+8+len(payload))
-	wire = appendMessage(wire, []byte(p.cfg.Topic), seqb[:], payload)
-	p.ring.add(seq, wire[len(wire)-len(payload):])
+	// One allocation per batch: the message as sent, [topic, seq,
+	// payload], whose last frame is the payload the replay buffer keeps.
+	// The payload is encoded in place, after room for a long frame header
+	// (its size is known only then); a short one is 7 bytes less, so the
+	// frames before it move up by 7.
+	topic := p.cfg.Topic
+	const long = 9 // a long frame header: flags, 8-byte size
+	wire := make([]byte, 0, long+len(topic)+2+8+long+p.enc.batchBound(batch))
+	wire = appendHeader(wire, len(topic), flagMore)
+	wire = append(wire, topic...)
+	wire = appendHeader(wire, 8, flagMore)
+	wire = binary.BigEndian.AppendUint64(wire, seq)
+	front := len(wire)
+	wire = p.enc.batch(wire[:front+long], time.Now(), batch)
+	payload := wire[front+long:]
+	if hdr := appendHeader(nil, len(payload), 0); len(hdr) == long {
+		copy(wire[front:], hdr)
+	} else {
+		copy(wire[front+long-len(hdr):], hdr)
+		copy(wire[long-len(hdr):], wire[:front])
+		wire = wire[long-len(hdr):]
+	}
+	p.ring.add(seq, payload)
 	n := uint64(0)
 	for _, ev := range batch {
 		if ev.Kind != 0 {
@@ -371,7 +380,7 @@ func (p *Publisher) publish(batch []kvcache.KVEvent) {
 	p.batches.Add(1)
 	p.mu.Lock()
 	for s := range p.mu.subs {
-		if !s.wants(p.cfg.Topic) {
+		if !s.wants(topic) {
 			continue
 		}
 		select {
