@@ -9,10 +9,17 @@
 // ever blocking, and counts what a full channel drops), gathers what has
 // arrived into a batch (at most Config.MaxBatchEvents events), numbers the
 // batch, encodes it once, keeps it in a replay buffer, and queues the same
-// bytes for every subscriber. Each subscriber has its own bounded queue and
-// its own writer; a full queue drops the batch for that subscriber alone
-// (Stats.SubscriberDrops), and a subscriber that accepts no bytes for
-// Config.WriteTimeout is disconnected. So:
+// bytes for every subscriber. After a batch that was not full it sleeps
+// for Config.BatchWindow (1 ms) while the next one gathers in the
+// channel: an event after a quiet spell goes out at once, and under load
+// a window's events go out as one message, so that the publisher's cost
+// is per window rather than per event, and the pool's sends find it
+// asleep on a timer and wake no goroutine. (vLLM publishes once per
+// engine step, tens of milliseconds.) Each subscriber has its own bounded
+// queue and its own writer, which sends what is queued when it wakes in
+// one vectored write; a full queue drops the batch for that subscriber
+// alone (Stats.SubscriberDrops), and a subscriber that accepts no bytes
+// for Config.WriteTimeout is disconnected. So:
 //
 //   - the pool never waits for the publisher, and the publisher never
 //     waits for a subscriber;

@@ -44,6 +44,17 @@ type Config struct {
 	// MaxBatchEvents bounds the pool events in one batch; 0 means 256. A
 	// batch holds what the pool emitted since the last one, up to this.
 	MaxBatchEvents int
+	// BatchWindow is how long the publisher lets events gather after it
+	// has published a batch that was not full, before it reads the next:
+	// under load, the events of a window go out as one message (one
+	// encoding pass, one write per subscriber), and the pool's sends find
+	// the publisher asleep on a timer rather than parked on the channel,
+	// so that they wake no goroutine. An event after a quiet window is
+	// published at once. 0 means 1 ms; negative means no window (a batch
+	// for each wake-up, which under load is nearly one per event). The
+	// pool's Prefix.EventBuffer must hold the events of one window at the
+	// peak rate, or the excess is dropped (and resynchronised).
+	BatchWindow time.Duration
 	// BufferSteps is how many of the latest batches the replay socket can
 	// send again; 0 means 10,000 (vLLM's default). BufferBytes bounds
 	// their payloads in all; 0 means 64 MiB. The oldest go first.
@@ -66,6 +77,7 @@ type Config struct {
 
 const (
 	defaultBatchEvents = 256
+	defaultBatchWindow = time.Millisecond
 	defaultSteps       = 10_000
 	defaultBufferBytes = 64 << 20
 	defaultQueue       = 1024
@@ -205,6 +217,9 @@ func (c *Config) fill() error {
 	if c.WriteTimeout == 0 {
 		c.WriteTimeout = defaultTimeout
 	}
+	if c.BatchWindow == 0 {
+		c.BatchWindow = defaultBatchWindow
+	}
 	if c.Medium == "" {
 		c.Medium = "GPU"
 	}
@@ -288,13 +303,20 @@ func (p *Publisher) Close() error {
 	return err
 }
 
-// run reads the pool's events and publishes them in batches.
+// run reads the pool's events and publishes them in batches: what has
+// arrived when it wakes, up to MaxBatchEvents; after a batch that was not
+// full it sleeps for the BatchWindow (see Config) while the next gathers.
 func (p *Publisher) run() {
 	defer p.wg.Done()
 	var (
-		batch []kvcache.KVEvent
-		last  uint64 // the pool's Seq of the last event read
+		batch  []kvcache.KVEvent
+		last   uint64 // the pool's Seq of the last event read
+		window *time.Timer
 	)
+	if p.cfg.BatchWindow > 0 {
+		window = time.NewTimer(p.cfg.BatchWindow)
+		window.Stop()
+	}
 	for {
 		var ev kvcache.KVEvent
 		var ok bool
@@ -328,6 +350,16 @@ func (p *Publisher) run() {
 			}
 		}
 		p.publish(batch)
+		full := len(batch) >= p.cfg.MaxBatchEvents
+		clear(batch) // the keys are the pool's no longer, nor ours
+		if window != nil && !full {
+			window.Reset(p.cfg.BatchWindow)
+			select {
+			case <-window.C:
+			case <-p.stop:
+				return
+			}
+		}
 	}
 }
 
@@ -511,11 +543,31 @@ func (p *Publisher) serveSubscriber(c net.Conn) {
 	}
 }
 
-// write sends s its queue until finish, then what is left in it.
+// maxWriteMessages bounds the queued messages one write sends.
+const maxWriteMessages = 64
+
+// write sends s its queue until finish, then what is left in it. The
+// messages queued when the writer wakes go out in one system call (a
+// vectored write, at most maxWriteMessages): a subscriber that lags
+// behind costs a write per burst, not per message.
 func (p *Publisher) write(s *subscriber) error {
+	msgs := make([][]byte, 0, maxWriteMessages)
 	send := func(wire []byte) error {
+		msgs = append(msgs[:0], wire)
+	gather:
+		for len(msgs) < maxWriteMessages {
+			select {
+			case wire := <-s.queue:
+				msgs = append(msgs, wire)
+			default:
+				break gather
+			}
+		}
 		s.z.c.SetWriteDeadline(time.Now().Add(p.cfg.WriteTimeout))
-		if _, err := s.z.c.Write(wire); err != nil {
+		bufs := net.Buffers(msgs) // WriteTo consumes bufs, not the messages
+		_, err := bufs.WriteTo(s.z.c)
+		clear(msgs) // the messages are the replay buffer's, not the writer's
+		if err != nil {
 			return fmt.Errorf("%w: %w", ErrPeer, err)
 		}
 		return nil
