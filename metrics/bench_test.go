@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -261,4 +262,63 @@ func dialDiscarding(addr string) (net.Conn, error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// BenchmarkCollect is one scrape: "gather" gathers a registry holding the
+// collector (with a publisher's figures) over a pool of N tenants, each
+// in its own domain with a few pages cached; "stats" is the part of it
+// that holds the pool's lock, one Pool.Stats.
+func BenchmarkCollect(b *testing.B) {
+	for _, tenants := range []int{1, 64} {
+		cfg := kvcache.Config{Geometry: kvcache.Geometry{TokensPerPage: 4, Layers: 1, KVHeads: 1, HeadDim: 8, DType: kvcache.BF16},
+			Pages: 16 * tenants, MaxContextTokens: 64, Prefix: kvcache.PrefixConfig{EventBuffer: 1024}}
+		for i := range tenants {
+			cfg.Tenants = append(cfg.Tenants, kvcache.TenantConfig{Name: "t" + strconv.Itoa(i)})
+		}
+		p, err := kvcache.New(cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer p.Close()
+		pub, err := kvevents.New(p, kvevents.Config{Endpoint: "tcp://127.0.0.1:0"})
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer pub.Close()
+		for i, t := range cfg.Tenants {
+			l, err := p.TryAdmit(kvcache.Request{ID: t.Name, Tenant: t.Name, PromptTokens: 16, TokenIDs: tokens(16*i, 16)})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := l.Commit(16); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := l.CachePrefix(16); err != nil {
+				b.Fatal(err)
+			}
+			if err := l.Release(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		reg := prometheus.NewRegistry()
+		if err := reg.Register(metrics.NewCollector(p, metrics.Options{Events: pub, TenantLabels: true})); err != nil {
+			b.Fatal(err)
+		}
+		b.Run("tenants="+strconv.Itoa(tenants)+"/gather", func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := reg.Gather(); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run("tenants="+strconv.Itoa(tenants)+"/stats", func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if s := p.Stats(); len(s.Tenants) != tenants {
+					b.Fatalf("%d tenants", len(s.Tenants))
+				}
+			}
+		})
+	}
 }
