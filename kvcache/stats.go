@@ -206,10 +206,14 @@ func (p *Pool) Stats() Stats {
 		s.Fault = f.Error()
 	}
 	s.Prefix = p.prefixStatsLocked()
-	for _, t := range p.mu.tenants.Tenants() {
+	// One allocation, sized: this runs under mu, which a scrape should
+	// hold for the copy and no longer.
+	tenants := p.mu.tenants.Tenants()
+	s.Tenants = make([]TenantStats, len(tenants))
+	for i, t := range tenants {
 		c := p.mu.perTenant.of(t)
-		s.Tenants = append(s.Tenants, TenantStats{Name: t.Name, UsedPages: t.Used, QuotaPages: t.Quota, ReservedPages: t.Reserved,
-			Admitted: c.admitted, Refused: c.refused})
+		s.Tenants[i] = TenantStats{Name: t.Name, UsedPages: t.Used, QuotaPages: t.Quota, ReservedPages: t.Reserved,
+			Admitted: c.admitted, Refused: c.refused}
 	}
 	return s
 }

@@ -9,10 +9,17 @@
 // ever blocking, and counts what a full channel drops), gathers what has
 // arrived into a batch (at most Config.MaxBatchEvents events), numbers the
 // batch, encodes it once, keeps it in a replay buffer, and queues the same
-// bytes for every subscriber. Each subscriber has its own bounded queue and
-// its own writer; a full queue drops the batch for that subscriber alone
-// (Stats.SubscriberDrops), and a subscriber that accepts no bytes for
-// Config.WriteTimeout is disconnected. So:
+// bytes for every subscriber. After a batch that was not full it sleeps
+// for Config.BatchWindow (1 ms) while the next one gathers in the
+// channel: an event after a quiet spell goes out at once, and under load
+// a window's events go out as one message, so that the publisher's cost
+// is per window rather than per event, and the pool's sends find it
+// asleep on a timer and wake no goroutine. (vLLM publishes once per
+// engine step, tens of milliseconds.) Each subscriber has its own bounded
+// queue and its own writer, which sends what is queued when it wakes in
+// one vectored write; a full queue drops the batch for that subscriber
+// alone (Stats.SubscriberDrops), and a subscriber that accepts no bytes
+// for Config.WriteTimeout is disconnected. So:
 //
 //   - the pool never waits for the publisher, and the publisher never
 //     waits for a subscriber;
@@ -115,8 +122,35 @@
 // counts every drop, and bounds every read. Interoperability is tested
 // against both other implementations: go-zeromq/zmq4 is the Go subscriber
 // of the tests, and libzmq (through Debian's python3-zmq) the Python one.
-// Payloads are encoded with github.com/vmihailenco/msgpack/v5, the msgpack
-// library llm-d decodes them with, through its low-level encoder so that
-// the exact shape (array or map, field order, nil fields) is the one
-// written here.
+// Payloads are msgpack written by this package (encode.go), not by a
+// msgpack library: the shapes are fixed, so the constant parts of each
+// event are encoded once and a block costs its hash and a copy of its
+// domain's extra key, with no reflection and no allocation (see Cost).
+// Every value takes msgpack's shortest form, and the tests hold the bytes
+// to github.com/vmihailenco/msgpack/v5's for the same shapes (it is the
+// library llm-d decodes with, and the one this package encoded with
+// before) besides decoding them with it and with Python's msgpack.
+//
+// # Cost
+//
+// An event's cost is in its bytes: an event of 128 blocks is 4.9 KB on
+// the wire, 29 of each block's 38 bytes its domain's extra key. The
+// publisher encodes it in 0.6–0.9 µs (BenchmarkEncode; 7–12 µs through
+// vmihailenco/msgpack), into the one allocation its batch makes, and each
+// subscriber's writer hands the kernel what is queued in one system call
+// per wake-up. With the BatchWindow, a pool that emits faster than once a
+// millisecond costs one message per millisecond, not one per event.
+// All told, in metrics' BenchmarkAdmitReleaseObserved (two such events per
+// admit-and-release cycle, a subscriber in the same process, a scrape
+// every 10 ms, on a 2-core VM), the publisher, the subscriber and the
+// collector use about 9 µs of CPU per cycle, 4.6 µs per event: encoding
+// 1.1, the message's allocation 0.6, the write 0.75, the subscriber's
+// reads 0.4, the scrapes 0.4, the rest scheduling and sweeping
+// (bench/README.md). That CPU runs beside the pool's, on another core
+// when there is one free.
+//
+// What the pool pays is kvcache's: building each event's keys under its
+// lock, and a send that never blocks. A consumer parked on the channel
+// adds a goroutine wake-up per event, which the BatchWindow spares the
+// pool under load (the publisher is asleep on a timer, not parked).
 package kvevents

@@ -1,12 +1,11 @@
 package kvevents
 
 import (
-	"bytes"
 	"encoding/binary"
 	"fmt"
+	"math"
+	"slices"
 	"time"
-
-	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/kvfence/kvfence/kvcache"
 )
@@ -54,157 +53,269 @@ const DomainKeyPrefix = "kvfence.domain:"
 // hashes by default (llm-d reads a longer byte string the same way).
 func BlockHash(k kvcache.BlockKey) uint64 { return binary.BigEndian.Uint64(k[24:]) }
 
-// encoder turns events into one batch's msgpack payload.
+// encoder turns events into one batch's msgpack payload. It writes
+// msgpack itself, by appending to a byte slice: the shapes are fixed (see
+// the package doc), so the bytes of every constant part (tags, field
+// names, nil fields, the medium) are encoded once, in newEncoder, and a
+// block costs its hash and a copy of its domain's extra key, with no
+// reflection, no interface call and no allocation. Every value takes
+// msgpack's shortest form, as github.com/vmihailenco/msgpack/v5 and
+// Python's msgpack write it (the tests compare the bytes with the
+// former's).
 type encoder struct {
-	buf        bytes.Buffer
-	enc        *msgpack.Encoder
-	form       Encoding
 	fullHashes bool
-	medium     string
-	blockSize  int
 	rank       int
+	// The constant parts of each event, in order; an event is
+	// stored[0] hashes stored[1] parent stored[2] extra_keys, and
+	// removed[0] hashes removed[1] extra_keys.
+	stored  [3][]byte
+	removed [2][]byte
+	cleared []byte
+	// domain is the domain of the last event encoded and domainEntry its
+	// extra_keys entry, [DomainKeyPrefix+domain]: a batch's events mostly
+	// share a domain, so the entry is encoded once per run of them.
+	domain      string
+	domainEntry []byte
+	haveDomain  bool
 }
 
 func newEncoder(form Encoding, fullHashes bool, medium string, blockSize, rank int) *encoder {
-	e := &encoder{form: form, fullHashes: fullHashes, medium: medium, blockSize: blockSize, rank: rank}
-	e.enc = msgpack.NewEncoder(&e.buf)
+	e := &encoder{fullHashes: fullHashes, rank: rank}
+	head := func(fields int, tag string) []byte {
+		var b []byte
+		if form == MapEvents {
+			b = appendMapLen(b, fields)
+			b = appendStr(b, "type")
+		} else {
+			b = appendArrayLen(b, fields)
+		}
+		return appendStr(b, tag)
+	}
+	field := func(b []byte, name string) []byte {
+		if form == MapEvents {
+			b = appendStr(b, name)
+		}
+		return b
+	}
+	// vLLM's BlockStored: block_hashes, parent_block_hash, token_ids,
+	// block_size, lora_id, medium, lora_name, extra_keys (9 with the tag).
+	e.stored[0] = field(head(9, TagBlockStored), "block_hashes")
+	e.stored[1] = field(nil, "parent_block_hash")
+	b := field(nil, "token_ids")
+	b = appendArrayLen(b, 0) // kvfence keeps no prompt tokens: see the package doc
+	b = appendInt(field(b, "block_size"), int64(blockSize))
+	b = appendNil(field(b, "lora_id"))
+	b = appendStr(field(b, "medium"), medium)
+	b = appendNil(field(b, "lora_name"))
+	e.stored[2] = field(b, "extra_keys")
+	// vLLM's BlockRemoved: block_hashes, medium, group_idx; then the
+	// domain's extra keys, an addition of kvfence's after vLLM's fields,
+	// so that positional decoders skip it. The map form has no group_idx
+	// (vLLM's map encoder omits the default).
+	fields := 5
+	if form == MapEvents {
+		fields = 4
+	}
+	e.removed[0] = field(head(fields, TagBlockRemoved), "block_hashes")
+	b = appendStr(field(nil, "medium"), medium)
+	if form == ArrayEvents {
+		b = appendNil(b) // group_idx
+	}
+	e.removed[1] = field(b, "extra_keys")
+	e.cleared = head(1, TagAllBlocksCleared)
 	return e
 }
 
-// batch encodes [ts, [events...], data_parallel_rank] into the encoder's
-// buffer, valid until the next call. A KVEvent whose Kind is zero stands
-// for an AllBlocksCleared the publisher inserted.
-func (e *encoder) batch(ts time.Time, events []kvcache.KVEvent) ([]byte, error) {
-	e.buf.Reset()
-	w := &errWriter{enc: e.enc}
-	w.arrayLen(3)
-	w.float(float64(ts.UnixNano()) / 1e9)
-	w.arrayLen(len(events))
+// batchBound is an upper bound on the bytes batch appends for events.
+func (e *encoder) batchBound(events []kvcache.KVEvent) int {
+	hash := 9 // an unsigned integer, at most 9 bytes
+	if e.fullHashes {
+		hash = 2 + len(kvcache.BlockKey{})
+	}
+	n := 1 + 9 + 5 + 9 // [ts, events, rank]: array, float64, array length, integer
 	for i := range events {
-		e.event(w, &events[i])
+		ev := &events[i]
+		switch ev.Kind {
+		case kvcache.KVStored:
+			n += len(e.stored[0]) + len(e.stored[1]) + len(e.stored[2]) + hash
+		case kvcache.KVRemoved:
+			n += len(e.removed[0]) + len(e.removed[1])
+		default:
+			n += len(e.cleared)
+			continue
+		}
+		// two arrays of len(Keys), each entry [DomainKeyPrefix+domain]
+		n += 2*5 + len(ev.Keys)*(hash+1+5+len(DomainKeyPrefix)+len(ev.Domain))
 	}
-	w.int(int64(e.rank))
-	if w.err != nil {
-		return nil, fmt.Errorf("%w: encoding a batch of %d events: %w", ErrEncoding, len(events), w.err)
-	}
-	return e.buf.Bytes(), nil
+	return n
 }
 
-func (e *encoder) event(w *errWriter, ev *kvcache.KVEvent) {
+// batch appends [ts, [events...], data_parallel_rank] to dst. A KVEvent
+// whose Kind is zero stands for an AllBlocksCleared the publisher inserted.
+func (e *encoder) batch(dst []byte, ts time.Time, events []kvcache.KVEvent) []byte {
+	b := appendArrayLen(dst, 3)
+	b = appendFloat64(b, float64(ts.UnixNano())/1e9)
+	b = appendArrayLen(b, len(events))
+	for i := range events {
+		b = e.event(b, &events[i])
+	}
+	return appendInt(b, int64(e.rank))
+}
+
+func (e *encoder) event(b []byte, ev *kvcache.KVEvent) []byte {
 	switch ev.Kind {
 	case kvcache.KVStored:
-		// vLLM's BlockStored: block_hashes, parent_block_hash, token_ids,
-		// block_size, lora_id, medium, lora_name, extra_keys.
-		if e.form == MapEvents {
-			w.mapLen(9)
-			w.str("type")
-		} else {
-			w.arrayLen(9)
-		}
-		w.str(TagBlockStored)
-		e.field(w, "block_hashes")
-		e.hashes(w, ev.Keys)
-		e.field(w, "parent_block_hash")
+		b = append(b, e.stored[0]...)
+		b = e.hashes(b, ev.Keys)
+		b = append(b, e.stored[1]...)
 		if ev.Parent.IsZero() {
-			w.nil()
+			b = appendNil(b)
 		} else {
-			e.hash(w, &ev.Parent)
+			b = e.hash(b, &ev.Parent)
 		}
-		e.field(w, "token_ids")
-		w.arrayLen(0) // kvfence keeps no prompt tokens: see the package doc
-		e.field(w, "block_size")
-		w.int(int64(e.blockSize))
-		e.field(w, "lora_id")
-		w.nil()
-		e.field(w, "medium")
-		w.str(e.medium)
-		e.field(w, "lora_name")
-		w.nil()
-		e.field(w, "extra_keys")
-		e.domainKeys(w, ev.Domain, len(ev.Keys))
+		b = append(b, e.stored[2]...)
+		return e.domainKeys(b, ev.Domain, len(ev.Keys))
 	case kvcache.KVRemoved:
-		// vLLM's BlockRemoved: block_hashes, medium, group_idx; then the
-		// domain's extra keys (an addition of kvfence's, after vLLM's
-		// fields so that positional decoders skip it).
-		if e.form == MapEvents {
-			w.mapLen(4)
-			w.str("type")
-		} else {
-			w.arrayLen(5)
-		}
-		w.str(TagBlockRemoved)
-		e.field(w, "block_hashes")
-		e.hashes(w, ev.Keys)
-		e.field(w, "medium")
-		w.str(e.medium)
-		if e.form == ArrayEvents {
-			w.nil() // group_idx
-		}
-		e.field(w, "extra_keys")
-		e.domainKeys(w, ev.Domain, len(ev.Keys))
+		b = append(b, e.removed[0]...)
+		b = e.hashes(b, ev.Keys)
+		b = append(b, e.removed[1]...)
+		return e.domainKeys(b, ev.Domain, len(ev.Keys))
 	default: // KVCleared, or a resynchronisation
-		if e.form == MapEvents {
-			w.mapLen(1)
-			w.str("type")
-		} else {
-			w.arrayLen(1)
-		}
-		w.str(TagAllBlocksCleared)
+		return append(b, e.cleared...)
 	}
 }
 
-// field writes a map key in the map form; the array form has none.
-func (e *encoder) field(w *errWriter, name string) {
-	if e.form == MapEvents {
-		w.str(name)
-	}
-}
-
-func (e *encoder) hashes(w *errWriter, keys []kvcache.BlockKey) {
-	w.arrayLen(len(keys))
-	for i := range keys {
-		e.hash(w, &keys[i])
-	}
-}
-
-// hash takes the key by pointer: a key passed by value would escape (its
-// bytes go to the encoder) and cost an allocation per block.
-func (e *encoder) hash(w *errWriter, k *kvcache.BlockKey) {
+func (e *encoder) hashes(b []byte, keys []kvcache.BlockKey) []byte {
+	b = appendArrayLen(b, len(keys))
 	if e.fullHashes {
-		w.bytes(k[:])
-	} else {
-		w.uint(BlockHash(*k))
+		for i := range keys {
+			b = e.hash(b, &keys[i])
+		}
+		return b
 	}
+	// One pass into room for 9 bytes a hash, the most one takes.
+	start := len(b)
+	b = slices.Grow(b, 9*len(keys))
+	out := b[start : start+9*len(keys)]
+	w := 0
+	for i := range keys {
+		k := &keys[i]
+		if k[24] != 0 {
+			// A hash of 57 bits or more, nearly all of them: uint 64,
+			// whose big-endian bytes are the key's last 8 as they are.
+			o := out[w : w+9]
+			o[0] = 0xcf
+			*(*[8]byte)(o[1:]) = [8]byte(k[24:])
+			w += 9
+		} else {
+			w += len(appendUint(out[w:w], BlockHash(*k))) // within out: at most 9 bytes
+		}
+	}
+	return b[:start+w]
+}
+
+// hash writes a parent's hash, or a full hash. It takes the key by
+// pointer: a key passed by value is a 32-byte copy.
+func (e *encoder) hash(b []byte, k *kvcache.BlockKey) []byte {
+	if e.fullHashes {
+		return append(append(b, 0xc4, byte(len(k))), k[:]...) // bin 8
+	}
+	return appendUint(b, BlockHash(*k))
 }
 
 // domainKeys writes extra_keys: for each of n blocks, the list holding the
 // one extra key that names the domain.
-func (e *encoder) domainKeys(w *errWriter, domain string, n int) {
-	key := DomainKeyPrefix + domain
-	w.arrayLen(n)
-	for range n {
-		w.arrayLen(1)
-		w.str(key)
+func (e *encoder) domainKeys(b []byte, domain string, n int) []byte {
+	if !e.haveDomain || domain != e.domain {
+		e.domain, e.haveDomain = domain, true
+		entry := appendArrayLen(e.domainEntry[:0], 1)
+		entry = appendStrLen(entry, len(DomainKeyPrefix)+len(domain))
+		entry = append(append(entry, DomainKeyPrefix...), domain...)
+		e.domainEntry = entry
 	}
-}
-
-// errWriter keeps the first error of a sequence of encoder calls.
-type errWriter struct {
-	enc *msgpack.Encoder
-	err error
-}
-
-func (w *errWriter) do(err error) {
-	if w.err == nil {
-		w.err = err
+	b = appendArrayLen(b, n)
+	if n == 0 {
+		return b
 	}
+	// n copies of the entry, in log2(n) copies of what is written so far.
+	start := len(b)
+	b = slices.Grow(b, n*len(e.domainEntry))[:start+n*len(e.domainEntry)]
+	out := b[start:]
+	done := copy(out, e.domainEntry)
+	for done < len(out) {
+		done += copy(out[done:], out[:done])
+	}
+	return b
 }
 
-func (w *errWriter) arrayLen(n int)  { w.do(w.enc.EncodeArrayLen(n)) }
-func (w *errWriter) mapLen(n int)    { w.do(w.enc.EncodeMapLen(n)) }
-func (w *errWriter) str(s string)    { w.do(w.enc.EncodeString(s)) }
-func (w *errWriter) bytes(b []byte)  { w.do(w.enc.EncodeBytes(b)) }
-func (w *errWriter) uint(n uint64)   { w.do(w.enc.EncodeUint(n)) }
-func (w *errWriter) int(n int64)     { w.do(w.enc.EncodeInt(n)) }
-func (w *errWriter) nil()            { w.do(w.enc.EncodeNil()) }
-func (w *errWriter) float(f float64) { w.do(w.enc.EncodeFloat64(f)) }
+// msgpack's shortest forms (the msgpack spec's format families).
+
+func appendArrayLen(b []byte, n int) []byte {
+	switch {
+	case n < 16:
+		return append(b, 0x90|byte(n)) // fixarray
+	case n <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(b, 0xdc), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(b, 0xdd), uint32(n))
+}
+
+func appendMapLen(b []byte, n int) []byte {
+	switch {
+	case n < 16:
+		return append(b, 0x80|byte(n)) // fixmap
+	case n <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(b, 0xde), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(b, 0xdf), uint32(n))
+}
+
+func appendStrLen(b []byte, n int) []byte {
+	switch {
+	case n < 32:
+		return append(b, 0xa0|byte(n)) // fixstr
+	case n <= math.MaxUint8:
+		return append(b, 0xd9, byte(n))
+	case n <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(b, 0xda), uint16(n))
+	}
+	return binary.BigEndian.AppendUint32(append(b, 0xdb), uint32(n))
+}
+
+func appendStr(b []byte, s string) []byte { return append(appendStrLen(b, len(s)), s...) }
+
+func appendNil(b []byte) []byte { return append(b, 0xc0) }
+
+func appendUint(b []byte, n uint64) []byte {
+	switch {
+	case n <= math.MaxInt8:
+		return append(b, byte(n)) // positive fixint
+	case n <= math.MaxUint8:
+		return append(b, 0xcc, byte(n))
+	case n <= math.MaxUint16:
+		return binary.BigEndian.AppendUint16(append(b, 0xcd), uint16(n))
+	case n <= math.MaxUint32:
+		return binary.BigEndian.AppendUint32(append(b, 0xce), uint32(n))
+	}
+	return binary.BigEndian.AppendUint64(append(b, 0xcf), n)
+}
+
+func appendInt(b []byte, n int64) []byte {
+	switch {
+	case n >= 0:
+		return appendUint(b, uint64(n))
+	case n >= -32:
+		return append(b, byte(n)) // negative fixint
+	case n >= math.MinInt8:
+		return append(b, 0xd0, byte(n))
+	case n >= math.MinInt16:
+		return binary.BigEndian.AppendUint16(append(b, 0xd1), uint16(n))
+	case n >= math.MinInt32:
+		return binary.BigEndian.AppendUint32(append(b, 0xd2), uint32(n))
+	}
+	return binary.BigEndian.AppendUint64(append(b, 0xd3), uint64(n))
+}
+
+func appendFloat64(b []byte, f float64) []byte {
+	return binary.BigEndian.AppendUint64(append(b, 0xcb), math.Float64bits(f))
+}

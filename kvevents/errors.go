@@ -15,7 +15,9 @@ var (
 	// ZMTP 3, a socket type that cannot talk to ours, a frame too large)
 	// or its connection failed; that peer is dropped, nobody else is.
 	ErrPeer = errors.New("kvevents: peer failed")
-	// ErrEncoding: a batch could not be encoded.
+	// ErrEncoding: a batch could not be encoded. Nothing returns it since
+	// the publisher writes msgpack itself, into memory, which cannot fail;
+	// it stays for callers that match it.
 	ErrEncoding = errors.New("kvevents: cannot encode")
 	// ErrClosed: the publisher has been closed.
 	ErrClosed = errors.New("kvevents: publisher closed")

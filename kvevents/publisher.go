@@ -44,6 +44,17 @@ type Config struct {
 	// MaxBatchEvents bounds the pool events in one batch; 0 means 256. A
 	// batch holds what the pool emitted since the last one, up to this.
 	MaxBatchEvents int
+	// BatchWindow is how long the publisher lets events gather after it
+	// has published a batch that was not full, before it reads the next:
+	// under load, the events of a window go out as one message (one
+	// encoding pass, one write per subscriber), and the pool's sends find
+	// the publisher asleep on a timer rather than parked on the channel,
+	// so that they wake no goroutine. An event after a quiet window is
+	// published at once. 0 means 1 ms; negative means no window (a batch
+	// for each wake-up, which under load is nearly one per event). The
+	// pool's Prefix.EventBuffer must hold the events of one window at the
+	// peak rate, or the excess is dropped (and resynchronised).
+	BatchWindow time.Duration
 	// BufferSteps is how many of the latest batches the replay socket can
 	// send again; 0 means 10,000 (vLLM's default). BufferBytes bounds
 	// their payloads in all; 0 means 64 MiB. The oldest go first.
@@ -66,6 +77,7 @@ type Config struct {
 
 const (
 	defaultBatchEvents = 256
+	defaultBatchWindow = time.Millisecond
 	defaultSteps       = 10_000
 	defaultBufferBytes = 64 << 20
 	defaultQueue       = 1024
@@ -205,6 +217,9 @@ func (c *Config) fill() error {
 	if c.WriteTimeout == 0 {
 		c.WriteTimeout = defaultTimeout
 	}
+	if c.BatchWindow == 0 {
+		c.BatchWindow = defaultBatchWindow
+	}
 	if c.Medium == "" {
 		c.Medium = "GPU"
 	}
@@ -288,13 +303,20 @@ func (p *Publisher) Close() error {
 	return err
 }
 
-// run reads the pool's events and publishes them in batches.
+// run reads the pool's events and publishes them in batches: what has
+// arrived when it wakes, up to MaxBatchEvents; after a batch that was not
+// full it sleeps for the BatchWindow (see Config) while the next gathers.
 func (p *Publisher) run() {
 	defer p.wg.Done()
 	var (
-		batch []kvcache.KVEvent
-		last  uint64 // the pool's Seq of the last event read
+		batch  []kvcache.KVEvent
+		last   uint64 // the pool's Seq of the last event read
+		window *time.Timer
 	)
+	if p.cfg.BatchWindow > 0 {
+		window = time.NewTimer(p.cfg.BatchWindow)
+		window.Stop()
+	}
 	for {
 		var ev kvcache.KVEvent
 		var ok bool
@@ -328,6 +350,16 @@ func (p *Publisher) run() {
 			}
 		}
 		p.publish(batch)
+		full := len(batch) >= p.cfg.MaxBatchEvents
+		clear(batch) // the keys are the pool's no longer, nor ours
+		if window != nil && !full {
+			window.Reset(p.cfg.BatchWindow)
+			select {
+			case <-window.C:
+			case <-p.stop:
+				return
+			}
+		}
 	}
 }
 
@@ -346,21 +378,30 @@ func (p *Publisher) resync(batch []kvcache.KVEvent, lost, last, next uint64) []k
 // publish encodes a batch, numbers it, keeps it for replay and queues it
 // for every subscriber of the topic.
 func (p *Publisher) publish(batch []kvcache.KVEvent) {
-	payload, err := p.enc.batch(time.Now(), batch)
-	if err != nil {
-		// Nothing in a KVEvent can fail to encode into a buffer; if it
-		// ever does, the gap in events shows up as a resync downstream.
-		p.log.Error("kvevents: batch dropped", slog.Any("error", err))
-		return
-	}
 	seq := p.batches.Load()
-	var seqb [8]byte
-	binary.BigEndian.PutUint64(seqb[:], seq)
-	// One allocation per batch: the message as sent, whose last frame is
-	// the payload the replay buffer keeps.
-	wire := make([]byte, 0, 3*9+len(p.cfg.Topic)+8+len(payload))
-	wire = appendMessage(wire, []byte(p.cfg.Topic), seqb[:], payload)
-	p.ring.add(seq, wire[len(wire)-len(payload):])
+	// One allocation per batch: the message as sent, [topic, seq,
+	// payload], whose last frame is the payload the replay buffer keeps.
+	// The payload is encoded in place, after room for a long frame header
+	// (its size is known only then); a short one is 7 bytes less, so the
+	// frames before it move up by 7.
+	topic := p.cfg.Topic
+	const long = 9 // a long frame header: flags, 8-byte size
+	wire := make([]byte, 0, long+len(topic)+2+8+long+p.enc.batchBound(batch))
+	wire = appendHeader(wire, len(topic), flagMore)
+	wire = append(wire, topic...)
+	wire = appendHeader(wire, 8, flagMore)
+	wire = binary.BigEndian.AppendUint64(wire, seq)
+	front := len(wire)
+	wire = p.enc.batch(wire[:front+long], time.Now(), batch)
+	payload := wire[front+long:]
+	if hdr := appendHeader(nil, len(payload), 0); len(hdr) == long {
+		copy(wire[front:], hdr)
+	} else {
+		copy(wire[front+long-len(hdr):], hdr)
+		copy(wire[long-len(hdr):], wire[:front])
+		wire = wire[long-len(hdr):]
+	}
+	p.ring.add(seq, payload)
 	n := uint64(0)
 	for _, ev := range batch {
 		if ev.Kind != 0 {
@@ -371,7 +412,7 @@ func (p *Publisher) publish(batch []kvcache.KVEvent) {
 	p.batches.Add(1)
 	p.mu.Lock()
 	for s := range p.mu.subs {
-		if !s.wants(p.cfg.Topic) {
+		if !s.wants(topic) {
 			continue
 		}
 		select {
@@ -502,11 +543,31 @@ func (p *Publisher) serveSubscriber(c net.Conn) {
 	}
 }
 
-// write sends s its queue until finish, then what is left in it.
+// maxWriteMessages bounds the queued messages one write sends.
+const maxWriteMessages = 64
+
+// write sends s its queue until finish, then what is left in it. The
+// messages queued when the writer wakes go out in one system call (a
+// vectored write, at most maxWriteMessages): a subscriber that lags
+// behind costs a write per burst, not per message.
 func (p *Publisher) write(s *subscriber) error {
+	msgs := make([][]byte, 0, maxWriteMessages)
 	send := func(wire []byte) error {
+		msgs = append(msgs[:0], wire)
+	gather:
+		for len(msgs) < maxWriteMessages {
+			select {
+			case wire := <-s.queue:
+				msgs = append(msgs, wire)
+			default:
+				break gather
+			}
+		}
 		s.z.c.SetWriteDeadline(time.Now().Add(p.cfg.WriteTimeout))
-		if _, err := s.z.c.Write(wire); err != nil {
+		bufs := net.Buffers(msgs) // WriteTo consumes bufs, not the messages
+		_, err := bufs.WriteTo(s.z.c)
+		clear(msgs) // the messages are the replay buffer's, not the writer's
+		if err != nil {
 			return fmt.Errorf("%w: %w", ErrPeer, err)
 		}
 		return nil

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -33,8 +34,22 @@ func (d discardFills) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.O
 // evicts an older one: two events of 128 keys. "plain" has no observer:
 // no event channel, no collector, no publisher. "observed" has all of
 // them: a publisher in vLLM's format with a subscriber reading it, and a
-// Prometheus collector registered and scraped every 10 ms. Compare
-// plain and observed ns/op in the same run.
+// Prometheus collector registered and scraped every 10 ms. Compare ns/op
+// in the same run.
+//
+// Two more cases (prefix=publish only) take the pool's side of the events
+// apart from the rest: the channel is on, and a goroutine receives from
+// it and does nothing else. In "drained" it receives what has arrived
+// once a millisecond, as the publisher does under load (its
+// Config.BatchWindow), so drained ÷ plain is what building and sending
+// the events costs the pool, and observed ÷ drained what the publisher,
+// the subscriber and the collector add. In "drained-woken" it ranges over
+// the channel, parked whenever it is empty, so that every event the pool
+// sends wakes it: the cost of a consumer that waits on the channel.
+//
+// cpu-ns/op is the process's CPU time (user and system, every thread)
+// per cycle: on a machine with cores to spare observed can match plain
+// in ns/op while its publisher's CPU shows here.
 func BenchmarkAdmitReleaseObserved(b *testing.B) {
 	const (
 		tpp     = 16
@@ -43,20 +58,28 @@ func BenchmarkAdmitReleaseObserved(b *testing.B) {
 		prompts = 16 // 16 × 128 pages: twice the pool
 	)
 	geom := kvcache.Geometry{TokensPerPage: tpp, Layers: 4, KVHeads: 8, HeadDim: 128, DType: kvcache.BF16}
+	const (
+		noDrain = iota
+		drainWindow
+		drainEach
+	)
 	for _, bc := range []struct {
-		name             string
-		prefix, observed bool
+		name     string
+		prefix   bool
+		drain    int
+		observed bool
 	}{
-		{"prefix=none/plain", false, false}, {"prefix=none/observed", false, true},
-		{"prefix=publish/plain", true, false}, {"prefix=publish/observed", true, true},
+		{"prefix=none/plain", false, noDrain, false}, {"prefix=none/observed", false, noDrain, true},
+		{"prefix=publish/plain", true, noDrain, false}, {"prefix=publish/drained", true, drainWindow, false},
+		{"prefix=publish/drained-woken", true, drainEach, false}, {"prefix=publish/observed", true, noDrain, true},
 	} {
-		prefix, observed := bc.prefix, bc.observed
+		prefix, drain, observed := bc.prefix, bc.drain, bc.observed
 		b.Run(bc.name, func(b *testing.B) {
 			dev := discardFills{cudaops.NewHost()}
 			defer dev.Close()
 			cfg := kvcache.Config{Geometry: geom, Pages: pages, MaxContextTokens: pages * tpp, Device: dev,
 				Tenants: []kvcache.TenantConfig{{Name: "bench"}}}
-			if observed {
+			if drain != noDrain || observed {
 				cfg.Prefix.EventBuffer = 1 << 14
 			}
 			p, err := kvcache.New(cfg)
@@ -78,7 +101,34 @@ func BenchmarkAdmitReleaseObserved(b *testing.B) {
 			var pub *kvevents.Publisher
 			stop := make(chan struct{})
 			var wg sync.WaitGroup
-			var received uint64
+			var received, drainedEvents uint64
+			if drain != noDrain {
+				wg.Add(1)
+				go func() { // a consumer that costs nothing but its receives
+					defer wg.Done()
+					if drain == drainEach {
+						for range p.Events() {
+							drainedEvents++
+						}
+						return
+					}
+					for {
+						time.Sleep(time.Millisecond)
+					receive:
+						for {
+							select {
+							case _, ok := <-p.Events():
+								if !ok {
+									return
+								}
+								drainedEvents++
+							default:
+								break receive
+							}
+						}
+					}
+				}()
+			}
 			if observed {
 				pub, err = kvevents.New(p, kvevents.Config{Endpoint: "tcp://127.0.0.1:0"})
 				if err != nil {
@@ -121,6 +171,7 @@ func BenchmarkAdmitReleaseObserved(b *testing.B) {
 			before := p.Stats()
 			i := 0
 			b.ReportAllocs()
+			cpu0 := processCPU()
 			for b.Loop() {
 				req := kvcache.Request{ID: "req", Tenant: "bench", PromptTokens: prompt}
 				if prefix {
@@ -143,6 +194,9 @@ func BenchmarkAdmitReleaseObserved(b *testing.B) {
 				}
 			}
 			b.StopTimer()
+			if cpu := processCPU(); cpu > 0 {
+				b.ReportMetric(float64(cpu-cpu0)/float64(b.N), "cpu-ns/op")
+			}
 			close(stop)
 			s := p.Stats()
 			if s.Admitted-before.Admitted != uint64(b.N) || s.LiveLeases != 0 || s.FreePages+s.CachedPages != pages {
@@ -151,6 +205,16 @@ func BenchmarkAdmitReleaseObserved(b *testing.B) {
 			}
 			if err := p.Check(); err != nil {
 				b.Fatal(err)
+			}
+			if drain != noDrain {
+				if s.Prefix.EventsDropped != 0 {
+					b.Fatalf("the pool dropped %d of %d events", s.Prefix.EventsDropped, s.Prefix.EventsSent)
+				}
+				p.Close() // ends the drain, after its own events (the cache's eviction)
+				wg.Wait()
+				if sent := p.Stats().Prefix.EventsSent; drainedEvents != sent {
+					b.Fatalf("the pool sent %d events, %d were received", sent, drainedEvents)
+				}
 			}
 			if observed {
 				// Every event the pool produced was published; none was
@@ -198,4 +262,63 @@ func dialDiscarding(addr string) (net.Conn, error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// BenchmarkCollect is one scrape: "gather" gathers a registry holding the
+// collector (with a publisher's figures) over a pool of N tenants, each
+// in its own domain with a few pages cached; "stats" is the part of it
+// that holds the pool's lock, one Pool.Stats.
+func BenchmarkCollect(b *testing.B) {
+	for _, tenants := range []int{1, 64} {
+		cfg := kvcache.Config{Geometry: kvcache.Geometry{TokensPerPage: 4, Layers: 1, KVHeads: 1, HeadDim: 8, DType: kvcache.BF16},
+			Pages: 16 * tenants, MaxContextTokens: 64, Prefix: kvcache.PrefixConfig{EventBuffer: 1024}}
+		for i := range tenants {
+			cfg.Tenants = append(cfg.Tenants, kvcache.TenantConfig{Name: "t" + strconv.Itoa(i)})
+		}
+		p, err := kvcache.New(cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer p.Close()
+		pub, err := kvevents.New(p, kvevents.Config{Endpoint: "tcp://127.0.0.1:0"})
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer pub.Close()
+		for i, t := range cfg.Tenants {
+			l, err := p.TryAdmit(kvcache.Request{ID: t.Name, Tenant: t.Name, PromptTokens: 16, TokenIDs: tokens(16*i, 16)})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := l.Commit(16); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := l.CachePrefix(16); err != nil {
+				b.Fatal(err)
+			}
+			if err := l.Release(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		reg := prometheus.NewRegistry()
+		if err := reg.Register(metrics.NewCollector(p, metrics.Options{Events: pub, TenantLabels: true})); err != nil {
+			b.Fatal(err)
+		}
+		b.Run("tenants="+strconv.Itoa(tenants)+"/gather", func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := reg.Gather(); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run("tenants="+strconv.Itoa(tenants)+"/stats", func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if s := p.Stats(); len(s.Tenants) != tenants {
+					b.Fatalf("%d tenants", len(s.Tenants))
+				}
+			}
+		})
+	}
 }

@@ -3,7 +3,13 @@
 // counters) at each scrape. The pool itself knows nothing of Prometheus:
 // this package imports it, not the other way round, and a scrape costs the
 // pool one Stats call under its lock, O(tenants + domains), and nothing
-// on its admission or release paths.
+// on its admission or release paths. On the 2-core VM of bench/README.md
+// (BenchmarkCollect, as busy as the VM was) that call holds the lock for
+// 0.7–1.5 µs with one tenant and 22–55 µs with 64 tenants in domains of
+// their own, mostly the allocation of the snapshot's per-tenant and
+// per-domain slices; the rest of a scrape, the Prometheus client's, runs
+// outside the lock: 0.17–0.27 ms with one tenant, 3–6.6 ms with 64 and
+// TenantLabels.
 //
 // # Names
 //
