@@ -1,6 +1,9 @@
 package kvcache
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 // KVEventKind says what happened to cached pages.
 type KVEventKind uint8
@@ -75,6 +78,9 @@ type eventSink struct {
 	seq     uint64
 	sent    uint64
 	dropped uint64
+	// scratch and runs gather KVRemoved events (gatherRemovedLocked).
+	scratch []BlockKey
+	runs    []removedRun
 }
 
 // emitLocked sends ev if the consumer has room, and counts it dropped
@@ -106,3 +112,42 @@ func (s *eventSink) closeLocked() {
 // Events returns the channel of prefix-cache events, or nil if
 // Config.Prefix.EventBuffer is zero. It is closed by Close.
 func (p *Pool) Events() <-chan KVEvent { return p.events }
+
+// removedRun is a KVRemoved event being gathered: keys[start:] of the
+// sink's scratch, up to the next run's start.
+type removedRun struct {
+	domain string
+	start  int
+}
+
+// gatherRemovedLocked adds the key of an evicted page of domain to the
+// KVRemoved events being gathered, one per run of a domain's pages, in
+// the sink's reused scratch: no allocation per page.
+func (s *eventSink) gatherRemovedLocked(domain string, key BlockKey) {
+	if k := len(s.runs) - 1; k < 0 || s.runs[k].domain != domain {
+		s.runs = append(s.runs, removedRun{domain: domain, start: len(s.scratch)})
+	}
+	s.scratch = append(s.scratch, key)
+}
+
+// emitRemovedLocked emits the gathered KVRemoved events, each with its
+// own keys (one allocation, of their size), and empties the scratch.
+func (s *eventSink) emitRemovedLocked(tokensPerPage int) {
+	for i, r := range s.runs {
+		end := len(s.scratch)
+		if i+1 < len(s.runs) {
+			end = s.runs[i+1].start
+		}
+		keys := slices.Clone(s.scratch[r.start:end])
+		s.emitLocked(KVEvent{Kind: KVRemoved, Domain: r.domain, Keys: keys, Tokens: len(keys) * tokensPerPage})
+	}
+	clear(s.runs) // no domain name kept
+	s.runs, s.scratch = s.runs[:0], s.scratch[:0]
+	if cap(s.scratch) > maxRemovedScratch {
+		s.scratch = nil // a large clear's worth is not kept for later
+	}
+}
+
+// maxRemovedScratch bounds the keys gatherRemovedLocked's scratch keeps
+// between evictions: a few long prompts' worth.
+const maxRemovedScratch = 1 << 14

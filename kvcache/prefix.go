@@ -184,7 +184,6 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 		e.pinned = true
 	}
 	start := len(pages)
-	var removed []KVEvent
 	for e := x.lruHead; e != nil && len(pages)-start < n; {
 		next := e.next
 		if !e.pinned {
@@ -192,12 +191,7 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 			x.counters(e.dom).evictedPages++
 			pages = append(pages, e.page)
 			if p.mu.events.enabled() {
-				if k := len(removed) - 1; k >= 0 && removed[k].Domain == e.dom.Name {
-					removed[k].Keys = append(removed[k].Keys, e.key)
-					removed[k].Tokens += p.tpp
-				} else {
-					removed = append(removed, KVEvent{Kind: KVRemoved, Domain: e.dom.Name, Keys: []BlockKey{e.key}, Tokens: p.tpp})
-				}
+				p.mu.events.gatherRemovedLocked(e.dom.Name, e.key)
 			}
 			x.drop(e) // last: e is a spare from here on
 		}
@@ -210,9 +204,7 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 		panic(fmt.Sprintf("kvcache: evicting cached pages: %v", err)) // every LRU page is Cached
 	}
 	p.q.BeginLocked(len(pages) - start)
-	for _, ev := range removed {
-		p.mu.events.emitLocked(ev)
-	}
+	p.mu.events.emitRemovedLocked(p.tpp)
 	return pages
 }
 
@@ -551,8 +543,10 @@ type PrefixStats struct {
 func (p *Pool) prefixStatsLocked() PrefixStats {
 	p.assertHeld()
 	x, ev := &p.mu.prefix, &p.mu.events
-	s := PrefixStats{Enabled: !p.prefixDisabled, EventsSent: ev.sent, EventsDropped: ev.dropped}
-	for _, d := range p.mu.tenants.Domains() {
+	doms := p.mu.tenants.Domains()
+	s := PrefixStats{Enabled: !p.prefixDisabled, EventsSent: ev.sent, EventsDropped: ev.dropped,
+		Domains: make([]DomainStats, 0, len(doms))} // sized once: this runs under the lock a scrape waits on
+	for _, d := range doms {
 		k := x.counters(d)
 		s.Domains = append(s.Domains, DomainStats{
 			Name: d.Name, Shared: d.Shared, Tenants: d.Tenants,
