@@ -48,10 +48,12 @@
 // loopback pays the kernel's per-segment work. On bench/README.md's two
 // cores, where both ends of a loopback handoff share the CPU, gRPC alone
 // (BenchmarkGRPCStream: no checksums, no decode pool) takes about twice
-// the CPU of a raw TCP copy of the same bytes, and a handoff, which also
-// sums every byte on each side, writes the decode pages and scrubs the
-// prefill pages, about three times; those ratios, not the wire, set the
-// handoff's speed there. Where each end has cores of its own, the
+// the CPU of a raw TCP copy of the same bytes (272 against 132 ms per
+// 256 MiB at the median of 10 rounds), and a handoff, which also sums
+// every byte on each side, writes the decode pages and scrubs the prefill
+// pages, about three times (388 against 129 ms); those ratios, not the
+// wire, set the handoff's speed there: x-tcp 0.36 at the median, and gRPC
+// alone, the ceiling, 0.52. Where each end has cores of its own, the
 // busiest single goroutine is the likely limit: by the profiles, the
 // connection's writer (about 100–130 ms of CPU per 256 MiB on the two
 // cores); that was not measured.
