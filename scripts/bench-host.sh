@@ -28,7 +28,7 @@ run -bench '^BenchmarkHostFill$' -benchtime 20x ./cudaops
 run -bench '^(BenchmarkPrefixMatch|BenchmarkPageKey)$' ./kvcache
 run -bench '^BenchmarkCAdmitRelease$' ./capi
 run -bench '^BenchmarkManifest2048$' ./handoff
-run -bench '^BenchmarkHandoff$' -benchtime 10x ./handoff/grpcx
+run -bench '^(BenchmarkHandoff|BenchmarkGRPCStream)$' -benchtime 10x ./handoff/grpcx
 run -bench . -benchtime 300ms ./bench
 echo "# load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out"
 echo "bench-host: wrote $out" >&2
