@@ -104,27 +104,28 @@ func (r *Registry) Decide(t *Tenant, d Demand, s Supply) Decision {
 		open = min(open, own)
 	}
 	overQuota := d.Charge > quotaLeft
-	dec := Decision{Demand: d, Have: min(open, quotaLeft), Limit: s.InService}
+	have := min(open, quotaLeft)
+	// Each outcome is returned whole: a Decision built in place and then
+	// amended went through memory, and reading it back cost more than the
+	// rule itself (a one-page growth decides on every page).
 	switch {
 	case overQuota && t.Quota < s.InService:
-		dec.Verdict, dec.Have, dec.Limit = OverQuota, quotaLeft, t.Quota
+		return Decision{Verdict: OverQuota, Demand: d, Have: quotaLeft, Limit: t.Quota}
 	case d.Take > s.Pages:
-		dec.Verdict = PoolShort
+		return Decision{Verdict: PoolShort, Demand: d, Have: have, Limit: s.InService}
 	case d.Take > unreserved:
-		dec.Verdict, dec.Have, dec.Limit = Reserved, open, s.Pages
+		return Decision{Verdict: Reserved, Demand: d, Have: open, Limit: s.Pages}
 	case d.Take > kept:
-		dec.Verdict, dec.Have, dec.Limit = KeptForGrowth, open, s.Pages
+		return Decision{Verdict: KeptForGrowth, Demand: d, Have: open, Limit: s.Pages}
 	case d.Take > open:
-		dec.Verdict = PoolShort // queued behind earlier admissions
+		return Decision{Verdict: PoolShort, Demand: d, Have: have, Limit: s.InService} // queued behind earlier admissions
 	case overQuota:
 		// A quota as large as the pool cannot bind before the pool does
 		// (the tenant's pages, the fresh ones and the shared ones are
 		// distinct pages in service); kept so no path ever passes a quota.
-		dec.Verdict, dec.Have, dec.Limit = OverQuota, quotaLeft, t.Quota
-	default:
-		dec.Verdict = Grant
+		return Decision{Verdict: OverQuota, Demand: d, Have: quotaLeft, Limit: t.Quota}
 	}
-	return dec
+	return Decision{Verdict: Grant, Demand: d, Have: have, Limit: s.InService}
 }
 
 // Apply charges a granted decision to t. It panics on any other verdict:
