@@ -1,9 +1,6 @@
 package kvcache
 
-import (
-	"fmt"
-	"slices"
-)
+import "fmt"
 
 // KVEventKind says what happened to cached pages.
 type KVEventKind uint8
@@ -41,7 +38,8 @@ type KVEvent struct {
 	// covers all domains.
 	Domain string
 	// Keys are the pages' keys; for KVStored in chain order, each the
-	// parent of the next.
+	// parent of the next. The array is the receiver's; once read, it may
+	// be handed back with Pool.ReturnEventKeys for a later event to reuse.
 	Keys []BlockKey
 	// Parent is the key of the page before Keys[0] in its prompt
 	// (KVStored only); zero when Keys[0] is a prompt's first page.
@@ -81,6 +79,48 @@ type eventSink struct {
 	// scratch and runs gather KVRemoved events (gatherRemovedLocked).
 	scratch []BlockKey
 	runs    []removedRun
+	// spare holds key arrays consumers gave back (Pool.ReturnEventKeys),
+	// for keysLocked to reuse; not guarded by Pool.mu (a channel).
+	spare chan []BlockKey
+}
+
+// Key arrays given back are kept up to spareKeyArrays of them, each of at
+// most maxSpareKeys keys: a busy stream's worth, not a large clear's.
+const (
+	spareKeyArrays = 64
+	maxSpareKeys   = 1 << 14
+)
+
+// keysLocked returns an empty key array with room for n keys: one given
+// back by a consumer if it is large enough, otherwise a new one. Without
+// a consumer that gives arrays back, every event costs one allocation
+// of its keys, which is most of what events cost a pool (its fresh
+// memory is page faults and cache misses on the admission path).
+func (s *eventSink) keysLocked(n int) []BlockKey {
+	select {
+	case k := <-s.spare:
+		if cap(k) >= n {
+			return k[:0]
+		}
+	default:
+	}
+	return make([]BlockKey, 0, n)
+}
+
+// ReturnEventKeys gives the pool back the Keys of an event received from
+// Events, for a later event to reuse instead of allocating its own. It
+// is optional (kvevents' publisher does it once a batch is encoded), and
+// safe to call from any goroutine. The caller must be done with keys:
+// hand back each event's array at most once, and never read it after.
+func (p *Pool) ReturnEventKeys(keys []BlockKey) {
+	s := p.mu.events.spare // set in New, never changed
+	if s == nil || cap(keys) == 0 || cap(keys) > maxSpareKeys {
+		return
+	}
+	select {
+	case s <- keys[:0]:
+	default: // enough kept
+	}
 }
 
 // emitLocked sends ev if the consumer has room, and counts it dropped
@@ -138,7 +178,7 @@ func (s *eventSink) emitRemovedLocked(tokensPerPage int) {
 		if i+1 < len(s.runs) {
 			end = s.runs[i+1].start
 		}
-		keys := slices.Clone(s.scratch[r.start:end])
+		keys := append(s.keysLocked(end-r.start), s.scratch[r.start:end]...)
 		s.emitLocked(KVEvent{Kind: KVRemoved, Domain: r.domain, Keys: keys, Tokens: len(keys) * tokensPerPage})
 	}
 	clear(s.runs) // no domain name kept

@@ -169,6 +169,7 @@ func New(cfg Config) (_ *Pool, err error) {
 	if cfg.Prefix.EventBuffer > 0 {
 		p.events = make(chan KVEvent, cfg.Prefix.EventBuffer)
 		p.mu.events.ch = p.events
+		p.mu.events.spare = make(chan []BlockKey, spareKeyArrays)
 	}
 	return p, nil
 }

@@ -358,11 +358,11 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 	x := &p.mu.prefix
 	tpp := p.tpp
 	withTokens := len(l.tokens) >= upTo*tpp
-	var stored *KVEvent
+	var stored KVEvent // being gathered while Kind is set
 	flush := func() {
-		if stored != nil {
-			p.mu.events.emitLocked(*stored)
-			stored = nil
+		if stored.Kind != 0 {
+			p.mu.events.emitLocked(stored)
+			stored = KVEvent{}
 		}
 	}
 	var parent *trieNode
@@ -396,10 +396,10 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 		parent = trieNodeOf(e)
 		x.counters(l.domain).storedPages++
 		if p.mu.events.enabled() {
-			if stored == nil {
-				// Sized for the rest of the prompt: one allocation, not a doubling per page.
-				stored = &KVEvent{Kind: KVStored, Domain: l.domain.Name, Parent: e.parent,
-					Keys: make([]BlockKey, 0, len(l.keys)-i)}
+			if stored.Kind == 0 {
+				// Sized for the rest of the prompt: no doubling per page.
+				stored = KVEvent{Kind: KVStored, Domain: l.domain.Name, Parent: e.parent,
+					Keys: p.mu.events.keysLocked(len(l.keys) - i)}
 			}
 			stored.Keys = append(stored.Keys, e.key)
 			stored.Tokens += tpp

@@ -123,6 +123,7 @@ type Stats struct {
 // vLLM's wire format. See the package doc.
 type Publisher struct {
 	cfg    Config
+	pool   *kvcache.Pool // its event keys go back to it once encoded
 	events <-chan kvcache.KVEvent
 	enc    *encoder
 	log    *slog.Logger
@@ -163,6 +164,7 @@ func New(pool *kvcache.Pool, cfg Config) (*Publisher, error) {
 	}
 	p := &Publisher{
 		cfg:     cfg,
+		pool:    pool,
 		events:  events,
 		enc:     newEncoder(cfg.Encoding, cfg.FullHashes, cfg.Medium, pool.Geometry().TokensPerPage, cfg.DataParallelRank),
 		log:     cfg.Logger,
@@ -351,7 +353,10 @@ func (p *Publisher) run() {
 		}
 		p.publish(batch)
 		full := len(batch) >= p.cfg.MaxBatchEvents
-		clear(batch) // the keys are the pool's no longer, nor ours
+		for _, ev := range batch { // encoded: the pool may reuse their arrays
+			p.pool.ReturnEventKeys(ev.Keys)
+		}
+		clear(batch) // the keys are the pool's again, not ours
 		if window != nil && !full {
 			window.Reset(p.cfg.BatchWindow)
 			select {

@@ -39,7 +39,8 @@ func (d discardFills) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.O
 //
 // Two more cases (prefix=publish only) take the pool's side of the events
 // apart from the rest: the channel is on, and a goroutine receives from
-// it and does nothing else. In "drained" it receives what has arrived
+// it and does nothing else but hand each event's keys back
+// (Pool.ReturnEventKeys, as the publisher does). In "drained" it receives what has arrived
 // once a millisecond, as the publisher does under load (its
 // Config.BatchWindow), so drained ÷ plain is what building and sending
 // the events costs the pool, and observed ÷ drained what the publisher,
@@ -107,7 +108,8 @@ func BenchmarkAdmitReleaseObserved(b *testing.B) {
 				go func() { // a consumer that costs nothing but its receives
 					defer wg.Done()
 					if drain == drainEach {
-						for range p.Events() {
+						for ev := range p.Events() {
+							p.ReturnEventKeys(ev.Keys)
 							drainedEvents++
 						}
 						return
@@ -117,10 +119,11 @@ func BenchmarkAdmitReleaseObserved(b *testing.B) {
 					receive:
 						for {
 							select {
-							case _, ok := <-p.Events():
+							case ev, ok := <-p.Events():
 								if !ok {
 									return
 								}
+								p.ReturnEventKeys(ev.Keys)
 								drainedEvents++
 							default:
 								break receive
