@@ -111,6 +111,7 @@ func Events(h Handle, dst []byte) (int, error) {
 					break drain
 				}
 				q.mu.pending = append(q.mu.pending, eventDoc(ev))
+				pe.pool.ReturnEventKeys(ev.Keys) // copied out as hex
 			default:
 				break drain
 			}
