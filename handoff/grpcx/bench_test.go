@@ -89,12 +89,7 @@ func BenchmarkHandoff(b *testing.B) {
 	}
 	got := make([]byte, len(page))
 
-	var handoffTime, tcpTime time.Duration
-	// CPU time of the whole process (both ends, every goroutine, the
-	// kernel's work for its system calls) over the same spans: on a
-	// machine with few cores the ratio follows CPU per byte.
-	var handoffCPU, tcpCPU time.Duration
-	hasCPU := true
+	tally := transferTally{hasCPU: true}
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
@@ -112,14 +107,11 @@ func BenchmarkHandoff(b *testing.B) {
 		require.NoError(b, l.Commit(benchPrompt))
 		require.NoError(b, l.FinishPrefill())
 		b.StartTimer()
-		cpu0, _ := processCPU()
-		start := time.Now()
+		span := tally.begin()
 		exp, err := s.Export(l, 0)
 		require.NoError(b, err)
 		require.NoError(b, exp.Send(ctx, tr))
-		handoffTime += time.Since(start)
-		cpu1, cpuOK := processCPU()
-		handoffCPU += cpu1 - cpu0
+		tally.end(span)
 		b.StopTimer()
 		dl, ok := recv.Take(id)
 		require.True(b, ok, "no decode lease for %s", id)
@@ -137,25 +129,66 @@ func BenchmarkHandoff(b *testing.B) {
 		}
 		require.NoError(b, dl.Release())
 		require.Zero(b, prefill.Stats().LiveLeases, "the exported lease of %s is still live", id)
-		cpu0, _ = processCPU()
-		tcpTime += tcp.run(b)
-		cpu1, _ = processCPU()
-		tcpCPU += cpu1 - cpu0
-		hasCPU = hasCPU && cpuOK
+		tally.baseline(b, tcp)
 		b.StartTimer()
 	}
 	b.StopTimer()
 	require.Equal(b, handoff.ReceiverStats{Imported: uint64(b.N)}, recv.Stats())
 	require.NoError(b, prefill.Check())
 	require.NoError(b, decode.Check())
-	gbps := float64(size) * float64(b.N) / handoffTime.Seconds() / 1e9
-	tcpGBps := float64(size) * float64(b.N) / tcpTime.Seconds() / 1e9
+	tally.report(b, size)
+}
+
+// transferTally sums a benchmark's timed transfers and the TCP copies
+// after each: wall time, and the CPU time of the whole process (both
+// ends, every goroutine, the kernel's work for its system calls) over
+// the same spans, since on a machine with few cores the ratio follows
+// CPU per byte.
+type transferTally struct {
+	time, cpu       time.Duration // the transfers'
+	tcpTime, tcpCPU time.Duration // the baseline's
+	hasCPU          bool          // every span's CPU time could be read
+}
+
+// tallySpan is where a timed span began.
+type tallySpan struct {
+	start time.Time
+	cpu   time.Duration
+}
+
+func (t *transferTally) begin() tallySpan {
+	cpu, ok := processCPU()
+	t.hasCPU = t.hasCPU && ok
+	return tallySpan{start: time.Now(), cpu: cpu}
+}
+
+func (t *transferTally) end(s tallySpan) {
+	t.time += time.Since(s.start)
+	cpu, ok := processCPU()
+	t.cpu += cpu - s.cpu
+	t.hasCPU = t.hasCPU && ok
+}
+
+// baseline times one TCP copy of the transfer's bytes.
+func (t *transferTally) baseline(b *testing.B, tcp *tcpCopy) {
+	cpu0, ok0 := processCPU()
+	t.tcpTime += tcp.run(b)
+	cpu1, ok1 := processCPU()
+	t.tcpCPU += cpu1 - cpu0
+	t.hasCPU = t.hasCPU && ok0 && ok1
+}
+
+// report reports GB/s of both, x-tcp, and CPU per operation where it
+// could be read, for b.N transfers of size bytes.
+func (t *transferTally) report(b *testing.B, size int64) {
+	gbps := float64(size) * float64(b.N) / t.time.Seconds() / 1e9
+	tcpGBps := float64(size) * float64(b.N) / t.tcpTime.Seconds() / 1e9
 	b.ReportMetric(gbps, "GB/s")
 	b.ReportMetric(tcpGBps, "tcp-GB/s")
 	b.ReportMetric(gbps/tcpGBps, "x-tcp")
-	if hasCPU {
-		b.ReportMetric(float64(handoffCPU.Microseconds())/1e3/float64(b.N), "cpu-ms/op")
-		b.ReportMetric(float64(tcpCPU.Microseconds())/1e3/float64(b.N), "tcp-cpu-ms/op")
+	if t.hasCPU {
+		b.ReportMetric(float64(t.cpu.Microseconds())/1e3/float64(b.N), "cpu-ms/op")
+		b.ReportMetric(float64(t.tcpCPU.Microseconds())/1e3/float64(b.N), "tcp-cpu-ms/op")
 	}
 }
 
@@ -195,13 +228,11 @@ func BenchmarkGRPCStream(b *testing.B) {
 	head := make([]byte, 1+16+4+4+4*perMessage)
 	var views [][]byte
 	ctx := context.Background()
-	var streamTime, tcpTime, streamCPU, tcpCPU time.Duration
-	hasCPU := true
+	tally := transferTally{hasCPU: true}
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		var lent sync.WaitGroup
-		cpu0, _ := processCPU()
-		start := time.Now()
+		span := tally.begin()
 		st, err := tr.Open(ctx)
 		require.NoError(b, err)
 		vs := st.(handoff.ViewStream)
@@ -221,27 +252,13 @@ func BenchmarkGRPCStream(b *testing.B) {
 		require.Equal(b, []byte{'V'}, reply)
 		require.NoError(b, st.Close())
 		lent.Wait()
-		streamTime += time.Since(start)
-		cpu1, cpuOK := processCPU()
-		streamCPU += cpu1 - cpu0
+		tally.end(span)
 		b.StopTimer()
-		cpu0, _ = processCPU()
-		tcpTime += tcp.run(b)
-		cpu1, _ = processCPU()
-		tcpCPU += cpu1 - cpu0
-		hasCPU = hasCPU && cpuOK
+		tally.baseline(b, tcp)
 		b.StartTimer()
 	}
 	b.StopTimer()
-	gbps := float64(size) * float64(b.N) / streamTime.Seconds() / 1e9
-	tcpGBps := float64(size) * float64(b.N) / tcpTime.Seconds() / 1e9
-	b.ReportMetric(gbps, "GB/s")
-	b.ReportMetric(tcpGBps, "tcp-GB/s")
-	b.ReportMetric(gbps/tcpGBps, "x-tcp")
-	if hasCPU {
-		b.ReportMetric(float64(streamCPU.Microseconds())/1e3/float64(b.N), "cpu-ms/op")
-		b.ReportMetric(float64(tcpCPU.Microseconds())/1e3/float64(b.N), "tcp-cpu-ms/op")
-	}
+	tally.report(b, size)
 }
 
 // tcpCopy is the baseline: a loopback TCP connection that copies bytes
