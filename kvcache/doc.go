@@ -139,7 +139,10 @@
 // forged or colliding key cannot reach another domain's page. Events
 // (Pool.Events) report stored, removed and cleared keys to KV-aware
 // routers without ever blocking the pool; package kvevents publishes them
-// in vLLM's wire format.
+// in vLLM's wire format. An event's Keys are the receiver's; handed back
+// once read (Pool.ReturnEventKeys), the array carries a later event's
+// keys, so that a pool whose consumer does this allocates nothing per
+// event.
 //
 // # Operations
 //
