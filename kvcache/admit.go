@@ -178,14 +178,23 @@ func (p *Pool) admit(a *admission) error {
 // pages, waiting) happens, and then the attempt runs again.
 func (p *Pool) runLocked(a *admission) error {
 	p.assertHeld()
-	l := a.l
 	if p.mu.closed {
 		p.mu.Unlock()
 		return ErrPoolClosed
 	}
 	p.mu.admitting++
-	for {
-		switch p.attemptLocked(a) {
+	return p.stepsLocked(a, p.attemptLocked(a))
+}
+
+// stepsLocked carries an admission in progress (counted in
+// Pool.mu.admitting) from step st, its last attempt's, to its end: it does
+// what st asks outside the lock, attempts again, and so on until done. It
+// returns with Pool.mu released.
+func (p *Pool) stepsLocked(a *admission, st step) error {
+	p.assertHeld()
+	l := a.l
+	for ; ; st = p.attemptLocked(a) {
+		switch st {
 		case stepHash:
 			dom := a.hashFor
 			p.mu.Unlock()
