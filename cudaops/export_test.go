@@ -552,22 +552,17 @@ func (t *Timed) Close() {
 // CopyIn writes b to device memory at addr (any allocation: regions,
 // scratch) on the device's stream, after every fill queued before.
 func (d *CUDA) CopyIn(addr uint64, b []byte) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	g, err := d.enter()
-	if err != nil {
-		return err
-	}
-	defer g.leave()
-	if err := d.drv.memcpyHtoDSync(addr, b, d.stream); err != nil {
-		return fmt.Errorf("%w: %w", ErrDriver, err)
-	}
-	return nil
+	return d.syncCopy(func() error { return d.drv.memcpyHtoDSync(addr, b, d.stream) })
 }
 
 // CopyOut reads device memory at addr into b on the device's stream,
 // after every fill queued before.
 func (d *CUDA) CopyOut(addr uint64, b []byte) error {
+	return d.syncCopy(func() error { return d.drv.memcpyDtoHSync(b, addr, d.stream) })
+}
+
+// syncCopy runs one synchronous copy with the device locked and entered.
+func (d *CUDA) syncCopy(copy func() error) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	g, err := d.enter()
@@ -575,7 +570,7 @@ func (d *CUDA) CopyOut(addr uint64, b []byte) error {
 		return err
 	}
 	defer g.leave()
-	if err := d.drv.memcpyDtoHSync(b, addr, d.stream); err != nil {
+	if err := copy(); err != nil {
 		return fmt.Errorf("%w: %w", ErrDriver, err)
 	}
 	return nil

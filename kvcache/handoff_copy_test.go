@@ -138,17 +138,7 @@ func TestReleaseWaitsForCopyInFlight(t *testing.T) {
 			go func() { read <- out.ReadPages(0, buf) }()
 			<-dev.entered // the copy is in flight, pinned
 
-			ended := make(chan error, 1)
-			go func() {
-				switch how {
-				case "abort":
-					ended <- out.Abort()
-				case "engine release":
-					ended <- l.Release()
-				case "close":
-					ended <- p.Close()
-				}
-			}()
+			ended := endExportAsync(how, p, l, out)
 			select {
 			case err := <-ended:
 				t.Errorf("%s returned (%v) while a copy of the pages was in flight", how, err)
@@ -313,17 +303,7 @@ func TestPageViewsLendThePagesUntilDone(t *testing.T) {
 			regions := p.Geometry().Regions()
 			assert.Equal(t, PageChecksum(want[pb:2*pb]), PageChecksumOf(views[:regions]))
 
-			ended := make(chan error, 1)
-			go func() {
-				switch how {
-				case "abort":
-					ended <- out.Abort()
-				case "engine release":
-					ended <- l.Release()
-				case "close":
-					ended <- p.Close()
-				}
-			}()
+			ended := endExportAsync(how, p, l, out)
 			select {
 			case err := <-ended:
 				t.Fatalf("%s returned (%v) while the pages were lent", how, err)
@@ -382,4 +362,21 @@ func TestPageViewsRefusals(t *testing.T) {
 	assert.ErrorIs(t, err, ErrInvalidArgument)
 	require.NoError(t, qo.Abort())
 	require.NoError(t, q.Check())
+}
+
+// endExportAsync ends an export the way how names ("abort", "engine
+// release", "close") on another goroutine; the channel gets its result.
+func endExportAsync(how string, p *Pool, l *Lease, out *Outgoing) chan error {
+	ended := make(chan error, 1)
+	go func() {
+		switch how {
+		case "abort":
+			ended <- out.Abort()
+		case "engine release":
+			ended <- l.Release()
+		case "close":
+			ended <- p.Close()
+		}
+	}()
+	return ended
 }
