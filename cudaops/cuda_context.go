@@ -150,7 +150,11 @@ type CUDA struct {
 		// copyHost is the page-locked staging of batched copies
 		// (PageCopier), allocated at the first.
 		copyHost []byte
-		ring     stagingRing
+		// abandonedHost are staging buffers a failed wait left with
+		// copies that may still run (copyStaged); freed only at Close,
+		// once the stream has drained.
+		abandonedHost [][]byte
+		ring          stagingRing
 		// ringFreed is signalled by the reaper when it frees ring space.
 		ringFreed *sync.Cond
 	}
@@ -568,6 +572,10 @@ func (d *CUDA) teardownLocked() {
 		_ = d.drv.memFreeHost(d.mu.copyHost)
 		d.mu.copyHost = nil
 	}
+	for _, b := range d.mu.abandonedHost {
+		_ = d.drv.memFreeHost(b)
+	}
+	d.mu.abandonedHost = nil
 	if d.mu.table != 0 {
 		_ = d.drv.memFree(d.mu.table)
 		d.mu.table = 0

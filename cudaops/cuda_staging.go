@@ -19,7 +19,8 @@ import (
 // Batched copies (PageCopier, StagedCopier) go through a page-locked
 // buffer of their own (copyHost), on the same stream: async copies of a
 // staging buffer's worth, one wait, and the buffer is reused only after
-// that wait, so no queued copy ever reads or writes it late.
+// that wait succeeded, so no queued copy ever reads or writes it late (a
+// buffer whose wait failed is set aside until Close).
 
 // ringBatches is how many batches of the largest size the ring holds.
 const ringBatches = 4
@@ -292,6 +293,14 @@ func (d *CUDA) copyStaged(regions []int, pages []int32, bufLen int, write bool, 
 		// Wait even after a failed queue: staging must not be reused
 		// while a queued copy may still read or write it.
 		serr := d.drv.streamSynchronize(d.stream)
+		if serr != nil {
+			// A failed wait does not mean the copies are done: one may
+			// still run and read staging then, writing whatever a later
+			// call staged into this call's pages. This staging is never
+			// used again; the next call allocates its own.
+			d.mu.abandonedHost = append(d.mu.abandonedHost, d.mu.copyHost)
+			d.mu.copyHost = nil
+		}
 		switch {
 		case err != nil:
 			return fmt.Errorf("%w: %s pages [%d, %d) of the %d listed, region %d: %w",

@@ -351,3 +351,30 @@ func TestCUDAPageCopiesFailedCopy(t *testing.T) {
 	require.NoError(t, d.ReadPages(0, []int32{1, 3}, got))
 	assert.Equal(t, src, got)
 }
+
+// A failed wait does not say the queued copies are done: a copy from
+// staging may still run later, and read whatever staging holds then. The
+// next batched copy must not reuse that staging, or its bytes would land
+// in the earlier call's pages (here: another import's).
+func TestCUDAStagedCopyAfterFailedWaitUsesFreshStaging(t *testing.T) {
+	d, f := openFake(t)
+	_, err := d.AllocRegion(8, 64)
+	require.NoError(t, err)
+	f.FailNext("cuStreamSynchronize", 999)
+	first := bytes.Repeat([]byte{1}, 128)
+	err = d.WritePages(0, []int32{1, 3}, first)
+	require.ErrorIs(t, err, cudaops.ErrDriver)
+	require.ErrorContains(t, err, "cuStreamSynchronize")
+
+	second := bytes.Repeat([]byte{2}, 128)
+	require.NoError(t, d.WritePages(0, []int32{5, 6}, second), "the device still works")
+	for _, p := range []int32{1, 3} {
+		got := make([]byte, 64)
+		require.NoError(t, d.ReadPage(0, p, got))
+		assert.NotContains(t, string(got), string(second[:1]),
+			"page %d, of the failed call, got the next call's bytes", p)
+	}
+	got := make([]byte, 128)
+	require.NoError(t, d.ReadPages(0, []int32{5, 6}, got))
+	assert.Equal(t, second, got)
+}
