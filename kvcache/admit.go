@@ -286,11 +286,11 @@ func (p *Pool) attemptLocked(a *admission) step {
 	a.need = p.pagesFor(req.PromptTokens + sizing.OutputTokens(req.MaxNewTokens))
 	inService := p.inServiceLocked()
 	if a.need > inService {
-		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Group: p.groupName(), Need: a.need, Have: p.mu.alloc.Count(allocator.Free),
+		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Group: p.groupName(), GroupKind: p.groupKind(), Need: a.need, Have: p.mu.alloc.Count(allocator.Free),
 			Limit: inService, NeedTokens: req.Tokens(), LimitTokens: inService * p.tpp})
 	}
 	if a.need > t.Quota {
-		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Group: p.groupName(), Need: a.need, Have: max(0, t.Quota-t.Used), Limit: t.Quota})
+		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Group: p.groupName(), GroupKind: p.groupKind(), Need: a.need, Have: max(0, t.Quota-t.Used), Limit: t.Quota})
 	}
 	if a.importFrom != "" && t.Domain.Name != a.importFrom {
 		a.err = domainMismatch(req, a.importFrom, t.Domain.Name)
@@ -432,7 +432,7 @@ func (p *Pool) sharing(req *Request) bool {
 // blockedLocked turns a decision other than Grant into a refusal, or, for
 // an admission that waits, into a wait.
 func (p *Pool) blockedLocked(a *admission, t *isolation.Tenant, dec isolation.Decision) step {
-	return p.blockedGroupLocked(a, t, dec, p.groupName(), p.inServiceLocked())
+	return p.blockedGroupLocked(a, t, dec, p.groupName(), p.groupKind(), p.inServiceLocked())
 }
 
 // groupName is the per-token group's name in refusals: empty in a pool of
@@ -444,15 +444,24 @@ func (p *Pool) groupName() string {
 	return p.lay.primary.name
 }
 
+// groupKind is the kind of the group groupName names: zero in a pool of
+// one group.
+func (p *Pool) groupKind() GroupKind {
+	if len(p.side) == 0 {
+		return 0
+	}
+	return p.lay.primary.kind
+}
+
 // blockedGroupLocked is blockedLocked for a decision of cache group
-// group, which has inService pages in service.
-func (p *Pool) blockedGroupLocked(a *admission, t *isolation.Tenant, dec isolation.Decision, group string, inService int) step {
+// group, of kind kind, which has inService pages in service.
+func (p *Pool) blockedGroupLocked(a *admission, t *isolation.Tenant, dec isolation.Decision, group string, kind GroupKind, inService int) step {
 	p.assertHeld()
-	e := AdmissionError{Err: ErrPoolExhausted, Group: group, Need: dec.Demand.Take, Have: dec.Have, Limit: dec.Limit}
+	e := AdmissionError{Err: ErrPoolExhausted, Group: group, GroupKind: kind, Need: dec.Demand.Take, Have: dec.Have, Limit: dec.Limit}
 	reason := waitPool
 	switch dec.Verdict {
 	case isolation.OverQuota:
-		e = AdmissionError{Err: ErrExceedsQuota, Group: group, Need: dec.Demand.Charge, Have: dec.Have, Limit: dec.Limit}
+		e = AdmissionError{Err: ErrExceedsQuota, Group: group, GroupKind: kind, Need: dec.Demand.Charge, Have: dec.Have, Limit: dec.Limit}
 		reason = waitQuota
 	case isolation.Reserved, isolation.KeptForGrowth:
 		e.Cause, e.Limit = dec.Err(t.Name), inService

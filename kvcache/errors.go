@@ -116,14 +116,25 @@ type AdmissionError struct {
 	RequestID string // the refused request
 	Tenant    string
 	// Group names the cache group whose numbers these are, in a pool of
-	// several groups (CacheSpec); empty in a pool of one.
-	Group string
+	// several groups (CacheSpec); empty in a pool of one. GroupKind is
+	// its kind (zero with no Group).
+	Group     string
+	GroupKind GroupKind
 	// Need, Have and Limit are in pages (slots, for a state group); for
 	// ErrExceedsMaxContext in tokens. Have is what could be granted now, Limit the ceiling that
 	// applies (pool pages in service, tenant quota, max context).
 	Need, Have, Limit int
-	// NeedTokens and LimitTokens restate capacity refusals in tokens.
+	// NeedTokens and LimitTokens restate capacity refusals of pages in
+	// tokens; zero for a state group, whose slots hold no tokens.
 	NeedTokens, LimitTokens int
+}
+
+// unit names what Need, Have and Limit count, for Error.
+func (e *AdmissionError) unit() string {
+	if e.GroupKind == GroupState {
+		return "slots"
+	}
+	return "pages"
 }
 
 func (e *AdmissionError) Error() string {
@@ -135,12 +146,15 @@ func (e *AdmissionError) Error() string {
 	case ErrExceedsMaxContext:
 		return fmt.Sprintf("%s needs %d tokens, max context is %d", prefix, e.Need, e.Limit)
 	case ErrExceedsCapacity:
-		return fmt.Sprintf("%s needs %d pages (%d tokens), pool has %d pages (%d tokens) in service",
-			prefix, e.Need, e.NeedTokens, e.Limit, e.LimitTokens)
+		if e.NeedTokens == 0 && e.LimitTokens == 0 {
+			return fmt.Sprintf("%s needs %d %s, pool has %d in service", prefix, e.Need, e.unit(), e.Limit)
+		}
+		return fmt.Sprintf("%s needs %d %s (%d tokens), pool has %d %s (%d tokens) in service",
+			prefix, e.Need, e.unit(), e.NeedTokens, e.Limit, e.unit(), e.LimitTokens)
 	case ErrExceedsQuota:
-		return fmt.Sprintf("%s needs %d pages, %d left of quota %d", prefix, e.Need, e.Have, e.Limit)
+		return fmt.Sprintf("%s needs %d %s, %d left of quota %d", prefix, e.Need, e.unit(), e.Have, e.Limit)
 	case ErrPoolExhausted:
-		msg := fmt.Sprintf("%s needs %d pages, %d grantable of %d in service", prefix, e.Need, e.Have, e.Limit)
+		msg := fmt.Sprintf("%s needs %d %s, %d grantable of %d in service", prefix, e.Need, e.unit(), e.Have, e.Limit)
 		if e.Cause != nil {
 			msg += " (" + e.Cause.Error() + ")"
 		}

@@ -139,15 +139,15 @@ func (p *Pool) decideSideLocked(a *admission, t *isolation.Tenant) (st step, ok 
 		free := g.alloc.Count(allocator.Free)
 		switch {
 		case need > inService:
-			return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Group: g.name, Need: need, Have: free, Limit: inService}), false
+			return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Group: g.name, GroupKind: g.kind, Need: need, Have: free, Limit: inService}), false
 		case need > mt.Quota:
-			return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Group: g.name, Need: need, Have: max(0, mt.Quota-mt.Used), Limit: mt.Quota}), false
+			return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Group: g.name, GroupKind: g.kind, Need: need, Have: max(0, mt.Quota-mt.Used), Limit: mt.Quota}), false
 		}
 		dec := g.tenants.Decide(mt, isolation.Demand{Charge: need, Take: need},
 			isolation.Supply{Pages: free, InService: inService, Queued: queued})
 		if dec.Verdict != isolation.Grant {
 			p.releaseClaimLocked(a)
-			return p.blockedGroupLocked(a, t, dec, g.name, inService), false
+			return p.blockedGroupLocked(a, t, dec, g.name, g.kind, inService), false
 		}
 		l.side[i].dec = dec
 	}
@@ -158,7 +158,7 @@ func (p *Pool) decideSideLocked(a *admission, t *isolation.Tenant) (st step, ok 
 			if retired, err := p.q.VerifySpaceLocked(g.space, peek); err != nil {
 				p.faultedLocked()
 				p.logCanaryLocked(retired, err)
-				return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Group: g.name, Cause: err}), false
+				return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Group: g.name, GroupKind: g.kind, Cause: err}), false
 			}
 		}
 	}

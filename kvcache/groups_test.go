@@ -191,6 +191,8 @@ func TestHybridQuotaIsAShareOfEveryGroup(t *testing.T) {
 	assert.Equal(t, ErrExceedsQuota, ae.Err)
 	assert.Equal(t, "state", ae.Group)
 	assert.Equal(t, [3]int{1, 0, 2}, [3]int{ae.Need, ae.Have, ae.Limit}, "half of 4 slots")
+	assert.Equal(t, GroupState, ae.GroupKind)
+	assert.Contains(t, err.Error(), "needs 1 slots, 0 left of quota 2", "a state group's numbers are slots")
 	// 4 slots: 2 held by "half", 1 kept for "keeper": "other" gets one.
 	admit(t, p, "o1", "other", 4)
 	_, err = p.TryAdmit(Request{ID: "o2", Tenant: "other", PromptTokens: 4})
