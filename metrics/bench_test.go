@@ -34,8 +34,19 @@ func (d discardFills) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.O
 // evicts an older one: two events of 128 keys. "plain" has no observer:
 // no event channel, no collector, no publisher. "observed" has all of
 // them: a publisher in vLLM's format with a subscriber reading it, and a
-// Prometheus collector registered and scraped every 10 ms. Compare ns/op
-// in the same run.
+// Prometheus collector registered and scraped every 10 ms.
+//
+// The paired cases are the comparisons to read: a plain pool and an
+// observed (or drained) one side by side in one process, one cycle of
+// each per iteration (in alternating order), each timed, so that both
+// see the same load on a shared machine at the grain of a cycle. They
+// report each one's ns/cycle and x-plain, observed ÷ plain; ns/op is the
+// pair's. The separate plain and observed cases run one after the other,
+// seconds apart, and their ratio swings with whatever else the machine
+// runs meanwhile. What a pair does not separate is the observers' own
+// goroutines (publisher, subscriber, scrapes: paired-drained has almost
+// none), which run beside both pools' cycles alike; their CPU is in the
+// separate cases' cpu-ns/op.
 //
 // Two more cases (prefix=publish only) take the pool's side of the events
 // apart from the rest: the channel is on, and a goroutine receives from
@@ -52,6 +63,105 @@ func (d discardFills) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.O
 // per cycle: on a machine with cores to spare observed can match plain
 // in ns/op while its publisher's CPU shows here.
 func BenchmarkAdmitReleaseObserved(b *testing.B) {
+	for _, bc := range []struct {
+		name     string
+		prefix   bool
+		drain    drainMode
+		observed bool
+	}{
+		{"prefix=none/plain", false, noDrain, false}, {"prefix=none/observed", false, noDrain, true},
+		{"prefix=publish/plain", true, noDrain, false}, {"prefix=publish/drained", true, drainWindow, false},
+		{"prefix=publish/drained-woken", true, drainEach, false}, {"prefix=publish/observed", true, noDrain, true},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			r := newObservedRig(b, bc.prefix, bc.drain, bc.observed)
+			defer r.close()
+			b.ReportAllocs()
+			cpu0 := processCPU()
+			for b.Loop() {
+				r.cycle(b)
+			}
+			b.StopTimer()
+			if cpu := processCPU(); cpu > 0 {
+				b.ReportMetric(float64(cpu-cpu0)/float64(b.N), "cpu-ns/op")
+			}
+			r.finish(b)
+		})
+	}
+	for _, pc := range []struct {
+		name     string
+		prefix   bool
+		drain    drainMode
+		observed bool
+	}{
+		{"prefix=none/paired", false, noDrain, true},
+		{"prefix=publish/paired-drained", true, drainWindow, false},
+		{"prefix=publish/paired", true, noDrain, true},
+	} {
+		b.Run(pc.name, func(b *testing.B) {
+			plain, observed := newObservedRig(b, pc.prefix, noDrain, false), newObservedRig(b, pc.prefix, pc.drain, pc.observed)
+			defer plain.close()
+			defer observed.close()
+			var plainTime, observedTime time.Duration
+			timed := func(r *observedRig, sum *time.Duration) {
+				t0 := time.Now()
+				r.cycle(b)
+				*sum += time.Since(t0)
+			}
+			b.ReportAllocs()
+			odd := false
+			for b.Loop() {
+				if odd {
+					timed(observed, &observedTime)
+					timed(plain, &plainTime)
+				} else {
+					timed(plain, &plainTime)
+					timed(observed, &observedTime)
+				}
+				odd = !odd
+			}
+			b.StopTimer()
+			b.ReportMetric(float64(plainTime.Nanoseconds())/float64(b.N), "plain-ns/cycle")
+			b.ReportMetric(float64(observedTime.Nanoseconds())/float64(b.N), "observed-ns/cycle")
+			b.ReportMetric(observedTime.Seconds()/plainTime.Seconds(), "x-plain")
+			plain.finish(b)
+			observed.finish(b)
+		})
+	}
+}
+
+// drainMode is how an observedRig without a publisher consumes its
+// pool's events.
+type drainMode int
+
+const (
+	noDrain     drainMode = iota
+	drainWindow           // what has arrived, once a millisecond
+	drainEach             // ranging over the channel
+)
+
+// observedRig is one pool of BenchmarkAdmitReleaseObserved, with what
+// observes it, and the requests it cycles through.
+type observedRig struct {
+	p        *kvcache.Pool
+	prefix   bool
+	drain    drainMode
+	observed bool
+	keys     [][]kvcache.BlockKey // one prompt's pages' keys each
+	next     int                  // the prompt of the next cycle
+	cycles   int
+	l        kvcache.Lease
+	before   kvcache.Stats
+
+	pub  *kvevents.Publisher
+	conn net.Conn // the subscriber's
+	stop chan struct{}
+	wg   sync.WaitGroup
+	// Set by the consumers, read once they are done (wg).
+	received, drainedEvents uint64
+}
+
+func newObservedRig(b *testing.B, prefix bool, drain drainMode, observed bool) *observedRig {
 	const (
 		tpp     = 16
 		pages   = 1024
@@ -59,187 +169,174 @@ func BenchmarkAdmitReleaseObserved(b *testing.B) {
 		prompts = 16 // 16 × 128 pages: twice the pool
 	)
 	geom := kvcache.Geometry{TokensPerPage: tpp, Layers: 4, KVHeads: 8, HeadDim: 128, DType: kvcache.BF16}
-	const (
-		noDrain = iota
-		drainWindow
-		drainEach
-	)
-	for _, bc := range []struct {
-		name     string
-		prefix   bool
-		drain    int
-		observed bool
-	}{
-		{"prefix=none/plain", false, noDrain, false}, {"prefix=none/observed", false, noDrain, true},
-		{"prefix=publish/plain", true, noDrain, false}, {"prefix=publish/drained", true, drainWindow, false},
-		{"prefix=publish/drained-woken", true, drainEach, false}, {"prefix=publish/observed", true, noDrain, true},
-	} {
-		prefix, drain, observed := bc.prefix, bc.drain, bc.observed
-		b.Run(bc.name, func(b *testing.B) {
-			dev := discardFills{cudaops.NewHost()}
-			defer dev.Close()
-			cfg := kvcache.Config{Geometry: geom, Pages: pages, MaxContextTokens: pages * tpp, Device: dev,
-				Tenants: []kvcache.TenantConfig{{Name: "bench"}}}
-			if drain != noDrain || observed {
-				cfg.Prefix.EventBuffer = 1 << 14
-			}
-			p, err := kvcache.New(cfg)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer p.Close()
-			keys := make([][]kvcache.BlockKey, prompts)
-			for i := range keys {
-				toks := make([]int32, prompt)
-				for j := range toks {
-					toks[j] = int32(i*prompt + j)
-				}
-				if keys[i], err = p.PageKeys("bench", "", toks, nil); err != nil {
-					b.Fatal(err)
-				}
-			}
-
-			var pub *kvevents.Publisher
-			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			var received, drainedEvents uint64
-			if drain != noDrain {
-				wg.Add(1)
-				go func() { // a consumer that costs nothing but its receives
-					defer wg.Done()
-					if drain == drainEach {
-						for ev := range p.Events() {
-							p.ReturnEventKeys(ev.Keys)
-							drainedEvents++
-						}
-						return
-					}
-					for {
-						time.Sleep(time.Millisecond)
-					receive:
-						for {
-							select {
-							case ev, ok := <-p.Events():
-								if !ok {
-									return
-								}
-								p.ReturnEventKeys(ev.Keys)
-								drainedEvents++
-							default:
-								break receive
-							}
-						}
-					}
-				}()
-			}
-			if observed {
-				pub, err = kvevents.New(p, kvevents.Config{Endpoint: "tcp://127.0.0.1:0"})
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer pub.Close()
-				conn, err := dialDiscarding(pub.Addr().String())
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer conn.Close()
-				wg.Add(2)
-				go func() { // the router, on another host in production: it only reads
-					defer wg.Done()
-					n, _ := io.Copy(io.Discard, conn)
-					received = uint64(n)
-				}()
-				reg := prometheus.NewRegistry()
-				if err := reg.Register(metrics.NewCollector(p, metrics.Options{Events: pub})); err != nil {
-					b.Fatal(err)
-				}
-				go func() { // Prometheus
-					defer wg.Done()
-					t := time.NewTicker(10 * time.Millisecond)
-					defer t.Stop()
-					for {
-						select {
-						case <-stop:
-							return
-						case <-t.C:
-							if _, err := reg.Gather(); err != nil {
-								panic(err)
-							}
-						}
-					}
-				}()
-			}
-
-			var l kvcache.Lease
-			before := p.Stats()
-			i := 0
-			b.ReportAllocs()
-			cpu0 := processCPU()
-			for b.Loop() {
-				req := kvcache.Request{ID: "req", Tenant: "bench", PromptTokens: prompt}
-				if prefix {
-					req.PageKeys = keys[i%prompts]
-					i++
-				}
-				if err := p.TryAdmitInto(req, &l); err != nil {
-					b.Fatal(err)
-				}
-				if prefix {
-					if err := l.Commit(prompt); err != nil {
-						b.Fatal(err)
-					}
-					if _, err := l.CachePrefix(prompt); err != nil {
-						b.Fatal(err)
-					}
-				}
-				if err := l.Release(); err != nil {
-					b.Fatal(err)
-				}
-			}
-			b.StopTimer()
-			if cpu := processCPU(); cpu > 0 {
-				b.ReportMetric(float64(cpu-cpu0)/float64(b.N), "cpu-ns/op")
-			}
-			close(stop)
-			s := p.Stats()
-			if s.Admitted-before.Admitted != uint64(b.N) || s.LiveLeases != 0 || s.FreePages+s.CachedPages != pages {
-				b.Fatalf("after %d cycles: %d admitted, %d live, %d free + %d cached", b.N, s.Admitted-before.Admitted,
-					s.LiveLeases, s.FreePages, s.CachedPages)
-			}
-			if err := p.Check(); err != nil {
-				b.Fatal(err)
-			}
-			if drain != noDrain {
-				if s.Prefix.EventsDropped != 0 {
-					b.Fatalf("the pool dropped %d of %d events", s.Prefix.EventsDropped, s.Prefix.EventsSent)
-				}
-				p.Close() // ends the drain, after its own events (the cache's eviction)
-				wg.Wait()
-				if sent := p.Stats().Prefix.EventsSent; drainedEvents != sent {
-					b.Fatalf("the pool sent %d events, %d were received", sent, drainedEvents)
-				}
-			}
-			if observed {
-				// Every event the pool produced was published; none was
-				// lost between the pool and the publisher.
-				deadline := time.Now().Add(30 * time.Second)
-				for pub.Stats().Events != s.Prefix.EventsSent && time.Now().Before(deadline) {
-					time.Sleep(time.Millisecond)
-				}
-				ps := pub.Stats()
-				if ps.Events != s.Prefix.EventsSent || s.Prefix.EventsDropped != 0 || ps.Lost != 0 {
-					b.Fatalf("pool sent %d events (%d dropped), publisher published %d (lost %d)",
-						s.Prefix.EventsSent, s.Prefix.EventsDropped, ps.Events, ps.Lost)
-				}
-				b.ReportMetric(float64(ps.Batches), "batches")
-				pub.Close()
-				wg.Wait()
-				if ps.Batches > 0 && received == 0 {
-					b.Fatalf("the subscriber received nothing of %d batches", ps.Batches)
-				}
-			}
-		})
+	r := &observedRig{prefix: prefix, drain: drain, observed: observed, stop: make(chan struct{})}
+	dev := discardFills{cudaops.NewHost()}
+	b.Cleanup(func() { dev.Close() })
+	cfg := kvcache.Config{Geometry: geom, Pages: pages, MaxContextTokens: pages * tpp, Device: dev,
+		Tenants: []kvcache.TenantConfig{{Name: "bench"}}}
+	if drain != noDrain || observed {
+		cfg.Prefix.EventBuffer = 1 << 14
 	}
+	p, err := kvcache.New(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	r.p = p
+	r.keys = make([][]kvcache.BlockKey, prompts)
+	for i := range r.keys {
+		if r.keys[i], err = p.PageKeys("bench", "", tokens(i*prompt, prompt), nil); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if drain != noDrain {
+		r.wg.Add(1)
+		go r.drainEvents()
+	}
+	if observed {
+		if r.pub, err = kvevents.New(p, kvevents.Config{Endpoint: "tcp://127.0.0.1:0"}); err != nil {
+			b.Fatal(err)
+		}
+		if r.conn, err = dialDiscarding(r.pub.Addr().String()); err != nil {
+			b.Fatal(err)
+		}
+		reg := prometheus.NewRegistry()
+		if err := reg.Register(metrics.NewCollector(p, metrics.Options{Events: r.pub})); err != nil {
+			b.Fatal(err)
+		}
+		r.wg.Add(2)
+		go func() { // the router, on another host in production: it only reads
+			defer r.wg.Done()
+			n, _ := io.Copy(io.Discard, r.conn)
+			r.received = uint64(n)
+		}()
+		go func() { // Prometheus
+			defer r.wg.Done()
+			t := time.NewTicker(10 * time.Millisecond)
+			defer t.Stop()
+			for {
+				select {
+				case <-r.stop:
+					return
+				case <-t.C:
+					if _, err := reg.Gather(); err != nil {
+						panic(err)
+					}
+				}
+			}
+		}()
+	}
+	r.before = p.Stats()
+	return r
+}
+
+// drainEvents is a consumer that costs nothing but its receives.
+func (r *observedRig) drainEvents() {
+	defer r.wg.Done()
+	if r.drain == drainEach {
+		for ev := range r.p.Events() {
+			r.p.ReturnEventKeys(ev.Keys)
+			r.drainedEvents++
+		}
+		return
+	}
+	for {
+		time.Sleep(time.Millisecond)
+	receive:
+		for {
+			select {
+			case ev, ok := <-r.p.Events():
+				if !ok {
+					return
+				}
+				r.p.ReturnEventKeys(ev.Keys)
+				r.drainedEvents++
+			default:
+				break receive
+			}
+		}
+	}
+}
+
+// cycle admits one request, publishes its prompt if the rig's requests
+// carry keys, and releases it.
+func (r *observedRig) cycle(b *testing.B) {
+	const prompt = 2048
+	req := kvcache.Request{ID: "req", Tenant: "bench", PromptTokens: prompt}
+	if r.prefix {
+		req.PageKeys = r.keys[r.next]
+		r.next = (r.next + 1) % len(r.keys)
+	}
+	if err := r.p.TryAdmitInto(req, &r.l); err != nil {
+		b.Fatal(err)
+	}
+	if r.prefix {
+		if err := r.l.Commit(prompt); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := r.l.CachePrefix(prompt); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if err := r.l.Release(); err != nil {
+		b.Fatal(err)
+	}
+	r.cycles++
+}
+
+// finish checks the pool's books after the cycles and that every event
+// reached its consumer, then stops the consumers.
+func (r *observedRig) finish(b *testing.B) {
+	p := r.p
+	s := p.Stats()
+	if s.Admitted-r.before.Admitted != uint64(r.cycles) || s.LiveLeases != 0 || s.FreePages+s.CachedPages != s.TotalPages {
+		b.Fatalf("after %d cycles: %d admitted, %d live, %d free + %d cached of %d", r.cycles, s.Admitted-r.before.Admitted,
+			s.LiveLeases, s.FreePages, s.CachedPages, s.TotalPages)
+	}
+	if err := p.Check(); err != nil {
+		b.Fatal(err)
+	}
+	close(r.stop)
+	if r.drain != noDrain {
+		if s.Prefix.EventsDropped != 0 {
+			b.Fatalf("the pool dropped %d of %d events", s.Prefix.EventsDropped, s.Prefix.EventsSent)
+		}
+		p.Close() // ends the drain, after its own events (the cache's eviction)
+		r.wg.Wait()
+		if sent := p.Stats().Prefix.EventsSent; r.drainedEvents != sent {
+			b.Fatalf("the pool sent %d events, %d were received", sent, r.drainedEvents)
+		}
+	}
+	if r.observed {
+		// Every event the pool produced was published; none was
+		// lost between the pool and the publisher.
+		deadline := time.Now().Add(30 * time.Second)
+		for r.pub.Stats().Events != s.Prefix.EventsSent && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		ps := r.pub.Stats()
+		if ps.Events != s.Prefix.EventsSent || s.Prefix.EventsDropped != 0 || ps.Lost != 0 {
+			b.Fatalf("pool sent %d events (%d dropped), publisher published %d (lost %d)",
+				s.Prefix.EventsSent, s.Prefix.EventsDropped, ps.Events, ps.Lost)
+		}
+		b.ReportMetric(float64(ps.Batches), "batches")
+		r.pub.Close()
+		r.wg.Wait()
+		if ps.Batches > 0 && r.received == 0 {
+			b.Fatalf("the subscriber received nothing of %d batches", ps.Batches)
+		}
+	}
+}
+
+// close frees what finish did not: the publisher and subscriber if the
+// benchmark failed before, and the pool.
+func (r *observedRig) close() {
+	if r.pub != nil {
+		r.pub.Close()
+	}
+	if r.conn != nil {
+		r.conn.Close()
+	}
+	r.p.Close()
 }
 
 // dialDiscarding connects a ZMTP SUB socket subscribed to everything and
