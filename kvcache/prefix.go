@@ -358,11 +358,19 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 	x := &p.mu.prefix
 	tpp := p.tpp
 	withTokens := len(l.tokens) >= upTo*tpp
-	var stored KVEvent // being gathered while Kind is set
-	flush := func() {
-		if stored.Kind != 0 {
-			p.mu.events.emitLocked(stored)
-			stored = KVEvent{}
+	// A KVStored event per run of newly published pages l.keys[run:i],
+	// emitted when the run ends; run < 0 while there is none.
+	events := p.mu.events.enabled()
+	run := -1
+	flush := func(i int) {
+		if run >= 0 {
+			keys := append(p.mu.events.keysLocked(i-run), l.keys[run:i]...)
+			var parent BlockKey
+			if run > 0 {
+				parent = l.keys[run-1]
+			}
+			p.mu.events.emitLocked(KVEvent{Kind: KVStored, Domain: l.domain.Name, Parent: parent, Keys: keys, Tokens: len(keys) * tpp})
+			run = -1
 		}
 	}
 	var parent *trieNode
@@ -377,7 +385,7 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 			e = x.lookup(l.domain, l.keys[i]) // the same content, published by another lease first
 		}
 		if e != nil {
-			flush()
+			flush(i)
 			parent = trieNodeOf(e)
 			continue
 		}
@@ -395,17 +403,11 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 		x.insert(e, parent)
 		parent = trieNodeOf(e)
 		x.counters(l.domain).storedPages++
-		if p.mu.events.enabled() {
-			if stored.Kind == 0 {
-				// Sized for the rest of the prompt: no doubling per page.
-				stored = KVEvent{Kind: KVStored, Domain: l.domain.Name, Parent: e.parent,
-					Keys: p.mu.events.keysLocked(len(l.keys) - i)}
-			}
-			stored.Keys = append(stored.Keys, e.key)
-			stored.Tokens += tpp
+		if events && run < 0 {
+			run = i
 		}
 	}
-	flush()
+	flush(i)
 	l.published = max(l.published, i)
 }
 
