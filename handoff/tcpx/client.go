@@ -73,7 +73,7 @@ func (t *Transport) Close() error {
 	t.mu.open = map[*clientStream]struct{}{}
 	t.mu.Unlock()
 	for s := range open {
-		s.conn.Close()
+		s.hangUp()
 	}
 	return nil
 }
@@ -97,8 +97,7 @@ func (t *Transport) Open(ctx context.Context) (handoff.Stream, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &clientStream{t: t, conn: conn, ctx: ctx, replies: make(chan []byte, 4)}
-	s.wr = frameWriter{conn: conn, max: t.opts.MaxMessageBytes, timeout: t.opts.MessageTimeout}
+	s := newClientStream(t, conn, ctx)
 	t.mu.Lock()
 	if t.mu.closed {
 		t.mu.Unlock()
@@ -107,7 +106,7 @@ func (t *Transport) Open(ctx context.Context) (handoff.Stream, error) {
 	}
 	t.mu.open[s] = struct{}{}
 	t.mu.Unlock()
-	s.stop = context.AfterFunc(ctx, func() { conn.Close() })
+	s.stop = context.AfterFunc(ctx, s.hangUp)
 	go s.read(newFrameReader(conn, t.opts.MaxMessageBytes))
 	return s, nil
 }
@@ -161,20 +160,40 @@ type clientStream struct {
 	sendClosed bool
 
 	// replies carries the receiver's messages; the reader closes it after
-	// setting readErr (io.EOF after the receiver's end of messages).
-	replies chan []byte
-	readErr error
+	// setting readErr (io.EOF after the receiver's end of messages), and
+	// then readDone.
+	replies  chan []byte
+	readErr  error
+	readDone chan struct{}
 	// ended: the reader has stopped, at the receiver's end of messages or
 	// because the connection failed; nothing the sender sends is read.
-	ended     atomic.Bool
+	ended atomic.Bool
+	// broken is closed with the connection (hangUp).
+	broken    chan struct{}
+	hangOnce  sync.Once
 	closeOnce sync.Once
 }
 
 var _ handoff.ViewStream = (*clientStream)(nil)
 
+func newClientStream(t *Transport, conn net.Conn, ctx context.Context) *clientStream {
+	return &clientStream{t: t, conn: conn, ctx: ctx,
+		wr:      frameWriter{conn: conn, max: t.opts.MaxMessageBytes, timeout: t.opts.MessageTimeout},
+		replies: make(chan []byte, 4), readDone: make(chan struct{}), broken: make(chan struct{})}
+}
+
+// hangUp closes the connection, which ends the reader.
+func (s *clientStream) hangUp() {
+	s.hangOnce.Do(func() {
+		s.conn.Close()
+		close(s.broken)
+	})
+}
+
 // read is the reader goroutine: the server's hello, then its messages
 // until its end of messages or a failure.
 func (s *clientStream) read(fr frameReader) {
+	defer close(s.readDone)
 	defer fr.release()
 	defer close(s.replies)
 	defer s.ended.Store(true)
@@ -196,7 +215,12 @@ func (s *clientStream) read(fr frameReader) {
 			s.readErr = s.fail("receiving", err)
 			return
 		}
-		s.replies <- append([]byte(nil), msg...) // replies are few and small
+		select {
+		case s.replies <- append([]byte(nil), msg...): // replies are few and small
+		case <-s.broken:
+			s.readErr = s.fail("receiving", net.ErrClosed)
+			return
+		}
 	}
 }
 
@@ -238,20 +262,38 @@ func (s *clientStream) send(head []byte, parts [][]byte) error {
 			return s.readErr
 		}
 		return errEnded
-	}
-	if s.ctx.Err() != nil {
+	case s.ctx.Err() != nil:
 		// Done, and the connection closing (AfterFunc): do not race it.
-		s.conn.Close()
+		s.hangUp()
 		return s.fail("sending", context.Cause(s.ctx))
 	}
 	if err := s.wr.write(head, parts); err != nil {
-		// A message may be half written: the stream is done for. Closing
-		// the connection lets Recv return at once with what the receiver
-		// had already said, rather than wait for verdicts that cannot come.
-		s.conn.Close()
-		return s.fail("sending", err)
+		return s.broke("sending", err)
 	}
 	return nil
+}
+
+// broke ends a stream whose write failed: a message may be half written,
+// so the stream is done for. Hanging up lets Recv return at once with
+// what the receiver had already said, rather than wait for verdicts that
+// cannot come. A write the network failed (a reset) has the reader fail
+// too, at once, after what arrived before the failure: a server that
+// refused the handshake, and closed, which is what failed the write, is
+// the better explanation, so the reader is given readGrace to get to it.
+func (s *clientStream) broke(what string, err error) error {
+	var ne net.Error
+	if errors.As(err, &ne) && !ne.Timeout() {
+		select {
+		case <-s.readDone:
+		case <-time.After(readGrace):
+		}
+	}
+	s.hangUp()
+	<-s.readDone
+	if errors.Is(s.readErr, ErrHandshake) {
+		return s.readErr
+	}
+	return s.fail(what, err)
 }
 
 // CloseSend sends the end of the sender's messages.
@@ -261,8 +303,7 @@ func (s *clientStream) CloseSend() error {
 	}
 	s.sendClosed = true
 	if err := s.wr.end(); err != nil {
-		s.conn.Close()
-		return s.fail("closing", err)
+		return s.broke("closing", err)
 	}
 	return nil
 }
@@ -280,7 +321,7 @@ func (s *clientStream) Recv() ([]byte, error) {
 		}
 		return msg, nil
 	case <-timer.C:
-		s.Close()
+		s.hangUp()
 		return nil, fmt.Errorf("%w: tcpx: no message from the receiver in %v", handoff.ErrTransport, s.t.opts.MessageTimeout)
 	}
 }
@@ -290,14 +331,8 @@ func (s *clientStream) Recv() ([]byte, error) {
 func (s *clientStream) Close() error {
 	s.closeOnce.Do(func() {
 		s.stop()
-		s.conn.Close()
+		s.hangUp()
 		s.t.forget(s)
-		// Let the reader go if it waits to hand over a message nobody
-		// will take; it ends at the closed connection.
-		go func() {
-			for range s.replies {
-			}
-		}()
 	})
 	return nil
 }

@@ -70,6 +70,10 @@ type Options struct {
 // verdict reaches the sender before the connection is reset.
 const lingerTimeout = 2 * time.Second
 
+// readGrace is how long a sender whose write the network failed waits for
+// its reader to read what arrived before the failure (see broke).
+const readGrace = 100 * time.Millisecond
+
 // withDefaults checks o and fills in its defaults.
 func (o Options) withDefaults() (Options, error) {
 	switch {

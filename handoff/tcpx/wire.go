@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"time"
 
@@ -69,6 +70,8 @@ func whoSent(h []byte) string {
 		return " (an HTTP/2 or gRPC client)"
 	case bytes.HasPrefix(h, []byte("HTTP/")):
 		return " (an HTTP server)"
+	case len(h) == helloLen && h[3] == 0x4 && bytes.Equal(h[5:], []byte{0, 0, 0}):
+		return " (an HTTP/2 or gRPC server: its SETTINGS frame)"
 	}
 	return ""
 }
@@ -84,6 +87,8 @@ func readHello(c net.Conn, peer string) error {
 		return fmt.Errorf("%w: the %s is not a kvfence tcpx endpoint: it sent %q%s, then %v", ErrHandshake, peer, h[:n], whoSent(h[:n]), err)
 	case errors.Is(err, io.EOF):
 		return fmt.Errorf("%w: the %s closed the connection before its hello: it is not a kvfence tcpx endpoint, or it refused this one (see its log)", ErrHandshake, peer)
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return fmt.Errorf("%w: no hello from the %s within the handshake timeout: it is not a kvfence tcpx endpoint, or it is stalled: %w", ErrHandshake, peer, err)
 	}
 	return fmt.Errorf("%w: reading the %s's hello: %w", ErrHandshake, peer, err)
 }
