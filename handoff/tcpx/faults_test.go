@@ -25,13 +25,6 @@ const dataFixed = 1 + 16 + 4 + 4
 // megabytes in a thousand pages.
 var viewGeometry = kvcache.Geometry{TokensPerPage: 16, Layers: 1, KVHeads: 1, HeadDim: 128, DType: kvcache.FP16}
 
-func newViewPool(t testing.TB, pages int) *kvcache.Pool {
-	p, err := testkit.NewPool(testkit.PoolConfig{Geometry: viewGeometry, Pages: pages, Tenants: tenants})
-	require.NoError(t, err)
-	t.Cleanup(func() { p.Close() })
-	return p
-}
-
 // requireRefused checks that err is the receiver's refusal at stage for
 // reason.
 func requireRefused(t *testing.T, err error, stage string, reason error) *handoff.RefusedError {
@@ -289,7 +282,7 @@ func TestStalledReceiverReleasesThePages(t *testing.T) {
 		c.Write(frame([]byte{'V', 1, 0})) // accepted: pages may flow
 		<-stop                            // and never read again
 	})
-	prefill := newViewPool(t, 1100)
+	prefill := newPoolOf(t, viewGeometry, 1100)
 	exp := export(t, newSender(t, time.Hour), prefill, "pinned", 1024*16) // 8 MiB: more than the sockets buffer
 	w := &watch{inner: dial(t, addr, tcpx.Insecure(), tcpx.Options{MessageTimeout: 200 * time.Millisecond})}
 	err := exp.Send(context.Background(), w)

@@ -206,7 +206,8 @@ func (s *Server) handle(raw net.Conn) {
 	defer raw.Close()
 	conn, err := s.handshake(raw)
 	if err != nil {
-		if s.opts.Logger != nil {
+		// A handshake a closing server cut short was not refused.
+		if s.opts.Logger != nil && s.ctx.Err() == nil {
 			s.opts.Logger.LogAttrs(s.ctx, slog.LevelWarn, "tcpx: connection refused",
 				slog.String("remote", raw.RemoteAddr().String()), slog.Any("error", err))
 		}
@@ -295,14 +296,24 @@ func (e *serverEnd) RecvParts() ([][]byte, error) {
 func (e *serverEnd) Send(msg []byte) error { return e.wr.write(msg, nil) }
 
 // finish ends the receiver's messages. A transfer the receiver ended
-// before the sender's end of messages (a refusal) may still have bytes
-// coming: they are read and dropped for a little while, so that the
-// connection is not reset under the verdict before the sender has read
-// it, which it does as soon as its next send sees the end.
+// before the sender's end of messages (a refusal; or a success, which
+// ends at the seal, just before it) may still have frames coming: they
+// are read and dropped, for lingerTimeout at most, so that the connection
+// is not reset under the verdict before the sender has read it, which it
+// does as soon as its next send sees the end.
 func (e *serverEnd) finish() {
 	if e.wr.end() != nil || e.ended {
 		return
 	}
 	e.conn.SetReadDeadline(time.Now().Add(lingerTimeout))
-	io.Copy(io.Discard, e.conn)
+	for {
+		_, err := e.rd.next()
+		if errors.Is(err, ErrMessageTooLarge) {
+			io.Copy(io.Discard, e.conn) // no frames to tell apart any more
+			return
+		}
+		if err != nil {
+			return
+		}
+	}
 }

@@ -2,14 +2,10 @@ package tcpx_test
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"math/big"
 	"net"
+	"net/http/httptest"
 	"sync"
 	"testing"
 	"time"
@@ -25,8 +21,10 @@ import (
 
 var tenants = []kvcache.TenantConfig{{Name: "victim"}, {Name: "other"}}
 
-func newPool(t testing.TB, pages int) *kvcache.Pool {
-	p, err := testkit.NewPool(testkit.PoolConfig{Pages: pages, Tenants: tenants})
+func newPool(t testing.TB, pages int) *kvcache.Pool { return newPoolOf(t, testkit.Geometry, pages) }
+
+func newPoolOf(t testing.TB, g kvcache.Geometry, pages int) *kvcache.Pool {
+	p, err := testkit.NewPool(testkit.PoolConfig{Geometry: g, Pages: pages, Tenants: tenants})
 	require.NoError(t, err)
 	t.Cleanup(func() { p.Close() })
 	return p
@@ -172,22 +170,15 @@ func TestHandoffRoundTrip(t *testing.T) {
 	require.NoError(t, testkit.Sweep(decode))
 }
 
-func selfSigned(t *testing.T) (tls.Certificate, *x509.CertPool) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kvfence decode"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
-		KeyUsage:    x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	require.NoError(t, err)
-	cert, err := x509.ParseCertificate(der)
-	require.NoError(t, err)
+// testCert is a certificate for 127.0.0.1 and the roots that trust it:
+// net/http/httptest's, which saves making one.
+func testCert(t testing.TB) (tls.Certificate, *x509.CertPool) {
+	hs := httptest.NewUnstartedServer(nil)
+	hs.StartTLS()
+	defer hs.Close()
 	roots := x509.NewCertPool()
-	roots.AddCert(cert)
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}, roots
+	roots.AddCert(hs.Certificate())
+	return hs.TLS.Certificates[0], roots
 }
 
 // Over TLS: a client that does not trust the server's certificate, and
@@ -195,7 +186,7 @@ func selfSigned(t *testing.T) (tls.Certificate, *x509.CertPool) {
 // for a retry); a trusting client hands off. A TLS client on a plain-TCP
 // server is refused at its handshake.
 func TestTLSHandoff(t *testing.T) {
-	cert, roots := selfSigned(t)
+	cert, roots := testCert(t)
 	prefill, decode := newPool(t, 512), newPool(t, 1024)
 	srv := serve(t, handoff.ReceiverConfig{Pool: decode},
 		tcpx.TLS(&tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS13}), tcpx.Options{})

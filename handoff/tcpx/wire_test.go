@@ -1,7 +1,6 @@
 package tcpx_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/binary"
 	"io"
@@ -11,7 +10,6 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -24,37 +22,40 @@ import (
 	"github.com/kvfence/kvfence/handoff/tcpx"
 )
 
-// logBuffer is a log's text, written by the server's goroutines.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
+// logLines is a log's records, a line of text each, from any goroutine
+// (a slog handler writes one record at a time); a test reads them as they
+// come.
+type logLines chan string
+
+func newLogLines() logLines { return make(logLines, 1024) }
+
+func (l logLines) Write(p []byte) (int, error) {
+	select {
+	case l <- string(p):
+	default: // a test reads the first few
+	}
+	return len(p), nil
 }
 
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
+func (l logLines) logger() *slog.Logger { return slog.New(slog.NewTextHandler(l, nil)) }
 
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-func (b *logBuffer) logger() *slog.Logger { return slog.New(slog.NewTextHandler(b, nil)) }
-
-// eventuallyLogs waits for log to hold each of want.
-func eventuallyLogs(t *testing.T, log *logBuffer, want ...string) {
+// eventuallyLogs waits for a record that holds each of want.
+func eventuallyLogs(t *testing.T, log logLines, want ...string) {
 	t.Helper()
-	assert.Eventually(t, func() bool {
-		for _, w := range want {
-			if !strings.Contains(log.String(), w) {
-				return false
+	var seen []string
+	timeout := time.After(10 * time.Second)
+	for {
+		select {
+		case line := <-log:
+			if !slices.ContainsFunc(want, func(w string) bool { return !strings.Contains(line, w) }) {
+				return
 			}
+			seen = append(seen, line)
+		case <-timeout:
+			t.Errorf("no record names %q; the log has:\n%s", want, strings.Join(seen, ""))
+			return
 		}
-		return true
-	}, 10*time.Second, time.Millisecond, "the log does not name %q:\n%s", want, log)
+	}
 }
 
 // rawClient connects to addr and sends the tcpx hello.
@@ -85,7 +86,7 @@ func readAll(t *testing.T, c net.Conn) []byte {
 // refused the same way, naming it.
 func TestOversizedLengthPrefix(t *testing.T) {
 	t.Run("before the manifest", func(t *testing.T) {
-		var log logBuffer
+		log := newLogLines()
 		srv := serve(t, handoff.ReceiverConfig{Pool: newPool(t, 64), Logger: log.logger()}, tcpx.Insecure(), tcpx.Options{})
 		c := rawClient(t, srv.addr)
 		_, err := c.Write([]byte{0xff, 0xff, 0xff, 0xff})
@@ -98,7 +99,7 @@ func TestOversizedLengthPrefix(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, append(tcpxHello, 0, 0, 0, 0), got)
 		require.Eventually(t, func() bool { return refusedBy(srv.recv, "transport") == 1 }, 10*time.Second, time.Millisecond)
-		eventuallyLogs(t, &log, "4294967295 bytes", "limit is 67108864")
+		eventuallyLogs(t, log, "4294967295 bytes", "limit is 67108864")
 	})
 	t.Run("mid-transfer", func(t *testing.T) {
 		prefill, decode := newPool(t, 1024), newPool(t, 2048)
@@ -137,7 +138,7 @@ func TestOversizedLengthPrefix(t *testing.T) {
 // A frame cut short by the peer closing fails the transfer as a transport
 // failure; the server does not wait for the rest.
 func TestTruncatedFrame(t *testing.T) {
-	var log logBuffer
+	log := newLogLines()
 	srv := serve(t, handoff.ReceiverConfig{Pool: newPool(t, 64), Logger: log.logger()}, tcpx.Insecure(), tcpx.Options{})
 	c := rawClient(t, srv.addr)
 	_, err := c.Write(append(binary.LittleEndian.AppendUint32(nil, 100), "only ten b"...))
@@ -145,7 +146,7 @@ func TestTruncatedFrame(t *testing.T) {
 	c.(*net.TCPConn).CloseWrite()
 	assert.Equal(t, append(tcpxHello, 0, 0, 0, 0), readAll(t, c))
 	require.Eventually(t, func() bool { return refusedBy(srv.recv, "transport") == 1 }, 10*time.Second, time.Millisecond)
-	eventuallyLogs(t, &log, "unexpected EOF")
+	eventuallyLogs(t, log, "unexpected EOF")
 }
 
 // What is not a tcpx peer is refused at the hello, clearly, on both ends:
@@ -153,7 +154,7 @@ func TestTruncatedFrame(t *testing.T) {
 // answered.
 func TestWrongHandshake(t *testing.T) {
 	t.Run("clients", func(t *testing.T) {
-		var log logBuffer
+		log := newLogLines()
 		prefill := newPool(t, 64)
 		srv := serve(t, handoff.ReceiverConfig{Pool: newPool(t, 64)}, tcpx.Insecure(),
 			tcpx.Options{Logger: log.logger(), HandshakeTimeout: 200 * time.Millisecond})
@@ -164,7 +165,7 @@ func TestWrongHandshake(t *testing.T) {
 		_, err = io.WriteString(http, "GET / HTTP/1.1\r\nHost: decode\r\n\r\n")
 		require.NoError(t, err)
 		assert.Empty(t, readAll(t, http), "an HTTP client gets no answer")
-		eventuallyLogs(t, &log, "not a kvfence tcpx endpoint", `GET / HT`)
+		eventuallyLogs(t, log, "not a kvfence tcpx endpoint", `GET / HT`)
 
 		g, err := grpcx.Dial(srv.addr, insecure.NewCredentials())
 		require.NoError(t, err)
@@ -173,7 +174,7 @@ func TestWrongHandshake(t *testing.T) {
 		assert.ErrorIs(t, exp.Send(context.Background(), g), handoff.ErrTransport)
 		assert.True(t, exp.Live())
 		require.NoError(t, exp.Abort())
-		eventuallyLogs(t, &log, "an HTTP/2 or gRPC client")
+		eventuallyLogs(t, log, "an HTTP/2 or gRPC client")
 
 		other, err := net.Dial("tcp", srv.addr)
 		require.NoError(t, err)
@@ -181,13 +182,13 @@ func TestWrongHandshake(t *testing.T) {
 		_, err = other.Write([]byte("KVFTCPX\x02"))
 		require.NoError(t, err)
 		assert.Equal(t, tcpxHello, readAll(t, other), "a client of another version is told which this server speaks")
-		eventuallyLogs(t, &log, "another version of tcpx, 2 (this end: 1)")
+		eventuallyLogs(t, log, "another version of tcpx, 2 (this end: 1)")
 
 		silent, err := net.Dial("tcp", srv.addr)
 		require.NoError(t, err)
 		defer silent.Close()
 		assert.Empty(t, readAll(t, silent), "a client that says nothing is dropped after the handshake timeout")
-		eventuallyLogs(t, &log, "no hello from the client within the handshake timeout")
+		eventuallyLogs(t, log, "no hello from the client within the handshake timeout")
 
 		assert.Equal(t, handoff.ReceiverStats{}, srv.recv.Stats(), "no transfer began")
 	})
