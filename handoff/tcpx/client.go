@@ -64,13 +64,13 @@ var errNoTransport = fmt.Errorf("%w: tcpx: transport not made by Dial (Dial fail
 // Close ends every transfer still open on t (each fails with
 // handoff.ErrTransport) and refuses further Opens.
 func (t *Transport) Close() error {
-	if t == nil || t.mu.open == nil {
+	if t == nil || t.addr == "" {
 		return errNoTransport
 	}
 	t.mu.Lock()
 	t.mu.closed = true
 	open := t.mu.open
-	t.mu.open = map[*clientStream]struct{}{}
+	t.mu.open = nil // and forget deletes from nothing
 	t.mu.Unlock()
 	for s := range open {
 		s.hangUp()
@@ -88,7 +88,7 @@ func (t *Transport) Close() error {
 // handoff.ErrInvalidArgument.
 func (t *Transport) Open(ctx context.Context) (handoff.Stream, error) {
 	switch {
-	case t == nil || t.mu.open == nil:
+	case t == nil || t.addr == "": // Dial sets addr, and nothing changes it
 		return nil, errNoTransport
 	case ctx == nil:
 		return nil, fmt.Errorf("%w: tcpx: Open with a nil context", handoff.ErrInvalidArgument)

@@ -103,7 +103,8 @@ func TestServeAfterClose(t *testing.T) {
 }
 
 // Transfers from several goroutines over one Transport and one Server
-// run at once, each on its own connection, and all arrive.
+// run at once, each on its own connection, and all arrive; a closed
+// Transport opens no more.
 func TestConcurrentTransfers(t *testing.T) {
 	prefill, decode := newPool(t, 2048), newPool(t, 4096)
 	srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(), tcpx.Options{})
@@ -119,6 +120,9 @@ func TestConcurrentTransfers(t *testing.T) {
 	for i := range 6 {
 		takeVerified(t, srv, decode, fmt.Sprint("concurrent-", i))
 	}
+	require.NoError(t, tr.Close())
+	_, err := tr.Open(context.Background())
+	assert.ErrorIs(t, err, handoff.ErrTransport, "Open after Close")
 	require.NoError(t, testkit.Sweep(prefill))
 	require.NoError(t, testkit.Sweep(decode))
 }
