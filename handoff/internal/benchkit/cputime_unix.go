@@ -1,15 +1,15 @@
 //go:build unix
 
-package grpcx_test
+package benchkit
 
 import (
 	"syscall"
 	"time"
 )
 
-// processCPU is the CPU time (user and system) the process has used so
+// ProcessCPU is the CPU time (user and system) the process has used so
 // far, or false where it cannot be read.
-func processCPU() (time.Duration, bool) {
+func ProcessCPU() (time.Duration, bool) {
 	var ru syscall.Rusage
 	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
 		return 0, false

@@ -1,0 +1,319 @@
+package tcpx
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/kvfence/kvfence/handoff"
+)
+
+// ErrServerClosed is what Serve returns once Shutdown or Close has been
+// called.
+var ErrServerClosed = errors.New("tcpx: server closed")
+
+// Server accepts tcpx connections and imports each one's transfer with a
+// receiver (handoff.Receiver.Serve, one goroutine per connection). It is
+// safe for concurrent use: Serve may run on several listeners at once.
+type Server struct {
+	serve func(context.Context, handoff.Endpoint) error // the receiver's Serve
+	tls   *tls.Config                                   // nil: Insecure
+	opts  Options
+	// ctx is every transfer's: Close cancels it, which ends the waits of
+	// admissions (handoff.ReceiverConfig.AdmitWait).
+	ctx    context.Context
+	cancel context.CancelFunc
+	conns  sync.WaitGroup // connections being served
+
+	mu struct {
+		sync.Mutex
+		closed    bool
+		listeners map[net.Listener]struct{}
+		conns     map[net.Conn]struct{}
+	}
+}
+
+// NewServer returns a server that imports transfers with r, over
+// connections protected by sec (required: TLS with a certificate, or
+// Insecure for a trusted network). Serve it on a listener; stop it with
+// Shutdown or Close. Without a Security it fails with ErrNoSecurity,
+// without a receiver with handoff.ErrInvalidArgument.
+func NewServer(r *handoff.Receiver, sec Security, opts Options) (*Server, error) {
+	if err := sec.check(); err != nil {
+		return nil, err
+	}
+	if r == nil {
+		return nil, fmt.Errorf("%w: tcpx: server without a receiver", handoff.ErrInvalidArgument)
+	}
+	return newServer(r.Serve, sec, opts)
+}
+
+func newServer(serve func(context.Context, handoff.Endpoint) error, sec Security, opts Options) (*Server, error) {
+	opts, err := opts.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{serve: serve, opts: opts}
+	if c := sec.tls; c != nil {
+		if len(c.Certificates) == 0 && c.GetCertificate == nil && c.GetConfigForClient == nil {
+			return nil, fmt.Errorf("%w: tcpx: a server's TLS config needs a certificate", handoff.ErrInvalidConfig)
+		}
+		s.tls = c.Clone()
+	}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	s.mu.listeners = make(map[net.Listener]struct{})
+	s.mu.conns = make(map[net.Conn]struct{})
+	return s, nil
+}
+
+// errNoServer is what a nil or zero Server answers: one not made by
+// NewServer.
+var errNoServer = fmt.Errorf("%w: tcpx: server not made by NewServer (NewServer failed?)", handoff.ErrInvalidArgument)
+
+// Serve accepts connections on ln and serves each on a goroutine of its
+// own until Shutdown or Close, then returns ErrServerClosed; on any other
+// failure to accept it returns that error (wrapping
+// handoff.ErrTransport). It closes ln when it returns.
+func (s *Server) Serve(ln net.Listener) error {
+	switch {
+	case s == nil || s.serve == nil:
+		return errNoServer
+	case ln == nil:
+		return fmt.Errorf("%w: tcpx: Serve on a nil listener", handoff.ErrInvalidArgument)
+	}
+	defer ln.Close()
+	if !addTo(s, s.mu.listeners, ln) {
+		return ErrServerClosed
+	}
+	defer removeFrom(s, s.mu.listeners, ln)
+	var backoff time.Duration
+	for {
+		conn, err := ln.Accept()
+		if err != nil {
+			if s.closed() {
+				return ErrServerClosed
+			}
+			// Out of file descriptors and the like: wait and try again,
+			// as net/http does.
+			if ne, ok := err.(net.Error); ok && ne.Temporary() { //nolint:staticcheck // no other way to tell
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				time.Sleep(backoff)
+				continue
+			}
+			return fmt.Errorf("%w: tcpx: accept: %w", handoff.ErrTransport, err)
+		}
+		backoff = 0
+		if !addTo(s, s.mu.conns, conn) {
+			conn.Close()
+			return ErrServerClosed
+		}
+		s.conns.Add(1)
+		go s.handle(conn)
+	}
+}
+
+// addTo adds c to set, one of the server's, unless the server is closed.
+func addTo[T comparable](s *Server, set map[T]struct{}, c T) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.mu.closed {
+		return false
+	}
+	set[c] = struct{}{}
+	return true
+}
+
+func removeFrom[T comparable](s *Server, set map[T]struct{}, c T) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(set, c)
+}
+
+func (s *Server) closed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.mu.closed
+}
+
+// Shutdown stops accepting connections and waits for the transfers of
+// those accepted to end. If ctx ends first, it closes them (as Close)
+// and returns ctx's error.
+func (s *Server) Shutdown(ctx context.Context) error {
+	switch {
+	case s == nil || s.serve == nil:
+		return errNoServer
+	case ctx == nil:
+		return fmt.Errorf("%w: tcpx: Shutdown with a nil context", handoff.ErrInvalidArgument)
+	}
+	s.stopAccepting()
+	served := make(chan struct{})
+	go func() {
+		s.conns.Wait()
+		close(served)
+	}()
+	select {
+	case <-served:
+		return nil
+	case <-ctx.Done():
+		s.Close()
+		return ctx.Err()
+	}
+}
+
+// Close stops accepting connections, closes those accepted (their
+// transfers fail: the receiver aborts each import through the scrubber)
+// and returns once each one's goroutine has.
+func (s *Server) Close() error {
+	if s == nil || s.serve == nil {
+		return errNoServer
+	}
+	conns := s.stopAccepting()
+	s.cancel()
+	for _, c := range conns {
+		c.Close()
+	}
+	s.conns.Wait()
+	return nil
+}
+
+// stopAccepting marks the server closed, closes its listeners and
+// returns its connections.
+func (s *Server) stopAccepting() []net.Conn {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.mu.closed = true
+	for ln := range s.mu.listeners {
+		ln.Close()
+	}
+	conns := make([]net.Conn, 0, len(s.mu.conns))
+	for c := range s.mu.conns {
+		conns = append(conns, c)
+	}
+	return conns
+}
+
+// handle serves one connection: the handshake, the transfer, and the
+// end of the receiver's messages.
+func (s *Server) handle(raw net.Conn) {
+	defer s.conns.Done()
+	defer removeFrom(s, s.mu.conns, raw)
+	defer raw.Close()
+	conn, err := s.handshake(raw)
+	if err != nil {
+		// A handshake a closing server cut short was not refused.
+		if s.opts.Logger != nil && s.ctx.Err() == nil {
+			s.opts.Logger.LogAttrs(s.ctx, slog.LevelWarn, "tcpx: connection refused",
+				slog.String("remote", raw.RemoteAddr().String()), slog.Any("error", err))
+		}
+		return
+	}
+	ep := &serverEnd{conn: conn, rd: newFrameReader(conn, s.opts.MaxMessageBytes), timeout: s.opts.MessageTimeout,
+		wr: frameWriter{conn: conn, max: s.opts.MaxMessageBytes, timeout: s.opts.MessageTimeout}}
+	defer ep.rd.release()
+	s.serve(s.ctx, ep) // the receiver counts, logs and answers its refusals
+	ep.finish()
+}
+
+// handshake runs the TLS handshake, if any, and the hellos: the client's
+// is read and checked first, then the server's sent. A client of another
+// version gets the server's hello, which tells it which, and is refused.
+func (s *Server) handshake(raw net.Conn) (net.Conn, error) {
+	ctx, cancel := context.WithTimeout(s.ctx, s.opts.HandshakeTimeout)
+	defer cancel()
+	deadline, _ := ctx.Deadline()
+	raw.SetDeadline(deadline)
+	conn := raw
+	if s.tls != nil {
+		tc := tls.Server(raw, s.tls)
+		if err := tc.HandshakeContext(ctx); err != nil {
+			return nil, fmt.Errorf("%w: tcpx: TLS handshake: %w", ErrHandshake, err)
+		}
+		conn = tc
+	}
+	herr := readHello(conn, "client")
+	if herr != nil && !errors.Is(herr, errVersion) {
+		return nil, herr // not ours: nothing to tell it
+	}
+	if _, err := conn.Write(hello()); err != nil {
+		return nil, fmt.Errorf("%w: tcpx: hello: %w", handoff.ErrTransport, err)
+	}
+	if herr != nil {
+		return nil, herr
+	}
+	conn.SetDeadline(time.Time{})
+	return conn, nil
+}
+
+// serverEnd is the receiver's end of one transfer.
+type serverEnd struct {
+	conn    net.Conn
+	rd      frameReader
+	wr      frameWriter
+	timeout time.Duration
+	ended   bool // the sender's end of messages has been read
+	one     [1][]byte
+}
+
+var _ handoff.PartsEndpoint = (*serverEnd)(nil)
+
+// Recv implements handoff.Endpoint: the sender's next message, in the
+// connection's read buffer, valid until the next Recv; io.EOF after the
+// sender's CloseSend. It waits at most Options.MessageTimeout. Its
+// errors, and Send's, go to handoff.Receiver, which wraps each in
+// handoff.ErrTransport.
+func (e *serverEnd) Recv() ([]byte, error) {
+	if e.ended {
+		return nil, io.EOF
+	}
+	if err := e.conn.SetReadDeadline(time.Now().Add(e.timeout)); err != nil {
+		return nil, err
+	}
+	msg, err := e.rd.next()
+	if err == io.EOF {
+		e.ended = true
+	}
+	return msg, err
+}
+
+// RecvParts implements handoff.PartsEndpoint with one part: a frame is
+// read whole into one buffer, straight from the socket, so there are no
+// parts to save a copy of.
+func (e *serverEnd) RecvParts() ([][]byte, error) {
+	msg, err := e.Recv()
+	if err != nil {
+		return nil, err
+	}
+	e.one[0] = msg
+	return e.one[:], nil
+}
+
+func (e *serverEnd) Send(msg []byte) error { return e.wr.write(msg, nil) }
+
+// finish ends the receiver's messages. A transfer the receiver ended
+// before the sender's end of messages (a refusal; or a success, which
+// ends at the seal, just before it) may still have frames coming: they
+// are read and dropped, for lingerTimeout at most, so that the connection
+// is not reset under the verdict before the sender has read it, which it
+// does as soon as its next send sees the end.
+func (e *serverEnd) finish() {
+	if e.wr.end() != nil || e.ended {
+		return
+	}
+	e.conn.SetReadDeadline(time.Now().Add(lingerTimeout))
+	for {
+		_, err := e.rd.next()
+		if errors.Is(err, ErrMessageTooLarge) {
+			io.Copy(io.Discard, e.conn) // no frames to tell apart any more
+			return
+		}
+		if err != nil {
+			return
+		}
+	}
+}

@@ -1,0 +1,128 @@
+package tcpx_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/handoff/internal/testkit"
+	"github.com/kvfence/kvfence/handoff/tcpx"
+)
+
+// Shutdown stops accepting at once but lets a transfer in flight finish,
+// and returns once it has; Serve returns ErrServerClosed, and a transfer
+// opened after finds no server.
+func TestShutdownWaitsForTransfers(t *testing.T) {
+	prefill, decode := newPool(t, 1024), newPool(t, 2048)
+	srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(), tcpx.Options{})
+	tr := dial(t, srv.addr, tcpx.Insecure(), tcpx.Options{})
+	exp := export(t, newSender(t, time.Minute), prefill, "graceful", 300*16) // 5 frames
+	shutdown := make(chan error, 1)
+	w := &watch{inner: tr, hook: func(n int, _ handoff.Stream, _ []byte) {
+		switch n {
+		case 1:
+			go func() { shutdown <- srv.srv.Shutdown(context.Background()) }()
+			require.Eventually(t, func() bool { return serveReturned(srv) }, 10*time.Second, time.Millisecond, "Serve returned ErrServerClosed")
+		case 5:
+			select {
+			case err := <-shutdown:
+				t.Errorf("Shutdown returned %v before the transfer ended", err)
+			default:
+			}
+		}
+	}}
+	require.NoError(t, exp.Send(context.Background(), w))
+	require.NoError(t, <-shutdown)
+	takeVerified(t, srv, decode, "graceful")
+
+	exp = export(t, newSender(t, time.Minute), prefill, "late", 16)
+	assert.ErrorIs(t, exp.Send(context.Background(), tr), handoff.ErrTransport)
+	endAndSweep(t, exp, prefill, decode)
+}
+
+// serveReturned reports whether srv's Serve has returned
+// ErrServerClosed.
+func serveReturned(srv *server) bool {
+	select {
+	case err := <-srv.done:
+		srv.done <- err
+		return errors.Is(err, tcpx.ErrServerClosed)
+	default:
+		return false
+	}
+}
+
+// A Shutdown whose context ends before the transfers do closes them, as
+// Close: the sender fails, the import is aborted before Shutdown returns.
+func TestShutdownPastItsDeadlineClosesTransfers(t *testing.T) {
+	prefill, decode := newPool(t, 1024), newPool(t, 2048)
+	srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(), tcpx.Options{})
+	exp := export(t, newSender(t, time.Minute), prefill, "cut-short", 1000*16)
+	var inUse int
+	w := &watch{inner: dial(t, srv.addr, tcpx.Insecure(), tcpx.Options{}), hook: func(n int, _ handoff.Stream, _ []byte) {
+		if n == 2 {
+			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			defer cancel()
+			assert.ErrorIs(t, srv.srv.Shutdown(ctx), context.DeadlineExceeded)
+			inUse = decode.Stats().InUsePages
+		}
+	}}
+	assert.ErrorIs(t, exp.Send(context.Background(), w), handoff.ErrTransport)
+	assert.Zero(t, inUse, "decode pages in use when Shutdown returned")
+	endAndSweep(t, exp, prefill, decode)
+}
+
+// Serve on a server already closed returns ErrServerClosed (and closes
+// the listener); on a listener that fails, that failure.
+func TestServeAfterClose(t *testing.T) {
+	recv, err := handoff.NewReceiver(handoff.ReceiverConfig{Pool: newPool(t, 16), Key: testkit.Key()})
+	require.NoError(t, err)
+	srv, err := tcpx.NewServer(recv, tcpx.Insecure(), tcpx.Options{})
+	require.NoError(t, err)
+	broken, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	broken.Close()
+	err = srv.Serve(broken)
+	assert.ErrorIs(t, err, handoff.ErrTransport)
+	assert.NotErrorIs(t, err, tcpx.ErrServerClosed)
+
+	require.NoError(t, srv.Close())
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	assert.ErrorIs(t, srv.Serve(ln), tcpx.ErrServerClosed)
+	_, err = net.Dial("tcp", ln.Addr().String())
+	assert.Error(t, err, "the listener is closed")
+}
+
+// Transfers from several goroutines over one Transport and one Server
+// run at once, each on its own connection, and all arrive; a closed
+// Transport opens no more.
+func TestConcurrentTransfers(t *testing.T) {
+	prefill, decode := newPool(t, 2048), newPool(t, 4096)
+	srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(), tcpx.Options{})
+	tr := dial(t, srv.addr, tcpx.Insecure(), tcpx.Options{})
+	s := newSender(t, time.Minute)
+	var wg sync.WaitGroup
+	for i := range 6 {
+		id := fmt.Sprint("concurrent-", i)
+		exp := export(t, s, prefill, id, (100+50*i)*16)
+		wg.Go(func() { assert.NoError(t, exp.Send(context.Background(), tr)) })
+	}
+	wg.Wait()
+	for i := range 6 {
+		takeVerified(t, srv, decode, fmt.Sprint("concurrent-", i))
+	}
+	require.NoError(t, tr.Close())
+	_, err := tr.Open(context.Background())
+	assert.ErrorIs(t, err, handoff.ErrTransport, "Open after Close")
+	require.NoError(t, testkit.Sweep(prefill))
+	require.NoError(t, testkit.Sweep(decode))
+}
