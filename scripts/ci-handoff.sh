@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # CI steps for the prefill → decode handoff beyond `go test -race ./...`
 # (which .ci/run runs): fuzzing of the manifest codec and the data-frame
-# parser past their seeds, and the two-process example. FUZZTIME overrides
-# the fuzzing budget.
+# parser past their seeds, and the two-process example over both
+# transports. FUZZTIME overrides the fuzzing budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzztime="${FUZZTIME:-20000x}" # inputs, not seconds: see .ci/run
@@ -12,3 +12,4 @@ go test -run '^$' -fuzz '^FuzzDecode$' -fuzztime "$fuzztime" ./handoff
 go test -run '^$' -fuzz '^FuzzParse$' -fuzztime "$fuzztime" ./handoff
 go test -run '^$' -fuzz '^FuzzParseData$' -fuzztime "$fuzztime" ./handoff
 go run ./examples/disagg >/dev/null
+go run ./examples/disagg -transport tcpx >/dev/null

@@ -1,9 +1,11 @@
 // Command disagg runs a prefill pool and a decode pool in two processes on
-// loopback and hands a prompt's KV from one to the other over gRPC, then
-// replays the incident kvfence exists for: an over-long prompt on a prefill
-// pool too small for the model's context window.
+// loopback and hands a prompt's KV from one to the other over gRPC (or
+// handoff/tcpx's own frames over TCP, with -transport tcpx), then replays
+// the incident kvfence exists for: an over-long prompt on a prefill pool
+// too small for the model's context window.
 //
 //	go run ./examples/disagg
+//	go run ./examples/disagg -transport tcpx
 //
 // The program re-executes itself with -role=decode for the decode process
 // and drives it over its stdin; every step is printed.
@@ -29,6 +31,7 @@ import (
 
 	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/handoff/grpcx"
+	"github.com/kvfence/kvfence/handoff/tcpx"
 	"github.com/kvfence/kvfence/kvcache"
 )
 
@@ -45,13 +48,17 @@ const (
 func main() {
 	role := flag.String("role", "prefill", "prefill (starts the decode process) or decode")
 	secret := flag.String("key", "", "hex HMAC key shared by the pools (the prefill process makes one)")
+	transport := flag.String("transport", "grpc", "how the KV travels: grpc (handoff/grpcx) or tcpx (handoff/tcpx)")
 	flag.Parse()
 	log.SetFlags(0)
 	var err error
-	if *role == "decode" {
-		err = decode(*secret)
-	} else {
-		err = prefill()
+	switch {
+	case *transport != "grpc" && *transport != "tcpx":
+		err = fmt.Errorf("-transport %q: want grpc or tcpx", *transport)
+	case *role == "decode":
+		err = decode(*secret, *transport)
+	default:
+		err = prefill(*transport)
 	}
 	if err != nil {
 		log.Fatalf("%s: %v", *role, err)
@@ -73,8 +80,43 @@ func keyFrom(secretHex string) (*handoff.Key, error) {
 	return handoff.NewKey(secret)
 }
 
+// serve serves handoffs to recv on ln over the transport named, until
+// the returned stop is called. Plain TCP: this example runs on loopback.
+func serve(recv *handoff.Receiver, ln net.Listener, transport string) (stop func(), err error) {
+	if transport == "tcpx" {
+		srv, err := tcpx.NewServer(recv, tcpx.Insecure(), tcpx.Options{})
+		if err != nil {
+			return nil, err
+		}
+		go srv.Serve(ln)
+		return func() { srv.Close() }, nil
+	}
+	srv, err := grpcx.NewServer(recv, insecure.NewCredentials())
+	if err != nil {
+		return nil, err
+	}
+	go srv.Serve(ln)
+	return srv.Stop, nil
+}
+
+// dial connects to the decode process's server over the transport named.
+func dial(addr, transport string) (handoff.Transport, func() error, error) {
+	if transport == "tcpx" {
+		tr, err := tcpx.Dial(addr, tcpx.Insecure(), tcpx.Options{})
+		if err != nil {
+			return nil, nil, err
+		}
+		return tr, tr.Close, nil
+	}
+	tr, err := grpcx.Dial(addr, insecure.NewCredentials())
+	if err != nil {
+		return nil, nil, err
+	}
+	return tr, tr.Close, nil
+}
+
 // decode serves imports and answers "take ID" and "stats" on stdin.
-func decode(secretHex string) error {
+func decode(secretHex, transport string) error {
 	key, err := keyFrom(secretHex)
 	if err != nil {
 		return err
@@ -88,17 +130,16 @@ func decode(secretHex string) error {
 	if err != nil {
 		return err
 	}
-	srv, err := grpcx.NewServer(recv, insecure.NewCredentials()) // loopback only
-	if err != nil {
-		return err
-	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return err
 	}
-	go srv.Serve(ln)
-	defer srv.Stop()
-	fmt.Printf("decode pool: %d pages (%d tokens), serving handoffs on %s\n", pool.Pages(), pool.CapacityTokens(), ln.Addr())
+	stop, err := serve(recv, ln, transport)
+	if err != nil {
+		return err
+	}
+	defer stop()
+	fmt.Printf("decode pool: %d pages (%d tokens), serving handoffs on %s over %s\n", pool.Pages(), pool.CapacityTokens(), ln.Addr(), transport)
 	fmt.Println("addr", ln.Addr())
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
@@ -127,14 +168,14 @@ func decode(secretHex string) error {
 	return in.Err()
 }
 
-func prefill() error {
+func prefill(transport string) error {
 	secret := make([]byte, 32)
 	rand.Read(secret)
 	self, err := os.Executable()
 	if err != nil {
 		return err
 	}
-	child := exec.Command(self, "-role=decode", "-key="+hex.EncodeToString(secret))
+	child := exec.Command(self, "-role=decode", "-key="+hex.EncodeToString(secret), "-transport="+transport)
 	child.Stderr = os.Stderr
 	toChild, _ := child.StdinPipe()
 	fromChild, _ := child.StdoutPipe()
@@ -178,11 +219,11 @@ func prefill() error {
 	if err != nil {
 		return err
 	}
-	tr, err := grpcx.Dial(addr, insecure.NewCredentials())
+	tr, closeTransport, err := dial(addr, transport)
 	if err != nil {
 		return err
 	}
-	defer tr.Close()
+	defer closeTransport()
 	ctx := context.Background()
 
 	fmt.Println("\n1. A normal request: 5,000 prompt tokens, up to 1,000 new.")
@@ -211,7 +252,7 @@ func prefill() error {
 	if err := exp.Send(ctx, tr); err != nil {
 		return err
 	}
-	fmt.Printf("   sent over gRPC and acknowledged; prefill pages released and scrubbed: %v\n", !lease.Live())
+	fmt.Printf("   sent over %s and acknowledged; prefill pages released and scrubbed: %v\n", transport, !lease.Live())
 	relay("take req-ok")
 
 	fmt.Println("\n2. The incident: a 700,000-token prompt on the 681,280-token prefill pool.")
