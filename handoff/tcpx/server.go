@@ -88,7 +88,7 @@ func (s *Server) Serve(ln net.Listener) error {
 		return fmt.Errorf("%w: tcpx: Serve on a nil listener", handoff.ErrInvalidArgument)
 	}
 	defer ln.Close()
-	if !addTo(s, s.mu.listeners, ln) {
+	if !s.addListener(ln) {
 		return ErrServerClosed
 	}
 	defer removeFrom(s, s.mu.listeners, ln)
@@ -109,23 +109,37 @@ func (s *Server) Serve(ln net.Listener) error {
 			return fmt.Errorf("%w: tcpx: accept: %w", handoff.ErrTransport, err)
 		}
 		backoff = 0
-		if !addTo(s, s.mu.conns, conn) {
+		if !s.addConn(conn) {
 			conn.Close()
 			return ErrServerClosed
 		}
-		s.conns.Add(1)
 		go s.handle(conn)
 	}
 }
 
-// addTo adds c to set, one of the server's, unless the server is closed.
-func addTo[T comparable](s *Server, set map[T]struct{}, c T) bool {
+// addListener tracks ln unless the server is closed.
+func (s *Server) addListener(ln net.Listener) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.mu.closed {
 		return false
 	}
-	set[c] = struct{}{}
+	s.mu.listeners[ln] = struct{}{}
+	return true
+}
+
+// addConn tracks an accepted connection unless the server is closed:
+// in its set, and in s.conns, counted under the lock that marks the server
+// closed, so that Close's wait, which follows that mark, counts every
+// connection that will be served.
+func (s *Server) addConn(c net.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.mu.closed {
+		return false
+	}
+	s.mu.conns[c] = struct{}{}
+	s.conns.Add(1)
 	return true
 }
 
