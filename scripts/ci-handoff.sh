@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # CI steps for the prefill → decode handoff beyond `go test -race ./...`
 # (which .ci/run runs): fuzzing of the manifest codec, the data-frame
-# parser and tcpx's frame reader past their seeds, and the two-process example over both
-# transports. FUZZTIME overrides the fuzzing budget.
+# parser and tcpx's frame reader past their seeds, and the two-process
+# example over both transports. FUZZTIME overrides the fuzzing budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzztime="${FUZZTIME:-20000x}" # inputs, not seconds: see .ci/run
