@@ -11,10 +11,9 @@ import (
 	"github.com/kvfence/kvfence/cudaops"
 )
 
-// CheckPages takes its fast path (the batch's largest page) only when
-// every page is in range: each bad page, wherever it sits in the batch
-// (the four-page steps or the tail after them), at either end, is still
-// found and named, the first one when there are several.
+// CheckPages finds and names every bad page, wherever it sits in the
+// batch, at either end of the range (a negative page, one past the
+// smallest region), the first one when there are several.
 func TestCheckPagesFindsEveryBadPageWhereverItSits(t *testing.T) {
 	regions := []cudaops.Region{{Pages: 100}, {Pages: 64}} // the smallest bounds every batch
 	require.NoError(t, cudaops.CheckPages(regions, nil))

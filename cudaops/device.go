@@ -352,31 +352,10 @@ func CheckPages(regions []Region, pages []int32) error {
 			limit = int32(r.Pages)
 		}
 	}
-	if maxPage(pages) < uint32(limit) {
-		return nil
-	}
 	for _, p := range pages {
-		if uint32(p) >= uint32(limit) {
+		if uint32(p) >= uint32(limit) { // a negative page is a huge uint32: one compare for both ends
 			return fmt.Errorf("%w: page %d outside [0, %d)", ErrInvalidArgument, p, limit)
 		}
 	}
-	return nil // not reached: maxPage saw a page out of range
-}
-
-// maxPage is the largest of pages as unsigned numbers, so that a negative
-// page is larger than any in range: one compare checks both ends. Four
-// independent maxima a step let the loop run at the speed of its loads,
-// not of one chain of compares (a release checks every page it fills).
-func maxPage(pages []int32) uint32 {
-	var m0, m1, m2, m3 uint32
-	i := 0
-	for ; i+4 <= len(pages); i += 4 {
-		q := pages[i : i+4 : i+4]
-		m0, m1 = max(m0, uint32(q[0])), max(m1, uint32(q[1]))
-		m2, m3 = max(m2, uint32(q[2])), max(m3, uint32(q[3]))
-	}
-	for _, p := range pages[i:] {
-		m0 = max(m0, uint32(p))
-	}
-	return max(m0, m1, m2, m3)
+	return nil
 }
