@@ -17,10 +17,12 @@ import (
 // inside a frame is an error other than io.EOF. It never returns more
 // than the peer sent, and its buffer never grows past twice what arrived.
 func FuzzFrameReader(f *testing.F) {
-	frame := func(body ...byte) []byte { return append(binary.LittleEndian.AppendUint32(nil, uint32(len(body))), body...) }
+	frame := func(body ...byte) []byte {
+		return append(binary.LittleEndian.AppendUint32(nil, uint32(len(body))), body...)
+	}
 	f.Add([]byte{}, uint16(64))
 	f.Add(append(frame('M', 1, 2), frame('D')...), uint16(64))
-	f.Add(append(frame('x'), 0, 0, 0, 0), uint16(64))            // end of messages
+	f.Add(append(frame('x'), 0, 0, 0, 0), uint16(64))               // end of messages
 	f.Add(binary.LittleEndian.AppendUint32(nil, 1<<30), uint16(64)) // over the limit
 	f.Add(frame(bytes.Repeat([]byte{7}, 100)...)[:50], uint16(200)) // cut inside its body
 	f.Fuzz(func(t *testing.T, stream []byte, limit uint16) {
