@@ -53,7 +53,10 @@
 // the deadline fails the fill, so the pool retires the pages and faults.
 package cudaops
 
-import "fmt"
+import (
+	"fmt"
+	"math"
+)
 
 // Region describes where one slice of the page space lives.
 type Region struct {
@@ -280,22 +283,18 @@ type StagedCopier interface {
 	WriteStaged(regions []int, pages []int32, fill func(first int, staged [][]byte)) error
 }
 
-// checkCopy validates a PageCopier call against region r of regions: it
+// checkCopy validates a PageCopier call against region r of regions (a
+// StagedCopier call of that one region, with a buffer of n bytes): it
 // returns the region.
 func checkCopy(regions []Region, r int, pages []int32, n int) (Region, error) {
-	if r < 0 || r >= len(regions) {
-		return Region{}, fmt.Errorf("%w: region %d of %d", ErrInvalidArgument, r, len(regions))
+	pageBytes, err := checkStaged(regions, []int{r}, pages)
+	if err != nil {
+		return Region{}, err
 	}
-	reg := regions[r]
-	for _, p := range pages {
-		if p < 0 || int(p) >= reg.Pages {
-			return Region{}, fmt.Errorf("%w: page %d outside [0, %d)", ErrInvalidArgument, p, reg.Pages)
-		}
+	if int64(n) != int64(len(pages))*pageBytes {
+		return Region{}, fmt.Errorf("%w: buffer of %d bytes for %d pages of %d", ErrInvalidArgument, n, len(pages), pageBytes)
 	}
-	if int64(n) != int64(len(pages))*reg.PageBytes {
-		return Region{}, fmt.Errorf("%w: buffer of %d bytes for %d pages of %d", ErrInvalidArgument, n, len(pages), reg.PageBytes)
-	}
-	return reg, nil
+	return regions[r], nil
 }
 
 // checkStaged validates a StagedCopier call against a region table: the
@@ -306,7 +305,7 @@ func checkStaged(table []Region, regions []int, pages []int32) (int64, error) {
 		return 0, fmt.Errorf("%w: a page copy of no regions", ErrInvalidArgument)
 	}
 	var pageBytes int64
-	limit := int(^uint32(0) >> 1)
+	limit := math.MaxInt32
 	for _, r := range regions {
 		if r < 0 || r >= len(table) {
 			return 0, fmt.Errorf("%w: region %d of %d", ErrInvalidArgument, r, len(table))
@@ -314,12 +313,7 @@ func checkStaged(table []Region, regions []int, pages []int32) (int64, error) {
 		pageBytes += table[r].PageBytes
 		limit = min(limit, table[r].Pages)
 	}
-	for _, p := range pages {
-		if p < 0 || int(p) >= limit {
-			return 0, fmt.Errorf("%w: page %d outside [0, %d)", ErrInvalidArgument, p, limit)
-		}
-	}
-	return pageBytes, nil
+	return pageBytes, checkPagesBelow(pages, limit)
 }
 
 // Completed returns a Fence that is already done with err.
@@ -346,12 +340,16 @@ func CheckPages(regions []Region, pages []int32) error {
 	if len(regions) == 0 && len(pages) > 0 {
 		return fmt.Errorf("%w: fill on a device with no regions", ErrInvalidArgument)
 	}
-	limit := int32(0x7fffffff)
+	limit := math.MaxInt32
 	for _, r := range regions {
-		if int64(r.Pages) < int64(limit) {
-			limit = int32(r.Pages)
-		}
+		limit = min(limit, r.Pages)
 	}
+	return checkPagesBelow(pages, limit)
+}
+
+// checkPagesBelow names the first of pages outside [0, limit), limit at
+// most math.MaxInt32; nil if there is none.
+func checkPagesBelow(pages []int32, limit int) error {
 	for _, p := range pages {
 		if uint32(p) >= uint32(limit) { // a negative page is a huge uint32: one compare for both ends
 			return fmt.Errorf("%w: page %d outside [0, %d)", ErrInvalidArgument, p, limit)

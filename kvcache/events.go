@@ -170,8 +170,9 @@ func (s *eventSink) gatherRemovedLocked(domain string, key BlockKey) {
 	s.scratch = append(s.scratch, key)
 }
 
-// emitRemovedLocked emits the gathered KVRemoved events, each with its
-// own keys (one allocation, of their size), and empties the scratch.
+// emitRemovedLocked emits the gathered KVRemoved events, each with a key
+// array of its own (a spare, or one allocation of their size), and
+// empties the scratch.
 func (s *eventSink) emitRemovedLocked(tokensPerPage int) {
 	for i, r := range s.runs {
 		end := len(s.scratch)

@@ -28,5 +28,5 @@ func appendTokenBytes(dst []byte, tokens []int32) []byte { return append(dst, to
 // memory is equal tokens whatever the byte order; the twin compares
 // token by token.
 func tokensEqual(a, b []int32) bool {
-	return len(a) == len(b) && bytes.Equal(tokenBytes(a), tokenBytes(b))
+	return bytes.Equal(tokenBytes(a), tokenBytes(b)) // equal bytes: equal lengths too
 }
