@@ -179,7 +179,9 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 // of its output budget): HitTokens then says how much prefill to skip.
 //
 // With prefix caching off, or tokens nil, Preempt is Release and keeps
-// nothing. An exported or importing lease refuses with ErrLeasePhase.
+// nothing. An exported or importing lease refuses with ErrLeasePhase, and
+// tokens that contradict the TokenIDs the lease was admitted with (its
+// prompt) with ErrInvalidArgument: the lease stays live either way.
 func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 	if err := l.live(); err != nil {
 		return 0, err
@@ -195,12 +197,23 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 	var extra []BlockKey
 	keep := !p.prefixDisabled && len(tokens) > 0
 	p.mu.Lock()
-	have, seq := len(l.keys), l.seq
+	have, seq, admitted := len(l.keys), l.seq, l.tokens
 	var parent BlockKey
 	if have > 0 {
 		parent = l.keys[have-1]
 	}
 	p.mu.Unlock()
+	// The lease's keys and its admitted prompt's pages were derived from
+	// the token IDs it was admitted with: tokens that say otherwise would
+	// have the cache index this KV under a prompt it was not computed
+	// for. (Read outside the lock like CachePrefix's: a live lease's
+	// tokens do not change, and seq is checked again below.)
+	if keep && len(admitted) > 0 {
+		if i := firstDifference(tokens, admitted); i >= 0 {
+			return 0, fmt.Errorf("%w: Preempt of lease %q: token %d is %d, but the lease was admitted with %d there",
+				ErrInvalidArgument, l.id, i, tokens[i], admitted[i])
+		}
+	}
 	tpp := p.tpp
 	full := written / tpp
 	if keep && full > have {
@@ -261,4 +274,19 @@ type GrowthStats struct {
 	Refused          Refusals // refused growths, by reason
 	Preempted        uint64   // leases preempted
 	PreemptKeptPages uint64   // pages their preemption kept in the prefix cache
+}
+
+// firstDifference is the first index below both lengths at which a and b
+// differ, or -1 if none does.
+func firstDifference(a, b []int32) int {
+	n := min(len(a), len(b))
+	if tokensEqual(a[:n], b[:n]) {
+		return -1
+	}
+	for i := range n {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return -1 // unreachable: tokensEqual said they differ
 }
