@@ -1,5 +1,10 @@
 package kvevents
 
+import (
+	"net"
+	"time"
+)
+
 // Subscribed returns how many connected subscribers have at least one
 // subscription, so that tests publish only once a subscriber will get it
 // (ZMQ's PUB sends nothing before a subscription arrives).
@@ -16,3 +21,43 @@ func (p *Publisher) Subscribed() int {
 	}
 	return n
 }
+
+// Peer is a ZMTP peer made of the package's own handshake and frames, for
+// tests that play a subscriber or a replay client and need to send what
+// no well-behaved one would.
+type Peer struct {
+	z *zconn
+}
+
+// DialPeer connects to addr as a sockType socket, and returns once the
+// handshake is done.
+func DialPeer(addr, sockType string, timeout time.Duration) (*Peer, error) {
+	c, err := net.DialTimeout("tcp", addr, timeout)
+	if err != nil {
+		return nil, err
+	}
+	z, err := handshake(c, sockType, []string{"PUB", "ROUTER"}, timeout)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	return &Peer{z: z}, nil
+}
+
+// Conn is the peer's connection, for raw bytes.
+func (p *Peer) Conn() net.Conn { return p.z.c }
+
+// Send sends one message of frames.
+func (p *Peer) Send(frames ...[]byte) error {
+	_, err := p.z.c.Write(appendMessage(nil, frames...))
+	return err
+}
+
+// Command sends one command frame.
+func (p *Peer) Command(name string, body []byte) error { return p.z.writeCommand(name, body) }
+
+// Frame reads one frame, commands included.
+func (p *Peer) Frame() (body []byte, more, command bool, err error) { return p.z.readFrame(1 << 30) }
+
+// Message reads one message, skipping commands.
+func (p *Peer) Message() ([][]byte, error) { return p.z.readMessage(1 << 30) }

@@ -24,6 +24,11 @@ const (
 	// maxCommand bounds a command frame (READY, SUBSCRIBE, PING) from a
 	// peer: a few properties.
 	maxCommand = 4 << 10
+	// maxFrames bounds the frames of a message from a peer: a
+	// subscription is one, a replay request two. Empty frames cost
+	// nothing against a message's byte limit, so without it a message
+	// that never ends would grow without bound.
+	maxFrames = 16
 )
 
 // greeting is ours: signature, version 3.0, mechanism NULL, as-server 0.
@@ -196,8 +201,8 @@ func (z *zconn) readFrame(limit int) (body []byte, more, command bool, err error
 	return body, flags&flagMore != 0 && !command, command, nil
 }
 
-// readMessage reads one message (its frames) of at most limit bytes in
-// all, answering PING and skipping other commands. A SUBSCRIBE or CANCEL
+// readMessage reads one message (its frames) of at most limit bytes and
+// maxFrames frames in all, answering PING and skipping other commands. A SUBSCRIBE or CANCEL
 // command (ZMTP 3.1) comes back as the equivalent 3.0 message.
 func (z *zconn) readMessage(limit int) ([][]byte, error) {
 	var msg [][]byte
@@ -230,6 +235,9 @@ func (z *zconn) readMessage(limit int) ([][]byte, error) {
 		msg = append(msg, frame)
 		if !more {
 			return msg, nil
+		}
+		if len(msg) == maxFrames {
+			return nil, fmt.Errorf("%w: a message of more than %d frames", ErrPeer, maxFrames)
 		}
 	}
 }
