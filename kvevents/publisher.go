@@ -520,13 +520,16 @@ func (p *Publisher) serveSubscriber(c net.Conn) {
 	p.mu.Unlock()
 
 	readerDone := make(chan struct{})
+	var readErr error // the reader's, once readerDone is closed
 	go func() {
 		// Subscriptions come from the subscriber; anything else it sends
-		// is ignored. A read error (it went away) ends the subscriber.
+		// is ignored. A read error (it went away, or broke the protocol)
+		// ends the subscriber.
 		defer close(readerDone)
 		for {
 			msg, err := z.readMessage(maxSubscription)
 			if err != nil {
+				readErr = err
 				s.finish()
 				return
 			}
@@ -541,6 +544,9 @@ func (p *Publisher) serveSubscriber(c net.Conn) {
 	p.mu.Unlock()
 	c.Close()
 	<-readerDone
+	if err == nil && errors.Is(readErr, ErrPeer) {
+		err = readErr // a protocol error, not a subscriber that went away
+	}
 	if err != nil {
 		p.disconnects.Add(1)
 		p.log.LogAttrs(context.Background(), slog.LevelWarn, "kvevents: subscriber cut off",
@@ -641,6 +647,9 @@ func (p *Publisher) serveReplay(c net.Conn) {
 	for {
 		msg, err := z.readMessage(maxReplayRequest)
 		if err != nil {
+			if errors.Is(err, ErrPeer) { // a protocol error, not a client that went away
+				p.refusePeer(c, "replay request", err)
+			}
 			return
 		}
 		var envelope [][]byte
