@@ -2,8 +2,10 @@ package kvevents_test
 
 import (
 	"bytes"
+	"fmt"
 	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -33,6 +35,13 @@ func (l *logBuffer) String() string {
 }
 
 func (l *logBuffer) logger() *slog.Logger { return slog.New(slog.NewTextHandler(l, nil)) }
+
+// eventuallyLogs waits for the log to hold want.
+func (l *logBuffer) eventuallyLogs(t *testing.T, want string) {
+	t.Helper()
+	require.Eventually(t, func() bool { return strings.Contains(l.String(), want) }, 10*time.Second, time.Millisecond,
+		"%q not logged in\n%s", want, l)
+}
 
 func dialPeer(t *testing.T, addr, sockType string) *kvevents.Peer {
 	t.Helper()
@@ -75,9 +84,8 @@ func TestSubscriberProtocolErrorCountsAsDisconnect(t *testing.T) {
 	waitSubscribed(t, pub, 1)
 	require.NoError(t, bad.Send(make([]byte, 2000)))
 	requireClosedByPublisher(t, bad)
-	require.Eventually(t, func() bool { return pub.Stats().Subscribers == 0 }, 10*time.Second, time.Millisecond)
+	log.eventuallyLogs(t, "frame of 2000 bytes")
 	assert.Equal(t, uint64(1), pub.Stats().Disconnects, "the subscriber that broke the protocol, not the one that left")
-	assert.Contains(t, log.String(), "frame of 2000 bytes")
 }
 
 // TestReplayProtocolErrorCountsAsDisconnect: the same for a replay client.
@@ -88,6 +96,27 @@ func TestReplayProtocolErrorCountsAsDisconnect(t *testing.T) {
 	bad := dialPeer(t, pub.ReplayAddr().String(), "DEALER")
 	require.NoError(t, bad.Send(make([]byte, 100)))
 	requireClosedByPublisher(t, bad)
-	require.Eventually(t, func() bool { return pub.Stats().Disconnects == 1 }, 10*time.Second, time.Millisecond)
-	assert.Contains(t, log.String(), "frame of 100 bytes")
+	log.eventuallyLogs(t, "frame of 100 bytes")
+	assert.Equal(t, uint64(1), pub.Stats().Disconnects)
+}
+
+// TestSubscriberWithEndlessSubscriptionsIsCutOff: every subscription a
+// subscriber sends is kept (ZMQ counts them) and scanned for every batch
+// under the publisher's lock, so their number is bounded: a subscriber
+// that sends one after another, without end, is cut off rather than
+// growing the publisher's memory and its cost per batch without bound.
+func TestSubscriberWithEndlessSubscriptionsIsCutOff(t *testing.T) {
+	log := &logBuffer{}
+	p := newPool(t, 64, 64)
+	pub := publisher(t, p, kvevents.Config{Logger: log.logger()})
+	sub := dialPeer(t, pub.Addr().String(), "SUB")
+	var subs []byte
+	for i := range 10_000 {
+		subs = append(subs, 0, 101, 1)
+		subs = append(subs, fmt.Sprintf("%0100d", i)...)
+	}
+	go sub.Conn().Write(subs) // fails once the publisher has hung up
+	requireClosedByPublisher(t, sub)
+	log.eventuallyLogs(t, "more than 256 subscriptions")
+	assert.Equal(t, uint64(1), pub.Stats().Disconnects)
 }

@@ -83,8 +83,12 @@ const (
 	defaultQueue       = 1024
 	defaultTimeout     = 10 * time.Second
 	defaultPeers       = 64
-	// maxSubscription bounds a subscription message (0x01 + topic).
-	maxSubscription = 1 << 10
+	// maxSubscription bounds a subscription message (0x01 + topic), and
+	// maxSubscriptions the subscriptions one subscriber holds at once
+	// (ZMQ counts them, repeats included): every batch is matched against
+	// each under the publisher's lock.
+	maxSubscription  = 1 << 10
+	maxSubscriptions = 256
 	// maxReplayRequest bounds a replay request (an empty delimiter and an
 	// 8-byte sequence number, with room to spare).
 	maxReplayRequest = 64
@@ -486,19 +490,25 @@ func (s *subscriber) wants(topic string) bool {
 	return false
 }
 
-func (s *subscriber) subscribe(on bool, topic string) {
+// subscribe adds a subscription (on) or cancels one; a subscriber over
+// maxSubscriptions is an error.
+func (s *subscriber) subscribe(on bool, topic string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if on {
+		if len(s.topics) == maxSubscriptions {
+			return fmt.Errorf("%w: more than %d subscriptions", ErrPeer, maxSubscriptions)
+		}
 		s.topics = append(s.topics, topic)
-		return
+		return nil
 	}
 	for i, t := range s.topics { // ZMQ counts subscriptions: cancel one
 		if t == topic {
 			s.topics = append(s.topics[:i], s.topics[i+1:]...)
-			return
+			return nil
 		}
 	}
+	return nil
 }
 
 func (s *subscriber) finish() { s.once.Do(func() { close(s.done) }) }
@@ -528,13 +538,13 @@ func (p *Publisher) serveSubscriber(c net.Conn) {
 		defer close(readerDone)
 		for {
 			msg, err := z.readMessage(maxSubscription)
+			if err == nil && len(msg) == 1 && len(msg[0]) > 0 && msg[0][0] <= 1 {
+				err = s.subscribe(msg[0][0] == 1, string(msg[0][1:]))
+			}
 			if err != nil {
 				readErr = err
 				s.finish()
 				return
-			}
-			if len(msg) == 1 && len(msg[0]) > 0 && msg[0][0] <= 1 {
-				s.subscribe(msg[0][0] == 1, string(msg[0][1:]))
 			}
 		}
 	}()
