@@ -120,3 +120,30 @@ func TestSubscriberWithEndlessSubscriptionsIsCutOff(t *testing.T) {
 	log.eventuallyLogs(t, "more than 256 subscriptions")
 	assert.Equal(t, uint64(1), pub.Stats().Disconnects)
 }
+
+// TestPingAfterIdleSpellGetsPong: a subscriber's heartbeat (a PING, which
+// libzmq sends with ZMQ_HEARTBEAT_IVL set) is answered with a PONG
+// however long the publisher has been quiet: the write deadline of the
+// last batch, long past, must not fail the PONG, and so the subscriber.
+func TestPingAfterIdleSpellGetsPong(t *testing.T) {
+	const timeout = 200 * time.Millisecond
+	p := newPool(t, 64, 64)
+	pub := publisher(t, p, kvevents.Config{WriteTimeout: timeout})
+	sub := dialPeer(t, pub.Addr().String(), "SUB")
+	require.NoError(t, sub.Send([]byte{1}))
+	waitSubscribed(t, pub, 1)
+	publish(t, p, "a1", "a", tokens(0, 8), false)
+	msg, err := sub.Message()
+	require.NoError(t, err)
+	require.Len(t, msg, 3)
+
+	time.Sleep(3 * timeout) // quiet, past the batch's write deadline
+	require.NoError(t, sub.Command("PING", []byte{0, 10, 'c', 't', 'x'}))
+	sub.Conn().SetReadDeadline(time.Now().Add(10 * time.Second))
+	body, _, cmd, err := sub.Frame()
+	require.NoError(t, err, "no PONG")
+	assert.True(t, cmd)
+	assert.Equal(t, "\x04PONGctx", string(body))
+	assert.Equal(t, 1, pub.Stats().Subscribers)
+	assert.Zero(t, pub.Stats().Disconnects)
+}

@@ -47,6 +47,12 @@ type zconn struct {
 	c        net.Conn
 	r        *bufio.Reader
 	peerType string
+	// timeout bounds each command's write (0: none). A PONG may follow a
+	// long quiet spell, long after the deadline of the last write of the
+	// connection's other writer, so it sets one of its own; it may thereby
+	// extend that writer's by less than timeout, once, as it then waits
+	// for that write to end before its own.
+	timeout time.Duration
 }
 
 // handshake runs the greeting and the NULL handshake as the side that
@@ -57,7 +63,7 @@ func handshake(c net.Conn, sockType string, peers []string, timeout time.Duratio
 		c.SetDeadline(time.Now().Add(timeout))
 		defer c.SetDeadline(time.Time{})
 	}
-	z := &zconn{c: c, r: bufio.NewReaderSize(c, 4096)}
+	z := &zconn{c: c, r: bufio.NewReaderSize(c, 4096), timeout: timeout}
 	if _, err := c.Write(greeting[:]); err != nil {
 		return nil, fmt.Errorf("%w: sending the greeting: %w", ErrPeer, err)
 	}
@@ -152,6 +158,9 @@ func (z *zconn) writeCommand(name string, body []byte) error {
 	frame = append(frame, body...)
 	var hdr [9]byte
 	h := appendHeader(hdr[:0], len(frame), flagCommand)
+	if z.timeout > 0 {
+		z.c.SetWriteDeadline(time.Now().Add(z.timeout))
+	}
 	if _, err := z.c.Write(append(h, frame...)); err != nil {
 		return fmt.Errorf("%w: sending %s: %w", ErrPeer, name, err)
 	}
