@@ -3,7 +3,9 @@ package kvevents_test
 import (
 	"bytes"
 	"fmt"
+	"io"
 	"log/slog"
+	"net"
 	"os"
 	"strings"
 	"sync"
@@ -146,4 +148,42 @@ func TestPingAfterIdleSpellGetsPong(t *testing.T) {
 	assert.Equal(t, "\x04PONGctx", string(body))
 	assert.Equal(t, 1, pub.Stats().Subscribers)
 	assert.Zero(t, pub.Stats().Disconnects)
+}
+
+// requireClosedAtOnce dials addr and requires the publisher to close the
+// connection without a byte, well before any timeout of its own.
+func requireClosedAtOnce(t *testing.T, addr string) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	defer c.Close()
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	got, err := io.ReadAll(c)
+	require.NotErrorIs(t, err, os.ErrDeadlineExceeded, "the connection over MaxPeers was kept open")
+	assert.Empty(t, got, "the connection over MaxPeers was greeted")
+}
+
+// TestConnectionsOverMaxPeersClosedAtOnce: MaxPeers bounds connections,
+// not just those past the handshake: a connection over it is closed at
+// once (Config's doc), and connections still in their handshake count,
+// so that peers that connect and say nothing cannot hold an unbounded
+// number of connections and goroutines for WriteTimeout each.
+func TestConnectionsOverMaxPeersClosedAtOnce(t *testing.T) {
+	p := newPool(t, 64, 64)
+	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", MaxPeers: 1, WriteTimeout: 30 * time.Second})
+
+	sub := dialPeer(t, pub.Addr().String(), "SUB")
+	require.NoError(t, sub.Send([]byte{1}))
+	waitSubscribed(t, pub, 1)
+	requireClosedAtOnce(t, pub.Addr().String())
+
+	// A replay client that connects and says nothing holds the one slot.
+	silent, err := net.Dial("tcp", pub.ReplayAddr().String())
+	require.NoError(t, err)
+	defer silent.Close()
+	var greeting [64]byte
+	_, err = io.ReadFull(silent, greeting[:]) // its handshake has begun
+	require.NoError(t, err)
+	requireClosedAtOnce(t, pub.ReplayAddr().String())
+	require.Eventually(t, func() bool { return pub.Stats().Disconnects == 2 }, 10*time.Second, time.Millisecond)
 }

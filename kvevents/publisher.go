@@ -142,9 +142,11 @@ type Publisher struct {
 
 	mu struct {
 		sync.Mutex
-		subs    map[*subscriber]struct{}
-		clients int
-		closed  bool
+		subs map[*subscriber]struct{}
+		// subscribers and clients count connections, from their accept
+		// (their handshake included) to their end, each up to MaxPeers.
+		subscribers, clients int
+		closed               bool
 	}
 
 	batches, events64, lost, resyncs atomic.Uint64
@@ -459,6 +461,25 @@ func (p *Publisher) accept(l net.Listener, serve func(net.Conn)) {
 	}
 }
 
+// admit takes one of the MaxPeers connections that *n counts, unless
+// they are taken or the publisher is closing.
+func (p *Publisher) admit(n *int) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.mu.closed || *n >= p.cfg.MaxPeers {
+		return false
+	}
+	*n++
+	return true
+}
+
+// leave gives back a connection admit took.
+func (p *Publisher) leave(n *int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	*n--
+}
+
 // refusePeer closes a connection that will not be served and counts it.
 func (p *Publisher) refusePeer(c net.Conn, why string, err error) {
 	c.Close()
@@ -514,6 +535,11 @@ func (s *subscriber) subscribe(on bool, topic string) error {
 func (s *subscriber) finish() { s.once.Do(func() { close(s.done) }) }
 
 func (p *Publisher) serveSubscriber(c net.Conn) {
+	if !p.admit(&p.mu.subscribers) {
+		p.refusePeer(c, "too many subscribers, or closing", nil)
+		return
+	}
+	defer p.leave(&p.mu.subscribers)
 	z, err := handshake(c, "PUB", []string{"SUB", "XSUB"}, p.cfg.WriteTimeout)
 	if err != nil {
 		p.refusePeer(c, "handshake", err)
@@ -521,9 +547,9 @@ func (p *Publisher) serveSubscriber(c net.Conn) {
 	}
 	s := &subscriber{z: z, queue: make(chan []byte, p.cfg.SubscriberQueue), done: make(chan struct{})}
 	p.mu.Lock()
-	if p.mu.closed || len(p.mu.subs) >= p.cfg.MaxPeers {
+	if p.mu.closed {
 		p.mu.Unlock()
-		p.refusePeer(c, "too many subscribers, or closing", nil)
+		p.refusePeer(c, "closing", nil)
 		return
 	}
 	p.mu.subs[s] = struct{}{}
@@ -626,24 +652,16 @@ func (p *Publisher) write(s *subscriber) error {
 // that sequence on as [delimiter, seq, payload], then [delimiter, -1, ""].
 func (p *Publisher) serveReplay(c net.Conn) {
 	defer c.Close()
+	if !p.admit(&p.mu.clients) {
+		p.refusePeer(c, "too many replay clients, or closing", nil)
+		return
+	}
+	defer p.leave(&p.mu.clients)
 	z, err := handshake(c, "ROUTER", []string{"REQ", "DEALER"}, p.cfg.WriteTimeout)
 	if err != nil {
 		p.refusePeer(c, "handshake", err)
 		return
 	}
-	p.mu.Lock()
-	if p.mu.closed || p.mu.clients >= p.cfg.MaxPeers {
-		p.mu.Unlock()
-		p.refusePeer(c, "too many replay clients, or closing", nil)
-		return
-	}
-	p.mu.clients++
-	p.mu.Unlock()
-	defer func() {
-		p.mu.Lock()
-		p.mu.clients--
-		p.mu.Unlock()
-	}()
 	served := make(chan struct{})
 	defer close(served)
 	go func() {
