@@ -187,3 +187,30 @@ func TestConnectionsOverMaxPeersClosedAtOnce(t *testing.T) {
 	requireClosedAtOnce(t, pub.ReplayAddr().String())
 	require.Eventually(t, func() bool { return pub.Stats().Disconnects == 2 }, 10*time.Second, time.Millisecond)
 }
+
+// TestCloseCutsShortStalledHandshake: Close does not wait for a peer that
+// connected and says nothing to reach its handshake timeout, on either
+// socket.
+func TestCloseCutsShortStalledHandshake(t *testing.T) {
+	p := newPool(t, 64, 64)
+	pub, err := kvevents.New(p, kvevents.Config{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0",
+		WriteTimeout: time.Minute})
+	require.NoError(t, err)
+	for _, addr := range []string{pub.Addr().String(), pub.ReplayAddr().String()} {
+		silent, err := net.Dial("tcp", addr)
+		require.NoError(t, err)
+		defer silent.Close()
+		var greeting [64]byte
+		_, err = io.ReadFull(silent, greeting[:]) // its handshake has begun
+		require.NoError(t, err)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- pub.Close() }()
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close waited for stalled handshakes")
+	}
+	assert.Zero(t, pub.Stats().Disconnects, "a handshake Close cut short is no peer cut off")
+}

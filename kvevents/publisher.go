@@ -480,6 +480,32 @@ func (p *Publisher) leave(n *int) {
 	*n--
 }
 
+// handshake runs the ZMTP handshake on c as sockType, cut short (c
+// closed, ErrClosed) if the publisher closes meanwhile: Close does not
+// wait for a peer that says nothing to reach WriteTimeout.
+func (p *Publisher) handshake(c net.Conn, sockType string, peers []string) (*zconn, error) {
+	done, watched := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(watched)
+		select {
+		case <-p.stop:
+			c.Close()
+		case <-done:
+		}
+	}()
+	z, err := handshake(c, sockType, peers, p.cfg.WriteTimeout)
+	close(done)
+	<-watched
+	select {
+	case <-p.stop:
+		if err != nil {
+			return nil, fmt.Errorf("%w: handshake cut short: %w", ErrClosed, err)
+		}
+	default:
+	}
+	return z, err
+}
+
 // refusePeer closes a connection that will not be served and counts it.
 func (p *Publisher) refusePeer(c net.Conn, why string, err error) {
 	c.Close()
@@ -540,7 +566,11 @@ func (p *Publisher) serveSubscriber(c net.Conn) {
 		return
 	}
 	defer p.leave(&p.mu.subscribers)
-	z, err := handshake(c, "PUB", []string{"SUB", "XSUB"}, p.cfg.WriteTimeout)
+	z, err := p.handshake(c, "PUB", []string{"SUB", "XSUB"})
+	if errors.Is(err, ErrClosed) {
+		c.Close()
+		return
+	}
 	if err != nil {
 		p.refusePeer(c, "handshake", err)
 		return
@@ -657,7 +687,10 @@ func (p *Publisher) serveReplay(c net.Conn) {
 		return
 	}
 	defer p.leave(&p.mu.clients)
-	z, err := handshake(c, "ROUTER", []string{"REQ", "DEALER"}, p.cfg.WriteTimeout)
+	z, err := p.handshake(c, "ROUTER", []string{"REQ", "DEALER"})
+	if errors.Is(err, ErrClosed) {
+		return
+	}
 	if err != nil {
 		p.refusePeer(c, "handshake", err)
 		return
