@@ -3,6 +3,7 @@ package kvevents
 import (
 	"net"
 	"time"
+	"weak"
 )
 
 // Subscribed returns how many connected subscribers have at least one
@@ -61,3 +62,12 @@ func (p *Peer) Frame() (body []byte, more, command bool, err error) { return p.z
 
 // Message reads one message, skipping commands.
 func (p *Peer) Message() ([][]byte, error) { return p.z.readMessage(1 << 30) }
+
+// NewestBatch is a weak pointer to the payload of the newest batch in
+// the replay buffer, which tells when nothing holds it any more.
+func (p *Publisher) NewestBatch() weak.Pointer[byte] {
+	r := &p.ring
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return weak.Make(&r.entries[(r.head+r.n-1)%r.maxSteps].payload[0])
+}

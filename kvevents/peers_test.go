@@ -2,11 +2,13 @@ package kvevents_test
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -213,4 +215,39 @@ func TestCloseCutsShortStalledHandshake(t *testing.T) {
 		t.Fatal("Close waited for stalled handshakes")
 	}
 	assert.Zero(t, pub.Stats().Disconnects, "a handshake Close cut short is no peer cut off")
+}
+
+// TestReplayClientPinsNoEvictedBatch: a replay client that has been
+// served and stays connected, as REQ and DEALER sockets do, holds none of
+// the batches it was sent: once the replay buffer lets one go, it is
+// freed. Otherwise each of MaxPeers idle clients could keep a whole
+// buffer's worth (BufferBytes) alive past its bound.
+func TestReplayClientPinsNoEvictedBatch(t *testing.T) {
+	p := newPool(t, 64, 64)
+	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", BufferSteps: 1})
+	publish(t, p, "r0", "a", tokens(0, 8), false)
+	waitPublished(t, p, pub)
+	first := pub.NewestBatch()
+
+	client := dialPeer(t, pub.ReplayAddr().String(), "DEALER")
+	require.NoError(t, client.Send(binary.BigEndian.AppendUint64(nil, 0)))
+	var seqs []uint64
+	for {
+		msg, err := client.Message()
+		require.NoError(t, err)
+		require.Len(t, msg, 2, "a DEALER's reply: sequence, payload")
+		seq := binary.BigEndian.Uint64(msg[0])
+		if seq == ^uint64(0) {
+			break
+		}
+		seqs = append(seqs, seq)
+	}
+	require.Equal(t, []uint64{0}, seqs)
+
+	publish(t, p, "r1", "a", tokens(100, 8), false) // batch 1 takes batch 0's place
+	waitPublished(t, p, pub)
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		return first.Value() == nil
+	}, 5*time.Second, 10*time.Millisecond, "batch 0 is still held after leaving the replay buffer")
 }

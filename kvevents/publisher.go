@@ -737,6 +737,7 @@ func (p *Publisher) serveReplay(c net.Conn) {
 			}
 			p.replayed.Add(1)
 		}
+		clear(entries) // kept for the next request, not the batches in it
 		binary.BigEndian.PutUint64(seqb[:], endSeq)
 		if err := p.writeReplay(c, appendMessage(envelopeFrames(envelope), seqb[:], nil)); err != nil {
 			return
