@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"os"
 	"runtime"
@@ -250,4 +251,58 @@ func TestReplayClientPinsNoEvictedBatch(t *testing.T) {
 		runtime.GC()
 		return first.Value() == nil
 	}, 5*time.Second, 10*time.Millisecond, "batch 0 is still held after leaving the replay buffer")
+}
+
+// replay asks for the batches from start, as a REQ socket does (an empty
+// delimiter, then the sequence), and returns the sequence numbers of the
+// reply up to its end marker, which it requires.
+func replay(t *testing.T, client *kvevents.Peer, start uint64) []uint64 {
+	t.Helper()
+	require.NoError(t, client.Send([]byte{}, binary.BigEndian.AppendUint64(nil, start)))
+	client.Conn().SetReadDeadline(time.Now().Add(10 * time.Second))
+	seqs := []uint64{}
+	for {
+		msg, err := client.Message()
+		require.NoError(t, err, "no end marker")
+		require.Len(t, msg, 3, "delimiter, sequence, payload")
+		require.Empty(t, msg[0])
+		seq := binary.BigEndian.Uint64(msg[1])
+		if seq == ^uint64(0) {
+			require.Empty(t, msg[2], "the end marker's payload")
+			return seqs
+		}
+		require.NotEmpty(t, msg[2])
+		seqs = append(seqs, seq)
+	}
+}
+
+// TestReplayStartBeyondNewest: whatever the start, before the buffer, in
+// it, past the newest batch or at the largest sequence there is, the
+// reply is the buffered batches from there on, possibly none, and always
+// the end marker; a malformed request is counted and answered with
+// nothing, and the connection serves the next one.
+func TestReplayStartBeyondNewest(t *testing.T) {
+	p := newPool(t, 64, 64)
+	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", BufferSteps: 3})
+	client := dialPeer(t, pub.ReplayAddr().String(), "REQ")
+	assert.Empty(t, replay(t, client, 0), "nothing published yet")
+	for i := range 5 {
+		publish(t, p, fmt.Sprintf("r%d", i), "a", tokens(100*i, 8), false)
+		waitPublished(t, p, pub) // one batch each: 0..4, 2..4 buffered
+	}
+	for start, want := range map[uint64][]uint64{
+		0:                  {2, 3, 4},
+		2:                  {2, 3, 4},
+		4:                  {4},
+		5:                  {},
+		1 << 40:            {},
+		math.MaxUint64 - 1: {},
+		math.MaxUint64:     {},
+	} {
+		assert.Equal(t, want, replay(t, client, start), "from %d", start)
+	}
+	require.NoError(t, client.Send([]byte{}, []byte{0, 0, 0, 1}))
+	assert.Equal(t, []uint64{3, 4}, replay(t, client, 3), "after a malformed request")
+	assert.Equal(t, uint64(1), pub.Stats().BadRequests)
+	assert.Equal(t, uint64(9), pub.Stats().Replays)
 }
