@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -84,6 +85,9 @@ func handshake(c net.Conn, sockType string, peers []string, timeout time.Duratio
 		return nil, err
 	}
 	frame, more, cmd, err := z.readFrame(maxCommand)
+	if err != nil && !errors.Is(err, ErrPeer) {
+		err = fmt.Errorf("%w: reading READY: %w", ErrPeer, err)
+	}
 	if err != nil {
 		return nil, err
 	}
