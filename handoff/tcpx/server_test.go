@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"sync"
 	"testing"
@@ -125,4 +126,67 @@ func TestConcurrentTransfers(t *testing.T) {
 	assert.ErrorIs(t, err, handoff.ErrTransport, "Open after Close")
 	require.NoError(t, testkit.Sweep(prefill))
 	require.NoError(t, testkit.Sweep(decode))
+}
+
+// Close while connections keep arriving, in every state (just accepted,
+// in the hello, mid-frame, mid-transfer): it returns, Serve returns
+// ErrServerClosed, every connection the server took is closed, and the
+// race detector sees nothing. Run with -race.
+func TestCloseWhileConnectionsArrive(t *testing.T) {
+	srv := serve(t, handoff.ReceiverConfig{Pool: newPool(t, 64)}, tcpx.Insecure(), tcpx.Options{HandshakeTimeout: time.Minute, MessageTimeout: time.Minute})
+	stop := make(chan struct{})
+	var clients sync.WaitGroup
+	var conns sync.Mutex
+	var held []net.Conn
+	for i := range 8 {
+		clients.Go(func() {
+			for n := 0; ; n++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				c, err := net.Dial("tcp", srv.addr)
+				if err != nil {
+					return // the listener is closed
+				}
+				// Say nothing, half a hello, a hello, or a hello and half a frame.
+				switch (i + n) % 4 {
+				case 1:
+					c.Write(tcpxHello[:3])
+				case 2:
+					c.Write(tcpxHello)
+				case 3:
+					c.Write(append(append([]byte(nil), tcpxHello...), 10, 0, 0, 0, 'M'))
+				}
+				conns.Lock()
+				held = append(held, c)
+				conns.Unlock()
+			}
+		})
+	}
+	time.Sleep(100 * time.Millisecond)
+	closed := make(chan error, 1)
+	go func() { closed <- srv.srv.Close() }()
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return")
+	}
+	close(stop)
+	clients.Wait()
+	require.Eventually(t, func() bool { return serveReturned(srv) }, 10*time.Second, time.Millisecond)
+	require.NotEmpty(t, held)
+	// Every connection was closed by the server, or never accepted (the
+	// listener's backlog, reset when it closed): none is left open.
+	for _, c := range held {
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_, err := io.Copy(io.Discard, c)
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			t.Fatalf("a connection left open after Close: %v", err)
+		}
+		c.Close()
+	}
 }
