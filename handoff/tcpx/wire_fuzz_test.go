@@ -77,3 +77,39 @@ func FuzzFrameReader(f *testing.F) {
 		}
 	})
 }
+
+// FuzzHello reads whatever a peer sends first as its hello and checks it
+// against what the hello is: exactly "KVFTCPX" and Version is accepted,
+// "KVFTCPX" and another version is errVersion, anything else (fewer than
+// 8 bytes included) is ErrHandshake; nothing else, and no panic.
+func FuzzHello(f *testing.F) {
+	f.Add(hello())
+	f.Add([]byte("KVFTCPX\x02rest"))
+	f.Add([]byte("KVFTCPX"))
+	f.Add([]byte("PRI * HTTP/2.0\r\n"))
+	f.Add([]byte{0x16, 3, 1, 0, 0xf0, 1, 0, 0})
+	f.Add([]byte{})
+	f.Fuzz(func(t *testing.T, first []byte) {
+		a, b := net.Pipe()
+		defer b.Close()
+		go func() {
+			a.Write(first)
+			a.Close()
+		}()
+		err := readHello(b, "peer")
+		switch {
+		case len(first) >= helloLen && bytes.Equal(first[:helloLen], hello()):
+			if err != nil {
+				t.Fatalf("the hello % x refused: %v", first[:helloLen], err)
+			}
+		case len(first) >= helloLen && bytes.HasPrefix(first, helloMagic):
+			if !errors.Is(err, errVersion) || !errors.Is(err, ErrHandshake) {
+				t.Fatalf("a hello of version %d read as %v", first[len(helloMagic)], err)
+			}
+		default:
+			if !errors.Is(err, ErrHandshake) || errors.Is(err, errVersion) {
+				t.Fatalf("% x read as %v", first, err)
+			}
+		}
+	})
+}
