@@ -66,7 +66,8 @@ type Config struct {
 	// WriteTimeout disconnects a subscriber or replay client that has
 	// accepted no bytes for this long; 0 means 10 s.
 	WriteTimeout time.Duration
-	// MaxPeers bounds connected subscribers and replay clients, each;
+	// MaxPeers bounds connected subscribers and replay clients, each,
+	// a connection counting from its accept (its handshake included);
 	// 0 means 64. Further connections are closed at once.
 	MaxPeers int
 	// Logger gets one record per loss of pool events (and the

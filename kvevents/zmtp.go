@@ -215,8 +215,9 @@ func (z *zconn) readFrame(limit int) (body []byte, more, command bool, err error
 }
 
 // readMessage reads one message (its frames) of at most limit bytes and
-// maxFrames frames in all, answering PING and skipping other commands. A SUBSCRIBE or CANCEL
-// command (ZMTP 3.1) comes back as the equivalent 3.0 message.
+// maxFrames frames in all, answering PING and skipping other commands. A
+// SUBSCRIBE or CANCEL command (ZMTP 3.1) comes back as the equivalent 3.0
+// message.
 func (z *zconn) readMessage(limit int) ([][]byte, error) {
 	var msg [][]byte
 	for {
