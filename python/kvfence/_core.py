@@ -10,7 +10,8 @@ import weakref
 
 from . import _lib, _views
 from ._lib import STREAM_LEGACY
-from .errors import BufferTooSmall, PoolClosed, check, from_last_error
+from .errors import (BufferTooSmall, InvalidArgument, InvalidRequest, InvalidTenant, PoolClosed, UnknownTenant, check,
+                     from_last_error)
 
 PHASES = ("admitted", "prefilling", "prefilled", "exported", "importing", "released", "aborted")
 
@@ -43,6 +44,23 @@ def default_stream():
 
 def _b(s):
     return s.encode() if isinstance(s, str) else s
+
+
+def _nul(what, s, exc):
+    """The error for a string argument with a NUL byte in it: C reads a
+    string up to its first NUL, so "acme\\0x" would reach the library as
+    "acme", another tenant's name (or another request's ID). exc is the
+    class of the status the library gives a bad value of the argument."""
+    return exc("kvfence: %s %r contains a NUL byte, which a C string cannot carry" % (what, s), exc.status)
+
+
+def _cstr(s, what, exc):
+    """s (str or bytes) as the bytes of a C string argument; a NUL byte in
+    it is refused with exc (_nul)."""
+    b = s.encode() if isinstance(s, str) else s
+    if type(b) is bytes and b"\0" in b:
+        raise _nul(what, s, exc)
+    return b
 
 
 # torch.Tensor, torch.int32 and torch.strided once torch is loaded (and
@@ -302,11 +320,13 @@ class Pool:
     # ---- tenants, stats
 
     def add_tenant(self, name, quota_pages=0, reserved_pages=0):
-        check(_lib.pool_add_tenant(self._handle(), _b(name), quota_pages, reserved_pages))
+        check(_lib.pool_add_tenant(self._handle(), _cstr(name, "tenant name", InvalidTenant), quota_pages,
+                                   reserved_pages))
 
     def update_tenant(self, name, quota_pages=0, reserved_pages=0):
         """Changes quota and reservation; the tenant keeps its domain."""
-        check(_lib.pool_update_tenant(self._handle(), _b(name), quota_pages, reserved_pages))
+        check(_lib.pool_update_tenant(self._handle(), _cstr(name, "tenant name", UnknownTenant), quota_pages,
+                                      reserved_pages))
 
     def add_tenant_config(self, tenant):
         """Registers a tenant from a dict like the config's "tenants" items."""
@@ -339,8 +359,8 @@ class Pool:
         AdmissionError (nothing allocated). wait_ms > 0 waits that long for
         pages (the GIL is released meanwhile)."""
         h = ctypes.c_uint64()
-        check(_lib.admit(self._handle(), _b(request_id), _b(tenant), prompt_tokens, max_new_tokens, wait_ms,
-                         ctypes.byref(h)))
+        rid, ten = _cstr(request_id, "request_id", InvalidRequest), _cstr(tenant, "tenant", InvalidRequest)
+        check(_lib.admit(self._handle(), rid, ten, prompt_tokens, max_new_tokens, wait_ms, ctypes.byref(h)))
         return Lease(self, h.value, -(-(prompt_tokens + max_new_tokens) // self.tokens_per_page))
 
     def admit_tokens(self, request_id, tenant, token_ids, max_new_tokens=0, adapter=None, wait_ms=0, block_table=None):
@@ -369,7 +389,11 @@ class Pool:
             addr, n, keep = _int32s(token_ids)
         rid = request_id.encode() if type(request_id) is str else request_id
         ten = tenant.encode() if type(tenant) is str else tenant
-        ad = _b(adapter) if adapter else None
+        if type(rid) is bytes and b"\0" in rid:  # _cstr's test, inline
+            raise _nul("request_id", request_id, InvalidRequest)
+        if type(ten) is bytes and b"\0" in ten:
+            raise _nul("tenant", tenant, InvalidRequest)
+        ad = _cstr(adapter, "adapter", InvalidRequest) if adapter else None
         mn = _I64_ZERO if max_new_tokens is _ZERO else max_new_tokens
         wt = _I64_ZERO if wait_ms is _ZERO else wait_ms
         h = ctypes.c_uint64()
@@ -680,7 +704,7 @@ class Lease:
     def group_table(self, group):
         """(first logical page, [pages]) the lease holds in cache group
         `group` of a cache-spec pool."""
-        name = _b(group)
+        name = _cstr(group, "group", InvalidArgument)
         n, first = ctypes.c_size_t(), ctypes.c_int64()
         st = _lib.lease_group_table(self._h, name, None, 0, ctypes.byref(n), ctypes.byref(first))
         if st != _ERR_BUFFER_TOO_SMALL:

@@ -164,3 +164,31 @@ def test_release_is_ordered_after_torchs_current_stream(monkeypatch):
     w.step(stream=5)
     w._h = 0
     assert stepped == [0x7F00DEAD, 5]
+
+
+def test_a_name_with_a_nul_byte_is_refused_not_cut_to_another_tenants():
+    """C strings end at the first NUL: "a\\0x" would reach Go as "a", and
+    be admitted as (and charged to) tenant a. Every string argument that
+    travels as a C string is refused, with the status a bad value of it
+    has, before anything reaches the library."""
+    with pool() as p:
+        before = p.stats()
+        for bad in ("a\0x", b"a\0x"):
+            with pytest.raises(kvfence.InvalidRequest, match="NUL"):
+                p.admit("r", bad, BLOCK)
+            with pytest.raises(kvfence.InvalidRequest, match="NUL"):
+                p.admit("r\0x", "a", BLOCK)
+            with pytest.raises(kvfence.InvalidRequest, match="NUL"):
+                p.admit_tokens("r", bad, IDS)
+            with pytest.raises(kvfence.InvalidRequest, match="NUL"):
+                p.admit_tokens(bad, "a", IDS, block_table=torch.zeros(8, dtype=torch.int32))
+            with pytest.raises(kvfence.InvalidRequest, match="NUL"):
+                p.admit_tokens("r", "b", IDS, adapter=bad)
+            with pytest.raises(kvfence.InvalidTenant, match="NUL"):
+                p.add_tenant(bad)
+            with pytest.raises(kvfence.UnknownTenant, match="NUL"):
+                p.update_tenant(bad, quota_pages=1)
+        assert p.stats() == before
+        with p.admit_tokens("r", "b", IDS) as lease:
+            with pytest.raises(kvfence.InvalidArgument, match="NUL"):
+                lease.group_table("kv\0x")
