@@ -541,12 +541,17 @@ class Pool:
         slot_mapping); offset is added to every slot (SGLang's padding
         page: kvfence.layouts.sglang_mha)."""
         torch = _views._torch()
+        spans = list(spans)  # read three times: a generator only once
+        # Every span before the first write: out holds the sum of their
+        # lengths, and a reversed one would make it shorter than the
+        # spans before it.
+        for _, s, e in spans:
+            if e < s:
+                raise ValueError("kvfence: token range [%d, %d)" % (s, e))
         total = sum(e - s for _, s, e in spans)
         out = torch.empty(total, dtype=torch.int64)
         at, n = out.data_ptr(), ctypes.c_size_t()
         for lease, s, e in spans:
-            if e < s:
-                raise ValueError("kvfence: token range [%d, %d)" % (s, e))
             check(_lib.lease_slot_mapping(lease._h, s, e, at, e - s, ctypes.byref(n)))
             at += 8 * (e - s)
         if offset:

@@ -97,6 +97,32 @@ def test_block_tables_tensor_is_each_lease_table_padded():
         cache.close()
 
 
+def test_slot_mappings_checks_every_span_before_writing_any(monkeypatch):
+    """The output holds the sum of the spans' lengths: a reversed span
+    (end < start) makes it shorter than the spans before it, which must
+    not be written into it (they would run past its end): every span is
+    checked before the first C call. Spans given by a generator are all
+    written too."""
+    import kvfence
+    calls = []
+    real = kvfence._lib.lease_slot_mapping
+    monkeypatch.setattr(kvfence._lib, "lease_slot_mapping", lambda *a: calls.append(a[1:5]) or real(*a))
+    cache = Cache("owned", torch.float32, pages=32, tenants=["a"])
+    try:
+        a = cache.pool.admit("x", "a", 4 * BLOCK)
+        for spans in ([(a, 0, 4 * BLOCK), (a, 5, 2)], [(a, 0, 3), (a, 2, 1), (a, 0, 3)], [(a, 1, 0)]):
+            with pytest.raises(ValueError, match="token range"):
+                cache.pool.slot_mappings(spans)
+            assert calls == [], "a C call wrote %s before a bad span was seen" % calls
+        # Spans from a generator, which can be read only once, are every
+        # slot written, not an uninitialized tensor.
+        want = a.slot_mapping(0, 3) + a.slot_mapping(BLOCK, 2 * BLOCK)
+        assert cache.pool.slot_mappings(sp for sp in [(a, 0, 3), (a, BLOCK, 2 * BLOCK)]).tolist() == want
+        a.free()
+    finally:
+        cache.close()
+
+
 def test_write_block_table_fills_the_engines_row_or_refuses_a_short_one():
     import array
 
