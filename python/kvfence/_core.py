@@ -520,11 +520,20 @@ class Pool:
 
     # ---- tables for a batch
 
+    def _own(self, lease):
+        """Refuses a lease of another pool: its page IDs index that pool's
+        memory, and here they would name pages of this pool's other
+        leases."""
+        if lease.pool is not self:
+            raise InvalidArgument("kvfence: lease %#x is of another pool, not this one" % lease._h, InvalidArgument.status)
+
     def block_tables(self, leases, width=None, pad=0, dtype=None):
         """The block tables of a batch of leases as one [batch, width]
         tensor (int32 by default, or torch.int64), rows padded with pad:
         the block_tables argument of a paged-attention kernel."""
         torch = _views._torch()
+        for lease in leases:
+            self._own(lease)
         sizes = [lease._table_len() for lease in leases]
         w = max(sizes, default=0) if width is None else width
         if sizes and max(sizes) > w:
@@ -545,7 +554,8 @@ class Pool:
         # Every span before the first write: out holds the sum of their
         # lengths, and a reversed one would make it shorter than the
         # spans before it.
-        for _, s, e in spans:
+        for lease, s, e in spans:
+            self._own(lease)
             if e < s:
                 raise ValueError("kvfence: token range [%d, %d)" % (s, e))
         total = sum(e - s for _, s, e in spans)

@@ -123,6 +123,33 @@ def test_slot_mappings_checks_every_span_before_writing_any(monkeypatch):
         cache.close()
 
 
+def test_batch_tables_refuse_a_lease_of_another_pool(monkeypatch):
+    """A lease's page IDs index its own pool's memory: in another pool's
+    batch they name pages of that pool's other leases (other tenants'),
+    which the kernel would read and write. Refused before any C call."""
+    import kvfence
+    calls = []
+    for name in ("lease_block_table", "lease_slot_mapping"):
+        real = getattr(kvfence._lib, name)
+        monkeypatch.setattr(kvfence._lib, name, lambda *a, real=real: calls.append(a[0]) or real(*a))
+    mine = Cache("owned", torch.float32, pages=32, tenants=["a"])
+    other = Cache("owned", torch.float32, pages=32, tenants=["a"])
+    try:
+        a = mine.pool.admit("x", "a", 2 * BLOCK)
+        b = other.pool.admit("x", "a", 2 * BLOCK)
+        with pytest.raises(kvfence.InvalidArgument, match="another pool"):
+            mine.pool.block_tables([a, b])
+        with pytest.raises(kvfence.InvalidArgument, match="another pool"):
+            mine.pool.slot_mappings([(a, 0, 3), (b, 0, 3)])
+        assert calls == []
+        assert other.pool.block_tables([b])[0].tolist() == b.block_table()
+        a.free()
+        b.free()
+    finally:
+        mine.close()
+        other.close()
+
+
 def test_write_block_table_fills_the_engines_row_or_refuses_a_short_one():
     import array
 
