@@ -933,7 +933,8 @@ class RankWorker:
     tensor's data_ptr(), with its "stride"; 0 or absent: the worker
     allocates the region) or, on a host device, "memory": a writable
     buffer the worker adopts and keeps referenced until close(). device
-    is a pool's "device" dict (default host)."""
+    is a pool's "device" dict (default host). A worker dropped without
+    close() is closed when it is collected, before those references go."""
 
     def __init__(self, connect, rank, regions, device=None, auto_step=False, connect_timeout_ms=0):
         cfg = {"connect": connect, "rank": rank}
@@ -960,6 +961,15 @@ class RankWorker:
         h = ctypes.c_uint64()
         check(_lib.rank_worker_create(_b(json.dumps(cfg)), arr, len(regions), ctypes.byref(h)))
         self._h = h.value
+
+    def __del__(self):
+        # Closes the Go worker before _keep, the adopted buffers, goes with
+        # this object: a live worker would go on scrubbing into them after
+        # Python has freed them.
+        h = getattr(self, "_h", 0)
+        if h and _lib is not None and _lib.rank_worker_close is not None:
+            self._h = 0
+            _lib.rank_worker_close(h)
 
     def step(self, stream=None, event=0):
         """Launches the scrubs handed to this rank since the last step,

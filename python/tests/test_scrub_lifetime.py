@@ -4,6 +4,11 @@ pool raises."""
 
 import ctypes
 import gc
+import os
+import shutil
+import tempfile
+import threading
+import time
 import warnings
 
 import kvfence
@@ -191,3 +196,51 @@ def test_region_addresses_are_the_pools():
         del k, v, mv
     finally:
         pool.close()
+
+
+def test_a_rank_worker_dropped_without_close_no_longer_touches_its_shard():
+    """A RankWorker adopts the engine's buffers ("memory") and keeps them
+    referenced until close(). Dropped without close(), it must close the
+    Go worker before its references go: otherwise the worker, still
+    connected, scrubs into buffers Python may free and reuse. Here the
+    test keeps the buffers, to see whether anything writes them."""
+    tmp = tempfile.mkdtemp(prefix="kvft")
+    connect = "unix:" + os.path.join(tmp, "s")
+    pages, page_bytes = 8, 64
+    cfg = {"geometry": {"tokens_per_page": 4, "layers": 1, "kv_heads": 1, "head_dim": 4, "dtype": "fp32"},
+           "pages": pages, "max_context_tokens": 4 * pages, "tenants": [{"name": "a"}],
+           "device": {"kind": "remote", "listen": connect, "ranks": 1, "report_timeout_ms": 5000,
+                      "accept_timeout_ms": 20000}}
+    made = []
+    t = threading.Thread(target=lambda: made.append(kvfence.Pool(cfg)))  # waits for the rank
+    t.start()
+    shard = [bytearray(pages * page_bytes) for _ in range(2)]
+    try:
+        w = kvfence.RankWorker(connect, 0, [{"memory": m, "pages": pages, "page_bytes": page_bytes} for m in shard],
+                               connect_timeout_ms=20000)
+        t.join()
+        pool = made[0]
+        del w
+        gc.collect()
+        for m in shard:
+            m[:] = b"\xab" * len(m)
+        lease = pool.admit("r", "a", 4 * pages)  # every page
+        try:
+            lease.release()
+        except kvfence.KvfenceError:
+            pass  # the rank is gone: the fill failed
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the scrub has run on the rank, or failed
+            s = pool.stats()
+            if s["fault"] or s["free_pages"] == pages:
+                break
+            time.sleep(0.005)
+        assert all(m == b"\xab" * len(m) for m in shard), "the dropped worker wrote its shard"
+        lease.free()
+        try:
+            pool.close()
+        except kvfence.KvfenceError:
+            pass  # the final scrub had no rank either
+    finally:
+        t.join()
+        shutil.rmtree(tmp, ignore_errors=True)
