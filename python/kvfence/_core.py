@@ -184,13 +184,19 @@ def _buffer(data, writable):
 
 
 def _sized_text(call):
+    """The bytes of a call that writes into a caller buffer (stats, events,
+    a manifest): the size first, then the copy; asked again while the text
+    outgrows the buffer, which another thread's change of the pool between
+    the two calls can make it do."""
     need = ctypes.c_size_t()
-    st = call(None, 0, ctypes.byref(need))
-    if st != _ERR_BUFFER_TOO_SMALL:
-        check(st)
-    buf = ctypes.create_string_buffer(need.value)
-    check(call(buf, len(buf), ctypes.byref(need)))
-    return buf.raw[: need.value]
+    st, text, have = call(None, 0, ctypes.byref(need)), b"", 0
+    while st == _ERR_BUFFER_TOO_SMALL and need.value > have:
+        buf = ctypes.create_string_buffer(need.value)
+        have = len(buf)
+        st = call(buf, have, ctypes.byref(need))
+        text = buf.raw[: need.value]
+    check(st)
+    return text
 
 
 def _regions(call, h):

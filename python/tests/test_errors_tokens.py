@@ -192,3 +192,24 @@ def test_a_name_with_a_nul_byte_is_refused_not_cut_to_another_tenants():
         with p.admit_tokens("r", "b", IDS) as lease:
             with pytest.raises(kvfence.InvalidArgument, match="NUL"):
                 lease.group_table("kv\0x")
+
+
+def test_stats_that_grow_between_the_size_query_and_the_copy_are_read_again(monkeypatch):
+    """Pool.stats() asks the library for the JSON's size, then copies it.
+    Another thread may change the pool in between (a new tenant, a count
+    that gains a digit), and the JSON outgrow the buffer: that is a
+    reason to ask again, not a BufferTooSmall for the caller."""
+    real = kvfence._lib.pool_stats_json
+    with pool() as p:
+        added = []
+
+        def stats_json(h, buf, n, need):
+            st = real(h, buf, n, need)
+            if len(added) < 2:  # after each of the first two calls: another thread's change
+                added.append("t%d" % len(added))
+                p.add_tenant(added[-1])
+            return st
+
+        monkeypatch.setattr(kvfence._lib, "pool_stats_json", stats_json)
+        names = [t["name"] for t in p.stats()["tenants"]]
+        assert added == ["t0", "t1"] and set(added) <= set(names)
