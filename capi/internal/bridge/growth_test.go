@@ -2,6 +2,7 @@ package bridge
 
 import (
 	"errors"
+	"slices"
 	"testing"
 	"time"
 
@@ -86,4 +87,75 @@ func TestGrowAndPreemptThroughTheBridge(t *testing.T) {
 	if err := Check(p); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// growDuringCopy makes the next BlockTable or SlotMapping find lease
+// grown by tokens after it checked its size against the caller's buffer,
+// as a kvf_lease_grow on another thread can make it.
+func growDuringCopy(t *testing.T, tokens int) {
+	t.Helper()
+	testHookSized = func(l *kvcache.Lease) {
+		testHookSized = nil
+		if err := l.TryGrow(tokens); err != nil {
+			t.Errorf("growth during the copy: %v", err)
+		}
+	}
+	t.Cleanup(func() { testHookSized = nil })
+}
+
+// TestTablesOfALeaseGrowingDuringTheCopy: a lease that grows between the
+// check of its size and the copy of its table must not be reported as
+// copied when it was not (append moved the longer table into new memory
+// and left the caller's buffer as it was: stale page IDs, perhaps a
+// former lease's, taken for this one's), nor with a length other than
+// what was written. A table that no longer fits is BufferTooSmall with
+// the new size and the buffer untouched; slots that fit are copied, with
+// their count.
+func TestTablesOfALeaseGrowingDuringTheCopy(t *testing.T) {
+	p := must(CreatePool([]byte(growthPool)))
+	defer DestroyPool(p)
+	l := must(AdmitTokens(p, "r", "a", tokens(6, 1), 40, "", 0)) // 6 + 2 tokens: 2 pages of 4
+	if err := Commit(l, 6); err != nil {
+		t.Fatal(err)
+	}
+
+	growDuringCopy(t, 6) // 12 tokens: 3 pages
+	buf := []int32{-1, -1}
+	n, err := BlockTable(l, buf)
+	wantStatus(t, err, StatusBufferTooSmall)
+	if n != 3 || Classify(err).Need != 3 || !slices.Equal(buf, []int32{-1, -1}) {
+		t.Fatalf("block table of a lease grown to 3 pages into 2: n %d, need %d, buffer %v", n, Classify(err).Need, buf)
+	}
+	table := make([]int32, 8)
+	growDuringCopy(t, 10) // 16 tokens: 4 pages, room for them
+	if n, err = BlockTable(l, table); err != nil || n != 4 {
+		t.Fatalf("block table of a lease grown to 4 pages into 8: %d, %v", n, err)
+	}
+	full := must(BlockTable(l, table))
+	if full != 4 {
+		t.Fatalf("block table: %d pages", full)
+	}
+
+	// Tokens [0, 24) lie outside the 4 pages (16 slots) when checked, and
+	// inside once the lease has grown to 6.
+	growDuringCopy(t, 18) // 24 tokens: 6 pages
+	slots := slices.Repeat([]int64{-1}, 24)
+	if n, err = SlotMapping(l, 0, 24, slots); err != nil || n != 24 {
+		t.Fatalf("slot mapping over a lease grown to cover it: %d, %v", n, err)
+	}
+	table = make([]int32, 6)
+	must(BlockTable(l, table))
+	for tok, s := range slots {
+		if want := int64(table[tok/4])*4 + int64(tok%4); s != want {
+			t.Fatalf("slot of token %d = %d, want %d", tok, s, want)
+		}
+	}
+	growDuringCopy(t, 26) // 32 tokens: 8 pages
+	short := slices.Repeat([]int64{-1}, 28)
+	n, err = SlotMapping(l, 0, 30, short)
+	wantStatus(t, err, StatusBufferTooSmall)
+	if n != 30 || Classify(err).Need != 30 || slices.ContainsFunc(short, func(s int64) bool { return s != -1 }) {
+		t.Fatalf("slots of 30 tokens into 28: n %d, need %d, buffer %v", n, Classify(err).Need, short)
+	}
+	mustCheck(t, p)
 }

@@ -391,6 +391,12 @@ func clampInt(v int64) int {
 	return int(v)
 }
 
+// testHookSized, set by tests only, runs in BlockTable and SlotMapping
+// between the check of the lease's size against the caller's buffer and
+// the copy: where a growth of the lease on another thread can land (the
+// calls share the entry's read lock).
+var testHookSized func(l *kvcache.Lease)
+
 // BlockTable copies the lease's block table into dst and returns its
 // length. A short dst gets nothing and a *BufferError.
 func BlockTable(h Handle, dst []int32) (int, error) {
@@ -404,8 +410,20 @@ func BlockTable(h Handle, dst []int32) (int, error) {
 		if n > len(dst) {
 			return &BufferError{What: "block table", Need: n, Have: len(dst)}
 		}
-		_, err := l.AppendBlockTable(dst[:0])
-		return err
+		if testHookSized != nil {
+			testHookSized(l)
+		}
+		out, err := l.AppendBlockTable(dst[:0])
+		if err != nil {
+			return err
+		}
+		// The table is the one read now: a growth since n was read (on
+		// another thread) made it longer, and one that outgrew dst was
+		// appended into new memory, leaving dst as it was.
+		if n = len(out); n > len(dst) {
+			return &BufferError{What: "block table", Need: n, Have: len(dst)}
+		}
+		return nil
 	})
 	return n, err
 }
@@ -418,14 +436,34 @@ func SlotMapping(h Handle, start, end int64, dst []int64) (int, error) {
 	n := 0
 	err := withLease(h, func(_ *poolEntry, l *kvcache.Lease) error {
 		s, e := clampInt(start), clampInt(end)
+		buf := dst[:0]
 		if s >= 0 && e >= s && e <= l.CapacityTokens() {
 			n = e - s
 			if l.Live() && n > len(dst) {
 				return &BufferError{What: "slot mapping", Need: n, Have: len(dst)}
 			}
+		} else {
+			// Outside the lease, for kvcache to refuse with its error;
+			// unchecked against dst, so not written into it should the
+			// lease have grown over the range meanwhile (another
+			// thread's growth): kvcache then returns the slots in new
+			// memory, copied below if they fit.
+			buf = nil
 		}
-		_, err := l.SlotMapping(s, e, dst[:0])
-		return err
+		if testHookSized != nil {
+			testHookSized(l)
+		}
+		out, err := l.SlotMapping(s, e, buf)
+		if err != nil {
+			return err
+		}
+		if n = len(out); n > len(dst) {
+			return &BufferError{What: "slot mapping", Need: n, Have: len(dst)}
+		}
+		if buf == nil {
+			copy(dst, out)
+		}
+		return nil
 	})
 	return n, err
 }
