@@ -215,6 +215,10 @@ type ReceiverJSON struct {
 	TransferTimeoutMS int64 `json:"transfer_timeout_ms,omitempty"`
 }
 
+// ms converts a config's milliseconds (checked not negative, or -1 for
+// the callee to refuse) into a Duration, saturating at 2^62 ns (146
+// years) rather than wrapping around for values whose nanoseconds do not
+// fit in an int64.
 func ms(v int64) time.Duration {
 	if v < 0 {
 		return -1

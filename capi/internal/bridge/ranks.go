@@ -92,7 +92,7 @@ func ParseRankConfig(data []byte) (RankConfig, error) {
 		return RankConfig{}, err
 	}
 	cfg := RankConfig{Network: network, Address: addr, Rank: *cj.Rank, Device: dev, AutoStep: cj.AutoStep,
-		ConnectTimeout: time.Duration(cj.ConnectTimeoutMS) * time.Millisecond}
+		ConnectTimeout: ms(cj.ConnectTimeoutMS)}
 	if cfg.ConnectTimeout == 0 {
 		cfg.ConnectTimeout = defaultConnectTimeout
 	}
@@ -135,8 +135,7 @@ func openRemote(d DeviceJSON) (cudaops.Device, error) {
 	}
 	defer l.Close() // the group is complete once ListenRanks returns; a unix socket's file goes with it
 	g, err := cudaops.ListenRanks(l, cudaops.RemoteConfig{Ranks: d.Ranks,
-		ReportTimeout: time.Duration(d.ReportTimeoutMS) * time.Millisecond,
-		AcceptTimeout: time.Duration(d.AcceptTimeoutMS) * time.Millisecond})
+		ReportTimeout: ms(d.ReportTimeoutMS), AcceptTimeout: ms(d.AcceptTimeoutMS)})
 	if err != nil {
 		if !errors.Is(err, cudaops.ErrNoDevice) {
 			err = fmt.Errorf("%w: remote group on %s: %w", cudaops.ErrNoDevice, d.Listen, err)

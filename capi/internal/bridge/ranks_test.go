@@ -635,3 +635,48 @@ func TestRankGroupOverTCP(t *testing.T) {
 	eventually(t, "the pages to be free", func() bool { return poolStats(t, pool).FreePages == rankPages })
 	mustCheck(t, pool)
 }
+
+// TestHugeTimeoutsWaitLongerNotShorter: a timeout in milliseconds whose
+// nanoseconds do not fit in a time.Duration (INT64_MAX, the natural
+// "forever") waits as long as one can, as the receiver's timeouts and
+// wait_ms do; multiplied in int64 it wrapped, to a negative wait (a rank
+// worker that gave up connecting at once) or to a tiny one (a scheduler
+// that stopped accepting its ranks after 448 µs).
+func TestHugeTimeoutsWaitLongerNotShorter(t *testing.T) {
+	for _, v := range []string{"9223372036854775807", "18446744073710"} {
+		cfg, err := ParseRankConfig([]byte(`{"connect": "unix:/s", "rank": 0, "connect_timeout_ms": ` + v + `}`))
+		if err != nil || cfg.ConnectTimeout < 100*365*24*time.Hour {
+			t.Errorf("connect_timeout_ms %s: %v, %v", v, cfg.ConnectTimeout, err)
+		}
+	}
+
+	// 18446744073710 ms is 2^64 ns and 448384 ns more.
+	addr := socketPath(t)
+	js := strings.Replace(rankPoolConfig(addr, 1, 9223372036854775807), `"accept_timeout_ms": 20000`, `"accept_timeout_ms": 18446744073710`, 1)
+	type made struct {
+		h   Handle
+		err error
+	}
+	pool := make(chan made, 1)
+	go func() {
+		h, err := CreatePool([]byte(js))
+		pool <- made{h, err}
+	}()
+	select {
+	case m := <-pool:
+		t.Fatalf("the pool stopped waiting for its rank at once: %#x, %v", m.h, m.err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	w, err := CreateRankWorker(rankConfig(addr, 0, ""), newShard().regions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer CloseRankWorker(w)
+	m := <-pool
+	if m.err != nil {
+		t.Fatal(m.err)
+	}
+	if err := DestroyPool(m.h); err != nil {
+		t.Fatal(err)
+	}
+}
