@@ -57,8 +57,13 @@ func kvf_pool_regions(pool C.kvf_pool, buf *C.kvf_region, bufLen C.size_t, lengt
 	if err != nil {
 		return fail(err)
 	}
-	rs := make([]cudaops.Region, len(dst))
-	n, err := bridge.Regions(uint64(pool), rs)
+	// The Go copy has room for the pool's regions, not for buf_len of
+	// them: buf_len may be anything up to SIZE_MAX. The first call only
+	// counts them (a nil buffer is short unless there are none); the
+	// second reports a bad handle or a short buffer.
+	n, _ := bridge.Regions(uint64(pool), nil)
+	rs := make([]cudaops.Region, min(n, len(dst)))
+	n, err = bridge.Regions(uint64(pool), rs)
 	if length != nil && n > 0 {
 		*length = C.size_t(n)
 	}
