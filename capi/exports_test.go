@@ -337,17 +337,16 @@ func TestAdmitNoWait(t *testing.T) {
 // allocate: every call that writes into a caller buffer writes what it
 // has, and kvf_pool_regions used to make a Go copy of buf_len regions
 // first, a terabyte, which killed the process (a fatal out of memory, no
-// panic to recover).
+// panic to recover). The buffers are C memory, as a C caller's are.
 func TestHugeBufferLengths(t *testing.T) {
 	pool := newPool(t, testConfig)
 	const huge = cSize(1) << 62
 	want := make([]cRegion, 4) // 2 layers' K and V
 	var n cSize
 	wantCall(t, "kvf_pool_regions", func() cStatus { return kvf_pool_regions(pool, &want[0], cSize(len(want)), &n) }, bridge.OK)
-	got := make([]cRegion, 8)
-	for i := range got {
-		got[i].pages = -1
-	}
+	p, _, free := cBuffer(1<<16, 0xFF)
+	defer free()
+	got := unsafe.Slice((*cRegion)(unsafe.Pointer(p)), 8)
 	n = 0
 	wantCall(t, "kvf_pool_regions with a huge length", func() cStatus { return kvf_pool_regions(pool, &got[0], huge, &n) }, bridge.OK)
 	if n != 4 || !slices.Equal(got[:4], want) || got[4].pages != -1 {
@@ -356,18 +355,17 @@ func TestHugeBufferLengths(t *testing.T) {
 	wantCall(t, "kvf_pool_regions of handle 0", func() cStatus { return kvf_pool_regions(0, &got[0], huge, &n) },
 		bridge.StatusInvalidHandle)
 
-	ps, free := cStrings("r", "acme")
-	defer free()
+	ps, freeStrings := cStrings("r", "acme")
+	defer freeStrings()
 	var lease cLease
 	wantCall(t, "admit", func() cStatus { return kvf_admit(pool, ps[0], ps[1], 100, 0, 0, &lease) }, bridge.OK)
 	defer kvf_lease_free(lease)
-	table := make([]cInt32, 16)
-	wantCall(t, "kvf_lease_block_table", func() cStatus { return kvf_lease_block_table(lease, &table[0], huge, &n) }, bridge.OK)
+	wantCall(t, "kvf_lease_block_table", func() cStatus { return kvf_lease_block_table(lease, (*cInt32)(unsafe.Pointer(p)), huge, &n) }, bridge.OK)
 	if n != 7 {
 		t.Errorf("block table of 7 pages: %d", n)
 	}
-	text := make([]cChar, 1<<16)
-	wantCall(t, "kvf_pool_stats_json", func() cStatus { return kvf_pool_stats_json(pool, &text[0], huge, &n) }, bridge.OK)
-	wantCall(t, "kvf_pool_events_json", func() cStatus { return kvf_pool_events_json(pool, &text[0], huge, &n) }, bridge.OK)
+	text := (*cChar)(unsafe.Pointer(p))
+	wantCall(t, "kvf_pool_stats_json", func() cStatus { return kvf_pool_stats_json(pool, text, huge, &n) }, bridge.OK)
+	wantCall(t, "kvf_pool_events_json", func() cStatus { return kvf_pool_events_json(pool, text, huge, &n) }, bridge.OK)
 	checkPool(t, pool)
 }
