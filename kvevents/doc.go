@@ -25,7 +25,11 @@
 //     waits for a subscriber;
 //   - every buffer is bounded: the pool's channel, each subscriber's
 //     queue, the replay buffer (BufferSteps batches, BufferBytes bytes),
-//     each frame a peer may send (a subscription, a replay request);
+//     what a peer may send (a subscription or a replay request in bytes,
+//     16 frames a message, 256 subscriptions a subscriber), and the
+//     peers themselves (Config.MaxPeers of each kind, counted from their
+//     accept, so a peer that never finishes its handshake holds a slot
+//     for WriteTimeout at most);
 //   - every loss is counted and visible downstream: a subscriber that
 //     missed batches sees a gap in the sequence numbers and asks the
 //     replay socket for them; events the pool dropped before the publisher

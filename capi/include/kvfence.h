@@ -429,7 +429,9 @@ KVF_API kvf_status kvf_lease_grow(kvf_lease lease, int64_t tokens, int64_t wait_
  * ends; to resume, admit the request again with kvf_admit_tokens and all
  * its tokens as the prompt: kvf_lease_hit_tokens says how much prefill
  * to skip. With token_ids NULL (n_tokens 0) it is kvf_lease_release
- * without ordering, keeping nothing. Since ABI 3. */
+ * without ordering, keeping nothing. Token IDs that contradict the prompt
+ * the lease was admitted with (kvf_admit_tokens) are refused with
+ * KVF_ERR_INVALID_ARGUMENT, the lease left live. Since ABI 3. */
 KVF_API kvf_status kvf_lease_preempt(kvf_lease lease, const int32_t *token_ids, size_t n_tokens,
                                      int64_t *kept_tokens);
 

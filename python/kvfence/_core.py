@@ -689,7 +689,8 @@ class Lease:
         """Gives the pages back, keeping the full pages of the written
         tokens (token_ids: all of them, prompt then output) in the prefix
         cache; returns the tokens kept. Admit again with admit_tokens to
-        resume."""
+        resume. Token IDs whose prompt part is not the prompt the lease was
+        admitted with raise InvalidArgument, and the lease stays live."""
         if token_ids is None or len(token_ids) == 0:
             addr, n, keep = None, 0, None
         else:

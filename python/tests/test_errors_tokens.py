@@ -213,3 +213,20 @@ def test_stats_that_grow_between_the_size_query_and_the_copy_are_read_again(monk
         monkeypatch.setattr(kvfence._lib, "pool_stats_json", stats_json)
         names = [t["name"] for t in p.stats()["tenants"]]
         assert added == ["t0", "t1"] and set(added) <= set(names)
+
+
+def test_preempt_with_another_prompt_is_refused_and_the_lease_stays_live():
+    with pool(pages=8, sizing={"mode": "on_demand", "headroom_tokens": 1}) as p:
+        prompt = list(range(7, 7 + 2 * BLOCK))
+        lease = p.admit_tokens("r", "b", prompt, max_new_tokens=BLOCK)
+        lease.commit(len(prompt))
+        forged = list(prompt)
+        forged[1] += 1
+        with pytest.raises(kvfence.errors.InvalidArgument, match="admitted with"):
+            lease.preempt(forged)
+        assert lease.live
+        assert lease.preempt(prompt) == len(prompt)
+        again = p.admit_tokens("r2", "b", forged, max_new_tokens=1)
+        assert again.hit_tokens() == 0  # the pages hold the admitted prompt's KV, not the forged one's
+        again.release()
+        p.check()
