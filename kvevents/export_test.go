@@ -2,6 +2,7 @@ package kvevents
 
 import (
 	"net"
+	"strings"
 	"time"
 	"weak"
 )
@@ -33,7 +34,11 @@ type Peer struct {
 // DialPeer connects to addr as a sockType socket, and returns once the
 // handshake is done.
 func DialPeer(addr, sockType string, timeout time.Duration) (*Peer, error) {
-	c, err := net.DialTimeout("tcp", addr, timeout)
+	network := "tcp"
+	if path, ok := strings.CutPrefix(addr, "ipc://"); ok {
+		network, addr = "unix", path
+	}
+	c, err := net.DialTimeout(network, addr, timeout)
 	if err != nil {
 		return nil, err
 	}

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/kvfence/kvfence/kvcache"
@@ -21,8 +22,10 @@ import (
 type Config struct {
 	// Endpoint is where the PUB socket listens: "tcp://HOST:PORT"
 	// ("tcp://*:5557" for every interface, port 0 for any free one; see
-	// Publisher.Addr) or "ipc:///path/to/socket". Subscribers connect to
-	// it. Required.
+	// Publisher.Addr) or "ipc:///path/to/socket" (a socket file there
+	// that nobody listens on is replaced; any other file, or a live
+	// publisher's socket, is left as it is and refused with ErrListen).
+	// Subscribers connect to it. Required.
 	Endpoint string
 	// ReplayEndpoint, if set, is where the ROUTER socket for replay
 	// requests listens, in the same forms.
@@ -246,7 +249,7 @@ func listen(endpoint string) (net.Listener, error) {
 		}
 	case strings.HasPrefix(endpoint, "ipc://"):
 		network, addr = "unix", strings.TrimPrefix(endpoint, "ipc://")
-		os.Remove(addr) // a socket file left by an earlier process
+		removeStaleSocket(addr)
 	default:
 		return nil, fmt.Errorf("%w: endpoint %q: want tcp://HOST:PORT or ipc://PATH", ErrInvalidConfig, endpoint)
 	}
@@ -255,6 +258,26 @@ func listen(endpoint string) (net.Listener, error) {
 		return nil, fmt.Errorf("%w: %s: %w", ErrListen, endpoint, err)
 	}
 	return l, nil
+}
+
+// removeStaleSocket removes path if it is a Unix socket that nobody
+// listens on: the file a publisher that died left behind. Anything else
+// stays, so that Listen refuses it by name: a regular file that a
+// mistyped endpoint names (libzmq would delete it), or the socket of a
+// publisher still running, which would go on listening on a name that no
+// longer reaches it.
+func removeStaleSocket(path string) {
+	if fi, err := os.Lstat(path); err != nil || fi.Mode()&os.ModeSocket == 0 {
+		return
+	}
+	c, err := net.DialTimeout("unix", path, time.Second)
+	if err == nil {
+		c.Close()
+		return
+	}
+	if errors.Is(err, syscall.ECONNREFUSED) {
+		os.Remove(path)
+	}
 }
 
 // Addr is the address the PUB socket listens on.
