@@ -93,7 +93,8 @@ import (
 //     kernel's header), or, in FillMemset mode, one cuMemsetD32Async /
 //     cuMemsetD2D32Async per run of adjacent pages per region (the
 //     baseline, and the fallback when the kernel cannot be loaded or
-//     fails its warm-up launch at open);
+//     fails its warm-up launch at open, and for a FillSpans batch whose
+//     page list would take more than half the staging ring);
 //  4. an event record: the Fence.
 //
 // # Completion

@@ -85,7 +85,9 @@ func (d *CUDA) Fill(pages []int32, spec FillSpec, after Ordering) (Fence, error)
 
 // FillSpans implements SpanFiller, with Fill's rules. The spans are queued
 // together, ordered after after and completed by one fence; in kernel
-// mode they are one launch (one per fillSpanSlots non-empty spans).
+// mode they are one launch (one per fillSpanSlots non-empty spans),
+// except that a batch whose page list would take more than half the
+// staging ring (it is sized for Fill's batches) is filled with memsets.
 func (d *CUDA) FillSpans(spans []Span, spec FillSpec, after Ordering) (Fence, error) {
 	if spans == nil {
 		spans = []Span{}
@@ -137,7 +139,16 @@ func (d *CUDA) fill(spans []Span, pages []int32, spec FillSpec, after Ordering) 
 	}
 	var slot uint64
 	prevHead := d.mu.ring.head
-	if d.mu.mode == FillKernel && !d.inlineLocked(spans) {
+	mode := d.mu.mode
+	if mode == FillKernel && !d.inlineLocked(spans) && 4*uint64(n) > uint64(len(d.mu.ring.host))/2 {
+		// The ring is sized for several of the largest Fill batches, but
+		// a FillSpans batch is bounded by each span's regions only, and
+		// may be longer. A slot of more than half the ring may never fit,
+		// even in an empty ring (a slot does not wrap), so such a batch
+		// is filled with memsets, which need no page list.
+		mode = FillMemset
+	}
+	if mode == FillKernel && !d.inlineLocked(spans) {
 		for {
 			var ok bool
 			prevHead = d.mu.ring.head
@@ -163,7 +174,7 @@ func (d *CUDA) fill(spans []Span, pages []int32, spec FillSpec, after Ordering) 
 		return nil, err
 	}
 	var launches, written uint64
-	if d.mu.mode == FillKernel {
+	if mode == FillKernel {
 		launches, err = d.launchKernelLocked(spans, n, spec, slot)
 		written = d.batchBytesLocked(spans)
 	} else {
