@@ -174,8 +174,9 @@ func (d *CUDA) fill(spans []Span, pages []int32, spec FillSpec, after Ordering) 
 		return nil, err
 	}
 	var launches, written uint64
+	listQueued := false // a copy that reads the ring slot when it runs is queued
 	if mode == FillKernel {
-		launches, err = d.launchKernelLocked(spans, n, spec, slot)
+		launches, listQueued, err = d.launchKernelLocked(spans, n, spec, slot)
 		written = d.batchBytesLocked(spans)
 	} else {
 		launches, written, err = d.memsetLocked(spans, spec)
@@ -187,10 +188,14 @@ func (d *CUDA) fill(spans []Span, pages []int32, spec FillSpec, after Ordering) 
 	}
 	if err != nil {
 		// Part of the batch may be queued; the pages stay dirty as far
-		// as the caller knows. The event was not recorded, and a copy
-		// queued from the slot lands before any later one on the same
-		// stream, so both can be reused at once.
-		undo()
+		// as the caller knows. The event was not recorded: it can be
+		// reused at once. A queued copy of the page list reads its ring
+		// slot when it runs, not now, and a launch queued after it uses
+		// what it read: the slot is given back only once the stream has
+		// drained (if that wait fails, a later fence frees the slot).
+		if !listQueued || d.drv.streamSynchronize(d.stream) == nil {
+			undo()
+		}
 		d.putEvent(ev)
 		return nil, err
 	}
@@ -264,8 +269,8 @@ func (d *CUDA) inlineLocked(spans []Span) bool {
 // fillSpanSlots spans. The page IDs (as their regions' own page numbers)
 // travel in the launch's parameters when the batch is inlineLocked; else
 // they are copied from their ring slot in one upload. It returns the
-// launches queued.
-func (d *CUDA) launchKernelLocked(spans []Span, n int, spec FillSpec, slot uint64) (launches uint64, err error) {
+// launches queued and whether the upload was.
+func (d *CUDA) launchKernelLocked(spans []Span, n int, spec FillSpec, slot uint64) (launches uint64, uploaded bool, err error) {
 	var list uint64 // device address of the page list, 0 when inline
 	if !d.inlineLocked(spans) {
 		buf := d.mu.ring.host[slot : slot+4*uint64(n)]
@@ -278,8 +283,9 @@ func (d *CUDA) launchKernelLocked(spans []Span, n int, spec FillSpec, slot uint6
 		}
 		list = d.mu.ring.dev + slot
 		if err := d.drv.memcpyHtoDAsync(list, buf, d.stream); err != nil {
-			return 0, fmt.Errorf("%w: uploading the fill batch: %w", ErrDriver, err)
+			return 0, false, fmt.Errorf("%w: uploading the fill batch: %w", ErrDriver, err)
 		}
+		uploaded = true
 	}
 	for len(spans) > 0 {
 		// The next launch: up to fillSpanSlots non-empty spans.
@@ -297,14 +303,14 @@ func (d *CUDA) launchKernelLocked(spans []Span, n int, spec FillSpec, slot uint6
 		}
 		args, grid := d.fillArgsLocked(group, list, spec)
 		if err := d.drv.launchKernel(d.fillFn, grid, d.block, d.stream, args); err != nil {
-			return launches, fmt.Errorf("%w: %s fill of %d pages in %d spans: %w", ErrDriver, fillKernelName, pages, len(group), err)
+			return launches, uploaded, fmt.Errorf("%w: %s fill of %d pages in %d spans: %w", ErrDriver, fillKernelName, pages, len(group), err)
 		}
 		launches++
 		if list != 0 {
 			list += 4 * uint64(pages)
 		}
 	}
-	return launches, nil
+	return launches, uploaded, nil
 }
 
 // fillArgsLocked builds kvf_fill's arguments for one launch over group

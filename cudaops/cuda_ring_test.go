@@ -119,3 +119,70 @@ func TestCUDAFillSpansLargerThanStagingRingNeverReturned(t *testing.T) {
 		})
 	}
 }
+
+// A fill that failed after part of it was queued (its fence event not
+// recorded, or its second launch refused) gave its staging ring slot
+// back at once, on the grounds that a copy queued from the slot lands
+// before any later one. But the copy reads the slot when it runs, not
+// when it is queued: the next fill wrote its own page list into the slot
+// first, and the failed fill's queued launch then scrubbed the next
+// fill's page numbers in the failed fill's regions, pages nobody had
+// released (another tenant's, in another cache group).
+func TestCUDAFailedFillLentItsRingSlotToTheNextFill(t *testing.T) {
+	const pb = 64
+	for _, tc := range []struct {
+		name    string
+		regions int
+		fail    func(f *cudaops.FakeDriver)
+	}{
+		{name: "fence event not recorded", regions: 2, fail: func(f *cudaops.FakeDriver) { f.FailNext("cuEventRecord", 999) }},
+		{name: "fence event not recorded, and the wait for the stream failed", regions: 2, fail: func(f *cudaops.FakeDriver) {
+			f.FailNext("cuEventRecord", 999)
+			f.FailNext("cuStreamSynchronize", 999)
+		}},
+		// Nine spans are two launches.
+		{name: "second launch refused", regions: 9, fail: func(f *cudaops.FakeDriver) { f.FailLater("cuLaunchKernel", 1, 701) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d, f := openFake(t)
+			d.SetInlineIDs(1) // page lists of two or more go through the ring
+			for range tc.regions {
+				_, err := d.AllocRegion(8, pb)
+				require.NoError(t, err)
+			}
+			for r := range tc.regions {
+				for p := range int32(8) {
+					require.NoError(t, d.WritePage(r, p, bytes.Repeat([]byte{0xee}, pb)))
+				}
+			}
+			// An engine event, so that neither fill synchronises the
+			// context (which would run the failed fill's work first).
+			after := cudaops.Ordering{Event: engineOn(t, d, cudaops.EngineOwnStream).Event()}
+			last := tc.regions - 1
+			var failing []cudaops.Span
+			for r := range last {
+				failing = append(failing, cudaops.Span{First: r, Count: 1, Pages: []int32{1, 2}})
+			}
+			if tc.regions == 2 {
+				failing = failing[:1]
+			} else {
+				failing = append(failing, cudaops.Span{First: last, Count: 1, Pages: []int32{1, 2}})
+			}
+			tc.fail(f)
+			_, err := d.FillSpans(failing, cudaops.FillSpec{Word: 1}, after)
+			require.ErrorIs(t, err, cudaops.ErrDriver)
+
+			fc, err := d.FillSpans([]cudaops.Span{{First: last, Count: 1, Pages: []int32{5, 6}}}, cudaops.FillSpec{Word: 2}, after)
+			require.NoError(t, err)
+			require.NoError(t, fc.Wait())
+			for r := range last {
+				for _, p := range []int32{5, 6} {
+					assert.Equal(t, uniform(0xeeeeeeee, pb/4), pageWords(t, d, r, p), "region %d page %d, never released, was filled", r, p)
+				}
+			}
+			for _, p := range []int32{5, 6} {
+				assert.Equal(t, uniform(2, pb/4), pageWords(t, d, last, p), "region %d page %d", last, p)
+			}
+		})
+	}
+}
