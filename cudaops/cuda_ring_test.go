@@ -186,3 +186,97 @@ func TestCUDAFailedFillLentItsRingSlotToTheNextFill(t *testing.T) {
 		})
 	}
 }
+
+// A driver call that fails at any step of adding a region (the region's
+// memory, the region table, its upload, the staging ring's two halves,
+// which the first region allocates) must leave the device as it was: the
+// region is not added, nothing leaks, and the next region and its fills
+// work.
+func TestCUDARegionAddFailedHalfwayLeftTheDeviceBroken(t *testing.T) {
+	for _, tc := range []struct {
+		name, call string
+		skip, code int
+	}{
+		{"region memory", "cuMemAlloc_v2", 0, 2},
+		{"region table", "cuMemAlloc_v2", 1, 2},
+		{"table upload", "cuMemcpyHtoDAsync_v2", 0, 719},
+		{"ring host half", "cuMemAllocHost_v2", 0, 2},
+		{"ring device half", "cuMemAlloc_v2", 2, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d, f := openFake(t)
+			d.SetGridLimit(16)
+			d.SetFillBlock(32)
+			d.SetInlineIDs(1)
+			const pages = 8192 // a ring larger than its least size
+			f.FailLater(tc.call, tc.skip, tc.code)
+			_, err := d.AllocRegion(pages, 64)
+			require.Error(t, err)
+			require.ErrorContains(t, err, tc.call)
+			require.Empty(t, d.Regions())
+
+			_, err = d.AllocRegion(pages, 64)
+			require.NoError(t, err)
+			for _, batch := range [][]int32{runOf(4000, 4000), {1, 2}} {
+				fc, err := d.Fill(batch, cudaops.FillSpec{Word: uint32(len(batch))}, cudaops.Ordering{Stream: cudaops.StreamLegacy})
+				require.NoError(t, err)
+				require.NoError(t, fc.Wait())
+			}
+			assert.Equal(t, uniform(4000, 16), pageWords(t, d, 0, 7999))
+			assert.Equal(t, uniform(2, 16), pageWords(t, d, 0, 2))
+			assert.Equal(t, uniform(0, 16), pageWords(t, d, 0, 3999))
+			_, err = d.AllocRegion(16, 64)
+			require.NoError(t, err)
+		})
+	}
+}
+
+// Close while a fill waits for staging ring space (every slot still read
+// by fills in flight) must let that fill finish, complete every fence
+// without error and free everything.
+func TestCUDACloseWhileFillWaitsForRingLostFences(t *testing.T) {
+	d, f, err := cudaops.OpenFake()
+	require.NoError(t, err)
+	d.SetGridLimit(16)
+	d.SetFillBlock(32)
+	d.SetInlineIDs(1)
+	const pages, batch = 8192, 4096 // a ring of 32768 IDs: 8 batches
+	_, err = d.AllocRegion(pages, 16)
+	require.NoError(t, err)
+	release := f.HoldSyncs()
+	defer release()
+	fences := make(chan cudaops.Fence, 16)
+	go func() {
+		defer close(fences)
+		for i := range 10 {
+			fc, err := d.FillSpans([]cudaops.Span{{First: 0, Count: 1, Pages: runOf(int32(i%2)*batch, batch)}},
+				cudaops.FillSpec{Word: uint32(i)}, cudaops.Ordering{Stream: cudaops.StreamLegacy})
+			if err != nil {
+				// Only fills after Close fail.
+				assert.ErrorIs(t, err, cudaops.ErrClosed, "fill %d", i)
+				return
+			}
+			fences <- fc
+		}
+	}()
+	require.Eventually(t, func() bool { return d.Stats().StagingWaits > 0 }, 10*time.Second, time.Millisecond)
+	closed := make(chan error, 1)
+	go func() { closed <- d.Close() }()
+	time.Sleep(10 * time.Millisecond) // let Close wait for the fill
+	release()
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("Close did not return")
+	}
+	n := 0
+	for fc := range fences {
+		require.NoError(t, fc.Wait())
+		n++
+	}
+	assert.GreaterOrEqual(t, n, 9, "the fill that waited for the ring did not finish")
+	assert.Empty(t, f.Leaks())
+	_, err = d.Fill([]int32{1}, cudaops.FillSpec{}, cudaops.Ordering{})
+	assert.ErrorIs(t, err, cudaops.ErrClosed)
+}
