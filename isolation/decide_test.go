@@ -1,6 +1,7 @@
 package isolation
 
 import (
+	"math/rand/v2"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -206,4 +207,57 @@ func TestRegistryCheckFindsCorruption(t *testing.T) {
 	r.unusedReserved = 5
 	_, err := r.Check()
 	require.ErrorIs(t, err, ErrCorrupt)
+}
+
+// Over random registries, supplies and demands (at the limits too: empty
+// pools, zero quotas, reservations of the whole pool, usage above a
+// lowered quota), a Grant never lets a tenant pass its quota, take more
+// than the supply, cut into other tenants' unused reservations, take
+// beyond its own reservation while others queue, or eat into the pages
+// kept for growth outside its own reservation.
+func TestDecideGrantTookAnotherTenantsReservation(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	for range 20000 {
+		total := rng.IntN(40)
+		r := NewRegistry(total)
+		var tenants []*Tenant
+		left := total
+		for i := range 1 + rng.IntN(3) {
+			quota := rng.IntN(total + 2) // 0: the whole pool; above it: capped
+			reserved := rng.IntN(min(left, max(quota, 1)) + 1)
+			if quota != 0 && reserved > quota || reserved > total {
+				reserved = 0
+			}
+			tn, err := r.Add(TenantConfig{Name: string(rune('a' + i)), QuotaPages: quota, ReservedPages: reserved})
+			require.NoError(t, err)
+			left -= reserved
+			if n := rng.IntN(tn.Quota + 1); n > 0 && n <= left+tn.Reserved {
+				r.Apply(tn, Decision{Verdict: Grant, Demand: Demand{Charge: n, Take: n}})
+			}
+			tenants = append(tenants, tn)
+		}
+		if rng.IntN(4) == 0 { // a lowered quota leaves usage above it
+			tn := tenants[0]
+			require.NoError(t, r.Update(TenantConfig{Name: tn.Name, QuotaPages: max(1, tn.Used/2), ReservedPages: min(tn.Reserved, max(1, tn.Used/2))}))
+		}
+		_, err := r.Check()
+		require.NoError(t, err)
+		tn := tenants[rng.IntN(len(tenants))]
+		charge := rng.IntN(total + 2)
+		d := Demand{Charge: charge, Take: rng.IntN(charge + 1)}
+		s := Supply{Pages: rng.IntN(total + 1), InService: total - rng.IntN(total/4+1), Queued: rng.IntN(3) == 0, Keep: rng.IntN(4)}
+		got := r.Decide(tn, d, s)
+		if got.Verdict != Grant {
+			continue
+		}
+		own := tn.unusedReservation()
+		others := r.unusedReserved - own
+		assert.LessOrEqual(t, d.Charge, max(0, tn.Quota-tn.Used), "quota passed: %+v %+v %+v", *tn, d, s)
+		assert.LessOrEqual(t, d.Take, s.Pages, "supply passed: %+v %+v %+v", *tn, d, s)
+		assert.LessOrEqual(t, d.Take, max(0, s.Pages-others), "others' reservations taken: %+v %+v %+v", *tn, d, s)
+		if s.Queued {
+			assert.LessOrEqual(t, d.Take, own, "queue passed beyond its own reservation: %+v %+v %+v", *tn, d, s)
+		}
+		assert.LessOrEqual(t, d.Take, own+max(0, s.Pages-others-own-s.Keep), "growth pages taken: %+v %+v %+v", *tn, d, s)
+	}
 }
