@@ -2,6 +2,7 @@ package handoff_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -141,4 +142,40 @@ func TestImportedPrefixSharing(t *testing.T) {
 	require.NoError(t, oth.Release())
 	require.NoError(t, decode.ClearPrefixCache())
 	sweep(t, prefill, decode)
+}
+
+// TestLongTenantNamesHandOff: a tenant's own domain is "tenant:" + its
+// name, so a tenant whose name is near the longest a pool accepts has a
+// domain name longer than a tenant name or request ID may be. Its leases
+// must export, import and verify like any other's (the manifest refused
+// the domain, and Export aborted the prefilled lease).
+func TestLongTenantNamesHandOff(t *testing.T) {
+	long := strings.Repeat("t", kvcache.MaxIDLen)
+	for _, tc := range []struct{ name, tenant, id string }{
+		{"longest tenant name", long, "req"},
+		{"longest tenant name and request ID", long, strings.Repeat("r", kvcache.MaxIDLen)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tenants := []kvcache.TenantConfig{{Name: tc.tenant}}
+			prefill := pool(t, testkit.PoolConfig{Pages: 64, Tenants: tenants})
+			decode := pool(t, testkit.PoolConfig{Pages: 128, Tenants: tenants})
+			recv := receiver(t, decode)
+			inproc := handoff.NewInProcess(recv)
+
+			l, err := testkit.Prefill(prefill, tc.id, tc.tenant, 5*16)
+			require.NoError(t, err)
+			exp, err := sender(t).Export(l, 16)
+			require.NoError(t, err, "a lease the pool admitted could not be exported")
+			assert.Equal(t, "tenant:"+tc.tenant, exp.Manifest().Domain)
+			require.NoError(t, exp.Send(context.Background(), inproc))
+			inproc.Wait()
+			dl, ok := recv.Take(tc.id)
+			require.True(t, ok)
+			assert.Equal(t, tc.tenant, dl.Tenant())
+			assert.Equal(t, "tenant:"+tc.tenant, dl.Domain())
+			require.NoError(t, testkit.VerifyContent(decode, dl, tc.id))
+			require.NoError(t, dl.Release())
+			sweep(t, prefill, decode)
+		})
+	}
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/kvfence/kvfence/isolation"
 	"github.com/kvfence/kvfence/kvcache"
 )
 
@@ -37,7 +38,7 @@ const Version = 1
 //	 72     4  page count = ceil(prompt tokens / tokens per page)
 //	 76     2  request ID length (1..kvcache.MaxIDLen)
 //	 78     2  tenant length (1..kvcache.MaxIDLen)
-//	 80     2  sharing domain length (1..kvcache.MaxIDLen)
+//	 80     2  sharing domain length (1..maxDomainLen)
 //	 82     …  request ID, tenant, domain (UTF-8)
 //	  …  4×n  per-page generation on the sender
 //	  …    32  HMAC-SHA256 over every byte before it
@@ -47,8 +48,13 @@ const (
 	macLen      = sha256.Size
 	MinKeyBytes = 32 // shared HMAC keys shorter than this are refused
 
+	// maxDomainLen bounds a sharing domain's name: a tenant's own domain
+	// is isolation.PrivateDomainPrefix + its name, longer than any tenant
+	// name or request ID may be (a shared one is at most MaxTenantName).
+	maxDomainLen = len(isolation.PrivateDomainPrefix) + isolation.MaxTenantName
+
 	// MaxManifestBytes bounds what a decoder reads: 4 M pages.
-	MaxManifestBytes = fixedLen + 3*kvcache.MaxIDLen + 4*(4<<20) + macLen
+	MaxManifestBytes = fixedLen + 2*kvcache.MaxIDLen + maxDomainLen + 4*(4<<20) + macLen
 
 	maxTokens = 1 << 40 // as kvcache: far from overflow everywhere
 )
@@ -201,13 +207,14 @@ func (m Manifest) Pages() int { return len(m.Generations) }
 // validate checks what a decoder would refuse, so that Encode never
 // produces bytes Decode rejects.
 func (m *Manifest) validate() error {
-	str := func(name, s string) error {
-		if len(s) == 0 || len(s) > kvcache.MaxIDLen || !utf8.ValidString(s) {
-			return fmt.Errorf("%w: %s of %d bytes, want 1..%d bytes of UTF-8", ErrMalformedManifest, name, len(s), kvcache.MaxIDLen)
+	str := func(name, s string, limit int) error {
+		if len(s) == 0 || len(s) > limit || !utf8.ValidString(s) {
+			return fmt.Errorf("%w: %s of %d bytes, want 1..%d bytes of UTF-8", ErrMalformedManifest, name, len(s), limit)
 		}
 		return nil
 	}
-	for _, err := range []error{str("request ID", m.RequestID), str("tenant", m.Tenant), str("domain", m.Domain)} {
+	for _, err := range []error{str("request ID", m.RequestID, kvcache.MaxIDLen), str("tenant", m.Tenant, kvcache.MaxIDLen),
+		str("domain", m.Domain, maxDomainLen)} {
 		if err != nil {
 			return err
 		}

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -45,7 +46,10 @@ func sealedManifest(pages int) Manifest {
 
 func TestManifestRoundTrip(t *testing.T) {
 	k := testKey(t)
-	for _, m := range []Manifest{sampleManifest(1), sampleManifest(2), sampleManifest(2048), sealedManifest(1), sealedManifest(7)} {
+	longest := sampleManifest(3)
+	longest.RequestID, longest.Tenant = strings.Repeat("r", kvcache.MaxIDLen), strings.Repeat("t", kvcache.MaxIDLen)
+	longest.Domain = "tenant:" + longest.Tenant
+	for _, m := range []Manifest{sampleManifest(1), sampleManifest(2), sampleManifest(2048), sealedManifest(1), sealedManifest(7), longest} {
 		b, err := m.AppendEncode(nil, k)
 		require.NoError(t, err)
 		assert.Equal(t, m.encodedLen(), len(b))
@@ -123,6 +127,7 @@ func TestManifestEncodeRefusesInvalid(t *testing.T) {
 		"no request ID":   func(m *Manifest) { m.RequestID = "" },
 		"long tenant":     func(m *Manifest) { m.Tenant = string(make([]byte, kvcache.MaxIDLen+1)) },
 		"no domain":       func(m *Manifest) { m.Domain = "" },
+		"long domain":     func(m *Manifest) { m.Domain = strings.Repeat("d", maxDomainLen+1) },
 		"no expiry":       func(m *Manifest) { m.Expires = time.Time{} },
 		"pages vs prompt": func(m *Manifest) { m.PromptTokens = 1 },
 		"bad geometry":    func(m *Manifest) { m.Geometry.HeadDim = 0 },
