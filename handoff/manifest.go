@@ -207,17 +207,8 @@ func (m Manifest) Pages() int { return len(m.Generations) }
 // validate checks what a decoder would refuse, so that Encode never
 // produces bytes Decode rejects.
 func (m *Manifest) validate() error {
-	str := func(name, s string, limit int) error {
-		if len(s) == 0 || len(s) > limit || !utf8.ValidString(s) {
-			return fmt.Errorf("%w: %s of %d bytes, want 1..%d bytes of UTF-8", ErrMalformedManifest, name, len(s), limit)
-		}
-		return nil
-	}
-	for _, err := range []error{str("request ID", m.RequestID, kvcache.MaxIDLen), str("tenant", m.Tenant, kvcache.MaxIDLen),
-		str("domain", m.Domain, maxDomainLen)} {
-		if err != nil {
-			return err
-		}
+	if err := checkNames(m.RequestID, m.Tenant, m.Domain); err != nil {
+		return err
 	}
 	g := m.Geometry
 	switch {
@@ -241,6 +232,23 @@ func (m *Manifest) validate() error {
 	}
 	if n := m.encodedLen(); n > MaxManifestBytes {
 		return fmt.Errorf("%w: %d bytes, limit %d", ErrMalformedManifest, n, MaxManifestBytes)
+	}
+	return nil
+}
+
+// checkNames checks a manifest's request ID, tenant and domain.
+func checkNames(requestID, tenant, domain string) error {
+	str := func(name, s string, limit int) error {
+		if len(s) == 0 || len(s) > limit || !utf8.ValidString(s) {
+			return fmt.Errorf("%w: %s of %d bytes, want 1..%d bytes of UTF-8", ErrMalformedManifest, name, len(s), limit)
+		}
+		return nil
+	}
+	for _, err := range []error{str("request ID", requestID, kvcache.MaxIDLen), str("tenant", tenant, kvcache.MaxIDLen),
+		str("domain", domain, maxDomainLen)} {
+		if err != nil {
+			return err
+		}
 	}
 	return nil
 }
