@@ -380,3 +380,60 @@ func endExportAsync(how string, p *Pool, l *Lease, out *Outgoing) chan error {
 	}()
 	return ended
 }
+
+// TestImportCompleteAfterItsAbortBegan: an abort of an import (the
+// receiver's transfer timeout) that began while a write was in flight
+// waits for it (drainLocked) and then takes Pool.mu again. Complete may
+// take Pool.mu first, once the write is done: it must then refuse, as
+// the import is ending, not hand out the lease the abort is about to
+// end (it did, and the lease stayed live with its draining flag set, so
+// that every later copy of its pages was refused as reclaimed).
+func TestImportCompleteAfterItsAbortBegan(t *testing.T) {
+	p := handoffPool(t, 16)
+	l := prefilled(t, p, "r", 10)
+	out, err := l.Export(time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	sum, err := out.Checksum()
+	require.NoError(t, err)
+	in, err := p.TryBeginImport(Request{ID: "r2", Tenant: "a", PromptTokens: 10}, "tenant:a", sum)
+	require.NoError(t, err)
+	buf := make([]byte, out.Pages()*int(p.PageBytes()))
+	require.NoError(t, out.ReadPages(0, buf))
+	require.NoError(t, in.WritePages(0, buf))
+	require.NoError(t, out.Ack())
+
+	// A write in flight, as WritePages pins the lease for one.
+	dl := in.lease
+	p.mu.Lock()
+	dl.pins++
+	p.mu.pins++
+	p.mu.Unlock()
+	aborted := make(chan error, 1)
+	go func() { aborted <- in.Abort() }()
+	require.Eventually(t, func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return dl.draining
+	}, 5*time.Second, time.Millisecond, "the abort did not begin")
+	// The write ends; the abort, woken only by the broadcast below, has
+	// not taken Pool.mu again yet.
+	p.mu.Lock()
+	dl.pins--
+	p.mu.pins--
+	p.mu.Unlock()
+
+	got, err := in.Complete()
+	assert.ErrorIs(t, err, ErrStaleTransfer, "an import whose abort began completed")
+	assert.True(t, got == nil, "Complete handed out the lease")
+	p.mu.Lock()
+	p.quiet.Broadcast()
+	p.mu.Unlock()
+	require.NoError(t, <-aborted)
+	if got != nil {
+		assert.False(t, got.draining, "a live lease is left draining")
+		require.NoError(t, got.Release())
+	}
+	assert.Equal(t, PhaseAborted, dl.Phase())
+	require.NoError(t, p.Check())
+	canarySweep(t, p)
+}

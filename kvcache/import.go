@@ -283,7 +283,8 @@ func (in *Incoming) complete(want uint32) (*Lease, error) {
 	if err := p.stateErrLocked(); err != nil {
 		return nil, err
 	}
-	if !in.owns() {
+	if !in.owns() || in.lease.draining {
+		// draining: an abort has begun and waits for Pool.mu again.
 		return nil, fmt.Errorf("%w: import of request %q has ended", ErrStaleTransfer, in.lease.id)
 	}
 	in.lease.written.Store(int64(in.lease.prompt)) // unsealed: decode commits generated tokens
