@@ -193,7 +193,11 @@ func parseVerdict(msg []byte, wantStage uint8) error {
 	if wantStage == stageImport {
 		stage = "import"
 	}
-	return &RefusedError{Reason: reasonOf(msg[2]), Message: string(msg[3:]), Stage: stage}
+	text := msg[3:]
+	if len(text) > maxVerdict { // what a receiver sends, not what it may
+		text = text[:maxVerdict]
+	}
+	return &RefusedError{Reason: reasonOf(msg[2]), Message: string(text), Stage: stage}
 }
 
 func firstByte(b []byte) byte {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -120,4 +121,20 @@ func FuzzParseData(f *testing.F) {
 			t.Fatal("parsed fields do not add up to the message")
 		}
 	})
+}
+
+// TestVerdictTextOfAPeerIsBounded: a verdict carries at most maxVerdict
+// bytes of text, and the sender holds no more of what a receiver sends
+// (it kept the whole message, up to the transport's limit of hundreds of
+// MiB, in the error it returns and logs).
+func TestVerdictTextOfAPeerIsBounded(t *testing.T) {
+	msg := append([]byte{msgVerdict, stageImport, reasonCode(ErrProtocol)}, bytes.Repeat([]byte("x"), 8<<20)...)
+	var re *RefusedError
+	require.ErrorAs(t, parseVerdict(msg, stageImport), &re)
+	assert.ErrorIs(t, re, ErrProtocol)
+	assert.Equal(t, maxVerdict, len(re.Message), "bytes of the peer's text kept")
+
+	short := appendVerdict(nil, stageManifest, fmt.Errorf("%w: no", ErrReplay))
+	require.ErrorAs(t, parseVerdict(short, stageManifest), &re)
+	assert.Equal(t, "handoff: manifest replayed: no", re.Message)
 }
