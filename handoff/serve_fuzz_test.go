@@ -1,0 +1,182 @@
+package handoff_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/handoff/internal/testkit"
+	"github.com/kvfence/kvfence/kvcache"
+)
+
+// scriptedEndpoint is a receiver's end of a transfer whose sender's
+// messages are given: the manifest, then msgs, each cut into parts at its
+// cut (a PartsEndpoint hands a message over in the buffers it arrived
+// in), then the end of the stream. Verdicts are kept.
+type scriptedEndpoint struct {
+	manifest []byte
+	msgs     [][]byte
+	cuts     []int
+	next     int
+	verdicts [][]byte
+}
+
+func (e *scriptedEndpoint) Recv() ([]byte, error) {
+	if e.manifest != nil {
+		m := e.manifest
+		e.manifest = nil
+		return m, nil
+	}
+	if e.next == len(e.msgs) {
+		return nil, io.EOF
+	}
+	e.next++
+	return e.msgs[e.next-1], nil
+}
+
+func (e *scriptedEndpoint) RecvParts() ([][]byte, error) {
+	if e.manifest != nil || e.next == len(e.msgs) {
+		m, err := e.Recv()
+		return [][]byte{m}, err
+	}
+	m, cut := e.msgs[e.next], e.cuts[e.next]
+	e.next++
+	return [][]byte{m[:cut], {}, m[cut:]}, nil
+}
+
+func (e *scriptedEndpoint) Send(msg []byte) error {
+	e.verdicts = append(e.verdicts, bytes.Clone(msg))
+	return nil
+}
+
+// plainEndpoint hides RecvParts: the receiver reads whole messages.
+type plainEndpoint struct{ *scriptedEndpoint }
+
+// encodeScript and decodeScript carry a transfer's messages after the
+// manifest as fuzz input: per message, its length and where it is cut
+// (u16 each), then its bytes; a length past the end takes what is left.
+func encodeScript(msgs [][]byte) []byte {
+	var b []byte
+	for _, m := range msgs {
+		b = binary.LittleEndian.AppendUint16(b, uint16(len(m)))
+		b = binary.LittleEndian.AppendUint16(b, uint16(len(m)/2))
+		b = append(b, m...)
+	}
+	return b
+}
+
+func decodeScript(b []byte) (msgs [][]byte, cuts []int) {
+	for len(b) >= 4 {
+		n, cut := int(binary.LittleEndian.Uint16(b)), int(binary.LittleEndian.Uint16(b[2:]))
+		b = b[4:]
+		n = min(n, len(b))
+		msgs, cuts = append(msgs, b[:n]), append(cuts, min(cut, n))
+		b = b[n:]
+	}
+	return msgs, cuts
+}
+
+// FuzzServe feeds a receiver a genuine signed manifest followed by any
+// messages, whole or in parts: Serve never panics; it delivers a lease
+// only if that lease holds exactly the prefill's pages; whatever it
+// refuses leaves no lease behind, and the decode pool passes Check with
+// every page free and holding its canary (no byte of a refused import
+// survives), transfer after transfer.
+func FuzzServe(f *testing.F) {
+	const id = "fuzz"
+	prefill, err := testkit.NewPool(testkit.PoolConfig{Pages: 16, Tenants: []kvcache.TenantConfig{{Name: "victim"}}})
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer prefill.Close()
+	decode, err := testkit.NewPool(testkit.PoolConfig{Pages: 16, Tenants: []kvcache.TenantConfig{{Name: "victim"}}})
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer decode.Close()
+	s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), TTL: time.Hour, FrameBytes: 1})
+	if err != nil {
+		f.Fatal(err)
+	}
+	newReceiver := func() *handoff.Receiver {
+		r, err := handoff.NewReceiver(handoff.ReceiverConfig{Pool: decode, Key: testkit.Key(), MaxTTL: 2 * time.Hour})
+		if err != nil {
+			f.Fatal(err)
+		}
+		return r
+	}
+
+	// One genuine transfer of 3 pages (the last one partly filled), one
+	// page per data frame, recorded.
+	l, err := testkit.Prefill(prefill, id, "victim", 3*testkit.Geometry.TokensPerPage-5)
+	if err != nil {
+		f.Fatal(err)
+	}
+	exp, err := s.Export(l, 8)
+	if err != nil {
+		f.Fatal(err)
+	}
+	var sent [][]byte
+	r := newReceiver()
+	inproc := handoff.NewInProcess(r)
+	if err := exp.Send(context.Background(), &hooked{inner: inproc, send: func(st handoff.Stream, n int, msg []byte) error {
+		sent = append(sent, bytes.Clone(msg))
+		return st.Send(msg)
+	}}); err != nil {
+		f.Fatal(err)
+	}
+	inproc.Wait()
+	dl, ok := r.Take(id)
+	if !ok {
+		f.Fatal("the recorded transfer delivered no lease")
+	}
+	if err := dl.Release(); err != nil {
+		f.Fatal(err)
+	}
+	manifest, rest := sent[0], sent[1:]
+	if manifest[0] != 'M' || len(rest) != 4 || rest[3][0] != 'S' {
+		f.Fatalf("recorded transfer is not manifest, 3 data frames, seal: %d messages", len(sent))
+	}
+	f.Add(encodeScript(rest), false)
+	f.Add(encodeScript(rest), true)
+	f.Add(encodeScript(rest[:3]), true)                                     // no seal
+	f.Add(encodeScript([][]byte{rest[0], rest[2], rest[1], rest[3]}), true) // out of order
+	f.Add(encodeScript([][]byte{rest[0], rest[0], rest[1], rest[2], rest[3]}), false)
+	f.Add(encodeScript(append([][]byte{}, rest[0], rest[1], rest[2], append([]byte{'E'}, rest[3][1:21]...))), false)
+	f.Add([]byte{}, false)
+
+	f.Fuzz(func(t *testing.T, script []byte, parts bool) {
+		msgs, cuts := decodeScript(script)
+		se := &scriptedEndpoint{manifest: manifest, msgs: msgs, cuts: cuts}
+		var ep handoff.Endpoint = plainEndpoint{se}
+		if parts {
+			ep = se
+		}
+		r := newReceiver()
+		err := r.Serve(context.Background(), ep)
+		dl, delivered := r.Take(id)
+		switch {
+		case err == nil && !delivered:
+			t.Fatal("Serve succeeded and delivered nothing")
+		case err != nil && delivered:
+			t.Fatalf("Serve failed (%v) and delivered a lease", err)
+		case err != nil && len(se.verdicts) > 0 && se.verdicts[len(se.verdicts)-1][2] == 0:
+			t.Fatalf("Serve failed (%v) with a yes as its last verdict", err)
+		}
+		if delivered {
+			if err := testkit.VerifyContent(decode, dl, id); err != nil {
+				t.Fatalf("delivered lease: %v", err)
+			}
+			if err := dl.Release(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := testkit.Sweep(decode); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
