@@ -154,3 +154,44 @@ func indexOf(t *testing.T, name string) int {
 	t.Fatalf("no reason %q", name)
 	return 0
 }
+
+// TestTransferTimeoutReportedAsIncomplete: a sender too slow for the
+// receiver's TransferTimeout has its import aborted; both sides then say
+// so, incomplete_transfer, as a direct import's timeout does, not
+// stale_transfer, the reason of KV landing in pages that were reused,
+// which is what the next write into the aborted import found.
+func TestTransferTimeoutReportedAsIncomplete(t *testing.T) {
+	prefill := pool(t, testkit.PoolConfig{Pages: 64})
+	decode := pool(t, testkit.PoolConfig{Pages: 64})
+	recv := receiver(t, decode, func(c *handoff.ReceiverConfig) { c.TransferTimeout = 20 * time.Millisecond })
+	inproc := handoff.NewInProcess(recv)
+	for _, before := range []byte{'D', 'S'} { // stalls before a data frame (a write fails), before the seal (Complete does)
+		t.Run(string(before), func(t *testing.T) {
+			id := "slow-" + string(before)
+			l, err := testkit.Prefill(prefill, id, "victim", 40*16)
+			require.NoError(t, err)
+			exp, err := sender(t, func(c *handoff.SenderConfig) { c.FrameBytes = 1 }).Export(l, 0)
+			require.NoError(t, err)
+			stalled := false
+			err = exp.Send(context.Background(), &hooked{inner: inproc, send: func(st handoff.Stream, n int, msg []byte) error {
+				if msg[0] == before && !stalled && (before == 'S' || n > 2) {
+					stalled = true
+					require.Eventually(t, func() bool { return decode.Stats().LiveLeases == 0 }, 5*time.Second, time.Millisecond,
+						"the import outlived its TransferTimeout")
+				}
+				return st.Send(msg)
+			}})
+			inproc.Wait()
+			var re *handoff.RefusedError
+			require.ErrorAs(t, err, &re, "got %v", err)
+			assert.ErrorIs(t, err, kvcache.ErrIncompleteTransfer)
+			assert.Equal(t, "incomplete_transfer", handoff.ReasonName(err))
+			assert.Contains(t, re.Message, "20ms", "the receiver's error names its timeout")
+			assertNoImport(t, recv, decode, id)
+			require.NoError(t, exp.Abort())
+		})
+	}
+	rs := recv.Stats()
+	assert.Equal(t, uint64(2), rs.RefusedBy[indexOf(t, "incomplete_transfer")], "refusals by reason: %v", rs.RefusedBy)
+	sweep(t, prefill, decode)
+}

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvfence/kvfence/kvcache"
@@ -29,8 +30,8 @@ type ReceiverConfig struct {
 	// 0 refuses at once when the decode pool is full.
 	AdmitWait time.Duration
 	// TransferTimeout aborts an import whose pages have not all arrived
-	// in this time, so a stalled sender cannot hold decode pages; 0 means
-	// 2 minutes.
+	// in this time, so a stalled sender cannot hold decode pages (the
+	// import fails with kvcache.ErrIncompleteTransfer); 0 means 2 minutes.
 	TransferTimeout time.Duration
 	// Deliver receives each verified, usable lease (prefilled, written =
 	// prompt tokens). Nil keeps them for Take.
@@ -174,10 +175,16 @@ func (r *Receiver) serve(ctx context.Context, ep Endpoint) error {
 		r.reply(ep, stageManifest, err)
 		return err
 	}
-	watchdog := time.AfterFunc(r.cfg.TransferTimeout, func() { in.Abort() })
+	var timedOut atomic.Bool
+	watchdog := time.AfterFunc(r.cfg.TransferTimeout, func() { timedOut.Store(true); in.Abort() })
 	defer watchdog.Stop()
 	lease, err := r.receive(ep, &m, in)
 	if err != nil {
+		if timedOut.Load() {
+			// What failed found the import ended (ErrStaleTransfer): say why.
+			err = fmt.Errorf("%w: request %q: its pages did not all arrive within the transfer timeout of %v: %w",
+				kvcache.ErrIncompleteTransfer, m.RequestID, r.cfg.TransferTimeout, err)
+		}
 		in.Abort()
 		r.unclaim(m.RequestID)
 		r.reply(ep, stageImport, err)
