@@ -437,3 +437,41 @@ func TestImportCompleteAfterItsAbortBegan(t *testing.T) {
 	require.NoError(t, p.Check())
 	canarySweep(t, p)
 }
+
+// TestImportWriteAfterItsAbortOnAnotherGoroutine: a receiver's writer
+// and the end of its import (the transfer timeout, Close) run on
+// different goroutines with nothing ordering them but the pool. A write
+// that comes once the import has ended must be refused (ErrStaleTransfer)
+// having read nothing of the lease that its end changes: run with -race,
+// which reported the write's unlocked read of the lease's page handles
+// against the release's reset of them.
+func TestImportWriteAfterItsAbortOnAnotherGoroutine(t *testing.T) {
+	for _, how := range []string{"abort", "close"} {
+		t.Run(how, func(t *testing.T) {
+			p := handoffPool(t, 16)
+			in, err := p.TryBeginImport(Request{ID: "r", Tenant: "a", PromptTokens: 10}, "tenant:a", 0)
+			require.NoError(t, err)
+			page := make([]byte, p.PageBytes())
+			require.NoError(t, in.WritePages(0, page))
+			go func() {
+				if how == "abort" {
+					in.Abort()
+				} else {
+					p.Close()
+				}
+			}()
+			// Seen through the lease's atomic state only, which the end sets
+			// before it releases the pages.
+			for in.lease.state.Load() == leaseLive {
+				time.Sleep(time.Millisecond)
+			}
+			time.Sleep(20 * time.Millisecond)
+			err = in.WritePages(1, page)
+			if how == "abort" {
+				assert.ErrorIs(t, err, ErrStaleTransfer)
+			} else {
+				assert.ErrorIs(t, err, ErrPoolClosed)
+			}
+		})
+	}
+}

@@ -151,13 +151,16 @@ func (in *Incoming) WritePagesFrom(first int, parts [][]byte) error {
 	in.mu.Unlock()
 
 	p := in.pool
-	hs := in.lease.handles[first : first+n]
+	var hs []allocator.Handle
 	p.mu.Lock()
 	err := p.stateErrLocked()
 	if err == nil && (!in.owns() || in.lease.draining) {
 		err = fmt.Errorf("%w: import of request %q has ended", ErrStaleTransfer, in.lease.id)
 	}
 	if err == nil {
+		// Read under Pool.mu, once the import is known live: the lease's
+		// end resets its handles.
+		hs = in.lease.handles[first : first+n]
 		err = p.pinPagesLocked(in.lease, hs, true)
 	}
 	p.mu.Unlock()
