@@ -243,8 +243,9 @@ func (e *Export) sendOver(ctx context.Context, t Transport) error {
 		return err
 	}
 	// The receiver holds the KV now. If the deadline reclaimed the pages
-	// meanwhile, they have been scrubbed already: nothing is lost.
-	if err := e.out.Ack(); err != nil && !errors.Is(err, kvcache.ErrReclaimed) {
+	// meanwhile, or the prefill pool closed, they have been scrubbed
+	// already: nothing is lost.
+	if err := e.out.Ack(); err != nil && !errors.Is(err, kvcache.ErrReclaimed) && !errors.Is(err, kvcache.ErrPoolClosed) {
 		return err
 	}
 	return nil
