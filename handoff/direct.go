@@ -185,7 +185,9 @@ func (imp *Import) WritePages(first int, src []byte) error {
 		return errNilImport
 	}
 	if err := imp.in.WritePages(first, src); err != nil {
-		imp.Abort() // the Incoming aborted itself; this settles the claim
+		// The Incoming aborted itself (but for a range outside it); this
+		// ends it, settles the claim and counts the refusal under err.
+		imp.abortFor(err)
 		return err
 	}
 	return nil
@@ -226,13 +228,18 @@ func (imp *Import) Abort() error {
 	if imp == nil {
 		return errNilImport
 	}
+	return imp.abortFor(fmt.Errorf("%w: import of request %q aborted (by its caller or its TransferTimeout) before it completed",
+		kvcache.ErrIncompleteTransfer, imp.m.RequestID))
+}
+
+// abortFor ends the import for cause unless it has ended already.
+func (imp *Import) abortFor(cause error) error {
 	imp.mu.Lock()
 	defer imp.mu.Unlock()
 	if imp.mu.ended {
 		return nil
 	}
-	return imp.abortLocked(fmt.Errorf("%w: import of request %q aborted (by its caller or its TransferTimeout) before it completed",
-		kvcache.ErrIncompleteTransfer, imp.m.RequestID))
+	return imp.abortLocked(cause)
 }
 
 // abortLocked ends the import for cause, which the receiver counts and

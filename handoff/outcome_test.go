@@ -195,3 +195,57 @@ func TestTransferTimeoutReportedAsIncomplete(t *testing.T) {
 	assert.Equal(t, uint64(2), rs.RefusedBy[indexOf(t, "incomplete_transfer")], "refusals by reason: %v", rs.RefusedBy)
 	sweep(t, prefill, decode)
 }
+
+// TestDirectImportWriteFailureCountedByItsReason: a direct import whose
+// write fails (a page written twice, one out of range) is aborted, and
+// the receiver counts and logs it under the write's reason, not as an
+// import its caller abandoned (incomplete_transfer, "aborted by its
+// caller or its TransferTimeout"), which it said before.
+func TestDirectImportWriteFailureCountedByItsReason(t *testing.T) {
+	prefill := pool(t, testkit.PoolConfig{Pages: 64})
+	decode := pool(t, testkit.PoolConfig{Pages: 64})
+	var recvLog lockedBuffer
+	recv := receiver(t, decode, func(c *handoff.ReceiverConfig) { c.Logger = slog.New(slog.NewJSONHandler(&recvLog, nil)) })
+	for _, tc := range []struct {
+		name   string
+		write  func(imp *handoff.Import, page []byte) error
+		reason string
+	}{
+		{"page written twice", func(imp *handoff.Import, page []byte) error {
+			if err := imp.WritePages(0, page); err != nil {
+				return err
+			}
+			return imp.WritePages(0, page)
+		}, "duplicate_page"},
+		{"page out of range", func(imp *handoff.Import, page []byte) error {
+			return imp.WritePages(imp.Pages(), page)
+		}, "internal"}, // kvcache.ErrInvalidArgument has no reason code of its own
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := recv.Stats()
+			id := "w-" + tc.name
+			l, err := testkit.Prefill(prefill, id, "victim", 40)
+			require.NoError(t, err)
+			exp, err := sender(t).Export(l, 0)
+			require.NoError(t, err)
+			imp, err := recv.Begin(context.Background(), mustManifest(t, exp))
+			require.NoError(t, err)
+			page := make([]byte, imp.PageBytes())
+			require.NoError(t, exp.ReadPages(0, page))
+			err = tc.write(imp, page)
+			require.Error(t, err)
+			assert.Equal(t, tc.reason, handoff.ReasonName(err), "the write's own error: %v", err)
+			assert.True(t, imp.Ended())
+			after := recv.Stats()
+			assert.Equal(t, before.Refused+1, after.Refused)
+			code := indexOf(t, tc.reason)
+			assert.Equal(t, before.RefusedBy[code]+1, after.RefusedBy[code], "counted by reason: %v", after.RefusedBy)
+			recs := recvLog.records(t)
+			require.NotEmpty(t, recs)
+			assert.Equal(t, tc.reason, recs[len(recs)-1]["reason"])
+			assertNoImport(t, recv, decode, id)
+			require.NoError(t, exp.Abort())
+		})
+	}
+	sweep(t, prefill, decode)
+}
