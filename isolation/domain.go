@@ -50,8 +50,9 @@ func validateDomainName(name string) error {
 	switch {
 	case name == "":
 		return nil
-	case len(name) > MaxTenantName:
-		return fmt.Errorf("%w: domain name of %d bytes, want at most %d", ErrInvalidTenant, len(name), MaxTenantName)
+	case NameProblem(name, MaxTenantName) != "":
+		return fmt.Errorf("%w: domain name %q: %s (a domain name is 1..%d bytes of UTF-8 without a NUL)",
+			ErrInvalidTenant, name, NameProblem(name, MaxTenantName), MaxTenantName)
 	case strings.HasPrefix(name, PrivateDomainPrefix):
 		return fmt.Errorf("%w: domain name %q uses the reserved prefix %q", ErrInvalidTenant, name, PrivateDomainPrefix)
 	}

@@ -12,6 +12,8 @@ const MaxTenantName = 256
 
 // TenantConfig is what an operator declares for a tenant.
 type TenantConfig struct {
+	// Name is 1..MaxTenantName bytes of UTF-8 without a NUL, as is a
+	// Domain name (see NameProblem).
 	Name string
 	// QuotaPages is the most pages the tenant may hold at once (a hard
 	// limit); zero means the whole pool.
@@ -60,8 +62,9 @@ func NewRegistry(totalPages int) *Registry {
 
 func (r *Registry) validate(c TenantConfig) (quota int, err error) {
 	switch {
-	case c.Name == "" || len(c.Name) > MaxTenantName:
-		return 0, fmt.Errorf("%w: name %q must be 1..%d bytes", ErrInvalidTenant, c.Name, MaxTenantName)
+	case NameProblem(c.Name, MaxTenantName) != "":
+		return 0, fmt.Errorf("%w: name %q: %s (a tenant name is 1..%d bytes of UTF-8 without a NUL)",
+			ErrInvalidTenant, c.Name, NameProblem(c.Name, MaxTenantName), MaxTenantName)
 	case c.QuotaPages < 0 || c.ReservedPages < 0:
 		return 0, fmt.Errorf("%w: tenant %q quota %d, reservation %d must not be negative", ErrInvalidTenant, c.Name, c.QuotaPages, c.ReservedPages)
 	}

@@ -18,7 +18,7 @@ const MaxIDLen = 256
 
 // Request is what an engine asks to run.
 type Request struct {
-	ID     string // unique among live leases
+	ID     string // unique among live leases; 1..MaxIDLen bytes of UTF-8 without a NUL
 	Tenant string
 	// PromptTokens ≥ 1. MaxNewTokens ≥ 0 (0 for a prefill-only request,
 	// as on the prefill side of a disaggregated deployment).
@@ -523,8 +523,9 @@ func (p *Pool) faultedLocked() {
 
 func validateRequest(req Request, tokensPerPage int) error {
 	switch {
-	case req.ID == "" || len(req.ID) > MaxIDLen:
-		return fmt.Errorf("%w: request ID of %d bytes, want 1..%d", ErrInvalidRequest, len(req.ID), MaxIDLen)
+	case isolation.NameProblem(req.ID, MaxIDLen) != "":
+		return fmt.Errorf("%w: request ID %q: %s (want 1..%d bytes of UTF-8 without a NUL)",
+			ErrInvalidRequest, req.ID, isolation.NameProblem(req.ID, MaxIDLen), MaxIDLen)
 	case req.Tenant == "" || len(req.Tenant) > MaxIDLen:
 		return fmt.Errorf("%w: tenant name of %d bytes, want 1..%d", ErrInvalidRequest, len(req.Tenant), MaxIDLen)
 	case req.PromptTokens <= 0:

@@ -29,8 +29,9 @@ func validatePrefix(req Request, tokensPerPage int) error {
 		return fmt.Errorf("%w: %d prompt tokens given, PromptTokens = %d", ErrInvalidRequest, len(req.TokenIDs), req.PromptTokens)
 	case len(req.PageKeys) > req.PromptTokens/tokensPerPage:
 		return fmt.Errorf("%w: %d page keys for a prompt of %d full pages", ErrInvalidRequest, len(req.PageKeys), req.PromptTokens/tokensPerPage)
-	case len(req.Adapter) > MaxIDLen:
-		return fmt.Errorf("%w: adapter ID of %d bytes, want at most %d", ErrInvalidRequest, len(req.Adapter), MaxIDLen)
+	case req.Adapter != "" && isolation.NameProblem(req.Adapter, MaxIDLen) != "":
+		return fmt.Errorf("%w: adapter ID %q: %s (want at most %d bytes of UTF-8 without a NUL)",
+			ErrInvalidRequest, req.Adapter, isolation.NameProblem(req.Adapter, MaxIDLen), MaxIDLen)
 	}
 	return nil
 }
@@ -40,8 +41,9 @@ func validatePrefix(req Request, tokensPerPage int) error {
 // so that an engine can hash a prompt once, ahead of admission, and pass
 // the keys in Request.PageKeys.
 func (p *Pool) PageKeys(tenant, adapter string, tokens []int32, dst []BlockKey) ([]BlockKey, error) {
-	if len(adapter) > MaxIDLen {
-		return dst, fmt.Errorf("%w: adapter ID of %d bytes, want at most %d", ErrInvalidArgument, len(adapter), MaxIDLen)
+	if adapter != "" && isolation.NameProblem(adapter, MaxIDLen) != "" {
+		return dst, fmt.Errorf("%w: adapter ID %q: %s (want at most %d bytes of UTF-8 without a NUL)",
+			ErrInvalidArgument, adapter, isolation.NameProblem(adapter, MaxIDLen), MaxIDLen)
 	}
 	p.mu.Lock()
 	t, err := p.mu.tenants.Lookup(tenant)
