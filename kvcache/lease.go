@@ -36,7 +36,10 @@ type Lease struct {
 	table   []int32
 	view    atomic.Pointer[[]int32]
 	viewLen atomic.Int64
-	scrub   scrubBatch // scratch for release, reused
+	// scrub is scratch for release, reused, guarded by Pool.mu: empty
+	// while a scrub of the lease's pages reads its arrays (see
+	// scrubBatch.scratch).
+	scrub scrubBatch
 	// side is what the lease holds in each side group (groups.go),
 	// written under Pool.mu.
 	side []sideHold

@@ -55,13 +55,35 @@ type scrubBatch struct {
 	pages []int32
 	side  [][]int32
 	all   [][]int32 // scratch of spaces, capacity 1+len(side)
+	// owner is the lease whose scratch (Lease.scrub) the arrays are
+	// (detachLocked sets it): finishScrubLocked gives them back to it once
+	// the scrub no longer reads them.
+	owner *Lease
 }
 
-// scratch is b's arrays to keep for the lease's next release: b itself is
-// left as it is (the scrub still reads it), reset empties the arrays when
-// they are used next.
+// scratch is what the lease whose release b is keeps as its scratch (in
+// Lease.scrub) while b is scrubbed outside Pool.mu: nothing, for the scrub
+// reads b's arrays until finishScrubLocked gives them back, and the lease
+// may be admitted again and released meanwhile (an export's reclaim
+// deadline, or a Release racing an Abort, ends it on another goroutine
+// than the engine's). Only a batch with nothing to scrub and no side
+// arrays, which scrub does not read, leaves its arrays with the lease at
+// once.
 func (b scrubBatch) scratch() scrubBatch {
-	return scrubBatch{pages: b.pages[:0], side: b.side, all: b.all}
+	if b.len() == 0 && len(b.side) == 0 {
+		return scrubBatch{pages: b.pages[:0]}
+	}
+	return scrubBatch{}
+}
+
+// giveBackLocked returns the arrays of b, whose scrub has ended, to the
+// lease they are the scratch of, unless it has other scratch by now.
+func (b scrubBatch) giveBackLocked() {
+	l := b.owner
+	if l == nil || cap(l.scrub.pages) > 0 || l.scrub.side != nil {
+		return
+	}
+	l.scrub = scrubBatch{pages: b.pages[:0], side: b.side, all: b.all}
 }
 
 // reset empties b, keeping its arrays for reuse; it truncates the side
@@ -104,6 +126,7 @@ func (b scrubBatch) clone() scrubBatch {
 func (p *Pool) detachLocked(l *Lease, b scrubBatch) scrubBatch {
 	p.assertHeld()
 	delete(p.mu.leases, l.id)
+	b.owner = l
 	if l.export != nil {
 		l.export.timer.Stop()
 		l.export = nil
@@ -157,6 +180,7 @@ func (p *Pool) scrub(b scrubBatch, after cudaops.Ordering) error {
 		var done bool
 		if done, err = fence.Done(); !done {
 			batch := b.clone()
+			batch.owner = b.owner // the clone's arrays are the lease's next scratch
 			go func() {
 				defer p.fills.Done()
 				err := fence.Wait()
@@ -242,6 +266,7 @@ func (p *Pool) finishScrubLocked(b scrubBatch, fillErr error) error {
 	} else {
 		p.wakePagesLocked()
 	}
+	b.giveBackLocked()
 	p.assertLocked("scrub")
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrPoolFaulted, err)
