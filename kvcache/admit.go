@@ -119,6 +119,9 @@ type admission struct {
 	growing bool
 	seq     uint64
 	target  int
+	// w is its place in the queue once it has waited (waitLocked): its
+	// Lease's own waiter for an admission, one of its own for a growth.
+	w *waiter
 	// blocked is the refusal that keeps a waiting admission waiting;
 	// returned if its context ends.
 	blocked AdmissionError
@@ -218,7 +221,7 @@ func (p *Pool) stepsLocked(a *admission, st step) error {
 		case stepWait:
 			p.mu.Unlock()
 			select {
-			case <-l.wait.wake:
+			case <-a.w.wake:
 			case <-a.ctx.Done():
 			}
 			p.mu.Lock()
@@ -244,7 +247,7 @@ func (p *Pool) stepsLocked(a *admission, st step) error {
 // returns its outcome.
 func (p *Pool) endAdmissionLocked(a *admission) error {
 	p.assertHeld()
-	p.dequeueLocked(a.l)
+	p.dequeueLocked(a)
 	p.releaseClaimLocked(a)
 	if p.mu.admitting--; p.mu.closed {
 		p.quiet.Broadcast()
@@ -318,7 +321,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 	free := p.mu.alloc.Count(allocator.Free)
 	supply := free + p.mu.evicting + p.mu.prefix.lruLen - cachedHits - (p.mu.claimed - a.claim)
 	dec := p.mu.tenants.Decide(t, isolation.Demand{Charge: fresh + newToTenant, Take: fresh},
-		isolation.Supply{Pages: supply, InService: inService, Queued: p.queuedAheadLocked(l), Keep: p.keepLocked(inService)})
+		isolation.Supply{Pages: supply, InService: inService, Queued: p.queuedAheadLocked(a), Keep: p.keepLocked(inService)})
 	if dec.Verdict != isolation.Grant {
 		p.releaseClaimLocked(a)
 		return p.blockedLocked(a, t, dec)
@@ -374,7 +377,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 	p.mu.leases[req.ID] = l
 	p.mu.admitted++
 	p.countAdmittedLocked(t)
-	if p.dequeueLocked(l) {
+	if p.dequeueLocked(a) {
 		p.wakePagesLocked() // the next in line may fit too
 	}
 	a.err = nil
@@ -544,9 +547,13 @@ func validateRequest(req Request, tokensPerPage int) error {
 // Waiting.
 //
 // An admission that may wait and is refused for lack of pages or quota
-// joins Pool.mu.waiters, in arrival order, and sleeps on its Lease's wake
+// joins Pool.mu.waiters, in arrival order, and sleeps on its waiter's wake
 // channel (capacity one: a wake-up sent while it is still deciding is not
-// lost; a spurious one costs an attempt). Every waiter keeps its place
+// lost; a spurious one costs an attempt). An admission waits in its
+// Lease's own waiter (Lease.wait), which nobody else uses while it runs;
+// a growth in one of its own, since several growths of one lease may
+// wait at once, and a growth of an incarnation that has ended may still
+// be on its way out when the Lease is admitted into again. Every waiter keeps its place
 // until it is admitted, refused or its context ends. A waiter for pages
 // (waitPool) blocks the admissions behind it, except those inside their
 // tenant's unused reservation (isolation.Decide with Supply.Queued); a
@@ -573,18 +580,19 @@ const (
 	waitFill                        // granted: the fills of evicted pages
 )
 
-// waiter is a Lease's place in the queue while its admission waits.
+// waiter is a waiting admission's or growth's place in the queue.
 type waiter struct {
-	prev, next *Lease
+	prev, next *waiter
+	lease      *Lease // the admission's, or the growing one
 	queued     bool
 	reason     waitReason
 	tenant     *isolation.Tenant
 	wake       chan struct{}
 }
 
-// waitQueue is an intrusive list of waiting admissions' leases.
+// waitQueue is an intrusive list of waiters.
 type waitQueue struct {
-	head, tail *Lease
+	head, tail *waiter
 	len        int
 }
 
@@ -592,20 +600,27 @@ type waitQueue struct {
 // place) and returns stepWait.
 func (p *Pool) waitLocked(a *admission, t *isolation.Tenant, reason waitReason) step {
 	p.assertHeld()
-	l := a.l
-	w := &l.wait
-	if w.wake == nil {
-		w.wake = make(chan struct{}, 1)
+	w := a.w
+	if w == nil {
+		if a.growing {
+			w = new(waiter)
+		} else {
+			w = &a.l.wait
+		}
+		if w.wake == nil {
+			w.wake = make(chan struct{}, 1)
+		}
+		w.lease, a.w = a.l, w
 	}
 	if !w.queued {
 		q := &p.mu.waiters
 		w.prev, w.next, w.queued = q.tail, nil, true
 		if q.tail != nil {
-			q.tail.wait.next = l
+			q.tail.next = w
 		} else {
-			q.head = l
+			q.head = w
 		}
-		q.tail = l
+		q.tail = w
 		q.len++
 	} else if w.reason == waitPool && reason != waitPool {
 		// It leaves the line for pages: whoever is first now may fit.
@@ -620,22 +635,22 @@ func (p *Pool) waitLocked(a *admission, t *isolation.Tenant, reason waitReason) 
 	return stepWait
 }
 
-// dequeueLocked takes l out of the queue if it is in it and reports
+// dequeueLocked takes a out of the queue if it is in it and reports
 // whether it was waiting for pages.
-func (p *Pool) dequeueLocked(l *Lease) (wasPoolWaiter bool) {
+func (p *Pool) dequeueLocked(a *admission) (wasPoolWaiter bool) {
 	p.assertHeld()
-	w := &l.wait
-	if !w.queued {
+	w := a.w
+	if w == nil || !w.queued {
 		return false
 	}
 	q := &p.mu.waiters
 	if w.prev != nil {
-		w.prev.wait.next = w.next
+		w.prev.next = w.next
 	} else {
 		q.head = w.next
 	}
 	if w.next != nil {
-		w.next.wait.prev = w.prev
+		w.next.prev = w.prev
 	} else {
 		q.tail = w.prev
 	}
@@ -650,26 +665,26 @@ func (p *Pool) dequeueLocked(l *Lease) (wasPoolWaiter bool) {
 }
 
 // queuedAheadLocked reports whether an admission waiting for pages came
-// before l (which may not be queued at all).
-func (p *Pool) queuedAheadLocked(l *Lease) bool {
+// before a (which may not be queued at all).
+func (p *Pool) queuedAheadLocked(a *admission) bool {
 	p.assertHeld()
 	if p.mu.poolWaiters == 0 {
 		return false
 	}
-	if !l.wait.queued {
+	if a.w == nil || !a.w.queued {
 		return true
 	}
-	for w := p.mu.waiters.head; w != nil && w != l; w = w.wait.next {
-		if w.wait.reason == waitPool {
+	for w := p.mu.waiters.head; w != nil && w != a.w; w = w.next {
+		if w.reason == waitPool {
 			return true
 		}
 	}
 	return false
 }
 
-func signal(l *Lease) {
+func signal(w *waiter) {
 	select {
-	case l.wait.wake <- struct{}{}:
+	case w.wake <- struct{}{}:
 	default: // a wake-up is already pending
 	}
 }
@@ -679,8 +694,8 @@ func signal(l *Lease) {
 func (p *Pool) wakePagesLocked() {
 	p.assertHeld()
 	first := true
-	for w := p.mu.waiters.head; w != nil; w = w.wait.next {
-		switch w.wait.reason {
+	for w := p.mu.waiters.head; w != nil; w = w.next {
+		switch w.reason {
 		case waitPool:
 			if first {
 				signal(w)
@@ -696,8 +711,8 @@ func (p *Pool) wakePagesLocked() {
 // changed.
 func (p *Pool) wakeTenantLocked(t *isolation.Tenant) {
 	p.assertHeld()
-	for w := p.mu.waiters.head; w != nil; w = w.wait.next {
-		if w.wait.tenant == t {
+	for w := p.mu.waiters.head; w != nil; w = w.next {
+		if w.tenant == t {
 			signal(w)
 		}
 	}
@@ -707,7 +722,7 @@ func (p *Pool) wakeTenantLocked(t *isolation.Tenant) {
 // cleared or closed.
 func (p *Pool) wakeAllLocked() {
 	p.assertHeld()
-	for w := p.mu.waiters.head; w != nil; w = w.wait.next {
+	for w := p.mu.waiters.head; w != nil; w = w.next {
 		signal(w)
 	}
 }

@@ -122,8 +122,8 @@ func (p *Pool) checkMatchesLocked(c *checker) {
 	for _, l := range p.mu.leases {
 		check(l)
 	}
-	for l := p.mu.waiters.head; l != nil; l = l.wait.next {
-		check(l)
+	for w := p.mu.waiters.head; w != nil; w = w.next {
+		check(w.lease)
 	}
 }
 
@@ -233,16 +233,16 @@ func (p *Pool) checkAdmissionsLocked(c *checker) {
 		c.failf("%d admissions in progress", p.mu.admitting)
 	}
 	n, pool := 0, 0
-	var prev *Lease
-	for l := p.mu.waiters.head; l != nil; l = l.wait.next {
-		if n++; n > p.mu.waiters.len || !l.wait.queued || l.wait.prev != prev {
+	var prev *waiter
+	for w := p.mu.waiters.head; w != nil; w = w.next {
+		if n++; n > p.mu.waiters.len || !w.queued || w.prev != prev || w.lease == nil {
 			c.failf("waiting queue broken at position %d", n)
 			return
 		}
-		if l.wait.reason == waitPool {
+		if w.reason == waitPool {
 			pool++
 		}
-		prev = l
+		prev = w
 	}
 	if n != p.mu.waiters.len || p.mu.waiters.tail != prev || pool != p.mu.poolWaiters {
 		c.failf("waiting queue holds %d admissions (%d for pages), counters say %d (%d)", n, pool, p.mu.waiters.len, p.mu.poolWaiters)

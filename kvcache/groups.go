@@ -131,7 +131,7 @@ func (p *Pool) decideSideLocked(a *admission, t *isolation.Tenant) (st step, ok 
 		l.side = make([]sideHold, len(p.side))
 	}
 	tokens := a.req.Tokens()
-	queued := p.queuedAheadLocked(l)
+	queued := p.queuedAheadLocked(a)
 	for i, g := range p.side {
 		need := g.group.perLease(tokens)
 		mt := g.mirror(t)

@@ -94,7 +94,7 @@ func (l *Lease) grow(a *admission, tokens int) error {
 	// let go of the lock, so Close had nothing to wait for. That is most
 	// growths, and their bookkeeping was a tenth of their cost.
 	st := p.growAttemptLocked(a)
-	if st == stepDone && a.claim == 0 && !l.wait.queued {
+	if st == stepDone && a.claim == 0 && a.w == nil {
 		p.mu.Unlock()
 		return a.err
 	}
@@ -163,7 +163,7 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 	a.claim = 0
 	p.mu.growth.Grown++
 	p.mu.growth.PagesGrown += uint64(fresh)
-	p.dequeueLocked(l)
+	p.dequeueLocked(a)
 	a.err = nil
 	p.assertLocked("grow")
 	return stepDone
