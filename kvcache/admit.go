@@ -560,13 +560,15 @@ func validateRequest(req Request, tokensPerPage int) error {
 // waiter for quota (waitQuota) blocks nobody; a granted admission waiting
 // for the fills of evicted pages (waitFill) holds a claim instead.
 //
-// What wakes whom, the whole table:
+// What wakes whom, the whole table ("pool waiters that pass" are the
+// waiting growths, which pass the queue, and the admissions whose tenant
+// has reservation unused, which Decide lets take it whoever waits ahead):
 //
 //	event                                          wakes
-//	pages scrubbed clean (finishScrubLocked)       first pool waiter, fill waiters
-//	a page became evictable (parked in the LRU)    first pool waiter, fill waiters
-//	a claim given back unused                      first pool waiter, fill waiters
-//	a waiter admitted, or no longer first in line  the next pool waiter
+//	pages scrubbed clean (finishScrubLocked)       first pool waiter, pool waiters that pass, fill waiters
+//	a page became evictable (parked in the LRU)    first pool waiter, pool waiters that pass, fill waiters
+//	a claim given back unused                      first pool waiter, pool waiters that pass, fill waiters
+//	a waiter admitted, or no longer first in line  the next pool waiter, pool waiters that pass
 //	a tenant's usage dropped (its lease ended)     that tenant's waiters
 //	UpdateTenant                                   that tenant's waiters, first pool waiter
 //	a fault, ClearFault, Close                     every waiter
@@ -584,6 +586,7 @@ const (
 type waiter struct {
 	prev, next *waiter
 	lease      *Lease // the admission's, or the growing one
+	growth     bool   // a growth's: it passes the queue
 	queued     bool
 	reason     waitReason
 	tenant     *isolation.Tenant
@@ -603,7 +606,7 @@ func (p *Pool) waitLocked(a *admission, t *isolation.Tenant, reason waitReason) 
 	w := a.w
 	if w == nil {
 		if a.growing {
-			w = new(waiter)
+			w = &waiter{growth: true}
 		} else {
 			w = &a.l.wait
 		}
@@ -689,22 +692,40 @@ func signal(w *waiter) {
 	}
 }
 
-// wakePagesLocked wakes the first admission waiting for pages and every
-// granted one waiting for fills: pages became free or evictable.
+// wakePagesLocked wakes the first admission waiting for pages, the
+// waiters for pages that may pass it, and every granted one waiting for
+// fills: pages became free or evictable.
 func (p *Pool) wakePagesLocked() {
 	p.assertHeld()
 	first := true
 	for w := p.mu.waiters.head; w != nil; w = w.next {
 		switch w.reason {
 		case waitPool:
-			if first {
+			if first || p.passesLocked(w) {
 				signal(w)
-				first = false
 			}
+			first = false
 		case waitFill:
 			signal(w)
 		}
 	}
+}
+
+// passesLocked reports whether w, waiting for pages, may be granted
+// ahead of the waiters before it: a growth, which passes the queue, or
+// an admission whose tenant has reservation unused in some group, which
+// it may take whoever waits (isolation.Decide with Supply.Queued).
+func (p *Pool) passesLocked(w *waiter) bool {
+	p.assertHeld()
+	if w.growth || w.tenant.Used < w.tenant.Reserved {
+		return true
+	}
+	for _, g := range p.side {
+		if mt := g.mirror(w.tenant); mt.Used < mt.Reserved {
+			return true
+		}
+	}
+	return false
 }
 
 // wakeTenantLocked wakes t's waiting admissions: t's usage or limits
