@@ -98,8 +98,17 @@ func (l *Lease) AttachTokens(adapter string, tokens []int32) error {
 	if err := validatePrefix(Request{PromptTokens: l.prompt, TokenIDs: tokens, Adapter: adapter}, p.tpp); err != nil {
 		return fmt.Errorf("%w: lease %q: %w", ErrInvalidArgument, l.id, err)
 	}
-	// Hashed outside Pool.mu; the domain never changes while l lives.
-	keys := appendPageKeys(nil, prefixRoot(l.Domain(), adapter), p.tpp, tokens)
+	// Hashed outside Pool.mu, in the domain of the incarnation it reads
+	// under the lock (which never changes while that incarnation lives):
+	// the lease may end and be admitted into again meanwhile, and the
+	// keys are then the old incarnation's.
+	p.mu.Lock()
+	seq, dom := l.seq, l.Domain()
+	p.mu.Unlock()
+	keys := appendPageKeys(nil, prefixRoot(dom, adapter), p.tpp, tokens)
+	if testHookAttachTokensHashed != nil {
+		testHookAttachTokensHashed()
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.mu.closed {
@@ -107,6 +116,9 @@ func (l *Lease) AttachTokens(adapter string, tokens []int32) error {
 	}
 	if err := l.live(); err != nil {
 		return err
+	}
+	if l.seq != seq {
+		return ErrLeaseReleased
 	}
 	if len(l.keys) > 0 || len(l.tokens) > 0 || l.published > 0 {
 		return fmt.Errorf("%w: lease %q already has prefix material", ErrInvalidArgument, l.id)
@@ -118,6 +130,10 @@ func (l *Lease) AttachTokens(adapter string, tokens []int32) error {
 	l.tokens = append(l.tokens[:0], tokens...)
 	return nil
 }
+
+// testHookAttachTokensHashed, if set (by tests only), runs in
+// AttachTokens once the keys are derived, before it takes Pool.mu.
+var testHookAttachTokensHashed func()
 
 // matchLocked finds the longest run of l's leading pages cached in dom
 // under adapter (at most limit pages) and leaves their entries in l.match:

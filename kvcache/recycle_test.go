@@ -143,3 +143,29 @@ func TestStaleGrowthDoesNotDequeueTheNextIncarnation(t *testing.T) {
 		require.NoError(t, p.Close())
 	}
 }
+
+// AttachTokens derives its keys outside Pool.mu. If its lease ends
+// meanwhile and the Lease is admitted again (another request, another
+// tenant, another domain), the stale call must not give the new
+// incarnation the old one's tokens: CachePrefix would publish the new
+// request's pages under a prompt they were not computed for, with keys
+// rooted in the other domain.
+func TestStaleAttachTokensDoesNotReachTheNextIncarnation(t *testing.T) {
+	p := newPrefixPool(t, 16, PrefixConfig{}, TenantConfig{Name: "a"}, TenantConfig{Name: "b"})
+	var l Lease
+	require.NoError(t, p.TryAdmitInto(Request{ID: "one", Tenant: "a", PromptTokens: 2 * prefixTPP}, &l))
+	testHookAttachTokensHashed = func() {
+		testHookAttachTokensHashed = nil
+		require.NoError(t, l.Release())
+		require.NoError(t, p.TryAdmitInto(Request{ID: "two", Tenant: "b", PromptTokens: 2 * prefixTPP}, &l))
+	}
+	t.Cleanup(func() { testHookAttachTokensHashed = nil })
+	require.ErrorIs(t, l.AttachTokens("", tokens(2*prefixTPP, 0, 1)), ErrLeaseReleased)
+
+	require.NoError(t, l.Commit(2*prefixTPP))
+	n, err := l.CachePrefix(2 * prefixTPP)
+	require.NoError(t, err)
+	assert.Zero(t, n, "the new incarnation has no tokens, so it publishes nothing")
+	assert.Zero(t, p.Stats().Prefix.Domains[1].IndexedPages)
+	require.NoError(t, p.Check())
+}
