@@ -159,10 +159,20 @@ func (l *Lease) Tenant() string {
 }
 
 // PromptTokens and MaxNewTokens return the admitted request's sizes.
-func (l *Lease) PromptTokens() int { return l.prompt }
+func (l *Lease) PromptTokens() int {
+	if l == nil {
+		return 0
+	}
+	return l.prompt
+}
 
 // MaxNewTokens returns the admitted request's output budget.
-func (l *Lease) MaxNewTokens() int { return l.maxNew }
+func (l *Lease) MaxNewTokens() int {
+	if l == nil {
+		return 0
+	}
+	return l.maxNew
+}
 
 // Pages returns how many pages the lease holds.
 func (l *Lease) Pages() int {

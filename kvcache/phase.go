@@ -89,8 +89,12 @@ func (ph Phase) String() string {
 	return fmt.Sprintf("Phase(%d)", uint32(ph))
 }
 
-// Phase returns the lease's handoff phase.
+// Phase returns the lease's handoff phase: PhaseAdmitted for a nil or
+// zero Lease.
 func (l *Lease) Phase() Phase {
+	if l == nil {
+		return PhaseAdmitted
+	}
 	ph := Phase(l.phase.Load())
 	switch l.state.Load() {
 	case leaseLive:

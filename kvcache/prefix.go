@@ -523,7 +523,7 @@ func (l *Lease) CachePrefix(n int) (int, error) {
 // prefix cache: their KV is already in its first pages, and the engine
 // starts prefill after them.
 func (l *Lease) HitTokens() int {
-	if l.pool == nil {
+	if l == nil || l.pool == nil {
 		return 0
 	}
 	return l.hitPages * l.pool.tpp
@@ -531,7 +531,7 @@ func (l *Lease) HitTokens() int {
 
 // Domain returns the name of the sharing domain the lease was admitted in.
 func (l *Lease) Domain() string {
-	if l.domain == nil {
+	if l == nil || l.domain == nil {
 		return ""
 	}
 	return l.domain.Name
