@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/kvfence/kvfence/allocator"
@@ -398,6 +399,11 @@ func (l *Lease) SlideWindows(after cudaops.Ordering) (int, error) {
 	p.mu.pins++
 	p.mu.Unlock()
 	fence, err := p.q.IssueSpaces(batches, after)
+	if errors.Is(err, cudaops.ErrBadOrdering) && !after.IsZero() {
+		// Gone bad since checkOrdering: the engine's mistake, not a
+		// failed fill (see scrub). Wait for all the engine's work instead.
+		fence, err = p.q.IssueSpaces(batches, cudaops.Ordering{})
+	}
 	if err == nil {
 		err = fence.Wait()
 	}
