@@ -3,6 +3,7 @@ package kvcache
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/internal/invariants"
@@ -15,9 +16,14 @@ import (
 // the quarantine's and the prefix index's own, and then that they agree:
 //
 //   - every page of a live lease is in use by the lease's domain at the
-//     lease's generation, and its block table matches its handles; only
-//     its first published pages (hits and what it published) are in the
-//     prefix index, which is all its release looks up;
+//     lease's generation, and its block table, as its lock-free readers
+//     see it too, matches its handles; only its first published pages
+//     (hits and what it published) are in the prefix index, which is all
+//     its release looks up;
+//   - a live lease's written watermark is within its request and its
+//     capacity, its pages are sealed exactly while it is exported or
+//     imported, and each sliding window starts no later than the
+//     watermark lets it (SlideWindows);
 //   - each page's refcount is the number of live leases holding it, and a
 //     page without an index entry is held by at most one;
 //   - each entry's per-tenant counts are its leases' tenants, and each
@@ -25,7 +31,8 @@ import (
 //   - every indexed page is owned by its entry's domain and is Cached
 //     exactly when it is on the LRU list; every Cached page has an entry;
 //   - the pages promised to admissions (claims) are free or being
-//     scrubbed for them, and the waiting queue is well formed.
+//     scrubbed for them, the page copies in flight are the live leases'
+//     pins, and the waiting queue is well formed.
 //
 // Check is O(pages + leases' pages).
 func (p *Pool) Check() error {
@@ -139,15 +146,18 @@ func (p *Pool) checkSharingLocked(c *checker) {
 		page int32
 	}
 	entryRefs := make(map[tenantPage]int)
+	pins := 0
 	for id, l := range p.mu.leases {
 		if l.id != id || l.state.Load() != leaseLive {
 			c.failf("lease table entry %q holds lease %q in state %d", id, l.id, l.state.Load())
 			continue
 		}
+		pins += l.pins
 		if len(l.table) != len(l.handles) {
 			c.failf("lease %q has %d handles, %d table entries", id, len(l.handles), len(l.table))
 			continue
 		}
+		p.checkLeaseLocked(c, l)
 		for i, h := range l.handles {
 			info, err := a.Info(h.Page)
 			if err != nil {
@@ -171,6 +181,9 @@ func (p *Pool) checkSharingLocked(c *checker) {
 				charged[l.tenant]++
 			}
 		}
+	}
+	if pins != p.mu.pins {
+		c.failf("%d page copies in flight, the live leases hold %d pins", p.mu.pins, pins)
 	}
 	if lru := x.lruLen; lru != a.Count(allocator.Cached) {
 		c.failf("LRU list holds %d pages, the allocator has %d cached", lru, a.Count(allocator.Cached))
@@ -215,6 +228,26 @@ func (p *Pool) checkSharingLocked(c *checker) {
 		if t.Used != charged[t] {
 			c.failf("tenant %q charged %d pages, holds %d", t.Name, t.Used, charged[t])
 		}
+	}
+}
+
+// checkLeaseLocked checks what live lease l says of itself: the block
+// table its readers see, its written watermark and seal, and how much of
+// it is shared or published.
+func (p *Pool) checkLeaseLocked(c *checker, l *Lease) {
+	p.assertHeld()
+	if v := l.tableView(); !slices.Equal(v, l.table) {
+		c.failf("lease %q: the block table its readers see holds %d pages, not its %d", l.id, len(v), len(l.table))
+	}
+	written, sealed := l.Written(), l.written.Load()&writeSealed != 0
+	if limit := min(l.prompt+l.maxNew, len(l.table)*p.tpp); written < 0 || written > limit {
+		c.failf("lease %q: written watermark %d, outside the %d tokens it may hold", l.id, written, limit)
+	}
+	if ph := Phase(l.phase.Load()); sealed != (ph == PhaseExported || ph == PhaseImporting) {
+		c.failf("lease %q is %v, and its pages sealed is %v", l.id, ph, sealed)
+	}
+	if l.hitPages < 0 || l.hitPages > l.published || l.published > len(l.handles) {
+		c.failf("lease %q shares %d hits and has published %d of its %d pages", l.id, l.hitPages, l.published, len(l.handles))
 	}
 }
 

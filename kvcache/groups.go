@@ -233,6 +233,11 @@ func (p *Pool) checkSideLocked(c *checker) {
 			if len(h.handles) != want || len(h.ring) != want {
 				c.failf("lease %q holds %d pages (%d in its ring) of group %q, its request needs %d", id, len(h.handles), len(h.ring), g.name, want)
 			}
+			if first := max(0, l.Written()-g.window) / max(1, g.tpp); h.first < 0 || h.first > first ||
+				(g.kind != GroupSlidingWindow && h.first != 0) {
+				c.failf("lease %q: its window of group %q starts at page %d; %d tokens written let it start at page %d at most",
+					id, g.name, h.first, l.Written(), first)
+			}
 			for j, hd := range h.handles {
 				info, err := g.alloc.Info(hd.Page)
 				if err != nil {
