@@ -110,7 +110,9 @@ func (p *Pool) checkLocked() error {
 // attempts (admitted leases, and admissions waiting in the queue): a
 // match still valid at the index's epoch, which an attempt would use as
 // it is, holds only entries in the index, never a spare one (see
-// prefixIndex.recycle).
+// prefixIndex.recycle). A waiting growth's lease is live and checked in
+// the lease table, or it has ended and may be in the middle of its next
+// admission, which resets the match outside Pool.mu: it is skipped.
 func (p *Pool) checkMatchesLocked(c *checker) {
 	p.assertHeld()
 	x := &p.mu.prefix
@@ -130,7 +132,9 @@ func (p *Pool) checkMatchesLocked(c *checker) {
 		check(l)
 	}
 	for w := p.mu.waiters.head; w != nil; w = w.next {
-		check(w.lease)
+		if !w.growth {
+			check(w.lease)
+		}
 	}
 }
 

@@ -3,6 +3,7 @@ package kvcache
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -168,4 +169,41 @@ func TestStaleAttachTokensDoesNotReachTheNextIncarnation(t *testing.T) {
 	assert.Zero(t, n, "the new incarnation has no tokens, so it publishes nothing")
 	assert.Zero(t, p.Stats().Prefix.Domains[1].IndexedPages)
 	require.NoError(t, p.Check())
+}
+
+// Check looked at the prefix match of every waiter's lease, a growth's
+// too. A growth whose lease has ended may still be queued when the Lease
+// is admitted into again, and admit resets the match outside Pool.mu: a
+// Check then (any goroutine's, or the self-check after any state change
+// under -race) read it unsynchronised. A growth's lease is live, in the
+// lease table, and checked there. The race detector sees this one, so
+// the test fails only under -race; the race is run a number of times.
+func TestCheckDoesNotReadTheMatchOfAStaleGrowthsLease(t *testing.T) {
+	for range 200 {
+		p := onDemandPool(t, 8, 0, 0, TenantConfig{Name: "a", ReservedPages: 1}, TenantConfig{Name: "b"})
+		var l Lease
+		require.NoError(t, p.TryAdmitInto(Request{ID: "run", Tenant: "a", PromptTokens: 4, MaxNewTokens: 28}, &l))
+		require.NoError(t, l.Commit(4))
+		hog := admit(t, p, "hog", "b", 7*4)
+		grown := make(chan error, 1)
+		go func() { grown <- l.Grow(context.Background(), 8) }()
+		admittingIs(t, p, 1)
+		var stop atomic.Bool
+		checked := make(chan struct{})
+		go func() {
+			defer close(checked)
+			for !stop.Load() {
+				assert.NoError(t, p.Check())
+			}
+		}()
+		require.NoError(t, l.Release())
+		require.NoError(t, p.TryAdmitInto(Request{ID: "next", Tenant: "a", PromptTokens: 4}, &l), "inside its reservation")
+		stop.Store(true)
+		<-checked
+		require.ErrorIs(t, <-grown, ErrLeaseReleased)
+		require.NoError(t, hog.Release())
+		require.NoError(t, l.Release())
+		require.NoError(t, p.Check())
+		require.NoError(t, p.Close())
+	}
 }
