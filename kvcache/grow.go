@@ -151,7 +151,7 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 
 	// Nothing can fail from here on.
 	p.mu.tenants.Apply(t, dec)
-	handles, table, err := p.mu.alloc.AllocIDs(l.handles, l.table, fresh, t.Domain.ID)
+	handles, table, err := p.mu.alloc.AllocIDs(l.handles, l.table, fresh, l.domain.ID) // the lease's domain, which the tenant may have left
 	if err != nil {
 		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
 	}
