@@ -209,21 +209,24 @@ func (s CacheSpec) PagesFor(tokens int) int {
 }
 
 // LeaseBytes is what one live lease of tokens tokens holds in every
-// group but the per-token one (its state slot and window rings).
+// group but the per-token one (its state slot and window rings),
+// saturating at math.MaxInt64.
 func (s CacheSpec) LeaseBytes(tokens int) int64 {
 	var b int64
 	for _, g := range s.Groups[min(1, len(s.Groups)):] {
-		b += int64(g.perLease(tokens)) * g.bytes()
+		b = satAdd(b, satMul(int64(g.perLease(tokens)), g.bytes()))
 	}
 	return b
 }
 
 // BytesFor is the memory a pool of pages per-token pages and maxLeases
-// leases needs over all groups.
+// leases needs over all groups, saturating at math.MaxInt64: a valid spec
+// can need more than int64 counts (2^24 leases of a ring of 2^16 pages of
+// 2^44 bytes).
 func (s CacheSpec) BytesFor(pages, maxLeases int) int64 {
-	b := int64(pages) * s.PageBytes()
+	b := satMul(int64(pages), s.PageBytes())
 	for _, g := range s.Groups[min(1, len(s.Groups)):] {
-		b += int64(maxLeases) * int64(g.perLease(math.MaxInt32)) * g.bytes()
+		b = satAdd(b, satMul(satMul(int64(maxLeases), int64(g.perLease(math.MaxInt32))), g.bytes()))
 	}
 	return b
 }
@@ -244,12 +247,12 @@ func (s CacheSpec) PagesForMemory(free, headroom int64, maxLeases int) (int, err
 	if free < 0 || headroom < 0 {
 		return 0, fmt.Errorf("%w: free %d and headroom %d bytes must not be negative", ErrInvalidConfig, free, headroom)
 	}
-	left := free - headroom - side
-	if left < s.PageBytes() {
+	left := free - headroom // no overflow: both are ≥ 0
+	if left < side || left-side < s.PageBytes() {
 		return 0, fmt.Errorf("%w: %d free bytes less %d headroom and %d for %d leases' %s leave no page of %d bytes",
 			ErrUndersizedPool, free, headroom, side, maxLeases, lay.sideNames(), s.PageBytes())
 	}
-	return int(min(left/s.PageBytes(), int64(math.MaxInt32))), nil
+	return int(min((left-side)/s.PageBytes(), int64(math.MaxInt32))), nil
 }
 
 // bytes is one page (slot) of the group over all its regions.

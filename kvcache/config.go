@@ -245,7 +245,7 @@ func (c *Config) sizes(lay *layout) (pages int, side []int, err error) {
 				ErrInvalidConfig, g.name, n, c.MaxLeases, allocator.MaxPages)
 		}
 		side = append(side, n)
-		sideBytes += int64(n) * g.pageBytes
+		sideBytes = satAdd(sideBytes, satMul(int64(n), g.pageBytes)) // 2^31 pages of 2^44 bytes overflow
 	}
 	n := int64(c.Pages)
 	if c.PoolBytes != 0 {
