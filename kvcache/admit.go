@@ -553,12 +553,13 @@ func validateRequest(req Request, tokensPerPage int) error {
 // Lease's own waiter (Lease.wait), which nobody else uses while it runs;
 // a growth in one of its own, since several growths of one lease may
 // wait at once, and a growth of an incarnation that has ended may still
-// be on its way out when the Lease is admitted into again. Every waiter keeps its place
-// until it is admitted, refused or its context ends. A waiter for pages
-// (waitPool) blocks the admissions behind it, except those inside their
-// tenant's unused reservation (isolation.Decide with Supply.Queued); a
-// waiter for quota (waitQuota) blocks nobody; a granted admission waiting
-// for the fills of evicted pages (waitFill) holds a claim instead.
+// be on its way out when the Lease is admitted into again. Every waiter
+// keeps its place until it is admitted, refused or its context ends. A
+// waiter for pages (waitPool) blocks the admissions behind it, except
+// those inside their tenant's unused reservation (isolation.Decide with
+// Supply.Queued); a waiter for quota (waitQuota) blocks nobody; a granted
+// admission waiting for the fills of evicted pages (waitFill) holds a
+// claim instead.
 //
 // What wakes whom, the whole table ("pool waiters that pass" are the
 // waiting growths, which pass the queue, and the admissions whose tenant
