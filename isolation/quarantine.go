@@ -208,7 +208,10 @@ func (q *Quarantine) IssueSpaces(batches [][]int32, after cudaops.Ordering) (cud
 	n := 0
 	for i, b := range batches {
 		if len(b) > 0 {
-			s := q.spaces[i]
+			// Through a pointer: a copy of the space would read its
+			// counters, which the pool writes under its lock while this
+			// runs outside it; First and Count never change.
+			s := &q.spaces[i]
 			spans = append(spans, cudaops.Span{First: s.First, Count: s.Count, Pages: b})
 			n += len(b)
 		}
