@@ -3,10 +3,6 @@ package handoff_test
 import (
 	"bytes"
 	"context"
-	"encoding/json"
-	"log/slog"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -15,36 +11,9 @@ import (
 
 	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/handoff/internal/testkit"
+	"github.com/kvfence/kvfence/internal/testlog"
 	"github.com/kvfence/kvfence/kvcache"
 )
-
-// lockedBuffer collects a JSON slog handler's records from any goroutine.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) records(t *testing.T) []map[string]any {
-	t.Helper()
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	var out []map[string]any
-	for _, line := range strings.Split(strings.TrimSpace(b.buf.String()), "\n") {
-		if line == "" {
-			continue
-		}
-		var m map[string]any
-		require.NoError(t, json.Unmarshal([]byte(line), &m))
-		out = append(out, m)
-	}
-	return out
-}
 
 func TestReasonNamesCoverEveryReasonCode(t *testing.T) {
 	seen := map[string]bool{}
@@ -67,11 +36,11 @@ func TestTransferOutcomesCountedOnBothSidesByReason(t *testing.T) {
 	prefill := pool(t, testkit.PoolConfig{Pages: 64})
 	// The decode pool is too small for the second request: pool_exhausted.
 	decode := pool(t, testkit.PoolConfig{Pages: 64})
-	var sendLog, recvLog lockedBuffer
+	var sendLog, recvLog testlog.Buffer
 	recv := receiver(t, decode, func(c *handoff.ReceiverConfig) {
-		c.Logger = slog.New(slog.NewJSONHandler(&recvLog, nil))
+		c.Logger = recvLog.Logger()
 	})
-	s := sender(t, func(c *handoff.SenderConfig) { c.Logger = slog.New(slog.NewJSONHandler(&sendLog, nil)) })
+	s := sender(t, func(c *handoff.SenderConfig) { c.Logger = sendLog.Logger() })
 	ctx := context.Background()
 
 	l, err := testkit.Prefill(prefill, "ok", "victim", 100)
@@ -106,8 +75,8 @@ func TestTransferOutcomesCountedOnBothSidesByReason(t *testing.T) {
 	assert.Equal(t, uint64(1), ss.Failed)
 	assert.Equal(t, uint64(1), ss.FailedBy[code])
 
-	for side, buf := range map[string]*lockedBuffer{"receiver": &recvLog, "sender": &sendLog} {
-		recs := buf.records(t)
+	for side, buf := range map[string]*testlog.Buffer{"receiver": &recvLog, "sender": &sendLog} {
+		recs := buf.Records(t)
 		require.Len(t, recs, 1, "%s: one record for the one refusal", side)
 		assert.Equal(t, "pool_exhausted", recs[0]["reason"], side)
 		assert.Equal(t, "WARN", recs[0]["level"], side)
@@ -204,8 +173,8 @@ func TestTransferTimeoutReportedAsIncomplete(t *testing.T) {
 func TestDirectImportWriteFailureCountedByItsReason(t *testing.T) {
 	prefill := pool(t, testkit.PoolConfig{Pages: 64})
 	decode := pool(t, testkit.PoolConfig{Pages: 64})
-	var recvLog lockedBuffer
-	recv := receiver(t, decode, func(c *handoff.ReceiverConfig) { c.Logger = slog.New(slog.NewJSONHandler(&recvLog, nil)) })
+	var recvLog testlog.Buffer
+	recv := receiver(t, decode, func(c *handoff.ReceiverConfig) { c.Logger = recvLog.Logger() })
 	for _, tc := range []struct {
 		name   string
 		write  func(imp *handoff.Import, page []byte) error
@@ -240,7 +209,7 @@ func TestDirectImportWriteFailureCountedByItsReason(t *testing.T) {
 			assert.Equal(t, before.Refused+1, after.Refused)
 			code := indexOf(t, tc.reason)
 			assert.Equal(t, before.RefusedBy[code]+1, after.RefusedBy[code], "counted by reason: %v", after.RefusedBy)
-			recs := recvLog.records(t)
+			recs := recvLog.Records(t)
 			require.NotEmpty(t, recs)
 			assert.Equal(t, tc.reason, recs[len(recs)-1]["reason"])
 			assertNoImport(t, recv, decode, id)

@@ -178,7 +178,12 @@ func TestGrowthWatermarkKeepsPagesForRunningLeases(t *testing.T) {
 
 // Growth and preemption of a request whose pages are published: its
 // next admission shares every full page it had written.
-func TestPreemptKeepsWhatWasComputedForReadmission(t *testing.T) {
+// grownLease admits a request of a 10-token prompt, with its token IDs,
+// into an on-demand pool of 32 pages and has it generate 9 tokens, growing
+// and committing as it goes: 19 tokens written, 5 pages. It returns the
+// pool, the lease and the IDs of the tokens written.
+func grownLease(t *testing.T) (*Pool, *Lease, []int32) {
+	t.Helper()
 	cfg := Config{Geometry: prefixGeometry, Pages: 32, MaxContextTokens: 32 * prefixTPP,
 		Tenants: []TenantConfig{{Name: "a"}}, Sizing: onDemand(0)}
 	p := newPool(t, cfg)
@@ -186,18 +191,22 @@ func TestPreemptKeepsWhatWasComputedForReadmission(t *testing.T) {
 	l, err := p.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: len(prompt), MaxNewTokens: 40, TokenIDs: prompt})
 	require.NoError(t, err)
 	require.NoError(t, l.Commit(10))
-	// It generates 9 tokens, growing as it goes.
 	all := append(append([]int32(nil), prompt...), tokens(9, 0, 2)...)
 	for n := 11; n <= len(all); n++ {
 		require.NoError(t, l.TryGrow(1))
 		require.NoError(t, l.Commit(n))
 	}
 	require.Equal(t, 5, l.Pages())
+	return p, l, all
+}
+
+func TestPreemptKeepsWhatWasComputedForReadmission(t *testing.T) {
+	p, l, all := grownLease(t)
 	host := hostOf(t, p)
 	markWith(t, host, l, 0x3c)
 	before := leaseBytes(t, host, p.geom.Regions(), l, 4)
 
-	_, err = l.Preempt(all[:5])
+	_, err := l.Preempt(all[:5])
 	require.ErrorIs(t, err, ErrInvalidArgument, "token IDs must be what is written")
 	kept, err := l.Preempt(all)
 	require.NoError(t, err)

@@ -1,58 +1,23 @@
 package kvcache
 
 import (
-	"bytes"
-	"encoding/json"
 	"errors"
-	"log/slog"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/internal/testlog"
 )
 
 // Tests of what operators read: the logger, per-tenant counters and the
 // fill latency histogram.
 
-// logRecords is a JSON slog handler's output, one map per record.
-type logRecords struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (r *logRecords) Write(p []byte) (int, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.buf.Write(p)
-}
-
-func (r *logRecords) logger() *slog.Logger {
-	return slog.New(slog.NewJSONHandler(r, &slog.HandlerOptions{Level: slog.LevelDebug}))
-}
-
-func (r *logRecords) all(t *testing.T) []map[string]any {
-	t.Helper()
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var out []map[string]any
-	for _, line := range strings.Split(strings.TrimSpace(r.buf.String()), "\n") {
-		if line == "" {
-			continue
-		}
-		var m map[string]any
-		require.NoError(t, json.Unmarshal([]byte(line), &m), line)
-		out = append(out, m)
-	}
-	return out
-}
-
 func TestLoggerSilentOnAdmissionsReleasesAndRefusals(t *testing.T) {
-	var logs logRecords
+	var logs testlog.Buffer
 	cfg := tinyConfig(8)
-	cfg.Logger = logs.logger()
+	cfg.Logger = logs.Logger()
 	p := newPool(t, cfg)
 	for i := range 20 {
 		l := admit(t, p, "r", "a", 8)
@@ -62,17 +27,17 @@ func TestLoggerSilentOnAdmissionsReleasesAndRefusals(t *testing.T) {
 		require.ErrorIs(t, err, ErrUnknownTenant)
 		require.NoError(t, l.Release())
 	}
-	assert.Empty(t, logs.all(t), "nothing is logged per admission, release or refusal")
+	assert.Empty(t, logs.Records(t), "nothing is logged per admission, release or refusal")
 }
 
 func TestLoggerLogsRefusedConfigurationWithItsNumbers(t *testing.T) {
-	var logs logRecords
+	var logs testlog.Buffer
 	cfg := tinyConfig(8)
 	cfg.MaxContextTokens = 1000 // 8 pages of 4 tokens hold 32
-	cfg.Logger = logs.logger()
+	cfg.Logger = logs.Logger()
 	_, err := New(cfg)
 	require.ErrorIs(t, err, ErrUndersizedPool)
-	recs := logs.all(t)
+	recs := logs.Records(t)
 	require.Len(t, recs, 1)
 	assert.Equal(t, "ERROR", recs[0]["level"])
 	assert.EqualValues(t, 8, recs[0]["pages"])
@@ -81,18 +46,18 @@ func TestLoggerLogsRefusedConfigurationWithItsNumbers(t *testing.T) {
 }
 
 func TestLoggerLogsFailedFillOnceWithRetiredPages(t *testing.T) {
-	var logs logRecords
+	var logs testlog.Buffer
 	dev := newScripted()
 	cfg := tinyConfig(8)
 	cfg.Device = dev
-	cfg.Logger = logs.logger()
+	cfg.Logger = logs.Logger()
 	p := newPool(t, cfg)
 	l := admit(t, p, "r", "a", 12) // 3 pages
 	dev.mu.Lock()
 	dev.mu.failFence = errors.New("device lost")
 	dev.mu.Unlock()
 	require.ErrorIs(t, l.Release(), ErrPoolFaulted)
-	recs := logs.all(t)
+	recs := logs.Records(t)
 	require.Len(t, recs, 1, "one fault, one record")
 	assert.Equal(t, "ERROR", recs[0]["level"])
 	assert.EqualValues(t, 3, recs[0]["pages_retired"])
@@ -102,15 +67,15 @@ func TestLoggerLogsFailedFillOnceWithRetiredPages(t *testing.T) {
 	// The faulted pool refuses without logging again.
 	_, err := p.TryAdmit(Request{ID: "next", Tenant: "a", PromptTokens: 4})
 	require.ErrorIs(t, err, ErrPoolFaulted)
-	assert.Len(t, logs.all(t), 1)
+	assert.Len(t, logs.Records(t), 1)
 	require.NoError(t, p.Check())
 }
 
 func TestLoggerLogsCanaryMismatchWithPageAndOwner(t *testing.T) {
-	var logs logRecords
+	var logs testlog.Buffer
 	cfg := tinyConfig(4)
 	cfg.Scrub = ScrubPolicy{Kind: ScrubCanary}
-	cfg.Logger = logs.logger()
+	cfg.Logger = logs.Logger()
 	p := newPool(t, cfg)
 	l := admit(t, p, "victim", "a", 16)
 	bt, _ := l.BlockTable()
@@ -119,7 +84,7 @@ func TestLoggerLogsCanaryMismatchWithPageAndOwner(t *testing.T) {
 
 	_, err := p.TryAdmit(Request{ID: "next", Tenant: "b", PromptTokens: 16})
 	require.ErrorIs(t, err, ErrCanaryMismatch)
-	recs := logs.all(t)
+	recs := logs.Records(t)
 	require.Len(t, recs, 1)
 	r := recs[0]
 	assert.Equal(t, "ERROR", r["level"])

@@ -12,22 +12,11 @@ import (
 // computed for one prompt under another's tokens: a later request with
 // the claimed tokens would be handed pages it does not match.
 func TestPreemptWithAnotherPromptIsRefused(t *testing.T) {
-	cfg := Config{Geometry: prefixGeometry, Pages: 32, MaxContextTokens: 32 * prefixTPP,
-		Tenants: []TenantConfig{{Name: "a"}}, Sizing: onDemand(0)}
-	p := newPool(t, cfg)
-	prompt := tokens(10, 0, 1)
-	l, err := p.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: len(prompt), MaxNewTokens: 40, TokenIDs: prompt})
-	require.NoError(t, err)
-	require.NoError(t, l.Commit(10))
-	all := append(append([]int32(nil), prompt...), tokens(9, 0, 2)...)
-	for n := 11; n <= len(all); n++ {
-		require.NoError(t, l.TryGrow(1))
-		require.NoError(t, l.Commit(n))
-	}
+	p, l, all := grownLease(t)
 	other := append([]int32(nil), all...)
 	other[3]++ // a prompt token that is not the admitted one
 	before := p.Stats()
-	_, err = l.Preempt(other)
+	_, err := l.Preempt(other)
 	require.ErrorIs(t, err, ErrInvalidArgument)
 	assert.True(t, l.Live(), "a refused preemption leaves the lease as it was")
 	assert.Equal(t, before.CachedPages, p.Stats().CachedPages)

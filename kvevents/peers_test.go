@@ -1,52 +1,22 @@
 package kvevents_test
 
 import (
-	"bytes"
 	"encoding/binary"
 	"fmt"
 	"io"
-	"log/slog"
 	"math"
 	"net"
 	"os"
 	"runtime"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvfence/kvfence/internal/testlog"
 	"github.com/kvfence/kvfence/kvevents"
 )
-
-// logBuffer is a Logger's output, safe for the publisher's goroutines.
-type logBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
-func (l *logBuffer) logger() *slog.Logger { return slog.New(slog.NewTextHandler(l, nil)) }
-
-// eventuallyLogs waits for the log to hold want.
-func (l *logBuffer) eventuallyLogs(t *testing.T, want string) {
-	t.Helper()
-	require.Eventually(t, func() bool { return strings.Contains(l.String(), want) }, 10*time.Second, time.Millisecond,
-		"%q not logged in\n%s", want, l)
-}
 
 func dialPeer(t *testing.T, addr, sockType string) *kvevents.Peer {
 	t.Helper()
@@ -75,9 +45,9 @@ func requireClosedByPublisher(t *testing.T, p *kvevents.Peer) {
 // off, counted in Stats.Disconnects and logged with what it did, as one
 // that stops reading is; one that just goes away is not counted.
 func TestSubscriberProtocolErrorCountsAsDisconnect(t *testing.T) {
-	log := &logBuffer{}
+	log := &testlog.Buffer{}
 	p := newPool(t, 64, 64)
-	pub := publisher(t, p, kvevents.Config{Logger: log.logger()})
+	pub := publisher(t, p, kvevents.Config{Logger: log.Logger()})
 	gone := dialPeer(t, pub.Addr().String(), "SUB")
 	require.NoError(t, gone.Send([]byte{1}))
 	waitSubscribed(t, pub, 1)
@@ -89,19 +59,19 @@ func TestSubscriberProtocolErrorCountsAsDisconnect(t *testing.T) {
 	waitSubscribed(t, pub, 1)
 	require.NoError(t, bad.Send(make([]byte, 2000)))
 	requireClosedByPublisher(t, bad)
-	log.eventuallyLogs(t, "frame of 2000 bytes")
+	log.WaitFor(t, "frame of 2000 bytes")
 	assert.Equal(t, uint64(1), pub.Stats().Disconnects, "the subscriber that broke the protocol, not the one that left")
 }
 
 // TestReplayProtocolErrorCountsAsDisconnect: the same for a replay client.
 func TestReplayProtocolErrorCountsAsDisconnect(t *testing.T) {
-	log := &logBuffer{}
+	log := &testlog.Buffer{}
 	p := newPool(t, 64, 64)
-	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", Logger: log.logger()})
+	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", Logger: log.Logger()})
 	bad := dialPeer(t, pub.ReplayAddr().String(), "DEALER")
 	require.NoError(t, bad.Send(make([]byte, 100)))
 	requireClosedByPublisher(t, bad)
-	log.eventuallyLogs(t, "frame of 100 bytes")
+	log.WaitFor(t, "frame of 100 bytes")
 	assert.Equal(t, uint64(1), pub.Stats().Disconnects)
 }
 
@@ -111,9 +81,9 @@ func TestReplayProtocolErrorCountsAsDisconnect(t *testing.T) {
 // that sends one after another, without end, is cut off rather than
 // growing the publisher's memory and its cost per batch without bound.
 func TestSubscriberWithEndlessSubscriptionsIsCutOff(t *testing.T) {
-	log := &logBuffer{}
+	log := &testlog.Buffer{}
 	p := newPool(t, 64, 64)
-	pub := publisher(t, p, kvevents.Config{Logger: log.logger()})
+	pub := publisher(t, p, kvevents.Config{Logger: log.Logger()})
 	sub := dialPeer(t, pub.Addr().String(), "SUB")
 	var subs []byte
 	for i := range 10_000 {
@@ -122,7 +92,7 @@ func TestSubscriberWithEndlessSubscriptionsIsCutOff(t *testing.T) {
 	}
 	go sub.Conn().Write(subs) // fails once the publisher has hung up
 	requireClosedByPublisher(t, sub)
-	log.eventuallyLogs(t, "more than 256 subscriptions")
+	log.WaitFor(t, "more than 256 subscriptions")
 	assert.Equal(t, uint64(1), pub.Stats().Disconnects)
 }
 
