@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # CI steps for the prefill → decode handoff beyond `go test -race ./...`
 # (which .ci/run runs): fuzzing of the manifest codec, the data-frame
-# parser and tcpx's frame reader past their seeds, and the two-process
-# example over both transports. FUZZTIME overrides the fuzzing budget.
+# parser, the receiver's Serve and tcpx's hello and frame reader past
+# their seeds, and the two-process example over both transports.
+# FUZZTIME overrides the fuzzing budget.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzztime="${FUZZTIME:-20000x}" # inputs, not seconds: see .ci/run
@@ -11,7 +12,10 @@ fuzztime="${FUZZTIME:-20000x}" # inputs, not seconds: see .ci/run
 go test -run '^$' -fuzz '^FuzzDecode$' -fuzztime "$fuzztime" ./handoff
 go test -run '^$' -fuzz '^FuzzParse$' -fuzztime "$fuzztime" ./handoff
 go test -run '^$' -fuzz '^FuzzParseData$' -fuzztime "$fuzztime" ./handoff
-# And tcpx's frame reader, which reads what any peer sends.
+# Serve after a genuine manifest, whatever messages follow.
+go test -run '^$' -fuzz '^FuzzServe$' -fuzztime "$fuzztime" ./handoff
+# And tcpx's hello and frame reader, which read what any peer sends.
+go test -run '^$' -fuzz '^FuzzHello$' -fuzztime "$fuzztime" ./handoff/tcpx
 go test -run '^$' -fuzz '^FuzzFrameReader$' -fuzztime "$fuzztime" ./handoff/tcpx
 go run ./examples/disagg >/dev/null
 go run ./examples/disagg -transport tcpx >/dev/null

@@ -2,9 +2,10 @@
 # CI for what operators and routers read (metrics/, kvevents/,
 # examples/router) beyond `go test ./...`: installs Debian's python3-zmq and
 # python3-msgpack when /usr/bin/python3 lacks them (CI runs as root), runs
-# the Python KV-event subscriber test with them required, runs the
-# collector's benchmark once (it checks its own result), and runs the
-# router example briefly, scraping its /metrics.
+# the Python KV-event subscriber test with them required, fuzzes the
+# ZMTP reader and handshake past their seeds, runs the collector's
+# benchmark once (it checks its own result), and runs the router example
+# briefly, scraping its /metrics.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +17,11 @@ fi
 
 echo "== Python subscriber (libzmq through pyzmq) against the publisher"
 KVF_REQUIRE_ALL=1 KVF_PYTHON=/usr/bin/python3 go test -count=1 -run 'TestPythonSubscriber' ./kvevents
+
+echo "== the ZMTP reader and handshake, which read what any peer sends, fuzzed"
+for target in FuzzReadMessage FuzzHandshake; do
+	go test -run '^$' -fuzz "^${target}\$" -fuzztime "${FUZZTIME:-20000x}" ./kvevents
+done
 
 echo "== collector and publisher benchmark, one iteration"
 go test -run '^$' -bench . -benchtime 1x ./metrics >/dev/null
