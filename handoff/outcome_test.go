@@ -158,6 +158,10 @@ func TestTransferTimeoutReportedAsIncomplete(t *testing.T) {
 			assert.Contains(t, re.Message, "20ms", "the receiver's error names its timeout")
 			assertNoImport(t, recv, decode, id)
 			require.NoError(t, exp.Abort())
+			// The aborted import's pages are scrubbed after its lease ended
+			// (which the hook waited for), outside the pool's lock: the next
+			// case needs them free, or its import is refused for pages.
+			require.Eventually(t, func() bool { return decode.Stats().FreePages == decode.Pages() }, 10*time.Second, time.Millisecond)
 		})
 	}
 	rs := recv.Stats()
