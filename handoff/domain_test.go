@@ -184,8 +184,7 @@ func TestLongTenantNamesHandOff(t *testing.T) {
 // names of UTF-8 only, and Export of a lease whose name it could not carry
 // would be refused after the lease was prefilled. The pool refuses such
 // names where they come in (a tenant's at configuration, a request ID at
-// admission), so no lease has one; Export checks them again before it
-// pins a lease, should one ever get through.
+// admission), so no lease has one.
 func TestNamesAManifestCannotCarryNeverReachExport(t *testing.T) {
 	_, err := testkit.NewPool(testkit.PoolConfig{Pages: 64, Tenants: []kvcache.TenantConfig{{Name: "t\xff\xfe"}}})
 	require.ErrorIs(t, err, kvcache.ErrInvalidConfig, "a tenant name that is not UTF-8")

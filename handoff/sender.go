@@ -122,9 +122,9 @@ type Export struct {
 // sharing domain the lease was admitted in (kvcache.Lease.Domain), taken
 // from the prefill pool's own tenant configuration. maxNewTokens is
 // the output budget the decode pool must reserve. The pages stay pinned
-// until Send gets the receiver's ack, Abort, or ReclaimAfter passes. A
-// lease whose request ID or tenant name is not UTF-8, which a manifest
-// cannot carry, is refused with ErrMalformedManifest, and nothing changes.
+// until Send gets the receiver's ack, Abort, or ReclaimAfter passes. Every
+// name a lease can have fits a manifest: the pool refuses names that are
+// not UTF-8 or too long where they come in.
 //
 // Export reads no page. Send sums the pages as it reads them to send
 // them and seals the sum after the last one (FlagChecksumSealed), so the
@@ -144,13 +144,6 @@ func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
 	}
 	if maxNewTokens < 0 || maxNewTokens > maxTokens {
 		return nil, fmt.Errorf("%w: %d max new tokens", kvcache.ErrInvalidRequest, maxNewTokens)
-	}
-	if l.Live() {
-		// A name no manifest can carry is refused before the lease is
-		// pinned, so that it is left as it was.
-		if err := checkNames(l.ID(), l.Tenant(), l.Domain()); err != nil {
-			return nil, err
-		}
 	}
 	now := s.cfg.Now()
 	out, err := l.Export(now.Add(s.cfg.ReclaimAfter))

@@ -260,8 +260,7 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 	l.state.Store(leaseReleased)
 	p.mu.growth.Preempted++
 	p.mu.growth.PreemptKeptPages += uint64(kept / tpp)
-	b := p.detachLocked(l, l.scrub.reset())
-	l.scrub = b.scratch()
+	b := p.detachOwnLocked(l)
 	p.fills.Add(1)
 	p.mu.Unlock()
 	return kept, p.scrub(b, cudaops.Ordering{})

@@ -301,8 +301,6 @@ func (p *Pool) Close() error {
 		l.state.Store(leaseReleased)
 		b = p.detachLocked(l, b)
 	}
-	// Close's own arrays, no lease's scratch.
-	b.owner = nil
 	b.pages = p.clearLocked(b.pages) // a closed pool keeps no KV
 	p.mu.events.closeLocked()
 	p.fills.Add(1)

@@ -41,8 +41,7 @@ func (p *Pool) endLease(l *Lease, owns func() bool, phase Phase, after cudaops.O
 		l.phase.Store(uint32(phase))
 	}
 	l.state.Store(leaseReleased)
-	b := p.detachLocked(l, l.scrub.reset())
-	l.scrub = b.scratch()
+	b := p.detachOwnLocked(l)
 	p.fills.Add(1)
 	p.mu.Unlock()
 	return true, p.scrub(b, after)
@@ -56,8 +55,8 @@ type scrubBatch struct {
 	side  [][]int32
 	all   [][]int32 // scratch of spaces, capacity 1+len(side)
 	// owner is the lease whose scratch (Lease.scrub) the arrays are
-	// (detachLocked sets it): finishScrubLocked gives them back to it once
-	// the scrub no longer reads them.
+	// (detachOwnLocked sets it): finishScrubLocked gives them back to it
+	// once the scrub no longer reads them.
 	owner *Lease
 }
 
@@ -110,12 +109,14 @@ func (b scrubBatch) spaces() [][]int32 {
 	return append(append(b.all[:0], b.pages), b.side...)
 }
 
-func (b scrubBatch) clone() scrubBatch {
-	c := scrubBatch{pages: slices.Clone(b.pages)}
-	for _, s := range b.side {
-		c.side = append(c.side, slices.Clone(s))
-	}
-	return c
+// detachOwnLocked is detachLocked of l into its own scratch arrays, which
+// the batch it returns carries until its scrub ends and finishScrubLocked
+// gives them back (l keeps none meanwhile: see scratch).
+func (p *Pool) detachOwnLocked(l *Lease) scrubBatch {
+	b := p.detachLocked(l, l.scrub.reset())
+	b.owner = l
+	l.scrub = b.scratch()
+	return b
 }
 
 // detachLocked takes a lease that has just stopped being live off the
@@ -126,7 +127,6 @@ func (b scrubBatch) clone() scrubBatch {
 func (p *Pool) detachLocked(l *Lease, b scrubBatch) scrubBatch {
 	p.assertHeld()
 	delete(p.mu.leases, l.id)
-	b.owner = l
 	if l.export != nil {
 		l.export.timer.Stop()
 		l.export = nil
@@ -149,7 +149,9 @@ func (p *Pool) detachLocked(l *Lease, b scrubBatch) scrubBatch {
 // scrub fills the pages of b (already quarantined and counted in flight,
 // with p.fills.Add(1) done under Pool.mu), in every group with one fill,
 // and, once the fill has completed, returns them to the free lists; then
-// it calls p.fills.Done. b may be reused by the caller once scrub returns.
+// it calls p.fills.Done. b is scrub's from then on: a fill that completes
+// later reads it on its own goroutine, which finishScrubLocked ends by
+// giving b's arrays back to their owner.
 func (p *Pool) scrub(b scrubBatch, after cudaops.Ordering) error {
 	if b.len() == 0 {
 		p.fills.Done()
@@ -179,13 +181,11 @@ func (p *Pool) scrub(b scrubBatch, after cudaops.Ordering) error {
 	if err == nil {
 		var done bool
 		if done, err = fence.Done(); !done {
-			batch := b.clone()
-			batch.owner = b.owner // the clone's arrays are the lease's next scratch
 			go func() {
 				defer p.fills.Done()
 				err := fence.Wait()
 				p.timeFill(start, err)
-				p.finishScrub(batch, err)
+				p.finishScrub(b, err)
 			}()
 			return nil
 		}
