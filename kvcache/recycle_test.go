@@ -83,11 +83,8 @@ func admittingIs(t *testing.T, p *Pool, n int) {
 // Two growths of one lease wait at once. Each must be woken when pages
 // free up; neither may hang, and Close must not wait for one for ever.
 func TestConcurrentGrowthsOfOneLeaseBothWake(t *testing.T) {
-	p := onDemandPool(t, 8, 0, 0, TenantConfig{Name: "a"}, TenantConfig{Name: "b"})
-	l, err := p.TryAdmit(Request{ID: "run", Tenant: "a", PromptTokens: 4, MaxNewTokens: 28})
-	require.NoError(t, err)
-	require.NoError(t, l.Commit(4))
-	hog := admit(t, p, "hog", "b", 7*4)
+	var l Lease
+	p, hog := crowdedRun(t, &l, TenantConfig{Name: "a"})
 	got := make(chan error, 2)
 	for _, n := range []int{4, 8} {
 		go func() {
@@ -113,11 +110,8 @@ func TestConcurrentGrowthsOfOneLeaseBothWake(t *testing.T) {
 // times.
 func TestStaleGrowthDoesNotDequeueTheNextIncarnation(t *testing.T) {
 	for i := range 20 {
-		p := onDemandPool(t, 8, 0, 0, TenantConfig{Name: "a"}, TenantConfig{Name: "b"})
 		var l Lease
-		require.NoError(t, p.TryAdmitInto(Request{ID: "run", Tenant: "a", PromptTokens: 4, MaxNewTokens: 28}, &l))
-		require.NoError(t, l.Commit(4))
-		hog := admit(t, p, "hog", "b", 7*4)
+		p, hog := crowdedRun(t, &l, TenantConfig{Name: "a"})
 		grown := make(chan error, 1)
 		go func() {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -180,11 +174,8 @@ func TestStaleAttachTokensDoesNotReachTheNextIncarnation(t *testing.T) {
 // the test fails only under -race; the race is run a number of times.
 func TestCheckDoesNotReadTheMatchOfAStaleGrowthsLease(t *testing.T) {
 	for range 200 {
-		p := onDemandPool(t, 8, 0, 0, TenantConfig{Name: "a", ReservedPages: 1}, TenantConfig{Name: "b"})
 		var l Lease
-		require.NoError(t, p.TryAdmitInto(Request{ID: "run", Tenant: "a", PromptTokens: 4, MaxNewTokens: 28}, &l))
-		require.NoError(t, l.Commit(4))
-		hog := admit(t, p, "hog", "b", 7*4)
+		p, hog := crowdedRun(t, &l, TenantConfig{Name: "a", ReservedPages: 1})
 		grown := make(chan error, 1)
 		go func() { grown <- l.Grow(context.Background(), 8) }()
 		admittingIs(t, p, 1)

@@ -50,11 +50,8 @@ func TestReservedWaiterBehindTheLineIsWoken(t *testing.T) {
 // waits behind an admission that still does not fit must be woken when
 // pages free up too, not only the first in line.
 func TestWaitingGrowthBehindTheLineIsWoken(t *testing.T) {
-	p := onDemandPool(t, 8, 0, 0, TenantConfig{Name: "a"}, TenantConfig{Name: "b"})
-	l, err := p.TryAdmit(Request{ID: "run", Tenant: "a", PromptTokens: 4, MaxNewTokens: 28})
-	require.NoError(t, err)
-	require.NoError(t, l.Commit(4))
-	hog := admit(t, p, "hog", "b", 7*4)
+	var l Lease
+	p, hog := crowdedRun(t, &l, TenantConfig{Name: "a"})
 	big := make(chan error, 1)
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -76,4 +73,16 @@ func TestWaitingGrowthBehindTheLineIsWoken(t *testing.T) {
 	require.NoError(t, l.Release())
 	require.NoError(t, <-big)
 	require.NoError(t, p.Check())
+}
+
+// crowdedRun admits request "run" of tenant a (configured as a) into l on
+// an on-demand pool of 8 pages, 4 tokens committed in its one page and 28
+// more to grow into, and has tenant b hold the 7 other pages: a growth of
+// l waits. It returns the pool and b's lease.
+func crowdedRun(t *testing.T, l *Lease, a TenantConfig) (*Pool, *Lease) {
+	t.Helper()
+	p := onDemandPool(t, 8, 0, 0, a, TenantConfig{Name: "b"})
+	require.NoError(t, p.TryAdmitInto(Request{ID: "run", Tenant: "a", PromptTokens: 4, MaxNewTokens: 28}, l))
+	require.NoError(t, l.Commit(4))
+	return p, admit(t, p, "hog", "b", 7*4)
 }
