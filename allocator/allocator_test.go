@@ -201,7 +201,10 @@ func TestUncleanTakesFreePagesBack(t *testing.T) {
 
 func TestCheckFindsCorruption(t *testing.T) {
 	a := mustNew(t, 4)
-	a.count[Free]--
+	a.count[InUse]++ // a counter that disagrees with the pages
+	assert.ErrorIs(t, a.Check(), ErrCorrupt)
+	a = mustNew(t, 4)
+	a.free = a.free[:3] // a free page lost from the stack
 	assert.ErrorIs(t, a.Check(), ErrCorrupt)
 	a = mustNew(t, 4)
 	a.free[0] = a.free[1] // a page twice on the free stack, another lost
@@ -211,7 +214,6 @@ func TestCheckFindsCorruption(t *testing.T) {
 	assert.ErrorIs(t, a.Check(), ErrCorrupt)
 	a = mustNew(t, 4)
 	a.pages[1].word = packed(InUse, 0)
-	a.count[Free]--
 	a.count[InUse]++
 	assert.ErrorIs(t, a.Check(), ErrCorrupt, "in use with no references")
 }
@@ -329,6 +331,24 @@ type model struct {
 	refs  map[int32]int
 }
 
+func TestAllocOneRefusesAndChangesNothing(t *testing.T) {
+	a := mustNew(t, 2)
+	_, ok := a.AllocOne(0)
+	assert.False(t, ok, "owner 0 is nobody")
+	assert.Equal(t, 2, a.Count(Free))
+	h1, ok1 := a.AllocOne(7)
+	h2, ok2 := a.AllocOne(7)
+	require.True(t, ok1 && ok2)
+	assert.Equal(t, []int32{0, 1}, []int32{h1.Page, h2.Page}, "low pages first, as Alloc")
+	_, ok = a.AllocOne(7)
+	assert.False(t, ok, "no page is free")
+	assert.Equal(t, 2, a.Count(InUse))
+	info, err := a.Info(1)
+	require.NoError(t, err)
+	assert.Equal(t, PageInfo{State: InUse, Owner: 7, Gen: h2.Gen, Refs: 1}, info)
+	require.NoError(t, a.Check())
+}
+
 func TestRandomOperationsAgainstModel(t *testing.T) {
 	const n = 64
 	for seed := range uint64(20) {
@@ -362,6 +382,23 @@ func runModel(t *testing.T, n int, next func() int, steps int) {
 			k := next() % 6
 			owner := Owner(1 + next()%3)
 			hs, err := a.Alloc(nil, k, owner)
+			if k == 1 && next()%2 == 0 { // the same page by AllocOne
+				require.NoError(t, a.Check())
+				if err == nil {
+					_, err = a.Release(nil, hs, owner)
+					require.NoError(t, err)
+					// back on top of the stack, its generation advanced
+					require.NoError(t, a.Clean([]int32{hs[0].Page}))
+					h, ok := a.AllocOne(owner)
+					require.True(t, ok)
+					require.Equal(t, hs[0].Page, h.Page, "AllocOne took another page than Alloc")
+					m.gen[h.Page]++
+					hs[0] = h
+				} else {
+					_, ok := a.AllocOne(owner)
+					require.False(t, ok)
+				}
+			}
 			if k > len(inState(Free)) {
 				require.ErrorIs(t, err, ErrNoSpace)
 				break

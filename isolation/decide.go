@@ -138,3 +138,24 @@ func (r *Registry) Apply(t *Tenant, d Decision) {
 	t.Used += d.Demand.Charge
 	r.unusedReserved += t.unusedReservation()
 }
+
+// TryChargeGrowth is Decide and Apply in one step for the common growth:
+// pages ≥ 1 more pages for a running lease of t, taken from a supply of
+// supply pages, passing the queue and the growth watermark (Queued false,
+// Keep 0, Charge = Take = pages). It charges t and returns true exactly
+// when Decide would return Grant, and otherwise changes nothing and
+// returns false, leaving the refusal's numbers to Decide.
+//
+// With no queue and nothing kept, Decide's rule reduces to two bounds:
+// the tenant's quota left, and the supply less the other tenants' unused
+// reservations. A one-page growth decides on every page, and this is a
+// few compares where Decide builds a Decision.
+func (r *Registry) TryChargeGrowth(t *Tenant, pages, supply int) bool {
+	own := t.unusedReservation()
+	if pages < 1 || pages > t.Quota-t.Used || pages > supply || pages > supply-(r.unusedReserved-own) {
+		return false
+	}
+	t.Used += pages
+	r.unusedReserved += t.unusedReservation() - own
+	return true
+}

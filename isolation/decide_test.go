@@ -261,3 +261,56 @@ func TestDecideGrantTookAnotherTenantsReservation(t *testing.T) {
 		assert.LessOrEqual(t, d.Take, own+max(0, s.Pages-others-own-s.Keep), "growth pages taken: %+v %+v %+v", *tn, d, s)
 	}
 }
+
+// TestTryChargeGrowthIsDecideAndApply holds the growth shortcut to the one
+// rule: on random tenants, usage and supplies, it grants exactly when
+// Decide grants the same growth, and leaves the registry as Apply would,
+// or untouched.
+func TestTryChargeGrowthIsDecideAndApply(t *testing.T) {
+	rng := rand.New(rand.NewPCG(19, 15))
+	const pages = 64
+	build := func(seed uint64) (*Registry, []*Tenant) {
+		rng := rand.New(rand.NewPCG(seed, 1))
+		r := NewRegistry(pages)
+		var ts []*Tenant
+		left := pages
+		for i := range 1 + rng.IntN(3) {
+			quota := rng.IntN(pages + 1) // 0: the whole pool
+			reserved := 0
+			if q := min(quota, left); q > 0 && rng.IntN(2) == 0 {
+				reserved = rng.IntN(q + 1)
+			}
+			left -= reserved
+			tn, err := r.Add(TenantConfig{Name: string(rune('a' + i)), QuotaPages: quota, ReservedPages: reserved})
+			require.NoError(t, err)
+			if used := rng.IntN(tn.Quota + 1); used > 0 {
+				r.Apply(tn, Decision{Verdict: Grant, Demand: Demand{Charge: used, Take: used}})
+			}
+			ts = append(ts, tn)
+		}
+		return r, ts
+	}
+	grants := 0
+	for range 20000 {
+		seed := rng.Uint64()
+		viaDecide, ts1 := build(seed)
+		shortcut, ts2 := build(seed)
+		i := rng.IntN(len(ts1))
+		want, got := ts1[i], ts2[i]
+		n := rng.IntN(8) // 0 is not a growth: the shortcut must refuse it
+		supply := rng.IntN(pages+8) - 4
+		dec := viaDecide.Decide(want, Demand{Charge: n, Take: n}, Supply{Pages: supply, InService: pages})
+		granted := dec.Verdict == Grant && n >= 1
+		if granted {
+			viaDecide.Apply(want, dec)
+			grants++
+		}
+		require.Equal(t, granted, shortcut.TryChargeGrowth(got, n, supply),
+			"tenant %+v, %d pages of a supply of %d: Decide says %v", *want, n, supply, dec.Verdict)
+		require.Equal(t, want.Used, got.Used)
+		require.Equal(t, viaDecide.unusedReserved, shortcut.unusedReserved)
+		_, err := shortcut.Check()
+		require.NoError(t, err)
+	}
+	require.Greater(t, grants, 2000, "the random cases must grant often enough to test the charge")
+}

@@ -90,6 +90,11 @@ func BenchmarkAdmitRelease(b *testing.B) {
 // released and admitted again, off the clock, whenever it nears its
 // limit. The fill is excluded (discardFills), as in AdmitRelease.
 //
+// pages=1 and pages=16 time the growth alone: the written watermark stays
+// at the prompt, and each TryGrow asks for room for one step more than
+// the lease holds. pages=1+commit is the decode step an engine runs, a
+// Commit of the page just written and then a growth by one page.
+//
 // x-floor divides the time per growth by the least any growth under the
 // pool's lock can cost, measured after the loop in the same run: the
 // commit's compare-and-swap and one lock and unlock of an uncontended
@@ -97,8 +102,16 @@ func BenchmarkAdmitRelease(b *testing.B) {
 func BenchmarkGrow(b *testing.B) {
 	geom := Geometry{TokensPerPage: 16, Layers: 1, KVHeads: 1, HeadDim: 8, DType: BF16}
 	const pages = 1 << 20
-	for _, step := range []int{1, 16} {
-		b.Run(fmt.Sprintf("pages=%d", step), func(b *testing.B) {
+	for _, bc := range []struct {
+		step   int
+		commit bool
+	}{{1, false}, {16, false}, {1, true}} {
+		step := bc.step
+		name := fmt.Sprintf("pages=%d", step)
+		if bc.commit {
+			name += "+commit"
+		}
+		b.Run(name, func(b *testing.B) {
 			dev := &discardFills{Host: cudaops.NewHost()}
 			defer dev.Close()
 			p, err := New(Config{Geometry: geom, Pages: pages, MaxContextTokens: pages * 16, Device: dev,
@@ -132,10 +145,13 @@ func BenchmarkGrow(b *testing.B) {
 					b.StartTimer()
 				}
 				before := l.Pages()
-				if err := l.Commit(before * 16); err != nil {
-					b.Fatal(err)
+				room := (before + step) * 16
+				if bc.commit {
+					if err := l.Commit(before * 16); err != nil {
+						b.Fatal(err)
+					}
 				}
-				if err := l.TryGrow(step * 16); err != nil {
+				if err := l.TryGrow(room - l.Written()); err != nil {
 					b.Fatal(err)
 				}
 				grown += l.Pages() - before

@@ -46,53 +46,97 @@ import (
 // ErrLeasePhase. The block table and SlotMapping include the new pages
 // once Grow returns.
 func (l *Lease) Grow(ctx context.Context, tokens int) error {
-	return l.grow(&admission{ctx: ctx, wait: true}, tokens)
+	return l.grow(ctx, true, tokens)
 }
 
 // TryGrow is Grow that never waits: a busy pool or a full quota is refused
 // at once.
 func (l *Lease) TryGrow(tokens int) error {
-	return l.grow(&admission{ctx: context.Background()}, tokens)
+	return l.grow(nil, false, tokens)
 }
 
-func (l *Lease) grow(a *admission, tokens int) error {
-	if err := l.live(); err != nil {
-		return err
+func (l *Lease) grow(ctx context.Context, wait bool, tokens int) error {
+	if !l.isLive() {
+		return l.live()
 	}
 	p := l.pool
-	if tokens < 0 {
-		return fmt.Errorf("%w: Grow of lease %q by %d tokens", ErrInvalidArgument, l.id, tokens)
+	w := l.written.Load() // written tokens, unless sealed
+	if tokens < 0 || w&writeSealed != 0 || tokens > l.prompt+l.maxNew-int(w) || wait && ctx.Err() != nil {
+		return l.growRefused(ctx, wait, tokens)
 	}
-	if a.wait {
-		// TryGrow's context is Background: it cannot be done.
-		if err := a.ctx.Err(); err != nil {
-			return fmt.Errorf("%w: growth of request %q: %w", ErrContextDone, l.id, err)
-		}
-	}
-	if l.written.Load()&writeSealed != 0 {
-		return l.sealedErr("growth")
-	}
-	a.l, a.growing = l, true
-	a.req.ID, a.req.Tenant = l.id, l.Tenant() // named by a refusal
-	written := l.Written()
-	if limit := l.prompt + l.maxNew; tokens > limit-written {
-		return p.refuse(a, &AdmissionError{Err: ErrExceedsMaxContext, Need: written + tokens, Limit: limit})
-	}
-	a.target = written + tokens
-	if p.pagesFor(a.target) <= l.Pages() {
+	target := int(w) + tokens
+	need := p.pagesFor(target)
+	if need <= l.Pages() {
 		return nil // room enough: no lock taken
 	}
 	p.mu.Lock()
+	if p.growFastLocked(l, need) {
+		p.mu.Unlock()
+		return nil
+	}
+	return p.growSlowLocked(l, ctx, wait, target)
+}
+
+// growSlowLocked is growLocked of a growth of l to target tokens, kept
+// out of line: the admission it builds would otherwise be part of every
+// growth's stack frame.
+//
+//go:noinline
+func (p *Pool) growSlowLocked(l *Lease, ctx context.Context, wait bool, target int) error {
+	return p.growLocked(l.growth(ctx, wait, target))
+}
+
+// growRefused is the refusal of a growth that fails the checks made
+// before Pool.mu: tokens negative, ctx done, the lease sealed, or more
+// than the request's prompt + max new tokens.
+//
+//go:noinline
+func (l *Lease) growRefused(ctx context.Context, wait bool, tokens int) error {
+	if tokens < 0 {
+		return fmt.Errorf("%w: Grow of lease %q by %d tokens", ErrInvalidArgument, l.id, tokens)
+	}
+	if wait {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("%w: growth of request %q: %w", ErrContextDone, l.id, err)
+		}
+	}
+	w := l.written.Load()
+	if w&writeSealed != 0 {
+		return l.sealedErr("growth")
+	}
+	written, limit := int(w), l.prompt+l.maxNew
+	if tokens <= limit-written {
+		// Sealed, or a context ended, since the caller looked: try again.
+		return l.grow(ctx, wait, tokens)
+	}
+	return l.pool.refuse(l.growth(ctx, wait, written+tokens),
+		&AdmissionError{Err: ErrExceedsMaxContext, Need: written + tokens, Limit: limit})
+}
+
+// growth is the admission that grows l to hold target tokens: built only
+// off the fast path, since it is most of a growth's stack.
+func (l *Lease) growth(ctx context.Context, wait bool, target int) *admission {
+	if ctx == nil {
+		ctx = context.Background() // TryGrow's: it cannot be done
+	}
+	a := &admission{ctx: ctx, wait: wait, l: l, growing: true, target: target}
+	a.req.ID, a.req.Tenant = l.id, l.Tenant() // named by a refusal
+	return a
+}
+
+// growLocked is the general growth, entered with Pool.mu held: one that
+// may claim, evict, verify canaries, wait or be refused.
+func (p *Pool) growLocked(a *admission) error {
+	p.assertHeld()
 	if p.mu.closed {
 		p.mu.Unlock()
 		return ErrPoolClosed
 	}
-	a.seq, a.claimEpoch = l.seq, p.mu.claimEpoch
+	a.seq, a.claimEpoch = a.l.seq, p.mu.claimEpoch
 	// The first attempt, without runLocked's bookkeeping: a growth that
 	// is granted (or refused) at once with no claim made and no place in
 	// the queue has nothing for endAdmissionLocked to undo, and never
-	// let go of the lock, so Close had nothing to wait for. That is most
-	// growths, and their bookkeeping was a tenth of their cost.
+	// let go of the lock, so Close had nothing to wait for.
 	st := p.growAttemptLocked(a)
 	if st == stepDone && a.claim == 0 && a.w == nil {
 		p.mu.Unlock()
@@ -100,6 +144,64 @@ func (l *Lease) grow(a *admission, tokens int) error {
 	}
 	p.mu.admitting++
 	return p.stepsLocked(a, st)
+}
+
+// growFastLocked grants a growth of live lease l to need pages in one
+// pass when nothing stands in its way: the pool open and healthy, l live
+// and unsealed, free pages enough without evicting or waiting, no canary
+// to verify, and the tenant's charge granted by the one rule
+// (isolation.Registry.TryChargeGrowth is Decide for this case). That is
+// almost every growth of a running request. Otherwise it changes nothing
+// and returns false, and growLocked decides, refuses or waits.
+func (p *Pool) growFastLocked(l *Lease, need int) bool {
+	p.assertHeld()
+	have := len(l.table)
+	fresh := need - have
+	free := p.mu.alloc.Count(allocator.Free)
+	switch {
+	case p.mu.closed, l.state.Load() != leaseLive, l.written.Load()&writeSealed != 0,
+		p.q.FaultLocked() != nil, p.canary,
+		fresh > free, p.mu.claimed+fresh > free+p.mu.evicting:
+		return false
+	}
+	// The lease's own bounds need no check here: its pages are in service
+	// and charged to its tenant, so fresh pages that are free and within
+	// the tenant's quota left keep it within the pool (ErrExceedsCapacity)
+	// and within the quota (ErrExceedsQuota).
+	supply := free + p.mu.evicting + p.mu.prefix.lruLen - p.mu.claimed
+	if !p.mu.tenants.TryChargeGrowth(l.tenant, fresh, supply) { // also when fresh < 1
+		return false
+	}
+	if fresh == 1 { // a decode step's growth, inline
+		h, ok := p.mu.alloc.AllocOne(l.domain.ID)
+		if !ok {
+			panic("kvcache: a page granted and free, but the allocator refused it")
+		}
+		l.handles = append(l.handles, h)
+		l.table = append(l.table, h.Page)
+		l.publishTable()
+		p.mu.growth.Grown++
+		p.mu.growth.PagesGrown++
+		p.assertLocked("grow")
+		return true
+	}
+	p.grantGrowthLocked(l, fresh)
+	return true
+}
+
+// grantGrowthLocked gives l fresh pages the tenant has been charged for.
+// Nothing can fail here.
+func (p *Pool) grantGrowthLocked(l *Lease, fresh int) {
+	// The lease's domain, which the tenant may have left since.
+	handles, table, err := p.mu.alloc.AllocIDs(l.handles, l.table, fresh, l.domain.ID)
+	if err != nil {
+		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
+	}
+	l.handles, l.table = handles, table
+	l.publishTable()
+	p.mu.growth.Grown++
+	p.mu.growth.PagesGrown += uint64(fresh)
+	p.assertLocked("grow")
 }
 
 // growAttemptLocked decides a growth once (see attemptLocked, of which it
@@ -151,21 +253,13 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 
 	// Nothing can fail from here on.
 	p.mu.tenants.Apply(t, dec)
-	handles, table, err := p.mu.alloc.AllocIDs(l.handles, l.table, fresh, l.domain.ID) // the lease's domain, which the tenant may have left
-	if err != nil {
-		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
-	}
-	l.handles, l.table = handles, table
-	l.publishTable()
 	if a.claimEpoch == p.mu.claimEpoch {
 		p.mu.claimed -= a.claim
 	}
 	a.claim = 0
-	p.mu.growth.Grown++
-	p.mu.growth.PagesGrown += uint64(fresh)
+	p.grantGrowthLocked(l, fresh)
 	p.dequeueLocked(a)
 	a.err = nil
-	p.assertLocked("grow")
 	return stepDone
 }
 

@@ -36,6 +36,7 @@ type Lease struct {
 	table   []int32
 	view    atomic.Pointer[[]int32]
 	viewLen atomic.Int64
+	viewCap int // cap(*view), guarded by Pool.mu; 0 before the first view
 	// scrub is scratch for release, reused, guarded by Pool.mu: empty
 	// while a scrub of the lease's pages reads its arrays (see
 	// scrubBatch.scratch).
@@ -102,16 +103,23 @@ func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []alloc
 // publishTable makes l.table what the lease's lock-free readers see. It
 // runs under Pool.mu after every change of l.table. A new view header is
 // needed only when the table moved to a larger array (amortised: append
-// doubles); otherwise the readers' array already holds the new entries
+// doubles, and a lease's table never moves to another array of the same
+// capacity); otherwise the readers' array already holds the new entries
 // beyond the length they had, and the new length is all there is to
 // publish. The view is stored before its length, and tableView loads the
 // length first, so a reader never slices past the array it reads.
 func (l *Lease) publishTable() {
-	if v := l.view.Load(); v == nil || cap(*v) != cap(l.table) {
-		hdr := l.table[:cap(l.table)]
-		l.view.Store(&hdr)
+	if cap(l.table) != l.viewCap {
+		l.publishView()
 	}
 	l.viewLen.Store(int64(len(l.table)))
+}
+
+// publishView stores a view of l.table's whole array.
+func (l *Lease) publishView() {
+	hdr := l.table[:cap(l.table)]
+	l.view.Store(&hdr)
+	l.viewCap = cap(hdr)
 }
 
 // tableView is the block table as the lease's own readers see it. Its
@@ -128,6 +136,9 @@ func (l *Lease) tableView() []int32 {
 // errNilLease is what every method of a nil *Lease returns: an engine that
 // ignored a refusal and uses the nil lease it got must get an error.
 var errNilLease = fmt.Errorf("%w: nil lease (was the admission refused?)", ErrInvalidArgument)
+
+// isLive is live() == nil, cheap enough to inline where a call counts.
+func (l *Lease) isLive() bool { return l != nil && l.state.Load() == leaseLive }
 
 func (l *Lease) live() error {
 	if l == nil {

@@ -43,6 +43,9 @@ type Pool struct {
 	fillLatency fillHistogram
 	// q's Issue runs without mu; its Locked methods need mu.
 	q *isolation.Quarantine
+	// canary is q.NeedsVerify(), which never changes: pages must pass the
+	// canary check before they are handed out.
+	canary bool
 
 	// fills counts scrubs whose pages have left the books (quarantined
 	// under mu) and whose fill has not finished. Add runs under mu before
@@ -161,7 +164,7 @@ func New(cfg Config) (_ *Pool, err error) {
 		}
 		return nil, err
 	}
-	p.q = q
+	p.q, p.canary = q, q.NeedsVerify()
 	p.quiet.L = &p.mu.Mutex
 	p.mu.alloc = alloc
 	p.mu.leases = make(map[string]*Lease)
