@@ -337,13 +337,18 @@ func (a *Allocator) drop(out []int32, hs []Handle, owner Owner, to State) ([]int
 // how many of them moved (appended to moved[:k], whose length is at least
 // len(hs)). A page whose last reference goes gets word gone and its
 // generation advanced by inc; a shared page loses a reference and is
-// marked. It calls nothing and has few live values, so that its state
-// stays in registers.
+// marked. The common batch, every page held once, is dropPrivateRun's;
+// this loop takes over at the first page that is not.
 //
 //go:noinline
 func dropRun(pages []pageMeta, hs []Handle, moved []int32, owner Owner, gone, inc uint32) (applied, k int) {
+	k = dropPrivateRun(pages, hs, moved, owner, gone, inc)
+	if k == len(hs) {
+		return k, k
+	}
 	moved = moved[:len(hs)]
-	for i, h := range hs {
+	for i := k; i < len(hs); i++ {
+		h := hs[i]
 		p := uint(h.Page) // a negative page is a huge uint: out of range too
 		if p >= uint(len(pages)) {
 			return i, k
@@ -364,6 +369,30 @@ func dropRun(pages []pageMeta, hs []Handle, moved []int32, owner Owner, gone, in
 		}
 	}
 	return len(hs), k
+}
+
+// dropPrivateRun moves the pages of hs, in order, while each is in use
+// by owner at the handle's generation with one reference, and returns how
+// many it moved (moved[i] = hs[i].Page for each). Every moved page is one
+// applied, so the loop keeps one index where dropRun keeps two, and one
+// compare of the word tells a private page from all else: it calls
+// nothing and is a third shorter than dropRun's loop.
+func dropPrivateRun(pages []pageMeta, hs []Handle, moved []int32, owner Owner, gone, inc uint32) int {
+	moved = moved[:len(hs)]
+	for i, h := range hs {
+		p := uint(h.Page)
+		if p >= uint(len(pages)) {
+			return i
+		}
+		m := &pages[p]
+		if m.gen != h.Gen || m.owner != owner || m.word != packed(InUse, 1) {
+			return i
+		}
+		m.word = gone
+		m.gen += inc
+		moved[i] = h.Page
+	}
+	return len(hs)
 }
 
 // undoDrop restores the pages of hs, which drop has just applied.
