@@ -57,7 +57,10 @@ func (l *Lease) TryGrow(tokens int) error {
 
 func (l *Lease) grow(ctx context.Context, wait bool, tokens int) error {
 	if !l.isLive() {
-		return l.live()
+		if err := l.live(); err != nil {
+			return err
+		}
+		// Live on the second look (admitted meanwhile): grow it.
 	}
 	p := l.pool
 	w := l.written.Load() // written tokens, unless sealed
