@@ -156,6 +156,8 @@ func (r *Registry) TryChargeGrowth(t *Tenant, pages, supply int) bool {
 		return false
 	}
 	t.Used += pages
-	r.unusedReserved += t.unusedReservation() - own
+	if own > 0 { // else it stays 0: the sum is unchanged
+		r.unusedReserved += t.unusedReservation() - own
+	}
 	return true
 }

@@ -88,8 +88,11 @@ type Pool struct {
 		refused   Refusals
 		perTenant tenantCounters // admissions and refusals per tenant
 		growth    GrowthStats
-		prefix    prefixIndex
-		events    eventSink
+		// onePageGrowths is the one-page growths of the fast path, which
+		// Stats adds to growth's Grown and PagesGrown.
+		onePageGrowths uint64
+		prefix         prefixIndex
+		events         eventSink
 	}
 }
 
