@@ -23,6 +23,14 @@ import (
 // binds (ErrPoolExhausted, ErrExceedsQuota, ErrExceedsMaxContext,
 // ErrExceedsCapacity): the engine finishes or preempts the request.
 //
+// A decode step grows by one page, so growth has two paths. The fast one
+// (growFastLocked) grants, in one pass under Pool.mu, a growth that free
+// pages cover without a claim, an eviction or a canary check, and that the
+// tenant's charge allows (isolation.Registry.TryChargeGrowth, which is
+// Decide for a growth); it changes nothing otherwise. Everything else, and
+// every refusal, takes the general path (growLocked), which is the
+// admission loop's: claims, evictions, waits and the refusal's numbers.
+//
 // Preempt ends a running lease but keeps what it computed where the
 // prefix cache can find it: the full pages of its written tokens are
 // published in its domain, the rest is scrubbed. Admitting the request
