@@ -67,7 +67,8 @@ type Config struct {
 	// the next is dropped for it (and only for it); 0 means 1,024.
 	SubscriberQueue int
 	// WriteTimeout disconnects a subscriber or replay client that has
-	// accepted no bytes for this long; 0 means 10 s.
+	// accepted no bytes for this long; 0 means 10 s. Close gives the
+	// subscribers one WriteTimeout in all to take what is queued for them.
 	WriteTimeout time.Duration
 	// MaxPeers bounds connected subscribers and replay clients, each,
 	// a connection counting from its accept (its handshake included);
@@ -138,9 +139,13 @@ type Publisher struct {
 
 	pub, replay net.Listener
 	stop        chan struct{} // closed by Close
-	drained     chan struct{} // closed when run has published everything
-	wg          sync.WaitGroup
-	closeOnce   sync.Once
+	// flushBy is the deadline of every write once Close has begun: one
+	// WriteTimeout from its start, for all of them together. Close sets it
+	// before it closes stop, and it is read only after stop is seen closed.
+	flushBy   time.Time
+	drained   chan struct{} // closed when run has published everything
+	wg        sync.WaitGroup
+	closeOnce sync.Once
 
 	ring ring // batches for replay
 
@@ -308,13 +313,15 @@ func (p *Publisher) Stats() Stats {
 }
 
 // Close stops reading the pool's events, sends every subscriber what is
-// queued for it (each within WriteTimeout), and closes the sockets. Events
-// still in the pool's channel are not published. A second Close returns
-// ErrClosed.
+// queued for it, all of them at once and within one WriteTimeout from the
+// start of Close (a subscriber that has not taken its queue by then is cut
+// off), and closes the sockets. Events still in the pool's channel are not
+// published. A second Close returns ErrClosed.
 func (p *Publisher) Close() error {
 	err := ErrClosed
 	p.closeOnce.Do(func() {
 		err = nil
+		p.flushBy = time.Now().Add(p.cfg.WriteTimeout)
 		close(p.stop)
 		p.pub.Close()
 		if p.replay != nil {
@@ -664,7 +671,16 @@ func (p *Publisher) write(s *subscriber) error {
 				break gather
 			}
 		}
-		s.z.c.SetWriteDeadline(time.Now().Add(p.cfg.WriteTimeout))
+		deadline := time.Now().Add(p.cfg.WriteTimeout)
+		select {
+		case <-p.stop:
+			// A fresh WriteTimeout per write would let a subscriber that
+			// reads just fast enough hold Close for one per write of its
+			// queue (SubscriberQueue/maxWriteMessages of them).
+			deadline = p.flushBy
+		default:
+		}
+		s.z.c.SetWriteDeadline(deadline)
 		bufs := net.Buffers(msgs) // WriteTo consumes bufs, not the messages
 		_, err := bufs.WriteTo(s.z.c)
 		clear(msgs) // the messages are the replay buffer's, not the writer's

@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"net"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -188,4 +189,81 @@ func TestSlowSubscriberNeverSlowsAdmission(t *testing.T) {
 	}
 	missing += total - uint64(prev+1)
 	assert.Equal(t, drops, missing, "the gaps are the drops")
+}
+
+// TestSlowSubscribersCannotStretchClose: Close flushes what is queued for
+// each subscriber, and a subscriber that reads just fast enough to meet
+// each write's deadline must not make that flush take a WriteTimeout per
+// write: Close ends within about one WriteTimeout however many writes the
+// slow subscribers' queues hold, and a subscriber that keeps up still gets
+// every batch.
+func TestSlowSubscribersCannotStretchClose(t *testing.T) {
+	const timeout = time.Second
+	// A Unix socket buffers a fixed ~200 KiB, where loopback TCP's
+	// autotuned buffers would take in the whole queue at once.
+	endpoint := "ipc://" + ipcPath(t)
+	p := newPool(t, 64, 1<<16)
+	pub := publisher(t, p, kvevents.Config{Endpoint: endpoint, WriteTimeout: timeout, SubscriberQueue: 8192, MaxBatchEvents: 1})
+	var slowDone sync.WaitGroup
+	for range 3 {
+		// 4 KiB per 20 ms: each write of 64 queued batches (about 20 KiB)
+		// ends well within its deadline, the whole queue in seconds.
+		slow := dialPeer(t, endpoint, "SUB")
+		require.NoError(t, slow.Send([]byte{1}))
+		slowDone.Go(func() {
+			buf := make([]byte, 4<<10)
+			for {
+				if _, err := slow.Conn().Read(buf); err != nil {
+					return
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		})
+	}
+	stalled := dialPeer(t, endpoint, "SUB") // never reads
+	require.NoError(t, stalled.Send([]byte{1}))
+	fast := dialPeer(t, endpoint, "SUB")
+	require.NoError(t, fast.Send([]byte{1}))
+	waitSubscribed(t, pub, 5)
+	got := make(chan uint64, 1<<16)
+	go func() {
+		defer close(got)
+		for {
+			msg, err := fast.Message()
+			if err != nil {
+				return
+			}
+			got <- binary.BigEndian.Uint64(msg[1])
+		}
+	}()
+	next := uint64(0)
+	receive := func(last uint64) {
+		for ; next <= last; next++ {
+			select {
+			case seq := <-got:
+				require.Equal(t, next, seq, "the subscriber that keeps up misses nothing")
+			case <-time.After(30 * time.Second):
+				t.Fatalf("batch %d never reached the subscriber that keeps up", next)
+			}
+		}
+	}
+	for i := range 4000 {
+		publish(t, p, fmt.Sprintf("r%d", i), "a", tokens(1000*i, 32), false)
+	}
+	receive(waitPublished(t, p, pub))
+	// Queued for the fast subscriber too when Close begins.
+	for i := range 20 {
+		publish(t, p, fmt.Sprintf("tail%d", i), "b", tokens(1000*i, 32), false)
+	}
+	last := waitPublished(t, p, pub)
+	require.Zero(t, pub.Stats().SubscriberDrops, "every queue holds every batch")
+
+	start := time.Now()
+	require.NoError(t, pub.Close())
+	took := time.Since(start)
+	receive(last)
+	_, open := <-got
+	assert.False(t, open, "nothing after the last batch")
+	assert.Less(t, took, 4*timeout, "Close waited for the slow subscribers' writes one after another")
+	slowDone.Wait()
 }
