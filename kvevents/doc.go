@@ -29,7 +29,9 @@
 //     16 frames a message, 256 subscriptions a subscriber), and the
 //     peers themselves (Config.MaxPeers of each kind, counted from their
 //     accept, so a peer that never finishes its handshake holds a slot
-//     for WriteTimeout at most);
+//     for WriteTimeout at most, and one that wants nothing, a subscriber
+//     with no subscription to the topic or a replay client that sends no
+//     request, for Config.IdleTimeout);
 //   - every loss is counted and visible downstream: a subscriber that
 //     missed batches sees a gap in the sequence numbers and asks the
 //     replay socket for them; events the pool dropped before the publisher

@@ -276,3 +276,108 @@ func TestReplayStartBeyondNewest(t *testing.T) {
 	assert.Equal(t, uint64(1), pub.Stats().BadRequests)
 	assert.Equal(t, uint64(9), pub.Stats().Replays)
 }
+
+// TestSilentPeerCutOffAtHandshakeTimeout: a peer that connects and never
+// finishes its handshake, on either socket, is cut off once the handshake
+// timeout (WriteTimeout) has passed, counted and logged, rather than
+// holding its connection, goroutine and MaxPeers slot for good.
+func TestSilentPeerCutOffAtHandshakeTimeout(t *testing.T) {
+	log := &testlog.Buffer{}
+	p := newPool(t, 64, 64)
+	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", WriteTimeout: 100 * time.Millisecond,
+		Logger: log.Logger()})
+	for _, addr := range []string{pub.Addr().String(), pub.ReplayAddr().String()} {
+		silent, err := net.Dial("tcp", addr)
+		require.NoError(t, err)
+		defer silent.Close()
+		silent.SetReadDeadline(time.Now().Add(10 * time.Second))
+		got, err := io.ReadAll(silent)
+		require.NotErrorIs(t, err, os.ErrDeadlineExceeded, "the publisher kept a silent peer past its handshake timeout")
+		assert.Len(t, got, 64, "the greeting, then nothing")
+	}
+	require.Eventually(t, func() bool { return pub.Stats().Disconnects == 2 }, 10*time.Second, time.Millisecond)
+	log.WaitFor(t, "reading the greeting")
+}
+
+// TestSubscriberThatWantsNothingIsCutOffWhenIdle: a subscriber with no
+// subscription that matches the topic (none at all, another topic's, or
+// one it cancelled) will never be sent anything, so it holds a MaxPeers
+// slot, a goroutine and a queue for nothing: it is cut off after
+// IdleTimeout, counted and logged. A subscriber that wants the topic is
+// kept however quiet the pool is.
+func TestSubscriberThatWantsNothingIsCutOffWhenIdle(t *testing.T) {
+	const idle = 100 * time.Millisecond
+	log := &testlog.Buffer{}
+	p := newPool(t, 64, 64)
+	pub := publisher(t, p, kvevents.Config{Topic: "kv@pod@model", IdleTimeout: idle, Logger: log.Logger()})
+	wants := dialPeer(t, pub.Addr().String(), "SUB")
+	require.NoError(t, wants.Send(append([]byte{1}, "kv@"...)))
+	waitSubscribed(t, pub, 1)
+
+	silent := dialPeer(t, pub.Addr().String(), "SUB")
+	other := dialPeer(t, pub.Addr().String(), "SUB")
+	require.NoError(t, other.Send(append([]byte{1}, "metrics@"...)))
+	cancelled := dialPeer(t, pub.Addr().String(), "SUB")
+	require.NoError(t, cancelled.Send(append([]byte{1}, "kv@pod"...)))
+	waitSubscribed(t, pub, 3)
+	require.NoError(t, cancelled.Send(append([]byte{0}, "kv@pod"...)))
+	for _, s := range []*kvevents.Peer{silent, other, cancelled} {
+		requireClosedByPublisher(t, s)
+	}
+	require.Eventually(t, func() bool { return pub.Stats().Disconnects == 3 }, 10*time.Second, time.Millisecond)
+	log.WaitFor(t, "idle")
+
+	// The one that wants the topic has been quiet as long, and stays.
+	assert.Equal(t, 1, pub.Stats().Subscribers)
+	publish(t, p, "a1", "a", tokens(0, 8), false)
+	wants.Conn().SetReadDeadline(time.Now().Add(10 * time.Second))
+	msg, err := wants.Message()
+	require.NoError(t, err, "the subscriber that wants the topic was cut off")
+	assert.Equal(t, "kv@pod@model", string(msg[0]))
+}
+
+// TestIdleReplayClientIsCutOff: a replay client that sends no request for
+// IdleTimeout after its last answer holds a MaxPeers slot for nothing: it
+// is cut off, counted and logged; a malformed request does not keep it.
+func TestIdleReplayClientIsCutOff(t *testing.T) {
+	const idle = 100 * time.Millisecond
+	log := &testlog.Buffer{}
+	p := newPool(t, 64, 64)
+	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", IdleTimeout: idle, Logger: log.Logger()})
+	client := dialPeer(t, pub.ReplayAddr().String(), "REQ")
+	assert.Empty(t, replay(t, client, 0))
+	require.NoError(t, client.Send([]byte{}, []byte{0, 0, 0, 1}))
+	requireClosedByPublisher(t, client)
+	require.Eventually(t, func() bool { return pub.Stats().Disconnects == 1 }, 10*time.Second, time.Millisecond)
+	log.WaitFor(t, "idle")
+	assert.Equal(t, uint64(1), pub.Stats().Replays)
+	assert.Equal(t, uint64(1), pub.Stats().BadRequests)
+}
+
+// TestNegativeIdleTimeoutNeverCutsIdlePeers: a negative IdleTimeout turns
+// the idle cut-off off (it must not become a deadline in the past, which
+// would cut every peer off at once).
+func TestNegativeIdleTimeoutNeverCutsIdlePeers(t *testing.T) {
+	p := newPool(t, 64, 64)
+	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", IdleTimeout: -1})
+	silent := dialPeer(t, pub.Addr().String(), "SUB")
+	client := dialPeer(t, pub.ReplayAddr().String(), "DEALER")
+	require.NoError(t, client.Send(binary.BigEndian.AppendUint64(nil, 0)))
+	client.Conn().SetReadDeadline(time.Now().Add(10 * time.Second))
+	msg, err := client.Message()
+	require.NoError(t, err, "no end marker")
+	require.Equal(t, binary.BigEndian.AppendUint64(nil, ^uint64(0)), msg[0])
+
+	wants := dialPeer(t, pub.Addr().String(), "SUB")
+	require.NoError(t, wants.Send([]byte{1}))
+	waitSubscribed(t, pub, 1)
+	publish(t, p, "a1", "a", tokens(0, 8), false)
+	_, err = wants.Message()
+	require.NoError(t, err)
+	assert.Equal(t, 2, pub.Stats().Subscribers, "the silent subscriber was cut off")
+	require.NoError(t, client.Send(binary.BigEndian.AppendUint64(nil, 0)))
+	_, err = client.Message()
+	require.NoError(t, err, "the replay client was cut off")
+	assert.Zero(t, pub.Stats().Disconnects)
+	silent.Conn().Close()
+}

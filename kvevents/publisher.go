@@ -70,6 +70,17 @@ type Config struct {
 	// accepted no bytes for this long; 0 means 10 s. Close gives the
 	// subscribers one WriteTimeout in all to take what is queued for them.
 	WriteTimeout time.Duration
+	// IdleTimeout disconnects a peer that holds a connection for nothing:
+	// a subscriber none of whose subscriptions has matched Topic for this
+	// long (it never subscribed, or subscribed to other topics only, or
+	// cancelled what matched), and a replay client that has sent no
+	// request for this long since it connected or was last answered.
+	// ZMTP gives a PUB socket no way to tell a subscriber that wants the
+	// topic but has gone quiet from one that is merely waiting for events,
+	// so that one stays (WriteTimeout cuts it off once it stops reading
+	// what it is sent). libzmq peers reconnect by themselves and send their
+	// subscriptions again. 0 means 5 minutes; negative means never.
+	IdleTimeout time.Duration
 	// MaxPeers bounds connected subscribers and replay clients, each,
 	// a connection counting from its accept (its handshake included);
 	// 0 means 64. Further connections are closed at once.
@@ -87,6 +98,7 @@ const (
 	defaultBufferBytes = 64 << 20
 	defaultQueue       = 1024
 	defaultTimeout     = 10 * time.Second
+	defaultIdle        = 5 * time.Minute
 	defaultPeers       = 64
 	// maxSubscription bounds a subscription message (0x01 + topic), and
 	// maxSubscriptions the subscriptions one subscriber holds at once
@@ -119,7 +131,8 @@ type Stats struct {
 	// replay fills while the batches are still buffered.
 	SubscriberDrops uint64
 	// Disconnects counts subscribers and replay clients cut off (write
-	// timeout, protocol error, over MaxPeers).
+	// timeout, protocol error, handshake timeout, IdleTimeout, over
+	// MaxPeers).
 	Disconnects uint64
 	// Replays counts replay requests served, ReplayedBatches the batches
 	// they sent, BadRequests the malformed ones ignored.
@@ -233,6 +246,9 @@ func (c *Config) fill() error {
 	def(&c.MaxPeers, defaultPeers)
 	if c.WriteTimeout == 0 {
 		c.WriteTimeout = defaultTimeout
+	}
+	if c.IdleTimeout == 0 {
+		c.IdleTimeout = defaultIdle
 	}
 	if c.BatchWindow == 0 {
 		c.BatchWindow = defaultBatchWindow
@@ -621,10 +637,27 @@ func (p *Publisher) serveSubscriber(c net.Conn) {
 	go func() {
 		// Subscriptions come from the subscriber; anything else it sends
 		// is ignored. A read error (it went away, or broke the protocol)
-		// ends the subscriber.
+		// ends the subscriber, and so does the read deadline that runs
+		// while it wants nothing the publisher sends: IdleTimeout from
+		// when it last did (or connected), whatever else it sends
+		// meanwhile, PINGs included.
 		defer close(readerDone)
+		idle := false
 		for {
+			if p.cfg.IdleTimeout > 0 {
+				switch wants := s.wants(p.cfg.Topic); {
+				case wants && idle:
+					idle = false
+					c.SetReadDeadline(time.Time{})
+				case !wants && !idle:
+					idle = true
+					c.SetReadDeadline(time.Now().Add(p.cfg.IdleTimeout))
+				}
+			}
 			msg, err := z.readMessage(maxSubscription)
+			if idle && errors.Is(err, os.ErrDeadlineExceeded) {
+				err = fmt.Errorf("%w: idle: no subscription matching topic %q for %v", ErrPeer, p.cfg.Topic, p.cfg.IdleTimeout)
+			}
 			if err == nil && len(msg) == 1 && len(msg[0]) > 0 && msg[0][0] <= 1 {
 				err = s.subscribe(msg[0][0] == 1, string(msg[0][1:]))
 			}
@@ -744,11 +777,21 @@ func (p *Publisher) serveReplay(c net.Conn) {
 		case <-served:
 		}
 	}()
+	// A client has IdleTimeout after connecting, and after each answer,
+	// for its next request; malformed ones do not count.
+	awaitRequest := func() {
+		if p.cfg.IdleTimeout > 0 {
+			c.SetReadDeadline(time.Now().Add(p.cfg.IdleTimeout))
+		}
+	}
+	awaitRequest()
 	var entries []ringEntry
 	for {
 		msg, err := z.readMessage(maxReplayRequest)
 		if err != nil {
-			if errors.Is(err, ErrPeer) { // a protocol error, not a client that went away
+			if p.cfg.IdleTimeout > 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+				p.refusePeer(c, "idle", fmt.Errorf("%w: idle: no replay request for %v", ErrPeer, p.cfg.IdleTimeout))
+			} else if errors.Is(err, ErrPeer) { // a protocol error, not a client that went away
 				p.refusePeer(c, "replay request", err)
 			}
 			return
@@ -782,6 +825,7 @@ func (p *Publisher) serveReplay(c net.Conn) {
 		if err := p.writeReplay(c, appendMessage(envelopeFrames(envelope), seqb[:], nil)); err != nil {
 			return
 		}
+		awaitRequest()
 	}
 }
 
