@@ -106,7 +106,10 @@
 // A peer cannot make a server allocate more than it sends: a length
 // prefix over Options.MaxMessageBytes is refused before anything is read
 // for it (ErrMessageTooLarge), and the read buffer grows only as bytes
-// arrive, at most doubling. Options.HandshakeTimeout bounds connecting,
+// arrive, at most doubling. Options.MaxConns bounds the connections a
+// server serves at once (256): one over it is closed unread, so that
+// connections that are no transfers cannot pile up goroutines and read
+// buffers without end. Options.HandshakeTimeout bounds connecting,
 // TLS and the hellos (a client that connects and says nothing holds a
 // server goroutine that long); Options.MessageTimeout bounds each frame's
 // write (so a receiver that stops reading pins the sender's pages no

@@ -32,7 +32,7 @@ func TestRefusesMissingSecurity(t *testing.T) {
 func TestRefusesBadOptions(t *testing.T) {
 	recv, err := handoff.NewReceiver(handoff.ReceiverConfig{Pool: newPool(t, 16), Key: testkit.Key()})
 	require.NoError(t, err)
-	for _, opts := range []tcpx.Options{{MaxMessageBytes: -1}, {HandshakeTimeout: -1}, {MessageTimeout: -1}, {MaxMessageBytes: 1 << 32}} {
+	for _, opts := range []tcpx.Options{{MaxMessageBytes: -1}, {HandshakeTimeout: -1}, {MessageTimeout: -1}, {MaxConns: -1}, {MaxMessageBytes: 1 << 32}} {
 		_, err := tcpx.Dial("127.0.0.1:1", tcpx.Insecure(), opts)
 		assert.ErrorIs(t, err, handoff.ErrInvalidConfig, "%+v", opts)
 		_, err = tcpx.NewServer(recv, tcpx.Insecure(), opts)

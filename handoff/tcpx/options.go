@@ -58,9 +58,20 @@ type Options struct {
 	// stalled peer holds neither pinned prefill pages nor a server's
 	// goroutine for longer. 0 means 1 minute.
 	MessageTimeout time.Duration
+	// MaxConns, on a Server, bounds the connections it serves at once,
+	// over all its listeners, each counted from its accept (TLS and the
+	// hellos included) to its end: every one holds a goroutine, TLS state
+	// and, from its hello on, a read buffer, all before the manifest's MAC
+	// is checked, so without a bound a client that is no sender could open
+	// connections until the server runs out of memory. A connection over
+	// it is closed at once, nothing read from it, and counted
+	// (ServerStats.OverMaxConns) and logged; its sender's transfer fails
+	// with handoff.ErrTransport, as against a server that is down. 0 means
+	// DefaultMaxConns; negative is refused. A Transport ignores it.
+	MaxConns int
 	// Logger, on a Server, gets one record per connection refused before
 	// its transfer began (a TLS or tcpx handshake that failed: a wrong
-	// peer on the port). The transfers' own refusals are the receiver's
+	// peer on the port; or one over MaxConns). The transfers' own refusals are the receiver's
 	// to log (handoff.ReceiverConfig.Logger).
 	Logger *slog.Logger
 }
@@ -80,6 +91,8 @@ func (o Options) withDefaults() (Options, error) {
 	case o.MaxMessageBytes < 0 || o.HandshakeTimeout < 0 || o.MessageTimeout < 0:
 		return o, fmt.Errorf("%w: tcpx: negative MaxMessageBytes %d, HandshakeTimeout %v or MessageTimeout %v",
 			handoff.ErrInvalidConfig, o.MaxMessageBytes, o.HandshakeTimeout, o.MessageTimeout)
+	case o.MaxConns < 0:
+		return o, fmt.Errorf("%w: tcpx: negative MaxConns %d", handoff.ErrInvalidConfig, o.MaxConns)
 	case int64(o.MaxMessageBytes) > math.MaxUint32:
 		return o, fmt.Errorf("%w: tcpx: MaxMessageBytes %d does not fit the 32-bit length prefix", handoff.ErrInvalidConfig, o.MaxMessageBytes)
 	}
@@ -91,6 +104,9 @@ func (o Options) withDefaults() (Options, error) {
 	}
 	if o.MessageTimeout == 0 {
 		o.MessageTimeout = time.Minute
+	}
+	if o.MaxConns == 0 {
+		o.MaxConns = DefaultMaxConns
 	}
 	return o, nil
 }

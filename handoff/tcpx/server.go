@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvfence/kvfence/handoff"
@@ -30,6 +31,8 @@ type Server struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 	conns  sync.WaitGroup // connections being served
+	// overMax counts connections closed unread for MaxConns.
+	overMax atomic.Uint64
 
 	mu struct {
 		sync.Mutex
@@ -72,6 +75,27 @@ func newServer(serve func(context.Context, handoff.Endpoint) error, sec Security
 	return s, nil
 }
 
+// ServerStats are a server's connection counts.
+type ServerStats struct {
+	// Conns is how many connections the server is serving now, from
+	// their accept on (at most Options.MaxConns).
+	Conns int
+	// OverMaxConns counts connections closed unread because MaxConns
+	// were being served.
+	OverMaxConns uint64
+}
+
+// Stats returns the server's connection counts; a nil or zero Server's
+// are zero.
+func (s *Server) Stats() ServerStats {
+	if s == nil || s.serve == nil {
+		return ServerStats{}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return ServerStats{Conns: len(s.mu.conns), OverMaxConns: s.overMax.Load()}
+}
+
 // errNoServer is what a nil or zero Server answers: one not made by
 // NewServer.
 var errNoServer = fmt.Errorf("%w: tcpx: server not made by NewServer (NewServer failed?)", handoff.ErrInvalidArgument)
@@ -109,9 +133,13 @@ func (s *Server) Serve(ln net.Listener) error {
 			return fmt.Errorf("%w: tcpx: accept: %w", handoff.ErrTransport, err)
 		}
 		backoff = 0
-		if !s.addConn(conn) {
+		switch s.addConn(conn) {
+		case connClosed:
 			conn.Close()
 			return ErrServerClosed
+		case connOverMax:
+			s.refuseOverMax(conn)
+			continue
 		}
 		go s.handle(conn)
 	}
@@ -128,19 +156,41 @@ func (s *Server) addListener(ln net.Listener) bool {
 	return true
 }
 
-// addConn tracks an accepted connection unless the server is closed:
-// in its set, and in s.conns, counted under the lock that marks the server
-// closed, so that Close's wait, which follows that mark, counts every
-// connection that will be served.
-func (s *Server) addConn(c net.Conn) bool {
+// What addConn made of a connection.
+const (
+	connServed  = iota // tracked: serve it
+	connClosed         // the server is closed
+	connOverMax        // MaxConns are being served
+)
+
+// addConn tracks an accepted connection unless the server is closed or
+// serves MaxConns already: in its set, and in s.conns, counted under the
+// lock that marks the server closed, so that Close's wait, which follows
+// that mark, counts every connection that will be served.
+func (s *Server) addConn(c net.Conn) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.mu.closed {
-		return false
+	switch {
+	case s.mu.closed:
+		return connClosed
+	case len(s.mu.conns) >= s.opts.MaxConns:
+		return connOverMax
 	}
 	s.mu.conns[c] = struct{}{}
 	s.conns.Add(1)
-	return true
+	return connServed
+}
+
+// refuseOverMax closes a connection over MaxConns before reading a byte
+// of it (no goroutine, no buffer, no TLS), and counts and logs it.
+func (s *Server) refuseOverMax(c net.Conn) {
+	c.Close()
+	s.overMax.Add(1)
+	if s.opts.Logger != nil {
+		s.opts.Logger.LogAttrs(s.ctx, slog.LevelWarn, "tcpx: connection refused",
+			slog.String("remote", c.RemoteAddr().String()),
+			slog.Any("error", fmt.Errorf("%w: tcpx: %d connections being served (Options.MaxConns)", handoff.ErrTransport, s.opts.MaxConns)))
+	}
 }
 
 func removeFrom[T comparable](s *Server, set map[T]struct{}, c T) {

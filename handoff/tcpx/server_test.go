@@ -16,6 +16,7 @@ import (
 	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/handoff/internal/testkit"
 	"github.com/kvfence/kvfence/handoff/tcpx"
+	"github.com/kvfence/kvfence/internal/testlog"
 )
 
 // Shutdown stops accepting at once but lets a transfer in flight finish,
@@ -129,11 +130,18 @@ func TestConcurrentTransfers(t *testing.T) {
 }
 
 // Close while connections keep arriving, in every state (just accepted,
-// in the hello, mid-frame, mid-transfer): it returns, Serve returns
-// ErrServerClosed, every connection the server took is closed, and the
-// race detector sees nothing. Run with -race.
+// in the hello, mid-frame, mid-transfer, over MaxConns): it returns, Serve
+// returns ErrServerClosed, every connection the server took is closed, and
+// the race detector sees nothing. Run with -race.
 func TestCloseWhileConnectionsArrive(t *testing.T) {
-	srv := serve(t, handoff.ReceiverConfig{Pool: newPool(t, 64)}, tcpx.Insecure(), tcpx.Options{HandshakeTimeout: time.Minute, MessageTimeout: time.Minute})
+	for _, maxConns := range []int{0, 4} {
+		t.Run(fmt.Sprint("MaxConns=", maxConns), func(t *testing.T) { closeWhileConnectionsArrive(t, maxConns) })
+	}
+}
+
+func closeWhileConnectionsArrive(t *testing.T, maxConns int) {
+	srv := serve(t, handoff.ReceiverConfig{Pool: newPool(t, 64)}, tcpx.Insecure(),
+		tcpx.Options{HandshakeTimeout: time.Minute, MessageTimeout: time.Minute, MaxConns: maxConns})
 	stop := make(chan struct{})
 	var clients sync.WaitGroup
 	var conns sync.Mutex
@@ -189,4 +197,43 @@ func TestCloseWhileConnectionsArrive(t *testing.T) {
 		}
 		c.Close()
 	}
+}
+
+// A server holds a goroutine, and soon a read buffer, for every
+// connection it accepts, before anything on it is authenticated: past
+// MaxConns connections being served (here two clients that say nothing,
+// in their handshakes), another is closed at once, nothing read from it,
+// and counted; once a slot is free again, a transfer goes through.
+func TestConnectionsOverMaxConnsClosedUnread(t *testing.T) {
+	prefill, decode := newPool(t, 1024), newPool(t, 2048)
+	log := &testlog.Buffer{}
+	srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(),
+		tcpx.Options{MaxConns: 2, HandshakeTimeout: time.Minute, Logger: log.Logger()})
+	var silent []net.Conn
+	for range 2 {
+		c, err := net.Dial("tcp", srv.addr)
+		require.NoError(t, err)
+		defer c.Close()
+		silent = append(silent, c)
+	}
+	require.Eventually(t, func() bool { return srv.srv.Stats().Conns == 2 }, 10*time.Second, time.Millisecond)
+
+	over, err := net.Dial("tcp", srv.addr)
+	require.NoError(t, err)
+	defer over.Close()
+	over.Write(tcpxHello) // fails if the server has already hung up
+	over.SetReadDeadline(time.Now().Add(5 * time.Second))
+	got, err := io.ReadAll(over)
+	var ne net.Error
+	require.False(t, errors.As(err, &ne) && ne.Timeout(), "the connection over MaxConns was kept open: %v", err)
+	assert.Empty(t, got, "the connection over MaxConns was answered")
+	assert.Equal(t, tcpx.ServerStats{Conns: 2, OverMaxConns: 1}, srv.srv.Stats())
+	log.WaitFor(t, "2 connections being served (Options.MaxConns)")
+
+	silent[0].Close()
+	require.Eventually(t, func() bool { return srv.srv.Stats().Conns == 1 }, 10*time.Second, time.Millisecond)
+	exp := export(t, newSender(t, time.Minute), prefill, "after", 100*16)
+	require.NoError(t, exp.Send(context.Background(), dial(t, srv.addr, tcpx.Insecure(), tcpx.Options{})))
+	takeVerified(t, srv, decode, "after")
+	require.NoError(t, testkit.Sweep(prefill))
 }

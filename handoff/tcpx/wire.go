@@ -20,6 +20,10 @@ const (
 	// DefaultMaxMessageBytes is the default bound on one message, either
 	// way (Options.MaxMessageBytes).
 	DefaultMaxMessageBytes = 64 << 20
+	// DefaultMaxConns is the default bound on the connections a Server
+	// serves at once (Options.MaxConns): far more transfers than one
+	// decode pool runs at a time, and 256 goroutines and read buffers.
+	DefaultMaxConns = 256
 
 	helloLen  = 8
 	prefixLen = 4
