@@ -50,7 +50,10 @@
 //     page arrived and the content checksum (the manifest's, or the seal's
 //     once its MAC verifies) matches hands out the lease.
 //     Any failure aborts the import through the scrubber and reports a
-//     reason code to the sender.
+//     reason code to the sender. So does the TransferTimeout, which also
+//     ends Serve's wait for the sender's next frame
+//     (InterruptibleEndpoint): a sender that stalls holds neither decode
+//     pages, nor the goroutine serving it, nor its request ID.
 //
 // # Sharing domains
 //

@@ -32,6 +32,9 @@ type ReceiverConfig struct {
 	// TransferTimeout aborts an import whose pages have not all arrived
 	// in this time, so a stalled sender cannot hold decode pages (the
 	// import fails with kvcache.ErrIncompleteTransfer); 0 means 2 minutes.
+	// On an InterruptibleEndpoint (every transport of this module's) Serve
+	// then stops waiting for the sender at once, so the sender holds
+	// neither its goroutine nor its request ID any longer either.
 	TransferTimeout time.Duration
 	// Deliver receives each verified, usable lease (prefilled, written =
 	// prompt tokens). Nil keeps them for Take.
@@ -176,12 +179,26 @@ func (r *Receiver) serve(ctx context.Context, ep Endpoint) error {
 		return err
 	}
 	var timedOut atomic.Bool
-	watchdog := time.AfterFunc(r.cfg.TransferTimeout, func() { timedOut.Store(true); in.Abort() })
-	defer watchdog.Stop()
-	lease, err := r.receive(ep, &m, in)
+	fired := make(chan struct{})
+	watchdog := time.AfterFunc(r.cfg.TransferTimeout, func() {
+		defer close(fired)
+		timedOut.Store(true)
+		in.Abort()
+		// A sender that sends nothing more would otherwise keep this
+		// goroutine, its connection and the request ID's claim until the
+		// transport's own deadline, if it has one.
+		if ie, ok := ep.(InterruptibleEndpoint); ok {
+			ie.InterruptRecv()
+		}
+	})
+	lease, err := r.receive(ep, &m, in, &timedOut)
+	if !watchdog.Stop() {
+		<-fired // the endpoint is the transport's again once Serve returns
+	}
 	if err != nil {
 		if timedOut.Load() {
-			// What failed found the import ended (ErrStaleTransfer): say why.
+			// What failed found the import ended (ErrStaleTransfer), or
+			// the wait for the next frame ended: say why.
 			err = fmt.Errorf("%w: request %q: its pages did not all arrive within the transfer timeout of %v: %w",
 				kvcache.ErrIncompleteTransfer, m.RequestID, r.cfg.TransferTimeout, err)
 		}
@@ -270,7 +287,9 @@ func (r *Receiver) admit(ctx context.Context, m *Manifest) (*kvcache.Incoming, e
 	return r.cfg.Pool.BeginImport(admitCtx, req, m.Domain, m.Checksum)
 }
 
-func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming) (*kvcache.Lease, error) {
+// receive runs the transfer of m into in once the manifest is admitted.
+// timedOut is set when the watchdog has aborted in and interrupted ep.
+func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timedOut *atomic.Bool) (*kvcache.Lease, error) {
 	if err := r.reply(ep, stageManifest, nil); err != nil {
 		return nil, err
 	}
@@ -297,6 +316,14 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming) (*kvc
 		if errors.Is(err, io.EOF) {
 			return nil, fmt.Errorf("%w: request %q: stream ended after %d of %d pages without an end frame",
 				kvcache.ErrIncompleteTransfer, m.RequestID, next, pages)
+		}
+		if err != nil && timedOut.Load() {
+			// The watchdog ended the wait (InterruptRecv), or the
+			// transport's own deadline came after it: the transport did
+			// not fail, the sender was too slow. Its error is only text
+			// here: a wrapped ErrTransport would take the reason code.
+			return nil, fmt.Errorf("%w: request %q: no frame awaited any more after %d of %d pages (%v)",
+				kvcache.ErrIncompleteTransfer, m.RequestID, next, pages, err)
 		}
 		if err != nil {
 			return nil, fmt.Errorf("%w: request %q after %d of %d pages: %w", ErrTransport, m.RequestID, next, pages, err)

@@ -84,6 +84,28 @@ type PartsEndpoint interface {
 	RecvParts() ([][]byte, error)
 }
 
+// InterruptibleEndpoint is an Endpoint whose wait for the sender's next
+// message can be ended from another goroutine. Receiver.Serve ends it
+// when its TransferTimeout aborts the import, so that a sender that
+// stalls holds neither the goroutine serving it, nor its connection, nor
+// its request ID any longer than that. On an Endpoint that is not one,
+// Serve waits until Recv returns on its own (the transport's read
+// deadline, the peer's close). InProcess, handoff/tcpx and handoff/grpcx
+// implement it.
+type InterruptibleEndpoint interface {
+	Endpoint
+	// InterruptRecv makes a Recv (or RecvParts) in progress, and every
+	// later one, return an error at once. Send still delivers where the
+	// transport can, so that the receiver's verdict reaches the sender.
+	// It may be called from any goroutine, concurrently with Recv and
+	// Send, and more than once; never after Serve has returned.
+	InterruptRecv()
+}
+
+// errRecvInterrupted is what an in-process receiver's Recv returns once
+// InterruptRecv was called.
+var errRecvInterrupted = fmt.Errorf("%w: in-process receive interrupted", ErrTransport)
+
 // errPipeClosed is what an in-process stream returns once either end
 // closed it: the in-process form of a dropped connection.
 var errPipeClosed = fmt.Errorf("%w: in-process stream closed", ErrTransport)
@@ -135,27 +157,35 @@ func (t *InProcess) Wait() {
 
 // pipe is a bidirectional in-process channel pair. toServer is closed by
 // CloseSend; done by Close (a dropped connection); served when the
-// receiver has returned, after its last verdict.
+// receiver has returned, after its last verdict; interrupted by the
+// receiver's InterruptRecv.
 type pipe struct {
-	toServer, toClient chan []byte
-	done, served       chan struct{}
-	closeOnce          sync.Once
-	finishOnce         sync.Once
-	sendClosed         bool // sender side only
+	toServer, toClient        chan []byte
+	done, served, interrupted chan struct{}
+	closeOnce                 sync.Once
+	finishOnce                sync.Once
+	interruptOnce             sync.Once
+	sendClosed                bool // sender side only
 }
 
 func newPipe() *pipe {
 	return &pipe{toServer: make(chan []byte, 4), toClient: make(chan []byte, 4),
-		done: make(chan struct{}), served: make(chan struct{})}
+		done: make(chan struct{}), served: make(chan struct{}), interrupted: make(chan struct{})}
 }
 
-func (p *pipe) close()  { p.closeOnce.Do(func() { close(p.done) }) }
-func (p *pipe) finish() { p.finishOnce.Do(func() { close(p.served) }) }
+func (p *pipe) close()     { p.closeOnce.Do(func() { close(p.done) }) }
+func (p *pipe) finish()    { p.finishOnce.Do(func() { close(p.served) }) }
+func (p *pipe) interrupt() { p.interruptOnce.Do(func() { close(p.interrupted) }) }
 
 type pipeEnd struct {
 	p      *pipe
 	server bool
 }
+
+var (
+	_ Stream                = (*pipeEnd)(nil)
+	_ InterruptibleEndpoint = (*pipeEnd)(nil)
+)
 
 func (e *pipeEnd) Send(msg []byte) error {
 	out := e.p.toServer
@@ -190,8 +220,16 @@ func (e *pipeEnd) CloseSend() error {
 
 func (e *pipeEnd) Recv() ([]byte, error) {
 	in := e.p.toClient
+	var ended, interrupted <-chan struct{}
 	if e.server {
-		in = e.p.toServer
+		in, interrupted = e.p.toServer, e.p.interrupted
+		select {
+		case <-interrupted:
+			return nil, errRecvInterrupted
+		default:
+		}
+	} else {
+		ended = e.p.served
 	}
 	// Messages already delivered are read before a close is noticed, as
 	// on a socket.
@@ -200,15 +238,13 @@ func (e *pipeEnd) Recv() ([]byte, error) {
 		return recvResult(msg, ok)
 	default:
 	}
-	var ended <-chan struct{}
-	if !e.server {
-		ended = e.p.served
-	}
 	select {
 	case msg, ok := <-in:
 		return recvResult(msg, ok)
 	case <-e.p.done:
 		return nil, errPipeClosed
+	case <-interrupted:
+		return nil, errRecvInterrupted
 	case <-ended:
 		select {
 		case msg, ok := <-in:
@@ -216,6 +252,14 @@ func (e *pipeEnd) Recv() ([]byte, error) {
 		default:
 			return nil, io.EOF
 		}
+	}
+}
+
+// InterruptRecv implements InterruptibleEndpoint on the receiver's end;
+// on the sender's it does nothing.
+func (e *pipeEnd) InterruptRecv() {
+	if e.server {
+		e.p.interrupt()
 	}
 }
 

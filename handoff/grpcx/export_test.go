@@ -21,8 +21,8 @@ func RegisterDrain(s *grpc.Server) { s.RegisterService(&serviceDesc, drain{}) }
 type drain struct{}
 
 func (drain) transfer(stream grpc.ServerStream) error {
-	e := &serverEnd{stream: stream}
-	defer e.in.release()
+	e := newServerEnd(stream)
+	defer e.close()
 	for {
 		if _, err := e.RecvParts(); err != nil {
 			if errors.Is(err, io.EOF) {

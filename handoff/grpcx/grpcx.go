@@ -23,6 +23,12 @@
 // buffer, and gives them back (the pages stay pinned until then) once it
 // has, or once it has dropped them; see SendViews for a dead connection.
 //
+// gRPC bounds no wait for a message, so a sender that stalls on a stream
+// it keeps open is bounded by the receiver's TransferTimeout: when that
+// aborts the import, the server stops waiting for the next frame
+// (handoff.InterruptibleEndpoint), sends the verdict and ends the RPC.
+// For that, the server reads each stream on a goroutine of its own.
+//
 // Flow-control windows are large (WindowBytes) because a transfer is one
 // long bulk stream: the default 64 KiB window would cap a loopback
 // transfer far below memory bandwidth. They are not larger than that,
@@ -196,23 +202,79 @@ type service struct{ r *handoff.Receiver }
 // transfer serves one stream. The receiver's verdicts already told the
 // sender how it ended, so the RPC itself ends without a status error.
 func (s *service) transfer(stream grpc.ServerStream) error {
-	e := &serverEnd{stream: stream}
-	defer e.in.release()
+	e := newServerEnd(stream)
+	defer e.close()
 	s.r.Serve(stream.Context(), e)
 	return nil
 }
 
+// serverEnd is the receiver's end of one stream. gRPC offers no way to
+// end a RecvMsg short of ending the RPC, which would take the verdict
+// with it, so the stream is read on a goroutine of its own (reader), one
+// message per Recv, and a Recv that InterruptRecv ends leaves that read
+// to finish when the handler returns.
 type serverEnd struct {
 	stream grpc.ServerStream
-	in     frame
+	// in is the message read last: the reader's from a request on reads
+	// until its answer on read, the receiver's from then until its next
+	// Recv.
+	in          frame
+	reads       chan bool  // to the reader: read a message; keep its buffers (RecvParts)?
+	read        chan error // from the reader: the read's error
+	interrupted chan struct{}
+	interrupt   sync.Once
 }
 
-var _ handoff.PartsEndpoint = (*serverEnd)(nil)
+var (
+	_ handoff.PartsEndpoint         = (*serverEnd)(nil)
+	_ handoff.InterruptibleEndpoint = (*serverEnd)(nil)
+)
+
+// errInterrupted is what Recv returns once the receiver has stopped
+// waiting for the sender (InterruptRecv).
+var errInterrupted = fmt.Errorf("%w: grpcx: the receiver stopped waiting for the sender", handoff.ErrTransport)
+
+func newServerEnd(stream grpc.ServerStream) *serverEnd {
+	e := &serverEnd{stream: stream, reads: make(chan bool), read: make(chan error, 1), interrupted: make(chan struct{})}
+	go e.reader()
+	return e
+}
+
+// reader reads a message for each request until close; its read in
+// progress then, if any, ends with the RPC.
+func (e *serverEnd) reader() {
+	for keep := range e.reads {
+		e.in.release()
+		e.in.keep = keep
+		e.read <- e.stream.RecvMsg(&e.in)
+	}
+	e.in.release()
+}
+
+// close ends the reader once the receiver is done with the stream; the
+// reader frees the last message's buffers.
+func (e *serverEnd) close() { close(e.reads) }
+
+// recv has the reader read one message into e.in.
+func (e *serverEnd) recv(keep bool) error {
+	select {
+	case <-e.interrupted:
+		return errInterrupted
+	default:
+	}
+	// The reader is idle: it answered every request before this one (an
+	// interrupted Recv returns above from then on).
+	e.reads <- keep
+	select {
+	case err := <-e.read:
+		return err
+	case <-e.interrupted:
+		return errInterrupted
+	}
+}
 
 func (e *serverEnd) Recv() ([]byte, error) {
-	e.in.release()
-	e.in.keep = false
-	if err := e.stream.RecvMsg(&e.in); err != nil {
+	if err := e.recv(false); err != nil {
 		return nil, err
 	}
 	return e.in.b, nil
@@ -221,13 +283,15 @@ func (e *serverEnd) Recv() ([]byte, error) {
 // RecvParts implements handoff.PartsEndpoint: the message stays in gRPC's
 // receive buffers until the next receive.
 func (e *serverEnd) RecvParts() ([][]byte, error) {
-	e.in.release()
-	e.in.keep = true
-	if err := e.stream.RecvMsg(&e.in); err != nil {
+	if err := e.recv(true); err != nil {
 		return nil, err
 	}
 	return e.in.parts, nil
 }
+
+// InterruptRecv implements handoff.InterruptibleEndpoint. Send goes on
+// working: the RPC lives until the handler returns.
+func (e *serverEnd) InterruptRecv() { e.interrupt.Do(func() { close(e.interrupted) }) }
 
 // Send implements handoff.Endpoint. Its errors, and Recv's, go to
 // handoff.Receiver only, which wraps each in handoff.ErrTransport (and

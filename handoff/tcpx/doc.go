@@ -115,7 +115,11 @@
 // write (so a receiver that stops reading pins the sender's pages no
 // longer), each wait of the server for the sender's next message (so a
 // stalled sender holds the decode pages no longer: the receiver aborts
-// the import) and each wait of the sender for a verdict. The sender's
+// the import) and each wait of the sender for a verdict. The receiver's
+// TransferTimeout bounds the whole transfer, however slowly its frames
+// come: when it aborts the import, the server stops waiting for the next
+// frame at once (handoff.InterruptibleEndpoint) and sends the verdict,
+// whatever is left of MessageTimeout. The sender's
 // context, when done, closes the connection: every call on the stream
 // then fails with handoff.ErrTransport naming its cause.
 //

@@ -322,20 +322,40 @@ type serverEnd struct {
 	timeout time.Duration
 	ended   bool // the sender's end of messages has been read
 	one     [1][]byte
+	// mu orders InterruptRecv's deadline after the one each Recv sets, so
+	// that a Recv that begins as it is interrupted cannot wait a whole
+	// MessageTimeout.
+	mu struct {
+		sync.Mutex
+		interrupted bool
+	}
 }
 
-var _ handoff.PartsEndpoint = (*serverEnd)(nil)
+var (
+	_ handoff.PartsEndpoint         = (*serverEnd)(nil)
+	_ handoff.InterruptibleEndpoint = (*serverEnd)(nil)
+)
+
+// errInterrupted is what Recv returns once the receiver has stopped
+// waiting for the sender (InterruptRecv).
+var errInterrupted = fmt.Errorf("%w: tcpx: the receiver stopped waiting for the sender", handoff.ErrTransport)
 
 // Recv implements handoff.Endpoint: the sender's next message, in the
 // connection's read buffer, valid until the next Recv; io.EOF after the
-// sender's CloseSend. It waits at most Options.MessageTimeout. Its
-// errors, and Send's, go to handoff.Receiver, which wraps each in
-// handoff.ErrTransport.
+// sender's CloseSend. It waits at most Options.MessageTimeout, and not
+// at all once InterruptRecv was called. Its errors, and Send's, go to
+// handoff.Receiver, which wraps each in handoff.ErrTransport.
 func (e *serverEnd) Recv() ([]byte, error) {
 	if e.ended {
 		return nil, io.EOF
 	}
-	if err := e.conn.SetReadDeadline(time.Now().Add(e.timeout)); err != nil {
+	e.mu.Lock()
+	err := errInterrupted
+	if !e.mu.interrupted {
+		err = e.conn.SetReadDeadline(time.Now().Add(e.timeout))
+	}
+	e.mu.Unlock()
+	if err != nil {
 		return nil, err
 	}
 	msg, err := e.rd.next()
@@ -358,6 +378,16 @@ func (e *serverEnd) RecvParts() ([][]byte, error) {
 }
 
 func (e *serverEnd) Send(msg []byte) error { return e.wr.write(msg, nil) }
+
+// InterruptRecv implements handoff.InterruptibleEndpoint: a read deadline
+// in the past ends a read in progress, and the flag every later Recv. The
+// connection's writes are untouched, so the verdict still goes out.
+func (e *serverEnd) InterruptRecv() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.mu.interrupted = true
+	e.conn.SetReadDeadline(time.Unix(1, 0))
+}
 
 // finish ends the receiver's messages. A transfer the receiver ended
 // before the sender's end of messages (a refusal; or a success, which

@@ -1,0 +1,96 @@
+package handoff_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/handoff/internal/testkit"
+)
+
+// stallBound is how long a test waits for what a stalled transfer's
+// watchdog sets off. It is generous (the race detector on a loaded
+// machine), and far below anything that would end the transfer without
+// the watchdog: nothing else does, over InProcess.
+const stallBound = 10 * time.Second
+
+// recvWithin is st.Recv, failing the test if it blocks for longer than
+// stallBound.
+func recvWithin(t *testing.T, st handoff.Stream, what string) []byte {
+	t.Helper()
+	type result struct {
+		msg []byte
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		msg, err := st.Recv()
+		got <- result{append([]byte(nil), msg...), err}
+	}()
+	select {
+	case r := <-got:
+		require.NoError(t, r.err, what)
+		return r.msg
+	case <-time.After(stallBound):
+		t.Fatalf("no %s within %v", what, stallBound)
+		return nil
+	}
+}
+
+// TestSilentSenderAfterManifestPinsServe: a sender that sends its
+// manifest, hears it accepted, and then sends nothing must not keep the
+// receiver waiting for its next frame once the TransferTimeout has
+// aborted the import. Serve returns, the sender hears why
+// (incomplete_transfer), the request ID may be imported again, and the
+// decode pool is as it was before the manifest.
+func TestSilentSenderAfterManifestPinsServe(t *testing.T) {
+	prefill := pool(t, testkit.PoolConfig{Pages: 64})
+	decode := pool(t, testkit.PoolConfig{Pages: 64})
+	recv := receiver(t, decode, func(c *handoff.ReceiverConfig) { c.TransferTimeout = 50 * time.Millisecond })
+	inproc := handoff.NewInProcess(recv)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer func() { cancel(); inproc.Wait() }() // a failed test's Serve still ends
+	before := decode.Stats()
+
+	l, err := testkit.Prefill(prefill, "silent", "victim", 20*16)
+	require.NoError(t, err)
+	exp, err := sender(t).Export(l, 16)
+	require.NoError(t, err)
+	st, err := inproc.Open(ctx)
+	require.NoError(t, err)
+	defer st.Close()
+	require.NoError(t, st.Send(append([]byte{'M'}, mustManifest(t, exp)...)))
+	assert.Equal(t, []byte{'V', 1, 0}, recvWithin(t, st, "verdict on the manifest"))
+
+	// Silence. The watchdog's abort must reach the sender as a verdict.
+	v := recvWithin(t, st, "verdict after the transfer timeout")
+	require.GreaterOrEqual(t, len(v), 3)
+	assert.Equal(t, []byte{'V', 2}, v[:2], "an import-stage verdict")
+	assert.Equal(t, "incomplete_transfer", handoff.ReasonNames[v[2]], "verdict %q", v)
+	assert.Contains(t, string(v[3:]), "50ms", "the verdict names the timeout")
+
+	served := make(chan struct{})
+	go func() { inproc.Wait(); close(served) }()
+	select {
+	case <-served:
+	case <-time.After(stallBound):
+		t.Fatal("Serve still waits on a transfer its watchdog ended")
+	}
+	assert.Equal(t, uint64(1), recv.Stats().RefusedBy[indexOf(t, "incomplete_transfer")], "refusals: %v", recv.Stats().RefusedBy)
+	assertNoImport(t, recv, decode, "silent")
+	after := decode.Stats()
+	assert.Equal(t, before.LiveLeases, after.LiveLeases)
+	assert.Equal(t, before.InUsePages, after.InUsePages)
+
+	// The claim went with the import: the same export imports now.
+	require.NoError(t, exp.Send(context.Background(), inproc))
+	dl, ok := recv.Take("silent")
+	require.True(t, ok)
+	require.NoError(t, testkit.VerifyContent(decode, dl, "silent"))
+	require.NoError(t, dl.Release())
+	sweep(t, prefill, decode)
+}
