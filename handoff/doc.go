@@ -42,8 +42,9 @@
 //     Abort, or the reclaim deadline; then they are released through the
 //     scrubber.
 //   - Receiver: Serve verifies the MAC, expiry (and an upper bound on it),
-//     geometry and replay (a request ID already imported, or being
-//     imported, is refused), then admits fail-closed in the decode pool
+//     geometry and replay (a request ID already imported is refused,
+//     ErrReplay, and one being imported too, ErrInProgress, until that
+//     import ends), then admits fail-closed in the decode pool
 //     (prompt + max new tokens, the pool's own quota and capacity checks,
 //     and the sharing domain: see below), receives the pages in order,
 //     checks every frame's transfer ID and generations, and only once every

@@ -39,8 +39,20 @@ var (
 	// kvcache.ErrDomainMismatch, which the decode pool's import returns.
 	ErrDomainMismatch = kvcache.ErrDomainMismatch
 	// ErrReplay: a manifest for a request ID that has already been
-	// imported (or is being imported).
+	// imported: refused for as long as the receiver remembers the ID (the
+	// manifest's expiry). One whose ID is being imported is ErrInProgress,
+	// which wraps ErrReplay.
 	ErrReplay = errors.New("handoff: manifest replayed")
+	// ErrInProgress: a manifest for a request ID whose import is still
+	// running (a concurrent duplicate, or a retry that raced the first
+	// attempt's end). Unlike a replay it may succeed later, once that
+	// attempt has failed, so a sender may retry. It wraps ErrReplay, which
+	// is what the receiver returned for it before it had a sentinel of its
+	// own: code that matches ErrReplay refuses both as it did, and code
+	// that tells them apart matches ErrInProgress first. It has a wire
+	// reason code of its own, which a sender that predates it reads as
+	// ErrInternal, not as a replay to give up on.
+	ErrInProgress = fmt.Errorf("%w while its import is in progress", ErrReplay)
 	// ErrProtocol: a message out of place or malformed: data before the
 	// manifest, pages out of order, a frame of another transfer, a
 	// generation that differs from the manifest's.
@@ -81,9 +93,13 @@ var reasons = []error{
 	20: kvcache.ErrPoolFaulted,
 	21: kvcache.ErrPoolClosed,
 	22: ErrInternal,
+	23: ErrInProgress,
 }
 
-const codeInternal = 22
+const (
+	codeInternal   = 22
+	codeInProgress = 23
+)
 
 // ReasonNames label the reasons a transfer fails, indexed like the
 // RefusedBy and FailedBy counters of ReceiverStats and SenderStats (by
@@ -112,6 +128,7 @@ var ReasonNames = [...]string{
 	20: "pool_faulted",
 	21: "pool_closed",
 	22: "internal",
+	23: "in_progress",
 }
 
 // ReasonName is the label of the reason err ends a transfer for: the
@@ -135,6 +152,10 @@ func failureCode(err error) uint8 {
 func reasonCode(err error) uint8 {
 	for code, r := range reasons {
 		if r != nil && errors.Is(err, r) {
+			// ErrInProgress wraps ErrReplay, whose code comes first.
+			if r == ErrReplay && errors.Is(err, ErrInProgress) {
+				return codeInProgress
+			}
 			return uint8(code)
 		}
 	}

@@ -247,11 +247,10 @@ func (r *Receiver) claim(id string, expires, now time.Time) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if c, ok := r.mu.claims[id]; ok {
-		what := "is being imported"
 		if c.done {
-			what = "has been imported"
+			return fmt.Errorf("%w: request %q has been imported", ErrReplay, id)
 		}
-		return fmt.Errorf("%w: request %q %s", ErrReplay, id, what)
+		return fmt.Errorf("%w: request %q", ErrInProgress, id)
 	}
 	if len(r.mu.claims) >= r.mu.pruneAt {
 		// An expired manifest is refused before its ID is looked up, so
