@@ -94,6 +94,9 @@ var reasons = []error{
 	21: kvcache.ErrPoolClosed,
 	22: ErrInternal,
 	23: ErrInProgress,
+	24: kvcache.ErrContextDone, // the receiver's context ended before the admission
+	25: kvcache.ErrDevice,      // a page copy failed: the decode pool's write, the prefill pool's read
+	26: kvcache.ErrReclaimed,   // the sender's pages were released before they were all sent
 }
 
 const (
@@ -129,6 +132,9 @@ var ReasonNames = [...]string{
 	21: "pool_closed",
 	22: "internal",
 	23: "in_progress",
+	24: "context_done",
+	25: "device",
+	26: "reclaimed",
 }
 
 // ReasonName is the label of the reason err ends a transfer for: the

@@ -48,7 +48,8 @@ type SenderStats struct {
 	Sent   uint64 // the receiver holds a verified lease
 	Failed uint64 // refused by the receiver, or the transport failed
 	// FailedBy counts Failed by reason, indexed like ReasonNames: the
-	// receiver's reason for a refusal, "transport" for a broken stream.
+	// receiver's reason for a refusal, "transport" for a broken stream,
+	// the prefill pool's for a failure of its own ("reclaimed", "device").
 	FailedBy [len(ReasonNames)]uint64
 }
 
