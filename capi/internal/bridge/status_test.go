@@ -81,6 +81,9 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		"ErrBadMAC": handoff.ErrBadMAC, "ErrExpired": handoff.ErrExpired,
 		"ErrGeometryMismatch": handoff.ErrGeometryMismatch, "ErrDomainMismatch": handoff.ErrDomainMismatch,
 		"ErrReplay": handoff.ErrReplay, "ErrInvalidArgument": handoff.ErrInvalidArgument,
+		// A replay too (it wraps ErrReplay): KVF_REPLAY, for C has no
+		// status of its own for "being imported, try again later".
+		"ErrInProgress": handoff.ErrInProgress,
 		// Errors of transports and of a refusal seen by a sender: the C
 		// ABI moves the bytes through the caller, never a Transport.
 		"ErrProtocol": nil, "ErrTransport": nil, "ErrRefused": nil, "ErrInternal": nil,
