@@ -22,23 +22,9 @@ const stallBound = 10 * time.Second
 // stallBound.
 func recvWithin(t *testing.T, st handoff.Stream, what string) []byte {
 	t.Helper()
-	type result struct {
-		msg []byte
-		err error
-	}
-	got := make(chan result, 1)
-	go func() {
-		msg, err := st.Recv()
-		got <- result{append([]byte(nil), msg...), err}
-	}()
-	select {
-	case r := <-got:
-		require.NoError(t, r.err, what)
-		return r.msg
-	case <-time.After(stallBound):
-		t.Fatalf("no %s within %v", what, stallBound)
-		return nil
-	}
+	msg, err := testkit.RecvWithin(st, stallBound)
+	require.NoError(t, err, what)
+	return msg
 }
 
 // TestSilentSenderAfterManifestPinsServe: a sender that sends its

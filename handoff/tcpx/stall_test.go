@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/handoff/internal/testkit"
 	"github.com/kvfence/kvfence/handoff/tcpx"
 )
 
@@ -16,23 +17,9 @@ import (
 // bound.
 func recvWithin(t *testing.T, st handoff.Stream, bound time.Duration, what string) []byte {
 	t.Helper()
-	type result struct {
-		msg []byte
-		err error
-	}
-	got := make(chan result, 1)
-	go func() {
-		msg, err := st.Recv()
-		got <- result{append([]byte(nil), msg...), err}
-	}()
-	select {
-	case r := <-got:
-		require.NoError(t, r.err, what)
-		return r.msg
-	case <-time.After(bound):
-		t.Fatalf("no %s within %v", what, bound)
-		return nil
-	}
+	msg, err := testkit.RecvWithin(st, bound)
+	require.NoError(t, err, what)
+	return msg
 }
 
 // A sender that sends its manifest and then nothing holds the server's

@@ -204,3 +204,24 @@ func Sweep(p *kvcache.Pool) error {
 	}
 	return nil
 }
+
+// RecvWithin is st.Recv, or an error if it has not returned within bound
+// (its Recv is then left to return on its own): how a test tells a
+// receiver that stopped waiting from one that waits for ever.
+func RecvWithin(st handoff.Stream, bound time.Duration) ([]byte, error) {
+	type result struct {
+		msg []byte
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		msg, err := st.Recv()
+		got <- result{append([]byte(nil), msg...), err}
+	}()
+	select {
+	case r := <-got:
+		return r.msg, r.err
+	case <-time.After(bound):
+		return nil, fmt.Errorf("no message within %v", bound)
+	}
+}
