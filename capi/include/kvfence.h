@@ -134,7 +134,8 @@ enum {
     KVF_ERR_MANIFEST_EXPIRED = 68,    /* expired, or expiring further ahead than the receiver's max_ttl_ms */
     KVF_ERR_GEOMETRY_MISMATCH = 69,   /* the manifest's pages have another geometry than the decode pool's */
     KVF_ERR_DOMAIN_MISMATCH = 70,     /* the manifest names another sharing domain than its tenant has here */
-    KVF_ERR_REPLAY = 71               /* this request ID was imported (or is being imported) by this receiver */
+    KVF_ERR_REPLAY = 71,              /* this request ID was imported by this receiver: refused for good */
+    KVF_ERR_IN_PROGRESS = 72          /* this request ID is being imported by this receiver: retry once that import ends */
 };
 
 /* Handles. 0 is never valid. All kinds share one counter: a value names

@@ -124,6 +124,7 @@ static void test_library(void) {
         {KVF_ERR_GEOMETRY_MISMATCH, "KVF_ERR_GEOMETRY_MISMATCH"},
         {KVF_ERR_DOMAIN_MISMATCH, "KVF_ERR_DOMAIN_MISMATCH"},
         {KVF_ERR_REPLAY, "KVF_ERR_REPLAY"},
+        {KVF_ERR_IN_PROGRESS, "KVF_ERR_IN_PROGRESS"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         CHECK(strcmp(kvf_status_name(names[i].s), names[i].name) == 0);

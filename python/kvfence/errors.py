@@ -55,6 +55,7 @@ STATUSES = (
     (69, "KVF_ERR_GEOMETRY_MISMATCH", "handoff.ErrGeometryMismatch"),
     (70, "KVF_ERR_DOMAIN_MISMATCH", "handoff.ErrDomainMismatch"),
     (71, "KVF_ERR_REPLAY", "handoff.ErrReplay"),
+    (72, "KVF_ERR_IN_PROGRESS", "handoff.ErrInProgress"),
 )
 
 OK = 0

@@ -69,6 +69,7 @@ const (
 	StatusGeometryMismatch   Status = 69
 	StatusDomainMismatch     Status = 70
 	StatusReplay             Status = 71
+	StatusInProgress         Status = 72 // handoff.ErrInProgress: the request ID is being imported; try again later
 )
 
 // Errors of the C boundary. Match with errors.Is.
@@ -113,6 +114,9 @@ var sentinels = []struct {
 	{kvcache.ErrPoolClosed, StatusPoolClosed},
 	{kvcache.ErrPoolFaulted, StatusPoolFaulted},
 	{kvcache.ErrLeaseReleased, StatusLeaseReleased},
+	// Before ErrReplay, which it wraps: a duplicate of an import in
+	// progress may be retried once that import ends, a replay never.
+	{handoff.ErrInProgress, StatusInProgress},
 	{handoff.ErrReplay, StatusReplay},
 	{handoff.ErrBadMAC, StatusBadMAC},
 	{handoff.ErrMalformedManifest, StatusMalformedManifest},
@@ -239,6 +243,7 @@ var statusNames = map[Status]string{
 	StatusGeometryMismatch:   "KVF_ERR_GEOMETRY_MISMATCH",
 	StatusDomainMismatch:     "KVF_ERR_DOMAIN_MISMATCH",
 	StatusReplay:             "KVF_ERR_REPLAY",
+	StatusInProgress:         "KVF_ERR_IN_PROGRESS",
 }
 
 // Statuses returns every status with its C name.

@@ -81,8 +81,6 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		"ErrBadMAC": handoff.ErrBadMAC, "ErrExpired": handoff.ErrExpired,
 		"ErrGeometryMismatch": handoff.ErrGeometryMismatch, "ErrDomainMismatch": handoff.ErrDomainMismatch,
 		"ErrReplay": handoff.ErrReplay, "ErrInvalidArgument": handoff.ErrInvalidArgument,
-		// A replay too (it wraps ErrReplay): KVF_REPLAY, for C has no
-		// status of its own for "being imported, try again later".
 		"ErrInProgress": handoff.ErrInProgress,
 		// Errors of transports and of a refusal seen by a sender: the C
 		// ABI moves the bytes through the caller, never a Transport.
@@ -141,6 +139,7 @@ func TestClassify(t *testing.T) {
 		{"a refused release ordering wins over invalid argument", fmt.Errorf("%w: release ordering: %w (%w): stream 0x10",
 			kvcache.ErrInvalidArgument, cudaops.ErrBadOrdering, cudaops.ErrInvalidArgument), Info{Status: StatusBadOrdering}},
 		{"replay", fmt.Errorf("%w: request", handoff.ErrReplay), Info{Status: StatusReplay}},
+		{"in progress, which wraps replay", fmt.Errorf("%w: request", handoff.ErrInProgress), Info{Status: StatusInProgress}},
 		{"short key", fmt.Errorf("%w: HMAC key", handoff.ErrInvalidConfig), Info{Status: StatusInvalidConfig}},
 		{"import aborted by checksum", fmt.Errorf("%w: request", kvcache.ErrChecksumMismatch), Info{Status: StatusChecksumMismatch}},
 		{"admission error wrapped", fmt.Errorf("outer: %w", &kvcache.AdmissionError{Err: kvcache.ErrUnknownTenant}), Info{Status: StatusUnknownTenant}},
