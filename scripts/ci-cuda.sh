@@ -34,7 +34,7 @@ step "ptxas cudaops/fill.ptx"
 for arch in sm_50 sm_90; do
 	info=$("$KVFENCE_PTXAS" -v -arch="$arch" cudaops/fill.ptx -o /dev/null 2>&1)
 	echo "$info" | sed -n 's/^ptxas info *: Used/'"$arch"': used/p'
-	if ! echo "$info" | grep -q '0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads'; then
+	if ! grep -q '0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads' <<<"$info"; then
 		echo "$info" >&2
 		echo "ci-cuda: kvf_fill uses a stack or spills on $arch" >&2
 		exit 1

@@ -27,7 +27,10 @@ echo "== collector and publisher benchmark, one iteration"
 go test -run '^$' -bench . -benchtime 1x ./metrics >/dev/null
 
 echo "== examples/router: -help, then two seconds of load with a scrape"
-go run ./examples/router -help 2>&1 | grep -q -- '-metrics'
+# Not `... | grep -q`: under pipefail, grep quitting at its first match can
+# kill the writer with SIGPIPE (status 141) and fail the step.
+help=$(go run ./examples/router -help 2>&1)
+grep -q -- '-metrics' <<<"$help"
 go build -o "${TMPDIR:-/tmp}/kvfence-router" ./examples/router
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
