@@ -43,9 +43,6 @@ type Pool struct {
 	fillLatency fillHistogram
 	// q's Issue runs without mu; its Locked methods need mu.
 	q *isolation.Quarantine
-	// canary is q.NeedsVerify(), which never changes: pages must pass the
-	// canary check before they are handed out.
-	canary bool
 
 	// fills counts scrubs whose pages have left the books (quarantined
 	// under mu) and whose fill has not finished. Add runs under mu before
@@ -88,11 +85,8 @@ type Pool struct {
 		refused   Refusals
 		perTenant tenantCounters // admissions and refusals per tenant
 		growth    GrowthStats
-		// onePageGrowths is the one-page growths of the fast path, which
-		// Stats adds to growth's Grown and PagesGrown.
-		onePageGrowths uint64
-		prefix         prefixIndex
-		events         eventSink
+		prefix    prefixIndex
+		events    eventSink
 	}
 }
 
@@ -167,7 +161,7 @@ func New(cfg Config) (_ *Pool, err error) {
 		}
 		return nil, err
 	}
-	p.q, p.canary = q, q.NeedsVerify()
+	p.q = q
 	p.quiet.L = &p.mu.Mutex
 	p.mu.alloc = alloc
 	p.mu.leases = make(map[string]*Lease)

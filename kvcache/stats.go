@@ -197,7 +197,7 @@ func (p *Pool) Stats() Stats {
 		LiveLeases:       len(p.mu.leases),
 		Admitted:         p.mu.admitted,
 		Refused:          p.mu.refused,
-		Growth:           p.growthStatsLocked(),
+		Growth:           p.mu.growth,
 		Scrub:            p.q.StatsLocked(),
 		Closed:           p.mu.closed,
 		FillLatency:      p.fillLatency.snapshot(),
@@ -216,12 +216,4 @@ func (p *Pool) Stats() Stats {
 			Admitted: c.admitted, Refused: c.refused}
 	}
 	return s
-}
-
-// growthStatsLocked is GrowthStats with the fast path's one-page growths.
-func (p *Pool) growthStatsLocked() GrowthStats {
-	g := p.mu.growth
-	g.Grown += p.mu.onePageGrowths
-	g.PagesGrown += p.mu.onePageGrowths
-	return g
 }
