@@ -305,31 +305,73 @@ func (e *Export) putDataHead(frame []byte, first, k int) {
 
 // sendViews sends the data frames of a ViewStream: each frame's pages
 // are lent by the pool (PageViews, pinned until the stream is done with
-// them) and summed where they lie, just before the stream copies them
-// out, so that the stream reads them from cache; nothing is staged.
+// them) and summed where they lie; nothing is staged.
+//
+// The sums run one frame ahead of the stream, on a goroutine of their
+// own: while the stream writes frame k, frame k+1 is summed. On a
+// loopback or a fast NIC the writer is the transfer's critical path (the
+// kernel's copy and, on loopback, the receiver's protocol work run in
+// its system calls), so summing beside it rather than before it takes
+// the checksum off that path; and the stream then reads frame k+1 from
+// the cache the sum just filled. A frame's views are not handed to the
+// stream until its sum is done, so the stream's done (which unpins the
+// pages) always comes after the last read of them.
 func (e *Export) sendViews(st ViewStream, per int, sums []uint64) error {
 	n := e.out.Pages()
 	head := make([]byte, dataFixed+4*per)
-	var views [][]byte
-	for first := 0; first < n; {
+	var spare [2][][]byte // the views of the frame being sent and of the one being summed
+	// lend returns the views of the frame of pages first …, in buf.
+	lend := func(first int, buf [][]byte) (viewFrame, error) {
 		k := min(per, n-first)
-		h := head[:dataFixed+4*k]
-		e.putDataHead(h, first, k)
-		var done func()
-		var err error
-		if views, done, err = e.out.PageViews(first, k, views[:0]); err != nil {
-			return err
-		}
-		regions := len(views) / k
-		for i := range k {
-			sums[first+i] = kvcache.PageChecksumOf(views[i*regions : (i+1)*regions])
-		}
-		if err := e.check(st, st.SendViews(h, views, done)); err != nil {
-			return err
-		}
-		first += k
+		views, done, err := e.out.PageViews(first, k, buf[:0])
+		return viewFrame{first: first, k: k, views: views, done: done}, err
 	}
-	return nil
+	sum := func(f viewFrame) {
+		regions := len(f.views) / f.k
+		for i := range f.k {
+			sums[f.first+i] = kvcache.PageChecksumOf(f.views[i*regions : (i+1)*regions])
+		}
+	}
+	cur, err := lend(0, spare[0])
+	if err != nil {
+		return err
+	}
+	sum(cur)
+	summed := make(chan struct{}, 1)
+	for turn := 1; ; turn++ {
+		spare[(turn+1)%2] = cur.views
+		var next viewFrame
+		if after := cur.first + cur.k; after < n {
+			if next, err = lend(after, spare[turn%2]); err != nil {
+				cur.done()
+				return err
+			}
+			go func() {
+				sum(next)
+				summed <- struct{}{}
+			}()
+		}
+		h := head[:dataFixed+4*cur.k]
+		e.putDataHead(h, cur.first, cur.k)
+		err := e.check(st, st.SendViews(h, cur.views, cur.done))
+		if next.k == 0 {
+			return err
+		}
+		<-summed
+		if err != nil {
+			next.done()
+			return err
+		}
+		cur = next
+	}
+}
+
+// viewFrame is one data frame's pages as sendViews holds them: pages
+// first … first+k-1, their views, and the done that unpins them.
+type viewFrame struct {
+	first, k int
+	views    [][]byte
+	done     func()
 }
 
 // send transmits msg; if the receiver has already ended the transfer,

@@ -2,6 +2,8 @@ package handoff_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -131,4 +133,89 @@ func TestExportEndsOnlyWhenTheStreamGivesThePagesBack(t *testing.T) {
 	assert.False(t, exp2.Live())
 	require.NoError(t, testkit.Sweep(prefill))
 	require.NoError(t, testkit.Sweep(decode))
+}
+
+// failingViews is a ViewStream over InProcess whose SendViews fails at
+// its failAt'th call (counting from 1), giving that frame's views back at
+// once and closing the stream under it, as a broken connection would;
+// it counts the views lent and given back.
+type failingViews struct {
+	handoff.Stream
+	failAt        int
+	calls         int
+	lent, givenUp int
+}
+
+func (s *failingViews) SendViews(head []byte, views [][]byte, done func()) error {
+	s.calls++
+	s.lent++
+	defer func() { s.givenUp++; done() }()
+	if s.calls == s.failAt {
+		s.Stream.Close() // as a broken connection: both ends see it
+		return errors.New("failingViews: the connection broke")
+	}
+	msg := append([]byte(nil), head...)
+	for _, v := range views {
+		msg = append(msg, v...)
+	}
+	return s.Stream.Send(msg)
+}
+
+type failingViewsTransport struct {
+	inner  handoff.Transport
+	failAt int
+	last   *failingViews
+}
+
+func (t *failingViewsTransport) Open(ctx context.Context) (handoff.Stream, error) {
+	st, err := t.inner.Open(ctx)
+	if err != nil {
+		return nil, err
+	}
+	t.last = &failingViews{Stream: st, failAt: t.failAt}
+	return t.last, nil
+}
+
+// A stream that breaks in the middle of the data frames, while the
+// sender has the next frame's pages lent to it (it sums a frame ahead of
+// the stream), leaves no page pinned: Send reports the transport's
+// error, the export can still be aborted at once, and the prefill pool
+// holds nothing afterwards. Each failing frame is tried: the first, one
+// in the middle, and the last.
+func TestStreamThatBreaksMidTransferLeavesNoPagePinned(t *testing.T) {
+	const pages, perFrame = 40, 4 // 10 frames of 4 pages
+	for _, failAt := range []int{1, 5, 10} {
+		t.Run(fmt.Sprint("frame=", failAt), func(t *testing.T) {
+			prefill := pool(t, testkit.PoolConfig{Pages: 256})
+			decode := pool(t, testkit.PoolConfig{Pages: 256})
+			recv := receiver(t, decode)
+			pb := int(prefill.PageBytes())
+			s := sender(t, func(c *handoff.SenderConfig) { c.FrameBytes = perFrame*(pb+4) + 64 })
+			inner := handoff.NewInProcess(recv)
+			tr := &failingViewsTransport{inner: inner, failAt: failAt}
+
+			l, err := testkit.Prefill(prefill, "broken", "victim", pages*16)
+			require.NoError(t, err)
+			exp, err := s.Export(l, 0)
+			require.NoError(t, err)
+			err = exp.Send(context.Background(), tr)
+			require.ErrorIs(t, err, handoff.ErrTransport)
+			assert.Equal(t, failAt, tr.last.calls, "frames offered to the stream")
+			assert.Equal(t, tr.last.lent, tr.last.givenUp)
+
+			aborted := make(chan error, 1)
+			go func() { aborted <- exp.Abort() }()
+			select {
+			case err := <-aborted:
+				require.NoError(t, err)
+			case <-time.After(5 * time.Second):
+				t.Fatal("Abort still waits for lent pages after the stream broke")
+			}
+			assert.False(t, exp.Live())
+			assert.Zero(t, prefill.Stats().InUsePages)
+			require.NoError(t, testkit.Sweep(prefill))
+			inner.Wait() // the receiver has seen the break and dropped its import
+			require.NoError(t, testkit.Sweep(decode))
+		})
+	}
 }
