@@ -104,9 +104,13 @@ import (
 // (fills on one stream complete in order) with cuEventSynchronize, which
 // then sleeps instead of spinning, and completes each Fence: Done and
 // Wait never call the driver, so any number of waiters costs no OS
-// thread and no CPU. The reaper frees the fill's slot of the staging
-// ring; a Fill finding the ring full waits for that without holding the
-// device lock (Stats counts it). Any error while queuing returns an error
+// thread and no CPU. When the wait succeeds the reaper frees the fill's
+// slot of the staging ring (and any earlier slot still held: the stream
+// runs in order); a failed wait frees nothing, since the fill's queued
+// copy may still read its slot. A Fill finding the ring full waits for a
+// fence in flight to free it without holding the device lock (Stats
+// counts it), or, with none in flight, drains the stream, and fails with
+// ErrDriver if that fails. Any error while queuing returns an error
 // wrapping ErrDriver (or ErrBadOrdering) and no fence; the caller (the
 // pool) must then treat the pages as not clean. An error the device
 // reports later (a faulting kernel) comes out of the fence, also wrapping
@@ -156,7 +160,9 @@ type CUDA struct {
 		// once the stream has drained.
 		abandonedHost [][]byte
 		ring          stagingRing
-		// ringFreed is signalled by the reaper when it frees ring space.
+		// ringFreed is signalled whenever the reaper completes a fence
+		// (it may have freed ring space, or left none in flight that
+		// could) and when ring space is freed otherwise.
 		ringFreed *sync.Cond
 	}
 	stream  uintptr // our fills, copies and memsets

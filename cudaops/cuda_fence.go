@@ -11,7 +11,7 @@ import (
 // ends with an event of its own, which the device's reaper waits for
 // before it completes the Fence the pool waits on. Events come from a
 // per-device pool, since creating one per fill would cost a driver call
-// on the hot path.
+// on the hot path; an event whose wait failed does not go back to it.
 
 // CheckOrdering implements OrderingChecker: it reports, without queuing
 // anything, why after cannot order a fill on this device, as an error
@@ -149,7 +149,7 @@ func (d *CUDA) putEvent(ev uintptr) {
 type cudaFence struct {
 	ev       uintptr
 	ringGen  uint64 // the staging ring the fill's page list is in
-	ringEnd  uint64 // ring position after it: freed when the fence completes
+	ringEnd  uint64 // ring position after it: freed when the fence completes without error
 	finished chan struct{}
 	err      error // written before finished is closed
 }
@@ -260,13 +260,25 @@ func (d *CUDA) waitEvent(ev uintptr) error {
 	return nil
 }
 
-// complete records f's outcome, recycles its event and frees its slot of
-// the staging ring.
+// complete records f's outcome and, when its wait succeeded, recycles its
+// event and frees the staging ring up to its slot's end: its fill and,
+// the stream being in order, every fill queued before it have run. A
+// failed wait says nothing about the fill's work, whose queued copy may
+// still read its slot: the slot stays held until a later fence completes
+// without error or the stream is drained (see fill). Its event is not recycled either:
+// the driver may have failed because of the event itself, and a handle
+// in an unknown state must not end the next fill; it stays in
+// events.all and is destroyed at Close.
 func (d *CUDA) complete(f *cudaFence, err error) {
-	d.putEvent(f.ev)
+	if err == nil {
+		d.putEvent(f.ev)
+	}
 	d.mu.Lock()
-	if f.ringGen == d.mu.ring.gen && f.ringEnd > d.mu.ring.tail {
-		d.mu.ring.tail = f.ringEnd
+	if f.ringGen == d.mu.ring.gen {
+		d.mu.ring.inFlight--
+		if err == nil && f.ringEnd > d.mu.ring.tail {
+			d.mu.ring.tail = f.ringEnd
+		}
 	}
 	d.mu.ringFreed.Broadcast()
 	d.mu.Unlock()

@@ -155,10 +155,25 @@ func (d *CUDA) fill(spans []Span, pages []int32, spec FillSpec, after Ordering) 
 			if slot, ok = d.mu.ring.reserve(4 * uint64(n)); ok {
 				break
 			}
-			// Every slot is still read by fills in flight: wait for the
-			// reaper to free one, without holding the device lock.
 			d.stagingWaits.Add(1)
-			d.mu.ringFreed.Wait()
+			if d.mu.ring.inFlight > 0 {
+				// Every slot may still be read by fills in flight: wait
+				// for the reaper to free one, without holding the device
+				// lock.
+				d.mu.ringFreed.Wait()
+				continue
+			}
+			// No fence in flight can free the ring: the fills holding it
+			// failed (their waits, or before their fences), and their
+			// queued copies may still read it. Only a drained stream
+			// frees it; if the drain fails, fail rather than wait for a
+			// reaper that has nothing to wait for.
+			if err := d.drv.streamSynchronize(d.stream); err != nil {
+				return nil, fmt.Errorf("%w: staging ring full (%d of %d bytes held by failed fills), draining the stream: %w",
+					ErrDriver, d.mu.ring.head-d.mu.ring.tail, len(d.mu.ring.host), err)
+			}
+			d.mu.ring.tail = d.mu.ring.head
+			d.mu.ringFreed.Broadcast()
 		}
 	}
 	undo := func() { d.mu.ring.head = prevHead } // nothing after us reserved: mu is held
@@ -192,7 +207,9 @@ func (d *CUDA) fill(spans []Span, pages []int32, spec FillSpec, after Ordering) 
 		// reused at once. A queued copy of the page list reads its ring
 		// slot when it runs, not now, and a launch queued after it uses
 		// what it read: the slot is given back only once the stream has
-		// drained (if that wait fails, a later fence frees the slot).
+		// drained (if that wait fails, a later fence that completes
+		// without error frees the slot, or a fill that finds the ring
+		// full drains the stream).
 		if !listQueued || d.drv.streamSynchronize(d.stream) == nil {
 			undo()
 		}
@@ -201,6 +218,7 @@ func (d *CUDA) fill(spans []Span, pages []int32, spec FillSpec, after Ordering) 
 	}
 	f := newFence(ev)
 	f.ringGen, f.ringEnd = d.mu.ring.gen, d.mu.ring.head
+	d.mu.ring.inFlight++
 	d.reap.track(f)
 	d.fillCalls.Add(1)
 	d.launches.Add(launches)

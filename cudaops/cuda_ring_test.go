@@ -280,3 +280,175 @@ func TestCUDACloseWhileFillWaitsForRingLostFences(t *testing.T) {
 	_, err = d.Fill([]int32{1}, cudaops.FillSpec{}, cudaops.Ordering{})
 	assert.ErrorIs(t, err, cudaops.ErrClosed)
 }
+
+// ringTestDevice opens a device whose staging ring is its least size,
+// 16384 page IDs (the smallest region, 0, has 8 pages of 64 bytes),
+// beside a region 1 of 16384 pages of 16 bytes whose batches can fill
+// it, every page of both holding 0xee. Page lists of two or more go
+// through the ring. The caller closes the device.
+func ringTestDevice(t *testing.T) (*cudaops.CUDA, *cudaops.FakeDriver) {
+	t.Helper()
+	d, f, err := cudaops.OpenFake()
+	require.NoError(t, err)
+	require.NoError(t, d.KernelError())
+	d.SetGridLimit(16)
+	d.SetFillBlock(32)
+	d.SetInlineIDs(1)
+	_, err = d.AllocRegion(8, 64)
+	require.NoError(t, err)
+	_, err = d.AllocRegion(16384, 16)
+	require.NoError(t, err)
+	require.NoError(t, d.WritePages(0, runOf(0, 8), bytes.Repeat([]byte{0xee}, 8*64)))
+	require.NoError(t, d.WritePages(1, runOf(0, 16384), bytes.Repeat([]byte{0xee}, 16384*16)))
+	return d, f
+}
+
+// The reaper freed a fill's staging ring slot when its fence completed,
+// whatever the wait's result. But a failed cuEventSynchronize does not
+// mean the fill's work has run: its queued copy reads the slot when it
+// runs. Once the ring wrapped, a later fill wrote its own page list into
+// the slot, and the failed fill's launch then scrubbed the later fill's
+// page numbers in the failed fill's region: pages nobody had released.
+func TestCUDAFailedFenceWaitLentItsRingSlotToALaterFill(t *testing.T) {
+	d, f := ringTestDevice(t)
+	// Not a zero Ordering: synchronising the context would run the
+	// failed fill's work before the ring wraps.
+	after := cudaops.Ordering{Stream: cudaops.StreamLegacy}
+	span := func(r int, pages []int32) []cudaops.Span { return []cudaops.Span{{First: r, Count: 1, Pages: pages}} }
+
+	// The failing fill: region 0's pages 1 and 2, the ring's first 8 bytes.
+	f.FailNext("cuEventSynchronize", 999)
+	fc, err := d.FillSpans(span(0, []int32{1, 2}), cudaops.FillSpec{Word: 1}, after)
+	require.NoError(t, err)
+	require.ErrorIs(t, fc.Wait(), cudaops.ErrDriver)
+
+	// Keep the rest in flight while the ring wraps: two fills take the
+	// rest of it, and the third's slot is the failing fill's.
+	release := f.HoldSyncs()
+	defer release()
+	var fences []cudaops.Fence
+	for _, b := range []struct {
+		pages []int32
+		word  uint32
+	}{{runOf(0, 8192), 2}, {runOf(8192, 8190), 3}} {
+		fc, err := d.FillSpans(span(1, b.pages), cudaops.FillSpec{Word: b.word}, after)
+		require.NoError(t, err)
+		fences = append(fences, fc)
+	}
+	type result struct {
+		f   cudaops.Fence
+		err error
+	}
+	third := make(chan result, 1)
+	go func() {
+		fc, err := d.FillSpans(span(1, []int32{5, 6}), cudaops.FillSpec{Word: 4}, after)
+		third <- result{fc, err}
+	}()
+	// It either took a slot or waits for one; either way, let the
+	// stream run now.
+	var r result
+	waited := false
+	require.Eventually(t, func() bool {
+		select {
+		case r = <-third:
+			return true
+		default:
+			waited = d.Stats().StagingWaits > 0
+			return waited
+		}
+	}, 10*time.Second, time.Millisecond)
+	release()
+	if waited {
+		select {
+		case r = <-third:
+		case <-time.After(20 * time.Second):
+			t.Fatal("the fill that waited for the ring did not return")
+		}
+	}
+	require.NoError(t, r.err)
+	fences = append(fences, r.f)
+	for i, fc := range fences {
+		require.NoError(t, fc.Wait(), "fill %d", i+2)
+	}
+
+	for _, p := range []int32{0, 3, 4, 5, 6, 7} {
+		assert.Equal(t, uniform(0xeeeeeeee, 16), pageWords(t, d, 0, p), "region 0 page %d, never released, was filled", p)
+	}
+	got := make([]byte, 16384*16)
+	require.NoError(t, d.ReadPages(1, runOf(0, 16384), got))
+	for p := range int32(16384) {
+		want := uint32(0xeeeeeeee)
+		switch {
+		case p == 5 || p == 6:
+			want = 4
+		case p < 8192:
+			want = 2
+		case p < 8192+8190:
+			want = 3
+		}
+		if !assert.Equal(t, uniform(want, 4), words(got[16*p:16*(p+1)]), "region 1 page %d", p) {
+			break
+		}
+	}
+	require.NoError(t, d.Close())
+	assert.Empty(t, f.Leaks())
+}
+
+// Once a failed fence wait keeps its fill's ring slot, a ring held
+// entirely by fills whose waits failed has no fence left in flight to
+// free it: the next fill that needs a slot waited for a reaper that had
+// nothing to wait for, and never returned (Close then waited for it
+// too). It must drain the stream and go on, or, when even that fails,
+// fail with ErrDriver and leave the device usable.
+func TestCUDARingHeldByFailedFenceWaitsHungTheNextFill(t *testing.T) {
+	for _, drainFails := range []bool{false, true} {
+		t.Run(map[bool]string{false: "drained", true: "drain failed"}[drainFails], func(t *testing.T) {
+			d, f := ringTestDevice(t)
+			span := func(pages []int32) []cudaops.Span { return []cudaops.Span{{First: 1, Count: 1, Pages: pages}} }
+			legacy := cudaops.Ordering{Stream: cudaops.StreamLegacy}
+			// Two fills of half the ring each, both waits failing.
+			for i, first := range []int32{0, 8192} {
+				f.FailNext("cuEventSynchronize", 999)
+				fc, err := d.FillSpans(span(runOf(first, 8192)), cudaops.FillSpec{Word: uint32(i + 1)}, legacy)
+				require.NoError(t, err)
+				require.ErrorIs(t, fc.Wait(), cudaops.ErrDriver)
+			}
+
+			type result struct {
+				f   cudaops.Fence
+				err error
+			}
+			fill := func() result {
+				done := make(chan result, 1)
+				go func() {
+					fc, err := d.FillSpans(span([]int32{5, 6}), cudaops.FillSpec{Word: 7}, legacy)
+					done <- result{fc, err}
+				}()
+				select {
+				case r := <-done:
+					return r
+				case <-time.After(20 * time.Second):
+					t.Fatal("a fill that needs a slot of a ring held by failed waits has not returned")
+					return result{}
+				}
+			}
+			if drainFails {
+				f.FailNext("cuStreamSynchronize", 999)
+				r := fill()
+				require.ErrorIs(t, r.err, cudaops.ErrDriver)
+				require.ErrorContains(t, r.err, "cuStreamSynchronize")
+			}
+			r := fill()
+			require.NoError(t, r.err)
+			require.NoError(t, r.f.Wait())
+			for _, p := range []int32{5, 6} {
+				assert.Equal(t, uniform(7, 4), pageWords(t, d, 1, p), "region 1 page %d", p)
+			}
+			for p := range int32(8) {
+				assert.Equal(t, uniform(0xeeeeeeee, 16), pageWords(t, d, 0, p), "region 0 page %d, never released, was filled", p)
+			}
+			require.NoError(t, d.Close())
+			assert.Empty(t, f.Leaks())
+		})
+	}
+}

@@ -11,10 +11,13 @@ import (
 // pages) has its page list written into the staging ring (page-locked
 // host memory) and copied asynchronously to its device twin. The slot
 // must outlive that queued copy, so it is freed only when the fill's
-// fence completes. The ring is sized, when regions
-// are added, for several of the largest batches a pool can issue, so a
-// fill never allocates or frees driver memory (which can synchronise the
-// device). ReadPage and WritePage copy Go memory synchronously on the
+// fence completes successfully, or a later one does (the stream runs in
+// order): a failed wait does not mean the copy has run. A fill that
+// finds the ring full with no fence in flight (every fill holding it
+// failed) drains the stream instead, or fails if that fails. The ring
+// is sized, when regions are added, for several of the largest batches a
+// pool can issue, so a fill never allocates or frees driver memory (which
+// can synchronise the device). ReadPage and WritePage copy Go memory synchronously on the
 // device's stream, so they are ordered after every fill already queued.
 // Batched copies (PageCopier, StagedCopier) go through a page-locked
 // buffer of their own (copyHost), on the same stream: async copies of a
@@ -31,11 +34,15 @@ const minRingBytes = 64 << 10
 // stagingRing is a page-locked host buffer and a device buffer of the same
 // size that carry fills' page lists, used as a ring: head and tail count
 // the bytes reserved and freed since the ring was allocated (gen).
+// inFlight counts the fences of this ring the reaper has not completed:
+// only they can free space; with none, a full ring stays full until the
+// stream is drained.
 type stagingRing struct {
 	host       []byte
 	dev        uint64
 	head, tail uint64
 	gen        uint64
+	inFlight   int
 }
 
 // reserve takes n contiguous bytes (a slot never wraps: the end of the
