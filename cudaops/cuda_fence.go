@@ -265,10 +265,10 @@ func (d *CUDA) waitEvent(ev uintptr) error {
 // the stream being in order, every fill queued before it have run. A
 // failed wait says nothing about the fill's work, whose queued copy may
 // still read its slot: the slot stays held until a later fence completes
-// without error or the stream is drained (see fill). Its event is not recycled either:
-// the driver may have failed because of the event itself, and a handle
-// in an unknown state must not end the next fill; it stays in
-// events.all and is destroyed at Close.
+// without error or the stream is drained (see fill). Its event is not
+// recycled either: the driver may have failed because of the event
+// itself, and a handle in an unknown state must not end the next fill;
+// it stays in events.all and is destroyed at Close.
 func (d *CUDA) complete(f *cudaFence, err error) {
 	if err == nil {
 		d.putEvent(f.ev)

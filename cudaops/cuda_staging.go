@@ -17,8 +17,9 @@ import (
 // failed) drains the stream instead, or fails if that fails. The ring
 // is sized, when regions are added, for several of the largest batches a
 // pool can issue, so a fill never allocates or frees driver memory (which
-// can synchronise the device). ReadPage and WritePage copy Go memory synchronously on the
-// device's stream, so they are ordered after every fill already queued.
+// can synchronise the device). ReadPage and WritePage copy Go memory
+// synchronously on the device's stream, so they are ordered after every
+// fill already queued.
 // Batched copies (PageCopier, StagedCopier) go through a page-locked
 // buffer of their own (copyHost), on the same stream: async copies of a
 // staging buffer's worth, one wait, and the buffer is reused only after
