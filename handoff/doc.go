@@ -124,6 +124,16 @@
 // in, from which the pages are written into the decode pool directly
 // (kvcache.Incoming.WritePagesFrom).
 //
+// Two more let each end overlap its work with the transport's. A sender
+// on a ViewStream sums the pages one frame ahead of the stream, on a
+// goroutine of its own, so the writes (on loopback the busiest path: the
+// kernel's copy and the receiver's protocol work run in them) never wait
+// for a checksum. A receiver on a HoldingEndpoint (tcpx's) writes each
+// data frame into the decode pool on a goroutine of its own while the
+// transport reads the next; a frame's write ends before the next one
+// begins, and every write before the end frame or seal is checked, so
+// the order of the writes and what Complete vouches for are as before.
+//
 // RDMA transports (NIXL, Mooncake's transfer engine, UCX) fit the same
 // protocol with the bytes moved out of band: the manifest and verdicts go
 // over a control stream like this one, the receiver's accept verdict

@@ -295,20 +295,44 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 	pages := m.Pages()
 	pb := int(r.cfg.Pool.PageBytes()) // the fingerprints matched
 	split, _ := ep.(PartsEndpoint)
+	held, _ := ep.(HoldingEndpoint)
 	var (
 		msg       messageParts
 		one       [1][]byte
-		pageParts [][]byte
+		pageParts [2][][]byte // a write in flight holds one; the next frame parses into the other
+		turn      int
 		wantGens  []byte
+		// On a HoldingEndpoint each data frame is written on a goroutine
+		// while the next one is read: the write in flight, whose error
+		// comes back at the next wait, and cur, the release of the held
+		// message being parsed until it is handed to a write. Neither
+		// outlives the receive.
+		write overlappedWrite
+		cur   func()
 	)
+	defer func() {
+		write.wait()
+		if cur != nil {
+			cur()
+		}
+	}()
 	next := 0
 	for {
+		if cur != nil {
+			cur()
+			cur = nil
+		}
 		var err error
-		if split != nil {
+		switch {
+		case held != nil:
+			var parts [][]byte
+			parts, cur, err = held.RecvHeld()
+			msg.reset(parts)
+		case split != nil:
 			var parts [][]byte
 			parts, err = split.RecvParts()
 			msg.reset(parts)
-		} else {
+		default:
 			one[0], err = ep.Recv()
 			msg.reset(one[:])
 		}
@@ -329,11 +353,11 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 		}
 		switch msg.kind() {
 		case msgData:
-			f, err := parseData(&msg, pageParts)
+			f, err := parseData(&msg, pageParts[turn])
 			if err != nil {
 				return nil, err
 			}
-			pageParts = f.pages
+			pageParts[turn] = f.pages
 			switch {
 			case f.id != m.TransferID:
 				return nil, fmt.Errorf("%w: data frame of transfer %x in transfer %x", ErrProtocol, f.id, m.TransferID)
@@ -349,11 +373,27 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 			if !bytes.Equal(f.gens, wantGens) {
 				return nil, fmt.Errorf("%w: pages [%d, %d) carry generations the manifest does not name", ErrProtocol, f.first, f.first+f.n)
 			}
-			if err := in.WritePagesFrom(f.first, f.pages); err != nil {
+			if err := write.wait(); err != nil {
 				return nil, err
+			}
+			if cur == nil {
+				if err := in.WritePagesFrom(f.first, f.pages); err != nil {
+					return nil, err
+				}
+			} else {
+				release := cur
+				cur = nil
+				write.start(func() error {
+					defer release()
+					return in.WritePagesFrom(f.first, f.pages)
+				})
+				turn ^= 1
 			}
 			next += f.n
 		case msgEnd:
+			if err := write.wait(); err != nil {
+				return nil, err
+			}
 			if m.ChecksumSealed {
 				return nil, fmt.Errorf("%w: end frame in transfer %x, whose checksum must follow in a seal", ErrProtocol, m.TransferID)
 			}
@@ -362,6 +402,9 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 			}
 			return in.Complete()
 		case msgSeal:
+			if err := write.wait(); err != nil {
+				return nil, err
+			}
 			if !m.ChecksumSealed {
 				return nil, fmt.Errorf("%w: seal in transfer %x, whose manifest carries its checksum", ErrProtocol, m.TransferID)
 			}
@@ -377,6 +420,32 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 			return nil, fmt.Errorf("%w: message kind %q during a transfer", ErrProtocol, msg.kind())
 		}
 	}
+}
+
+// overlappedWrite is the one data frame write a receive has in flight on
+// a goroutine of its own (HoldingEndpoint).
+type overlappedWrite struct {
+	done chan error
+	busy bool
+}
+
+// start runs write on a goroutine; the caller has waited for the last.
+func (w *overlappedWrite) start(write func() error) {
+	if w.done == nil {
+		w.done = make(chan error, 1)
+	}
+	w.busy = true
+	go func() { w.done <- write() }()
+}
+
+// wait returns the error of the write in flight, once it has ended; nil
+// if there is none.
+func (w *overlappedWrite) wait() error {
+	if !w.busy {
+		return nil
+	}
+	w.busy = false
+	return <-w.done
 }
 
 func (r *Receiver) deliver(m *Manifest, l *kvcache.Lease) {

@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/binary"
 	"io"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -56,6 +58,41 @@ func (e *scriptedEndpoint) Send(msg []byte) error {
 // plainEndpoint hides RecvParts: the receiver reads whole messages.
 type plainEndpoint struct{ *scriptedEndpoint }
 
+// holdingEndpoint is a HoldingEndpoint over a script: each held message
+// is a copy of its own, overwritten with 0xAA when released, so that a
+// receiver reading a message after its release reads garbage; it counts
+// the messages held at once and checks each release comes once.
+type holdingEndpoint struct {
+	*scriptedEndpoint
+	mu                  sync.Mutex
+	held, most, badFree int
+}
+
+func (e *holdingEndpoint) RecvHeld() ([][]byte, func(), error) {
+	parts, err := e.RecvParts()
+	if err != nil {
+		return nil, nil, err
+	}
+	msg := bytes.Join(parts, nil)
+	e.mu.Lock()
+	e.held++
+	e.most = max(e.most, e.held)
+	e.mu.Unlock()
+	var once atomic.Bool
+	return [][]byte{msg}, func() {
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if !once.CompareAndSwap(false, true) {
+			e.badFree++
+			return
+		}
+		e.held--
+		for i := range msg {
+			msg[i] = 0xaa
+		}
+	}, nil
+}
+
 // encodeScript and decodeScript carry a transfer's messages after the
 // manifest as fuzz input: per message, its length and where it is cut
 // (u16 each), then its bytes; a length past the end takes what is left.
@@ -85,7 +122,10 @@ func decodeScript(b []byte) (msgs [][]byte, cuts []int) {
 // only if that lease holds exactly the prefill's pages; whatever it
 // refuses leaves no lease behind, and the decode pool passes Check with
 // every page free and holding its canary (no byte of a refused import
-// survives), transfer after transfer.
+// survives), transfer after transfer. mode picks the endpoint: whole
+// messages, parts, or held messages (HoldingEndpoint: each data frame is
+// written while the next is read), which must all be released, once
+// each, with no more than two held at a time.
 func FuzzServe(f *testing.F) {
 	const id = "fuzz"
 	prefill, err := testkit.NewPool(testkit.PoolConfig{Pages: 16, Tenants: []kvcache.TenantConfig{{Name: "victim"}}})
@@ -141,25 +181,44 @@ func FuzzServe(f *testing.F) {
 	if manifest[0] != 'M' || len(rest) != 4 || rest[3][0] != 'S' {
 		f.Fatalf("recorded transfer is not manifest, 3 data frames, seal: %d messages", len(sent))
 	}
-	f.Add(encodeScript(rest), false)
-	f.Add(encodeScript(rest), true)
-	f.Add(encodeScript(rest[:3]), true)                                     // no seal
-	f.Add(encodeScript([][]byte{rest[0], rest[2], rest[1], rest[3]}), true) // out of order
-	f.Add(encodeScript([][]byte{rest[0], rest[0], rest[1], rest[2], rest[3]}), false)
-	f.Add(encodeScript(append([][]byte{}, rest[0], rest[1], rest[2], append([]byte{'E'}, rest[3][1:21]...))), false)
-	f.Add([]byte{}, false)
+	genuine := encodeScript(rest)
+	for mode := range uint8(3) {
+		f.Add(encodeScript(rest), mode)
+		f.Add(encodeScript(rest[:3]), mode)                                     // no seal
+		f.Add(encodeScript([][]byte{rest[0], rest[2], rest[1], rest[3]}), mode) // out of order
+		f.Add(encodeScript([][]byte{rest[0], rest[0], rest[1], rest[2], rest[3]}), mode)
+		f.Add(encodeScript(append([][]byte{}, rest[0], rest[1], rest[2], append([]byte{'E'}, rest[3][1:21]...))), mode)
+		f.Add([]byte{}, mode)
+	}
 
-	f.Fuzz(func(t *testing.T, script []byte, parts bool) {
+	f.Fuzz(func(t *testing.T, script []byte, mode uint8) {
 		msgs, cuts := decodeScript(script)
 		se := &scriptedEndpoint{manifest: manifest, msgs: msgs, cuts: cuts}
-		var ep handoff.Endpoint = plainEndpoint{se}
-		if parts {
+		var ep handoff.Endpoint
+		var holding *holdingEndpoint
+		switch mode % 3 {
+		case 0:
+			ep = plainEndpoint{se}
+		case 1:
 			ep = se
+		case 2:
+			holding = &holdingEndpoint{scriptedEndpoint: se}
+			ep = holding
 		}
 		r := newReceiver()
 		err := r.Serve(context.Background(), ep)
+		if holding != nil {
+			holding.mu.Lock()
+			held, most, badFree := holding.held, holding.most, holding.badFree
+			holding.mu.Unlock()
+			if held != 0 || most > 2 || badFree != 0 {
+				t.Fatalf("Serve returned (%v) holding %d messages; it held %d at once, released %d twice", err, held, most, badFree)
+			}
+		}
 		dl, delivered := r.Take(id)
 		switch {
+		case err != nil && bytes.Equal(script, genuine):
+			t.Fatalf("Serve refused the recorded transfer: %v", err)
 		case err == nil && !delivered:
 			t.Fatal("Serve succeeded and delivered nothing")
 		case err != nil && delivered:

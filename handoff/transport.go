@@ -84,6 +84,22 @@ type PartsEndpoint interface {
 	RecvParts() ([][]byte, error)
 }
 
+// HoldingEndpoint is a PartsEndpoint that can keep a message past the
+// next receive: the receiver writes one data frame's pages into the
+// decode pool on a goroutine of its own while the transport reads the
+// next frame from the connection, so that the two overlap instead of
+// taking turns. handoff/tcpx implements it.
+type HoldingEndpoint interface {
+	PartsEndpoint
+	// RecvHeld is RecvParts whose message stays valid, and untouched by
+	// the endpoint, until release is called rather than until the next
+	// receive; errors are RecvParts'. The caller calls release exactly
+	// once, from any goroutine, and holds at most two messages at a time.
+	// A Recv or RecvParts between RecvHeld calls is allowed; its message
+	// is valid until the next receive, as always.
+	RecvHeld() (parts [][]byte, release func(), err error)
+}
+
 // InterruptibleEndpoint is an Endpoint whose wait for the sender's next
 // message can be ended from another goroutine. Receiver.Serve ends it
 // when its TransferTimeout aborts the import, so that a sender that

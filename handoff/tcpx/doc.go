@@ -53,9 +53,12 @@
 // its own) and the exporting pool's pages themselves (handoff.ViewStream),
 // so the page bytes are copied once, by the kernel, and given back (done)
 // when the write returns. The server reads each frame's body straight
-// from the socket into one buffer per connection (buffers are kept
-// between connections), which the receiver sums and writes into the decode
-// pool's pages (handoff.PartsEndpoint, in one part: a frame is read whole).
+// from the socket into a read buffer (kept between connections), which
+// the receiver sums and writes into the decode pool's pages
+// (handoff.PartsEndpoint, in one part: a frame is read whole). The
+// buffer goes with the frame (handoff.HoldingEndpoint) and the next frame
+// is read into a second one meanwhile, so a transfer circulates two read
+// buffers and the receiver's writes overlap the reads.
 // A goroutine per transfer reads the receiver's messages as they come, so
 // that a sender the receiver has refused stops at its next frame instead
 // of sending the rest of the prompt.

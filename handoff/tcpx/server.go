@@ -279,7 +279,7 @@ func (s *Server) handle(raw net.Conn) {
 	}
 	ep := &serverEnd{conn: conn, rd: newFrameReader(conn, s.opts.MaxMessageBytes), timeout: s.opts.MessageTimeout,
 		wr: frameWriter{conn: conn, max: s.opts.MaxMessageBytes, timeout: s.opts.MessageTimeout}}
-	defer ep.rd.release()
+	defer ep.releaseBuffers()
 	s.serve(s.ctx, ep) // the receiver counts, logs and answers its refusals
 	ep.finish()
 }
@@ -329,10 +329,18 @@ type serverEnd struct {
 		sync.Mutex
 		interrupted bool
 	}
+	// spare holds read buffers that held messages (RecvHeld) gave back,
+	// for the reader to take up again: a transfer that overlaps its
+	// writes with its reads circulates two. Releases come from the
+	// receiver's write goroutine, hence the lock.
+	spare struct {
+		sync.Mutex
+		bufs [][]byte
+	}
 }
 
 var (
-	_ handoff.PartsEndpoint         = (*serverEnd)(nil)
+	_ handoff.HoldingEndpoint       = (*serverEnd)(nil)
 	_ handoff.InterruptibleEndpoint = (*serverEnd)(nil)
 )
 
@@ -358,11 +366,57 @@ func (e *serverEnd) Recv() ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
+	if e.rd.buf == nil { // the last buffer went with a held message
+		e.rd.buf = e.takeSpare()
+	}
 	msg, err := e.rd.next()
 	if err == io.EOF {
 		e.ended = true
 	}
 	return msg, err
+}
+
+// RecvHeld implements handoff.HoldingEndpoint: the frame is read as by
+// Recv, into the connection's read buffer, and the message takes that
+// buffer with it; the next read goes into a spare, which release gives
+// back.
+func (e *serverEnd) RecvHeld() ([][]byte, func(), error) {
+	msg, err := e.Recv()
+	if err != nil {
+		return nil, nil, err
+	}
+	buf := e.rd.buf // msg's bytes, at its start
+	e.rd.buf = nil
+	return [][]byte{msg}, func() { e.putSpare(buf) }, nil
+}
+
+func (e *serverEnd) takeSpare() []byte {
+	e.spare.Lock()
+	defer e.spare.Unlock()
+	n := len(e.spare.bufs)
+	if n == 0 {
+		return nil // frameReader.body grows one as bytes arrive
+	}
+	b := e.spare.bufs[n-1]
+	e.spare.bufs = e.spare.bufs[:n-1]
+	return b
+}
+
+func (e *serverEnd) putSpare(b []byte) {
+	e.spare.Lock()
+	e.spare.bufs = append(e.spare.bufs, b[:0])
+	e.spare.Unlock()
+}
+
+// releaseBuffers gives the connection's read buffers back for other
+// connections, once the receiver has returned (and with it every held
+// message).
+func (e *serverEnd) releaseBuffers() {
+	e.rd.release()
+	for b := e.takeSpare(); b != nil; b = e.takeSpare() {
+		fr := frameReader{buf: b}
+		fr.release()
+	}
 }
 
 // RecvParts implements handoff.PartsEndpoint with one part: a frame is
