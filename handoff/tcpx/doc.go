@@ -112,7 +112,12 @@
 // arrive, at most doubling. Options.MaxConns bounds the connections a
 // server serves at once (256): one over it is closed unread, so that
 // connections that are no transfers cannot pile up goroutines and read
-// buffers without end. Options.HandshakeTimeout bounds connecting,
+// buffers without end. Nor can they fill the server's log: a refusal,
+// over MaxConns or at a failed handshake, is logged at once only if it
+// is the first of its kind in a second; the rest of the second's are
+// counted, and summarised in one record when it ends, so that a flood
+// costs at most two records a second per kind, not one per connection
+// (ServerStats counts each). Options.HandshakeTimeout bounds connecting,
 // TLS and the hellos (a client that connects and says nothing holds a
 // server goroutine that long); Options.MessageTimeout bounds each frame's
 // write (so a receiver that stops reading pins the sender's pages no

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"time"
 
 	"github.com/kvfence/kvfence/handoff"
 )
@@ -30,3 +31,15 @@ func drain(_ context.Context, ep handoff.Endpoint) error {
 // RawConn is the connection under a stream Open returned, for tests that
 // write what no sender would.
 func RawConn(st handoff.Stream) net.Conn { return st.(*clientStream).conn }
+
+// SetRefusalLogWindow sets the window in which the server logs the first
+// refusal of each kind and counts the rest, so that a test need not wait
+// the default second (or can make it long enough that none ends); 0 logs
+// every refusal. Call it before the server's first refusal.
+func SetRefusalLogWindow(s *Server, d time.Duration) {
+	for _, l := range []*refusalLog{&s.overMaxLog, &s.handshakeLog} {
+		l.mu.Lock()
+		l.window = d
+		l.mu.Unlock()
+	}
+}

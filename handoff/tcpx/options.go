@@ -65,14 +65,22 @@ type Options struct {
 	// is checked, so without a bound a client that is no sender could open
 	// connections until the server runs out of memory. A connection over
 	// it is closed at once, nothing read from it, and counted
-	// (ServerStats.OverMaxConns) and logged; its sender's transfer fails
-	// with handoff.ErrTransport, as against a server that is down. 0 means
-	// DefaultMaxConns; negative is refused. A Transport ignores it.
+	// (ServerStats.OverMaxConns) and logged (see Logger); its sender's
+	// transfer fails with handoff.ErrTransport, as against a server that
+	// is down. 0 means DefaultMaxConns; negative is refused. A Transport
+	// ignores it.
 	MaxConns int
-	// Logger, on a Server, gets one record per connection refused before
-	// its transfer began (a TLS or tcpx handshake that failed: a wrong
-	// peer on the port; or one over MaxConns). The transfers' own refusals are the receiver's
-	// to log (handoff.ReceiverConfig.Logger).
+	// Logger, on a Server, gets the connections refused before their
+	// transfer began: a TLS or tcpx handshake that failed (a wrong peer on
+	// the port; reason "handshake"), or one over MaxConns ("max_conns").
+	// Those are what a flood of connections brings by the thousand a
+	// second, so the log does not take one record each: the first
+	// refusal of each reason in a second is logged at once, with its
+	// remote and error, the rest of that second's only counted, and one
+	// summary record when the second ends (or at Close or Shutdown) says
+	// how many were not logged ("suppressed") and names the last one's
+	// remote and error. ServerStats counts every one. The transfers' own
+	// refusals are the receiver's to log (handoff.ReceiverConfig.Logger).
 	Logger *slog.Logger
 }
 

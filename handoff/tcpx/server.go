@@ -31,8 +31,18 @@ type Server struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 	conns  sync.WaitGroup // connections being served
-	// overMax counts connections closed unread for MaxConns.
-	overMax atomic.Uint64
+	// overMax counts connections closed unread for MaxConns, and
+	// failedHandshakes those whose TLS handshake or hello failed.
+	overMax, failedHandshakes atomic.Uint64
+	// overMaxErr is every refusal's over MaxConns, made once: the accept
+	// loop refuses without allocating.
+	overMaxErr error
+	// overMaxLog and handshakeLog log those refusals, one limiter each: a
+	// flood of one kind (a scanner's garbage, say) must not hide the first
+	// record of the other (the server at MaxConns), and the two call for
+	// different remedies (a wrong peer on the port; too little capacity
+	// or a connection flood), so each gets its own first record and count.
+	overMaxLog, handshakeLog refusalLog
 
 	mu struct {
 		sync.Mutex
@@ -62,7 +72,10 @@ func newServer(serve func(context.Context, handoff.Endpoint) error, sec Security
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{serve: serve, opts: opts}
+	s := &Server{serve: serve, opts: opts,
+		overMaxErr: fmt.Errorf("%w: tcpx: %d connections being served (Options.MaxConns)", handoff.ErrTransport, opts.MaxConns)}
+	s.overMaxLog.init(opts.Logger, "max_conns")
+	s.handshakeLog.init(opts.Logger, "handshake")
 	if c := sec.tls; c != nil {
 		if len(c.Certificates) == 0 && c.GetCertificate == nil && c.GetConfigForClient == nil {
 			return nil, fmt.Errorf("%w: tcpx: a server's TLS config needs a certificate", handoff.ErrInvalidConfig)
@@ -83,6 +96,11 @@ type ServerStats struct {
 	// OverMaxConns counts connections closed unread because MaxConns
 	// were being served.
 	OverMaxConns uint64
+	// FailedHandshakes counts connections whose TLS handshake or hello
+	// failed (not a tcpx client, or a stalled one), closed before any
+	// transfer began: the log names only the first of a flood of them,
+	// this counts each. A handshake that Close cut short is not counted.
+	FailedHandshakes uint64
 }
 
 // Stats returns the server's connection counts; a nil or zero Server's
@@ -93,7 +111,7 @@ func (s *Server) Stats() ServerStats {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return ServerStats{Conns: len(s.mu.conns), OverMaxConns: s.overMax.Load()}
+	return ServerStats{Conns: len(s.mu.conns), OverMaxConns: s.overMax.Load(), FailedHandshakes: s.failedHandshakes.Load()}
 }
 
 // errNoServer is what a nil or zero Server answers: one not made by
@@ -186,11 +204,124 @@ func (s *Server) addConn(c net.Conn) int {
 func (s *Server) refuseOverMax(c net.Conn) {
 	c.Close()
 	s.overMax.Add(1)
-	if s.opts.Logger != nil {
-		s.opts.Logger.LogAttrs(s.ctx, slog.LevelWarn, "tcpx: connection refused",
-			slog.String("remote", c.RemoteAddr().String()),
-			slog.Any("error", fmt.Errorf("%w: tcpx: %d connections being served (Options.MaxConns)", handoff.ErrTransport, s.opts.MaxConns)))
+	s.overMaxLog.refused(s.ctx, c.RemoteAddr(), s.overMaxErr)
+}
+
+// refusalLogWindow is how long a refusal logged at once silences the
+// next ones of its kind: a flood costs at most two records a second per
+// kind (one refusal and one summary), however many connections it opens.
+const refusalLogWindow = time.Second
+
+// refusalLog logs one kind of refused connection without letting a flood
+// of them flood the log: the first refusal of a window is logged at once,
+// as a single one is; the rest of the window's are only counted (no
+// allocation, a lock and an add), and when the window ends a timer logs
+// one summary record of how many and the last (its remote and error).
+// The timer, rather than the next refusal, ends the window, so that the
+// count of a flood that stopped is not held back until the next one.
+type refusalLog struct {
+	logger *slog.Logger // nil: log nothing
+	reason string       // the kind, as the records' reason
+	mu     sync.Mutex
+	window time.Duration
+	until  time.Time // the window's end; refusals before it are counted
+	// suppressed counts the window's refusals not logged, the last of
+	// which came from lastRemote and failed with lastErr.
+	suppressed uint64
+	lastRemote net.Addr
+	lastErr    error
+	timer      *time.Timer // summarises the window at its end; made once
+}
+
+func (l *refusalLog) init(logger *slog.Logger, reason string) {
+	l.logger, l.reason, l.window = logger, reason, refusalLogWindow
+}
+
+// refused logs, or counts, the refusal of a connection from remote.
+func (l *refusalLog) refused(ctx context.Context, remote net.Addr, err error) {
+	if l.logger == nil {
+		return
 	}
+	now := time.Now()
+	l.mu.Lock()
+	if now.Before(l.until) {
+		l.suppressed++
+		l.lastRemote, l.lastErr = remote, err
+		if l.suppressed == 1 {
+			if l.timer == nil {
+				l.timer = time.AfterFunc(l.until.Sub(now), l.flush)
+			} else {
+				l.timer.Reset(l.until.Sub(now))
+			}
+		}
+		l.mu.Unlock()
+		return
+	}
+	// A window whose timer has not run yet is summarised here, before the
+	// refusal that opens the next one.
+	sum := l.takeLocked()
+	l.until = now.Add(l.window)
+	l.mu.Unlock()
+	l.summarise(sum)
+	l.logger.LogAttrs(ctx, slog.LevelWarn, "tcpx: connection refused",
+		slog.String("reason", l.reason), slog.String("remote", addrString(remote)), slog.Any("error", err))
+}
+
+// refusalSummary is what a window's summary record says.
+type refusalSummary struct {
+	suppressed uint64
+	window     time.Duration
+	lastRemote net.Addr
+	lastErr    error
+}
+
+// takeLocked returns the window's count and last refusal, and zeroes
+// them.
+func (l *refusalLog) takeLocked() refusalSummary {
+	sum := refusalSummary{l.suppressed, l.window, l.lastRemote, l.lastErr}
+	l.suppressed, l.lastRemote, l.lastErr = 0, nil, nil
+	return sum
+}
+
+// flush summarises the refusals counted so far, if any.
+func (l *refusalLog) flush() {
+	l.mu.Lock()
+	sum := l.takeLocked()
+	l.mu.Unlock()
+	l.summarise(sum)
+}
+
+// stop summarises what is counted now that the server is closed, and
+// stops the timer. A refusal that races with Close may still arm it
+// again: its summary then comes a window later, as while serving.
+func (l *refusalLog) stop() {
+	if l.logger == nil {
+		return
+	}
+	l.mu.Lock()
+	if l.timer != nil {
+		l.timer.Stop()
+	}
+	l.mu.Unlock()
+	l.flush()
+}
+
+func (l *refusalLog) summarise(sum refusalSummary) {
+	if sum.suppressed == 0 {
+		return
+	}
+	l.logger.LogAttrs(context.Background(), slog.LevelWarn, "tcpx: connections refused and not logged one by one",
+		slog.String("reason", l.reason), slog.Uint64("suppressed", sum.suppressed), slog.Duration("window", sum.window),
+		slog.String("remote", addrString(sum.lastRemote)), slog.Any("error", sum.lastErr))
+}
+
+// addrString is a's String, or "" for a connection that has no remote
+// address (a net.Conn of a listener other than TCP's).
+func addrString(a net.Addr) string {
+	if a == nil {
+		return ""
+	}
+	return a.String()
 }
 
 func removeFrom[T comparable](s *Server, set map[T]struct{}, c T) {
@@ -223,6 +354,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	}()
 	select {
 	case <-served:
+		s.flushRefusals()
 		return nil
 	case <-ctx.Done():
 		s.Close()
@@ -243,7 +375,15 @@ func (s *Server) Close() error {
 		c.Close()
 	}
 	s.conns.Wait()
+	s.flushRefusals()
 	return nil
+}
+
+// flushRefusals logs the refusals counted and not yet summarised, so that
+// none goes unlogged when the process exits after Close or Shutdown.
+func (s *Server) flushRefusals() {
+	s.overMaxLog.stop()
+	s.handshakeLog.stop()
 }
 
 // stopAccepting marks the server closed, closes its listeners and
@@ -271,9 +411,9 @@ func (s *Server) handle(raw net.Conn) {
 	conn, err := s.handshake(raw)
 	if err != nil {
 		// A handshake a closing server cut short was not refused.
-		if s.opts.Logger != nil && s.ctx.Err() == nil {
-			s.opts.Logger.LogAttrs(s.ctx, slog.LevelWarn, "tcpx: connection refused",
-				slog.String("remote", raw.RemoteAddr().String()), slog.Any("error", err))
+		if s.ctx.Err() == nil {
+			s.failedHandshakes.Add(1)
+			s.handshakeLog.refused(s.ctx, raw.RemoteAddr(), err)
 		}
 		return
 	}

@@ -158,6 +158,9 @@ func TestWrongHandshake(t *testing.T) {
 		prefill := newPool(t, 64)
 		srv := serve(t, handoff.ReceiverConfig{Pool: newPool(t, 64)}, tcpx.Insecure(),
 			tcpx.Options{Logger: log.logger(), HandshakeTimeout: 200 * time.Millisecond})
+		// Each wrong client's own record, not a summary of those after the
+		// first (TestBadHelloFloodFloodsTheLog).
+		tcpx.SetRefusalLogWindow(srv.srv, 0)
 
 		http, err := net.Dial("tcp", srv.addr)
 		require.NoError(t, err)
