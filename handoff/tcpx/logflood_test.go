@@ -226,3 +226,20 @@ func TestFloodSummaryWaitsForTheNextRefusal(t *testing.T) {
 		assert.True(t, strings.HasPrefix(r.Message, "tcpx: connection"), r.Message)
 	}
 }
+
+// A refusal over MaxConns that is counted only after its connection is
+// closed can be missing from Stats when its client has already seen the
+// close (TestConnectionsOverMaxConnsClosedUnread failed so, now and then):
+// each is counted by then.
+func TestOverMaxConnsCountedAfterTheClose(t *testing.T) {
+	srv := serve(t, handoff.ReceiverConfig{Pool: newPool(t, 64)}, tcpx.Insecure(),
+		tcpx.Options{MaxConns: 1, HandshakeTimeout: time.Minute})
+	silent, err := net.Dial("tcp", srv.addr)
+	require.NoError(t, err)
+	defer silent.Close()
+	require.Eventually(t, func() bool { return srv.srv.Stats().Conns == 1 }, 10*time.Second, time.Millisecond)
+	for i := range uint64(floodN) {
+		refusedAt(t, srv.addr, nil)
+		require.Equal(t, i+1, srv.srv.Stats().OverMaxConns, "refusals counted once %d were closed", i+1)
+	}
+}

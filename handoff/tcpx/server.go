@@ -200,10 +200,11 @@ func (s *Server) addConn(c net.Conn) int {
 }
 
 // refuseOverMax closes a connection over MaxConns before reading a byte
-// of it (no goroutine, no buffer, no TLS), and counts and logs it.
+// of it (no goroutine, no buffer, no TLS), and counts and logs it. It
+// counts first: a client that has seen the close finds it in Stats.
 func (s *Server) refuseOverMax(c net.Conn) {
-	c.Close()
 	s.overMax.Add(1)
+	c.Close()
 	s.overMaxLog.refused(s.ctx, c.RemoteAddr(), s.overMaxErr)
 }
 
