@@ -67,24 +67,26 @@
 //
 // This package exists because gRPC's CPU cost per byte, not the wire,
 // limits a handoff where both ends share a few cores (handoff/grpcx's
-// package doc). On bench/README.md's two cores, shared with other work
-// (load 1–2.4), in 10 rounds alternating with grpcx
-// (bench/results/2026-12-01-tcpx.txt), a 256 MiB handoff took 172 ms of
-// CPU at the median over tcpx (both ends, checksums, decode writes and the
-// scrub included) against 355 ms over gRPC and 116–120 ms for a raw TCP
-// copy of the same bytes; x-tcp was 0.67 at the median (0.62–0.77)
-// against gRPC's 0.35 (0.32–0.45). tcpx's own share (BenchmarkTCPXStream:
-// no checksums, no pools) is 88–96 ms, less than the raw copy's 109–116,
-// whose reader writes into 256 MiB of cold memory where tcpx's reads into
-// one buffer that stays in cache. What is left is the handoff's work,
-// not the transport's: by the profiles, per 256 MiB, the sender's XXH3
-// over the pages (about 44 ms: it reads them from memory, the write then
-// from cache), the receiver's (about 20 ms), its copy into the decode
-// pages (about 12 ms) and the scrub of the prefill pages after the ack
-// (about 12 ms). Where the ends do not share a core, the busiest goroutine
-// is the sender's (sums and writes, about 95 ms per 256 MiB here); that
-// was not measured. TLS (BenchmarkHandoffTLS, AES-GCM) costs about three
-// times the CPU of plain TCP: 460–580 ms per 256 MiB here.
+// package doc). On bench/README.md's two cores, in 10 rounds alternating
+// with the code before the sender summed ahead and the receiver
+// overlapped its writes (bench/results/2026-12-02-stop26.txt), a
+// 256 MiB handoff ran at x-tcp 0.86 at the median (0.81–0.93; before,
+// 0.72, 0.70–0.79), on 201–232 ms of CPU (both ends, checksums, decode
+// writes and the scrub included). tcpx's own share (BenchmarkTCPXStream:
+// no checksums, no pools) costs less CPU than the raw copy, whose reader
+// writes into 256 MiB of cold memory where tcpx's reads into a buffer
+// that stays in cache. Timed by phase, the pages now cross at the raw
+// copy's speed: the sender's XXH3 over the pages (about 44 ms of CPU per
+// 256 MiB: it reads them from memory, the write then from cache) runs
+// beside its writes, and the receiver's sums and copy into the decode
+// pages (about 30 ms) beside its reads. What is left is serial, at the
+// ends: the scrub of the prefill pages after the ack (7–15 ms, a memset
+// at memory bandwidth on the host backend; a fill kernel queued on a
+// GPU), the manifest and import verdicts and the dial (about 1 ms).
+// Where the ends do not share a core, the busiest goroutine is the
+// sender's writer; that was not measured. TLS (BenchmarkHandoffTLS,
+// AES-GCM) costs about three times the CPU of plain TCP: 460–580 ms per
+// 256 MiB here (measured before the sums ran ahead).
 //
 // # Security
 //
