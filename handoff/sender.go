@@ -319,7 +319,7 @@ func (e *Export) putDataHead(frame []byte, first, k int) {
 func (e *Export) sendViews(st ViewStream, per int, sums []uint64) error {
 	n := e.out.Pages()
 	head := make([]byte, dataFixed+4*per)
-	var spare [2][][]byte // the views of the frame being sent and of the one being summed
+	var spare [][]byte // a views slice the stream is done with, for the next frame
 	// lend returns the views of the frame of pages first …, in buf.
 	lend := func(first int, buf [][]byte) (viewFrame, error) {
 		k := min(per, n-first)
@@ -332,17 +332,16 @@ func (e *Export) sendViews(st ViewStream, per int, sums []uint64) error {
 			sums[f.first+i] = kvcache.PageChecksumOf(f.views[i*regions : (i+1)*regions])
 		}
 	}
-	cur, err := lend(0, spare[0])
+	cur, err := lend(0, nil)
 	if err != nil {
 		return err
 	}
 	sum(cur)
 	summed := make(chan struct{}, 1)
-	for turn := 1; ; turn++ {
-		spare[(turn+1)%2] = cur.views
+	for {
 		var next viewFrame
 		if after := cur.first + cur.k; after < n {
-			if next, err = lend(after, spare[turn%2]); err != nil {
+			if next, err = lend(after, spare); err != nil {
 				cur.done()
 				return err
 			}
@@ -362,7 +361,8 @@ func (e *Export) sendViews(st ViewStream, per int, sums []uint64) error {
 			next.done()
 			return err
 		}
-		cur = next
+		// SendViews keeps no views slice: cur's is the next frame's.
+		spare, cur = cur.views, next
 	}
 }
 

@@ -18,15 +18,6 @@ import (
 // the watchdog: nothing else does, over InProcess.
 const stallBound = 10 * time.Second
 
-// recvWithin is st.Recv, failing the test if it blocks for longer than
-// stallBound.
-func recvWithin(t *testing.T, st handoff.Stream, what string) []byte {
-	t.Helper()
-	msg, err := testkit.RecvWithin(st, stallBound)
-	require.NoError(t, err, what)
-	return msg
-}
-
 // TestSilentSenderAfterManifestPinsServe: a sender that sends its
 // manifest, hears it accepted, and then sends nothing must not keep the
 // receiver waiting for its next frame once the TransferTimeout has
@@ -50,10 +41,10 @@ func TestSilentSenderAfterManifestPinsServe(t *testing.T) {
 	require.NoError(t, err)
 	defer st.Close()
 	require.NoError(t, st.Send(append([]byte{'M'}, mustManifest(t, exp)...)))
-	assert.Equal(t, []byte{'V', 1, 0}, recvWithin(t, st, "verdict on the manifest"))
+	assert.Equal(t, []byte{'V', 1, 0}, testkit.RecvWithin(t, st, stallBound, "verdict on the manifest"))
 
 	// Silence. The watchdog's abort must reach the sender as a verdict.
-	v := recvWithin(t, st, "verdict after the transfer timeout")
+	v := testkit.RecvWithin(t, st, stallBound, "verdict after the transfer timeout")
 	require.GreaterOrEqual(t, len(v), 3)
 	assert.Equal(t, []byte{'V', 2}, v[:2], "an import-stage verdict")
 	assert.Equal(t, "incomplete_transfer", handoff.ReasonNames[v[2]], "verdict %q", v)

@@ -15,15 +15,6 @@ import (
 	"github.com/kvfence/kvfence/handoff/internal/testkit"
 )
 
-// recvWithin is st.Recv, failing the test if it blocks for longer than
-// bound.
-func recvWithin(t *testing.T, st handoff.Stream, bound time.Duration, what string) []byte {
-	t.Helper()
-	msg, err := testkit.RecvWithin(st, bound)
-	require.NoError(t, err, what)
-	return msg
-}
-
 // A sender that sends its manifest and then nothing, on a stream it keeps
 // open, must not hold the handler's goroutine, the stream and its request
 // ID once the receiver's TransferTimeout has aborted the import: gRPC has
@@ -55,8 +46,8 @@ func TestSilentSenderHoldsTheStreamForever(t *testing.T) {
 	require.NoError(t, err)
 	defer st.Close()
 	require.NoError(t, st.Send(append([]byte{'M'}, manifest...)))
-	assert.Equal(t, []byte{'V', 1, 0}, recvWithin(t, st, bound, "verdict on the manifest"))
-	v := recvWithin(t, st, bound, "verdict after the transfer timeout")
+	assert.Equal(t, []byte{'V', 1, 0}, testkit.RecvWithin(t, st, bound, "verdict on the manifest"))
+	v := testkit.RecvWithin(t, st, bound, "verdict after the transfer timeout")
 	require.GreaterOrEqual(t, len(v), 3)
 	assert.Equal(t, []byte{'V', 2}, v[:2], "an import-stage verdict")
 	assert.Equal(t, "incomplete_transfer", handoff.ReasonNames[v[2]], "verdict %q", v)

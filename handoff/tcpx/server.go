@@ -536,7 +536,7 @@ func (e *serverEnd) takeSpare() []byte {
 	defer e.spare.Unlock()
 	n := len(e.spare.bufs)
 	if n == 0 {
-		return nil // frameReader.body grows one as bytes arrive
+		return getReadBuffer() // the second buffer of a transfer
 	}
 	b := e.spare.bufs[n-1]
 	e.spare.bufs = e.spare.bufs[:n-1]
@@ -554,10 +554,12 @@ func (e *serverEnd) putSpare(b []byte) {
 // message).
 func (e *serverEnd) releaseBuffers() {
 	e.rd.release()
-	for b := e.takeSpare(); b != nil; b = e.takeSpare() {
-		fr := frameReader{buf: b}
-		fr.release()
+	e.spare.Lock()
+	defer e.spare.Unlock()
+	for _, b := range e.spare.bufs {
+		putReadBuffer(b)
 	}
+	e.spare.bufs = nil
 }
 
 // RecvParts implements handoff.PartsEndpoint with one part: a frame is

@@ -13,15 +13,6 @@ import (
 	"github.com/kvfence/kvfence/handoff/tcpx"
 )
 
-// recvWithin is st.Recv, failing the test if it blocks for longer than
-// bound.
-func recvWithin(t *testing.T, st handoff.Stream, bound time.Duration, what string) []byte {
-	t.Helper()
-	msg, err := testkit.RecvWithin(st, bound)
-	require.NoError(t, err, what)
-	return msg
-}
-
 // A sender that sends its manifest and then nothing holds the server's
 // goroutine, its connection and its request ID no longer than the
 // receiver's TransferTimeout, not until the (much longer) MessageTimeout:
@@ -41,8 +32,8 @@ func TestSilentSenderHeldUntilMessageTimeout(t *testing.T) {
 	require.NoError(t, err)
 	defer st.Close()
 	require.NoError(t, st.Send(append([]byte{'M'}, manifest...)))
-	assert.Equal(t, []byte{'V', 1, 0}, recvWithin(t, st, bound, "verdict on the manifest"))
-	v := recvWithin(t, st, bound, "verdict after the transfer timeout")
+	assert.Equal(t, []byte{'V', 1, 0}, testkit.RecvWithin(t, st, bound, "verdict on the manifest"))
+	v := testkit.RecvWithin(t, st, bound, "verdict after the transfer timeout")
 	require.GreaterOrEqual(t, len(v), 3)
 	assert.Equal(t, []byte{'V', 2}, v[:2], "an import-stage verdict")
 	assert.Equal(t, "incomplete_transfer", handoff.ReasonNames[v[2]], "verdict %q", v)

@@ -111,19 +111,29 @@ type frameReader struct {
 var readBuffers sync.Pool // of *[]byte
 
 func newFrameReader(c net.Conn, max int) frameReader {
-	fr := frameReader{conn: c, max: max}
+	return frameReader{conn: c, max: max, buf: getReadBuffer()}
+}
+
+// getReadBuffer returns a kept read buffer, or nil (a frameReader grows
+// one as bytes arrive).
+func getReadBuffer() []byte {
 	if b, ok := readBuffers.Get().(*[]byte); ok {
-		fr.buf = *b
+		return *b
 	}
-	return fr
+	return nil
+}
+
+// putReadBuffer keeps b for another connection, if it is worth keeping.
+func putReadBuffer(b []byte) {
+	if cap(b) >= minReadBuffer {
+		b = b[:0]
+		readBuffers.Put(&b)
+	}
 }
 
 // release gives the buffer back for another connection.
 func (fr *frameReader) release() {
-	if cap(fr.buf) >= minReadBuffer {
-		b := fr.buf[:0]
-		readBuffers.Put(&b)
-	}
+	putReadBuffer(fr.buf)
 	fr.buf = nil
 }
 

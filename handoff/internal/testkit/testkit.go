@@ -10,6 +10,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
+	"testing"
 	"time"
 
 	"github.com/kvfence/kvfence/cudaops"
@@ -205,10 +206,12 @@ func Sweep(p *kvcache.Pool) error {
 	return nil
 }
 
-// RecvWithin is st.Recv, or an error if it has not returned within bound
-// (its Recv is then left to return on its own): how a test tells a
-// receiver that stopped waiting from one that waits for ever.
-func RecvWithin(st handoff.Stream, bound time.Duration) ([]byte, error) {
+// RecvWithin is st.Recv, failing t (as what) if it errs or has not
+// returned within bound (its Recv is then left to return on its own):
+// how a test tells a receiver that stopped waiting from one that waits
+// for ever.
+func RecvWithin(t testing.TB, st handoff.Stream, bound time.Duration, what string) []byte {
+	t.Helper()
 	type result struct {
 		msg []byte
 		err error
@@ -220,8 +223,12 @@ func RecvWithin(st handoff.Stream, bound time.Duration) ([]byte, error) {
 	}()
 	select {
 	case r := <-got:
-		return r.msg, r.err
+		if r.err != nil {
+			t.Fatalf("%s: %v", what, r.err)
+		}
+		return r.msg
 	case <-time.After(bound):
-		return nil, fmt.Errorf("no message within %v", bound)
+		t.Fatalf("%s: no message within %v", what, bound)
+		return nil
 	}
 }
