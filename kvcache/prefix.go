@@ -279,10 +279,12 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 	hs := l.handles
 	front := min(l.published, len(hs))
 	w := front // hs[w:] are the private pages found so far, then the rest
-	parked := false
-	// Shared pages are released one by one, last page first, so that a
-	// prompt's deepest pages become the least recently used and are
-	// evicted before the pages its other prompts share.
+	// Shared pages are parked last page first, so that a prompt's deepest
+	// pages become the least recently used and are evicted before the
+	// pages its other prompts share: in one batch (one call, where a call
+	// per page cost a warm admission a tenth of its time), and the pages
+	// that became Cached join the LRU list in that order.
+	parking := x.parking[:0]
 	for i := front - 1; i >= 0; i-- {
 		h := hs[i]
 		e := x.byPage[h.Page]
@@ -302,27 +304,31 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 			p.mu.tenants.Uncharge(l.tenant, 1)
 		}
 		e.leases--
-		var err error
-		one := hs[i : i+1]
-		if e.detached {
-			before := len(pages)
-			if pages, err = p.mu.alloc.Release(pages, one, owner); err == nil && len(pages) > before {
-				x.drop(e) // e is a spare from here on
-			}
-		} else {
-			var buf [1]int32
-			var got []int32
-			if got, err = p.mu.alloc.Park(buf[:0], one, owner); err == nil && len(got) > 0 {
-				x.lruPush(e)
-				parked = true
-			}
+		if !e.detached {
+			parking = append(parking, h)
+			continue
 		}
-		if err != nil {
+		before := len(pages)
+		var err error
+		if pages, err = p.mu.alloc.Release(pages, hs[i:i+1], owner); err != nil {
 			panic(fmt.Sprintf("kvcache: lease %q held shared page %d the allocator refuses: %v", l.id, h.Page, err))
 		}
+		if len(pages) > before {
+			x.drop(e) // e is a spare from here on
+		}
 	}
-	if parked {
-		p.wakePagesLocked() // evictable pages are pages for whoever waits
+	if len(parking) > 0 {
+		parked, err := p.mu.alloc.Park(x.parked[:0], parking, owner)
+		if err != nil {
+			panic(fmt.Sprintf("kvcache: lease %q held shared pages the allocator refuses: %v", l.id, err))
+		}
+		for _, pg := range parked {
+			x.lruPush(x.byPage[pg])
+		}
+		if len(parked) > 0 {
+			p.wakePagesLocked() // evictable pages are pages for whoever waits
+		}
+		x.parking, x.parked = parking[:0], parked[:0]
 	}
 	private := hs[w:]
 	p.mu.tenants.Uncharge(l.tenant, len(private))

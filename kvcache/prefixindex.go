@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/isolation"
 )
 
@@ -78,6 +79,11 @@ type prefixIndex struct {
 	// a reused entry cannot be reached by what pointed at it before.
 	spare    *cacheEntry
 	spareLen int
+	// parking and parked are releasePagesLocked's scratch: the shared
+	// pages of a release, in the order they are parked, and those that
+	// became Cached.
+	parking []allocator.Handle
+	parked  []int32
 }
 
 // maxSpareEntries bounds the spare entries: what one eviction of a few
