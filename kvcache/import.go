@@ -140,11 +140,34 @@ func (in *Incoming) WritePagesFrom(first int, parts [][]byte) error {
 		return fmt.Errorf("%w: write of %d bytes at page %d of %d (pages are %d bytes)",
 			ErrInvalidArgument, total, first, in.pages, pb)
 	}
+	hs, err := in.receive(first, n)
+	if err != nil {
+		return err
+	}
+	p := in.pool
+	sums := make([]uint64, n)
+	err = p.writeParts(hs, parts, sums)
+	p.unpin(in.lease)
+	if err != nil {
+		return in.fail(err)
+	}
+	// Counted only once the bytes have landed, so that Complete never
+	// vouches for a page still being written.
+	in.count(first, sums)
+	return nil
+}
+
+// receive marks import pages first … first+n-1 received, once and for
+// all, so that no page is written twice, and pins the lease for writing
+// them, returning their handles; the caller unpins. Any error aborts the import: a page already
+// received (ErrDuplicatePage), an import that has ended
+// (ErrStaleTransfer), a pool closed or faulted.
+func (in *Incoming) receive(first, n int) ([]allocator.Handle, error) {
 	in.mu.Lock()
 	for i := first; i < first+n; i++ {
 		if in.mu.got[i] {
 			in.mu.Unlock()
-			return in.fail(fmt.Errorf("%w: page %d of request %q", ErrDuplicatePage, i, in.lease.id))
+			return nil, in.fail(fmt.Errorf("%w: page %d of request %q", ErrDuplicatePage, i, in.lease.id))
 		}
 		in.mu.got[i] = true
 	}
@@ -164,21 +187,19 @@ func (in *Incoming) WritePagesFrom(first int, parts [][]byte) error {
 		err = p.pinPagesLocked(in.lease, hs, true)
 	}
 	p.mu.Unlock()
-	sums := make([]uint64, n)
-	if err == nil {
-		err = p.writeParts(hs, parts, sums)
-		p.unpin(in.lease)
-	}
 	if err != nil {
-		return in.fail(err)
+		return nil, in.fail(err)
 	}
-	// Counted only once the bytes have landed, so that Complete never
-	// vouches for a page still being written.
+	return hs, nil
+}
+
+// count records the sums of pages first, first+1, … whose bytes have
+// landed.
+func (in *Incoming) count(first int, sums []uint64) {
 	in.mu.Lock()
 	copy(in.mu.sums[first:], sums)
-	in.mu.received += n
+	in.mu.received += len(sums)
 	in.mu.Unlock()
-	return nil
 }
 
 // writeParts writes pages hs, region by region, from the concatenation
