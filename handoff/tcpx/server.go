@@ -483,6 +483,7 @@ type serverEnd struct {
 var (
 	_ handoff.HoldingEndpoint       = (*serverEnd)(nil)
 	_ handoff.InterruptibleEndpoint = (*serverEnd)(nil)
+	_ handoff.PlacingEndpoint       = (*serverEnd)(nil)
 )
 
 // errInterrupted is what Recv returns once the receiver has stopped
@@ -495,8 +496,39 @@ var errInterrupted = fmt.Errorf("%w: tcpx: the receiver stopped waiting for the 
 // at all once InterruptRecv was called. Its errors, and Send's, go to
 // handoff.Receiver, which wraps each in handoff.ErrTransport.
 func (e *serverEnd) Recv() ([]byte, error) {
+	if err := e.beginRecv(); err != nil {
+		return nil, err
+	}
+	msg, err := e.rd.next()
+	if err == io.EOF {
+		e.ended = true
+	}
+	return msg, err
+}
+
+// RecvPlaced implements handoff.PlacingEndpoint: the frame is read as by
+// Recv, its head into the connection's read buffer and the rest into the
+// buffers place returns, straight from the socket (one readv at a time on
+// plain TCP), or into the read buffer after the head if it returns none.
+// After an error of place's, or buffers that do not add up, every later
+// receive fails: the frame's unread rest is where the next would begin.
+func (e *serverEnd) RecvPlaced(place func(total int, head func(n int) ([]byte, error)) ([][]byte, error)) ([]byte, bool, error) {
+	if err := e.beginRecv(); err != nil {
+		return nil, false, err
+	}
+	msg, placed, err := e.rd.nextPlaced(place)
+	if err == io.EOF {
+		e.ended = true
+	}
+	return msg, placed, err
+}
+
+// beginRecv readies the reader for the sender's next message: io.EOF
+// after its end of messages, errInterrupted after InterruptRecv, else the
+// message's read deadline set and a read buffer in place.
+func (e *serverEnd) beginRecv() error {
 	if e.ended {
-		return nil, io.EOF
+		return io.EOF
 	}
 	e.mu.Lock()
 	err := errInterrupted
@@ -505,16 +537,12 @@ func (e *serverEnd) Recv() ([]byte, error) {
 	}
 	e.mu.Unlock()
 	if err != nil {
-		return nil, err
+		return err
 	}
 	if e.rd.buf == nil { // the last buffer went with a held message
 		e.rd.buf = e.takeSpare()
 	}
-	msg, err := e.rd.next()
-	if err == io.EOF {
-		e.ended = true
-	}
-	return msg, err
+	return nil
 }
 
 // RecvHeld implements handoff.HoldingEndpoint: the frame is read as by
