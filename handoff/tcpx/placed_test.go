@@ -87,9 +87,14 @@ func randomBytes(n int, seed uint64) []byte {
 	return b
 }
 
+// placedWait bounds each test's reads, so that a reader that wants more
+// bytes than were sent fails the test rather than hangs it.
+const placedWait = 10 * time.Second
+
 // placedReader is a frameReader on r with no buffer kept from another
 // test.
 func placedReader(r net.Conn, max int) *frameReader {
+	r.SetReadDeadline(time.Now().Add(placedWait))
 	fr := newFrameReader(r, max)
 	fr.buf = nil
 	return &fr
@@ -388,7 +393,7 @@ func TestPlaceBadHeadLengthsAndBufferSums(t *testing.T) {
 func assertUnread(t *testing.T, r net.Conn, want []byte) {
 	t.Helper()
 	got := make([]byte, len(want))
-	r.SetReadDeadline(time.Now().Add(10 * time.Second))
+	r.SetReadDeadline(time.Now().Add(placedWait))
 	_, err := io.ReadFull(r, got)
 	require.NoError(t, err)
 	assert.Equal(t, want, got, "the rest of the message is still unread")
@@ -401,7 +406,7 @@ func TestPlacedEndOfMessagesIsEOFAndStaysEOF(t *testing.T) {
 		t.Run(kind.name, func(t *testing.T) {
 			w, r := kind.pair(t)
 			sent := writeInPieces(w, append([]byte{0, 0, 0, 0}, frame([]byte("after the end"))...), 1<<20)
-			e := placedEnd(r, time.Minute)
+			e := placedEnd(r, placedWait)
 			place := func(int, func(int) ([]byte, error)) ([][]byte, error) {
 				t.Error("place called after the end of messages")
 				return nil, nil
@@ -433,7 +438,7 @@ func TestPlacedPeerClosingMidwayIsNotEOF(t *testing.T) {
 					w.Write(frame(msg)[:prefixLen+tc.sent])
 					w.Close()
 				}()
-				e := placedEnd(r, time.Minute)
+				e := placedEnd(r, placedWait)
 				_, placed, err := e.RecvPlaced(placeAfter(t, tc.hdr, msg, [][]byte{make([]byte, len(msg)-tc.hdr)}))
 				require.Error(t, err)
 				assert.NotErrorIs(t, err, io.EOF)
