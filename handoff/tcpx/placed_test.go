@@ -536,3 +536,76 @@ func TestPlacedPrefixCostsOnlyWhatArrives(t *testing.T) {
 		assert.LessOrEqual(t, cap(fr.buf), minReadBuffer)
 	})
 }
+
+// After a placement failed part way through its frame (place's error,
+// buffers that do not add up), the frame's unread rest is where the next
+// receive would look for a length prefix: every receive then fails,
+// instead of taking page bytes for a frame.
+func TestReceiveAfterAFailedPlacementIsRefused(t *testing.T) {
+	msg := randomBytes(1000, 10)
+	copy(msg[20:], prefixOnly(5)) // what a misframed read would take for a 5-byte frame
+	for _, kind := range placedConns {
+		for _, tc := range []struct {
+			name string
+			bufs [][]byte
+			err  error
+		}{{"place's error", nil, errors.New("no pages for it")}, {"buffers that do not add up", [][]byte{make([]byte, 10)}, nil}} {
+			t.Run(kind.name+"/"+tc.name, func(t *testing.T) {
+				w, r := kind.pair(t)
+				sent := writeInPieces(w, append(frame(msg), frame([]byte("Vnext"))...), 1<<20)
+				e := placedEnd(r, placedWait)
+				_, _, err := e.RecvPlaced(func(total int, head func(int) ([]byte, error)) ([][]byte, error) {
+					_, err := head(20)
+					require.NoError(t, err)
+					return tc.bufs, tc.err
+				})
+				require.Error(t, err)
+				require.NoError(t, <-sent)
+				got, err := e.Recv()
+				assert.ErrorIs(t, err, errFramingLost, "Recv got %q", got)
+				assert.ErrorIs(t, err, handoff.ErrTransport)
+				_, _, err = e.RecvPlaced(func(int, func(int) ([]byte, error)) ([][]byte, error) {
+					t.Error("place called after a failed placement")
+					return nil, nil
+				})
+				assert.ErrorIs(t, err, errFramingLost)
+			})
+		}
+	}
+}
+
+// finish, after a placement failed, cannot tell the sender's frames
+// apart any more, but must still read and drop what it sends until it
+// closes (as after a prefix over the limit), so that the connection is
+// not reset under the verdict with the sender's bytes unread.
+func TestFinishDrainsAfterAFailedPlacement(t *testing.T) {
+	w, r := tcpPair(t)
+	msg := randomBytes(4<<20, 11) // more than the socket buffers hold
+	sent := make(chan error, 1)
+	go func() {
+		_, err := w.Write(frame(msg))
+		if err == nil {
+			err = w.(*net.TCPConn).CloseWrite()
+		}
+		sent <- err
+	}()
+	e := placedEnd(r, placedWait)
+	mine := errors.New("no pages for it")
+	_, _, err := e.RecvPlaced(func(int, func(int) ([]byte, error)) ([][]byte, error) { return nil, mine })
+	require.Same(t, mine, err)
+	e.finish()
+	select {
+	case err := <-sent:
+		require.NoError(t, err, "the sender wrote it all: finish read it")
+	case <-time.After(placedWait):
+		t.Fatal("the sender's write still waits for a reader")
+	}
+	r.SetReadDeadline(time.Now().Add(placedWait))
+	n, err := r.Read(make([]byte, 1))
+	assert.Equal(t, io.EOF, err, "finish left %d bytes of the sender's unread", n)
+	end := make([]byte, prefixLen)
+	w.SetReadDeadline(time.Now().Add(placedWait))
+	_, err = io.ReadFull(w, end)
+	require.NoError(t, err)
+	assert.Equal(t, make([]byte, prefixLen), end, "the receiver's end of messages")
+}

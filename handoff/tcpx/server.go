@@ -619,7 +619,9 @@ func (e *serverEnd) InterruptRecv() {
 // ends at the seal, just before it) may still have frames coming: they
 // are read and dropped, for lingerTimeout at most, so that the connection
 // is not reset under the verdict before the sender has read it, which it
-// does as soon as its next send sees the end.
+// does as soon as its next send sees the end. Where frames can no longer
+// be told apart (a prefix over the limit, a placement that failed part
+// way through its frame), everything until then is.
 func (e *serverEnd) finish() {
 	if e.wr.end() != nil || e.ended {
 		return
@@ -627,7 +629,7 @@ func (e *serverEnd) finish() {
 	e.conn.SetReadDeadline(time.Now().Add(lingerTimeout))
 	for {
 		_, err := e.rd.next()
-		if errors.Is(err, ErrMessageTooLarge) {
+		if errors.Is(err, ErrMessageTooLarge) || errors.Is(err, errFramingLost) {
 			io.Copy(io.Discard, e.conn) // no frames to tell apart any more
 			return
 		}

@@ -149,6 +149,9 @@ func (fr *frameReader) release() {
 // messages. A connection that ends anywhere else is an error, never
 // io.EOF.
 func (fr *frameReader) next() ([]byte, error) {
+	if fr.lost != nil {
+		return nil, fr.lost
+	}
 	n, err := fr.length()
 	if err != nil {
 		return nil, err
