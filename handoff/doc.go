@@ -134,19 +134,6 @@
 // begins, and every write before the end frame or seal is checked, so
 // the order of the writes and what Complete vouches for are as before.
 //
-// A receiver on a PlacingEndpoint (tcpx's), with a decode pool of host
-// memory, takes the copy away too: once a data frame's head has passed
-// the checks above (transfer, page range, length, generations), the
-// frame's page bytes are read from the connection straight into the
-// import's pages (kvcache.Incoming.PageViews, which pins them), and are
-// summed there, on the write goroutine, while the next frame is read. The
-// bytes summed are the bytes in the pages. A read that fails part way
-// leaves its pages pinned only until the receiver lets go of them and the
-// import is aborted through the scrubber; the transfer timeout ends such
-// a read (InterruptRecv) before it aborts the import, since the abort
-// waits for the pin. A decode pool on a GPU is written through staging as
-// before.
-//
 // RDMA transports (NIXL, Mooncake's transfer engine, UCX) fit the same
 // protocol with the bytes moved out of band: the manifest and verdicts go
 // over a control stream like this one, the receiver's accept verdict

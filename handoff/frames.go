@@ -103,20 +103,6 @@ func (m *messageParts) tail(dst [][]byte, off int) [][]byte {
 	return dst
 }
 
-// parseDataHead parses the fixed head h (dataFixed bytes) of a 'D'
-// message of total bytes: all of f but gens and pages, which follow it.
-func parseDataHead(h []byte, total int) (dataFrame, error) {
-	var f dataFrame
-	copy(f.id[:], h[1:17])
-	f.first = int(binary.LittleEndian.Uint32(h[17:]))
-	n := int64(binary.LittleEndian.Uint32(h[21:]))
-	if n == 0 || int64(total-dataFixed) < 4*n {
-		return f, fmt.Errorf("%w: data frame of %d bytes claims %d pages", ErrProtocol, total, n)
-	}
-	f.n = int(n)
-	return f, nil
-}
-
 // dataFrame is a parsed 'D' message; its slices alias the message (or
 // its head's scratch copy).
 type dataFrame struct {
@@ -129,13 +115,18 @@ type dataFrame struct {
 
 // parseData parses m, a 'D' message; f.pages reuses pages' storage.
 func parseData(m *messageParts, pages [][]byte) (dataFrame, error) {
+	var f dataFrame
 	if m.len < dataFixed {
-		return dataFrame{}, fmt.Errorf("%w: data frame of %d bytes", ErrProtocol, m.len)
+		return f, fmt.Errorf("%w: data frame of %d bytes", ErrProtocol, m.len)
 	}
-	f, err := parseDataHead(m.head(dataFixed), m.len)
-	if err != nil {
-		return f, err
+	h := m.head(dataFixed)
+	copy(f.id[:], h[1:17])
+	f.first = int(binary.LittleEndian.Uint32(h[17:]))
+	n := int64(binary.LittleEndian.Uint32(h[21:]))
+	if n == 0 || int64(m.len-dataFixed) < 4*n {
+		return f, fmt.Errorf("%w: data frame of %d bytes claims %d pages", ErrProtocol, m.len, n)
 	}
+	f.n = int(n)
 	f.gens = m.head(dataFixed + 4*f.n)[dataFixed:]
 	f.pages = m.tail(pages[:0], dataFixed+4*f.n)
 	return f, nil

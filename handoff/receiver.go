@@ -183,15 +183,13 @@ func (r *Receiver) serve(ctx context.Context, ep Endpoint) error {
 	watchdog := time.AfterFunc(r.cfg.TransferTimeout, func() {
 		defer close(fired)
 		timedOut.Store(true)
+		in.Abort()
 		// A sender that sends nothing more would otherwise keep this
 		// goroutine, its connection and the request ID's claim until the
-		// transport's own deadline, if it has one. The wait ends before
-		// the abort: a PlacingEndpoint reading into the import's pages
-		// pins them, and the abort waits for its pins.
+		// transport's own deadline, if it has one.
 		if ie, ok := ep.(InterruptibleEndpoint); ok {
 			ie.InterruptRecv()
 		}
-		in.Abort()
 	})
 	lease, err := r.receive(ep, &m, in, &timedOut)
 	if !watchdog.Stop() {
@@ -298,10 +296,6 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 	pb := int(r.cfg.Pool.PageBytes()) // the fingerprints matched
 	split, _ := ep.(PartsEndpoint)
 	held, _ := ep.(HoldingEndpoint)
-	placer, _ := ep.(PlacingEndpoint)
-	if !in.Viewable() {
-		placer = nil // the pool's pages are not host memory: they are copied in
-	}
 	var (
 		msg       messageParts
 		one       [1][]byte
@@ -315,14 +309,6 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 		// outlives the receive.
 		write overlappedWrite
 		cur   func()
-		// On a PlacingEndpoint, place lends a data frame's pages to the
-		// endpoint (views), which reads the frame's bytes into them;
-		// landing is their landed until RecvPlaced returns, and the pages
-		// are then summed on the write goroutine.
-		views    [][]byte
-		landing  func(ok bool) error
-		placedN  int
-		placeErr error
 	)
 	defer func() {
 		write.wait()
@@ -331,37 +317,6 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 		}
 	}()
 	next := 0
-	// place takes a data frame whose head checks out into the import's
-	// pages; any other message it leaves to be read whole.
-	place := func(total int, head func(int) ([]byte, error)) ([][]byte, error) {
-		h, err := head(1)
-		if err != nil || h[0] != msgData || total < dataFixed {
-			return nil, err // a short data frame fails below, as on every path
-		}
-		if h, err = head(dataFixed); err != nil {
-			return nil, err
-		}
-		f, perr := parseDataHead(h, total)
-		if perr == nil {
-			if h, err = head(dataFixed + 4*f.n); err != nil {
-				return nil, err
-			}
-			f.gens = h[dataFixed:]
-			perr = checkData(m, &f, next, total-dataFixed-4*f.n, pb, &wantGens)
-		}
-		if perr == nil {
-			perr = write.wait() // the last frame's pages are summed: views is free
-		}
-		if perr == nil {
-			views, landing, perr = in.PageViews(f.first, f.n, views[:0])
-		}
-		if perr != nil {
-			placeErr = perr
-			return nil, perr
-		}
-		placedN = f.n
-		return views, nil
-	}
 	for {
 		if cur != nil {
 			cur()
@@ -369,25 +324,6 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 		}
 		var err error
 		switch {
-		case placer != nil:
-			var placed bool
-			one[0], placed, err = placer.RecvPlaced(place)
-			if landed := landing; landed != nil {
-				landing = nil
-				if err == nil && placed {
-					write.start(func() error { return landed(true) })
-					next += placedN
-					continue
-				}
-				landed(false)
-				if err == nil {
-					return nil, fmt.Errorf("%w: request %q: the endpoint took pages [%d, %d) and did not place them", ErrTransport, m.RequestID, next, next+placedN)
-				}
-			}
-			if placeErr != nil {
-				return nil, placeErr
-			}
-			msg.reset(one[:])
 		case held != nil:
 			var parts [][]byte
 			parts, cur, err = held.RecvHeld()
@@ -422,8 +358,20 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 				return nil, err
 			}
 			pageParts[turn] = f.pages
-			if err := checkData(m, &f, next, msg.len-dataFixed-4*f.n, pb, &wantGens); err != nil {
-				return nil, err
+			switch {
+			case f.id != m.TransferID:
+				return nil, fmt.Errorf("%w: data frame of transfer %x in transfer %x", ErrProtocol, f.id, m.TransferID)
+			case f.first != next || f.n > pages-next:
+				return nil, fmt.Errorf("%w: pages [%d, %d) after %d of %d", ErrProtocol, f.first, f.first+f.n, next, pages)
+			case msg.len-dataFixed-4*f.n != f.n*pb:
+				return nil, fmt.Errorf("%w: %d bytes for %d pages of %d", ErrProtocol, msg.len-dataFixed-4*f.n, f.n, pb)
+			}
+			wantGens = wantGens[:0]
+			for _, g := range m.Generations[f.first : f.first+f.n] {
+				wantGens = binary.LittleEndian.AppendUint32(wantGens, g)
+			}
+			if !bytes.Equal(f.gens, wantGens) {
+				return nil, fmt.Errorf("%w: pages [%d, %d) carry generations the manifest does not name", ErrProtocol, f.first, f.first+f.n)
 			}
 			if err := write.wait(); err != nil {
 				return nil, err
@@ -472,28 +420,6 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 			return nil, fmt.Errorf("%w: message kind %q during a transfer", ErrProtocol, msg.kind())
 		}
 	}
-}
-
-// checkData checks data frame f, whose pages take payload bytes, against
-// the manifest of its transfer, next pages in; wantGens is scratch.
-func checkData(m *Manifest, f *dataFrame, next, payload, pageBytes int, wantGens *[]byte) error {
-	pages := m.Pages()
-	switch {
-	case f.id != m.TransferID:
-		return fmt.Errorf("%w: data frame of transfer %x in transfer %x", ErrProtocol, f.id, m.TransferID)
-	case f.first != next || f.n > pages-next:
-		return fmt.Errorf("%w: pages [%d, %d) after %d of %d", ErrProtocol, f.first, f.first+f.n, next, pages)
-	case payload != f.n*pageBytes:
-		return fmt.Errorf("%w: %d bytes for %d pages of %d", ErrProtocol, payload, f.n, pageBytes)
-	}
-	*wantGens = (*wantGens)[:0]
-	for _, g := range m.Generations[f.first : f.first+f.n] {
-		*wantGens = binary.LittleEndian.AppendUint32(*wantGens, g)
-	}
-	if !bytes.Equal(f.gens, *wantGens) {
-		return fmt.Errorf("%w: pages [%d, %d) carry generations the manifest does not name", ErrProtocol, f.first, f.first+f.n)
-	}
-	return nil
 }
 
 // overlappedWrite is the one data frame write a receive has in flight on

@@ -100,31 +100,6 @@ type HoldingEndpoint interface {
 	RecvHeld() (parts [][]byte, release func(), err error)
 }
 
-// PlacingEndpoint is an Endpoint that can read a message's bytes
-// straight into memory its receiver names once it has seen the message's
-// head: a data frame's pages land in the decode pool's own page memory
-// (kvcache.Incoming.PageViews, on a pool of host memory) with no copy in
-// user space, where a HoldingEndpoint's land in a read buffer first and
-// are copied from there. handoff/tcpx implements it.
-type PlacingEndpoint interface {
-	Endpoint
-	// RecvPlaced receives the sender's next message, as Recv, letting
-	// place choose where its bytes go. place is called once per message,
-	// with the message's length, total ≥ 1, and head, which returns the
-	// message's first n bytes (1 ≤ n ≤ total, reading them from the
-	// connection if they have not been read yet; valid until RecvPlaced
-	// returns; an error for any other n). place returns either no
-	// buffers, and the message is then read whole and returned in msg,
-	// valid until the next receive; or buffers whose lengths add up to
-	// exactly total less the longest head it asked for, and the rest of
-	// the message is read into them, in order, and placed is true. An
-	// error from place is returned as it is, the rest of the message
-	// unread (the connection is then of no further use). Other errors are
-	// Recv's: io.EOF after the sender's end of messages, and a read that
-	// fails part way through place's buffers leaves them partly written.
-	RecvPlaced(place func(total int, head func(n int) ([]byte, error)) ([][]byte, error)) (msg []byte, placed bool, err error)
-}
-
 // InterruptibleEndpoint is an Endpoint whose wait for the sender's next
 // message can be ended from another goroutine. Receiver.Serve ends it
 // when its TransferTimeout aborts the import, so that a sender that

@@ -39,9 +39,8 @@ func PageChecksum(page []byte) uint64 {
 }
 
 // PageChecksumOf is PageChecksum of the page whose bytes are parts, in
-// order (a page's region views from Outgoing.PageViews or
-// Incoming.PageViews), hashed where they lie: only a 4 KiB block that
-// straddles two parts is copied.
+// order (a page's region views from Outgoing.PageViews), hashed where
+// they lie: only a 4 KiB block that straddles two parts is copied.
 func PageChecksumOf(parts [][]byte) uint64 {
 	n := 0
 	for _, p := range parts {

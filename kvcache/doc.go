@@ -180,9 +180,7 @@
 // lease, and Close, wait on a condition variable of Pool.mu (Pool.quiet)
 // until the copies are done. Outgoing.PageViews lends the pages' host
 // memory itself to a transport the same way: pinned until the transport
-// calls done; Incoming.PageViews lends an import's pages for the
-// transport to read its bytes into, pinned until it calls landed, which
-// sums the pages then.
+// calls done.
 //
 // A Lease's own fields are immutable while it lives, except the written
 // watermark, the state and the handoff phase (phase.go), which are

@@ -217,8 +217,8 @@ func (o *Outgoing) ReadPages(first int, dst []byte) error {
 	return p.readPages(hs, dst)
 }
 
-// pageViewer is a device whose pages are host memory a copy can read or
-// write in place (cudaops.Host, and devices built on it).
+// pageViewer is a device whose pages are host memory a copy can read in
+// place (cudaops.Host, and devices built on it).
 type pageViewer interface {
 	PageBytes(r int, p int32) []byte
 }

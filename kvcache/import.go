@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"sync"
-	"sync/atomic"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
@@ -17,9 +16,7 @@ import (
 
 // Incoming is an import in progress on the decode side. Its lease holds
 // every page the request needs (prompt + max new tokens) but is not
-// handed out until Complete has verified the transfer. Each prompt page
-// is received once, copied in (WritePages, WritePagesFrom) or read by a
-// transport straight into its memory (PageViews), and summed as it lands.
+// handed out until Complete has verified the transfer.
 type Incoming struct {
 	pool    *Pool
 	lease   *Lease
@@ -44,8 +41,8 @@ var testHookBeforeImportAdmit func()
 // same waiting on ctx, nothing allocated on refusal) for the KV of a
 // prompt arriving from a prefill pool, computed in sharing domain domain,
 // whose content checksum is checksum. The returned import receives the
-// prompt's pages with WritePages, WritePagesFrom or PageViews and becomes
-// a usable lease only through Complete.
+// prompt's pages with WritePages and becomes a usable lease only through
+// Complete.
 //
 // An import shares nothing: a request that carries prefix material
 // (TokenIDs, PageKeys) is refused with ErrImportPrefix; give the tokens to
@@ -143,35 +140,11 @@ func (in *Incoming) WritePagesFrom(first int, parts [][]byte) error {
 		return fmt.Errorf("%w: write of %d bytes at page %d of %d (pages are %d bytes)",
 			ErrInvalidArgument, total, first, in.pages, pb)
 	}
-	hs, err := in.receive(first, n)
-	if err != nil {
-		return err
-	}
-	p := in.pool
-	sums := make([]uint64, n)
-	err = p.writeParts(hs, parts, sums)
-	p.unpin(in.lease)
-	if err != nil {
-		return in.fail(err)
-	}
-	// Counted only once the bytes have landed, so that Complete never
-	// vouches for a page still being written.
-	in.count(first, sums)
-	return nil
-}
-
-// receive marks import pages first … first+n-1 received, once and for
-// all, so that no mix of WritePagesFrom and PageViews writes a page
-// twice, and pins the lease for writing them, returning their handles;
-// the caller unpins. Any error aborts the import: a page already
-// received (ErrDuplicatePage), an import that has ended
-// (ErrStaleTransfer), a pool closed or faulted.
-func (in *Incoming) receive(first, n int) ([]allocator.Handle, error) {
 	in.mu.Lock()
 	for i := first; i < first+n; i++ {
 		if in.mu.got[i] {
 			in.mu.Unlock()
-			return nil, in.fail(fmt.Errorf("%w: page %d of request %q", ErrDuplicatePage, i, in.lease.id))
+			return in.fail(fmt.Errorf("%w: page %d of request %q", ErrDuplicatePage, i, in.lease.id))
 		}
 		in.mu.got[i] = true
 	}
@@ -191,19 +164,21 @@ func (in *Incoming) receive(first, n int) ([]allocator.Handle, error) {
 		err = p.pinPagesLocked(in.lease, hs, true)
 	}
 	p.mu.Unlock()
-	if err != nil {
-		return nil, in.fail(err)
+	sums := make([]uint64, n)
+	if err == nil {
+		err = p.writeParts(hs, parts, sums)
+		p.unpin(in.lease)
 	}
-	return hs, nil
-}
-
-// count records the sums of pages first, first+1, … whose bytes have
-// landed.
-func (in *Incoming) count(first int, sums []uint64) {
+	if err != nil {
+		return in.fail(err)
+	}
+	// Counted only once the bytes have landed, so that Complete never
+	// vouches for a page still being written.
 	in.mu.Lock()
 	copy(in.mu.sums[first:], sums)
-	in.mu.received += len(sums)
+	in.mu.received += n
 	in.mu.Unlock()
+	return nil
 }
 
 // writeParts writes pages hs, region by region, from the concatenation
@@ -276,91 +251,6 @@ func (p *Pool) writeStaged(sc cudaops.StagedCopier, hs []allocator.Handle, parts
 		return fmt.Errorf("%w: writing %d pages: %w", ErrDevice, len(hs), err)
 	}
 	return nil
-}
-
-// Viewable reports whether PageViews can lend the import's pages' memory
-// (the pool's pages are host memory); otherwise write them with
-// WritePagesFrom.
-func (in *Incoming) Viewable() bool {
-	_, ok := in.pool.dev.(pageViewer)
-	return ok
-}
-
-// PageViews is WritePagesFrom without the copy, for a transport that
-// reads the pages' bytes from its connection straight into their memory:
-// it appends to views the live memory of import pages first …
-// first+n-1, one view per page per region, each page's regions in order
-// (the concatenation of the views is the byte layout WritePagesFrom
-// takes), marks the pages received as WritePagesFrom does, and pins the
-// lease until landed is called.
-//
-// landed(true) says the views hold the pages' bytes: each page is summed
-// over what its memory holds when landed runs (not over the views slice,
-// which the caller may reuse once it has read into it), and counted
-// received, so the caller must not write the views after it. landed(false) says they
-// do not (a read failed part way): the import is aborted. landed must be
-// called exactly once, from any goroutine; later calls do nothing and
-// return nil. Every end of the import waits for landed (Abort, Close, a
-// receiver's transfer timeout, and the abort of a failing WritePages,
-// PageViews or Complete of this import), so the caller must call it
-// before it waits on anything that may end the import.
-//
-// Errors are WritePagesFrom's, and ErrInvalidArgument on a pool whose
-// pages are not host memory (see Viewable), which also leaves the import
-// usable; ErrDevice for a page the device lends less of than a region,
-// which aborts it. On an error nothing is pinned and views is returned
-// unextended.
-func (in *Incoming) PageViews(first, n int, views [][]byte) (_ [][]byte, landed func(ok bool) error, err error) {
-	p := in.pool
-	pv, ok := p.dev.(pageViewer)
-	if !ok {
-		return views, nil, fmt.Errorf("%w: the pool's device (%s) has no host memory to write in place: write with WritePagesFrom", ErrInvalidArgument, p.dev.Name())
-	}
-	pb := in.pageLen
-	if n > in.pages || !pageRangeOK(first, n, n*pb, pb, in.pages) {
-		return views, nil, fmt.Errorf("%w: views of %d pages at page %d of %d", ErrInvalidArgument, n, first, in.pages)
-	}
-	hs, err := in.receive(first, n)
-	if err != nil {
-		return views, nil, err
-	}
-	start := len(views)
-	for _, h := range hs {
-		for r := range p.lay.primary.count {
-			v := pv.PageBytes(r, h.Page)
-			if len(v) != int(p.lay.regions[r].PageBytes) {
-				p.unpin(in.lease) // first: the abort waits for the pin
-				return views[:start], nil, in.fail(fmt.Errorf("%w: page %d region %d: no memory to write in place", ErrDevice, h.Page, r))
-			}
-			views = append(views, v[:len(v):len(v)]) // nothing past the page
-		}
-	}
-	var done atomic.Bool
-	landed = func(ok bool) error {
-		if !done.CompareAndSwap(false, true) {
-			return nil
-		}
-		if !ok {
-			p.unpin(in.lease) // first: the abort waits for the pin
-			in.Abort()
-			return nil
-		}
-		// Summed over the pages' own memory, not over the caller's views
-		// slice, which it may have reused by now: what is vouched for is
-		// what the engine will read.
-		sums := make([]uint64, n)
-		page := make([][]byte, p.lay.primary.count)
-		for i, h := range hs {
-			for r := range page {
-				page[r] = pv.PageBytes(r, h.Page)
-			}
-			sums[i] = PageChecksumOf(page)
-		}
-		in.count(first, sums)
-		p.unpin(in.lease)
-		return nil
-	}
-	return views, landed, nil
 }
 
 // Complete verifies that every page arrived and that the content checksum

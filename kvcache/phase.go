@@ -58,9 +58,7 @@ package kvcache
 //     and each page still at its generation, and pin it as reads do, so a
 //     late (stale) transfer never lands in a page that was released and
 //     reused (a stale transfer landing in a reused page is a known
-//     failure of disaggregated engines). Pages lent for writing
-//     (Incoming.PageViews) stay pinned until the transport says they
-//     landed, and each page is received once, whichever way it comes.
+//     failure of disaggregated engines).
 
 import (
 	"errors"

@@ -58,16 +58,7 @@
 // (handoff.PartsEndpoint, in one part: a frame is read whole). The
 // buffer goes with the frame (handoff.HoldingEndpoint) and the next frame
 // is read into a second one meanwhile, so a transfer circulates two read
-// buffers and the receiver's writes overlap the reads. A data frame can
-// instead land in the receiver's own memory (handoff.PlacingEndpoint):
-// once the receiver has read the frame's head from the read buffer, it
-// names the decode pool's pages, and the rest of the frame is read
-// straight from the socket into them, with one readv(2) per frame on
-// plain TCP (more only where the bytes arrive in pieces, or the pages
-// number over IOV_MAX) and no copy through the read buffer; over TLS,
-// which decrypts in user space anyway, the same bytes are read with
-// ordinary Reads. A placement that fails part way through its frame
-// leaves no frame boundary to find: every later receive fails.
+// buffers and the receiver's writes overlap the reads.
 // A goroutine per transfer reads the receiver's messages as they come, so
 // that a sender the receiver has refused stops at its next frame instead
 // of sending the rest of the prompt.

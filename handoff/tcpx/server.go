@@ -483,7 +483,6 @@ type serverEnd struct {
 var (
 	_ handoff.HoldingEndpoint       = (*serverEnd)(nil)
 	_ handoff.InterruptibleEndpoint = (*serverEnd)(nil)
-	_ handoff.PlacingEndpoint       = (*serverEnd)(nil)
 )
 
 // errInterrupted is what Recv returns once the receiver has stopped
@@ -496,39 +495,8 @@ var errInterrupted = fmt.Errorf("%w: tcpx: the receiver stopped waiting for the 
 // at all once InterruptRecv was called. Its errors, and Send's, go to
 // handoff.Receiver, which wraps each in handoff.ErrTransport.
 func (e *serverEnd) Recv() ([]byte, error) {
-	if err := e.beginRecv(); err != nil {
-		return nil, err
-	}
-	msg, err := e.rd.next()
-	if err == io.EOF {
-		e.ended = true
-	}
-	return msg, err
-}
-
-// RecvPlaced implements handoff.PlacingEndpoint: the frame is read as by
-// Recv, its head into the connection's read buffer and the rest into the
-// buffers place returns, straight from the socket (one readv at a time on
-// plain TCP), or into the read buffer after the head if it returns none.
-// After an error of place's, or buffers that do not add up, every later
-// receive fails: the frame's unread rest is where the next would begin.
-func (e *serverEnd) RecvPlaced(place func(total int, head func(n int) ([]byte, error)) ([][]byte, error)) ([]byte, bool, error) {
-	if err := e.beginRecv(); err != nil {
-		return nil, false, err
-	}
-	msg, placed, err := e.rd.nextPlaced(place)
-	if err == io.EOF {
-		e.ended = true
-	}
-	return msg, placed, err
-}
-
-// beginRecv readies the reader for the sender's next message: io.EOF
-// after its end of messages, errInterrupted after InterruptRecv, else the
-// message's read deadline set and a read buffer in place.
-func (e *serverEnd) beginRecv() error {
 	if e.ended {
-		return io.EOF
+		return nil, io.EOF
 	}
 	e.mu.Lock()
 	err := errInterrupted
@@ -537,12 +505,16 @@ func (e *serverEnd) beginRecv() error {
 	}
 	e.mu.Unlock()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if e.rd.buf == nil { // the last buffer went with a held message
 		e.rd.buf = e.takeSpare()
 	}
-	return nil
+	msg, err := e.rd.next()
+	if err == io.EOF {
+		e.ended = true
+	}
+	return msg, err
 }
 
 // RecvHeld implements handoff.HoldingEndpoint: the frame is read as by
@@ -619,9 +591,7 @@ func (e *serverEnd) InterruptRecv() {
 // ends at the seal, just before it) may still have frames coming: they
 // are read and dropped, for lingerTimeout at most, so that the connection
 // is not reset under the verdict before the sender has read it, which it
-// does as soon as its next send sees the end. Where frames can no longer
-// be told apart (a prefix over the limit, a placement that failed part
-// way through its frame), everything until then is.
+// does as soon as its next send sees the end.
 func (e *serverEnd) finish() {
 	if e.wr.end() != nil || e.ended {
 		return
@@ -629,7 +599,7 @@ func (e *serverEnd) finish() {
 	e.conn.SetReadDeadline(time.Now().Add(lingerTimeout))
 	for {
 		_, err := e.rd.next()
-		if errors.Is(err, ErrMessageTooLarge) || errors.Is(err, errFramingLost) {
+		if errors.Is(err, ErrMessageTooLarge) {
 			io.Copy(io.Discard, e.conn) // no frames to tell apart any more
 			return
 		}

@@ -51,11 +51,6 @@ var (
 // messages: a dropped connection, never the io.EOF a clean end is.
 var errClosedEarly = fmt.Errorf("connection closed before the peer's end of messages: %w", io.ErrUnexpectedEOF)
 
-// errFramingLost is every read after a placement failed part way
-// through its frame (an error of place's, or buffers of the wrong size):
-// where the next frame begins is no longer known.
-var errFramingLost = fmt.Errorf("%w: tcpx: a message's placement failed part way through its frame: no frames to tell apart any more", handoff.ErrTransport)
-
 // errVersion: a peer's hello of another version.
 var errVersion = errors.New("another version")
 
@@ -109,9 +104,6 @@ type frameReader struct {
 	max    int
 	prefix [prefixLen]byte
 	buf    []byte
-	// lost is set once a placement failed with the frame part read: the
-	// rest of its bytes would be taken for the next frame.
-	lost error
 }
 
 // readBuffers keeps read buffers between connections (one per
@@ -149,57 +141,31 @@ func (fr *frameReader) release() {
 // messages. A connection that ends anywhere else is an error, never
 // io.EOF.
 func (fr *frameReader) next() ([]byte, error) {
-	if fr.lost != nil {
-		return nil, fr.lost
-	}
-	n, err := fr.length()
-	if err != nil {
-		return nil, err
-	}
-	return fr.body(n)
-}
-
-// length reads a frame's length prefix: the body's length, or io.EOF for
-// the peer's end of messages, or ErrMessageTooLarge before anything is
-// allocated for it.
-func (fr *frameReader) length() (int, error) {
 	if _, err := io.ReadFull(fr.conn, fr.prefix[:]); err != nil {
-		return 0, early(err)
+		return nil, early(err)
 	}
 	n := binary.LittleEndian.Uint32(fr.prefix[:])
 	switch {
 	case n == 0:
-		return 0, io.EOF
+		return nil, io.EOF
 	case int64(n) > int64(fr.max):
-		return 0, fmt.Errorf("%w: the peer announced a message of %d bytes, the limit is %d", ErrMessageTooLarge, n, fr.max)
+		return nil, fmt.Errorf("%w: the peer announced a message of %d bytes, the limit is %d", ErrMessageTooLarge, n, fr.max)
 	}
-	return int(n), nil
+	return fr.body(int(n))
 }
 
-// body reads an n-byte body into the read buffer.
+// body reads an n-byte body. A buffer too small grows as the bytes
+// arrive, at most doubling each time, so that a length prefix costs no
+// more memory than twice the bytes the peer actually sent.
 func (fr *frameReader) body(n int) ([]byte, error) {
-	b, err := fr.extend(fr.buf[:0], n)
-	if err != nil {
-		return nil, err
-	}
-	return b, nil
-}
-
-// extend reads on into b, which begins the read buffer, until it holds n
-// bytes, and returns it; on an error it returns what it holds then, so
-// that its length is always the bytes of the frame read so far. A buffer
-// too small grows as the bytes arrive, at most doubling each time and
-// never past n, so that a length prefix costs no more memory than twice
-// the bytes the peer actually sent (or the head a placement asked for).
-func (fr *frameReader) extend(b []byte, n int) ([]byte, error) {
-	if cap(b) >= n {
-		k, err := io.ReadFull(fr.conn, b[len(b):n])
-		b = b[:len(b)+k]
-		if err != nil {
-			return b, early(err)
+	if cap(fr.buf) >= n {
+		b := fr.buf[:n]
+		if _, err := io.ReadFull(fr.conn, b); err != nil {
+			return nil, early(err)
 		}
 		return b, nil
 	}
+	b := fr.buf[:0]
 	for len(b) < n {
 		if len(b) == cap(b) {
 			grown := make([]byte, len(b), min(n, max(2*cap(b), minReadBuffer)))
@@ -209,83 +175,10 @@ func (fr *frameReader) extend(b []byte, n int) ([]byte, error) {
 		k, err := fr.conn.Read(b[len(b):min(n, cap(b))])
 		b = b[:len(b)+k]
 		if err != nil && len(b) < n {
-			return b, early(err)
+			return nil, early(err)
 		}
 	}
 	return b, nil
-}
-
-// placeFunc is handoff.PlacingEndpoint's place: it sees a message's
-// length, may read its head, and names the buffers the rest goes into.
-type placeFunc = func(total int, head func(n int) ([]byte, error)) ([][]byte, error)
-
-// nextPlaced reads one frame as next does, letting place choose where
-// its bytes go (handoff.PlacingEndpoint.RecvPlaced): the head place asks
-// for is read into the read buffer; the rest into the buffers place
-// returns, straight from the socket (readInto), and placed is true; or,
-// if it returns none, after the head in the read buffer, and the whole
-// body is returned.
-func (fr *frameReader) nextPlaced(place placeFunc) (msg []byte, placed bool, err error) {
-	if fr.lost != nil {
-		return nil, false, fr.lost
-	}
-	total, err := fr.length()
-	if err != nil {
-		return nil, false, err
-	}
-	b := fr.buf[:0] // the frame's bytes read so far
-	placing := true
-	head := func(n int) ([]byte, error) {
-		switch {
-		case !placing:
-			return nil, fmt.Errorf("%w: tcpx: a message's head asked for after its placement", handoff.ErrTransport)
-		case n < 1 || n > total:
-			return nil, fmt.Errorf("%w: tcpx: a head of %d bytes of a %d-byte message", handoff.ErrTransport, n, total)
-		case n > len(b):
-			var err error
-			if b, err = fr.extend(b, n); err != nil {
-				return nil, err
-			}
-		}
-		return b[:n], nil
-	}
-	bufs, err := place(total, head)
-	placing = false
-	if err != nil {
-		fr.lost = errFramingLost
-		return nil, false, err
-	}
-	if len(bufs) == 0 {
-		if b, err = fr.extend(b, total); err != nil {
-			return nil, false, err
-		}
-		return b, false, nil
-	}
-	sum := 0
-	for _, p := range bufs {
-		sum += len(p)
-	}
-	if left := total - len(b); sum != left {
-		fr.lost = errFramingLost
-		return nil, false, fmt.Errorf("%w: tcpx: buffers of %d bytes placed for the %d left of a %d-byte message after its %d-byte head",
-			handoff.ErrTransport, sum, left, total, len(b))
-	}
-	if err := readInto(fr.conn, bufs); err != nil {
-		return nil, false, err
-	}
-	return nil, true, nil
-}
-
-// readFullInto fills bufs, in order, through c's Read: the portable
-// loop, and TLS's, whose bytes pass through user space anyway (to be
-// decrypted).
-func readFullInto(c net.Conn, bufs [][]byte) error {
-	for _, b := range bufs {
-		if _, err := io.ReadFull(c, b); err != nil {
-			return early(err)
-		}
-	}
-	return nil
 }
 
 // early is err, from a read that ended a frame early; io.EOF there
