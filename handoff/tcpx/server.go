@@ -201,11 +201,12 @@ func (s *Server) addConn(c net.Conn) int {
 
 // refuseOverMax closes a connection over MaxConns before reading a byte
 // of it (no goroutine, no buffer, no TLS), and counts and logs it. It
-// counts first: a client that has seen the close finds it in Stats.
+// counts and logs first: a client that has seen the close finds it in
+// Stats, and in the log, or in the summary a Close made after it.
 func (s *Server) refuseOverMax(c net.Conn) {
 	s.overMax.Add(1)
-	c.Close()
 	s.overMaxLog.refused(s.ctx, c.RemoteAddr(), s.overMaxErr)
+	c.Close()
 }
 
 // refusalLogWindow is how long a refusal logged at once silences the
