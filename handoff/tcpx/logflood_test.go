@@ -92,6 +92,23 @@ func refusedAt(t *testing.T, addr string, says []byte) string {
 	return c.LocalAddr().String()
 }
 
+// requireFloodSummarised checks what a server logged of a flood of
+// floodN refusals of one reason by the time it closed: the first refusal
+// logged at once, the rest counted in one summary, at warning level, that
+// names the last remote refused and its error (which contains errText).
+func requireFloodSummarised(t *testing.T, rs []slog.Record, reason, last, errText string) {
+	t.Helper()
+	require.Equal(t, 2, len(rs), "records after Close")
+	logged, suppressed, summaries := refusedTally(t, rs, reason)
+	assert.Equal(t, uint64(1), logged)
+	assert.Equal(t, uint64(floodN-1), suppressed)
+	require.Len(t, summaries, 1)
+	a := attrs(summaries[0])
+	assert.Equal(t, last, a["remote"].String(), "the summary names the last remote refused")
+	assert.Contains(t, a["error"].String(), errText)
+	assert.Equal(t, slog.LevelWarn, summaries[0].Level)
+}
+
 // floodN is how many connections a flood test opens: enough that one
 // record per refusal would be unmistakable.
 const floodN = 200
@@ -126,16 +143,7 @@ func TestOverMaxConnsFloodFloodsTheLog(t *testing.T) {
 
 	require.NoError(t, srv.srv.Close())
 	assert.Equal(t, tcpx.ServerStats{OverMaxConns: floodN}, srv.srv.Stats())
-	rs := log.snapshot()
-	require.Equal(t, 2, len(rs), "records after Close")
-	logged, suppressed, summaries := refusedTally(t, rs, "max_conns")
-	assert.Equal(t, uint64(1), logged)
-	assert.Equal(t, uint64(floodN-1), suppressed)
-	require.Len(t, summaries, 1)
-	a = attrs(summaries[0])
-	assert.Equal(t, last, a["remote"].String(), "the summary names the last remote refused")
-	assert.Contains(t, a["error"].String(), "Options.MaxConns")
-	assert.Equal(t, slog.LevelWarn, summaries[0].Level)
+	requireFloodSummarised(t, log.snapshot(), "max_conns", last, "Options.MaxConns")
 }
 
 // The same for connections that fail their handshake (a scanner, or a
@@ -160,15 +168,7 @@ func TestBadHelloFloodFloodsTheLog(t *testing.T) {
 	assert.Equal(t, uint64(floodN), srv.srv.Stats().FailedHandshakes)
 
 	require.NoError(t, srv.srv.Close())
-	rs := log.snapshot()
-	require.Equal(t, 2, len(rs), "records after Close")
-	logged, suppressed, summaries := refusedTally(t, rs, "handshake")
-	assert.Equal(t, uint64(1), logged)
-	assert.Equal(t, uint64(floodN-1), suppressed)
-	require.Len(t, summaries, 1)
-	a = attrs(summaries[0])
-	assert.Equal(t, last, a["remote"].String(), "the summary names the last remote refused")
-	assert.Contains(t, a["error"].String(), `its first bytes are "GET / HT"`)
+	requireFloodSummarised(t, log.snapshot(), "handshake", last, `its first bytes are "GET / HT"`)
 	assert.Equal(t, handoff.ReceiverStats{}, srv.recv.Stats(), "no transfer began")
 }
 
