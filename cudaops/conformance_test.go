@@ -15,6 +15,12 @@ func TestHostConformance(t *testing.T) {
 	devicetest.Run(t, func(*testing.T) cudaops.Device { return cudaops.NewHost() })
 }
 
+func TestHostAsyncFillsConformance(t *testing.T) {
+	devicetest.Run(t, func(*testing.T) cudaops.Device {
+		return cudaops.NewHostWith(cudaops.HostConfig{AsyncFills: true})
+	})
+}
+
 // cudaEngine adapts cudaops.TestEngine to devicetest.Engine.
 type cudaEngine struct{ e *cudaops.TestEngine }
 

@@ -141,3 +141,82 @@ func TestHostWritePagePart(t *testing.T) {
 	require.NoError(t, h.Close())
 	assert.ErrorIs(t, h.WritePagePart(0, 1, 0, []byte{1}), ErrClosed)
 }
+
+// An asynchronous fill that is still running when Close is called must
+// finish before Close returns: adopted memory belongs to the caller again
+// once Close has returned, and a late write would corrupt it.
+func TestHostAsyncFillEndsBeforeCloseReturns(t *testing.T) {
+	h := NewHostWith(HostConfig{AsyncFills: true})
+	const pages, pageBytes = 64, 1 << 20 // large enough to be in flight
+	mem := bytes.Repeat([]byte{0xaa}, pages*pageBytes)
+	_, err := h.AdoptRegion(mem, pages, pageBytes, pageBytes)
+	require.NoError(t, err)
+	all := make([]int32, pages)
+	for i := range all {
+		all[i] = int32(i)
+	}
+	spec := FillSpec{Word: 0x5a5a5a5a}
+	f, err := h.Fill(all, spec, Ordering{})
+	require.NoError(t, err)
+	require.NoError(t, h.Close())
+	done, err := f.Done()
+	require.True(t, done, "Close returned before the fill it had let in finished")
+	require.NoError(t, err)
+	require.Equal(t, wordBytes(spec.Word, int64(len(mem))), mem, "every adopted byte filled")
+
+	_, err = h.Fill(all[:1], spec, Ordering{})
+	require.ErrorIs(t, err, ErrClosed)
+}
+
+// The caller may reuse its page list once Fill returns, as on every
+// device, even though the fill has not run yet.
+func TestHostAsyncFillOwnsItsPageList(t *testing.T) {
+	h := NewHostWith(HostConfig{AsyncFills: true})
+	defer h.Close()
+	const pages = 8
+	_, err := h.AllocRegion(pages, 4<<20)
+	require.NoError(t, err)
+	for p := range int32(pages) {
+		require.NoError(t, h.WritePage(0, p, bytes.Repeat([]byte{0xaa}, 4<<20)))
+	}
+	batch := []int32{1, 2, 3}
+	spans := []Span{{First: 0, Count: 1, Pages: []int32{5, 6}}}
+	spec := FillSpec{Word: 0x01020304}
+	f1, err := h.Fill(batch, spec, Ordering{})
+	require.NoError(t, err)
+	f2, err := h.FillSpans(spans, spec, Ordering{})
+	require.NoError(t, err)
+	copy(batch, []int32{0, 4, 7}) // reused at once
+	spans[0].Pages[0], spans[0].Pages[1] = 0, 7
+	require.NoError(t, f1.Wait())
+	require.NoError(t, f2.Wait())
+	for p := range int32(pages) {
+		want := bytes.Repeat([]byte{0xaa}, 4<<20)
+		if slices.Contains([]int32{1, 2, 3, 5, 6}, p) {
+			want = wordBytes(spec.Word, 4<<20)
+		}
+		require.Equal(t, want, h.PageBytes(0, p), "page %d", p)
+	}
+	c := h.Counters()
+	require.Equal(t, uint64(2), c.FillCalls)
+	require.Equal(t, uint64(5), c.PagesFilled)
+}
+
+// A batch that fails validation is refused by the call itself, as with
+// synchronous fills: nothing is written, no goroutine keeps the device's
+// lock, and Close does not hang.
+func TestHostAsyncFillRefusesBadInputAtTheCall(t *testing.T) {
+	h := NewHostWith(HostConfig{AsyncFills: true})
+	_, err := h.AllocRegion(4, 64)
+	require.NoError(t, err)
+	require.NoError(t, h.WritePage(0, 0, bytes.Repeat([]byte{0xaa}, 64)))
+	f, err := h.Fill([]int32{0, 4}, FillSpec{Word: 1}, Ordering{})
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	require.Nil(t, f)
+	f, err = h.FillSpans([]Span{{First: 0, Count: 2, Pages: []int32{0}}}, FillSpec{Word: 1}, Ordering{})
+	require.Error(t, err)
+	require.Nil(t, f)
+	require.Equal(t, bytes.Repeat([]byte{0xaa}, 64), h.PageBytes(0, 0))
+	require.Zero(t, h.Counters().FillCalls)
+	require.NoError(t, h.Close())
+}
