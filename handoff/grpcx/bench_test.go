@@ -18,7 +18,8 @@ import (
 // checks and the raw TCP baseline after each handoff): export, manifest,
 // pages (lent from the prefill pool's memory to gRPC, summed just before
 // gRPC copies them out) → wire → decode device, content check, ack, and
-// the release of the prefill pages.
+// the release of the prefill pages, whose scrub runs after Send has
+// returned, as on a GPU (clean-x-tcp waits for it: benchkit.Handoff).
 //
 // cpu-ms/op and tcp-cpu-ms/op are the process's CPU time (user and
 // system, both ends) over the same spans: where both ends share a few

@@ -17,7 +17,10 @@ import (
 // export, manifest, pages (the prefill pool's own, summed where they lie
 // and written to the socket with one writev per data frame) → wire →
 // the connection's read buffer → decode device, content check, ack, and
-// the release of the prefill pages, over loopback plain TCP.
+// the release of the prefill pages, over loopback plain TCP. The prefill
+// pages' scrub runs after Send has returned, as on a GPU: x-tcp is the
+// handoff as its caller waits for it, clean-x-tcp the time until the
+// pages are clean (benchkit.Handoff).
 func BenchmarkHandoff(b *testing.B) {
 	benchkit.Handoff(b, func(recv *handoff.Receiver) handoff.Transport {
 		srv, err := tcpx.NewServer(recv, tcpx.Insecure(), tcpx.Options{})
