@@ -220,3 +220,24 @@ func TestHostAsyncFillRefusesBadInputAtTheCall(t *testing.T) {
 	require.Zero(t, h.Counters().FillCalls)
 	require.NoError(t, h.Close())
 }
+
+// A synchronous fill stays free of allocations: the asynchronous path
+// copies what outlives the call, and that copy must not leak into the
+// default one (a release on the host backend allocates nothing).
+func TestHostSyncFillAllocatesNothing(t *testing.T) {
+	h := NewHost()
+	defer h.Close()
+	_, err := h.AllocRegion(8, 64)
+	require.NoError(t, err)
+	pages := []int32{1, 2, 5}
+	spans := []Span{{First: 0, Count: 1, Pages: pages}}
+	allocs := testing.AllocsPerRun(100, func() {
+		if _, err := h.Fill(pages, FillSpec{Word: 1}, Ordering{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := h.FillSpans(spans, FillSpec{Word: 2}, Ordering{}); err != nil {
+			t.Fatal(err)
+		}
+	})
+	require.Zero(t, allocs)
+}
