@@ -70,8 +70,9 @@ extern "C" {
  * "remote"}) and the rank worker each rank's process runs
  * (kvf_rank_worker_create, kvf_rank_step, ...); version 6 adds
  * kvf_admit_tokens_table, admission by token IDs that writes the block
- * table in the same call. */
-#define KVF_ABI_VERSION 6
+ * table in the same call; version 7 adds the host device's
+ * "async_fills". */
+#define KVF_ABI_VERSION 7
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -263,6 +264,10 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  * "device": {"kind": "cuda"}, in memory the pool allocates on that CUDA
  * device (the driver is loaded at run time; without one the call returns
  * KVF_ERR_NO_DEVICE with the driver's reason). The pool owns either.
+ * A host device with "async_fills": true (since ABI 7) scrubs released
+ * pages on a thread of the library's, as a GPU does on its stream: a
+ * release returns before the memset, the pages stay quarantined until it
+ * has ended, and every page copy waits for the scrubs issued before it.
  *
  * "sizing" (since ABI 3; a tenant object takes one too, which overrides
  * the pool's) says how much of a request's output admission reserves:

@@ -63,6 +63,11 @@ type PrefixJSON struct {
 type DeviceJSON struct {
 	Kind    string `json:"kind,omitempty"`
 	Ordinal int    `json:"ordinal,omitempty"`
+	// AsyncFills (host only, since ABI 7) scrubs released pages on a
+	// goroutine of the library's, as a GPU scrubs them on its stream: a
+	// release returns before the memset, and the pages stay quarantined
+	// until it ends (cudaops.HostConfig.AsyncFills).
+	AsyncFills bool `json:"async_fills,omitempty"`
 	// Remote: the address the ranks connect to ("unix:PATH" or
 	// "tcp:HOST:PORT"), how many must, how long a fill waits for a rank's
 	// report before the rank is lost (0: 30 s), and how long the pool's
@@ -106,6 +111,9 @@ func (d DeviceJSON) checkLocal() (DeviceJSON, error) {
 		if d.Ordinal < 0 {
 			return DeviceJSON{}, fmt.Errorf("%w: device.ordinal %d", kvcache.ErrInvalidConfig, d.Ordinal)
 		}
+		if d.AsyncFills {
+			return DeviceJSON{}, fmt.Errorf("%w: device.async_fills is for kind %q (a CUDA device's fills are asynchronous already)", kvcache.ErrInvalidConfig, DeviceHost)
+		}
 	default:
 		return DeviceJSON{}, fmt.Errorf("%w: device.kind %q, want %q or %q", kvcache.ErrInvalidConfig, d.Kind, DeviceHost, DeviceCUDA)
 	}
@@ -123,6 +131,8 @@ func (d DeviceJSON) checkRemote() error {
 	switch {
 	case d.Ordinal != 0:
 		return fail("ordinal %d for a remote group (each rank names its own device)", d.Ordinal)
+	case d.AsyncFills:
+		return fail("async_fills for a remote group (each rank names its own device)")
 	case d.Ranks <= 0 || d.Ranks > maxRanks:
 		return fail("ranks %d, want 1 to %d", d.Ranks, maxRanks)
 	case d.ReportTimeoutMS < 0:

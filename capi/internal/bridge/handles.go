@@ -150,15 +150,18 @@ func newLease(pe *poolEntry, l *kvcache.Lease, noRecycle bool) Handle {
 	return lh
 }
 
-// openDevice opens the device a config selects; nil for host memory,
-// which the pool allocates and owns itself. A remote group waits here for
-// its ranks (ranks.go).
+// openDevice opens the device a config selects; nil for host memory with
+// synchronous fills, which the pool allocates and owns itself. A remote
+// group waits here for its ranks (ranks.go).
 func openDevice(d DeviceJSON) (cudaops.Device, error) {
 	switch d.Kind {
 	case DeviceCUDA:
 		return cudaops.OpenCUDA(d.Ordinal)
 	case DeviceRemote:
 		return openRemote(d)
+	}
+	if d.AsyncFills {
+		return cudaops.NewHostWith(cudaops.HostConfig{AsyncFills: true}), nil
 	}
 	return nil, nil
 }

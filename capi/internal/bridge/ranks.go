@@ -253,7 +253,7 @@ func openRankDevice(sel DeviceJSON, regions []RankRegion) (cudaops.Device, error
 		dev = d
 		adopt = func(r RankRegion) (int, error) { return d.AdoptRegion(r.Base, int(r.Pages), r.Stride, r.PageBytes) }
 	} else {
-		h := cudaops.NewHost()
+		h := cudaops.NewHostWith(cudaops.HostConfig{AsyncFills: sel.AsyncFills})
 		dev = h
 		adopt = func(r RankRegion) (int, error) { return h.AdoptRegion(r.Host, int(r.Pages), r.Stride, r.PageBytes) }
 	}
