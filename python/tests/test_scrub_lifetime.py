@@ -52,6 +52,26 @@ def test_reused_pages_show_only_the_scrub_pattern(kind, dtype, scrub, word):
         cache.close()
 
 
+@pytest.mark.parametrize("kind", ["owned", "vllm"])
+def test_async_host_fills_hand_out_only_scrubbed_pages(kind):
+    # "async_fills": a release returns before its scrub; the pages come
+    # back, scrubbed, once it has ended (the admission waits for them).
+    pages = 8
+    cache = Cache(kind, torch.float32, pages, ["a", "b"], scrub={"kind": "poison"},
+                  device={"kind": "host", "async_fills": True})
+    try:
+        for i in range(20):
+            a = cache.pool.admit("a-%d" % i, "a", pages * BLOCK, wait_ms=60000)
+            for layer in range(2):
+                for t in cache.pages(layer):
+                    seen = bits(t[a.block_table()]).unique().tolist()
+                    assert seen == [-(1 << 31)], "round %d: a page holds %s, not only the scrub word" % (i, seen)
+                    t[a.block_table()] = 1.5 + i
+            a.free()
+    finally:
+        cache.close()
+
+
 def test_sglang_padding_page_is_never_touched_by_kvfence():
     cache = Cache("sglang", torch.float32, 4, ["a"], scrub={"kind": "poison"})
     try:
