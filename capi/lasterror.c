@@ -1,8 +1,9 @@
 //go:build cgo
 
-// The C half of libkvfence: what needs no Go (version, status names) and
-// the per-thread last error, which lives on the C side because Go has no
-// notion of the calling OS thread.
+// The C half of libkvfence: what needs no Go (version, status names, the
+// trampolines of language bindings' callbacks) and the per-thread last
+// error, which lives on the C side because Go has no notion of the calling
+// OS thread.
 //
 // The last error is kept in a heap block per thread, reached through a
 // pthread key, not in __thread storage: a Go c-shared library is marked
@@ -148,3 +149,38 @@ const char *kvf_status_name(kvf_status status) {
     }
     return "KVF_ERR_UNKNOWN_STATUS";
 }
+
+// The binding's callbacks (kvf_py_set_callbacks). Registered once, before
+// the first export they serve, and only read afterwards; a trampoline
+// called before any registration does nothing.
+static kvf_py_api py_api;
+static kvf_py_callback py_deleter, py_destructor;
+
+kvf_status kvf_py_set_callbacks(const kvf_py_api *api, kvf_py_callback deleter, kvf_py_callback destructor) {
+    if (api == NULL || api->err_fetch == NULL || api->err_restore == NULL || api->gil_ensure == NULL ||
+        api->gil_release == NULL || deleter == NULL || destructor == NULL) {
+        return KVF_ERR_NULL_POINTER;
+    }
+    py_api = *api;
+    py_deleter = deleter;
+    py_destructor = destructor;
+    return KVF_OK;
+}
+
+// py_call runs cb(arg) holding the interpreter's lock with no exception
+// pending, and puts back whatever was pending before.
+static void py_call(kvf_py_callback cb, void *arg) {
+    if (cb == NULL) {
+        return;
+    }
+    int gil = py_api.gil_ensure();
+    void *type, *value, *traceback;
+    py_api.err_fetch(&type, &value, &traceback);
+    cb(arg);
+    py_api.err_restore(type, value, traceback);
+    py_api.gil_release(gil);
+}
+
+void kvf_py_dlpack_deleter(void *managed_tensor) { py_call(py_deleter, managed_tensor); }
+
+void kvf_py_capsule_destructor(void *capsule) { py_call(py_destructor, capsule); }

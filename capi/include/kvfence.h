@@ -71,7 +71,8 @@ extern "C" {
  * (kvf_rank_worker_create, kvf_rank_step, ...); version 6 adds
  * kvf_admit_tokens_table, admission by token IDs that writes the block
  * table in the same call; version 7 adds the host device's
- * "async_fills". */
+ * "async_fills" and the callbacks of language bindings
+ * (kvf_py_set_callbacks). */
 #define KVF_ABI_VERSION 7
 
 /* The longest message kvf_last_error_message can return, NUL included;
@@ -761,6 +762,46 @@ KVF_API kvf_status kvf_rank_worker_regions(kvf_rank_worker worker, kvf_region *b
  * scheduler lose the rank: scrubs in flight and every later one fail, and
  * the pool faults. */
 KVF_API kvf_status kvf_rank_worker_close(kvf_rank_worker worker);
+
+/* ---- Callbacks of language bindings (since ABI 7) ---------------------- *
+ *
+ * A binding that hands page memory to DLPack consumers (the Python
+ * package: torch.from_dlpack) writes the DLManagedTensor deleter and the
+ * capsule destructor in its own language. They run inside the consumer's
+ * deallocation of a tensor, which may happen while an exception is
+ * propagating (a frame unwinding drops its tensors): a callback into the
+ * interpreter there sees that exception pending and fails, and the
+ * interpreter's state is corrupted. These two C functions are safe there:
+ * each takes the interpreter's lock, saves the pending exception, calls
+ * the binding's callback, restores the exception and lets the lock go.
+ * The binding registers its callbacks and its interpreter's functions
+ * once, before its first export (the last registration wins); until then
+ * both calls do nothing. */
+typedef void (*kvf_py_err_fetch)(void **type, void **value, void **traceback);
+typedef void (*kvf_py_err_restore)(void *type, void *value, void *traceback);
+typedef int (*kvf_py_gil_ensure)(void);
+typedef void (*kvf_py_gil_release)(int state);
+typedef void (*kvf_py_callback)(void *arg);
+
+/* Python's PyErr_Fetch, PyErr_Restore, PyGILState_Ensure and
+ * PyGILState_Release. */
+typedef struct kvf_py_api {
+    kvf_py_err_fetch err_fetch;
+    kvf_py_err_restore err_restore;
+    kvf_py_gil_ensure gil_ensure;
+    kvf_py_gil_release gil_release;
+} kvf_py_api;
+
+/* Registers the binding's deleter and capsule destructor, called by
+ * kvf_py_dlpack_deleter and kvf_py_capsule_destructor with their
+ * argument. Every pointer is required (KVF_ERR_NULL_POINTER). */
+KVF_API kvf_status kvf_py_set_callbacks(const kvf_py_api *api, kvf_py_callback deleter, kvf_py_callback destructor);
+
+/* The deleter to put in a DLManagedTensor the binding exports. */
+KVF_API void kvf_py_dlpack_deleter(void *managed_tensor);
+
+/* The destructor to give PyCapsule_New for such an export's capsule. */
+KVF_API void kvf_py_capsule_destructor(void *capsule);
 
 #endif /* KVFENCE_TYPES_ONLY */
 

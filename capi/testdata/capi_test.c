@@ -1,5 +1,5 @@
 /*
- * capi_test.c (with capi_test_v2.inc to _v6.inc) drives every
+ * capi_test.c (with capi_test_v2.inc to _v7.inc) drives every
  * function of kvfence.h, every bad-input case the header documents, and
  * concurrent use from several threads. It exits 0 if
  * every check passed; each failed check prints its line and the library's
@@ -531,6 +531,7 @@ static void test_long_strings(void) {
 #include "capi_test_v4.inc"
 #include "capi_test_v5.inc"
 #include "capi_test_v6.inc"
+#include "capi_test_v7.inc"
 
 int main(void) {
     test_library();
@@ -554,6 +555,8 @@ int main(void) {
     test_adopted_host_tensors();
     test_ranks();
     test_admit_tokens_table();
+    test_binding_callbacks();
+    test_async_host_fills();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);
         return 1;

@@ -87,6 +87,28 @@ _destructor = _CAPSULE_DESTRUCTOR(_capsule_destructor)
 _DESTRUCTOR_ADDR = ctypes.cast(_destructor, ctypes.c_void_p).value
 
 
+def _trampolines():
+    """The deleter and capsule destructor to hand out: the library's C
+    trampolines (ABI 7), which call ours with the interpreter's lock held
+    and a pending exception saved around them, or, with an older library,
+    ours directly. A consumer may drop its tensor while an exception
+    propagates (a frame unwinding frees its locals): a ctypes callback
+    entered then sees that exception pending, fails, and leaves the
+    interpreter's state corrupt (SystemError, then a crash)."""
+    from . import _lib
+    if _lib.py_set_callbacks is None:
+        return _deleter, _DESTRUCTOR_ADDR
+    addr = lambda name: ctypes.cast(getattr(_api, name), ctypes.c_void_p).value
+    api = _lib.PyAPI(addr("PyErr_Fetch"), addr("PyErr_Restore"), addr("PyGILState_Ensure"), addr("PyGILState_Release"))
+    if _lib.py_set_callbacks(ctypes.byref(api), _DELETER_ADDR, _DESTRUCTOR_ADDR) != 0:
+        raise ImportError("kvfence: libkvfence refused the DLPack callbacks")
+    return (ctypes.cast(_lib.py_dlpack_deleter, _DELETER),
+            ctypes.cast(_lib.py_capsule_destructor, ctypes.c_void_p).value)
+
+
+_export_deleter, _EXPORT_DESTRUCTOR_ADDR = _trampolines()
+
+
 def live_exports(owner):
     """How many exports of owner's memory are alive (not yet deleted)."""
     return sum(1 for e in list(_live.values()) if e[3] is owner)
@@ -113,7 +135,7 @@ def capsule(data, device_type, device_id, code, bits, shape, strides, owner):
     mt.dl_tensor.strides = st
     mt.dl_tensor.byte_offset = 0
     mt.manager_ctx = None
-    mt.deleter = _deleter
+    mt.deleter = _export_deleter
     addr = ctypes.addressof(mt)
     _live[addr] = (mt, sh, st, owner)
-    return _PyCapsule_New(addr, _NAME, _DESTRUCTOR_ADDR), addr
+    return _PyCapsule_New(addr, _NAME, _EXPORT_DESTRUCTOR_ADDR), addr

@@ -131,6 +131,20 @@ admit_tokens = _fn("kvf_admit_tokens", _st, _h, _s, _s, _vp, _sz, _i64, _s, _i64
 admit_tokens_table = (_fn("kvf_admit_tokens_table", _st, _h, _s, _s, _vp, _sz, _i64, _s, _i64, _vp, _sz, _P(_sz),
                           _P(_h)) if abi_version() >= 6 else None)
 lease_block_table = _fn("kvf_lease_block_table", _st, _h, _vp, _sz, _P(_sz))
+
+
+class PyAPI(ctypes.Structure):
+    """kvf_py_api: the interpreter's functions the library's callback
+    trampolines call."""
+    _fields_ = [("err_fetch", _vp), ("err_restore", _vp), ("gil_ensure", _vp), ("gil_release", _vp)]
+
+
+# ABI 7: C trampolines for the DLPack deleter and capsule destructor, safe
+# while an exception is pending; None with an older library (_dlpack then
+# hands out its ctypes callbacks themselves).
+py_set_callbacks = _fn("kvf_py_set_callbacks", _st, _P(PyAPI), _vp, _vp) if abi_version() >= 7 else None
+py_dlpack_deleter = lib.kvf_py_dlpack_deleter if abi_version() >= 7 else None
+py_capsule_destructor = lib.kvf_py_capsule_destructor if abi_version() >= 7 else None
 lease_slot_mapping = _fn("kvf_lease_slot_mapping", _st, _h, _i64, _i64, _vp, _sz, _P(_sz))
 lease_commit = _fn("kvf_lease_commit", _st, _h, _i64)
 lease_grow = _fn("kvf_lease_grow", _st, _h, _i64, _i64)

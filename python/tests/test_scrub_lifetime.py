@@ -6,7 +6,10 @@ import ctypes
 import gc
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 import time
 import warnings
@@ -70,6 +73,33 @@ def test_async_host_fills_hand_out_only_scrubbed_pages(kind):
             a.free()
     finally:
         cache.close()
+
+
+def test_an_exception_unwinding_past_live_views_propagates_unchanged():
+    # A frame that unwinds drops its views with the exception pending, and
+    # torch calls their DLPack deleters then. Called straight into Python,
+    # such a deleter failed (SystemError) and left the interpreter corrupt:
+    # the close in the finally clause crashed the process. Run apart, so
+    # that a crash fails this test, not the session.
+    code = textwrap.dedent('''
+        import kvfence, torch
+        pool = kvfence.Pool({"geometry": {"tokens_per_page": 8, "layers": 1, "kv_heads": 1, "head_dim": 8,
+                                          "dtype": "fp32"},
+                             "pages": 8, "max_context_tokens": 64, "tenants": [{"name": "a"}]})
+        def step():
+            try:
+                lease = pool.admit("a", "a", 64)
+                for view in pool.kv_views(0):
+                    raise KeyError("engine failure")
+            finally:
+                pool.close()
+        try:
+            step()
+        except KeyError as e:
+            print("propagated", e.args[0])
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout.strip()) == (0, "propagated engine failure"), r.stdout + r.stderr
 
 
 def test_sglang_padding_page_is_never_touched_by_kvfence():
