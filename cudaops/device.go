@@ -334,6 +334,26 @@ type failedFence struct{ err error }
 func (f failedFence) Done() (bool, error) { return true, f.err }
 func (f failedFence) Wait() error         { return f.err }
 
+// chanFence is the completion of work that a goroutine finishes later:
+// it sets err, then closes finished.
+type chanFence struct {
+	finished chan struct{}
+	err      error // written before finished is closed
+}
+
+func newChanFence() *chanFence { return &chanFence{finished: make(chan struct{})} }
+
+func (f *chanFence) Done() (bool, error) {
+	select {
+	case <-f.finished:
+		return true, f.err
+	default:
+		return false, nil
+	}
+}
+
+func (f *chanFence) Wait() error { <-f.finished; return f.err }
+
 // CheckPages validates a fill batch against a region table: every page in
 // range of every region. Backends call it before touching memory.
 func CheckPages(regions []Region, pages []int32) error {

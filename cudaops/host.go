@@ -43,7 +43,7 @@ type Host struct {
 	// the first). Each such fill starts once the one issued before it has
 	// ended, so they complete in issue order, as on a stream, and a copy
 	// that waits for last is ordered after every fill issued before it.
-	last atomic.Pointer[hostFence]
+	last atomic.Pointer[chanFence]
 
 	// mu guards the region table. A fill holds it for reading while it
 	// writes, including an asynchronous fill's goroutine, which takes over
@@ -193,7 +193,7 @@ func (h *Host) FillSpans(spans []Span, spec FillSpec, _ Ordering) (Fence, error)
 // the call): a synchronous fill's never reach here, so that they can stay
 // on their caller's stack.
 func (h *Host) fillAsyncLocked(spans []Span, spec FillSpec, pages int) Fence {
-	f := &hostFence{finished: make(chan struct{})}
+	f := newChanFence()    // a validated host fill cannot fail: err stays nil
 	prev := h.last.Swap(f) // not kept in f: a chain of fences would never be freed
 	go func() {
 		defer h.mu.RUnlock() // taken over from Fill: a read lock has no owner
@@ -228,24 +228,6 @@ func cloneSpans(spans []Span, pages int) []Span {
 		out[i].Pages = ids[n:len(ids):len(ids)]
 	}
 	return out
-}
-
-// hostFence is an asynchronous host fill's completion. A host fill that
-// passed validation cannot fail, so it carries no error.
-type hostFence struct{ finished chan struct{} }
-
-func (f *hostFence) Done() (bool, error) {
-	select {
-	case <-f.finished:
-		return true, nil
-	default:
-		return false, nil
-	}
-}
-
-func (f *hostFence) Wait() error {
-	<-f.finished
-	return nil
 }
 
 var _ SpanFiller = (*Host)(nil)

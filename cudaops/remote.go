@@ -339,7 +339,7 @@ func (d *RemoteRanks) Fill(pages []int32, spec FillSpec, _ Ordering) (Fence, err
 	for i, p := range pages {
 		binary.LittleEndian.PutUint32(b[24+4*i:], uint32(p))
 	}
-	f := &remoteFence{finished: make(chan struct{})}
+	f := newChanFence()
 	replies := make([]<-chan remoteReply, len(d.ranks))
 	for i, r := range d.ranks {
 		replies[i] = r.send(seq, frameFill, b)
@@ -367,22 +367,6 @@ func (d *RemoteRanks) Fill(pages []int32, spec FillSpec, _ Ordering) (Fence, err
 	d.mu.Unlock()
 	return f, nil
 }
-
-type remoteFence struct {
-	finished chan struct{}
-	err      error
-}
-
-func (f *remoteFence) Done() (bool, error) {
-	select {
-	case <-f.finished:
-		return true, f.err
-	default:
-		return false, nil
-	}
-}
-
-func (f *remoteFence) Wait() error { <-f.finished; return f.err }
 
 // pageOp runs one read or write of page p of region r on every rank.
 func (d *RemoteRanks) pageOp(kind byte, r int, p int32, buf []byte) error {
