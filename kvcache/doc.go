@@ -142,7 +142,9 @@
 // in vLLM's wire format. An event's Keys are the receiver's; handed back
 // once read (Pool.ReturnEventKeys), the array carries a later event's
 // keys, so that a pool whose consumer does this allocates nothing per
-// event.
+// event. With Prefix.EventTokens, stored events carry their pages' token
+// IDs too (for routers that derive their own keys from tokens), in arrays
+// recycled the same way (Pool.ReturnEventTokens).
 //
 // # Operations
 //

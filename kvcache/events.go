@@ -46,6 +46,17 @@ type KVEvent struct {
 	Parent BlockKey
 	// Tokens is the number of tokens the keys cover.
 	Tokens int
+	// Adapter is the adapter the keys were derived under (KVStored only;
+	// empty for none).
+	Adapter string
+	// TokenIDs are the token IDs of the pages in Keys, Tokens of them in
+	// order (KVStored only), when the pool is configured with
+	// Prefix.EventTokens and the lease that published the pages holds
+	// their tokens; nil otherwise (a lease admitted with PageKeys and no
+	// TokenIDs). They are tenants' prompts: see PrefixConfig.EventTokens.
+	// Like Keys, the array is the receiver's; once read, it may be handed
+	// back with Pool.ReturnEventTokens for a later event to reuse.
+	TokenIDs []int32
 }
 
 // PrefixConfig configures the prefix cache.
@@ -57,6 +68,13 @@ type PrefixConfig struct {
 	// means no events. A full channel drops events (counted in Stats)
 	// rather than stall an admission.
 	EventBuffer int
+	// EventTokens makes KVStored events carry the token IDs of the pages
+	// they report (KVEvent.TokenIDs), for routers that derive their own
+	// keys from tokens (kvevents publishes them as vLLM's token_ids).
+	// Off by default: the tokens are tenants' prompts, and with it on
+	// they leave the pool with every event, to wherever its consumer
+	// sends them. Without EventBuffer it does nothing.
+	EventTokens bool
 }
 
 // maxEventBuffer keeps a typo from allocating gigabytes.
@@ -82,6 +100,9 @@ type eventSink struct {
 	// spare holds key arrays consumers gave back (Pool.ReturnEventKeys),
 	// for keysLocked to reuse; not guarded by Pool.mu (a channel).
 	spare chan []BlockKey
+	// spareTokens is the same for token arrays (Pool.ReturnEventTokens);
+	// nil unless Prefix.EventTokens, when events carry no tokens.
+	spareTokens chan []int32
 }
 
 // Key arrays given back are kept up to spareKeyArrays of them, each of at
@@ -89,6 +110,7 @@ type eventSink struct {
 const (
 	spareKeyArrays = 64
 	maxSpareKeys   = 1 << 14
+	maxSpareTokens = 1 << 18
 )
 
 // keysLocked returns an empty key array with room for n keys: one given
@@ -119,6 +141,36 @@ func (p *Pool) ReturnEventKeys(keys []BlockKey) {
 	}
 	select {
 	case s <- keys[:0]:
+	default: // enough kept
+	}
+}
+
+// tokensLocked returns a copy of tokens for an event, in an array given
+// back by a consumer if one is large enough; nil if events carry no
+// tokens.
+func (s *eventSink) tokensLocked(tokens []int32) []int32 {
+	if s.spareTokens == nil {
+		return nil
+	}
+	select {
+	case t := <-s.spareTokens:
+		if cap(t) >= len(tokens) {
+			return append(t[:0], tokens...)
+		}
+	default:
+	}
+	return append(make([]int32, 0, len(tokens)), tokens...)
+}
+
+// ReturnEventTokens gives the pool back the TokenIDs of an event received
+// from Events, as ReturnEventKeys does its Keys: the same rules apply.
+func (p *Pool) ReturnEventTokens(tokens []int32) {
+	s := p.mu.events.spareTokens // set in New, never changed
+	if s == nil || cap(tokens) == 0 || cap(tokens) > maxSpareTokens {
+		return
+	}
+	select {
+	case s <- tokens[:0]:
 	default: // enough kept
 	}
 }

@@ -170,6 +170,9 @@ func New(cfg Config) (_ *Pool, err error) {
 		p.events = make(chan KVEvent, cfg.Prefix.EventBuffer)
 		p.mu.events.ch = p.events
 		p.mu.events.spare = make(chan []BlockKey, spareKeyArrays)
+		if cfg.Prefix.EventTokens {
+			p.mu.events.spareTokens = make(chan []int32, spareKeyArrays)
+		}
 	}
 	return p, nil
 }

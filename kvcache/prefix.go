@@ -393,7 +393,11 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 			if run > 0 {
 				parent = l.keys[run-1]
 			}
-			p.mu.events.emitLocked(KVEvent{Kind: KVStored, Domain: l.domain.Name, Parent: parent, Keys: keys, Tokens: len(keys) * tpp})
+			ev := KVEvent{Kind: KVStored, Domain: l.domain.Name, Adapter: l.adapter, Parent: parent, Keys: keys, Tokens: len(keys) * tpp}
+			if withTokens {
+				ev.TokenIDs = p.mu.events.tokensLocked(l.tokens[run*tpp : i*tpp])
+			}
+			p.mu.events.emitLocked(ev)
 			run = -1
 		}
 	}
