@@ -39,7 +39,7 @@ func TestMessagesFrameShortAndLongPayloads(t *testing.T) {
 
 	require.NoError(t, p.ClearPrefixCache()) // nothing cached: one AllBlocksCleared
 	waitPublished(t, p, pub)
-	keys := publish(t, p, "a1", "a", tokens(0, 64), false) // 16 pages
+	keys := publish(t, p, "a1", "a", tokens(0, 128), false) // 32 pages
 	waitPublished(t, p, pub)
 
 	short := sub.message(t)
@@ -59,7 +59,7 @@ func TestMessagesFrameShortAndLongPayloads(t *testing.T) {
 	b = decodeBatch(t, long[2])
 	require.Len(t, b.events, 1)
 	assert.Equal(t, kvevents.TagBlockStored, b.events[0].tag)
-	assert.Equal(t, "tenant:a", b.events[0].domain)
+	assert.Equal(t, "tenant:a", b.events[0].salt)
 	for i, k := range keys {
 		assert.Equal(t, kvevents.BlockHash(k), b.events[0].hashes[i])
 	}

@@ -46,96 +46,155 @@
 //
 //   - PUB socket, each message three frames: the topic (Config.Topic),
 //     the batch's sequence number (8 bytes, big-endian, from 0), and the
-//     msgpack payload.
-//   - The payload is the batch [ts, events, data_parallel_rank]: ts a
-//     float64 of seconds since the Unix epoch, data_parallel_rank
-//     Config.DataParallelRank.
-//   - BlockStored: block_hashes, parent_block_hash (nil for a prompt's
-//     first page), token_ids, block_size (the pool's tokens per page),
-//     lora_id (nil), medium (Config.Medium, "GPU"), lora_name (nil),
-//     extra_keys. BlockRemoved: block_hashes, medium, group_idx (nil),
-//     extra_keys. AllBlocksCleared: no fields.
+//     msgpack payload, an EventBatch.
 //   - ROUTER replay socket (Config.ReplayEndpoint): a request is an empty
 //     delimiter frame and an 8-byte big-endian start sequence (what a REQ
 //     socket sends); the reply is every buffered batch numbered from the
-//     start on, each as [delimiter, seq, payload], then the end marker
-//     [delimiter, -1 as 8 signed bytes, empty payload]. A DEALER may send
-//     the sequence alone and gets the replies without the delimiter.
+//     start on, each as [delimiter, seq, payload] with the very payload
+//     sent live, then the end marker [delimiter, -1 as 8 signed bytes,
+//     empty payload]. A DEALER may send the sequence alone and gets the
+//     replies without the delimiter. A start before the oldest buffered
+//     batch (once older ones are gone: what is missing cannot be given
+//     back, and a view built from the rest would be silently short) or
+//     past the next batch is refused: the end marker alone, counted in
+//     Stats.OutOfRange. A subscriber so refused rebuilds its view from
+//     the live batches, as after AllBlocksCleared.
 //
-// Events come in one of two encodings (Config.Encoding). ArrayEvents, the
-// default, is vLLM's positional form (msgspec's array_like structs): each
-// event an array whose first element is its tag, the fields in vLLM's
-// order. MapEvents is the form current vLLM emits: each event a map of
-// field names, its tag under "type". The batch is positional in both, as
-// in vLLM. The default is the array form because every consumer reads it:
-// those written before vLLM moved to maps read nothing else, and those
-// updated since (llm-d, Dynamo) read both; choose MapEvents for consumers
-// that read only maps. The one field kvfence adds, BlockRemoved's
-// extra_keys, comes after vLLM's fields, where positional decoders skip
-// unknown trailing fields and map decoders ignore unknown names.
+// Each form (Config.Encoding) is one shape, that of vLLM's structs in it,
+// field for field, fields at their defaults (nil) left out as msgspec's
+// omit_defaults does. ArrayEvents, the default, is the array_like form
+// that llm-d's indexer and vLLM's example subscriber decode; MapEvents the
+// map form of current vLLM:
+//
+//	EventBatch        [ts, events, data_parallel_rank]
+//	                  {"ts", "events", "data_parallel_rank"}
+//	BlockStored       ["BlockStored", block_hashes, parent_block_hash, token_ids,
+//	                   block_size, lora_id, medium, lora_name, extra_keys]
+//	                  {"type": "BlockStored", the same names}
+//	BlockRemoved      ["BlockRemoved", block_hashes, medium]
+//	                  {"type": "BlockRemoved", "block_hashes", "medium"}
+//	AllBlocksCleared  ["AllBlocksCleared"]   {"type": "AllBlocksCleared"}
+//
+// ts is a float64 of seconds since the Unix epoch, data_parallel_rank
+// Config.DataParallelRank, block_size the pool's tokens per page, medium
+// Config.Medium ("GPU"), lora_id nil (vLLM deprecates it for lora_name),
+// lora_name the adapter the pages were admitted under (nil for none).
+// group_idx and the cache-spec fields are left at their defaults.
 //
 // Block hashes are, by default, the 64-bit integer BlockHash of each key
-// (its last 8 bytes, big-endian), as vLLM sends them; Config.FullHashes
-// sends the whole 32-byte key as a msgpack bin instead, which llm-d reads
-// back as the same 64-bit value.
+// (its last 8 bytes, big-endian), as vLLM sends them. Config.FullHashes
+// sends the whole 32-byte key as a msgpack bin instead, as vLLM does with
+// VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: vLLM's own schema (hashes typed
+// bytes | int) and llm-d (which reads the last 8 bytes as the same 64-bit
+// value) take it, but it breaks every consumer that types hashes as
+// integers, vLLM's example subscriber (list[int]) among them. Leave it
+// off unless every consumer reads bytes.
 //
-// # Sharing domains on the wire
+// # What a router indexes
 //
-// A router must keep tenants of different sharing domains apart as the
-// pool does. Every BlockStored and BlockRemoved carries its domain in
-// extra_keys: one entry per block, each the list holding the one string
-// DomainKeyPrefix + domain name ("kvfence.domain:team",
-// "kvfence.domain:tenant:acme"). A router that indexes blocks by hash
-// should index them by (domain, hash); one that folds extra keys into its
-// own block keys, as llm-d does with a block's string extra keys, gets
-// keys that differ by domain.
+// Routers built for vLLM index a block under a key of their own that they
+// derive from the block's tokens, its parent's key and its extra keys:
+// llm-d hashes [parent, tokens, extra] per block (FNV-64a over canonical
+// CBOR), rooted at a hash of the model's (or lora_name's) name, and maps
+// each of the engine's block hashes to its own key; a request is scored by
+// deriving the same keys from its tokens. So:
 //
-// Keys are domain-scoped by construction, too: a key is kvcache.BlockKey,
-// a SHA-256 chain over the prompt's full pages rooted at the domain's
-// name and the adapter,
+//   - token_ids are each stored block's tokens (block_size of them per
+//     hash, in order) when the pool is configured with
+//     kvcache.PrefixConfig.EventTokens, and empty otherwise. Off by
+//     default: they are tenants' prompts (see Trust boundary), and
+//     routers that use kvfence's own keys need none of them (below). A
+//     router that derives its keys from tokens, llm-d's among them,
+//     indexes nothing without them: turn EventTokens on for it (and
+//     CURVE on, unless the network to it is trusted). Pages published by
+//     a lease that holds keys and no tokens (admitted with
+//     Request.PageKeys alone) go out without tokens even then.
+//   - The sharing domain is the cache salt: the first block of every
+//     prompt a domain stores (the event without a parent) carries the one
+//     extra key CacheSalt(domain) ("kvfence.domain:team"), every other
+//     block nil, exactly where vLLM puts a request's cache_salt. vLLM
+//     folds that salt into the first block's hash, so that the whole
+//     chain after it differs; llm-d reads it as the first block's extra
+//     feature and folds it into its request key the same way. A router
+//     keeps tenants apart by giving a request of a domain the same first
+//     extra key (in llm-d, ScoreTokens' extra features: the salt for
+//     block 0, nil after): the request then finds that domain's blocks,
+//     on the pods that hold them, and a request of another domain, whose
+//     keys are salted otherwise, finds none of them. The salt is the
+//     form both know for "the same tokens, not the same cache": a LoRA
+//     name would name an adapter (and stand in for the model's name in
+//     llm-d), a multimodal hash would claim an image's placeholders.
+//   - Removals carry the block hashes alone, as vLLM's do: a hash is of a
+//     key rooted in its domain (below), so it names one domain's block,
+//     and a router that maps the engine's hashes to its own keys (llm-d)
+//     drops exactly that entry.
+//
+// kvfence's keys are domain-scoped by construction, too: a key is
+// kvcache.BlockKey, a SHA-256 chain over the prompt's full pages rooted at
+// the domain's name and the adapter,
 //
 //	root  = SHA-256("kvfence/prefix-root/v1" ‖ u32(len(domain)) ‖ domain ‖ u32(len(adapter)) ‖ adapter)
 //	key_i = SHA-256(key_i-1 ‖ u32(block_size) ‖ u32 token IDs of page i)   (key_-1 = root)
 //
-// (u32 little-endian), so a router derives the keys a request would hit
-// from the request alone: take the tenant's domain as the pools configure
-// it (a named domain, or "tenant:NAME" for a tenant's own), compute the
-// chain over the prompt's full pages (in Go: kvcache.Pool.PageKeys, on a
-// pool configured like the serving ones), take BlockHash of each key, and
-// look for the longest prefix of them in that domain's index. Equal
-// prompts of two domains have no key in common, and no client-supplied
-// value enters a key.
+// (u32 little-endian), so a router can also derive the hashes a request
+// would hit without any token_ids on the wire: take the tenant's domain as
+// the pools configure it (a named domain, or "tenant:NAME" for a tenant's
+// own), compute the chain over the prompt's full pages (in Go:
+// kvcache.Pool.PageKeys, on a pool configured like the serving ones), take
+// BlockHash of each key, and look for the longest prefix of them among a
+// pod's stored hashes. Equal prompts of two domains have no key in common,
+// and no client-supplied value enters a key. examples/router does both.
 //
-// token_ids is always empty. The pool keeps no prompt tokens once it has
-// derived the keys, and an event stream is no place to copy tenants'
-// prompts to; the keys above are all a router needs. Consumers that insist
-// on recomputing their own keys from token_ids index nothing from a
-// kvfence pool.
+// # Trust boundary
+//
+// With EventTokens the stream carries tenants' prompts, token by token,
+// and with or without it, which prompts each domain has cached (by hash,
+// which a party that can guess a prompt can test). Whoever can connect to
+// the PUB or replay socket reads all of it: ZeroMQ's PUB has no access
+// control of its own. Bind the endpoints only where the routers are (an
+// ipc:// socket, a loopback or private address), and where the network
+// between pool and router is not trusted, set Config.Curve: ZMTP CURVE
+// (RFC 26) authenticates the publisher to every client by its key pair
+// (which the operator generates, NewCurveKeyPair, and configures: the
+// secret on the publisher, the public key on the routers), encrypts and
+// authenticates every message per connection, and, with
+// CurveConfig.Clients, lets in only the routers whose keys are listed. A
+// client without the publisher's key, or with a key not let in, completes
+// no handshake and gets nothing, live or replayed; it is counted in
+// Stats.AuthFailures. libzmq's clients (pyzmq, llm-d's subscriber) speak
+// CURVE given the server's public key (ZMQ_CURVE_SERVERKEY, in Z85 as
+// CurveKey.String writes it) and a key pair of their own.
 //
 // # Libraries
 //
 // The two ZeroMQ sockets are served by a small implementation of the parts
-// of ZMTP 3.0 they need (zmtp.go: greeting, NULL handshake, frames), not by
-// a ZeroMQ library. libzmq (through cgo, e.g. github.com/pebbe/zmq4) would
-// put cgo and libzmq's headers into every build of a program that
-// publishes, where kvfence's own packages build with CGO_ENABLED=0.
-// github.com/go-zeromq/zmq4, the pure-Go ZeroMQ, does not isolate
-// subscribers: its PUB socket writes to them one after another from one
-// goroutine, so a subscriber that stops reading stops all of them; its
-// high-water mark is one per socket and drops without telling; and its
-// reader allocates whatever frame size a peer announces. Serving the
-// protocol here gives each subscriber its own queue, writer and deadline,
-// counts every drop, and bounds every read. Interoperability is tested
-// against both other implementations: go-zeromq/zmq4 is the Go subscriber
-// of the tests, and libzmq (through Debian's python3-zmq) the Python one.
+// of ZMTP 3.0 they need (zmtp.go: greeting, NULL handshake, frames;
+// curve.go: the CURVE handshake and messages, with golang.org/x/crypto's
+// NaCl box and secretbox), not by a ZeroMQ library. libzmq (through cgo,
+// e.g. github.com/pebbe/zmq4) would put cgo and libzmq's headers into
+// every build of a program that publishes, where kvfence's own packages
+// build with CGO_ENABLED=0. github.com/go-zeromq/zmq4, the pure-Go
+// ZeroMQ, does not isolate subscribers: its PUB socket writes to them one
+// after another from one goroutine, so a subscriber that stops reading
+// stops all of them; its high-water mark is one per socket and drops
+// without telling; its reader allocates whatever frame size a peer
+// announces; and it has no CURVE. Serving the protocol here gives each
+// subscriber its own queue, writer and deadline, counts every drop and
+// every refused peer by kind, and bounds every read. Interoperability is
+// tested against both other implementations: go-zeromq/zmq4 is a Go
+// subscriber of the tests, and libzmq (through Debian's python3-zmq) the
+// Python one, over NULL and over CURVE (libzmq, like RFC 26's reference,
+// carries MESSAGE commands in data frames; so does this package, and it
+// reads either).
 // Payloads are msgpack written by this package (encode.go), not by a
 // msgpack library: the shapes are fixed, so the constant parts of each
-// event are encoded once and a block costs its hash and a copy of its
-// domain's extra key, with no reflection and no allocation (see Cost).
+// event are encoded once and a block costs its hash, its tokens and its
+// extra-keys entry, with no reflection and no allocation (see Cost).
 // Every value takes msgpack's shortest form, and the tests hold the bytes
 // to github.com/vmihailenco/msgpack/v5's for the same shapes (it is the
 // library llm-d decodes with, and the one this package encoded with
-// before) besides decoding them with it and with Python's msgpack.
+// before) besides decoding them strictly with vLLM's schema in Go and in
+// Python.
 //
 // # Cost
 //

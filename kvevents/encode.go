@@ -10,19 +10,22 @@ import (
 	"github.com/kvfence/kvfence/kvcache"
 )
 
-// Encoding selects how each event of a batch is encoded; the batch itself
-// is always vLLM's positional [ts, events, data_parallel_rank].
+// Encoding selects the form of every batch and of the events in it: one
+// shape per form, each that of vLLM's structs (vllm/distributed/kv_events.py)
+// in that form, field for field.
 type Encoding uint8
 
 const (
-	// ArrayEvents encodes every event as a positional array whose first
-	// element is its type ("BlockStored", ...): vLLM's encoding before it
-	// moved to maps, and the one every consumer reads (those written
-	// before the change read nothing else; those after read both).
+	// ArrayEvents is vLLM's positional form (msgspec's array_like=True):
+	// the batch [ts, events, data_parallel_rank], every event an array
+	// whose first element is its tag, the fields in vLLM's order, trailing
+	// fields at their defaults left out. The form llm-d's indexer and
+	// vLLM's example subscriber decode.
 	ArrayEvents Encoding = iota
-	// MapEvents encodes every event as a map of field names with its type
-	// under "type": the encoding of current vLLM, read by consumers
-	// updated for it.
+	// MapEvents is vLLM's map form (its structs without array_like): the
+	// batch a map of ts, events and data_parallel_rank, every event a map
+	// of its fields with its tag under "type", fields at their defaults
+	// left out. The form of current vLLM, for consumers that decode it.
 	MapEvents
 )
 
@@ -43,10 +46,18 @@ const (
 	TagAllBlocksCleared = "AllBlocksCleared"
 )
 
-// DomainKeyPrefix starts the extra key that names an event's sharing
-// domain: every block of a BlockStored or BlockRemoved event carries the
-// one extra key DomainKeyPrefix + domain name.
+// DomainKeyPrefix starts the cache salt that names a sharing domain on the
+// wire: see CacheSalt.
 const DomainKeyPrefix = "kvfence.domain:"
+
+// CacheSalt is the cache salt of a sharing domain, DomainKeyPrefix +
+// domain ("kvfence.domain:team", "kvfence.domain:tenant:acme"). It is the
+// extra key of the first block of every prompt the domain stores, where
+// vLLM puts a request's cache_salt, so that a router that folds extra
+// keys into its block keys (llm-d) keys each domain's prompts apart; a
+// router gives it as the first block's extra key of a request of the
+// domain to find that domain's blocks (see the package doc).
+func CacheSalt(domain string) string { return DomainKeyPrefix + domain }
 
 // BlockHash is the value a router sees for a key: the last 8 bytes of the
 // 32-byte key as a big-endian unsigned integer, as vLLM sends its block
@@ -57,71 +68,75 @@ func BlockHash(k kvcache.BlockKey) uint64 { return binary.BigEndian.Uint64(k[24:
 // msgpack itself, by appending to a byte slice: the shapes are fixed (see
 // the package doc), so the bytes of every constant part (tags, field
 // names, nil fields, the medium) are encoded once, in newEncoder, and a
-// block costs its hash and a copy of its domain's extra key, with no
+// block costs its hash, its tokens and its extra-keys entry, with no
 // reflection, no interface call and no allocation. Every value takes
 // msgpack's shortest form, as github.com/vmihailenco/msgpack/v5 and
 // Python's msgpack write it (the tests compare the bytes with the
 // former's).
 type encoder struct {
 	fullHashes bool
+	blockSize  int
 	rank       int
-	// The constant parts of each event, in order; an event is
-	// stored[0] hashes stored[1] parent stored[2] extra_keys, and
-	// removed[0] hashes removed[1] extra_keys.
-	stored  [3][]byte
-	removed [2][]byte
-	cleared []byte
-	// domain is the domain of the last event encoded and domainEntry its
-	// extra_keys entry, [DomainKeyPrefix+domain]: a batch's events mostly
+	// The constant parts, in the order they are written; a field name is
+	// empty in the array form.
+	batchHead  []byte // the batch's header and the name of ts
+	eventsName []byte
+	rankName   []byte
+	storedHead []byte // BlockStored's header, tag and block_hashes' name
+	parentName []byte
+	tokensName []byte
+	storedMid  []byte // block_size, lora_id, medium, and lora_name's name
+	extraName  []byte
+	removed    []byte // BlockRemoved's header, tag and block_hashes' name
+	removedEnd []byte // medium
+	cleared    []byte
+	// domain is the domain of the last salt encoded and salt its
+	// extra_keys entry, [CacheSalt(domain)]: a batch's events mostly
 	// share a domain, so the entry is encoded once per run of them.
-	domain      string
-	domainEntry []byte
-	haveDomain  bool
+	domain     string
+	salt       []byte
+	haveDomain bool
 }
 
 func newEncoder(form Encoding, fullHashes bool, medium string, blockSize, rank int) *encoder {
-	e := &encoder{fullHashes: fullHashes, rank: rank}
+	e := &encoder{fullHashes: fullHashes, blockSize: blockSize, rank: rank}
+	name := func(b []byte, n string) []byte {
+		if form == MapEvents {
+			b = appendStr(b, n)
+		}
+		return b
+	}
 	head := func(fields int, tag string) []byte {
 		var b []byte
 		if form == MapEvents {
-			b = appendMapLen(b, fields)
-			b = appendStr(b, "type")
+			b = appendStr(appendMapLen(b, fields), "type")
 		} else {
 			b = appendArrayLen(b, fields)
 		}
 		return appendStr(b, tag)
 	}
-	field := func(b []byte, name string) []byte {
-		if form == MapEvents {
-			b = appendStr(b, name)
-		}
-		return b
-	}
-	// vLLM's BlockStored: block_hashes, parent_block_hash, token_ids,
-	// block_size, lora_id, medium, lora_name, extra_keys (9 with the tag).
-	e.stored[0] = field(head(9, TagBlockStored), "block_hashes")
-	e.stored[1] = field(nil, "parent_block_hash")
-	b := field(nil, "token_ids")
-	b = appendArrayLen(b, 0) // kvfence keeps no prompt tokens: see the package doc
-	b = appendInt(field(b, "block_size"), int64(blockSize))
-	b = appendNil(field(b, "lora_id"))
-	b = appendStr(field(b, "medium"), medium)
-	b = appendNil(field(b, "lora_name"))
-	e.stored[2] = field(b, "extra_keys")
-	// vLLM's BlockRemoved: block_hashes, medium, group_idx; then the
-	// domain's extra keys, an addition of kvfence's after vLLM's fields,
-	// so that positional decoders skip it. The map form has no group_idx
-	// (vLLM's map encoder omits the default).
-	fields := 5
+	// EventBatch: ts, events, data_parallel_rank.
 	if form == MapEvents {
-		fields = 4
+		e.batchHead = name(appendMapLen(nil, 3), "ts")
+	} else {
+		e.batchHead = appendArrayLen(nil, 3)
 	}
-	e.removed[0] = field(head(fields, TagBlockRemoved), "block_hashes")
-	b = appendStr(field(nil, "medium"), medium)
-	if form == ArrayEvents {
-		b = appendNil(b) // group_idx
-	}
-	e.removed[1] = field(b, "extra_keys")
+	e.eventsName = name(nil, "events")
+	e.rankName = name(nil, "data_parallel_rank")
+	// BlockStored: block_hashes, parent_block_hash, token_ids, block_size,
+	// lora_id, medium, lora_name, extra_keys (9 with the tag); group_idx
+	// and the cache-spec fields stay at their defaults (nil), left out.
+	e.storedHead = name(head(9, TagBlockStored), "block_hashes")
+	e.parentName = name(nil, "parent_block_hash")
+	e.tokensName = name(nil, "token_ids")
+	b := appendInt(name(nil, "block_size"), int64(blockSize))
+	b = appendNil(name(b, "lora_id")) // deprecated in vLLM; kvfence names adapters
+	b = appendStr(name(b, "medium"), medium)
+	e.storedMid = name(b, "lora_name")
+	e.extraName = name(nil, "extra_keys")
+	// BlockRemoved: block_hashes, medium; group_idx at its default.
+	e.removed = name(head(3, TagBlockRemoved), "block_hashes")
+	e.removedEnd = appendStr(name(nil, "medium"), medium)
 	e.cleared = head(1, TagAllBlocksCleared)
 	return e
 }
@@ -132,54 +147,62 @@ func (e *encoder) batchBound(events []kvcache.KVEvent) int {
 	if e.fullHashes {
 		hash = 2 + len(kvcache.BlockKey{})
 	}
-	n := 1 + 9 + 5 + 9 // [ts, events, rank]: array, float64, array length, integer
+	n := len(e.batchHead) + 9 + len(e.eventsName) + 5 + len(e.rankName) + 9
 	for i := range events {
 		ev := &events[i]
 		switch ev.Kind {
 		case kvcache.KVStored:
-			n += len(e.stored[0]) + len(e.stored[1]) + len(e.stored[2]) + hash
+			n += len(e.storedHead) + len(e.parentName) + hash + len(e.tokensName) + 5 + 5*len(ev.TokenIDs) +
+				len(e.storedMid) + 5 + len(ev.Adapter) + len(e.extraName) + 5 + len(ev.Keys) + 1 + 5 + len(DomainKeyPrefix) + len(ev.Domain)
 		case kvcache.KVRemoved:
-			n += len(e.removed[0]) + len(e.removed[1])
+			n += len(e.removed) + len(e.removedEnd)
 		default:
 			n += len(e.cleared)
 			continue
 		}
-		// two arrays of len(Keys), each entry [DomainKeyPrefix+domain]
-		n += 2*5 + len(ev.Keys)*(hash+1+5+len(DomainKeyPrefix)+len(ev.Domain))
+		n += 5 + len(ev.Keys)*hash
 	}
 	return n
 }
 
-// batch appends [ts, [events...], data_parallel_rank] to dst. A KVEvent
-// whose Kind is zero stands for an AllBlocksCleared the publisher inserted.
+// batch appends an EventBatch of events to dst. A KVEvent whose Kind is
+// zero stands for an AllBlocksCleared the publisher inserted.
 func (e *encoder) batch(dst []byte, ts time.Time, events []kvcache.KVEvent) []byte {
-	b := appendArrayLen(dst, 3)
+	b := append(dst, e.batchHead...)
 	b = appendFloat64(b, float64(ts.UnixNano())/1e9)
-	b = appendArrayLen(b, len(events))
+	b = appendArrayLen(append(b, e.eventsName...), len(events))
 	for i := range events {
 		b = e.event(b, &events[i])
 	}
-	return appendInt(b, int64(e.rank))
+	return appendInt(append(b, e.rankName...), int64(e.rank))
 }
 
 func (e *encoder) event(b []byte, ev *kvcache.KVEvent) []byte {
 	switch ev.Kind {
 	case kvcache.KVStored:
-		b = append(b, e.stored[0]...)
-		b = e.hashes(b, ev.Keys)
-		b = append(b, e.stored[1]...)
+		b = e.hashes(append(b, e.storedHead...), ev.Keys)
+		b = append(b, e.parentName...)
 		if ev.Parent.IsZero() {
 			b = appendNil(b)
 		} else {
 			b = e.hash(b, &ev.Parent)
 		}
-		b = append(b, e.stored[2]...)
-		return e.domainKeys(b, ev.Domain, len(ev.Keys))
+		b = append(b, e.tokensName...)
+		if len(ev.TokenIDs) == len(ev.Keys)*e.blockSize {
+			b = appendTokens(b, ev.TokenIDs)
+		} else {
+			b = appendArrayLen(b, 0) // no tokens: see the package doc
+		}
+		b = append(b, e.storedMid...)
+		if ev.Adapter == "" {
+			b = appendNil(b)
+		} else {
+			b = appendStr(b, ev.Adapter)
+		}
+		return e.extraKeys(append(b, e.extraName...), ev)
 	case kvcache.KVRemoved:
-		b = append(b, e.removed[0]...)
-		b = e.hashes(b, ev.Keys)
-		b = append(b, e.removed[1]...)
-		return e.domainKeys(b, ev.Domain, len(ev.Keys))
+		b = e.hashes(append(b, e.removed...), ev.Keys)
+		return append(b, e.removedEnd...)
 	default: // KVCleared, or a resynchronisation
 		return append(b, e.cleared...)
 	}
@@ -223,29 +246,62 @@ func (e *encoder) hash(b []byte, k *kvcache.BlockKey) []byte {
 	return appendUint(b, BlockHash(*k))
 }
 
-// domainKeys writes extra_keys: for each of n blocks, the list holding the
-// one extra key that names the domain.
-func (e *encoder) domainKeys(b []byte, domain string, n int) []byte {
-	if !e.haveDomain || domain != e.domain {
-		e.domain, e.haveDomain = domain, true
-		entry := appendArrayLen(e.domainEntry[:0], 1)
-		entry = appendStrLen(entry, len(DomainKeyPrefix)+len(domain))
-		entry = append(append(entry, DomainKeyPrefix...), domain...)
-		e.domainEntry = entry
-	}
+// extraKeys writes a stored event's extra_keys, one entry per block, as
+// vLLM does: the domain's cache salt, [CacheSalt(domain)], for the first
+// block of a prompt (an event without a parent), nil for every other.
+func (e *encoder) extraKeys(b []byte, ev *kvcache.KVEvent) []byte {
+	n := len(ev.Keys)
 	b = appendArrayLen(b, n)
 	if n == 0 {
 		return b
 	}
-	// n copies of the entry, in log2(n) copies of what is written so far.
-	start := len(b)
-	b = slices.Grow(b, n*len(e.domainEntry))[:start+n*len(e.domainEntry)]
-	out := b[start:]
-	done := copy(out, e.domainEntry)
-	for done < len(out) {
-		done += copy(out[done:], out[:done])
+	if ev.Parent.IsZero() {
+		if !e.haveDomain || ev.Domain != e.domain {
+			e.domain, e.haveDomain = ev.Domain, true
+			salt := appendArrayLen(e.salt[:0], 1)
+			salt = appendStrLen(salt, len(DomainKeyPrefix)+len(ev.Domain))
+			e.salt = append(append(salt, DomainKeyPrefix...), ev.Domain...)
+		}
+		b = append(b, e.salt...)
+		n--
+	}
+	for range n {
+		b = append(b, 0xc0) // nil
 	}
 	return b
+}
+
+// appendTokens writes token IDs as a msgpack array of integers, each in
+// its shortest form.
+func appendTokens(b []byte, tokens []int32) []byte {
+	b = appendArrayLen(b, len(tokens))
+	start := len(b)
+	b = slices.Grow(b, 5*len(tokens))
+	out := b[start : start+5*len(tokens)]
+	w := 0
+	for _, t := range tokens {
+		switch {
+		case t >= 0 && t <= math.MaxInt8:
+			out[w] = byte(t)
+			w++
+		case t >= 0 && t <= math.MaxUint16:
+			if t <= math.MaxUint8 {
+				out[w], out[w+1] = 0xcc, byte(t)
+				w += 2
+			} else {
+				out[w] = 0xcd
+				binary.BigEndian.PutUint16(out[w+1:], uint16(t))
+				w += 3
+			}
+		case t > 0:
+			out[w] = 0xce
+			binary.BigEndian.PutUint32(out[w+1:], uint32(t))
+			w += 5
+		default:
+			w += len(appendInt(out[w:w], int64(t))) // at most 5 bytes for an int32
+		}
+	}
+	return b[:start+w]
 }
 
 // msgpack's shortest forms (the msgpack spec's format families).

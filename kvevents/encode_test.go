@@ -3,6 +3,7 @@ package kvevents
 import (
 	"bytes"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -35,12 +36,24 @@ func newRefEncoder(form Encoding, fullHashes bool, medium string, blockSize, ran
 func (e *refEncoder) batch(t testing.TB, ts time.Time, events []kvcache.KVEvent) []byte {
 	e.buf.Reset()
 	w := &refWriter{t: t, enc: e.enc}
-	w.enc.EncodeArrayLen(3)
+	name := func(n string) {
+		if e.form == MapEvents {
+			w.do(w.enc.EncodeString(n))
+		}
+	}
+	if e.form == MapEvents {
+		w.do(w.enc.EncodeMapLen(3))
+	} else {
+		w.do(w.enc.EncodeArrayLen(3))
+	}
+	name("ts")
 	w.do(w.enc.EncodeFloat64(float64(ts.UnixNano()) / 1e9))
+	name("events")
 	w.do(w.enc.EncodeArrayLen(len(events)))
 	for i := range events {
 		e.event(w, &events[i])
 	}
+	name("data_parallel_rank")
 	w.do(w.enc.EncodeInt(int64(e.rank)))
 	return e.buf.Bytes()
 }
@@ -73,14 +86,6 @@ func (e *refEncoder) event(w *refWriter, ev *kvcache.KVEvent) {
 			hash(&ev.Keys[i])
 		}
 	}
-	extra := func() {
-		key := DomainKeyPrefix + ev.Domain
-		w.do(w.enc.EncodeArrayLen(len(ev.Keys)))
-		for range ev.Keys {
-			w.do(w.enc.EncodeArrayLen(1))
-			w.do(w.enc.EncodeString(key))
-		}
-	}
 	switch ev.Kind {
 	case kvcache.KVStored:
 		head(9, TagBlockStored)
@@ -93,7 +98,14 @@ func (e *refEncoder) event(w *refWriter, ev *kvcache.KVEvent) {
 			hash(&ev.Parent)
 		}
 		field("token_ids")
-		w.do(w.enc.EncodeArrayLen(0))
+		if len(ev.TokenIDs) == len(ev.Keys)*e.blockSize {
+			w.do(w.enc.EncodeArrayLen(len(ev.TokenIDs)))
+			for _, tok := range ev.TokenIDs {
+				w.do(w.enc.EncodeInt(int64(tok)))
+			}
+		} else {
+			w.do(w.enc.EncodeArrayLen(0))
+		}
 		field("block_size")
 		w.do(w.enc.EncodeInt(int64(e.blockSize)))
 		field("lora_id")
@@ -101,24 +113,27 @@ func (e *refEncoder) event(w *refWriter, ev *kvcache.KVEvent) {
 		field("medium")
 		w.do(w.enc.EncodeString(e.medium))
 		field("lora_name")
-		w.do(w.enc.EncodeNil())
-		field("extra_keys")
-		extra()
-	case kvcache.KVRemoved:
-		if e.form == MapEvents {
-			head(4, TagBlockRemoved)
+		if ev.Adapter == "" {
+			w.do(w.enc.EncodeNil())
 		} else {
-			head(5, TagBlockRemoved)
+			w.do(w.enc.EncodeString(ev.Adapter))
 		}
+		field("extra_keys")
+		w.do(w.enc.EncodeArrayLen(len(ev.Keys)))
+		for i := range ev.Keys {
+			if i == 0 && ev.Parent.IsZero() {
+				w.do(w.enc.EncodeArrayLen(1))
+				w.do(w.enc.EncodeString(CacheSalt(ev.Domain)))
+			} else {
+				w.do(w.enc.EncodeNil())
+			}
+		}
+	case kvcache.KVRemoved:
+		head(3, TagBlockRemoved)
 		field("block_hashes")
 		hashes()
 		field("medium")
 		w.do(w.enc.EncodeString(e.medium))
-		if e.form == ArrayEvents {
-			w.do(w.enc.EncodeNil())
-		}
-		field("extra_keys")
-		extra()
 	default:
 		head(1, TagAllBlocksCleared)
 	}
@@ -149,7 +164,12 @@ func randomKey(r *rand.Rand) kvcache.BlockKey {
 	return k
 }
 
-func randomEvents(r *rand.Rand, domains []string, n, maxKeys int) []kvcache.KVEvent {
+// adapters are the adapters of randomEvents' stored events.
+var adapters = []string{"", "", "lora-7", strings.Repeat("a", 40)}
+
+// randomEvents returns n events of up to maxKeys keys each, in pages of
+// blockSize tokens.
+func randomEvents(r *rand.Rand, domains []string, n, maxKeys, blockSize int) []kvcache.KVEvent {
 	evs := make([]kvcache.KVEvent, n)
 	for i := range evs {
 		ev := &evs[i]
@@ -173,6 +193,15 @@ func randomEvents(r *rand.Rand, domains []string, n, maxKeys int) []kvcache.KVEv
 		for j := range ev.Keys {
 			ev.Keys[j] = randomKey(r)
 		}
+		if ev.Kind == kvcache.KVStored {
+			ev.Adapter = adapters[r.IntN(len(adapters))]
+			if r.IntN(3) > 0 && len(ev.Keys)*blockSize <= 1<<14 { // most with tokens, of every integer width
+				ev.TokenIDs = make([]int32, len(ev.Keys)*blockSize)
+				for j := range ev.TokenIDs {
+					ev.TokenIDs[j] = int32(r.Uint32()) >> r.IntN(32)
+				}
+			}
+		}
 	}
 	return evs
 }
@@ -194,7 +223,7 @@ func TestEncoderMatchesMsgpackLibrary(t *testing.T) {
 			for round := range 40 {
 				rank, bs, medium := ranks[round%len(ranks)], blockSizes[round%len(blockSizes)], media[round%len(media)]
 				n := []int{0, 1, 2, 15, 16, 40}[round%6]
-				evs := randomEvents(r, domains[:len(domains)-1], n, 20)
+				evs := randomEvents(r, domains[:len(domains)-1], n, 20, bs)
 				got := newEncoder(form, full, medium, bs, rank)
 				ref := newRefEncoder(form, full, medium, bs, rank)
 				// twice with the same encoder: its cached domain entry must
@@ -216,7 +245,9 @@ func TestEncoderMatchesMsgpackLibrary(t *testing.T) {
 	// Lengths past 16 bits: a batch of 70,000 events, an event of 70,000
 	// keys, a domain of 70,000 bytes.
 	for _, form := range []Encoding{ArrayEvents, MapEvents} {
-		keys := []kvcache.KVEvent{{Kind: kvcache.KVRemoved, Domain: "team", Keys: make([]kvcache.BlockKey, 70_000)}}
+		keys := []kvcache.KVEvent{{Kind: kvcache.KVRemoved, Domain: "team", Keys: make([]kvcache.BlockKey, 70_000)},
+			{Kind: kvcache.KVStored, Domain: "team", Keys: make([]kvcache.BlockKey, 70_000)},
+			{Kind: kvcache.KVStored, Domain: "team", Keys: make([]kvcache.BlockKey, 5000), TokenIDs: make([]int32, 5000*16)}}
 		domain := []kvcache.KVEvent{{Kind: kvcache.KVStored, Domain: domains[len(domains)-1], Keys: make([]kvcache.BlockKey, 2)}}
 		many := make([]kvcache.KVEvent, 70_000)
 		for i := range many {
@@ -235,7 +266,7 @@ func TestEncoderMatchesMsgpackLibrary(t *testing.T) {
 // costs no allocation, whichever the domains.
 func TestEncoderAppendsWithoutAllocating(t *testing.T) {
 	r := rand.New(rand.NewPCG(17, 2))
-	evs := randomEvents(r, []string{"team", "tenant:acme"}, 32, 128)
+	evs := randomEvents(r, []string{"team", "tenant:acme"}, 32, 128, 16)
 	e := newEncoder(MapEvents, false, "GPU", 16, 0)
 	buf := make([]byte, 0, e.batchBound(evs))
 	ts := time.Now()
@@ -255,20 +286,39 @@ func benchmarkEvents() []kvcache.KVEvent {
 			keys[i][j] = byte(r.Uint32())
 		}
 	}
+	toks := make([]int32, 2048)
+	for i := range toks {
+		toks[i] = r.Int32N(150_000) // a vocabulary of 150k: mostly 3- and 5-byte integers
+	}
 	return []kvcache.KVEvent{
-		{Kind: kvcache.KVStored, Domain: "tenant:bench", Keys: keys[:128], Tokens: 2048},
+		{Kind: kvcache.KVStored, Domain: "tenant:bench", Keys: keys[:128], Tokens: 2048, TokenIDs: toks},
 		{Kind: kvcache.KVRemoved, Domain: "tenant:bench", Keys: keys[128:], Tokens: 2048},
 	}
 }
 
 // BenchmarkEncode encodes the two 128-block events of a cycle of
 // metrics' BenchmarkAdmitReleaseObserved (the default encoding and
-// hashes) as one batch; "msgpack" is the same batch through refEncoder,
-// what the publisher did before. Compare ns/event in the same run.
+// hashes) as one batch, with the stored prompt's 2,048 token IDs
+// ("own/tokens") or without ("own"); "msgpack" is the batch with tokens
+// through refEncoder, what the publisher did before. Compare ns/event in
+// the same run.
 func BenchmarkEncode(b *testing.B) {
-	evs := benchmarkEvents()
+	withTokens := benchmarkEvents()
+	plain := slices.Clone(withTokens)
+	plain[0].TokenIDs = nil
+	evs := withTokens
 	ts := time.Now()
 	b.Run("own", func(b *testing.B) {
+		e := newEncoder(ArrayEvents, false, "GPU", 16, 0)
+		buf := make([]byte, 0, e.batchBound(plain))
+		b.ReportAllocs()
+		for b.Loop() {
+			buf = e.batch(buf[:0], ts, plain)
+		}
+		b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(len(plain)), "ns/event")
+		b.ReportMetric(float64(len(buf))/float64(len(plain)), "B/event")
+	})
+	b.Run("own/tokens", func(b *testing.B) {
 		e := newEncoder(ArrayEvents, false, "GPU", 16, 0)
 		buf := make([]byte, 0, e.batchBound(evs))
 		b.ReportAllocs()

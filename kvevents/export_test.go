@@ -42,7 +42,7 @@ func DialPeer(addr, sockType string, timeout time.Duration) (*Peer, error) {
 	if err != nil {
 		return nil, err
 	}
-	z, err := handshake(c, sockType, []string{"PUB", "ROUTER"}, timeout)
+	z, err := handshake(c, sockType, []string{"PUB", "ROUTER"}, timeout, nil)
 	if err != nil {
 		c.Close()
 		return nil, err
@@ -54,10 +54,7 @@ func DialPeer(addr, sockType string, timeout time.Duration) (*Peer, error) {
 func (p *Peer) Conn() net.Conn { return p.z.c }
 
 // Send sends one message of frames.
-func (p *Peer) Send(frames ...[]byte) error {
-	_, err := p.z.c.Write(appendMessage(nil, frames...))
-	return err
-}
+func (p *Peer) Send(frames ...[]byte) error { return p.z.writeMessage(frames...) }
 
 // Command sends one command frame.
 func (p *Peer) Command(name string, body []byte) error { return p.z.writeCommand(name, body) }
@@ -75,4 +72,20 @@ func (p *Publisher) NewestBatch() weak.Pointer[byte] {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return weak.Make(&r.entries[(r.head+r.n-1)%r.maxSteps].payload[0])
+}
+
+// SendTampered sends one frame as Send does, with one bit of what goes on
+// the wire flipped: under CURVE, a MESSAGE whose box does not open.
+func (p *Peer) SendTampered(frame []byte) error {
+	var b []byte
+	if s := p.z.curve; s != nil {
+		s.mu.Lock()
+		b = s.sealLocked(nil, 0, frame)
+		s.mu.Unlock()
+	} else {
+		b = appendMessage(nil, frame)
+	}
+	b[len(b)-1] ^= 1
+	_, err := p.z.c.Write(b)
+	return err
 }

@@ -3,6 +3,7 @@ package kvevents_test
 import (
 	"encoding/binary"
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -15,111 +16,170 @@ import (
 )
 
 // This file is what a KV-aware router does with the published batches:
-// decode them with vLLM's schema, in either encoding, and mirror the
-// pool's cache per sharing domain.
+// decode them strictly with vLLM's schema (vllm/distributed/kv_events.py:
+// EventBatch, BlockStored, BlockRemoved, AllBlocksCleared), in the form
+// they came in, and mirror the pool's cache per sharing domain.
 
 // decodedEvent is one event of a batch, whichever form it came in.
 type decodedEvent struct {
 	tag       string
 	hashes    []uint64
 	parent    *uint64
-	tokenIDs  []any
+	tokenIDs  []int64
 	blockSize int
 	medium    string
-	domain    string // from the extra keys
-	hasLora   bool   // lora_id and lora_name present (as nil)
+	loraName  *string
+	// salt is the domain the first block's cache salt names, "" when the
+	// event has none (it continues a prompt: its parent's domain).
+	salt string
 }
 
 type decodedBatch struct {
+	form   kvevents.Encoding
 	ts     float64
 	events []decodedEvent
 	rank   int
 }
 
-// vLLM's field order for the positional forms.
-var (
-	storedFields  = []string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
-	removedFields = []string{"block_hashes", "medium", "group_idx", "extra_keys"}
-)
+// vLLM's structs, field by field: those without a default first (every
+// encoding must carry them), then those with one (nil), which omit_defaults
+// leaves out when they hold it (in the array form, only at the end).
+var schema = map[string]struct{ required, optional []string }{
+	kvevents.TagBlockStored: {
+		[]string{"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"},
+		[]string{"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"},
+	},
+	kvevents.TagBlockRemoved:     {[]string{"block_hashes", "medium"}, []string{"group_idx"}},
+	kvevents.TagAllBlocksCleared: {},
+}
 
-// decodeBatch decodes one payload the way a consumer that reads both
-// forms does (llm-d normalises maps to the positional layout; so does
-// this).
+// decodeBatch decodes one payload strictly: the batch and every event in
+// one form, every field one of the struct's, every field without a
+// default present, no field more than the struct has (as msgspec decodes
+// with forbid_unknown_fields).
 func decodeBatch(t testing.TB, payload []byte) decodedBatch {
 	t.Helper()
-	var raw []any
+	var raw any
 	require.NoError(t, msgpack.Unmarshal(payload, &raw))
-	require.Len(t, raw, 3, "a batch is [ts, events, data_parallel_rank]")
-	ts, ok := raw[0].(float64)
-	require.True(t, ok, "ts is a float64, got %T", raw[0])
-	evs, ok := raw[1].([]any)
-	require.True(t, ok)
-	b := decodedBatch{ts: ts, rank: int(asInt(t, raw[2]))}
+	var fields map[string]any
+	var b decodedBatch
+	switch v := raw.(type) {
+	case []any:
+		b.form = kvevents.ArrayEvents
+		require.True(t, len(v) == 2 || len(v) == 3, "an array batch is [ts, events(, data_parallel_rank)], got %d", len(v))
+		fields = map[string]any{"ts": v[0], "events": v[1]}
+		if len(v) == 3 {
+			fields["data_parallel_rank"] = v[2]
+		}
+	case map[string]any:
+		b.form = kvevents.MapEvents
+		fields = v
+		for k := range v {
+			require.Contains(t, []string{"ts", "events", "data_parallel_rank"}, k, "EventBatch has no field %q", k)
+		}
+	default:
+		t.Fatalf("a batch of type %T", raw)
+	}
+	ts, ok := fields["ts"].(float64)
+	require.True(t, ok, "ts is a float64, got %T", fields["ts"])
+	evs, ok := fields["events"].([]any)
+	require.True(t, ok, "events is a list, got %T", fields["events"])
+	b.ts, b.rank = ts, int(asInt(t, fields["data_parallel_rank"]))
 	for _, e := range evs {
-		b.events = append(b.events, decodeEvent(t, e))
+		b.events = append(b.events, decodeEvent(t, b.form, e))
 	}
 	return b
 }
 
-func decodeEvent(t testing.TB, e any) decodedEvent {
+func decodeEvent(t testing.TB, form kvevents.Encoding, e any) decodedEvent {
 	t.Helper()
 	var tag string
 	fields := map[string]any{}
-	present := map[string]bool{}
-	switch v := e.(type) {
-	case []any:
+	if form == kvevents.ArrayEvents {
+		v, ok := e.([]any)
+		require.True(t, ok, "an event of an array batch is an array, got %T", e)
 		require.NotEmpty(t, v)
-		tag = v[0].(string)
-		names := map[string][]string{kvevents.TagBlockStored: storedFields, kvevents.TagBlockRemoved: removedFields}[tag]
+		tag, ok = v[0].(string)
+		require.True(t, ok, "a tag, got %T", v[0])
+		sc, known := schema[tag]
+		require.True(t, known, "unknown tag %q", tag)
+		names := append(slices.Clone(sc.required), sc.optional...)
+		require.GreaterOrEqual(t, len(v)-1, len(sc.required), "%s without all its required fields", tag)
+		require.LessOrEqual(t, len(v)-1, len(names), "%s has more fields than vLLM's struct", tag)
 		for i, x := range v[1:] {
-			require.Less(t, i, len(names), "%s has more fields than vLLM's schema and kvfence's extra keys", tag)
-			fields[names[i]], present[names[i]] = x, true
+			fields[names[i]] = x
 		}
-	case map[string]any:
-		tag = v["type"].(string)
+	} else {
+		v, ok := e.(map[string]any)
+		require.True(t, ok, "an event of a map batch is a map, got %T", e)
+		tag, ok = v["type"].(string)
+		require.True(t, ok, "a tag under type")
+		sc, known := schema[tag]
+		require.True(t, known, "unknown tag %q", tag)
 		for k, x := range v {
-			if k != "type" {
-				fields[k], present[k] = x, true
+			if k == "type" {
+				continue
 			}
+			require.True(t, slices.Contains(sc.required, k) || slices.Contains(sc.optional, k), "%s has no field %q", tag, k)
+			fields[k] = x
 		}
-	default:
-		t.Fatalf("event of type %T", e)
+		for _, k := range sc.required {
+			require.Contains(t, fields, k, "%s without %s", tag, k)
+		}
 	}
 	d := decodedEvent{tag: tag}
-	switch tag {
-	case kvevents.TagAllBlocksCleared:
-		require.Empty(t, fields)
+	if tag == kvevents.TagAllBlocksCleared {
 		return d
-	case kvevents.TagBlockStored, kvevents.TagBlockRemoved:
-	default:
-		t.Fatalf("unknown tag %q", tag)
 	}
-	for _, h := range fields["block_hashes"].([]any) {
+	hs, ok := fields["block_hashes"].([]any)
+	require.True(t, ok, "block_hashes is a list")
+	for _, h := range hs {
 		d.hashes = append(d.hashes, hashOf(t, h))
 	}
-	d.medium, _ = fields["medium"].(string)
-	if tag == kvevents.TagBlockStored {
-		if p := fields["parent_block_hash"]; p != nil {
-			h := hashOf(t, p)
-			d.parent = &h
-		}
-		d.tokenIDs = fields["token_ids"].([]any)
-		d.blockSize = int(asInt(t, fields["block_size"]))
-		d.hasLora = present["lora_id"] && present["lora_name"] && fields["lora_id"] == nil && fields["lora_name"] == nil
+	if m := fields["medium"]; m != nil {
+		d.medium, ok = m.(string)
+		require.True(t, ok, "medium is a string or nil")
 	}
-	extra, ok := fields["extra_keys"].([]any)
-	require.True(t, ok, "%s carries extra_keys", tag)
-	require.Len(t, extra, len(d.hashes), "one extra-keys entry per block")
-	for _, blk := range extra {
-		keys := blk.([]any)
-		require.Len(t, keys, 1)
-		s := keys[0].(string)
-		require.True(t, strings.HasPrefix(s, kvevents.DomainKeyPrefix), s)
-		dom := strings.TrimPrefix(s, kvevents.DomainKeyPrefix)
-		if d.domain != "" {
-			require.Equal(t, d.domain, dom, "one domain per event")
+	if g := fields["group_idx"]; g != nil {
+		asInt(t, g)
+	}
+	if tag == kvevents.TagBlockRemoved {
+		return d
+	}
+	if p := fields["parent_block_hash"]; p != nil {
+		h := hashOf(t, p)
+		d.parent = &h
+	}
+	toks, ok := fields["token_ids"].([]any)
+	require.True(t, ok, "token_ids is a list")
+	for _, tok := range toks {
+		d.tokenIDs = append(d.tokenIDs, asInt(t, tok))
+	}
+	d.blockSize = int(asInt(t, fields["block_size"]))
+	require.Nil(t, fields["lora_id"], "kvfence has no integer adapter IDs")
+	if n := fields["lora_name"]; n != nil {
+		s, ok := n.(string)
+		require.True(t, ok, "lora_name is a string or nil")
+		d.loraName = &s
+	}
+	if x := fields["extra_keys"]; x != nil {
+		extra, ok := x.([]any)
+		require.True(t, ok, "extra_keys is a list or nil")
+		require.Len(t, extra, len(d.hashes), "one extra-keys entry per block")
+		for i, blk := range extra {
+			if blk == nil {
+				continue
+			}
+			keys, ok := blk.([]any)
+			require.True(t, ok, "an extra-keys entry is a tuple or nil")
+			require.Zero(t, i, "only a prompt's first block carries extra keys (its cache salt)")
+			require.Nil(t, d.parent, "a block with a parent is no prompt's first")
+			require.Len(t, keys, 1)
+			salt, ok := keys[0].(string)
+			require.True(t, ok)
+			require.True(t, strings.HasPrefix(salt, kvevents.DomainKeyPrefix), salt)
+			d.salt = strings.TrimPrefix(salt, kvevents.DomainKeyPrefix)
 		}
-		d.domain = dom
 	}
 	return d
 }
@@ -160,27 +220,46 @@ func asInt(t testing.TB, v any) int64 {
 }
 
 // mirror is a router's view of one pool: per domain, the block hashes it
-// holds.
+// holds. A stored prompt's domain is its first block's cache salt, a
+// continuation's that of its parent, a removed block's that of its store.
 type mirror map[string]map[uint64]bool
 
-func (m mirror) apply(b decodedBatch) {
+func (m mirror) apply(t testing.TB, b decodedBatch) {
+	t.Helper()
+	domainOf := func(h uint64) string {
+		for d, hs := range m {
+			if hs[h] {
+				return d
+			}
+		}
+		return ""
+	}
 	for _, e := range b.events {
 		switch e.tag {
 		case kvevents.TagAllBlocksCleared:
 			clear(m)
 		case kvevents.TagBlockStored:
-			if m[e.domain] == nil {
-				m[e.domain] = map[uint64]bool{}
+			d := e.salt
+			if e.parent != nil {
+				require.Empty(t, d)
+				d = domainOf(*e.parent)
+				require.NotEmpty(t, d, "a stored block's parent is stored")
+			}
+			require.NotEmpty(t, d, "a stored prompt's first block names its domain")
+			if m[d] == nil {
+				m[d] = map[uint64]bool{}
 			}
 			for _, h := range e.hashes {
-				m[e.domain][h] = true
+				m[d][h] = true
 			}
 		case kvevents.TagBlockRemoved:
 			for _, h := range e.hashes {
-				delete(m[e.domain], h)
-			}
-			if len(m[e.domain]) == 0 {
-				delete(m, e.domain)
+				d := domainOf(h)
+				require.NotEmpty(t, d, "a removed block was stored")
+				delete(m[d], h)
+				if len(m[d]) == 0 {
+					delete(m, d)
+				}
 			}
 		}
 	}

@@ -246,35 +246,47 @@ func replay(t *testing.T, client *kvevents.Peer, start uint64) []uint64 {
 	}
 }
 
-// TestReplayStartBeyondNewest: whatever the start, before the buffer, in
-// it, past the newest batch or at the largest sequence there is, the
-// reply is the buffered batches from there on, possibly none, and always
-// the end marker; a malformed request is counted and answered with
-// nothing, and the connection serves the next one.
-func TestReplayStartBeyondNewest(t *testing.T) {
+// TestReplayStartOutOfRangeIsRefused: a start in the buffer, or at the
+// next batch's number, gets the buffered batches from there on (possibly
+// none), then the end marker; a start before the buffer (batches gone that
+// no replay can give back) or past the next batch gets the end marker
+// alone, counted in OutOfRange and logged; a malformed request is counted
+// and answered with nothing. The connection serves the next request
+// after each.
+func TestReplayStartOutOfRangeIsRefused(t *testing.T) {
+	log := &testlog.Buffer{}
 	p := newPool(t, 64, 64)
-	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", BufferSteps: 3})
+	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", BufferSteps: 3, Logger: log.Logger()})
 	client := dialPeer(t, pub.ReplayAddr().String(), "REQ")
 	assert.Empty(t, replay(t, client, 0), "nothing published yet")
 	for i := range 5 {
 		publish(t, p, fmt.Sprintf("r%d", i), "a", tokens(100*i, 8), false)
 		waitPublished(t, p, pub) // one batch each: 0..4, 2..4 buffered
 	}
-	for start, want := range map[uint64][]uint64{
-		0:                  {2, 3, 4},
-		2:                  {2, 3, 4},
-		4:                  {4},
-		5:                  {},
-		1 << 40:            {},
-		math.MaxUint64 - 1: {},
-		math.MaxUint64:     {},
+	refused := 0
+	for _, tc := range []struct {
+		start uint64
+		want  []uint64
+	}{
+		{0, nil}, {1, nil}, // gone
+		{2, []uint64{2, 3, 4}}, {4, []uint64{4}}, {5, []uint64{}},
+		{6, nil}, {1 << 40, nil}, {math.MaxUint64 - 1, nil}, {math.MaxUint64, nil}, // not yet
 	} {
-		assert.Equal(t, want, replay(t, client, start), "from %d", start)
+		got := replay(t, client, tc.start)
+		if tc.want == nil {
+			refused++
+			assert.Empty(t, got, "from %d: refused", tc.start)
+		} else {
+			assert.Equal(t, tc.want, got, "from %d", tc.start)
+		}
 	}
 	require.NoError(t, client.Send([]byte{}, []byte{0, 0, 0, 1}))
 	assert.Equal(t, []uint64{3, 4}, replay(t, client, 3), "after a malformed request")
-	assert.Equal(t, uint64(1), pub.Stats().BadRequests)
-	assert.Equal(t, uint64(9), pub.Stats().Replays)
+	s := pub.Stats()
+	assert.Equal(t, uint64(1), s.BadRequests)
+	assert.Equal(t, uint64(refused), s.OutOfRange)
+	assert.Equal(t, uint64(11), s.Replays)
+	log.WaitFor(t, "replay request out of range")
 }
 
 // TestSilentPeerCutOffAtHandshakeTimeout: a peer that connects and never

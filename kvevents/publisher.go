@@ -85,6 +85,15 @@ type Config struct {
 	// a connection counting from its accept (its handshake included);
 	// 0 means 64. Further connections are closed at once.
 	MaxPeers int
+	// Curve, if set, secures both sockets with ZMTP CURVE (RFC 26):
+	// subscribers and replay clients must know the publisher's public key
+	// (and, with Curve.Clients, hold a key let in), and everything after
+	// the handshake, every batch and every replay, is encrypted and
+	// authenticated per connection. libzmq's clients (pyzmq, llm-d's
+	// subscriber) speak it given ZMQ_CURVE_SERVERKEY and a key pair of
+	// their own. Nil means NULL security: anyone who reaches the endpoint
+	// reads the stream. See the package doc's Trust boundary.
+	Curve *CurveConfig
 	// Logger gets one record per loss of pool events (and the
 	// resynchronisation it causes), per subscriber cut off and per
 	// refused peer. Nil logs nothing.
@@ -132,13 +141,24 @@ type Stats struct {
 	SubscriberDrops uint64
 	// Disconnects counts subscribers and replay clients cut off (write
 	// timeout, protocol error, handshake timeout, IdleTimeout, over
-	// MaxPeers).
-	Disconnects uint64
+	// MaxPeers). Among them: AuthFailures, peers refused by the security
+	// handshake or a message that did not authenticate (ErrAuth: a
+	// wrong CURVE server key, a client key not let in, a NULL peer at a
+	// CURVE socket); HandshakeTimeouts, peers that did not complete their
+	// handshake within WriteTimeout; OversizedFrames, peers that sent a
+	// frame over its limit (ErrTooLarge).
+	Disconnects       uint64
+	AuthFailures      uint64
+	HandshakeTimeouts uint64
+	OversizedFrames   uint64
 	// Replays counts replay requests served, ReplayedBatches the batches
-	// they sent, BadRequests the malformed ones ignored.
+	// they sent, BadRequests the malformed ones ignored, OutOfRange those
+	// refused for a start outside the buffer (answered with the end
+	// marker alone: see serveReplay).
 	Replays         uint64
 	ReplayedBatches uint64
 	BadRequests     uint64
+	OutOfRange      uint64
 }
 
 // Publisher sends a pool's prefix-cache events to KV-aware routers in
@@ -148,6 +168,7 @@ type Publisher struct {
 	pool   *kvcache.Pool // its event keys go back to it once encoded
 	events <-chan kvcache.KVEvent
 	enc    *encoder
+	curve  *curveServer // nil for NULL security
 	log    *slog.Logger
 
 	pub, replay net.Listener
@@ -174,6 +195,8 @@ type Publisher struct {
 	batches, events64, lost, resyncs atomic.Uint64
 	drops, disconnects               atomic.Uint64
 	replays, replayed, badRequests   atomic.Uint64
+	authFailures, handshakeTimeouts  atomic.Uint64
+	oversized, outOfRange            atomic.Uint64
 }
 
 // New starts publishing pool's events (Config.Prefix.EventBuffer must be
@@ -194,7 +217,8 @@ func New(pool *kvcache.Pool, cfg Config) (*Publisher, error) {
 		cfg:     cfg,
 		pool:    pool,
 		events:  events,
-		enc:     newEncoder(cfg.Encoding, cfg.FullHashes, cfg.Medium, pool.Geometry().TokensPerPage, cfg.DataParallelRank),
+		enc:     newEncoder(cfg.Encoding, cfg.FullHashes, cfg.Medium, pool.TokensPerPage(), cfg.DataParallelRank),
+		curve:   newCurveServer(cfg.Curve),
 		log:     cfg.Logger,
 		stop:    make(chan struct{}),
 		drained: make(chan struct{}),
@@ -230,6 +254,8 @@ func (c *Config) fill() error {
 		return fmt.Errorf("%w: no Endpoint", ErrInvalidConfig)
 	case c.Encoding != ArrayEvents && c.Encoding != MapEvents:
 		return fmt.Errorf("%w: Encoding %v", ErrInvalidConfig, c.Encoding)
+	case c.Curve != nil && c.Curve.validate() != nil:
+		return c.Curve.validate()
 	case c.MaxBatchEvents < 0 || c.BufferSteps < 0 || c.BufferBytes < 0 || c.SubscriberQueue < 0 ||
 		c.WriteTimeout < 0 || c.MaxPeers < 0:
 		return fmt.Errorf("%w: negative size or timeout", ErrInvalidConfig)
@@ -324,7 +350,9 @@ func (p *Publisher) Stats() Stats {
 	return Stats{
 		Batches: p.batches.Load(), Events: p.events64.Load(), Lost: p.lost.Load(), Resyncs: p.resyncs.Load(),
 		Subscribers: n, SubscriberDrops: p.drops.Load(), Disconnects: p.disconnects.Load(),
+		AuthFailures: p.authFailures.Load(), HandshakeTimeouts: p.handshakeTimeouts.Load(), OversizedFrames: p.oversized.Load(),
 		Replays: p.replays.Load(), ReplayedBatches: p.replayed.Load(), BadRequests: p.badRequests.Load(),
+		OutOfRange: p.outOfRange.Load(),
 	}
 }
 
@@ -408,6 +436,7 @@ func (p *Publisher) run() {
 		full := len(batch) >= p.cfg.MaxBatchEvents
 		for _, ev := range batch { // encoded: the pool may reuse their arrays
 			p.pool.ReturnEventKeys(ev.Keys)
+			p.pool.ReturnEventTokens(ev.TokenIDs)
 		}
 		clear(batch) // the keys are the pool's again, not ours
 		if window != nil && !full {
@@ -540,7 +569,7 @@ func (p *Publisher) handshake(c net.Conn, sockType string, peers []string) (*zco
 		case <-done:
 		}
 	}()
-	z, err := handshake(c, sockType, peers, p.cfg.WriteTimeout)
+	z, err := handshake(c, sockType, peers, p.cfg.WriteTimeout, p.curve)
 	close(done)
 	<-watched
 	select {
@@ -556,9 +585,22 @@ func (p *Publisher) handshake(c net.Conn, sockType string, peers []string) (*zco
 // refusePeer closes a connection that will not be served and counts it.
 func (p *Publisher) refusePeer(c net.Conn, why string, err error) {
 	c.Close()
-	p.disconnects.Add(1)
+	p.countRefusal(err, why == "handshake")
 	p.log.LogAttrs(context.Background(), slog.LevelWarn, "kvevents: peer refused",
 		slog.String("remote", c.RemoteAddr().String()), slog.String("why", why), slog.Any("error", err))
+}
+
+// countRefusal counts a peer cut off for err, by kind.
+func (p *Publisher) countRefusal(err error, handshaking bool) {
+	p.disconnects.Add(1)
+	switch {
+	case errors.Is(err, ErrAuth):
+		p.authFailures.Add(1)
+	case errors.Is(err, ErrTooLarge):
+		p.oversized.Add(1)
+	case handshaking && errors.Is(err, os.ErrDeadlineExceeded):
+		p.handshakeTimeouts.Add(1)
+	}
 }
 
 // subscriber is one connected SUB socket.
@@ -571,6 +613,8 @@ type subscriber struct {
 
 	mu     sync.Mutex
 	topics []string // subscribed prefixes
+
+	sealed []byte // under CURVE, the writer's buffer of encrypted messages
 }
 
 func (s *subscriber) wants(topic string) bool {
@@ -678,7 +722,7 @@ func (p *Publisher) serveSubscriber(c net.Conn) {
 		err = readErr // a protocol error, not a subscriber that went away
 	}
 	if err != nil {
-		p.disconnects.Add(1)
+		p.countRefusal(err, false)
 		p.log.LogAttrs(context.Background(), slog.LevelWarn, "kvevents: subscriber cut off",
 			slog.String("remote", c.RemoteAddr().String()), slog.Uint64("batches_dropped_for_it", s.dropped.Load()), slog.Any("error", err))
 	}
@@ -713,9 +757,14 @@ func (p *Publisher) write(s *subscriber) error {
 			deadline = p.flushBy
 		default:
 		}
-		s.z.c.SetWriteDeadline(deadline)
-		bufs := net.Buffers(msgs) // WriteTo consumes bufs, not the messages
-		_, err := bufs.WriteTo(s.z.c)
+		var err error
+		if s.z.curve != nil {
+			err = s.writeSealed(msgs, deadline)
+		} else {
+			s.z.c.SetWriteDeadline(deadline)
+			bufs := net.Buffers(msgs) // WriteTo consumes bufs, not the messages
+			_, err = bufs.WriteTo(s.z.c)
+		}
 		clear(msgs) // the messages are the replay buffer's, not the writer's
 		if err != nil {
 			return fmt.Errorf("%w: %w", ErrPeer, err)
@@ -746,6 +795,44 @@ func (p *Publisher) write(s *subscriber) error {
 			}
 		}
 	}
+}
+
+// maxSealedBuffer bounds the encryption buffer a subscriber's writer
+// keeps between writes.
+const maxSealedBuffer = 4 << 20
+
+// writeSealed writes msgs (each a message as queued: ZMTP frames) under
+// CURVE: every frame in a MESSAGE command of its own, encrypted, all of
+// them in one write.
+func (s *subscriber) writeSealed(msgs [][]byte, deadline time.Time) error {
+	sess := s.z.curve
+	sess.mu.Lock()
+	defer sess.mu.Unlock()
+	b := s.sealed[:0]
+	for _, wire := range msgs {
+		for len(wire) > 0 {
+			flags, size, hdr := wire[0], 0, 2
+			if flags&flagLong != 0 {
+				size, hdr = int(binary.BigEndian.Uint64(wire[1:9])), 9
+			} else {
+				size = int(wire[1])
+			}
+			var inner byte
+			if flags&flagMore != 0 {
+				inner = msgFlagMore
+			}
+			b = sess.sealLocked(b, inner, wire[hdr:hdr+size])
+			wire = wire[hdr+size:]
+		}
+	}
+	if cap(b) <= maxSealedBuffer {
+		s.sealed = b
+	} else {
+		s.sealed = nil
+	}
+	s.z.c.SetWriteDeadline(deadline)
+	_, err := s.z.c.Write(b)
+	return err
 }
 
 // serveReplay answers replay requests on one connection, as vLLM's
@@ -808,41 +895,33 @@ func (p *Publisher) serveReplay(c net.Conn) {
 			continue
 		}
 		start := binary.BigEndian.Uint64(msg[len(msg)-1])
-		entries = p.ring.since(entries[:0], start)
+		entries, inRange := p.ring.since(entries[:0], start, p.batches.Load())
 		p.replays.Add(1)
-		var out []byte
+		if !inRange {
+			p.outOfRange.Add(1)
+			p.log.LogAttrs(context.Background(), slog.LevelWarn, "kvevents: replay request out of range answered with the end marker alone",
+				slog.String("remote", c.RemoteAddr().String()), slog.Uint64("start", start), slog.Uint64("next_seq", p.batches.Load()))
+		}
 		var seqb [8]byte
 		for _, e := range entries {
 			binary.BigEndian.PutUint64(seqb[:], e.seq)
-			out = appendMessage(append(out[:0], envelopeFrames(envelope)...), seqb[:], e.payload)
-			if err := p.writeReplay(c, out); err != nil {
+			if err := p.writeReplay(z, append(envelope, seqb[:], e.payload)...); err != nil {
 				return
 			}
 			p.replayed.Add(1)
 		}
 		clear(entries) // kept for the next request, not the batches in it
 		binary.BigEndian.PutUint64(seqb[:], endSeq)
-		if err := p.writeReplay(c, appendMessage(envelopeFrames(envelope), seqb[:], nil)); err != nil {
+		if err := p.writeReplay(z, append(envelope, seqb[:], nil)...); err != nil {
 			return
 		}
 		awaitRequest()
 	}
 }
 
-// envelopeFrames encodes the delimiter frames that start every reply, as
-// frames followed by more.
-func envelopeFrames(envelope [][]byte) []byte {
-	var b []byte
-	for _, f := range envelope {
-		b = appendHeader(b, len(f), flagMore)
-		b = append(b, f...)
-	}
-	return b
-}
-
-func (p *Publisher) writeReplay(c net.Conn, b []byte) error {
-	c.SetWriteDeadline(time.Now().Add(p.cfg.WriteTimeout))
-	if _, err := c.Write(b); err != nil {
+func (p *Publisher) writeReplay(z *zconn, frames ...[]byte) error {
+	z.c.SetWriteDeadline(time.Now().Add(p.cfg.WriteTimeout))
+	if err := z.writeMessage(frames...); err != nil {
 		p.disconnects.Add(1)
 		return fmt.Errorf("%w: replay: %w", ErrPeer, err)
 	}
@@ -883,14 +962,20 @@ func (r *ring) add(seq uint64, payload []byte) {
 	r.bytes += len(payload)
 }
 
-// since appends the buffered batches numbered start or later to dst.
-func (r *ring) since(dst []ringEntry, start uint64) []ringEntry {
+// since appends the buffered batches numbered start or later to dst, and
+// says whether start is in range: not past next, the number of the next
+// batch, and not before the oldest buffered batch once older ones have
+// gone. Out of range, it appends nothing.
+func (r *ring) since(dst []ringEntry, start, next uint64) ([]ringEntry, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if start > next || (r.n > 0 && start < r.entries[r.head].seq) {
+		return dst, false
+	}
 	for i := range r.n {
 		if e := r.entries[(r.head+i)%r.maxSteps]; e.seq >= start {
 			dst = append(dst, e)
 		}
 	}
-	return dst
+	return dst, true
 }

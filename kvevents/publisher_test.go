@@ -22,10 +22,16 @@ var geometry = kvcache.Geometry{TokensPerPage: 4, Layers: 1, KVHeads: 1, HeadDim
 // domain "team".
 func newPool(t testing.TB, pages, eventBuffer int) *kvcache.Pool {
 	t.Helper()
+	return newPoolWith(t, pages, kvcache.PrefixConfig{EventBuffer: eventBuffer})
+}
+
+// newPoolWith is newPool with a prefix config of its own (EventTokens).
+func newPoolWith(t testing.TB, pages int, prefix kvcache.PrefixConfig) *kvcache.Pool {
+	t.Helper()
 	p, err := kvcache.New(kvcache.Config{
 		Geometry: geometry, Pages: pages, MaxContextTokens: pages * geometry.TokensPerPage,
 		Tenants: []kvcache.TenantConfig{{Name: "a"}, {Name: "b", Domain: "team"}, {Name: "c", Domain: "team"}},
-		Prefix:  kvcache.PrefixConfig{EventBuffer: eventBuffer},
+		Prefix:  prefix,
 	})
 	require.NoError(t, err)
 	t.Cleanup(func() { p.Close() })
@@ -55,7 +61,13 @@ func tokens(start, n int) []int32 {
 // the lease stays live if keep.
 func publish(t testing.TB, p *kvcache.Pool, id, tenant string, toks []int32, keep bool) []kvcache.BlockKey {
 	t.Helper()
-	l, err := p.TryAdmit(kvcache.Request{ID: id, Tenant: tenant, PromptTokens: len(toks), TokenIDs: toks})
+	return publishUnder(t, p, id, tenant, "", toks, keep)
+}
+
+// publishUnder is publish under an adapter.
+func publishUnder(t testing.TB, p *kvcache.Pool, id, tenant, adapter string, toks []int32, keep bool) []kvcache.BlockKey {
+	t.Helper()
+	l, err := p.TryAdmit(kvcache.Request{ID: id, Tenant: tenant, PromptTokens: len(toks), TokenIDs: toks, Adapter: adapter})
 	require.NoError(t, err)
 	require.NoError(t, l.Commit(len(toks)))
 	_, err = l.CachePrefix(len(toks))
@@ -63,7 +75,7 @@ func publish(t testing.TB, p *kvcache.Pool, id, tenant string, toks []int32, kee
 	if !keep {
 		require.NoError(t, l.Release())
 	}
-	keys, err := p.PageKeys(tenant, "", toks, nil)
+	keys, err := p.PageKeys(tenant, adapter, toks, nil)
 	require.NoError(t, err)
 	return keys
 }
@@ -196,7 +208,7 @@ func (s *goSubscriber) replayFrom(start, upTo uint64) []uint64 {
 func (s *goSubscriber) apply(seq uint64, payload []byte) {
 	require.Equal(s.t, s.next, seq, "batches apply in order")
 	b := decodeBatch(s.t, payload)
-	s.mirror.apply(b)
+	s.mirror.apply(s.t, b)
 	s.seen = append(s.seen, b)
 	s.next = seq + 1
 }
@@ -252,9 +264,9 @@ func TestGoSubscriberMirrorsPoolCachePerDomain(t *testing.T) {
 					case kvevents.TagBlockStored:
 						stored++
 						assert.Equal(t, 4, e.blockSize)
-						assert.Empty(t, e.tokenIDs)
+						assert.Empty(t, e.tokenIDs, "the pool carries no tokens unless configured to")
 						assert.Equal(t, "GPU", e.medium)
-						assert.True(t, e.hasLora, "lora_id and lora_name are present and nil")
+						assert.Nil(t, e.loraName)
 					case kvevents.TagBlockRemoved:
 						removed++
 						assert.Equal(t, "GPU", e.medium)
@@ -291,7 +303,7 @@ func TestStoredEventsChainToTheirParent(t *testing.T) {
 	require.NotNil(t, events[1].parent)
 	assert.Equal(t, kvevents.BlockHash(first[5]), *events[1].parent)
 	assert.Equal(t, []uint64{kvevents.BlockHash(second[6]), kvevents.BlockHash(second[7])}, events[1].hashes)
-	assert.Equal(t, "team", events[1].domain)
+	assert.Empty(t, events[1].salt, "a continuation names no salt: its parent is in the domain")
 }
 
 // TestReplayAfterGapReturnsMissedBatches: a subscriber that was away sees
@@ -330,7 +342,7 @@ func TestReplayAfterGapReturnsMissedBatches(t *testing.T) {
 }
 
 // TestReplayBufferIsBounded: only the latest BufferSteps batches can be
-// replayed.
+// replayed; a replay from before them is refused.
 func TestReplayBufferIsBounded(t *testing.T) {
 	p := newPool(t, 64, 64)
 	pub := publisher(t, p, kvevents.Config{ReplayEndpoint: "tcp://127.0.0.1:0", BufferSteps: 3})
@@ -339,7 +351,9 @@ func TestReplayBufferIsBounded(t *testing.T) {
 		publish(t, p, fmt.Sprintf("r%d", i), "a", tokens(100*i, 8), false)
 		waitPublished(t, p, pub)
 	}
-	assert.Equal(t, []uint64{3, 4, 5}, sub.replayFrom(0, 0))
+	assert.Equal(t, []uint64{3, 4, 5}, sub.replayFrom(3, 0))
+	assert.Empty(t, sub.replayFrom(0, 0))
+	assert.Equal(t, uint64(1), pub.Stats().OutOfRange)
 }
 
 // TestResyncAfterPoolDroppedEvents: when the pool's event channel

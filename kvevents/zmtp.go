@@ -11,10 +11,10 @@ import (
 	"time"
 )
 
-// This file is the part of ZMTP 3.0 (ZeroMQ's wire protocol, RFC 23/ZMTP,
-// NULL security) that a publishing PUB socket and a replying ROUTER socket
-// need: the greeting, the READY handshake, and frames. Everything here
-// reads with a limit on what a peer can make it allocate.
+// This file is the part of ZMTP 3.0 (ZeroMQ's wire protocol, RFC 23/ZMTP)
+// that a publishing PUB socket and a replying ROUTER socket need: the
+// greeting, the handshake (NULL security, or CURVE: curve.go), and frames.
+// Everything here reads with a limit on what a peer can make it allocate.
 
 const (
 	greetingLen = 64
@@ -22,8 +22,8 @@ const (
 	flagMore    = 0x01
 	flagLong    = 0x02
 	flagCommand = 0x04
-	// maxCommand bounds a command frame (READY, SUBSCRIBE, PING) from a
-	// peer: a few properties.
+	// maxCommand bounds a command frame (READY, SUBSCRIBE, PING, the
+	// CURVE handshake's) from a peer: a few properties.
 	maxCommand = 4 << 10
 	// maxFrames bounds the frames of a message from a peer: a
 	// subscription is one, a replay request two. Empty frames cost
@@ -32,16 +32,20 @@ const (
 	maxFrames = 16
 )
 
-// greeting is ours: signature, version 3.0, mechanism NULL, as-server 0.
-// Version 3.0 (not 3.1) makes libzmq peers send subscriptions as messages
-// (0x01 + topic); SUBSCRIBE commands are accepted too.
-var greeting = func() [greetingLen]byte {
+// greetingFor is the greeting of a side: signature, version 3.0, the
+// mechanism, and as-server (set by a CURVE server). Version 3.0 (not 3.1)
+// makes libzmq peers send subscriptions as messages (0x01 + topic);
+// SUBSCRIBE commands are accepted too.
+func greetingFor(mechanism string, asServer bool) [greetingLen]byte {
 	var g [greetingLen]byte
 	g[0], g[9] = 0xff, 0x7f
 	g[10], g[11] = 3, 0
-	copy(g[12:32], "NULL")
+	copy(g[12:32], mechanism)
+	if asServer {
+		g[32] = 1
+	}
 	return g
-}()
+}
 
 // zconn is one ZMTP connection after the handshake.
 type zconn struct {
@@ -54,18 +58,28 @@ type zconn struct {
 	// extend that writer's by less than timeout, once, as it then waits
 	// for that write to end before its own.
 	timeout time.Duration
+	// curve is the CURVE session once its handshake is done: every frame
+	// after it travels in a MESSAGE command. Nil for NULL security.
+	curve *curveSession
 }
 
-// handshake runs the greeting and the NULL handshake as the side that
-// announces sockType, and accepts only peers whose Socket-Type is one of
-// peers.
-func handshake(c net.Conn, sockType string, peers []string, timeout time.Duration) (*zconn, error) {
+// handshake runs the greeting and the handshake (NULL, or CURVE as the
+// server if curve is set) as the side that announces sockType, and
+// accepts only peers whose Socket-Type is one of peers. A peer whose
+// mechanism differs from ours, or that fails CURVE's authentication,
+// gets an error that wraps ErrAuth.
+func handshake(c net.Conn, sockType string, peers []string, timeout time.Duration, curve *curveServer) (*zconn, error) {
 	if timeout > 0 {
 		c.SetDeadline(time.Now().Add(timeout))
 		defer c.SetDeadline(time.Time{})
 	}
 	z := &zconn{c: c, r: bufio.NewReaderSize(c, 4096), timeout: timeout}
-	if _, err := c.Write(greeting[:]); err != nil {
+	mech := "NULL"
+	if curve != nil {
+		mech = "CURVE"
+	}
+	ours := greetingFor(mech, curve != nil)
+	if _, err := c.Write(ours[:]); err != nil {
 		return nil, fmt.Errorf("%w: sending the greeting: %w", ErrPeer, err)
 	}
 	var g [greetingLen]byte
@@ -78,32 +92,34 @@ func handshake(c net.Conn, sockType string, peers []string, timeout time.Duratio
 	if g[10] < 3 {
 		return nil, fmt.Errorf("%w: ZMTP version %d.%d, need 3.x", ErrPeer, g[10], g[11])
 	}
-	if mech := string(bytes.TrimRight(g[12:32], "\x00")); mech != "NULL" {
-		return nil, fmt.Errorf("%w: security mechanism %q, only NULL is served", ErrPeer, mech)
+	if theirs := string(bytes.TrimRight(g[12:32], "\x00")); theirs != mech {
+		return nil, fmt.Errorf("%w: %w: security mechanism %q, this socket serves %s", ErrPeer, ErrAuth, theirs, mech)
 	}
-	if err := z.writeCommand("READY", props("Socket-Type", sockType)); err != nil {
-		return nil, err
-	}
-	frame, more, cmd, err := z.readFrame(maxCommand)
-	if err != nil && !errors.Is(err, ErrPeer) {
-		err = fmt.Errorf("%w: reading READY: %w", ErrPeer, err)
-	}
-	if err != nil {
-		return nil, err
-	}
-	if !cmd || more {
-		return nil, fmt.Errorf("%w: expected a READY command after the greeting", ErrPeer)
-	}
-	name, body, err := parseCommand(frame)
-	if err != nil {
-		return nil, err
-	}
-	if name != "READY" {
-		return nil, fmt.Errorf("%w: expected READY, got command %q", ErrPeer, name)
-	}
-	meta, err := parseProps(body)
-	if err != nil {
-		return nil, err
+	ready := props("Socket-Type", sockType)
+	var meta map[string]string
+	if curve != nil {
+		if g[32] != 0 {
+			return nil, fmt.Errorf("%w: %w: a CURVE peer that claims to be the server", ErrPeer, ErrAuth)
+		}
+		m, sess, err := curve.handshake(z)
+		if err != nil {
+			return nil, err
+		}
+		if err := z.writeCommand("READY", sess.sealReady(ready)); err != nil {
+			return nil, err
+		}
+		meta, z.curve = m, sess
+	} else {
+		if err := z.writeCommand("READY", ready); err != nil {
+			return nil, err
+		}
+		body, err := z.readCommand("READY")
+		if err != nil {
+			return nil, err
+		}
+		if meta, err = parseProps(body[1+len("READY"):]); err != nil {
+			return nil, err
+		}
 	}
 	z.peerType = meta["socket-type"]
 	for _, p := range peers {
@@ -112,6 +128,29 @@ func handshake(c net.Conn, sockType string, peers []string, timeout time.Duratio
 		}
 	}
 	return nil, fmt.Errorf("%w: a %s socket cannot talk to a %q peer (want %v)", ErrPeer, sockType, z.peerType, peers)
+}
+
+// readCommand reads the next frame of the handshake, which must be the
+// command name, and returns it whole (name included).
+func (z *zconn) readCommand(name string) ([]byte, error) {
+	frame, more, cmd, err := z.readFrame(maxCommand)
+	if err != nil && !errors.Is(err, ErrPeer) {
+		err = fmt.Errorf("%w: reading %s: %w", ErrPeer, name, err)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if !cmd || more {
+		return nil, fmt.Errorf("%w: expected a %s command", ErrPeer, name)
+	}
+	got, _, err := parseCommand(frame)
+	if err != nil {
+		return nil, err
+	}
+	if got != name {
+		return nil, fmt.Errorf("%w: expected %s, got command %q", ErrPeer, name, got)
+	}
+	return frame, nil
 }
 
 // props encodes ZMTP metadata: name length (1 byte), name, value length
@@ -160,15 +199,42 @@ func parseCommand(frame []byte) (string, []byte, error) {
 func (z *zconn) writeCommand(name string, body []byte) error {
 	frame := append([]byte{byte(len(name))}, name...)
 	frame = append(frame, body...)
-	var hdr [9]byte
-	h := appendHeader(hdr[:0], len(frame), flagCommand)
+	var b []byte
+	if z.curve != nil {
+		z.curve.mu.Lock()
+		defer z.curve.mu.Unlock()
+		b = z.curve.sealLocked(nil, msgFlagCommand, frame)
+	} else {
+		b = append(appendHeader(nil, len(frame), flagCommand), frame...)
+	}
 	if z.timeout > 0 {
 		z.c.SetWriteDeadline(time.Now().Add(z.timeout))
 	}
-	if _, err := z.c.Write(append(h, frame...)); err != nil {
+	if _, err := z.c.Write(b); err != nil {
 		return fmt.Errorf("%w: sending %s: %w", ErrPeer, name, err)
 	}
 	return nil
+}
+
+// writeMessage writes one message of frames, encrypted under CURVE, with
+// the deadline already set.
+func (z *zconn) writeMessage(frames ...[]byte) error {
+	var b []byte
+	if z.curve != nil {
+		z.curve.mu.Lock()
+		defer z.curve.mu.Unlock()
+		for i, f := range frames {
+			var flags byte
+			if i < len(frames)-1 {
+				flags = msgFlagMore
+			}
+			b = z.curve.sealLocked(b, flags, f)
+		}
+	} else {
+		b = appendMessage(nil, frames...)
+	}
+	_, err := z.c.Write(b)
+	return err
 }
 
 // appendHeader appends a frame header: flags and a 1-byte or 8-byte size.
@@ -201,17 +267,35 @@ func (z *zconn) readFrame(limit int) (body []byte, more, command bool, err error
 		size = uint64(b)
 	}
 	command = flags&flagCommand != 0
-	if command {
-		limit = min(limit, maxCommand)
+	raw := limit
+	switch {
+	case z.curve != nil: // a MESSAGE command around a frame of up to limit
+		raw = max(limit, maxCommand) + messageOverhead
+	case command:
+		raw = min(limit, maxCommand)
 	}
-	if size > uint64(limit) {
-		return nil, false, false, fmt.Errorf("%w: frame of %d bytes, at most %d accepted", ErrPeer, size, limit)
+	if size > uint64(raw) {
+		return nil, false, false, fmt.Errorf("%w: %w: frame of %d bytes, at most %d accepted", ErrPeer, ErrTooLarge, size, raw)
 	}
 	body = make([]byte, size)
 	if _, err := io.ReadFull(z.r, body); err != nil {
 		return nil, false, false, err
 	}
-	return body, flags&flagMore != 0 && !command, command, nil
+	if z.curve == nil {
+		return body, flags&flagMore != 0 && !command, command, nil
+	}
+	data, inner, err := z.curve.open(body)
+	if err != nil {
+		return nil, false, false, err
+	}
+	command = inner&msgFlagCommand != 0
+	if command {
+		limit = min(limit, maxCommand)
+	}
+	if len(data) > limit {
+		return nil, false, false, fmt.Errorf("%w: %w: frame of %d bytes, at most %d accepted", ErrPeer, ErrTooLarge, len(data), limit)
+	}
+	return data, inner&msgFlagMore != 0 && !command, command, nil
 }
 
 // readMessage reads one message (its frames) of at most limit bytes and

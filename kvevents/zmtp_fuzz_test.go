@@ -197,8 +197,7 @@ func refHandshake(peer []byte) (string, bool) {
 // accepts exactly the ZMTP 3 greetings for NULL security followed by a
 // READY that names an allowed socket type, and reads that type.
 func FuzzHandshake(f *testing.F) {
-	var g [greetingLen]byte
-	copy(g[:], greeting[:])
+	g := greetingFor("NULL", false)
 	ready := func(props []byte) []byte {
 		c := append([]byte{5}, "READY"...)
 		return append(appendHeader(nil, len(c)+len(props), flagCommand), append(c, props...)...)
@@ -211,7 +210,7 @@ func FuzzHandshake(f *testing.F) {
 	f.Add(g[:30])
 	f.Add([]byte("GET / HTTP/1.1\r\n\r\n"))
 	f.Fuzz(func(t *testing.T, peer []byte) {
-		z, err := handshake(&peerBytes{in: bytes.NewReader(peer)}, "PUB", []string{"SUB", "XSUB"}, 0)
+		z, err := handshake(&peerBytes{in: bytes.NewReader(peer)}, "PUB", []string{"SUB", "XSUB"}, 0, nil)
 		typ, ok := refHandshake(peer)
 		ok = ok && (typ == "SUB" || typ == "XSUB")
 		switch {

@@ -87,6 +87,7 @@ type descs struct {
 	handoff                                         *prometheus.Desc
 	pubBatches, pubEvents, pubLost, pubResyncs      *prometheus.Desc
 	pubSubscribers, pubDrops, pubDisconnects        *prometheus.Desc
+	pubRefusals                                     *prometheus.Desc
 	pubReplays, pubReplayed                         *prometheus.Desc
 }
 
@@ -146,8 +147,10 @@ func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
 		pubSubscribers: d("kvfence_kv_event_subscribers", "Subscribers connected."),
 		pubDrops:       d("kvfence_kv_event_subscriber_drops_total", "Batches dropped for a subscriber whose queue was full."),
 		pubDisconnects: d("kvfence_kv_event_disconnects_total", "Subscribers and replay clients cut off."),
-		pubReplays:     d("kvfence_kv_event_replays_total", "Replay requests served."),
-		pubReplayed:    d("kvfence_kv_event_replayed_batches_total", "Batches sent again by replays."),
+		pubRefusals: d("kvfence_kv_event_refusals_total",
+			"Peers and requests refused, by reason: auth (CURVE: wrong server key, client key not let in, a NULL peer, a message that does not open), handshake_timeout, oversized_frame, replay_out_of_range.", "reason"),
+		pubReplays:  d("kvfence_kv_event_replays_total", "Replay requests served."),
+		pubReplayed: d("kvfence_kv_event_replayed_batches_total", "Batches sent again by replays."),
 	}
 	return c
 }
@@ -172,7 +175,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	}
 	if c.opts.Events != nil {
 		for _, x := range []*prometheus.Desc{d.pubBatches, d.pubEvents, d.pubLost, d.pubResyncs, d.pubSubscribers,
-			d.pubDrops, d.pubDisconnects, d.pubReplays, d.pubReplayed} {
+			d.pubDrops, d.pubDisconnects, d.pubRefusals, d.pubReplays, d.pubReplayed} {
 			ch <- x
 		}
 	}
@@ -287,6 +290,10 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(d.pubSubscribers, float64(ps.Subscribers))
 		counter(d.pubDrops, ps.SubscriberDrops)
 		counter(d.pubDisconnects, ps.Disconnects)
+		counter(d.pubRefusals, ps.AuthFailures, "auth")
+		counter(d.pubRefusals, ps.HandshakeTimeouts, "handshake_timeout")
+		counter(d.pubRefusals, ps.OversizedFrames, "oversized_frame")
+		counter(d.pubRefusals, ps.OutOfRange, "replay_out_of_range")
 		counter(d.pubReplays, ps.Replays)
 		counter(d.pubReplayed, ps.ReplayedBatches)
 	}
