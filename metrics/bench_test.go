@@ -59,19 +59,27 @@ func (d discardFills) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.O
 // the channel, parked whenever it is empty, so that every event the pool
 // sends wakes it: the cost of a consumer that waits on the channel.
 //
+// The prefix=tokens cases carry the prompts' token IDs instead of their
+// keys (the pool hashes them), and their observed pools publish them
+// (kvcache.PrefixConfig.EventTokens, kvevents' token_ids); tokens+curve
+// publishes them over CURVE to a CURVE subscriber. Their plain pools are
+// given the same requests, so that x-plain is what the events cost.
+//
 // cpu-ns/op is the process's CPU time (user and system, every thread)
 // per cycle: on a machine with cores to spare observed can match plain
 // in ns/op while its publisher's CPU shows here.
 func BenchmarkAdmitReleaseObserved(b *testing.B) {
 	for _, bc := range []struct {
 		name     string
-		prefix   bool
+		prefix   prefixMode
 		drain    drainMode
 		observed bool
 	}{
-		{"prefix=none/plain", false, noDrain, false}, {"prefix=none/observed", false, noDrain, true},
-		{"prefix=publish/plain", true, noDrain, false}, {"prefix=publish/drained", true, drainWindow, false},
-		{"prefix=publish/drained-woken", true, drainEach, false}, {"prefix=publish/observed", true, noDrain, true},
+		{"prefix=none/plain", noPrefix, noDrain, false}, {"prefix=none/observed", noPrefix, noDrain, true},
+		{"prefix=publish/plain", keysPrefix, noDrain, false}, {"prefix=publish/drained", keysPrefix, drainWindow, false},
+		{"prefix=publish/drained-woken", keysPrefix, drainEach, false}, {"prefix=publish/observed", keysPrefix, noDrain, true},
+		{"prefix=tokens/plain", tokensPrefix, noDrain, false}, {"prefix=tokens/observed", tokensPrefix, noDrain, true},
+		{"prefix=tokens+curve/observed", tokensCurvePrefix, noDrain, true},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			r := newObservedRig(b, bc.prefix, bc.drain, bc.observed)
@@ -90,16 +98,22 @@ func BenchmarkAdmitReleaseObserved(b *testing.B) {
 	}
 	for _, pc := range []struct {
 		name     string
-		prefix   bool
+		prefix   prefixMode
 		drain    drainMode
 		observed bool
 	}{
-		{"prefix=none/paired", false, noDrain, true},
-		{"prefix=publish/paired-drained", true, drainWindow, false},
-		{"prefix=publish/paired", true, noDrain, true},
+		{"prefix=none/paired", noPrefix, noDrain, true},
+		{"prefix=publish/paired-drained", keysPrefix, drainWindow, false},
+		{"prefix=publish/paired", keysPrefix, noDrain, true},
+		{"prefix=tokens/paired-drained", tokensPrefix, drainWindow, false},
+		{"prefix=tokens+curve/paired", tokensCurvePrefix, noDrain, true},
 	} {
 		b.Run(pc.name, func(b *testing.B) {
-			plain, observed := newObservedRig(b, pc.prefix, noDrain, false), newObservedRig(b, pc.prefix, pc.drain, pc.observed)
+			plainPrefix := pc.prefix
+			if plainPrefix == tokensCurvePrefix {
+				plainPrefix = tokensPrefix // the same requests; CURVE is the observer's
+			}
+			plain, observed := newObservedRig(b, plainPrefix, noDrain, false), newObservedRig(b, pc.prefix, pc.drain, pc.observed)
 			defer plain.close()
 			defer observed.close()
 			var plainTime, observedTime time.Duration
@@ -130,6 +144,17 @@ func BenchmarkAdmitReleaseObserved(b *testing.B) {
 	}
 }
 
+// prefixMode is what an observedRig's requests carry, and how its
+// observer publishes.
+type prefixMode int
+
+const (
+	noPrefix          prefixMode = iota
+	keysPrefix                   // the prompts' page keys
+	tokensPrefix                 // the prompts' token IDs, published as token_ids when observed
+	tokensCurvePrefix            // the same, published over CURVE
+)
+
 // drainMode is how an observedRig without a publisher consumes its
 // pool's events.
 type drainMode int
@@ -144,24 +169,26 @@ const (
 // observes it, and the requests it cycles through.
 type observedRig struct {
 	p        *kvcache.Pool
-	prefix   bool
+	prefix   prefixMode
 	drain    drainMode
 	observed bool
 	keys     [][]kvcache.BlockKey // one prompt's pages' keys each
+	toks     [][]int32            // one prompt's tokens each
 	next     int                  // the prompt of the next cycle
 	cycles   int
 	l        kvcache.Lease
 	before   kvcache.Stats
 
 	pub  *kvevents.Publisher
-	conn net.Conn // the subscriber's
+	conn net.Conn             // the subscriber's, over NULL
+	sub  *kvevents.Subscriber // the subscriber, over CURVE
 	stop chan struct{}
 	wg   sync.WaitGroup
 	// Set by the consumers, read once they are done (wg).
 	received, drainedEvents uint64
 }
 
-func newObservedRig(b *testing.B, prefix bool, drain drainMode, observed bool) *observedRig {
+func newObservedRig(b *testing.B, prefix prefixMode, drain drainMode, observed bool) *observedRig {
 	const (
 		tpp     = 16
 		pages   = 1024
@@ -176,6 +203,7 @@ func newObservedRig(b *testing.B, prefix bool, drain drainMode, observed bool) *
 		Tenants: []kvcache.TenantConfig{{Name: "bench"}}}
 	if drain != noDrain || observed {
 		cfg.Prefix.EventBuffer = 1 << 14
+		cfg.Prefix.EventTokens = prefix >= tokensPrefix
 	}
 	p, err := kvcache.New(cfg)
 	if err != nil {
@@ -183,8 +211,10 @@ func newObservedRig(b *testing.B, prefix bool, drain drainMode, observed bool) *
 	}
 	r.p = p
 	r.keys = make([][]kvcache.BlockKey, prompts)
+	r.toks = make([][]int32, prompts)
 	for i := range r.keys {
-		if r.keys[i], err = p.PageKeys("bench", "", tokens(i*prompt, prompt), nil); err != nil {
+		r.toks[i] = tokens(i*prompt, prompt)
+		if r.keys[i], err = p.PageKeys("bench", "", r.toks[i], nil); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -193,10 +223,31 @@ func newObservedRig(b *testing.B, prefix bool, drain drainMode, observed bool) *
 		go r.drainEvents()
 	}
 	if observed {
-		if r.pub, err = kvevents.New(p, kvevents.Config{Endpoint: "tcp://127.0.0.1:0"}); err != nil {
+		pcfg := kvevents.Config{Endpoint: "tcp://127.0.0.1:0"}
+		var client *kvevents.ClientCurve
+		if prefix == tokensCurvePrefix {
+			serverPub, serverSec, err := kvevents.NewCurveKeyPair()
+			if err != nil {
+				b.Fatal(err)
+			}
+			clientPub, clientSec, err := kvevents.NewCurveKeyPair()
+			if err != nil {
+				b.Fatal(err)
+			}
+			pcfg.Curve = &kvevents.CurveConfig{SecretKey: serverSec, Clients: []kvevents.CurveKey{clientPub}}
+			client = &kvevents.ClientCurve{ServerKey: serverPub, SecretKey: clientSec}
+		}
+		if r.pub, err = kvevents.New(p, pcfg); err != nil {
 			b.Fatal(err)
 		}
-		if r.conn, err = dialDiscarding(r.pub.Addr().String()); err != nil {
+		if client != nil {
+			if r.sub, err = kvevents.DialSubscriber("tcp://"+r.pub.Addr().String(), "", client, 10*time.Second); err != nil {
+				b.Fatal(err)
+			}
+			for r.pub.Stats().Subscribers == 0 {
+				time.Sleep(time.Millisecond)
+			}
+		} else if r.conn, err = dialDiscarding(r.pub.Addr().String()); err != nil {
 			b.Fatal(err)
 		}
 		reg := prometheus.NewRegistry()
@@ -206,6 +257,15 @@ func newObservedRig(b *testing.B, prefix bool, drain drainMode, observed bool) *
 		r.wg.Add(2)
 		go func() { // the router, on another host in production: it only reads
 			defer r.wg.Done()
+			if r.sub != nil { // decrypting what it reads
+				for {
+					_, _, payload, err := r.sub.Recv()
+					if err != nil {
+						return
+					}
+					r.received += uint64(len(payload))
+				}
+			}
 			n, _ := io.Copy(io.Discard, r.conn)
 			r.received = uint64(n)
 		}()
@@ -235,6 +295,7 @@ func (r *observedRig) drainEvents() {
 	if r.drain == drainEach {
 		for ev := range r.p.Events() {
 			r.p.ReturnEventKeys(ev.Keys)
+			r.p.ReturnEventTokens(ev.TokenIDs)
 			r.drainedEvents++
 		}
 		return
@@ -249,6 +310,7 @@ func (r *observedRig) drainEvents() {
 					return
 				}
 				r.p.ReturnEventKeys(ev.Keys)
+				r.p.ReturnEventTokens(ev.TokenIDs)
 				r.drainedEvents++
 			default:
 				break receive
@@ -262,14 +324,17 @@ func (r *observedRig) drainEvents() {
 func (r *observedRig) cycle(b *testing.B) {
 	const prompt = 2048
 	req := kvcache.Request{ID: "req", Tenant: "bench", PromptTokens: prompt}
-	if r.prefix {
+	switch r.prefix {
+	case keysPrefix:
 		req.PageKeys = r.keys[r.next]
-		r.next = (r.next + 1) % len(r.keys)
+	case tokensPrefix, tokensCurvePrefix:
+		req.TokenIDs = r.toks[r.next]
 	}
+	r.next = (r.next + 1) % len(r.keys)
 	if err := r.p.TryAdmitInto(req, &r.l); err != nil {
 		b.Fatal(err)
 	}
-	if r.prefix {
+	if r.prefix != noPrefix {
 		if err := r.l.Commit(prompt); err != nil {
 			b.Fatal(err)
 		}
@@ -335,6 +400,9 @@ func (r *observedRig) close() {
 	}
 	if r.conn != nil {
 		r.conn.Close()
+	}
+	if r.sub != nil {
+		r.sub.Close()
 	}
 	r.p.Close()
 }

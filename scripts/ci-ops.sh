@@ -5,7 +5,8 @@
 # the Python KV-event subscriber test with them required, fuzzes the
 # ZMTP reader and handshake past their seeds, runs the collector's
 # benchmark once (it checks its own result), and runs the router example
-# briefly, scraping its /metrics.
+# briefly, scraping its /metrics and checking where its router sent each
+# domain's requests, over NULL and over CURVE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,4 +50,21 @@ for name in 'vllm:kv_cache_usage_perc' 'vllm:prefix_cache_hits_total' 'kvfence_a
 done
 wait "$pid"
 grep -q '"router example done"' "$log" || { cat "$log" >&2; exit 1; }
+# The router side: acme's prompts on pod-a, globex's on pod-b, a third
+# domain's on none; and every block indexed (none skipped).
+routed() { grep -q "\"msg\":\"routed\",\"tenant\":\"$1\".*\"pod\":\"$2\"" "$log" || { cat "$log" >&2; echo "ci-ops: $1 not routed to $2" >&2; exit 1; }; }
+check_routing() {
+	routed acme-support pod-a
+	routed globex pod-b
+	routed initech none
+	if grep -q '"routed".*"tenant":"initech".*"pod":"pod-' "$log" || grep -q '"routed".*"tenant":"acme-support".*"pod":"pod-b"' "$log"; then
+		cat "$log" >&2; echo "ci-ops: a request routed to another domain's pod" >&2; exit 1
+	fi
+	grep -q '"router example done".*"blocks_skipped":0' "$log" || { cat "$log" >&2; echo "ci-ops: blocks the router could not index" >&2; exit 1; }
+}
+check_routing
+echo "== examples/router over CURVE"
+"${TMPDIR:-/tmp}/kvfence-router" -curve -metrics 127.0.0.1:0 -events tcp://127.0.0.1:0 -replay tcp://127.0.0.1:0 -duration 3s 2>"$log"
+grep -q '"CURVE on"' "$log" || { cat "$log" >&2; exit 1; }
+check_routing
 echo "ci-ops: ok"
