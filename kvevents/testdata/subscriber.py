@@ -261,8 +261,15 @@ def secure(sock, args):
 
 
 def request_replay(replay, start, timeout_ms):
-    """Sends a replay request and returns [(seq, payload)] up to the end marker."""
-    replay.send_multipart([b"", start.to_bytes(8, "big")])
+    """Sends a replay request and returns [(seq, payload)] up to the end
+    marker; None if the request cannot be sent or no answer comes (a DEALER
+    with no peer it could complete a handshake with would block)."""
+    if not replay.poll(timeout_ms, zmq.POLLOUT):
+        return None
+    try:
+        replay.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
+    except zmq.Again:
+        return None
     got = []
     while True:
         if not replay.poll(timeout_ms):
