@@ -40,7 +40,10 @@ type Config struct {
 	// ArrayEvents.
 	Encoding Encoding
 	// FullHashes sends each block hash as the whole 32-byte key (a msgpack
-	// bin) rather than the 64-bit integer BlockHash.
+	// bin) rather than the 64-bit integer BlockHash. It breaks every
+	// consumer that types hashes as integers (vLLM's example subscriber,
+	// list[int]); vLLM's own schema (bytes | int) and llm-d read it. Off
+	// by default; see the package doc.
 	FullHashes bool
 	// Medium is every event's medium; "" means "GPU".
 	Medium string

@@ -79,6 +79,20 @@ type promptSpec struct {
 // once it has subscribed; report waits for its JSON line and its exit.
 func pythonSubscriber(t *testing.T, py string, args ...string) (report func() pythonView) {
 	t.Helper()
+	raw := pythonSubscriberRaw(t, py, args...)
+	return func() pythonView {
+		t.Helper()
+		view, err := raw()
+		require.Empty(t, view.Error)
+		require.NoError(t, err)
+		return view
+	}
+}
+
+// pythonSubscriberRaw is pythonSubscriber for a subscriber that may fail:
+// report returns its view and its exit.
+func pythonSubscriberRaw(t *testing.T, py string, args ...string) (report func() (pythonView, error)) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	t.Cleanup(cancel)
 	cmd := exec.CommandContext(ctx, py, append([]string{"testdata/subscriber.py"}, args...)...)
@@ -90,14 +104,41 @@ func pythonSubscriber(t *testing.T, py string, args ...string) (report func() py
 	lines.Buffer(nil, 16<<20)
 	require.True(t, lines.Scan())
 	require.Equal(t, "subscribed", lines.Text())
-	return func() pythonView {
+	return func() (pythonView, error) {
 		t.Helper()
 		require.True(t, lines.Scan(), "the subscriber's report")
 		var view pythonView
 		require.NoError(t, json.Unmarshal(lines.Bytes(), &view), lines.Text())
-		require.Empty(t, view.Error)
-		require.NoError(t, cmd.Wait())
-		return view
+		return view, cmd.Wait()
+	}
+}
+
+// TestPythonFullHashesBreakIntegerTypedConsumers: with FullHashes, vLLM's
+// schema (hashes bytes | int) decodes every batch and indexes every block,
+// and a consumer typed as vLLM's example subscriber is (list[int]) refuses
+// the first batch with a block hash in it, as the package doc says.
+func TestPythonFullHashesBreakIntegerTypedConsumers(t *testing.T) {
+	py := python(t)
+	p := newPoolWith(t, 64, kvcache.PrefixConfig{EventBuffer: 64, EventTokens: true})
+	pub := publisher(t, p, kvevents.Config{FullHashes: true, ReplayEndpoint: "tcp://127.0.0.1:0"})
+	for i, typ := range []string{"any", "int"} {
+		next := pub.Stats().Batches
+		report := pythonSubscriberRaw(t, py, "--pub", "tcp://"+pub.Addr().String(), "--replay", "tcp://"+pub.ReplayAddr().String(),
+			"--form", "array", "--hash-type", typ, "--until", jsonInt(next))
+		waitSubscribed(t, pub, 1)
+		publish(t, p, "r"+typ, "a", tokens(100*i, 8), false)
+		waitPublished(t, p, pub)
+		view, err := report()
+		if typ == "any" {
+			require.NoError(t, err)
+			require.Empty(t, view.Error)
+			assert.Equal(t, 2, view.StoredBlocks)
+			assert.Equal(t, 2, view.Rederived)
+		} else {
+			require.Error(t, err)
+			assert.Contains(t, view.Error, "block_hashes")
+		}
+		require.Eventually(t, func() bool { return pub.Stats().Subscribers == 0 }, 10*time.Second, time.Millisecond)
 	}
 }
 

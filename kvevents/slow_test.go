@@ -112,8 +112,8 @@ func (s *rawSub) sequences(t *testing.T) []uint64 {
 // it lost is exactly what the publisher counts as dropped for it, and it
 // can tell from the gaps in the sequence numbers.
 func TestSlowSubscriberNeverSlowsAdmission(t *testing.T) {
-	const cycles = 1500
-	p := newPool(t, 64, 1<<16)
+	const cycles = 2500
+	p := newPoolWith(t, 64, kvcache.PrefixConfig{EventBuffer: 1 << 16, EventTokens: true})
 	pub := publisher(t, p, kvevents.Config{SubscriberQueue: 4, FullHashes: true, WriteTimeout: 5 * time.Minute,
 		ReplayEndpoint: "tcp://127.0.0.1:0"})
 	// A fixed receive buffer (no autotuning) of a few segments: the
@@ -123,8 +123,9 @@ func TestSlowSubscriberNeverSlowsAdmission(t *testing.T) {
 	waitSubscribed(t, pub, 2)
 
 	// Each cycle publishes a 60-page prompt in tenant a's domain, which
-	// evicts the previous one: two events of 60 keys, ~8 KiB a cycle, far
-	// more than the stalled subscriber's socket buffers hold.
+	// evicts the previous one: two events of 60 keys (full hashes) and
+	// the prompt's 240 token IDs, ~5 KiB a cycle, 12 MiB in all, far more
+	// than the stalled subscriber's socket buffers hold.
 	liveDone := make(chan mirror)
 	var target atomic.Uint64 // the last batch, once known
 	target.Store(math.MaxUint64)
