@@ -54,18 +54,19 @@ func TestFillCheckCatchesSkippedFill(t *testing.T) {
 
 func TestStormCheckCatchesSkippedScrub(t *testing.T) {
 	leases := make([]kvcache.Lease, 3)
-	safe := newPool(t, tinyGeometry, 16, nil)
-	unsafe := newPool(t, tinyGeometry, 16, kvsim.UnsafeNoScrub(cudaops.NewHost()))
-	if err := checkStorm(t, safe, leases, true); err != nil {
+	safeDev, unsafeDev := cudaops.NewHost(), kvsim.UnsafeNoScrub(cudaops.NewHost())
+	safe := newPool(t, tinyGeometry, 16, safeDev)
+	unsafe := newPool(t, tinyGeometry, 16, unsafeDev)
+	if err := checkStorm(t, safe, safeDev, leases, true); err != nil {
 		t.Errorf("safe pool: %v", err)
 	}
-	if err := checkStorm(t, unsafe, leases, true); err == nil {
+	if err := checkStorm(t, unsafe, unsafeDev, leases, true); err == nil {
 		t.Error("the check passed a pool whose releases scrub nothing as scrubbed")
 	}
-	if err := checkStorm(t, unsafe, leases, false); err != nil {
+	if err := checkStorm(t, unsafe, unsafeDev, leases, false); err != nil {
 		t.Errorf("unsafe pool: %v", err)
 	}
-	if err := checkStorm(t, safe, leases, false); err == nil {
+	if err := checkStorm(t, safe, safeDev, leases, false); err == nil {
 		t.Error("the check passed a scrubbing pool as the no-fill baseline")
 	}
 }

@@ -149,8 +149,11 @@ func BenchmarkReleaseStorm(b *testing.B) {
 	for _, n := range []int{16, 256} {
 		b.Run(fmt.Sprintf("leases=%d", n), func(b *testing.B) {
 			pages := 4 * n
-			safe := newPool(b, modelGeometry, pages, nil)
-			unsafe := newPool(b, modelGeometry, pages, kvsim.UnsafeNoScrub(cudaops.NewHost()))
+			// The devices are the test's own, so that it can read what the
+			// pools left in freed pages.
+			safeDev, unsafeDev := cudaops.NewHost(), kvsim.UnsafeNoScrub(cudaops.NewHost())
+			safe := newPool(b, modelGeometry, pages, safeDev)
+			unsafe := newPool(b, modelGeometry, pages, unsafeDev)
 			leases := make([]kvcache.Lease, n)
 			scrubbed0 := safe.Stats().Scrub.PagesScrubbed // the pool scrubbed its pages at creation
 			b.SetBytes(int64(pages) * modelGeometry.PageBytes())
@@ -177,10 +180,10 @@ func BenchmarkReleaseStorm(b *testing.B) {
 			// One more storm of each, untimed, over pages the engine wrote:
 			// the safe pool's must read back as zeros, the baseline's must
 			// still hold the KV (else the ratio is not against "no fill").
-			if err := checkStorm(b, safe, leases, true); err != nil {
+			if err := checkStorm(b, safe, safeDev, leases, true); err != nil {
 				b.Fatal(err)
 			}
-			if err := checkStorm(b, unsafe, leases, false); err != nil {
+			if err := checkStorm(b, unsafe, unsafeDev, leases, false); err != nil {
 				b.Fatal(err)
 			}
 			if err := safe.Check(); err != nil {
@@ -194,9 +197,9 @@ func BenchmarkReleaseStorm(b *testing.B) {
 // region as an engine would, releases them all and reads every page back:
 // with scrubbed, each must hold only zeros; without, still the marker.
 // Setup failures are fatal to tb; what the pages hold is the error.
-func checkStorm(tb testing.TB, p *kvcache.Pool, leases []kvcache.Lease, scrubbed bool) error {
+func checkStorm(tb testing.TB, p *kvcache.Pool, dev cudaops.Device, leases []kvcache.Lease, scrubbed bool) error {
 	tb.Helper()
-	dev, g := p.Device(), p.Geometry()
+	g := p.Geometry()
 	marker := make([]byte, g.RegionPageBytes())
 	for off := 0; off < len(marker); off += 4 {
 		binary.LittleEndian.PutUint32(marker[off:], 0x4b564b56)

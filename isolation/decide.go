@@ -87,13 +87,22 @@ func (d Decision) Err(tenant string) error {
 	return nil
 }
 
+// TenantState is what Decide reads of the tenant an admission is for:
+// its limits and usage, and the unused reservations of every other
+// tenant of the pool, summed (pages nobody else may take).
+type TenantState struct {
+	Quota, Reserved, Used int
+	OthersUnused          int
+}
+
 // Decide is the one quota and reservation rule of kvfence (see the package
-// doc for its steps). It changes nothing; after a Grant the caller
-// allocates and then calls Apply.
-func (r *Registry) Decide(t *Tenant, d Demand, s Supply) Decision {
+// doc for its steps), a pure function of the tenant's state, the
+// admission's demand and the pool's supply. The pool that calls it
+// charges the tenant after a Grant.
+func Decide(t TenantState, d Demand, s Supply) Decision {
 	quotaLeft := max(0, t.Quota-t.Used)
-	own := t.unusedReservation()
-	others := r.unusedReserved - own
+	own := max(0, t.Reserved-t.Used)
+	others := t.OthersUnused
 	// Pages open to t: the supply less others' unused reservations; of
 	// what is not t's own reservation, less the pages kept for growth; and
 	// only its own reservation while earlier admissions queue.
@@ -126,38 +135,4 @@ func (r *Registry) Decide(t *Tenant, d Demand, s Supply) Decision {
 		return Decision{Verdict: OverQuota, Demand: d, Have: quotaLeft, Limit: t.Quota}
 	}
 	return Decision{Verdict: Grant, Demand: d, Have: have, Limit: s.InService}
-}
-
-// Apply charges a granted decision to t. It panics on any other verdict:
-// charging what Decide refused is a kvfence bug.
-func (r *Registry) Apply(t *Tenant, d Decision) {
-	if d.Verdict != Grant {
-		panic(fmt.Sprintf("isolation: applying a %v decision for tenant %q", d.Verdict, t.Name))
-	}
-	r.unusedReserved -= t.unusedReservation()
-	t.Used += d.Demand.Charge
-	r.unusedReserved += t.unusedReservation()
-}
-
-// TryChargeGrowth is Decide and Apply in one step for the common growth:
-// pages ≥ 1 more pages for a running lease of t, taken from a supply of
-// supply pages, passing the queue and the growth watermark (Queued false,
-// Keep 0, Charge = Take = pages). It charges t and returns true exactly
-// when Decide would return Grant, and otherwise changes nothing and
-// returns false, leaving the refusal's numbers to Decide.
-//
-// With no queue and nothing kept, Decide's rule reduces to two bounds:
-// the tenant's quota left, and the supply less the other tenants' unused
-// reservations. A one-page growth decides on every page, and this is a
-// few compares where Decide builds a Decision.
-func (r *Registry) TryChargeGrowth(t *Tenant, pages, supply int) bool {
-	own := t.unusedReservation()
-	if pages < 1 || pages > t.Quota-t.Used || pages > supply || pages > supply-(r.unusedReserved-own) {
-		return false
-	}
-	t.Used += pages
-	if own > 0 { // else it stays 0: the sum is unchanged
-		r.unusedReserved += t.unusedReservation() - own
-	}
-	return true
 }

@@ -1,12 +1,13 @@
 // Package isolation holds the rules that keep tenants of one kvfence pool
-// apart: who may hold how many pages (Registry, Decide), inside which scope
-// pages may be shared (Domain), what a freed page is filled with
-// (ScrubPolicy) and how a freed page becomes clean before anyone else can
-// receive it (Quarantine).
+// apart, as configuration and pure functions: what an operator declares
+// for a tenant (TenantConfig, Sizing), who may hold how many pages
+// (Decide), inside which scope pages may be shared (sharing domains),
+// and what a freed page is filled with (ScrubPolicy).
 //
-// It knows pages only as counts and IDs. The allocator (below it) moves
-// pages between states; the kvcache pool (above it) owns the lock under
-// which every type here is used and decides when to call what.
+// It knows pages only as counts. The books these rules are applied to
+// (the tenant registry, the quarantine that scrubs freed pages) are the
+// kvcache pool's own machinery, kept under its lock and out of the
+// public API; nothing here holds state or a lock.
 //
 // # Tenants, quotas and reservations
 //
@@ -16,7 +17,8 @@
 // never exceeds the pool. A tenant is charged once for every page its live
 // leases hold, however many of its leases share the page.
 //
-// Every admission is decided by one function, Registry.Decide, from the
+// Every admission is decided by one function, Decide, from the tenant's
+// state (TenantState), the
 // admission's Demand (pages charged to the tenant, pages taken from the
 // pool) and the pool's Supply (pages it can hand out now, pages in service,
 // whether earlier admissions queue for pages). In order:
@@ -33,14 +35,14 @@
 //     own unused reservation ahead of them (PoolShort otherwise): this is
 //     what makes waiting first come, first served, and what lets a tenant
 //     under its reservation in without waiting whatever others attempt.
-//  5. Otherwise the admission is granted, and Apply charges the tenant.
+//  5. Otherwise the admission is granted, and the pool charges the tenant.
 //
 // # Sharing domains
 //
-// See Domain: every tenant is in exactly one domain at a time, chosen by
-// server-side configuration; a domain's ID is the allocator owner of every
-// page its tenants hold, so the allocator's same-owner rule for sharing is
-// the rule that pages are shared only inside one domain.
+// Every tenant is in exactly one sharing domain at a time, chosen by
+// server-side configuration (TenantConfig.Domain; by default its own,
+// PrivateDomainPrefix + its name). Pages are shared only inside one
+// domain; nothing a request carries can choose it.
 //
 // # Scrubbing
 //
@@ -48,23 +50,5 @@
 // a finite number in the KV dtype (never NaN or Inf, which would spread
 // through masked attention as 0 × NaN = NaN), or a per-page canary whose
 // words are forced finite and which is verified when the page is handed
-// out again. See Quarantine for the life of a freed page.
-//
-// # Invariants (checked by Registry.Check and Quarantine.CheckLocked)
-//
-//   - every tenant has an ID equal to its index + 1, is found under its
-//     name, and uses at least zero pages;
-//   - the registry's sum of unused reservations equals the sum over its
-//     tenants of max(0, Reserved − Used);
-//   - every tenant is in exactly one registered domain, and each domain's
-//     tenant count is the number of tenants in it;
-//   - every quarantined page belongs to a fill in flight, and pages leave
-//     quarantine only through FinishLocked (clean, or retired on error).
-//
-// # Concurrency
-//
-// Nothing here is safe for concurrent use on its own: Registry and the
-// methods of Quarantine whose names end in Locked run under the owning
-// pool's lock (Quarantine asserts it under the invariants build tag).
-// Quarantine.Issue touches only the device and runs without the lock.
+// out again.
 package isolation

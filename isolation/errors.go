@@ -3,8 +3,6 @@ package isolation
 import (
 	"errors"
 	"fmt"
-
-	"github.com/kvfence/kvfence/allocator"
 )
 
 // Sentinel errors. Match with errors.Is.
@@ -90,14 +88,3 @@ func (e *CanaryError) Error() string {
 }
 
 func (e *CanaryError) Unwrap() error { return ErrCanaryMismatch }
-
-// ownerName names a page owner in reports. Owners are sharing domains
-// (see Domain); the fallback is used when no registry name is known.
-func ownerName(r *Registry, o allocator.Owner) string {
-	if r != nil {
-		if d := r.domains.byID(o); d != nil {
-			return d.Name
-		}
-	}
-	return fmt.Sprintf("owner#%d", o)
-}

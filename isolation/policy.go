@@ -239,3 +239,14 @@ func (d DType) wordFinite(w uint32) bool {
 	}
 	return true
 }
+
+// ScrubStats are running totals of a pool's scrubbing.
+type ScrubStats struct {
+	Fills          uint64 // batches filled
+	PagesScrubbed  uint64
+	BytesScrubbed  uint64
+	FillErrors     uint64
+	PagesRetired   uint64
+	CanaryChecks   uint64 // pages verified on allocation
+	CanaryFailures uint64
+}

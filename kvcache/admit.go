@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 )
 
 // This file is admission, from Admit to a lease's pages: the request's own
@@ -103,22 +104,25 @@ type admission struct {
 	// importFrom is, for BeginImport, the sharing domain the KV was
 	// computed in; the tenant must be in it here.
 	importFrom string
-	// claim is the pages promised to this admission while it waits for
-	// the scrub of pages it evicted (see Pool.mu.claimed), made in claim
-	// epoch claimEpoch: a fault voids every claim.
-	claim      int
-	claimEpoch uint64
+	// take is the pages it takes in each group once granted, and claims
+	// the pages promised to it meanwhile while it waits for the scrub of
+	// pages it evicted (see group.claimed), made in claim epoch
+	// claimEpoch: a fault voids every claim.
+	take, claims [MaxCacheGroups]int
+	claimEpoch   uint64
 	// hashFor is the domain to derive the request's keys for, outside
 	// Pool.mu (step stepHash).
-	hashFor *isolation.Domain
+	hashFor *tenancy.Domain
 	// evicted is the pages this attempt evicted, to scrub outside Pool.mu
 	// (step stepEvict).
-	evicted []int32
+	evicted scrubBatch
 	// growing marks a growth of live lease l (Grow), of incarnation seq,
 	// to hold target tokens, instead of an admission.
 	growing bool
 	seq     uint64
 	target  int
+	// growLimit is a growth's pages in service, the Limit of its wait.
+	growLimit int
 	// w is its place in the queue once it has waited (waitLocked): its
 	// Lease's own waiter for an admission, one of its own for a growth.
 	w *waiter
@@ -210,14 +214,16 @@ func (p *Pool) stepsLocked(a *admission, st step) error {
 			p.mu.Lock()
 			l.keysFor, l.match.valid = dom, false
 		case stepEvict:
-			pages := a.evicted
+			b := a.evicted
 			p.mu.Unlock()
-			err := p.fillAndWait(pages)
+			err := p.fillAndWait(b)
 			p.mu.Lock()
-			p.mu.evicting -= len(pages)
-			p.finishScrubLocked(scrubBatch{pages: pages}, err) // a failed fill faults the pool: the next attempt refuses
+			for gi := range p.groups {
+				p.groups[gi].evicting -= len(b.spaces[gi])
+			}
+			p.finishScrubLocked(b, err) // a failed fill faults the pool: the next attempt refuses
 			p.fills.Done()
-			a.evicted = pages[:0]
+			a.evicted = b.batchFor(p)
 		case stepWait:
 			p.mu.Unlock()
 			select {
@@ -258,13 +264,21 @@ func (p *Pool) endAdmissionLocked(a *admission) error {
 
 // attemptLocked decides the admission once, with everything it depends on
 // read under the same lock: the pool's state, the tenant, the cached
-// prefix, the pool's pages and the queue. It either grants and allocates
-// (stepDone, a.err nil), refuses (stepDone, a.err set), or says what must
-// happen outside the lock before it can decide.
+// prefix, every group's pages and the queue. It either grants and
+// allocates (stepDone, a.err nil), refuses (stepDone, a.err set), or says
+// what must happen outside the lock before it can decide.
+//
+// Every cache group goes through the same three steps, each for all
+// groups before the next: refusals no release can cure (more than the
+// group holds in service, or than the tenant's share of it), the one
+// quota and reservation rule (isolation.Decide), and the claims of pages
+// that cached pages must be evicted for or fills must free (claimLocked).
+// The prefix match comes between the first two: it lowers what the
+// per-token group takes.
 func (p *Pool) attemptLocked(a *admission) step {
 	p.assertHeld()
-	if a.claimEpoch != p.mu.claimEpoch { // a fault voided the claim
-		a.claim, a.claimEpoch = 0, p.mu.claimEpoch
+	if a.claimEpoch != p.mu.claimEpoch { // a fault voided the claims
+		a.claims, a.claimEpoch = [MaxCacheGroups]int{}, p.mu.claimEpoch
 	}
 	if a.growing {
 		return p.growAttemptLocked(a)
@@ -277,7 +291,7 @@ func (p *Pool) attemptLocked(a *admission) step {
 	if f := p.q.FaultLocked(); f != nil {
 		return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: f})
 	}
-	t, err := p.mu.tenants.Lookup(req.Tenant)
+	t, err := p.tenantsLocked().Lookup(req.Tenant)
 	if err != nil {
 		return p.refuseLocked(a, &AdmissionError{Err: ErrUnknownTenant, Cause: err})
 	}
@@ -287,13 +301,24 @@ func (p *Pool) attemptLocked(a *admission) step {
 	// The whole prompt, always; of the output, what the sizing reserves.
 	sizing := req.Sizing.Or(t.Sizing).Or(p.sizing)
 	a.need = p.pagesFor(req.PromptTokens + sizing.OutputTokens(req.MaxNewTokens))
-	inService := p.inServiceLocked()
-	if a.need > inService {
-		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Group: p.groupName(), GroupKind: p.groupKind(), Need: a.need, Have: p.mu.alloc.Count(allocator.Free),
-			Limit: inService, NeedTokens: req.Tokens(), LimitTokens: inService * p.tpp})
-	}
-	if a.need > t.Quota {
-		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Group: p.groupName(), GroupKind: p.groupKind(), Need: a.need, Have: max(0, t.Quota-t.Used), Limit: t.Quota})
+	holds := l.holdsFor(p)
+	for gi := range p.groups {
+		g := &p.groups[gi]
+		need, inService, mt := g.need(a.need, req.Tokens()), g.inServiceLocked(), g.mirror(t)
+		group, kind := p.refusalGroup(g)
+		switch {
+		case need > inService:
+			e := &AdmissionError{Err: ErrExceedsCapacity, Group: group, GroupKind: kind, Need: need,
+				Have: g.alloc.Count(allocator.Free), Limit: inService}
+			if g.kind == GroupPerToken {
+				e.NeedTokens, e.LimitTokens = req.Tokens(), inService*p.tpp
+			}
+			return p.refuseLocked(a, e)
+		case need > mt.Quota:
+			return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Group: group, GroupKind: kind, Need: need,
+				Have: max(0, mt.Quota-mt.Used), Limit: mt.Quota})
+		}
+		holds[gi].dec.Demand = isolation.Demand{Charge: need, Take: need}
 	}
 	if a.importFrom != "" && t.Domain.Name != a.importFrom {
 		a.err = domainMismatch(req, a.importFrom, t.Domain.Name)
@@ -317,41 +342,39 @@ func (p *Pool) attemptLocked(a *admission) step {
 	} else {
 		l.match.entries = l.match.entries[:0]
 	}
-	fresh := a.need - len(l.match.entries)
-	free := p.mu.alloc.Count(allocator.Free)
-	supply := free + p.mu.evicting + p.mu.prefix.lruLen - cachedHits - (p.mu.claimed - a.claim)
-	dec := p.mu.tenants.Decide(t, isolation.Demand{Charge: fresh + newToTenant, Take: fresh},
-		isolation.Supply{Pages: supply, InService: inService, Queued: p.queuedAheadLocked(a), Keep: p.keepLocked(inService)})
-	if dec.Verdict != isolation.Grant {
-		p.releaseClaimLocked(a)
-		return p.blockedLocked(a, t, dec)
-	}
-	if len(p.side) > 0 {
-		if st, ok := p.decideSideLocked(a, t); !ok {
-			return st
+	// The matched pages are shared, not taken: the per-token group takes
+	// the rest, and its tenant is charged for those it holds no other
+	// lease on.
+	tok := &holds[0].dec.Demand
+	tok.Take -= len(l.match.entries)
+	tok.Charge = tok.Take + newToTenant
+	queued := p.queuedAheadLocked(a)
+	for gi := range p.groups {
+		g := &p.groups[gi]
+		inService := g.inServiceLocked()
+		cached := 0
+		if gi == 0 {
+			cached = cachedHits
 		}
+		supply := g.alloc.Count(allocator.Free) + g.evicting + p.evictableLocked(gi) - cached - (g.claimed - a.claims[gi])
+		dec := g.tenants.Decide(g.mirror(t), holds[gi].dec.Demand,
+			isolation.Supply{Pages: supply, InService: inService, Queued: queued, Keep: p.keepLocked(g, inService)})
+		if dec.Verdict != isolation.Grant {
+			p.releaseClaimLocked(a)
+			return p.blockedLocked(a, t, dec, g, inService)
+		}
+		holds[gi].dec = dec
+		a.take[gi] = dec.Demand.Take
 	}
-	if st, ready := p.claimLocked(a, t, dec.Limit, fresh, free, l.match.entries); !ready {
+	if st, ready := p.claimLocked(a, t, l.match.entries); !ready {
 		return st
 	}
 
 	// Nothing can fail from here on.
-	p.mu.tenants.Apply(t, dec)
 	hits := len(l.match.entries)
-	handles, table := p.shareMatchedLocked(l, t, l.handles[:0], l.table[:0])
-	handles, table, err = p.mu.alloc.AllocIDs(handles, table, fresh, t.Domain.ID)
-	if err != nil {
-		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
-	}
-	if a.claimEpoch == p.mu.claimEpoch {
-		p.mu.claimed -= a.claim
-	}
-	a.claim = 0
+	p.takeLocked(l, t, a)
 	p.mu.seq++
-	l.reset(p, *req, t, handles, table, p.mu.seq)
-	if len(p.side) > 0 {
-		p.takeSideLocked(l, t)
-	}
+	l.reset(p, *req, t, p.mu.seq)
 	l.hitPages, l.published = hits, hits
 	if a.importFrom != "" {
 		// Sealed at zero: nothing may write the pages but WritePages, and
@@ -385,43 +408,109 @@ func (p *Pool) attemptLocked(a *admission) step {
 	return stepDone
 }
 
-// claimLocked promises fresh pages to a granted admission or growth. If
-// free pages and fills in flight cannot cover every promise, it evicts the
-// difference (never a page of keep) for the caller to scrub (stepEvict);
-// if other admissions' evictions already cover it, the caller waits for
-// their fills (stepWait). ready means the pages are free now, and (under
-// the canary policy) verified: allocate them.
-func (p *Pool) claimLocked(a *admission, t *isolation.Tenant, limit, fresh, free int, keep []*cacheEntry) (st step, ready bool) {
+// takeLocked applies the decisions of a granted admission into l (in
+// l.holds[g].dec) and gives l its pages in every group: the matched
+// prefix shared, the rest allocated. It ends a's claims. Nothing can fail.
+func (p *Pool) takeLocked(l *Lease, t *tenancy.Tenant, a *admission) {
 	p.assertHeld()
-	p.mu.claimed += fresh - a.claim
-	a.claim = fresh
-	if short := p.mu.claimed - (free + p.mu.evicting); short > 0 {
-		a.evicted = p.evictLocked(a.evicted[:0], short, keep)
-		p.mu.evicting += len(a.evicted)
+	for gi := range p.groups {
+		g, h := &p.groups[gi], &l.holds[gi]
+		g.tenants.Apply(g.mirror(t), h.dec)
+		handles, pages := p.shareMatchedLocked(l, t, gi, h.handles[:0], h.pages[:0])
+		fresh := h.dec.Demand.Take
+		var err error
+		h.handles, h.pages, err = g.alloc.AllocIDs(handles, pages, fresh, t.Domain.ID)
+		if err != nil {
+			panic(fmt.Sprintf("kvcache: %d pages of group %q granted and free, but the allocator refused: %v", fresh, g.name, err))
+		}
+		h.first = 0
+		p.endClaimLocked(a, gi)
+	}
+}
+
+// endClaimLocked ends a's claim in group gi: the pages it promised are
+// taken, or given back.
+func (p *Pool) endClaimLocked(a *admission, gi int) {
+	if a.claimEpoch == p.mu.claimEpoch {
+		p.groups[gi].claimed -= a.claims[gi]
+	}
+	a.claims[gi] = 0
+}
+
+// claimLocked promises to a granted admission or growth, in every group,
+// the fresh pages it takes (a.take). Where free pages and fills in flight
+// cannot cover every promise of a group, it evicts the difference (never
+// a page of keep) for the caller to scrub (stepEvict); where other
+// admissions' evictions already cover it, the caller waits for their
+// fills (stepWait). ready means the pages are free now in every group,
+// and (under the canary policy) verified: take them.
+func (p *Pool) claimLocked(a *admission, t *tenancy.Tenant, keep []*cacheEntry) (st step, ready bool) {
+	p.assertHeld()
+	evicting := false
+	for gi := range p.groups {
+		g, fresh := &p.groups[gi], a.take[gi]
+		g.claimed += fresh - a.claims[gi]
+		a.claims[gi] = fresh
+		if short := g.claimed - (g.alloc.Count(allocator.Free) + g.evicting); short > 0 {
+			if len(a.evicted.spaces) != len(p.groups) {
+				a.evicted = a.evicted.batchFor(p)
+			}
+			before := len(a.evicted.spaces[gi])
+			a.evicted.spaces[gi] = p.evictLocked(gi, a.evicted.spaces[gi], short, keep)
+			g.evicting += len(a.evicted.spaces[gi]) - before
+			evicting = true
+		}
+	}
+	if evicting {
 		p.fills.Add(1)
 		return stepEvict, false
 	}
-	if free < fresh {
-		a.blocked = AdmissionError{Err: ErrPoolExhausted, Need: fresh, Have: free, Limit: limit}
-		return p.waitLocked(a, t, waitFill), false
+	for gi := range p.groups {
+		g, fresh := &p.groups[gi], a.take[gi]
+		if free := g.alloc.Count(allocator.Free); free < fresh {
+			group, kind := p.refusalGroup(g)
+			a.blocked = AdmissionError{Err: ErrPoolExhausted, Group: group, GroupKind: kind, Need: fresh, Have: free, Limit: a.l.holds[gi].dec.Limit}
+			if a.growing {
+				a.blocked.Limit = a.growLimit
+			}
+			return p.waitLocked(a, t, waitFill), false
+		}
 	}
 	if p.q.NeedsVerify() {
-		l := a.l
-		peek := p.mu.alloc.PeekFree(l.scrub.pages[:0], fresh)
-		l.scrub.pages = peek[:0]
-		if retired, err := p.q.VerifyLocked(peek); err != nil {
-			p.faultedLocked()
-			p.logCanaryLocked(retired, err)
-			return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: err}), false
+		scratch := &a.l.scrub
+		for gi := range p.groups {
+			g := &p.groups[gi]
+			if len(scratch.spaces) != len(p.groups) {
+				*scratch = scratch.batchFor(p)
+			}
+			peek := g.alloc.PeekFree(scratch.spaces[gi][:0], a.take[gi])
+			scratch.spaces[gi] = peek[:0]
+			if retired, err := p.q.VerifyLocked(gi, peek); err != nil {
+				p.faultedLocked()
+				p.logCanaryLocked(retired, err)
+				group, kind := p.refusalGroup(g)
+				return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Group: group, GroupKind: kind, Cause: err}), false
+			}
 		}
 	}
 	return stepDone, true
 }
 
-// keepLocked is the pages new admissions leave free for the growth of
-// running leases: the growth watermark's share of the pages in service.
-func (p *Pool) keepLocked(inService int) int {
-	if p.watermark == 0 {
+// evictableLocked is the pages of group gi that eviction can free: the
+// per-token group's cached pages, which no lease holds (the prefix
+// cache's LRU list); no other group caches pages.
+func (p *Pool) evictableLocked(gi int) int {
+	if gi == 0 {
+		return p.mu.prefix.lruLen
+	}
+	return 0
+}
+
+// keepLocked is the pages of group g new admissions leave free for the
+// growth of running leases: the growth watermark's share of the pages in
+// service, in the group leases grow in (the per-token one).
+func (p *Pool) keepLocked(g *group, inService int) int {
+	if p.watermark == 0 || g.kind != GroupPerToken {
 		return 0
 	}
 	return int(math.Ceil(p.watermark * float64(inService)))
@@ -432,34 +521,12 @@ func (p *Pool) sharing(req *Request) bool {
 	return !p.prefixDisabled && (len(req.TokenIDs) > 0 || len(req.PageKeys) > 0)
 }
 
-// blockedLocked turns a decision other than Grant into a refusal, or, for
-// an admission that waits, into a wait.
-func (p *Pool) blockedLocked(a *admission, t *isolation.Tenant, dec isolation.Decision) step {
-	return p.blockedGroupLocked(a, t, dec, p.groupName(), p.groupKind(), p.inServiceLocked())
-}
-
-// groupName is the per-token group's name in refusals: empty in a pool of
-// one group.
-func (p *Pool) groupName() string {
-	if len(p.side) == 0 {
-		return ""
-	}
-	return p.lay.primary.name
-}
-
-// groupKind is the kind of the group groupName names: zero in a pool of
-// one group.
-func (p *Pool) groupKind() GroupKind {
-	if len(p.side) == 0 {
-		return 0
-	}
-	return p.lay.primary.kind
-}
-
-// blockedGroupLocked is blockedLocked for a decision of cache group
-// group, of kind kind, which has inService pages in service.
-func (p *Pool) blockedGroupLocked(a *admission, t *isolation.Tenant, dec isolation.Decision, group string, kind GroupKind, inService int) step {
+// blockedLocked turns a decision other than Grant in group g, which has
+// inService pages in service, into a refusal, or, for an admission that
+// waits, into a wait.
+func (p *Pool) blockedLocked(a *admission, t *tenancy.Tenant, dec isolation.Decision, g *group, inService int) step {
 	p.assertHeld()
+	group, kind := p.refusalGroup(g)
 	e := AdmissionError{Err: ErrPoolExhausted, Group: group, GroupKind: kind, Need: dec.Demand.Take, Have: dec.Have, Limit: dec.Limit}
 	reason := waitPool
 	switch dec.Verdict {
@@ -504,11 +571,14 @@ func (p *Pool) refuseLocked(a *admission, e *AdmissionError) step {
 // releaseClaimLocked gives back pages promised to a that it will not take.
 func (p *Pool) releaseClaimLocked(a *admission) {
 	p.assertHeld()
-	if a.claim > 0 {
-		if a.claimEpoch == p.mu.claimEpoch {
-			p.mu.claimed -= a.claim
+	claimed := false
+	for gi := range p.groups {
+		if a.claims[gi] > 0 {
+			p.endClaimLocked(a, gi)
+			claimed = true
 		}
-		a.claim = 0
+	}
+	if claimed {
 		p.wakePagesLocked()
 	}
 }
@@ -519,7 +589,9 @@ func (p *Pool) releaseClaimLocked(a *admission) {
 // ErrPoolFaulted (or, after ClearFault, decides again).
 func (p *Pool) faultedLocked() {
 	p.assertHeld()
-	p.mu.claimed = 0
+	for gi := range p.groups {
+		p.groups[gi].claimed = 0
+	}
 	p.mu.claimEpoch++
 	p.wakeAllLocked()
 }
@@ -590,7 +662,7 @@ type waiter struct {
 	growth     bool   // a growth's: it passes the queue
 	queued     bool
 	reason     waitReason
-	tenant     *isolation.Tenant
+	tenant     *tenancy.Tenant
 	wake       chan struct{}
 }
 
@@ -602,7 +674,7 @@ type waitQueue struct {
 
 // waitLocked queues a (at the tail on its first wait; a waiter keeps its
 // place) and returns stepWait.
-func (p *Pool) waitLocked(a *admission, t *isolation.Tenant, reason waitReason) step {
+func (p *Pool) waitLocked(a *admission, t *tenancy.Tenant, reason waitReason) step {
 	p.assertHeld()
 	w := a.w
 	if w == nil {
@@ -718,11 +790,11 @@ func (p *Pool) wakePagesLocked() {
 // it may take whoever waits (isolation.Decide with Supply.Queued).
 func (p *Pool) passesLocked(w *waiter) bool {
 	p.assertHeld()
-	if w.growth || w.tenant.Used < w.tenant.Reserved {
+	if w.growth {
 		return true
 	}
-	for _, g := range p.side {
-		if mt := g.mirror(w.tenant); mt.Used < mt.Reserved {
+	for gi := range p.groups {
+		if mt := p.groups[gi].mirror(w.tenant); mt.Used < mt.Reserved {
 			return true
 		}
 	}
@@ -731,7 +803,7 @@ func (p *Pool) passesLocked(w *waiter) bool {
 
 // wakeTenantLocked wakes t's waiting admissions: t's usage or limits
 // changed.
-func (p *Pool) wakeTenantLocked(t *isolation.Tenant) {
+func (p *Pool) wakeTenantLocked(t *tenancy.Tenant) {
 	p.assertHeld()
 	for w := p.mu.waiters.head; w != nil; w = w.next {
 		if w.tenant == t {

@@ -301,7 +301,7 @@ func BenchmarkAdmitReleaseGroups(b *testing.B) {
 			s := p.Stats()
 			scrubbed := s.Scrub.PagesScrubbed - before.Scrub.PagesScrubbed
 			perCycle := uint64(128)
-			for _, g := range p.side {
+			for _, g := range p.groups[1:] {
 				perCycle += uint64(g.group.perLease(2048))
 			}
 			if s.Admitted-before.Admitted != uint64(b.N) || scrubbed != perCycle*uint64(b.N) || s.LiveLeases != 0 {
@@ -348,14 +348,14 @@ func BenchmarkHybridReleaseFill(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer p.Close()
-	h := p.Device().(*cudaops.Host)
+	h := p.dev.(*cudaops.Host)
 	req := Request{ID: "req", Tenant: "bench", PromptTokens: 2048}
 	var l Lease
 	if err := p.TryAdmitInto(req, &l); err != nil {
 		b.Fatal(err)
 	}
 	var bytes int64 = int64(l.Pages()) * p.PageBytes()
-	for _, g := range p.side {
+	for _, g := range p.groups[1:] {
 		bytes += int64(g.group.perLease(req.Tokens())) * g.pageBytes
 	}
 	if err := l.Release(); err != nil {

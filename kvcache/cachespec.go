@@ -240,8 +240,8 @@ func (s CacheSpec) PagesForMemory(free, headroom int64, maxLeases int) (int, err
 	if err != nil {
 		return 0, err
 	}
-	if len(lay.side) > 0 && (maxLeases < 1 || maxLeases > maxLeasesLimit) {
-		return 0, fmt.Errorf("%w: MaxLeases = %d, want 1..%d: it sizes the %s group", ErrInvalidConfig, maxLeases, maxLeasesLimit, lay.side[0].name)
+	if lay.perLeaseGroups() && (maxLeases < 1 || maxLeases > maxLeasesLimit) {
+		return 0, fmt.Errorf("%w: MaxLeases = %d, want 1..%d: it sizes the %s group", ErrInvalidConfig, maxLeases, maxLeasesLimit, lay.groups[1].name)
 	}
 	side := s.BytesFor(0, maxLeases)
 	if free < 0 || headroom < 0 {
@@ -250,7 +250,7 @@ func (s CacheSpec) PagesForMemory(free, headroom int64, maxLeases int) (int, err
 	left := free - headroom // no overflow: both are ≥ 0
 	if left < side || left-side < s.PageBytes() {
 		return 0, fmt.Errorf("%w: %d free bytes less %d headroom and %d for %d leases' %s leave no page of %d bytes",
-			ErrUndersizedPool, free, headroom, side, maxLeases, lay.sideNames(), s.PageBytes())
+			ErrUndersizedPool, free, headroom, side, maxLeases, lay.perLeaseNames(), s.PageBytes())
 	}
 	return int(min((left-side)/s.PageBytes(), int64(math.MaxInt32))), nil
 }
@@ -289,10 +289,9 @@ func (g CacheGroup) perLease(tokens int) int {
 type layout struct {
 	spec    CacheSpec
 	tpp     int
-	primary groupLayout
-	side    []groupLayout
+	groups  []groupLayout // the per-token group first
 	regions []CacheRegion // all, device order
-	dtypes  []DType       // distinct, the primary's first region's first
+	dtypes  []DType       // distinct, the per-token group's first region's first
 	adopted bool
 }
 
@@ -305,15 +304,21 @@ type groupLayout struct {
 	group        CacheGroup
 }
 
-func (l *layout) sideNames() string {
-	names := make([]string, len(l.side))
-	for i, g := range l.side {
-		names[i] = fmt.Sprintf("%q", g.name)
+// perLeaseGroups reports whether the spec has groups beyond the
+// per-token one: groups sized per lease (Config.MaxLeases).
+func (l *layout) perLeaseGroups() bool { return len(l.groups) > 1 }
+
+// perLeaseNames lists the groups sized per lease, quoted.
+func (l *layout) perLeaseNames() string {
+	names := make([]string, 0, len(l.groups)-1)
+	for _, g := range l.groups[1:] {
+		names = append(names, fmt.Sprintf("%q", g.name))
 	}
 	return strings.Join(names, ", ")
 }
 
-// groupPages is the size of side group g for maxLeases leases.
+// groupPages is the size of a window or state group g for maxLeases
+// leases.
 func (g groupLayout) groupPages(maxLeases int) int {
 	return maxLeases * g.group.perLease(math.MaxInt32)
 }
@@ -417,11 +422,7 @@ func (s CacheSpec) layout() (*layout, error) {
 		if g.Kind == GroupState && gl.pageBytes > maxSlotBytes {
 			return bad("%s has slots of %d bytes, above %d", what, gl.pageBytes, int64(maxSlotBytes))
 		}
-		if gi == 0 {
-			l.primary = gl
-		} else {
-			l.side = append(l.side, gl)
-		}
+		l.groups = append(l.groups, gl)
 	}
 	if adopted > 0 && allocated > 0 {
 		return bad("%d regions adopt engine memory and %d do not: adopt all or none", adopted, allocated)

@@ -7,7 +7,7 @@ import (
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/internal/invariants"
-	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 )
 
 // Check verifies the pool's accounting and returns every inconsistency it
@@ -94,15 +94,14 @@ func (c *checker) err() error {
 func (p *Pool) checkLocked() error {
 	p.assertHeld()
 	var c checker
-	c.add(p.mu.alloc.Check())
-	_, err := p.mu.tenants.Check()
-	c.add(err)
 	c.add(p.q.CheckLocked())
 	p.mu.prefix.check(&c)
-	p.checkSharingLocked(&c)
+	p.checkLeasesLocked(&c)
+	for gi := range p.groups {
+		p.checkGroupLocked(&c, gi)
+	}
 	p.checkAdmissionsLocked(&c)
 	p.checkMatchesLocked(&c)
-	p.checkSideLocked(&c)
 	return c.err()
 }
 
@@ -138,18 +137,10 @@ func (p *Pool) checkMatchesLocked(c *checker) {
 	}
 }
 
-// checkSharingLocked checks leases, refcounts, tenant charges and the
-// prefix index against the allocator (see Check).
-func (p *Pool) checkSharingLocked(c *checker) {
+// checkLeasesLocked checks the lease table, the pins of page copies in
+// flight, and what each live lease says of itself.
+func (p *Pool) checkLeasesLocked(c *checker) {
 	p.assertHeld()
-	a, x := p.mu.alloc, &p.mu.prefix
-	refs := make([]int, p.total)
-	charged := make(map[*isolation.Tenant]int)
-	type tenantPage struct {
-		t    *isolation.Tenant
-		page int32
-	}
-	entryRefs := make(map[tenantPage]int)
 	pins := 0
 	for id, l := range p.mu.leases {
 		if l.id != id || l.state.Load() != leaseLive {
@@ -157,53 +148,109 @@ func (p *Pool) checkSharingLocked(c *checker) {
 			continue
 		}
 		pins += l.pins
-		if len(l.table) != len(l.handles) {
-			c.failf("lease %q has %d handles, %d table entries", id, len(l.handles), len(l.table))
+		if len(l.holds) != len(p.groups) {
+			c.failf("lease %q holds pages in %d cache groups, the pool has %d", id, len(l.holds), len(p.groups))
 			continue
 		}
 		p.checkLeaseLocked(c, l)
-		for i, h := range l.handles {
-			info, err := a.Info(h.Page)
-			if err != nil {
-				c.add(err)
-				continue
-			}
-			if info.State != allocator.InUse || info.Owner != l.domain.ID || info.Gen != h.Gen || l.table[i] != h.Page {
-				c.failf("lease %q page %d: %+v, want in use by domain %q at generation %d", id, h.Page, info, l.domain.Name, h.Gen)
-			}
-			refs[h.Page]++
-			if x.byPage[h.Page] != nil && i >= l.published {
-				// releasePagesLocked looks pages up in the index only up to
-				// published: this one would be released as private.
-				c.failf("lease %q page %d (its %dth) is in the prefix index, past the %d pages it published or shared", id, h.Page, i, l.published)
-			}
-			if x.byPage[h.Page] != nil {
-				if entryRefs[tenantPage{l.tenant, h.Page}]++; entryRefs[tenantPage{l.tenant, h.Page}] == 1 {
-					charged[l.tenant]++
-				}
-			} else {
-				charged[l.tenant]++
-			}
-		}
 	}
 	if pins != p.mu.pins {
 		c.failf("%d page copies in flight, the live leases hold %d pins", p.mu.pins, pins)
 	}
-	if lru := x.lruLen; lru != a.Count(allocator.Cached) {
-		c.failf("LRU list holds %d pages, the allocator has %d cached", lru, a.Count(allocator.Cached))
+}
+
+// checkGroupLocked checks cache group gi's books against its allocator,
+// the leases and the prefix index (see Check): every page a lease holds
+// is in use by its domain at its generation, each page's refcount is the
+// number of live leases holding it, and each tenant is charged once per
+// page it holds. Only the per-token group's pages can be in the prefix
+// index; in every other group each page is held by one lease at most and
+// none is cached, and a lease holds what its request needs there.
+func (p *Pool) checkGroupLocked(c *checker, gi int) {
+	p.assertHeld()
+	g, x := &p.groups[gi], &p.mu.prefix
+	a := g.alloc
+	c.add(a.Check())
+	_, err := g.tenants.Check()
+	c.add(err)
+	if n, m := len(g.tenants.Tenants()), len(p.tenantsLocked().Tenants()); n != m {
+		c.failf("group %q has %d tenants, the pool %d", g.name, n, m)
+		return
 	}
-	for page := range int32(p.total) {
+	var byPage []*cacheEntry // the index's entries by page: the per-token group's
+	if gi == 0 {
+		byPage = x.byPage
+		if lru := x.lruLen; lru != a.Count(allocator.Cached) {
+			c.failf("LRU list holds %d pages, the allocator has %d cached", lru, a.Count(allocator.Cached))
+		}
+	}
+	refs := make([]int, g.pages)
+	charged := make(map[*tenancy.Tenant]int) // by the pool's tenant
+	type tenantPage struct {
+		t    *tenancy.Tenant
+		page int32
+	}
+	entryRefs := make(map[tenantPage]int)
+	for id, l := range p.mu.leases {
+		if l.id != id || l.state.Load() != leaseLive || len(l.holds) != len(p.groups) {
+			continue // reported by checkLeasesLocked
+		}
+		h := &l.holds[gi]
+		if len(h.pages) != len(h.handles) {
+			c.failf("lease %q has %d handles, %d pages in group %q", id, len(h.handles), len(h.pages), g.name)
+			continue
+		}
+		if g.kind != GroupPerToken {
+			if want := g.group.perLease(l.prompt + l.maxNew); len(h.handles) != want {
+				c.failf("lease %q holds %d pages of group %q, its request needs %d", id, len(h.handles), g.name, want)
+			}
+		}
+		if first := max(0, l.Written()-g.window) / max(1, g.tpp); h.first < 0 || h.first > first ||
+			(g.kind != GroupSlidingWindow && h.first != 0) {
+			c.failf("lease %q: its window of group %q starts at page %d; %d tokens written let it start at page %d at most",
+				id, g.name, h.first, l.Written(), first)
+		}
+		for i, hd := range h.handles {
+			info, err := a.Info(hd.Page)
+			if err != nil {
+				c.add(err)
+				continue
+			}
+			if info.State != allocator.InUse || info.Owner != l.domain.ID || info.Gen != hd.Gen || h.pages[i] != hd.Page {
+				c.failf("lease %q page %d of group %q: %+v, want in use by domain %q at generation %d", id, hd.Page, g.name, info, l.domain.Name, hd.Gen)
+			}
+			refs[hd.Page]++
+			var e *cacheEntry
+			if byPage != nil {
+				e = byPage[hd.Page]
+			}
+			if e != nil && i >= l.published {
+				// releasePagesLocked looks pages up in the index only up to
+				// published: this one would be released as private.
+				c.failf("lease %q page %d (its %dth) is in the prefix index, past the %d pages it published or shared", id, hd.Page, i, l.published)
+			}
+			if e == nil {
+				charged[l.tenant]++
+			} else if entryRefs[tenantPage{l.tenant, hd.Page}]++; entryRefs[tenantPage{l.tenant, hd.Page}] == 1 {
+				charged[l.tenant]++
+			}
+		}
+	}
+	for page := range int32(g.pages) {
 		info, _ := a.Info(page)
 		if info.Refs != refs[page] {
-			c.failf("page %d has %d references, %d live leases hold it", page, info.Refs, refs[page])
+			c.failf("page %d of group %q has %d references, %d live leases hold it", page, g.name, info.Refs, refs[page])
 		}
-		e := x.byPage[page]
+		var e *cacheEntry
+		if byPage != nil {
+			e = byPage[page]
+		}
 		if e == nil {
 			if info.State == allocator.Cached {
-				c.failf("page %d is cached without an index entry", page)
+				c.failf("page %d of group %q is cached without an index entry", page, g.name)
 			}
 			if refs[page] > 1 {
-				c.failf("unpublished page %d held by %d leases", page, refs[page])
+				c.failf("unpublished page %d of group %q held by %d leases", page, g.name, refs[page])
 			}
 			continue
 		}
@@ -228,9 +275,9 @@ func (p *Pool) checkSharingLocked(c *checker) {
 			c.failf("page %d: tenant counts sum to %d, entry counts %d leases, %d hold it", page, total, e.leases, refs[page])
 		}
 	}
-	for _, t := range p.mu.tenants.Tenants() {
-		if t.Used != charged[t] {
-			c.failf("tenant %q charged %d pages, holds %d", t.Name, t.Used, charged[t])
+	for _, t := range p.tenantsLocked().Tenants() {
+		if mt := g.mirror(t); mt.Used != charged[t] {
+			c.failf("tenant %q charged %d pages of group %q, holds %d", t.Name, mt.Used, g.name, charged[t])
 		}
 	}
 }
@@ -240,18 +287,19 @@ func (p *Pool) checkSharingLocked(c *checker) {
 // it is shared or published.
 func (p *Pool) checkLeaseLocked(c *checker, l *Lease) {
 	p.assertHeld()
-	if v := l.tableView(); !slices.Equal(v, l.table) {
-		c.failf("lease %q: the block table its readers see holds %d pages, not its %d", l.id, len(v), len(l.table))
+	table := l.holds[0].pages
+	if v := l.tableView(); !slices.Equal(v, table) {
+		c.failf("lease %q: the block table its readers see holds %d pages, not its %d", l.id, len(v), len(table))
 	}
 	written, sealed := l.Written(), l.written.Load()&writeSealed != 0
-	if limit := min(l.prompt+l.maxNew, len(l.table)*p.tpp); written < 0 || written > limit {
+	if limit := min(l.prompt+l.maxNew, len(table)*p.tpp); written < 0 || written > limit {
 		c.failf("lease %q: written watermark %d, outside the %d tokens it may hold", l.id, written, limit)
 	}
 	if ph := Phase(l.phase.Load()); sealed != (ph == PhaseExported || ph == PhaseImporting) {
 		c.failf("lease %q is %v, and its pages sealed is %v", l.id, ph, sealed)
 	}
-	if l.hitPages < 0 || l.hitPages > l.published || l.published > len(l.handles) {
-		c.failf("lease %q shares %d hits and has published %d of its %d pages", l.id, l.hitPages, l.published, len(l.handles))
+	if l.hitPages < 0 || l.hitPages > l.published || l.published > len(l.holds[0].handles) {
+		c.failf("lease %q shares %d hits and has published %d of its %d pages", l.id, l.hitPages, l.published, len(l.holds[0].handles))
 	}
 }
 
@@ -259,14 +307,17 @@ func (p *Pool) checkLeaseLocked(c *checker, l *Lease) {
 // the waiting queue.
 func (p *Pool) checkAdmissionsLocked(c *checker) {
 	p.assertHeld()
-	a := p.mu.alloc
-	free, quarantined := a.Count(allocator.Free), a.Count(allocator.Quarantined)
-	switch {
-	case p.mu.claimed < 0 || p.mu.evicting < 0 || p.mu.evicting > quarantined:
-		c.failf("%d pages claimed, %d being evicted for claims, %d quarantined", p.mu.claimed, p.mu.evicting, quarantined)
-	case p.mu.claimed > free+p.mu.evicting:
-		c.failf("%d pages claimed, only %d free and %d on their way", p.mu.claimed, free, p.mu.evicting)
-	case p.mu.admitting < 0:
+	for gi := range p.groups {
+		g := &p.groups[gi]
+		free, quarantined := g.alloc.Count(allocator.Free), g.alloc.Count(allocator.Quarantined)
+		switch {
+		case g.claimed < 0 || g.evicting < 0 || g.evicting > quarantined:
+			c.failf("group %q: %d pages claimed, %d being evicted for claims, %d quarantined", g.name, g.claimed, g.evicting, quarantined)
+		case g.claimed > free+g.evicting:
+			c.failf("group %q: %d pages claimed, only %d free and %d on their way", g.name, g.claimed, free, g.evicting)
+		}
+	}
+	if p.mu.admitting < 0 {
 		c.failf("%d admissions in progress", p.mu.admitting)
 	}
 	n, pool := 0, 0

@@ -49,8 +49,8 @@ func TestCheckReportsInvariantsItDidNotVerify(t *testing.T) {
 			}},
 		"window slid past the written watermark": {hybrid: true, want: "window",
 			breaks: func(p *Pool, l *Lease) func() {
-				l.side[0].first = 2 // nothing written: nothing may have slid out
-				return func() { l.side[0].first = 0 }
+				l.holds[1].first = 2 // nothing written: nothing may have slid out
+				return func() { l.holds[1].first = 0 }
 			}},
 	} {
 		t.Run(name, func(t *testing.T) {

@@ -222,51 +222,55 @@ func (c *Config) spec() (*layout, error) {
 	return c.Cache.layout()
 }
 
-// sizes derives and validates the pool size: per-token pages, and the
-// size of every other group.
-func (c *Config) sizes(lay *layout) (pages int, side []int, err error) {
+// sizes derives and validates the pool size: the pages (slots) of every
+// group, the per-token group's first.
+func (c *Config) sizes(lay *layout) (pages []int, err error) {
 	switch {
 	case c.Pages != 0 && c.PoolBytes != 0:
-		return 0, nil, fmt.Errorf("%w: set Pages (%d) or PoolBytes (%d), not both", ErrInvalidConfig, c.Pages, c.PoolBytes)
+		return nil, fmt.Errorf("%w: set Pages (%d) or PoolBytes (%d), not both", ErrInvalidConfig, c.Pages, c.PoolBytes)
 	case c.Pages < 0 || c.PoolBytes < 0:
-		return 0, nil, fmt.Errorf("%w: negative pool size (Pages %d, PoolBytes %d)", ErrInvalidConfig, c.Pages, c.PoolBytes)
+		return nil, fmt.Errorf("%w: negative pool size (Pages %d, PoolBytes %d)", ErrInvalidConfig, c.Pages, c.PoolBytes)
 	case c.Pages == 0 && c.PoolBytes == 0:
-		return 0, nil, fmt.Errorf("%w: pool size missing: set Pages or PoolBytes", ErrInvalidConfig)
-	case len(lay.side) == 0 && c.MaxLeases != 0:
-		return 0, nil, fmt.Errorf("%w: MaxLeases = %d, but the pool has no sliding-window or state group for it to size", ErrInvalidConfig, c.MaxLeases)
-	case len(lay.side) > 0 && (c.MaxLeases < 1 || c.MaxLeases > maxLeasesLimit):
-		return 0, nil, fmt.Errorf("%w: MaxLeases = %d, want 1..%d: it sizes the %s group(s)", ErrInvalidConfig, c.MaxLeases, maxLeasesLimit, lay.sideNames())
+		return nil, fmt.Errorf("%w: pool size missing: set Pages or PoolBytes", ErrInvalidConfig)
+	case !lay.perLeaseGroups() && c.MaxLeases != 0:
+		return nil, fmt.Errorf("%w: MaxLeases = %d, but the pool has no sliding-window or state group for it to size", ErrInvalidConfig, c.MaxLeases)
+	case lay.perLeaseGroups() && (c.MaxLeases < 1 || c.MaxLeases > maxLeasesLimit):
+		return nil, fmt.Errorf("%w: MaxLeases = %d, want 1..%d: it sizes the %s group(s)", ErrInvalidConfig, c.MaxLeases, maxLeasesLimit, lay.perLeaseNames())
 	}
 	var sideBytes int64
-	for _, g := range lay.side {
+	pages = make([]int, len(lay.groups))
+	for i, g := range lay.groups {
+		if i == 0 {
+			continue // sized by Pages or PoolBytes, below
+		}
 		n := g.groupPages(c.MaxLeases)
 		if n > allocator.MaxPages {
-			return 0, nil, fmt.Errorf("%w: group %q needs %d pages for %d leases, more than the %d an allocator addresses",
+			return nil, fmt.Errorf("%w: group %q needs %d pages for %d leases, more than the %d an allocator addresses",
 				ErrInvalidConfig, g.name, n, c.MaxLeases, allocator.MaxPages)
 		}
-		side = append(side, n)
+		pages[i] = n
 		sideBytes = satAdd(sideBytes, satMul(int64(n), g.pageBytes)) // 2^31 pages of 2^44 bytes overflow
 	}
 	n := int64(c.Pages)
 	if c.PoolBytes != 0 {
 		left := c.PoolBytes - sideBytes
-		n = left / lay.primary.pageBytes
+		n = left / lay.groups[0].pageBytes
 		if left <= 0 || n == 0 {
-			return 0, nil, fmt.Errorf("%w: PoolBytes %d holds no page of %d bytes beside %d bytes for the %s group(s)",
-				ErrInvalidConfig, c.PoolBytes, lay.primary.pageBytes, sideBytes, lay.sideNames())
+			return nil, fmt.Errorf("%w: PoolBytes %d holds no page of %d bytes beside %d bytes for the %s group(s)",
+				ErrInvalidConfig, c.PoolBytes, lay.groups[0].pageBytes, sideBytes, lay.perLeaseNames())
 		}
 	}
 	if n > allocator.MaxPages {
-		return 0, nil, fmt.Errorf("%w: %d pages, more than the %d a block table can address", ErrInvalidConfig, n, allocator.MaxPages)
+		return nil, fmt.Errorf("%w: %d pages, more than the %d a block table can address", ErrInvalidConfig, n, allocator.MaxPages)
 	}
-	return int(n), side, nil
+	pages[0] = int(n)
+	return pages, nil
 }
 
 // validated is a checked Config: its layout and group sizes.
 type validated struct {
 	lay   *layout
-	pages int   // per-token group
-	side  []int // each other group's pages (slots)
+	pages []int // each group's pages (slots), the per-token group's first
 }
 
 // validate checks everything but the device.
@@ -275,7 +279,7 @@ func (c *Config) validate() (validated, error) {
 	if err != nil {
 		return validated{}, err
 	}
-	pages, side, err := c.sizes(lay)
+	pages, err := c.sizes(lay)
 	if err != nil {
 		return validated{}, err
 	}
@@ -294,19 +298,19 @@ func (c *Config) validate() (validated, error) {
 	if c.MaxContextTokens <= 0 {
 		return validated{}, fmt.Errorf("%w: MaxContextTokens = %d, want the engine's context window (> 0)", ErrInvalidConfig, c.MaxContextTokens)
 	}
-	capTokens := int64(pages) * int64(lay.tpp)
+	capTokens := int64(pages[0]) * int64(lay.tpp)
 	if int64(c.MaxContextTokens) > capTokens && !c.AllowUndersizedPool {
 		return validated{}, fmt.Errorf("%w: pool holds %d tokens (%d pages of %d), max context is %d tokens; "+
 			"enlarge the pool, lower MaxContextTokens, or set AllowUndersizedPool to refuse longer requests at admission",
-			ErrUndersizedPool, capTokens, pages, lay.tpp, c.MaxContextTokens)
+			ErrUndersizedPool, capTokens, pages[0], lay.tpp, c.MaxContextTokens)
 	}
-	for _, g := range lay.side {
+	for _, g := range lay.groups {
 		if g.kind == GroupSlidingWindow && g.window > c.MaxContextTokens {
 			return validated{}, fmt.Errorf("%w: group %q has a window of %d tokens, longer than the max context of %d: it is a per-token group",
 				ErrInvalidConfig, g.name, g.window, c.MaxContextTokens)
 		}
 	}
-	v := validated{lay: lay, pages: pages, side: side}
+	v := validated{lay: lay, pages: pages}
 	if err := c.checkHostMemory(v); err != nil {
 		return validated{}, err
 	}
@@ -335,20 +339,17 @@ func (c *Config) checkHostMemory(v validated) error {
 	if !ok {
 		return nil // cannot tell (not Linux): the allocations will say
 	}
-	pages := int64(v.pages)
-	for _, n := range v.side {
-		pages += int64(n)
+	var pages, host int64
+	for i, g := range v.lay.groups {
+		pages += int64(v.pages[i])
+		// Saturating: a page can span 2^43 bytes, pages × that overflows.
+		host = satAdd(host, satMul(int64(v.pages[i]), g.pageBytes))
 	}
 	meta := pages * metadataBytesPerPage
-	var host int64
-	if c.Device == nil && !v.lay.adopted {
-		// Saturating: a page can span 2^43 bytes, pages × that overflows.
-		host = satMul(int64(v.pages), v.lay.primary.pageBytes)
-		for i, g := range v.lay.side {
-			host = satAdd(host, satMul(int64(v.side[i]), g.pageBytes))
-		}
-		host = min(host, math.MaxInt64-meta)
+	if c.Device != nil || v.lay.adopted {
+		host = 0 // the page memory is not the pool's to allocate here
 	}
+	host = min(host, math.MaxInt64-meta)
 	if need := meta + host; need > avail {
 		return fmt.Errorf("%w: a pool of %d pages needs %d bytes of host memory (%d for page metadata, %d for host page memory), "+
 			"this process can use %d more", ErrInvalidConfig, pages, need, meta, host, avail)
@@ -385,12 +386,12 @@ func (c *Config) setupDevice(v validated) (dev cudaops.Device, owned bool, err e
 		return nil, false, err
 	}
 	groupPages := func(ri int) int {
-		for i, g := range lay.side {
+		for i, g := range lay.groups {
 			if ri >= g.first && ri < g.first+g.count {
-				return v.side[i]
+				return v.pages[i]
 			}
 		}
-		return v.pages
+		panic(fmt.Sprintf("kvcache: region %d in no group", ri))
 	}
 	regions := dev.Regions()
 	if len(regions) == 0 {

@@ -4,9 +4,12 @@
 //
 // # Model
 //
-// A Pool owns N pages (allocator), the tenants and their quotas
-// (isolation.Registry), the scrubber (isolation.Quarantine) and the device
-// memory that backs the pages (cudaops.Device). An engine calls Admit before
+// A Pool owns N pages (allocator), the tenants and their quotas (its
+// tenant books, internal/tenancy), the scrubber (its quarantine,
+// internal/scrub) and the device memory that backs the pages
+// (cudaops.Device, which it never hands out: callers reach pages through
+// their leases, Lease.ReadPage and WritePage, or address them from
+// Pool.Regions). An engine calls Admit before
 // prefill. Admit either returns a Lease that already holds every page the
 // request can ever need (prompt + max new tokens), with its block table
 // ready, or an *AdmissionError that names the numbers. Nothing in between
@@ -42,7 +45,7 @@
 //  2. Under Pool.mu, attemptLocked decides, in one critical section, from
 //     everything it depends on: the pool's state, the tenant, a duplicate
 //     ID, the pool's capacity and the tenant's quota (refusals no release
-//     can cure), the cached prefix, and then isolation.Registry.Decide,
+//     can cure), the cached prefix, and then isolation.Decide,
 //     the one rule for quota and reservations, given the pages the pool can
 //     hand out and whether earlier admissions wait for pages.
 //  3. Granted, it takes the tenant's charge, shares the matched prefix and
@@ -56,7 +59,7 @@
 // matched under the lock in its domain's trie, by the tokens themselves,
 // unless the domain holds pages published by keys alone), scrubbing
 // cached pages the admission evicted (their pages are promised to it
-// meanwhile: Pool.mu.claimed), and waiting.
+// meanwhile: group.claimed), and waiting.
 //
 // The way back (release.go) is one function too, endLease, for Release,
 // Abort, an export's ack or reclaim deadline and an aborted import: under
@@ -72,16 +75,17 @@
 //
 // A pool's pages are described by a cache spec (Config.Cache; a Geometry
 // is the spec of one per-token group of K and V regions, GeometrySpec):
-// groups of regions, each group its own page space with its own allocator
-// and tenant books. The per-token group is what every section of this
-// doc calls "the pages": admission sizes it, leases grow in it, the
-// prefix cache shares it and handoffs move it. Sliding-window and state
-// groups hold a fixed amount per lease (a ring of pages, a slot), taken
-// with the per-token pages in the same attempt (decideSideLocked, then
-// takeSideLocked), released with them (releaseSideLocked) and scrubbed in
-// the same fill: the quarantine fills every group's pages of a release
-// with one cudaops.FillSpans. Check covers every group. See cachespec.go
-// for the model and groups.go for the code.
+// groups of regions, each group its own page space with its own
+// allocator, tenant books and quarantine space. Every group is an
+// ordinary group (groups.go): admission decides and takes every group in
+// one attempt, all or nothing; the end of a lease releases every group
+// into one scrub batch, which the quarantine fills with one device
+// operation (cudaops.FillSpans); Stats and Check cover every group the
+// same way. What differs is how much a lease holds in each: the
+// per-token group (group 0) holds the request's tokens, and alone grows
+// and is shared by the prefix cache; a sliding-window group holds a ring
+// of pages (Lease.SlideWindows scrubs the pages that left the window); a
+// state group holds one slot. See cachespec.go for the model.
 //
 // # Sizing, growth and preemption
 //

@@ -66,7 +66,7 @@ func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 	}
 	l.phase.Store(uint32(PhaseExported))
 	n := p.pagesFor(l.prompt)
-	o := &Outgoing{pool: p, lease: l, seq: l.seq, handles: append([]allocator.Handle(nil), l.handles[:n]...)}
+	o := &Outgoing{pool: p, lease: l, seq: l.seq, handles: append([]allocator.Handle(nil), l.holds[0].handles[:n]...)}
 	// The callback runs in its own goroutine and takes Pool.mu itself; it
 	// ends only this export (o.owns), never a later incarnation.
 	o.timer = time.AfterFunc(time.Until(reclaimAt), func() {
@@ -174,9 +174,9 @@ func (o *Outgoing) PageBytes() int64 { return o.pool.PageBytes() }
 // handoffSupported refuses a handoff from or to a pool with side groups:
 // its pages alone would be half of the request's state.
 func (p *Pool) handoffSupported() error {
-	if len(p.side) > 0 {
+	if p.lay.perLeaseGroups() {
 		return fmt.Errorf("%w: the pool has the %s cache group(s), which handoffs do not move: only pools of one per-token group export and import",
-			ErrInvalidArgument, p.lay.sideNames())
+			ErrInvalidArgument, p.lay.perLeaseNames())
 	}
 	return nil
 }
@@ -207,7 +207,7 @@ func (o *Outgoing) ReadPages(first int, dst []byte) error {
 	p.mu.Lock()
 	err := o.checkLocked()
 	if err == nil {
-		err = p.pinPagesLocked(o.lease, hs, false)
+		err = p.pinPagesLocked(o.lease, 0, hs, false)
 	}
 	p.mu.Unlock()
 	if err != nil {
@@ -255,7 +255,7 @@ func (o *Outgoing) PageViews(first, n int, views [][]byte) (_ [][]byte, done fun
 	p.mu.Lock()
 	err = o.checkLocked()
 	if err == nil {
-		err = p.pinPagesLocked(o.lease, hs, false)
+		err = p.pinPagesLocked(o.lease, 0, hs, false)
 	}
 	p.mu.Unlock()
 	if err != nil {
@@ -269,7 +269,7 @@ func (o *Outgoing) PageViews(first, n int, views [][]byte) (_ [][]byte, done fun
 	}
 	start := len(views)
 	for _, h := range hs {
-		for r := range p.lay.primary.count {
+		for r := range p.groups[0].count {
 			v := pv.PageBytes(r, h.Page)
 			if len(v) != int(p.lay.regions[r].PageBytes) {
 				done()
@@ -299,18 +299,18 @@ func (o *Outgoing) checkLocked() error {
 	return nil
 }
 
-// pinPagesLocked checks that each page is still in use at its handle's
-// generation (and, for a write, held by l alone and published nowhere)
-// and, if so, pins l for one copy; unpin ends it.
-func (p *Pool) pinPagesLocked(l *Lease, hs []allocator.Handle, write bool) error {
+// pinPagesLocked checks that each page of group gi is still in use at
+// its handle's generation (and, for a write, held by l alone and
+// published nowhere) and, if so, pins l for one copy; unpin ends it.
+func (p *Pool) pinPagesLocked(l *Lease, gi int, hs []allocator.Handle, write bool) error {
 	p.assertHeld()
 	for _, h := range hs {
-		info, err := p.mu.alloc.Info(h.Page)
+		info, err := p.groups[gi].alloc.Info(h.Page)
 		if err != nil || info.State != allocator.InUse || info.Gen != h.Gen {
 			return fmt.Errorf("%w: page %d is at generation %d (%v), transfer expects %d",
 				ErrStaleTransfer, h.Page, info.Gen, info.State, h.Gen)
 		}
-		if write && (info.Refs != 1 || p.mu.prefix.byPage[h.Page] != nil) {
+		if write && (info.Refs != 1 || gi == 0 && p.mu.prefix.byPage[h.Page] != nil) {
 			// An import's pages are its own (it shares nothing); a page
 			// held elsewhere or published is someone else's KV.
 			return fmt.Errorf("%w: page %d is shared (%d references) or published; an import writes only its own pages",
@@ -329,7 +329,7 @@ func (p *Pool) readPages(hs []allocator.Handle, buf []byte) error {
 	}
 	off := 0
 	for _, h := range hs {
-		for r := range p.lay.primary.count {
+		for r := range p.groups[0].count {
 			rb := int(p.lay.regions[r].PageBytes)
 			if err := p.dev.ReadPage(r, h.Page, buf[off:off+rb]); err != nil {
 				return fmt.Errorf("%w: page %d region %d: %w", ErrDevice, h.Page, r, err)
@@ -371,9 +371,9 @@ func (p *Pool) readStaged(sc cudaops.StagedCopier, hs []allocator.Handle, buf []
 // handoffRegions lists the device regions a handoff copies: the
 // per-token group's, the first on the device, each page's in order.
 func (p *Pool) handoffRegions() []int {
-	regions := make([]int, p.lay.primary.count)
+	regions := make([]int, p.groups[0].count)
 	for k := range regions {
-		regions[k] = p.lay.primary.first + k
+		regions[k] = p.groups[0].first + k
 	}
 	return regions
 }

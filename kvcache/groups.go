@@ -7,74 +7,127 @@ import (
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 )
 
-// This file is a pool's cache groups beyond the per-token one: sliding
-// windows and state slots (see CacheSpec). Each is a page space of its
-// own, with its own allocator and its own tenant books, taken all or
-// nothing with the per-token pages at admission (attemptLocked calls
-// decideSideLocked, then takeSideLocked), given back with them at the end
-// of the lease (detachLocked calls releaseSideLocked) and scrubbed in the
-// same fill (scrub, as quarantine spaces 1, 2, …).
+// This file is a pool's cache groups (see CacheSpec) as the pool runs
+// them. Every group is an ordinary group: a page space with its own
+// allocator, its own tenant books and its own quarantine space, and a
+// lease holds pages (slots) in each. What differs between kinds is how
+// much a lease needs, never the code that takes, releases, scrubs or
+// checks it:
 //
-// What a lease holds in such a group is fixed for its life: one slot of
-// a state group; a ring of min(window pages + 1, pages of its tokens) of
-// a sliding-window group. So the groups never grow, are never shared or
-// cached, and have nothing to evict.
+//	kind            a lease of T tokens holds             grows  cached
+//	per-token (0)   ceil(T / TokensPerPage) pages          yes    prefix cache
+//	sliding window  min(ring, ceil(T / TokensPerPage))    no     no
+//	state           1 slot                                no     no
+//
+// Admission decides every group in one attempt (attemptLocked: the
+// permanent refusals of each group, then isolation.Decide for each, then
+// the claims), takes them all (takeLocked), or takes none. The end of a
+// lease releases every group's pages into one scrub batch
+// (releaseGroupLocked), which the quarantine fills with one device
+// operation. Check covers every group the same way.
+//
+// The per-token group is group 0. It alone sizes admission in tokens,
+// grows (grow.go) and is shared by the prefix cache (prefix.go): only its
+// leading pages can be published, so only group 0's books ever hold
+// shared or cached pages. The other groups' pages are each held by one
+// lease.
 
-// sideGroup is a sliding-window or state group of a pool.
-type sideGroup struct {
+// group is one cache group of a pool.
+type group struct {
 	groupLayout
-	pages int // N_g, pages (slots) in the group
-	space int // its quarantine space (1 + index)
-	// alloc numbers the group's pages; tenants mirrors the pool's tenants
-	// at their share of this group (shareOf). Both guarded by Pool.mu.
+	index int // in Pool.groups, and its quarantine space
+	pages int // N_g: pages (slots) in the group
+	// alloc numbers the group's pages; tenants are the pool's tenants at
+	// their share of this group (shareOf; group 0's are the pool's own
+	// books, where the sharing domains are). Both are set once in New
+	// and guarded by Pool.mu.
 	alloc   *allocator.Allocator
-	tenants *isolation.Registry
+	tenants *tenancy.Registry
+	// claimed and evicting are the group's pages promised to granted
+	// admissions and growths, and the pages evicted for them whose fill
+	// has not finished (see admission.claims); guarded by Pool.mu.
+	// claimed ≤ free + evicting: every promised page is free or on its
+	// way.
+	claimed, evicting int
 }
 
-// sideHold is what a lease holds in one side group.
-type sideHold struct {
+// hold is what a lease holds in one cache group.
+type hold struct {
 	handles []allocator.Handle
-	// ring is the pages in ring order: logical page i of the request (its
-	// tokens [i·tpp, (i+1)·tpp)) is ring[i mod len(ring)]. A state
-	// group's ring is its one slot.
-	ring []int32
+	// pages are the handles' pages in the group's order: the block table
+	// of the per-token group (page i holds tokens [i·tpp, (i+1)·tpp)); a
+	// window's ring, where logical page i is pages[i mod len(pages)]; a
+	// state group's one slot.
+	pages []int32
 	// first is a window's oldest logical page still in the window:
 	// SlideWindows scrubbed the ring pages of every page before it.
 	first int
 	dec   isolation.Decision // scratch of the admission in progress
 }
 
+// need is the pages (slots) a lease whose request holds tokens tokens
+// takes in g at admission, given tokenPages, the per-token pages its
+// sizing reserves.
+func (g *group) need(tokenPages, tokens int) int {
+	if g.kind == GroupPerToken {
+		return tokenPages
+	}
+	return g.group.perLease(tokens)
+}
+
+// inServiceLocked is the group's pages that are not retired.
+func (g *group) inServiceLocked() int { return g.pages - g.alloc.Count(allocator.Retired) }
+
+// mirror is t's record in g's books.
+func (g *group) mirror(t *tenancy.Tenant) *tenancy.Tenant { return g.tenants.Tenants()[t.ID-1] }
+
 // shareOf is n pages of the per-token group as the same share of group
-// g, rounded up (see CacheSpec: quotas and reservations are shares).
-func (p *Pool) shareOf(g *sideGroup, n int) int {
+// g, rounded up (see CacheSpec: quotas and reservations are shares); n
+// itself in the per-token group.
+func (p *Pool) shareOf(g *group, n int) int {
 	return int(min((int64(n)*int64(g.pages)+int64(p.total)-1)/int64(p.total), int64(g.pages)))
 }
 
 // mirrorConfig is tenant c (with its quota resolved against the pool) as
-// group g's registry holds it.
-func (p *Pool) mirrorConfig(g *sideGroup, c TenantConfig) TenantConfig {
+// group g's books hold it.
+func (p *Pool) mirrorConfig(g *group, c TenantConfig) TenantConfig {
 	quota := c.QuotaPages
 	if quota == 0 || quota > p.total {
 		quota = p.total
 	}
-	return TenantConfig{Name: c.Name, QuotaPages: p.shareOf(g, quota), ReservedPages: p.shareOf(g, c.ReservedPages)}
+	c.QuotaPages, c.ReservedPages = p.shareOf(g, quota), p.shareOf(g, c.ReservedPages)
+	return c
+}
+
+// tenantsLocked is the pool's tenant books: group 0's, where tenants are
+// looked up and their sharing domains kept.
+func (p *Pool) tenantsLocked() *tenancy.Registry {
+	p.assertHeld()
+	return p.groups[0].tenants
 }
 
 // checkTenantLocked returns the error adding (or updating) tenant c would
 // meet in any group, changing nothing.
 func (p *Pool) checkTenantLocked(c TenantConfig, update bool) error {
 	p.assertHeld()
-	check := (*isolation.Registry).CheckAdd
-	if update {
-		check = (*isolation.Registry).CheckUpdate
-	}
-	if err := check(p.mu.tenants, c); err != nil {
+	// The tenant's own numbers first: its shares of the other groups are
+	// derived from them (a negative quota would round to zero there).
+	if _, err := isolation.ValidateTenant(c, p.total); err != nil {
 		return err
 	}
-	for _, g := range p.side {
+	check := (*tenancy.Registry).CheckAdd
+	if update {
+		check = (*tenancy.Registry).CheckUpdate
+	}
+	for i := range p.groups {
+		g := &p.groups[i]
 		if err := check(g.tenants, p.mirrorConfig(g, c)); err != nil {
+			if i == 0 {
+				return err // the tenant's own numbers
+			}
 			return fmt.Errorf("in cache group %q: %w", g.name, err)
 		}
 	}
@@ -82,21 +135,18 @@ func (p *Pool) checkTenantLocked(c TenantConfig, update bool) error {
 }
 
 // addTenantLocked registers c in every group, or in none.
-func (p *Pool) addTenantLocked(c TenantConfig) (*isolation.Tenant, error) {
+func (p *Pool) addTenantLocked(c TenantConfig) error {
 	p.assertHeld()
 	if err := p.checkTenantLocked(c, false); err != nil {
-		return nil, err
+		return err
 	}
-	t, err := p.mu.tenants.Add(c)
-	if err != nil {
-		panic(fmt.Sprintf("kvcache: tenant %q checked, then refused: %v", c.Name, err))
-	}
-	for _, g := range p.side {
+	for i := range p.groups {
+		g := &p.groups[i]
 		if _, err := g.tenants.Add(p.mirrorConfig(g, c)); err != nil {
 			panic(fmt.Sprintf("kvcache: tenant %q checked, then refused in group %q: %v", c.Name, g.name, err))
 		}
 	}
-	return t, nil
+	return nil
 }
 
 // updateTenantLocked updates c in every group, or in none.
@@ -105,10 +155,8 @@ func (p *Pool) updateTenantLocked(c TenantConfig) error {
 	if err := p.checkTenantLocked(c, true); err != nil {
 		return err
 	}
-	if err := p.mu.tenants.Update(c); err != nil {
-		panic(fmt.Sprintf("kvcache: tenant %q update checked, then refused: %v", c.Name, err))
-	}
-	for _, g := range p.side {
+	for i := range p.groups {
+		g := &p.groups[i]
 		if err := g.tenants.Update(p.mirrorConfig(g, c)); err != nil {
 			panic(fmt.Sprintf("kvcache: tenant %q update checked, then refused in group %q: %v", c.Name, g.name, err))
 		}
@@ -116,157 +164,28 @@ func (p *Pool) updateTenantLocked(c TenantConfig) error {
 	return nil
 }
 
-// mirror is t's record in group g.
-func (g *sideGroup) mirror(t *isolation.Tenant) *isolation.Tenant {
-	return g.tenants.Tenants()[t.ID-1]
+// refusalGroup is how a refusal names group g: not at all in a pool of
+// one group, by name and kind otherwise.
+func (p *Pool) refusalGroup(g *group) (string, GroupKind) {
+	if len(p.groups) == 1 {
+		return "", 0
+	}
+	return g.name, g.kind
 }
 
-// decideSideLocked decides an admission's share of every side group, all
-// before anything is taken: ok means every group grants (the decisions
-// are in l.side[i].dec, the pages verified under the canary policy);
-// otherwise st is the refusal or the wait.
-func (p *Pool) decideSideLocked(a *admission, t *isolation.Tenant) (st step, ok bool) {
+// releaseGroupLocked gives back everything l holds in group gi: pages
+// still published or shared are parked in the prefix cache or stay with
+// their other holders (releasePagesLocked; only group 0's can be), the
+// others go into quarantine, appended to pages, which the caller scrubs;
+// the tenant is uncharged.
+func (p *Pool) releaseGroupLocked(l *Lease, gi int, pages []int32) []int32 {
 	p.assertHeld()
-	l := a.l
-	if len(l.side) != len(p.side) {
-		l.side = make([]sideHold, len(p.side))
-	}
-	tokens := a.req.Tokens()
-	queued := p.queuedAheadLocked(a)
-	for i, g := range p.side {
-		need := g.group.perLease(tokens)
-		mt := g.mirror(t)
-		inService := g.pages - g.alloc.Count(allocator.Retired)
-		free := g.alloc.Count(allocator.Free)
-		switch {
-		case need > inService:
-			return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Group: g.name, GroupKind: g.kind, Need: need, Have: free, Limit: inService}), false
-		case need > mt.Quota:
-			return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Group: g.name, GroupKind: g.kind, Need: need, Have: max(0, mt.Quota-mt.Used), Limit: mt.Quota}), false
-		}
-		dec := g.tenants.Decide(mt, isolation.Demand{Charge: need, Take: need},
-			isolation.Supply{Pages: free, InService: inService, Queued: queued})
-		if dec.Verdict != isolation.Grant {
-			p.releaseClaimLocked(a)
-			return p.blockedGroupLocked(a, t, dec, g.name, g.kind, inService), false
-		}
-		l.side[i].dec = dec
-	}
-	if p.q.NeedsVerify() {
-		for i, g := range p.side {
-			peek := g.alloc.PeekFree(l.scrub.pages[:0], l.side[i].dec.Demand.Take)
-			l.scrub.pages = peek[:0]
-			if retired, err := p.q.VerifySpaceLocked(g.space, peek); err != nil {
-				p.faultedLocked()
-				p.logCanaryLocked(retired, err)
-				return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Group: g.name, GroupKind: g.kind, Cause: err}), false
-			}
-		}
-	}
-	return stepDone, true
-}
-
-// takeSideLocked applies the decisions of decideSideLocked and gives l its
-// pages in every side group. Nothing can fail.
-func (p *Pool) takeSideLocked(l *Lease, t *isolation.Tenant) {
-	p.assertHeld()
-	for i, g := range p.side {
-		h := &l.side[i]
-		g.tenants.Apply(g.mirror(t), h.dec)
-		var err error
-		h.handles, err = g.alloc.Alloc(h.handles[:0], h.dec.Demand.Take, t.Domain.ID)
-		if err != nil {
-			panic(fmt.Sprintf("kvcache: %d pages of group %q granted and free, but the allocator refused: %v", h.dec.Demand.Take, g.name, err))
-		}
-		h.ring = h.ring[:0]
-		for _, hd := range h.handles {
-			h.ring = append(h.ring, hd.Page)
-		}
-		h.first = 0
-	}
-}
-
-// releaseSideLocked gives back everything l holds in the side groups:
-// its pages into quarantine (appended to b.side, which the caller
-// scrubs), its tenant uncharged.
-func (p *Pool) releaseSideLocked(l *Lease, b scrubBatch) scrubBatch {
-	p.assertHeld()
-	if len(b.side) != len(p.side) {
-		b.side = make([][]int32, len(p.side))
-		b.all = make([][]int32, 0, 1+len(p.side))
-	}
-	for i, g := range p.side {
-		h := &l.side[i]
-		if len(h.handles) == 0 {
-			continue
-		}
-		before := len(b.side[i])
-		var err error
-		b.side[i], err = g.alloc.Release(b.side[i], h.handles, l.domain.ID)
-		if err != nil {
-			panic(fmt.Sprintf("kvcache: releasing lease %q's pages of group %q: %v", l.id, g.name, err))
-		}
-		g.tenants.Uncharge(g.mirror(l.tenant), len(h.handles))
-		p.q.BeginSpaceLocked(g.space, len(b.side[i])-before)
-		h.handles, h.ring = h.handles[:0], h.ring[:0]
-	}
-	return b
-}
-
-// checkSideLocked checks every side group's books against its allocator
-// and the leases (part of Check).
-func (p *Pool) checkSideLocked(c *checker) {
-	p.assertHeld()
-	for i, g := range p.side {
-		c.add(g.alloc.Check())
-		_, err := g.tenants.Check()
-		c.add(err)
-		held := 0
-		charged := make(map[int]int) // tenant index → pages
-		for id, l := range p.mu.leases {
-			if len(l.side) != len(p.side) {
-				c.failf("lease %q holds %d side groups, the pool has %d", id, len(l.side), len(p.side))
-				continue
-			}
-			h := l.side[i]
-			want := g.group.perLease(l.prompt + l.maxNew)
-			if len(h.handles) != want || len(h.ring) != want {
-				c.failf("lease %q holds %d pages (%d in its ring) of group %q, its request needs %d", id, len(h.handles), len(h.ring), g.name, want)
-			}
-			if first := max(0, l.Written()-g.window) / max(1, g.tpp); h.first < 0 || h.first > first ||
-				(g.kind != GroupSlidingWindow && h.first != 0) {
-				c.failf("lease %q: its window of group %q starts at page %d; %d tokens written let it start at page %d at most",
-					id, g.name, h.first, l.Written(), first)
-			}
-			for j, hd := range h.handles {
-				info, err := g.alloc.Info(hd.Page)
-				if err != nil {
-					c.add(err)
-					continue
-				}
-				if info.State != allocator.InUse || info.Owner != l.domain.ID || info.Gen != hd.Gen || info.Refs != 1 ||
-					j >= len(h.ring) || h.ring[j] != hd.Page {
-					c.failf("lease %q page %d of group %q: %+v, want held once by domain %q at generation %d", id, hd.Page, g.name, info, l.domain.Name, hd.Gen)
-				}
-			}
-			held += len(h.handles)
-			charged[int(l.tenant.ID)-1] += len(h.handles)
-		}
-		if n := g.alloc.Count(allocator.InUse); n != held {
-			c.failf("group %q has %d pages in use, live leases hold %d", g.name, n, held)
-		}
-		if n := g.alloc.Count(allocator.Cached); n != 0 {
-			c.failf("group %q has %d cached pages: nothing caches them", g.name, n)
-		}
-		for ti, mt := range g.tenants.Tenants() {
-			if mt.Used != charged[ti] {
-				c.failf("tenant %q charged %d pages of group %q, holds %d", mt.Name, mt.Used, g.name, charged[ti])
-			}
-		}
-		if n, m := len(g.tenants.Tenants()), len(p.mu.tenants.Tenants()); n != m {
-			c.failf("group %q has %d tenants, the pool %d", g.name, n, m)
-		}
-	}
+	before := len(pages)
+	pages = p.releasePagesLocked(l, gi, pages)
+	p.q.BeginLocked(gi, len(pages)-before)
+	h := &l.holds[gi]
+	h.handles, h.pages, h.first = h.handles[:0], h.pages[:0], 0
+	return pages
 }
 
 // GroupStats are one cache group's figures.
@@ -284,29 +203,24 @@ type GroupStats struct {
 	Retired     int
 }
 
-func groupStats(name string, kind GroupKind, pages int, pageBytes int64, a *allocator.Allocator) GroupStats {
-	return GroupStats{Name: name, Kind: kind, Pages: pages, PageBytes: pageBytes,
-		Free: a.Count(allocator.Free), InUse: a.Count(allocator.InUse), Cached: a.Count(allocator.Cached),
-		Quarantined: a.Count(allocator.Quarantined), Retired: a.Count(allocator.Retired)}
-}
-
 // groupStatsLocked is every group's figures, the per-token group first.
 func (p *Pool) groupStatsLocked() []GroupStats {
 	p.assertHeld()
-	gs := []GroupStats{groupStats(p.lay.primary.name, GroupPerToken, p.total, p.lay.primary.pageBytes, p.mu.alloc)}
-	for _, g := range p.side {
-		gs = append(gs, groupStats(g.name, g.kind, g.pages, g.pageBytes, g.alloc))
+	gs := make([]GroupStats, len(p.groups))
+	for i := range p.groups {
+		g := &p.groups[i]
+		a := g.alloc
+		gs[i] = GroupStats{Name: g.name, Kind: g.kind, Pages: g.pages, PageBytes: g.pageBytes,
+			Free: a.Count(allocator.Free), InUse: a.Count(allocator.InUse), Cached: a.Count(allocator.Cached),
+			Quarantined: a.Count(allocator.Quarantined), Retired: a.Count(allocator.Retired)}
 	}
 	return gs
 }
 
-// groupIndex finds side group name; -1 for the per-token group.
+// groupIndex finds cache group name.
 func (p *Pool) groupIndex(name string) (int, error) {
-	if name == p.lay.primary.name {
-		return -1, nil
-	}
-	for i, g := range p.side {
-		if g.name == name {
+	for i := range p.groups {
+		if p.groups[i].name == name {
 			return i, nil
 		}
 	}
@@ -330,7 +244,8 @@ func (l *Lease) GroupTable(name string, dst []int32) (first int, table []int32, 
 	if err != nil {
 		return 0, dst, err
 	}
-	if gi < 0 {
+	if gi == 0 {
+		// The block table, which its lock-free view serves.
 		return 0, append(dst, l.tableView()...), nil
 	}
 	p.mu.Lock()
@@ -338,12 +253,9 @@ func (l *Lease) GroupTable(name string, dst []int32) (first int, table []int32, 
 	if l.state.Load() != leaseLive {
 		return 0, dst, ErrLeaseReleased
 	}
-	h := l.side[gi]
-	if len(h.ring) == 0 {
-		return h.first, dst, nil
-	}
-	for i := range h.ring {
-		dst = append(dst, h.ring[(h.first+i)%len(h.ring)])
+	h := &l.holds[gi]
+	for i := range h.pages {
+		dst = append(dst, h.pages[(h.first+i)%len(h.pages)])
 	}
 	return h.first, dst, nil
 }
@@ -380,16 +292,16 @@ func (l *Lease) SlideWindows(after cudaops.Ordering) (int, error) {
 		return 0, fmt.Errorf("%w: lease %q is ending", ErrLeasePhase, l.id)
 	}
 	written := l.Written()
-	batches := make([][]int32, 1+len(p.side))
+	batches := make([][]int32, len(p.groups))
 	n := 0
-	for i, g := range p.side {
-		h := &l.side[i]
-		if g.kind != GroupSlidingWindow || len(h.ring) == 0 {
+	for gi := range p.groups {
+		g, h := &p.groups[gi], &l.holds[gi]
+		if g.kind != GroupSlidingWindow || len(h.pages) == 0 {
 			continue
 		}
 		first := max(0, (written-g.window)/g.tpp)
-		for lp := h.first; lp < first && lp < h.first+len(h.ring); lp++ {
-			batches[g.space] = append(batches[g.space], h.ring[lp%len(h.ring)])
+		for lp := h.first; lp < first && lp < h.first+len(h.pages); lp++ {
+			batches[gi] = append(batches[gi], h.pages[lp%len(h.pages)])
 			n++
 		}
 		h.first = max(h.first, first)
@@ -403,11 +315,11 @@ func (l *Lease) SlideWindows(after cudaops.Ordering) (int, error) {
 	l.pins++
 	p.mu.pins++
 	p.mu.Unlock()
-	fence, err := p.q.IssueSpaces(batches, after)
+	fence, err := p.q.Issue(batches, after)
 	if errors.Is(err, cudaops.ErrBadOrdering) && !after.IsZero() {
 		// Gone bad since checkOrdering: the engine's mistake, not a
 		// failed fill (see scrub). Wait for all the engine's work instead.
-		fence, err = p.q.IssueSpaces(batches, cudaops.Ordering{})
+		fence, err = p.q.Issue(batches, cudaops.Ordering{})
 	}
 	if err == nil {
 		err = fence.Wait()

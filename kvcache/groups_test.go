@@ -48,10 +48,7 @@ func leaseRegionPages(t *testing.T, p *Pool, l *Lease) map[int][]int32 {
 	for gi, g := range p.Spec().Groups {
 		_, table, err := l.GroupTable(g.Name, nil)
 		require.NoError(t, err)
-		first := p.lay.primary.first
-		if gi > 0 {
-			first = p.side[gi-1].first
-		}
+		first := p.groups[gi].first
 		for r := range g.Regions {
 			out[first+r] = table
 		}
@@ -303,8 +300,8 @@ func TestHybridCanaryMarkersNeverReachAnotherTenant(t *testing.T) {
 	}
 	// A stray write into a free state slot: the next admission that would
 	// take it refuses, faulted, naming the group.
-	slotRegion := p.side[1].first
-	free := p.side[1].alloc.PeekFree(nil, 1)
+	slotRegion := p.groups[2].first
+	free := p.groups[2].alloc.PeekFree(nil, 1)
 	h.PageBytes(slotRegion, free[0])[0] ^= 0xff
 	_, err := p.TryAdmit(Request{ID: "after", Tenant: "a", PromptTokens: 4})
 	require.ErrorIs(t, err, ErrPoolFaulted)
@@ -328,7 +325,7 @@ func TestSlidingWindowScrubsWhatSlidOut(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 0, first)
 	require.Len(t, ring, 3, "window 8 tokens at 4 per page: 2 pages + 1")
-	swa := p.side[0]
+	swa := &p.groups[1]
 	for r := swa.first; r < swa.first+swa.count; r++ {
 		for _, pg := range ring {
 			fillMarker(h.PageBytes(r, pg), 0xee)
@@ -460,7 +457,7 @@ func TestHybridAdmissionMatchesModel(t *testing.T) {
 	spec := hybridSpec()
 	groups := spec.Groups
 	size := []int{40, 5 * groups[1].perLease(1<<20), 5}
-	quota := map[string][]int{"a": {24, p.shareOf(p.side[0], 24), p.shareOf(p.side[1], 24)}, "b": {16, p.shareOf(p.side[0], 16), p.shareOf(p.side[1], 16)}}
+	quota := map[string][]int{"a": {24, p.shareOf(&p.groups[1], 24), p.shareOf(&p.groups[2], 24)}, "b": {16, p.shareOf(&p.groups[1], 16), p.shareOf(&p.groups[2], 16)}}
 	used := map[string][]int{"a": make([]int, 3), "b": make([]int, 3)}
 	free := append([]int(nil), size...)
 	need := func(tokens int) []int {

@@ -26,7 +26,7 @@ import (
 // A decode step grows by one page, so growth has two paths. The fast one
 // (growFastLocked) grants, in one pass under Pool.mu, a growth that free
 // pages cover without a claim, an eviction or a canary check, and that the
-// tenant's charge allows (isolation.Registry.TryChargeGrowth, which is
+// tenant's charge allows (tenancy.Registry.TryChargeGrowth, which is
 // Decide for a growth); it changes nothing otherwise. Everything else, and
 // every refusal, takes the general path (growLocked), which is the
 // admission loop's: claims, evictions, waits and the refusal's numbers.
@@ -146,7 +146,7 @@ func (p *Pool) growLocked(a *admission) error {
 	// the queue has nothing for endAdmissionLocked to undo, and never
 	// let go of the lock, so Close had nothing to wait for.
 	st := p.growAttemptLocked(a)
-	if st == stepDone && a.claim == 0 && a.w == nil {
+	if st == stepDone && a.claims[0] == 0 && a.w == nil {
 		p.mu.Unlock()
 		return a.err
 	}
@@ -158,26 +158,27 @@ func (p *Pool) growLocked(a *admission) error {
 // pass when nothing stands in its way: the pool open and healthy, l live
 // and unsealed, free pages enough without evicting or waiting, no canary
 // to verify, and the tenant's charge granted by the one rule
-// (isolation.Registry.TryChargeGrowth is Decide for this case). That is
+// (tenancy.Registry.TryChargeGrowth is Decide for this case). That is
 // almost every growth of a running request. Otherwise it changes nothing
 // and returns false, and growLocked decides, refuses or waits.
 func (p *Pool) growFastLocked(l *Lease, need int) bool {
 	p.assertHeld()
-	have := len(l.table)
+	g, h := &p.groups[0], &l.holds[0]
+	have := len(h.pages)
 	fresh := need - have
-	free := p.mu.alloc.Count(allocator.Free)
+	free := g.alloc.Count(allocator.Free)
 	switch {
 	case p.mu.closed, l.state.Load() != leaseLive, l.written.Load()&writeSealed != 0,
 		p.q.FaultLocked() != nil, p.q.NeedsVerify(),
-		fresh > free, p.mu.claimed+fresh > free+p.mu.evicting:
+		fresh > free, g.claimed+fresh > free+g.evicting:
 		return false
 	}
 	// The lease's own bounds need no check here: its pages are in service
 	// and charged to its tenant, so fresh pages that are free and within
 	// the tenant's quota left keep it within the pool (ErrExceedsCapacity)
 	// and within the quota (ErrExceedsQuota).
-	supply := free + p.mu.evicting + p.mu.prefix.lruLen - p.mu.claimed
-	if !p.mu.tenants.TryChargeGrowth(l.tenant, fresh, supply) { // also when fresh < 1
+	supply := free + g.evicting + p.evictableLocked(0) - g.claimed
+	if !g.tenants.TryChargeGrowth(l.tenant, fresh, supply) { // also when fresh < 1
 		return false
 	}
 	if fresh > 1 {
@@ -187,12 +188,12 @@ func (p *Pool) growFastLocked(l *Lease, need int) bool {
 	// A decode step's growth: grantGrowthLocked for one page, written out
 	// here: calling it made a one-page growth about a tenth slower (in 5 of
 	// 6 paired runs).
-	h, ok := p.mu.alloc.AllocOne(l.domain.ID)
+	hd, ok := g.alloc.AllocOne(l.domain.ID)
 	if !ok {
 		panic("kvcache: a page granted and free, but the allocator refused it")
 	}
-	l.handles = append(l.handles, h)
-	l.table = append(l.table, h.Page)
+	h.handles = append(h.handles, hd)
+	h.pages = append(h.pages, hd.Page)
 	l.publishTable()
 	p.mu.growth.Grown++
 	p.mu.growth.PagesGrown++
@@ -204,11 +205,12 @@ func (p *Pool) growFastLocked(l *Lease, need int) bool {
 // in the lease's domain (which the tenant may have left since). Nothing
 // can fail here.
 func (p *Pool) grantGrowthLocked(l *Lease, fresh int) {
-	handles, table, err := p.mu.alloc.AllocIDs(l.handles, l.table, fresh, l.domain.ID)
+	h := &l.holds[0]
+	handles, table, err := p.groups[0].alloc.AllocIDs(h.handles, h.pages, fresh, l.domain.ID)
 	if err != nil {
 		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
 	}
-	l.handles, l.table = handles, table
+	h.handles, h.pages = handles, table
 	l.publishTable()
 	p.mu.growth.Grown++
 	p.mu.growth.PagesGrown += uint64(fresh)
@@ -234,40 +236,41 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 	if f := p.q.FaultLocked(); f != nil {
 		return p.refuseLocked(a, &AdmissionError{Err: ErrPoolFaulted, Cause: f})
 	}
-	t := l.tenant
-	have := len(l.table)
+	// Leases grow in the per-token group only: a window's ring and a
+	// state slot are sized at admission for the whole request.
+	t, g := l.tenant, &p.groups[0]
+	have := len(l.holds[0].pages)
 	fresh := p.pagesFor(a.target) - have
 	if fresh <= 0 {
 		a.err = nil
 		return stepDone
 	}
-	inService := p.inServiceLocked()
+	inService := g.inServiceLocked()
+	group, kind := p.refusalGroup(g)
 	if total := have + fresh; total > inService {
-		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Need: total, Have: p.mu.alloc.Count(allocator.Free),
-			Limit: inService, NeedTokens: a.target, LimitTokens: inService * p.tpp})
+		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsCapacity, Group: group, GroupKind: kind, Need: total,
+			Have: g.alloc.Count(allocator.Free), Limit: inService, NeedTokens: a.target, LimitTokens: inService * p.tpp})
 	} else if total > t.Quota {
-		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Need: total, Have: max(0, t.Quota-t.Used), Limit: t.Quota})
+		return p.refuseLocked(a, &AdmissionError{Err: ErrExceedsQuota, Group: group, GroupKind: kind, Need: total,
+			Have: max(0, t.Quota-t.Used), Limit: t.Quota})
 	}
-	free := p.mu.alloc.Count(allocator.Free)
-	supply := free + p.mu.evicting + p.mu.prefix.lruLen - (p.mu.claimed - a.claim)
+	supply := g.alloc.Count(allocator.Free) + g.evicting + p.evictableLocked(0) - (g.claimed - a.claims[0])
 	// A running lease passes the queue and the watermark: those are what
 	// keep new admissions from starving it.
-	dec := p.mu.tenants.Decide(t, isolation.Demand{Charge: fresh, Take: fresh},
+	dec := g.tenants.Decide(t, isolation.Demand{Charge: fresh, Take: fresh},
 		isolation.Supply{Pages: supply, InService: inService})
 	if dec.Verdict != isolation.Grant {
 		p.releaseClaimLocked(a)
-		return p.blockedLocked(a, t, dec)
+		return p.blockedLocked(a, t, dec, g, inService)
 	}
-	if st, ready := p.claimLocked(a, t, dec.Limit, fresh, free, nil); !ready {
+	a.take[0], a.growLimit = fresh, dec.Limit
+	if st, ready := p.claimLocked(a, t, nil); !ready {
 		return st
 	}
 
 	// Nothing can fail from here on.
-	p.mu.tenants.Apply(t, dec)
-	if a.claimEpoch == p.mu.claimEpoch {
-		p.mu.claimed -= a.claim
-	}
-	a.claim = 0
+	g.tenants.Apply(t, dec)
+	p.endClaimLocked(a, 0)
 	p.grantGrowthLocked(l, fresh)
 	p.dequeueLocked(a)
 	a.err = nil

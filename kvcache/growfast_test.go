@@ -17,7 +17,7 @@ import (
 func nextFree(p *Pool) int32 {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.mu.alloc.PeekFree(nil, 1)[0]
+	return p.groups[0].alloc.PeekFree(nil, 1)[0]
 }
 
 func TestGrowthIntoAFreePageWrittenAfterFreeIsCaught(t *testing.T) {

@@ -260,7 +260,7 @@ func TestImportedLeasePrefixCache(t *testing.T) {
 		l, err := src.TryAdmit(Request{ID: id, Tenant: "a", PromptTokens: 10})
 		require.NoError(t, err)
 		require.NoError(t, l.BeginPrefill())
-		host := src.Device().(*cudaops.Host)
+		host := src.dev.(*cudaops.Host)
 		table, _ := l.BlockTable()
 		for i, pg := range table {
 			for r := range src.Geometry().Regions() {
@@ -290,7 +290,7 @@ func TestImportedLeasePrefixCache(t *testing.T) {
 		require.NoError(t, err)
 		var b []byte
 		for r := range dst.Geometry().Regions() {
-			b = append(b, dst.Device().(*cudaops.Host).PageBytes(r, table[i])...)
+			b = append(b, dst.dev.(*cudaops.Host).PageBytes(r, table[i])...)
 		}
 		return b
 	}

@@ -58,7 +58,7 @@ func prefilled(t *testing.T, p *Pool, id string, prompt int) *Lease {
 	l, err := p.TryAdmit(Request{ID: id, Tenant: "a", PromptTokens: prompt})
 	require.NoError(t, err)
 	require.NoError(t, l.BeginPrefill())
-	host := p.Device().(*cudaops.Host)
+	host := p.dev.(*cudaops.Host)
 	table, _ := l.BlockTable()
 	for i, pg := range table {
 		for r := range p.Geometry().Regions() {
@@ -134,7 +134,7 @@ func TestExportImportMovesBytes(t *testing.T) {
 	assert.GreaterOrEqual(t, got.CapacityTokens(), 30)
 	require.NoError(t, out.Ack())
 
-	back := leaseBytes(t, dst.Device().(*cudaops.Host), dst.Geometry().Regions(), got, 3)
+	back := leaseBytes(t, dst.dev.(*cudaops.Host), dst.Geometry().Regions(), got, 3)
 	assert.True(t, bytes.Equal(buf, back), "imported bytes differ from exported ones")
 	require.NoError(t, got.Release())
 	require.NoError(t, src.Check())

@@ -55,8 +55,8 @@ func state(p *Pool) Stats {
 // hostOf returns the pool's host device.
 func hostOf(t testing.TB, p *Pool) *cudaops.Host {
 	t.Helper()
-	h, ok := p.Device().(*cudaops.Host)
-	require.True(t, ok, "pool device is %T", p.Device())
+	h, ok := p.dev.(*cudaops.Host)
+	require.True(t, ok, "pool device is %T", p.dev)
 	return h
 }
 

@@ -160,8 +160,8 @@ func (in *Incoming) WritePagesFrom(first int, parts [][]byte) error {
 	if err == nil {
 		// Read under Pool.mu, once the import is known live: the lease's
 		// end resets its handles.
-		hs = in.lease.handles[first : first+n]
-		err = p.pinPagesLocked(in.lease, hs, true)
+		hs = in.lease.holds[0].handles[first : first+n]
+		err = p.pinPagesLocked(in.lease, 0, hs, true)
 	}
 	p.mu.Unlock()
 	sums := make([]uint64, n)
@@ -198,7 +198,7 @@ func (p *Pool) writeParts(hs []allocator.Handle, parts [][]byte, sums []uint64) 
 	for i, h := range hs {
 		ahead := cur // sums the page, ahead of the writes
 		sums[i], blockSums = ahead.pageSum(int(p.PageBytes()), &block, blockSums)
-		for r := range p.lay.primary.count {
+		for r := range p.groups[0].count {
 			rb := int(p.lay.regions[r].PageBytes)
 			var err error
 			if partial != nil {

@@ -5,9 +5,8 @@ import (
 	"fmt"
 	"sync/atomic"
 
-	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
-	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 )
 
 const (
@@ -24,16 +23,19 @@ const (
 // lease live (under Pool.mu) and then, except where noted, only read until
 // the lease ends.
 type Lease struct {
-	pool    *Pool
-	id      string
-	tenant  *isolation.Tenant
-	prompt  int
-	maxNew  int
-	handles []allocator.Handle
-	// table is the block table, page IDs in token order, written under
-	// Pool.mu (at admission; Grow appends). The lease's own readers, which
-	// take no lock, see it through view and viewLen (publishTable).
-	table   []int32
+	pool   *Pool
+	id     string
+	tenant *tenancy.Tenant
+	prompt int
+	maxNew int
+	// holds is what the lease holds in each cache group (groups.go),
+	// written under Pool.mu; holds[0].pages is the block table, page IDs
+	// in token order (written at admission; Grow appends). The lease's
+	// own readers, which take no lock, see the block table through view
+	// and viewLen (publishTable). inline is holds' array in a pool of one
+	// group, so that a Lease of such a pool is one allocation.
+	holds   []hold
+	inline  [1]hold
 	view    atomic.Pointer[[]int32]
 	viewLen atomic.Int64
 	viewCap int // cap(*view), guarded by Pool.mu; 0 before the first view
@@ -41,9 +43,6 @@ type Lease struct {
 	// while a scrub of the lease's pages reads its arrays (see
 	// scrubBatch.scratch).
 	scrub scrubBatch
-	// side is what the lease holds in each side group (groups.go),
-	// written under Pool.mu.
-	side []sideHold
 	// seq is this incarnation's admission number (Pool.mu.seq): an export
 	// or import of the lease belongs to one incarnation only.
 	seq     uint64
@@ -66,11 +65,11 @@ type Lease struct {
 	// first hitPages pages are shared hits; CachePrefix has considered its
 	// pages [0, published). tokens, keys, keysFor and published change
 	// under Pool.mu.
-	domain    *isolation.Domain
+	domain    *tenancy.Domain
 	adapter   string
 	tokens    []int32
 	keys      []BlockKey
-	keysFor   *isolation.Domain
+	keysFor   *tenancy.Domain
 	hitPages  int
 	published int
 
@@ -85,14 +84,29 @@ type Lease struct {
 type leaseMatch struct {
 	entries []*cacheEntry
 	epoch   uint64
-	domain  *isolation.Domain
+	domain  *tenancy.Domain
 	valid   bool
 }
 
-func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []allocator.Handle, table []int32, seq uint64) {
+// holdsFor makes l.holds one hold per group of p, keeping what it can
+// of the arrays of the lease's last incarnation (which may have lived in
+// another pool).
+func (l *Lease) holdsFor(p *Pool) []hold {
+	if len(l.holds) != len(p.groups) {
+		if len(p.groups) <= len(l.inline) {
+			l.holds = l.inline[:len(p.groups)]
+		} else {
+			l.holds = make([]hold, len(p.groups))
+		}
+	}
+	return l.holds
+}
+
+// reset makes l the live incarnation seq of req, admitted for t; its
+// holds are taken (takeLocked) and its block table is holds[0].pages.
+func (l *Lease) reset(p *Pool, req Request, t *tenancy.Tenant, seq uint64) {
 	l.pool, l.id, l.tenant, l.domain, l.seq = p, req.ID, t, t.Domain, seq
 	l.prompt, l.maxNew, l.adapter = req.PromptTokens, req.MaxNewTokens, req.Adapter
-	l.handles, l.table = handles, table // table[i] == handles[i].Page
 	l.publishTable()
 	l.written.Store(0)
 	l.phase.Store(uint32(PhaseAdmitted))
@@ -100,8 +114,9 @@ func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []alloc
 	l.state.Store(leaseLive)
 }
 
-// publishTable makes l.table what the lease's lock-free readers see. It
-// runs under Pool.mu after every change of l.table. A new view header is
+// publishTable makes the block table (holds[0].pages) what the lease's
+// lock-free readers see. It runs under Pool.mu after every change of the
+// table. A new view header is
 // needed only when the table moved to a larger array (amortised: append
 // doubles, and a lease's table never moves to another array of the same
 // capacity); otherwise the readers' array already holds the new entries
@@ -109,15 +124,17 @@ func (l *Lease) reset(p *Pool, req Request, t *isolation.Tenant, handles []alloc
 // publish. The view is stored before its length, and tableView loads the
 // length first, so a reader never slices past the array it reads.
 func (l *Lease) publishTable() {
-	if cap(l.table) != l.viewCap {
+	table := l.holds[0].pages
+	if cap(table) != l.viewCap {
 		l.publishView()
 	}
-	l.viewLen.Store(int64(len(l.table)))
+	l.viewLen.Store(int64(len(table)))
 }
 
-// publishView stores a view of l.table's whole array.
+// publishView stores a view of the block table's whole array.
 func (l *Lease) publishView() {
-	hdr := l.table[:cap(l.table)]
+	table := l.holds[0].pages
+	hdr := table[:cap(table)]
 	l.view.Store(&hdr)
 	l.viewCap = cap(hdr)
 }

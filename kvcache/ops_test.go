@@ -165,7 +165,7 @@ func TestFillLatencyIncludesTheWaitForAnAsynchronousFence(t *testing.T) {
 	h := p.Stats().FillLatency
 	assert.GreaterOrEqual(t, h.Sum, held)
 	// It landed in a bucket above the hold.
-	for i, bound := range FillLatencyBounds {
+	for i, bound := range FillLatencyBounds() {
 		if bound < held {
 			assert.Zero(t, h.Buckets[i], "bucket ≤ %v", bound)
 		}

@@ -74,7 +74,7 @@ func TestImportWritesOnlyItsOwnPages(t *testing.T) {
 	in, err := p.BeginImport(context.Background(), Request{ID: "imp", Tenant: "a", PromptTokens: 2 * prefixTPP}, "tenant:a", 0)
 	require.NoError(t, err)
 	p.mu.Lock()
-	h, err := p.mu.alloc.Retain(in.lease.handles[1].Page, in.lease.domain.ID) // someone else holds page 1 too
+	h, err := p.groups[0].alloc.Retain(in.lease.holds[0].handles[1].Page, in.lease.domain.ID) // someone else holds page 1 too
 	require.NoError(t, err)
 	p.mu.Unlock()
 	page := make([]byte, p.geom.PageBytes())
@@ -83,12 +83,12 @@ func TestImportWritesOnlyItsOwnPages(t *testing.T) {
 	assert.False(t, in.lease.Live(), "the refused write aborted the import")
 	// The other holder lets go: the page is scrubbed like any other.
 	p.mu.Lock()
-	q, err := p.mu.alloc.Release(nil, []allocator.Handle{h}, in.lease.domain.ID)
+	q, err := p.groups[0].alloc.Release(nil, []allocator.Handle{h}, in.lease.domain.ID)
 	require.NoError(t, err)
-	p.q.BeginLocked(len(q))
+	p.q.BeginLocked(0, len(q))
 	p.fills.Add(1)
 	p.mu.Unlock()
-	require.NoError(t, p.scrub(scrubBatch{pages: q}, cudaops.Ordering{}))
+	require.NoError(t, p.scrub(scrubBatch{spaces: [][]int32{q}}, cudaops.Ordering{}))
 	require.NoError(t, p.Check())
 }
 
@@ -532,9 +532,9 @@ func TestCheckReportsEveryProblem(t *testing.T) {
 	p := newPool(t, tinyConfig(8))
 	l := admit(t, p, "r", "a", 8)
 	p.mu.Lock()
-	l.tenant.Used += 3 // a charge with no page
-	p.mu.claimed = 100 // a claim no page covers
-	l.table[0] = 7     // a block table that lies
+	l.tenant.Used += 3        // a charge with no page
+	p.groups[0].claimed = 100 // a claim no page covers
+	l.holds[0].pages[0] = 7   // a block table that lies
 	p.mu.Unlock()
 	err := p.Check()
 	require.ErrorIs(t, err, ErrCorrupt)
@@ -546,8 +546,8 @@ func TestCheckReportsEveryProblem(t *testing.T) {
 	}
 	p.mu.Lock()
 	l.tenant.Used -= 3
-	p.mu.claimed = 0
-	l.table[0] = l.handles[0].Page
+	p.groups[0].claimed = 0
+	l.holds[0].pages[0] = l.holds[0].handles[0].Page
 	p.mu.Unlock()
 	require.NoError(t, p.Check())
 }

@@ -13,6 +13,8 @@ import (
 	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/internal/invariants"
 	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache/internal/scrub"
+	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 )
 
 // This file holds the Pool itself: its fields and their invariants,
@@ -24,12 +26,15 @@ import (
 // Pool is a paged KV cache shared by tenants. See the package doc.
 type Pool struct {
 	// Set once in New, read without mu.
-	geom           Geometry // zero for a pool made from a CacheSpec
-	lay            *layout
-	tpp            int // tokens per page of the per-token group
-	tppShift       int // log2(tpp) when tpp is a power of two, else -1
-	total          int // per-token pages
-	side           []*sideGroup
+	geom     Geometry // zero for a pool made from a CacheSpec
+	lay      *layout
+	tpp      int // tokens per page of the per-token group
+	tppShift int // log2(tpp) when tpp is a power of two, else -1
+	total    int // per-token pages
+	// groups are the cache groups (groups.go), the per-token group first;
+	// the slice and each group's allocator and books never change, and
+	// what they hold is guarded by mu.
+	groups         []group
 	maxContext     int
 	dev            cudaops.Device
 	ownsDevice     bool
@@ -41,8 +46,9 @@ type Pool struct {
 	// fillLatency is the time from issue to completion of every fill that
 	// succeeded (atomic: recorded outside mu).
 	fillLatency fillHistogram
-	// q's Issue runs without mu; its Locked methods need mu.
-	q *isolation.Quarantine
+	// q scrubs every group (quarantine space i is group i). Its Issue runs
+	// without mu; its Locked methods need mu.
+	q *scrub.Quarantine
 
 	// fills counts scrubs whose pages have left the books (quarantined
 	// under mu) and whose fill has not finished. Add runs under mu before
@@ -56,24 +62,17 @@ type Pool struct {
 
 	mu struct {
 		sync.Mutex
-		alloc   *allocator.Allocator
-		tenants *isolation.Registry
-		leases  map[string]*Lease // the live leases, by request ID
-		closed  bool
+		leases map[string]*Lease // the live leases, by request ID
+		closed bool
 		// pins counts page copies in flight outside mu, all leases.
 		pins int
 		// admitting counts calls of Admit, TryAdmit and BeginImport in
 		// progress (waiting, hashing or evicting outside mu included);
 		// Close waits for it to reach zero.
 		admitting int
-		// claimed is the pages promised to granted admissions that wait
-		// for evicted pages to be scrubbed (admission.claim, summed over
-		// the claims of epoch claimEpoch, which a fault ends); evicting is
-		// the pages evicted for them whose fill has not finished.
-		// claimed ≤ free + evicting: every promised page is free or on
-		// its way.
-		claimed, evicting int
-		claimEpoch        uint64
+		// claimEpoch numbers the claims of admissions (group.claimed,
+		// admission.claims): a fault ends an epoch and voids its claims.
+		claimEpoch uint64
 		// waiters is the queue of admissions waiting for pages or quota,
 		// in arrival order; poolWaiters counts those waiting for pages.
 		waiters     waitQueue
@@ -104,18 +103,13 @@ func New(cfg Config) (_ *Pool, err error) {
 	if err != nil {
 		return nil, err
 	}
-	pages := v.pages
-	alloc, err := allocator.New(pages)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
-	}
 	p := &Pool{
 		lay:            v.lay,
 		tpp:            v.lay.tpp,
 		tppShift:       log2Exact(v.lay.tpp),
-		total:          pages,
+		total:          v.pages[0],
 		maxContext:     cfg.MaxContextTokens,
-		prefixDisabled: cfg.Prefix.Disable || len(v.lay.side) > 0,
+		prefixDisabled: cfg.Prefix.Disable || v.lay.perLeaseGroups(),
 		sizing:         cfg.Sizing.Or(Sizing{Mode: SizeFull}),
 		watermark:      cfg.GrowthWatermark,
 		log:            cfg.logger(),
@@ -123,21 +117,19 @@ func New(cfg Config) (_ *Pool, err error) {
 	if cfg.Cache.IsZero() {
 		p.geom = cfg.Geometry
 	}
-	spaces := []isolation.Space{{Alloc: alloc, First: v.lay.primary.first, Count: v.lay.primary.count}}
-	for i, gl := range v.lay.side {
-		ga, err := allocator.New(v.side[i])
+	spaces := make([]scrub.Space, len(v.lay.groups))
+	p.groups = make([]group, len(v.lay.groups))
+	for i, gl := range v.lay.groups {
+		a, err := allocator.New(v.pages[i])
 		if err != nil {
 			return nil, fmt.Errorf("%w: group %q: %w", ErrInvalidConfig, gl.name, err)
 		}
-		g := &sideGroup{groupLayout: gl, pages: v.side[i], space: 1 + i, alloc: ga, tenants: isolation.NewRegistry(v.side[i])}
-		p.side = append(p.side, g)
-		spaces = append(spaces, isolation.Space{Alloc: ga, First: gl.first, Count: gl.count})
+		p.groups[i] = group{groupLayout: gl, index: i, pages: v.pages[i], alloc: a, tenants: tenancy.NewRegistry(v.pages[i])}
+		spaces[i] = scrub.Space{Alloc: a, First: gl.first, Count: gl.count}
 	}
-	reg := isolation.NewRegistry(pages)
-	p.mu.tenants = reg
 	p.mu.Lock() // the Locked helpers assert it; nothing else can see p yet
 	for _, tc := range cfg.Tenants {
-		if _, err := p.addTenantLocked(tc); err != nil {
+		if err := p.addTenantLocked(tc); err != nil {
 			p.mu.Unlock()
 			return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
 		}
@@ -148,7 +140,8 @@ func New(cfg Config) (_ *Pool, err error) {
 		return nil, err
 	}
 	p.dev, p.ownsDevice = dev, owned
-	q, err := isolation.NewQuarantineOf(spaces, dev, reg, &p.mu.Mutex, cfg.Scrub, v.lay.dtypes...)
+	books := p.groups[0].tenants
+	q, err := scrub.New(spaces, dev, &p.mu.Mutex, cfg.Scrub, books.OwnerName, v.lay.dtypes...)
 	if err == nil {
 		err = q.ScrubAllFree()
 	}
@@ -163,9 +156,8 @@ func New(cfg Config) (_ *Pool, err error) {
 	}
 	p.q = q
 	p.quiet.L = &p.mu.Mutex
-	p.mu.alloc = alloc
 	p.mu.leases = make(map[string]*Lease)
-	p.mu.prefix.init(pages, rand.Uint64())
+	p.mu.prefix.init(p.total, rand.Uint64())
 	if cfg.Prefix.EventBuffer > 0 {
 		p.events = make(chan KVEvent, cfg.Prefix.EventBuffer)
 		p.mu.events.ch = p.events
@@ -204,7 +196,7 @@ func (p *Pool) FillSpec() cudaops.FillSpec { return p.q.Spec() }
 func (p *Pool) TokensPerPage() int { return p.tpp }
 
 // PageBytes is one per-token page over all its regions.
-func (p *Pool) PageBytes() int64 { return p.lay.primary.pageBytes }
+func (p *Pool) PageBytes() int64 { return p.groups[0].pageBytes }
 
 // pagesFor is the per-token pages that hold tokens tokens.
 func (p *Pool) pagesFor(tokens int) int {
@@ -230,9 +222,6 @@ func (p *Pool) Pages() int { return p.total }
 // CapacityTokens is the pool size in tokens.
 func (p *Pool) CapacityTokens() int { return p.total * p.tpp }
 
-// Device returns the device that holds the pages.
-func (p *Pool) Device() cudaops.Device { return p.dev }
-
 // AddTenant registers a tenant in the sharing domain its config names.
 func (p *Pool) AddTenant(tc TenantConfig) error {
 	p.mu.Lock()
@@ -240,8 +229,7 @@ func (p *Pool) AddTenant(tc TenantConfig) error {
 	if p.mu.closed {
 		return ErrPoolClosed
 	}
-	_, err := p.addTenantLocked(tc)
-	return err
+	return p.addTenantLocked(tc)
 }
 
 // UpdateTenant replaces a tenant's configuration: quota, reservation and
@@ -256,7 +244,7 @@ func (p *Pool) UpdateTenant(tc TenantConfig) error {
 	if err := p.updateTenantLocked(tc); err != nil {
 		return err
 	}
-	t, _ := p.mu.tenants.Lookup(tc.Name)
+	t, _ := p.tenantsLocked().Lookup(tc.Name)
 	p.wakeTenantLocked(t) // its quota or domain changed
 	p.wakePagesLocked()   // a smaller reservation opens pages to others
 	return nil
@@ -299,12 +287,12 @@ func (p *Pool) Close() error {
 	for p.mu.pins > 0 || p.mu.admitting > 0 {
 		p.quiet.Wait()
 	}
-	var b scrubBatch
+	b := scrubBatch{}.batchFor(p)
 	for _, l := range p.mu.leases {
 		l.state.Store(leaseReleased)
 		b = p.detachLocked(l, b)
 	}
-	b.pages = p.clearLocked(b.pages) // a closed pool keeps no KV
+	b.spaces[0] = p.clearLocked(b.spaces[0]) // a closed pool keeps no KV
 	p.mu.events.closeLocked()
 	p.fills.Add(1)
 	p.mu.Unlock()
@@ -340,8 +328,8 @@ func (p *Pool) stateErrLocked() error {
 	return nil
 }
 
-// inServiceLocked is the pool's pages that are not retired.
+// inServiceLocked is the per-token group's pages that are not retired.
 func (p *Pool) inServiceLocked() int {
 	p.assertHeld()
-	return p.total - p.mu.alloc.Count(allocator.Retired)
+	return p.groups[0].inServiceLocked()
 }

@@ -6,6 +6,7 @@ import (
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 )
 
 // This file holds the pool's side of the prefix cache: admission's
@@ -46,7 +47,7 @@ func (p *Pool) PageKeys(tenant, adapter string, tokens []int32, dst []BlockKey) 
 			ErrInvalidArgument, adapter, isolation.NameProblem(adapter, MaxIDLen), MaxIDLen)
 	}
 	p.mu.Lock()
-	t, err := p.mu.tenants.Lookup(tenant)
+	t, err := p.tenantsLocked().Lookup(tenant)
 	var domain string
 	if err == nil {
 		domain = t.Domain.Name
@@ -68,7 +69,7 @@ func (p *Pool) TenantDomain(tenant string) (string, error) {
 	if p.mu.closed {
 		return "", ErrPoolClosed
 	}
-	t, err := p.mu.tenants.Lookup(tenant)
+	t, err := p.tenantsLocked().Lookup(tenant)
 	if err != nil {
 		return "", err
 	}
@@ -140,7 +141,7 @@ var testHookAttachTokensHashed func()
 // by walking the trie with l's tokens, or, byKeys, by looking up l's keys.
 // A match made at the index's current epoch, in the same domain, is reused
 // as it is: the index has not changed since, so neither has the answer.
-func (p *Pool) matchLocked(l *Lease, dom *isolation.Domain, adapter string, limit int, byKeys bool) {
+func (p *Pool) matchLocked(l *Lease, dom *tenancy.Domain, adapter string, limit int, byKeys bool) {
 	p.assertHeld()
 	x, m := &p.mu.prefix, &l.match
 	if m.valid && m.epoch == x.epoch && m.domain == dom {
@@ -174,7 +175,7 @@ func (p *Pool) matchLocked(l *Lease, dom *isolation.Domain, adapter string, limi
 // other lease on (it is charged for those) and how many of them are
 // Cached. A page shared as often as a page can be ends the match: the rest
 // is computed afresh.
-func (p *Pool) weighMatchLocked(l *Lease, t *isolation.Tenant) (newToTenant, cached int) {
+func (p *Pool) weighMatchLocked(l *Lease, t *tenancy.Tenant) (newToTenant, cached int) {
 	p.assertHeld()
 	for i, e := range l.match.entries {
 		if e.leases >= allocator.MaxRefs {
@@ -191,12 +192,17 @@ func (p *Pool) weighMatchLocked(l *Lease, t *isolation.Tenant) (newToTenant, cac
 	return newToTenant, cached
 }
 
-// evictLocked evicts up to n cached pages, least recently used first, of
-// any domain but never one of keep (the pages the evicting admission is
-// about to share), appends them to pages and counts them in flight in the
-// quarantine. The caller must scrub them (p.fills.Add(1) first).
-func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
+// evictLocked evicts up to n cached pages of group gi, least recently
+// used first, of any domain but never one of keep (the pages the evicting
+// admission is about to share), appends them to pages and counts them in
+// flight in the quarantine. The caller must scrub them (p.fills.Add(1)
+// first). The prefix cache holds pages of the per-token group only: no
+// other group has any to evict.
+func (p *Pool) evictLocked(gi int, pages []int32, n int, keep []*cacheEntry) []int32 {
 	p.assertHeld()
+	if gi != 0 {
+		return pages
+	}
 	x := &p.mu.prefix
 	for _, e := range keep {
 		e.pinned = true
@@ -218,22 +224,26 @@ func (p *Pool) evictLocked(pages []int32, n int, keep []*cacheEntry) []int32 {
 	for _, e := range keep {
 		e.pinned = false
 	}
-	if err := p.mu.alloc.Evict(pages[start:]); err != nil {
+	if err := p.groups[0].alloc.Evict(pages[start:]); err != nil {
 		panic(fmt.Sprintf("kvcache: evicting cached pages: %v", err)) // every LRU page is Cached
 	}
-	p.q.BeginLocked(len(pages) - start)
+	p.q.BeginLocked(0, len(pages)-start)
 	p.mu.events.emitRemovedLocked(p.tpp)
 	return pages
 }
 
-// shareMatchedLocked retains l's matched prefix for a lease of t and
-// appends its handles, and its pages to table. It runs after every check
-// and cannot fail.
-func (p *Pool) shareMatchedLocked(l *Lease, t *isolation.Tenant, handles []allocator.Handle, table []int32) ([]allocator.Handle, []int32) {
+// shareMatchedLocked retains, in group gi, l's matched prefix for a
+// lease of t and appends its handles, and its pages to table. It runs
+// after every check and cannot fail. Matches are of the per-token group:
+// in any other, it shares nothing.
+func (p *Pool) shareMatchedLocked(l *Lease, t *tenancy.Tenant, gi int, handles []allocator.Handle, table []int32) ([]allocator.Handle, []int32) {
 	p.assertHeld()
+	if gi != 0 {
+		return handles, table
+	}
 	x := &p.mu.prefix
 	for _, e := range l.match.entries {
-		h, err := p.mu.alloc.Retain(e.page, e.dom.ID)
+		h, err := p.groups[0].alloc.Retain(e.page, e.dom.ID)
 		if err != nil {
 			panic(fmt.Sprintf("kvcache: retaining matched page %d: %v", e.page, err))
 		}
@@ -253,7 +263,7 @@ func (p *Pool) shareMatchedLocked(l *Lease, t *isolation.Tenant, handles []alloc
 }
 
 // countMatchLocked records an admission's lookup in its domain's stats.
-func (p *Pool) countMatchLocked(req *Request, dom *isolation.Domain, keys, hits int) {
+func (p *Pool) countMatchLocked(req *Request, dom *tenancy.Domain, keys, hits int) {
 	p.assertHeld()
 	c := p.mu.prefix.counters(dom)
 	looked := min(keys, maxHitPages(*req, p.tpp))
@@ -262,22 +272,25 @@ func (p *Pool) countMatchLocked(req *Request, dom *isolation.Domain, keys, hits 
 	c.hitTokens += uint64(hits * p.tpp)
 }
 
-// releasePagesLocked drops l's references: published pages whose last
-// reference goes are kept as Cached (LRU), the others are quarantined and
-// appended to pages. Tenants are uncharged once per page they no longer
-// hold.
+// releasePagesLocked drops l's references to its pages of group gi:
+// published pages whose last reference goes are kept as Cached (LRU),
+// the others are quarantined and appended to pages. Tenants are uncharged
+// once per page they no longer hold.
 //
-// Only the lease's first l.published pages can be in the index (its hits,
-// and what CachePrefix or Preempt published: both count from the front),
-// so only they are looked up; Check proves that no page past them is. The
-// private pages among them are moved up to meet the rest, and all private
-// pages go in one batch.
-func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
+// Only the lease's first l.published pages of the per-token group can be
+// in the index (its hits, and what CachePrefix or Preempt published: both
+// count from the front), so only they are looked up; Check proves that no
+// page past them is. The private pages among them are moved up to meet
+// the rest, and all private pages go in one batch.
+func (p *Pool) releasePagesLocked(l *Lease, gi int, pages []int32) []int32 {
 	p.assertHeld()
-	x := &p.mu.prefix
+	x, g := &p.mu.prefix, &p.groups[gi]
 	owner := l.domain.ID
-	hs := l.handles
-	front := min(l.published, len(hs))
+	hs := l.holds[gi].handles
+	front := 0
+	if gi == 0 {
+		front = min(l.published, len(hs))
+	}
 	w := front // hs[w:] are the private pages found so far, then the rest
 	// Shared pages are parked last page first, so that a prompt's deepest
 	// pages become the least recently used and are evicted before the
@@ -301,7 +314,7 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 			last := len(e.tenants) - 1
 			*r = e.tenants[last]
 			e.tenants = e.tenants[:last]
-			p.mu.tenants.Uncharge(l.tenant, 1)
+			g.tenants.Uncharge(l.tenant, 1)
 		}
 		e.leases--
 		if !e.detached {
@@ -310,7 +323,7 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 		}
 		before := len(pages)
 		var err error
-		if pages, err = p.mu.alloc.Release(pages, hs[i:i+1], owner); err != nil {
+		if pages, err = g.alloc.Release(pages, hs[i:i+1], owner); err != nil {
 			panic(fmt.Sprintf("kvcache: lease %q held shared page %d the allocator refuses: %v", l.id, h.Page, err))
 		}
 		if len(pages) > before {
@@ -318,7 +331,7 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 		}
 	}
 	if len(parking) > 0 {
-		parked, err := p.mu.alloc.Park(x.parked[:0], parking, owner)
+		parked, err := g.alloc.Park(x.parked[:0], parking, owner)
 		if err != nil {
 			panic(fmt.Sprintf("kvcache: lease %q held shared pages the allocator refuses: %v", l.id, err))
 		}
@@ -331,12 +344,11 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 		x.parking, x.parked = parking[:0], parked[:0]
 	}
 	private := hs[w:]
-	p.mu.tenants.Uncharge(l.tenant, len(private))
-	pages, err := p.mu.alloc.Release(pages, private, owner)
+	g.tenants.Uncharge(g.mirror(l.tenant), len(private))
+	pages, err := g.alloc.Release(pages, private, owner)
 	if err != nil {
-		panic(fmt.Sprintf("kvcache: lease %q held pages the allocator refuses: %v", l.id, err))
+		panic(fmt.Sprintf("kvcache: lease %q held pages of group %q the allocator refuses: %v", l.id, g.name, err))
 	}
-	l.handles = l.handles[:0]
 	return pages
 }
 
@@ -346,7 +358,7 @@ func (p *Pool) releasePagesLocked(l *Lease, pages []int32) []int32 {
 func (p *Pool) clearLocked(pages []int32) []int32 {
 	p.assertHeld()
 	x := &p.mu.prefix
-	pages = p.evictLocked(pages, x.lruLen, nil)
+	pages = p.evictLocked(0, pages, x.lruLen, nil)
 	for _, e := range x.byPage {
 		if e != nil && !e.detached {
 			x.unindex(e)
@@ -365,10 +377,11 @@ func (p *Pool) ClearPrefixCache() error {
 		p.mu.Unlock()
 		return ErrPoolClosed
 	}
-	pages := p.clearLocked(nil)
+	b := scrubBatch{}.batchFor(p)
+	b.spaces[0] = p.clearLocked(b.spaces[0])
 	p.fills.Add(1)
 	p.mu.Unlock()
-	return p.scrub(scrubBatch{pages: pages}, cudaops.Ordering{})
+	return p.scrub(b, cudaops.Ordering{})
 }
 
 // publishLocked publishes l's full pages [l.published, upTo) to its
@@ -407,7 +420,7 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 	}
 	i := l.published
 	for ; i < upTo; i++ {
-		page := l.table[i]
+		page := l.holds[0].pages[i]
 		e := x.byPage[page] // a hit, or published before
 		if e == nil {
 			e = x.lookup(l.domain, l.keys[i]) // the same content, published by another lease first
@@ -447,7 +460,7 @@ func (p *Pool) contentNodeLocked(l *Lease, j int) *trieNode {
 	if j < 0 {
 		return x.root(l.domain, l.adapter, true)
 	}
-	if e := x.byPage[l.table[j]]; e != nil {
+	if e := x.byPage[l.holds[0].pages[j]]; e != nil {
 		return trieNodeOf(e)
 	}
 	if j < len(l.keys) {
@@ -573,7 +586,7 @@ type PrefixStats struct {
 func (p *Pool) prefixStatsLocked() PrefixStats {
 	p.assertHeld()
 	x, ev := &p.mu.prefix, &p.mu.events
-	doms := p.mu.tenants.Domains()
+	doms := p.tenantsLocked().Domains()
 	s := PrefixStats{Enabled: !p.prefixDisabled, EventsSent: ev.sent, EventsDropped: ev.dropped,
 		Domains: make([]DomainStats, 0, len(doms))} // sized once: this runs under the lock a scrape waits on
 	for _, d := range doms {

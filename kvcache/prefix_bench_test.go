@@ -92,7 +92,7 @@ func BenchmarkPrefixMatch(b *testing.B) {
 	// matcher is an admission's scratch (its tokens, keys and match) and
 	// the walk or lookup Admit makes with them.
 	matcher := func(p *Pool) func(tokens []int32, keys []BlockKey) int {
-		t, err := p.mu.tenants.Lookup("a")
+		t, err := p.groups[0].tenants.Lookup("a")
 		require.NoError(b, err)
 		var probe Lease
 		return func(tokens []int32, keys []BlockKey) int {

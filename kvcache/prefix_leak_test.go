@@ -59,7 +59,7 @@ func runCanaryManyDomains(t *testing.T, policy ScrubPolicy, steps int) {
 		Tenants: tenants, Scrub: policy})
 	require.NoError(t, err)
 	defer p.Close()
-	host := p.Device().(*cudaops.Host)
+	host := p.dev.(*cudaops.Host)
 	spec := p.q.Spec()
 	regions := prefixGeometry.Regions()
 	// A new pool's pages have never been filled (see the report to the

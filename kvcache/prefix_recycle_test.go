@@ -47,7 +47,7 @@ func TestRecycledCacheEntryIsReachableFromNothingThatReachedItBefore(t *testing.
 	// decides (and keeps, between attempts, while it waits).
 	var stale Lease
 	p.mu.Lock()
-	ta, err := p.mu.tenants.Lookup("a")
+	ta, err := p.groups[0].tenants.Lookup("a")
 	require.NoError(t, err)
 	stale.tokens = append(stale.tokens, promptA...)
 	p.matchLocked(&stale, ta.Domain, "", maxHitPages(Request{PromptTokens: len(promptA)}, prefixTPP), false)
@@ -78,7 +78,7 @@ func TestRecycledCacheEntryIsReachableFromNothingThatReachedItBefore(t *testing.
 	assert.NotEqual(t, epoch, p.mu.prefix.epoch, "the index moved on since the match")
 
 	// The index no longer finds A, by key or by tokens, in any domain.
-	tb, err := p.mu.tenants.Lookup("b")
+	tb, err := p.groups[0].tenants.Lookup("b")
 	require.NoError(t, err)
 	for i, k := range keysA {
 		assert.Nil(t, p.mu.prefix.lookup(ta.Domain, k), "A's key %d in domain a", i)

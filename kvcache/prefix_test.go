@@ -341,7 +341,7 @@ func TestPrefixSharedPageChargedOncePerTenant(t *testing.T) {
 
 func TestPrefixEvictionThroughScrubber(t *testing.T) {
 	p := newPrefixPool(t, 16, PrefixConfig{EventBuffer: 64}, TenantConfig{Name: "a"}, TenantConfig{Name: "b"})
-	host := p.Device().(*cudaops.Host)
+	host := p.dev.(*cudaops.Host)
 	toks := tokens(40, 40, 1) // 10 full pages, all published
 	l := admitComputeCache(t, p, "a1", "a", toks, 0)
 	for _, page := range tableOf(t, l) {

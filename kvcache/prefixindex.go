@@ -5,7 +5,7 @@ import (
 	"slices"
 
 	"github.com/kvfence/kvfence/allocator"
-	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 )
 
 // chainOf lists a bucket's chain, for Check.
@@ -105,7 +105,7 @@ type cacheEntry struct {
 	// of (nil: not in the trie) and its bucket in that node's map.
 	node   trieNode
 	kid0   [1]*cacheEntry
-	dom    *isolation.Domain
+	dom    *tenancy.Domain
 	tokens []int32
 	tok    [inlineTokens]int32
 	in     *trieNode
@@ -146,7 +146,7 @@ func (e *cacheEntry) setTokens(tokens []int32) {
 
 // trieRoot names where a domain's pages under one adapter start.
 type trieRoot struct {
-	dom     *isolation.Domain
+	dom     *tenancy.Domain
 	adapter string
 }
 
@@ -179,7 +179,7 @@ func pageHash(tokens []int32, seed uint64) uint64 {
 }
 
 // child returns n's child whose tokens are tokens, in domain dom, or nil.
-func (n *trieNode) child(tokens []int32, dom *isolation.Domain, seed uint64) *cacheEntry {
+func (n *trieNode) child(tokens []int32, dom *tenancy.Domain, seed uint64) *cacheEntry {
 	if n.many == nil {
 		for _, e := range n.kids {
 			if e.tokens[0] == tokens[0] && e.dom == dom && tokensEqual(e.tokens, tokens) {
@@ -258,7 +258,7 @@ func (n *trieNode) each(f func(*cacheEntry)) {
 }
 
 // root returns the trie root of dom and adapter, creating it if asked.
-func (x *prefixIndex) root(dom *isolation.Domain, adapter string, create bool) *trieNode {
+func (x *prefixIndex) root(dom *tenancy.Domain, adapter string, create bool) *trieNode {
 	k := trieRoot{dom, adapter}
 	n := x.roots[k]
 	if n == nil && create {
@@ -269,12 +269,12 @@ func (x *prefixIndex) root(dom *isolation.Domain, adapter string, create bool) *
 }
 
 type tenantRef struct {
-	t    *isolation.Tenant
+	t    *tenancy.Tenant
 	refs int
 }
 
 // ref returns the count for t, or nil.
-func (e *cacheEntry) ref(t *isolation.Tenant) *tenantRef {
+func (e *cacheEntry) ref(t *tenancy.Tenant) *tenantRef {
 	for i := range e.tenants {
 		if e.tenants[i].t == t {
 			return &e.tenants[i]
@@ -300,7 +300,7 @@ func (x *prefixIndex) init(pages int, seed uint64) {
 	x.seed = seed
 }
 
-func (x *prefixIndex) counters(d *isolation.Domain) *domainCounters {
+func (x *prefixIndex) counters(d *tenancy.Domain) *domainCounters {
 	for int(d.ID) > len(x.domains) {
 		x.domains = append(x.domains, domainCounters{})
 	}
@@ -310,7 +310,7 @@ func (x *prefixIndex) counters(d *isolation.Domain) *domainCounters {
 // lookup returns the indexed entry of key k in domain d, or nil. The
 // domain is part of the match: no key, forged or colliding, reaches
 // another domain's entry.
-func (x *prefixIndex) lookup(d *isolation.Domain, k BlockKey) *cacheEntry {
+func (x *prefixIndex) lookup(d *tenancy.Domain, k BlockKey) *cacheEntry {
 	for e := x.byKey[k.index64(uint32(d.ID))]; e != nil; e = e.chain {
 		if e.key == k && e.dom == d {
 			return e
@@ -348,7 +348,7 @@ func (x *prefixIndex) insert(e *cacheEntry, parent *trieNode) {
 	x.epoch++
 }
 
-func (x *prefixIndex) orphanIndex(dom *isolation.Domain, parentKey BlockKey) uint64 {
+func (x *prefixIndex) orphanIndex(dom *tenancy.Domain, parentKey BlockKey) uint64 {
 	return parentKey.index64(uint32(dom.ID))
 }
 

@@ -7,9 +7,8 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 	"github.com/stretchr/testify/require"
-
-	"github.com/kvfence/kvfence/isolation"
 )
 
 // indexModel is the reference for prefixIndex: what it must answer, in
@@ -58,13 +57,13 @@ func TestPrefixIndexAgainstReferenceModel(t *testing.T) {
 func runIndexModel(t *testing.T, seed uint64, steps int) {
 	const pages = 32
 	rng := rand.New(rand.NewPCG(seed, 7))
-	domains := []*isolation.Domain{{ID: 1, Name: "d1"}, {ID: 2, Name: "d2"}, {ID: 3, Name: "d3"}}
+	domains := []*tenancy.Domain{{ID: 1, Name: "d1"}, {ID: 2, Name: "d2"}, {ID: 3, Name: "d3"}}
 	var x prefixIndex
 	x.init(pages, seed)
 	m := &indexModel{byKey: map[indexKey]int32{}, pages: map[int32]modelEntry{}}
 	entries := map[int32]*cacheEntry{}
 	// A parent in dom: its root (-1), or a page in the trie there.
-	randParent := func(dom *isolation.Domain) int32 {
+	randParent := func(dom *tenancy.Domain) int32 {
 		var cands []int32
 		for page, me := range m.pages {
 			if me.inTrie && me.k.dom == uint32(dom.ID) {
@@ -77,14 +76,14 @@ func runIndexModel(t *testing.T, seed uint64, steps int) {
 		}
 		return cands[rng.IntN(len(cands))]
 	}
-	nodeOf := func(dom *isolation.Domain, parent int32) *trieNode {
+	nodeOf := func(dom *tenancy.Domain, parent int32) *trieNode {
 		if parent < 0 {
 			return x.root(dom, "", true)
 		}
 		return &entries[parent].node
 	}
 	// modelChild is the page under parent whose tokens are toks, or -1.
-	modelChild := func(dom *isolation.Domain, parent int32, toks [2]int32) int32 {
+	modelChild := func(dom *tenancy.Domain, parent int32, toks [2]int32) int32 {
 		for page, me := range m.pages {
 			if me.inTrie && me.k.dom == uint32(dom.ID) && me.parent == parent && me.tokens == toks {
 				return page
@@ -245,7 +244,7 @@ func runIndexModel(t *testing.T, seed uint64, steps int) {
 // check finds a broken index: a stale chain entry, a wrong counter, an
 // LRU list that lies.
 func TestPrefixIndexCheckFindsCorruption(t *testing.T) {
-	d := &isolation.Domain{ID: 1, Name: "d"}
+	d := &tenancy.Domain{ID: 1, Name: "d"}
 	for name, corrupt := range map[string]func(x *prefixIndex, e *cacheEntry){
 		"lru length":         func(x *prefixIndex, e *cacheEntry) { x.lruLen++ },
 		"domain counter":     func(x *prefixIndex, e *cacheEntry) { x.domains[0].entries++ },

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 )
 
 // bytesToTokens reads little-endian int32 token IDs.
@@ -110,7 +111,7 @@ func FuzzPrefixMatch(f *testing.F) {
 func TestPrefixIndexCollisions(t *testing.T) {
 	var c prefixIndex
 	c.init(8, 1)
-	d1, d2 := &isolation.Domain{ID: 1, Name: "d1"}, &isolation.Domain{ID: 2, Name: "d2"}
+	d1, d2 := &tenancy.Domain{ID: 1, Name: "d1"}, &tenancy.Domain{ID: 2, Name: "d2"}
 	var k1 BlockKey
 	k1[31] = 1
 	// k2 in d2 lands in k1's d1 bucket: its first 8 bytes absorb the

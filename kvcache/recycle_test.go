@@ -130,7 +130,7 @@ func TestStaleGrowthDoesNotDequeueTheNextIncarnation(t *testing.T) {
 		require.Eventually(t, func() bool { // the admission waits
 			p.mu.Lock()
 			defer p.mu.Unlock()
-			return p.mu.admitting == 1 && p.mu.alloc.Count(allocator.Free) == 1
+			return p.mu.admitting == 1 && p.groups[0].alloc.Count(allocator.Free) == 1
 		}, 5*time.Second, time.Millisecond)
 		require.NoError(t, hog.Release())
 		require.NoError(t, <-admitted, "round %d", i)

@@ -47,17 +47,28 @@ func (p *Pool) endLease(l *Lease, owns func() bool, phase Phase, after cudaops.O
 	return true, p.scrub(b, after)
 }
 
-// scrubBatch is what one release (or Close) frees and scrubs in one fill:
-// pages of the per-token group, and of each side group (nil in a pool of
-// one group).
+// scrubBatch is what one release (or Close, or an eviction) frees and
+// scrubs in one fill: spaces[g] are pages of cache group g (quarantine
+// space g), one entry per group of the pool.
 type scrubBatch struct {
-	pages []int32
-	side  [][]int32
-	all   [][]int32 // scratch of spaces, capacity 1+len(side)
+	spaces [][]int32
 	// owner is the lease whose scratch (Lease.scrub) the arrays are
 	// (detachOwnLocked sets it): finishScrubLocked gives them back to it
 	// once the scrub no longer reads them.
 	owner *Lease
+}
+
+// batchFor returns b emptied for a release in p: its arrays kept for
+// reuse, one per group (made anew for scratch of a lease that last lived
+// in a pool of other groups, or none yet).
+func (b scrubBatch) batchFor(p *Pool) scrubBatch {
+	if len(b.spaces) != len(p.groups) {
+		b.spaces = make([][]int32, len(p.groups))
+	}
+	for i := range b.spaces {
+		b.spaces[i] = b.spaces[i][:0]
+	}
+	return b
 }
 
 // scratch is what the lease whose release b is keeps as its scratch (in
@@ -65,12 +76,11 @@ type scrubBatch struct {
 // reads b's arrays until finishScrubLocked gives them back, and the lease
 // may be admitted again and released meanwhile (an export's reclaim
 // deadline, or a Release racing an Abort, ends it on another goroutine
-// than the engine's). Only a batch with nothing to scrub and no side
-// arrays, which scrub does not read, leaves its arrays with the lease at
-// once.
+// than the engine's). A batch with nothing to scrub, which scrub does not
+// read, leaves its arrays with the lease at once.
 func (b scrubBatch) scratch() scrubBatch {
-	if b.len() == 0 && len(b.side) == 0 {
-		return scrubBatch{pages: b.pages[:0]}
+	if b.len() == 0 {
+		return scrubBatch{spaces: b.spaces}
 	}
 	return scrubBatch{}
 }
@@ -79,41 +89,25 @@ func (b scrubBatch) scratch() scrubBatch {
 // lease they are the scratch of, unless it has other scratch by now.
 func (b scrubBatch) giveBackLocked() {
 	l := b.owner
-	if l == nil || cap(l.scrub.pages) > 0 || l.scrub.side != nil {
+	if l == nil || l.scrub.spaces != nil {
 		return
 	}
-	l.scrub = scrubBatch{pages: b.pages[:0], side: b.side, all: b.all}
-}
-
-// reset empties b, keeping its arrays for reuse; it truncates the side
-// batches in place.
-func (b scrubBatch) reset() scrubBatch {
-	b.pages = b.pages[:0]
-	for i := range b.side {
-		b.side[i] = b.side[i][:0]
-	}
-	return b
+	l.scrub = scrubBatch{spaces: b.spaces}
 }
 
 func (b scrubBatch) len() int {
-	n := len(b.pages)
-	for _, s := range b.side {
+	n := 0
+	for _, s := range b.spaces {
 		n += len(s)
 	}
 	return n
-}
-
-// spaces is b as quarantine batches: space 0 the per-token pages, space
-// 1+i side group i's (in b.all's array, which releaseSideLocked sized).
-func (b scrubBatch) spaces() [][]int32 {
-	return append(append(b.all[:0], b.pages), b.side...)
 }
 
 // detachOwnLocked is detachLocked of l into its own scratch arrays, which
 // the batch it returns carries until its scrub ends and finishScrubLocked
 // gives them back (l keeps none meanwhile: see scratch).
 func (p *Pool) detachOwnLocked(l *Lease) scrubBatch {
-	b := p.detachLocked(l, l.scrub.reset())
+	b := p.detachLocked(l, l.scrub.batchFor(p))
 	b.owner = l
 	l.scrub = b.scratch()
 	return b
@@ -122,8 +116,8 @@ func (p *Pool) detachOwnLocked(l *Lease) scrubBatch {
 // detachLocked takes a lease that has just stopped being live off the
 // books: out of the lease table, its export's reclaim timer stopped, its
 // shared pages back to the prefix cache and its private ones, in every
-// group, into quarantine (appended to b, which the caller must scrub),
-// its tenant uncharged and woken.
+// group, into quarantine (appended to b, which the caller must scrub; b
+// has an array per group), its tenant uncharged and woken.
 func (p *Pool) detachLocked(l *Lease, b scrubBatch) scrubBatch {
 	p.assertHeld()
 	delete(p.mu.leases, l.id)
@@ -131,15 +125,8 @@ func (p *Pool) detachLocked(l *Lease, b scrubBatch) scrubBatch {
 		l.export.timer.Stop()
 		l.export = nil
 	}
-	if len(b.side) != len(p.side) {
-		// Scratch of a lease that last lived in a pool of other groups.
-		b.side, b.all = nil, nil
-	}
-	before := len(b.pages)
-	b.pages = p.releasePagesLocked(l, b.pages) // shared pages may stay cached
-	p.q.BeginLocked(len(b.pages) - before)
-	if len(p.side) > 0 {
-		b = p.releaseSideLocked(l, b)
+	for gi := range p.groups {
+		b.spaces[gi] = p.releaseGroupLocked(l, gi, b.spaces[gi])
 	}
 	p.wakeTenantLocked(l.tenant)
 	p.assertLocked("release")
@@ -158,25 +145,18 @@ func (p *Pool) scrub(b scrubBatch, after cudaops.Ordering) error {
 		return nil
 	}
 	// Adjacent IDs coalesce into one run per region.
-	if !slices.IsSorted(b.pages) {
-		slices.Sort(b.pages)
-	}
-	for _, s := range b.side {
-		slices.Sort(s)
-	}
-	issue := func(after cudaops.Ordering) (cudaops.Fence, error) {
-		if len(p.side) == 0 {
-			return p.q.Issue(b.pages, after)
+	for _, s := range b.spaces {
+		if !slices.IsSorted(s) {
+			slices.Sort(s)
 		}
-		return p.q.IssueSpaces(b.spaces(), after)
 	}
 	start := monoNow()
-	fence, err := issue(after)
+	fence, err := p.q.Issue(b.spaces, after)
 	if errors.Is(err, cudaops.ErrBadOrdering) && !after.IsZero() {
 		// The ordering passed checkOrdering but went bad since (the engine
 		// destroyed its stream): the caller's mistake, not a failed fill.
 		// Wait for all the engine's work instead.
-		fence, err = issue(cudaops.Ordering{})
+		fence, err = p.q.Issue(b.spaces, cudaops.Ordering{})
 	}
 	if err == nil {
 		var done bool
@@ -212,12 +192,14 @@ func (p *Pool) checkOrdering(after cudaops.Ordering) error {
 	return nil
 }
 
-// fillAndWait fills pages and waits for the fill, for an admission that
-// evicted them and needs them clean before it can go on.
-func (p *Pool) fillAndWait(pages []int32) error {
-	slices.Sort(pages)
+// fillAndWait fills the pages of b and waits for the fill, for an
+// admission that evicted them and needs them clean before it can go on.
+func (p *Pool) fillAndWait(b scrubBatch) error {
+	for _, s := range b.spaces {
+		slices.Sort(s)
+	}
 	start := monoNow()
-	fence, err := p.q.Issue(pages, cudaops.Ordering{})
+	fence, err := p.q.Issue(b.spaces, cudaops.Ordering{})
 	if err == nil {
 		err = fence.Wait()
 	}
@@ -252,16 +234,11 @@ func (p *Pool) finishScrub(b scrubBatch, fillErr error) error {
 // the free lists, a failed fill retires its pages and faults the pool.
 func (p *Pool) finishScrubLocked(b scrubBatch, fillErr error) error {
 	p.assertHeld()
-	var err error
-	if len(p.side) == 0 {
-		err = p.q.FinishLocked(b.pages, fillErr)
-	} else {
-		err = p.q.FinishSpacesLocked(b.spaces(), fillErr)
-	}
+	err := p.q.FinishLocked(b.spaces, fillErr)
 	if err != nil {
 		p.faultedLocked()
 		p.log.LogAttrs(context.Background(), slog.LevelError, "kvcache: scrub fill failed; its pages are retired and the pool is faulted until ClearFault",
-			slog.Int("pages_retired", b.len()), slog.Int("retired_pages_total", p.mu.alloc.Count(allocator.Retired)),
+			slog.Int("pages_retired", b.len()), slog.Int("retired_pages_total", p.groups[0].alloc.Count(allocator.Retired)),
 			slog.Int("total_pages", p.total), slog.Any("error", err))
 	} else {
 		p.wakePagesLocked()
@@ -315,7 +292,7 @@ func (p *Pool) unpin(l *Lease) {
 func (p *Pool) logCanaryLocked(retired int, err error) {
 	p.assertHeld()
 	attrs := []slog.Attr{slog.Int("pages_retired", retired),
-		slog.Int("retired_pages_total", p.mu.alloc.Count(allocator.Retired)), slog.Int("total_pages", p.total)}
+		slog.Int("retired_pages_total", p.groups[0].alloc.Count(allocator.Retired)), slog.Int("total_pages", p.total)}
 	var ce *isolation.CanaryError
 	if errors.As(err, &ce) {
 		attrs = append(attrs, slog.Int("page", int(ce.Page)), slog.Int("region", ce.Region), slog.Int64("offset", ce.Offset),

@@ -1,11 +1,13 @@
 package kvcache
 
 import (
+	"slices"
 	"sync/atomic"
 	"time"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/isolation"
+	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 )
 
 // Refusals counts refused admissions by reason.
@@ -74,7 +76,7 @@ type tenantCount struct {
 }
 
 // of returns t's counters, growing the table for a new tenant.
-func (c *tenantCounters) of(t *isolation.Tenant) *tenantCount {
+func (c *tenantCounters) of(t *tenancy.Tenant) *tenantCount {
 	i := int(t.ID) - 1
 	if i >= len(c.byID) {
 		c.byID = append(c.byID, make([]tenantCount, i+1-len(c.byID))...)
@@ -83,7 +85,7 @@ func (c *tenantCounters) of(t *isolation.Tenant) *tenantCount {
 }
 
 // countAdmittedLocked counts an admission of t.
-func (p *Pool) countAdmittedLocked(t *isolation.Tenant) {
+func (p *Pool) countAdmittedLocked(t *tenancy.Tenant) {
 	p.mu.perTenant.of(t).admitted++
 }
 
@@ -93,15 +95,15 @@ func (p *Pool) countRefusedLocked(tenant string, reason error) {
 	if reason == ErrUnknownTenant {
 		return
 	}
-	if t, err := p.mu.tenants.Lookup(tenant); err == nil {
+	if t, err := p.tenantsLocked().Lookup(tenant); err == nil {
 		p.mu.perTenant.of(t).refused.count(reason)
 	}
 }
 
-// FillLatencyBounds are the upper bounds of Stats.FillLatency's buckets:
+// fillLatencyBounds are the upper bounds of Stats.FillLatency's buckets:
 // from a host fill of a few pages to a device fill queued behind long
 // engine work.
-var FillLatencyBounds = [...]time.Duration{
+var fillLatencyBounds = [...]time.Duration{
 	time.Microsecond, 2 * time.Microsecond, 5 * time.Microsecond,
 	10 * time.Microsecond, 20 * time.Microsecond, 50 * time.Microsecond,
 	100 * time.Microsecond, 200 * time.Microsecond, 500 * time.Microsecond,
@@ -111,15 +113,19 @@ var FillLatencyBounds = [...]time.Duration{
 	time.Second, 2 * time.Second, 5 * time.Second, 10 * time.Second,
 }
 
+// FillLatencyBounds returns the upper bounds of Stats.FillLatency's
+// buckets, ascending (a copy: the buckets are fixed).
+func FillLatencyBounds() []time.Duration { return slices.Clone(fillLatencyBounds[:]) }
+
 // FillLatency is a histogram of the time from a scrub fill's issue to its
 // fence's completion, over the fills that succeeded (release scrubs and the
 // scrubs of evicted pages; the pool's first scrub at New is not counted).
 // A fill ordered after engine work includes the wait for that work.
 type FillLatency struct {
-	// Buckets[i] counts fills that took at most FillLatencyBounds[i] and
+	// Buckets[i] counts fills that took at most FillLatencyBounds()[i] and
 	// more than the bound before (not cumulative); the last element counts
 	// fills longer than every bound.
-	Buckets [len(FillLatencyBounds) + 1]uint64
+	Buckets [len(fillLatencyBounds) + 1]uint64
 	Count   uint64        // the sum of Buckets
 	Sum     time.Duration // total time of the fills counted
 }
@@ -127,13 +133,13 @@ type FillLatency struct {
 // fillHistogram records FillLatency with atomics: fills finish outside
 // Pool.mu, and recording must cost no lock.
 type fillHistogram struct {
-	buckets [len(FillLatencyBounds) + 1]atomic.Uint64
+	buckets [len(fillLatencyBounds) + 1]atomic.Uint64
 	sumNs   atomic.Int64
 }
 
 func (h *fillHistogram) record(d time.Duration) {
 	i := 0
-	for i < len(FillLatencyBounds) && d > FillLatencyBounds[i] {
+	for i < len(fillLatencyBounds) && d > fillLatencyBounds[i] {
 		i++
 	}
 	h.buckets[i].Add(1)
@@ -182,7 +188,7 @@ type Stats struct {
 func (p *Pool) Stats() Stats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	a := p.mu.alloc
+	a := p.groups[0].alloc
 	s := Stats{
 		Device:           p.dev.Name(),
 		TotalPages:       p.total,
@@ -208,7 +214,7 @@ func (p *Pool) Stats() Stats {
 	s.Prefix = p.prefixStatsLocked()
 	// One allocation, sized: this runs under mu, which a scrape should
 	// hold for the copy and no longer.
-	tenants := p.mu.tenants.Tenants()
+	tenants := p.tenantsLocked().Tenants()
 	s.Tenants = make([]TenantStats, len(tenants))
 	for i, t := range tenants {
 		c := p.mu.perTenant.of(t)

@@ -350,9 +350,10 @@ func boolGauge(b bool) float64 {
 // fillHistogram turns kvcache.FillLatency into a Prometheus histogram
 // (cumulative buckets, in seconds).
 func fillHistogram(desc *prometheus.Desc, h kvcache.FillLatency) prometheus.Metric {
-	buckets := make(map[float64]uint64, len(kvcache.FillLatencyBounds))
+	bounds := kvcache.FillLatencyBounds()
+	buckets := make(map[float64]uint64, len(bounds))
 	var cum uint64
-	for i, bound := range kvcache.FillLatencyBounds {
+	for i, bound := range bounds {
 		cum += h.Buckets[i]
 		buckets[bound.Seconds()] = cum
 	}

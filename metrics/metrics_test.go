@@ -189,7 +189,7 @@ kvfence_prefix_cached_pages{domain="tenant:a",model_name="m"} 4
 	assert.Equal(t, s.Scrub.Fills-1, h.GetSampleCount())
 	assert.Equal(t, float64(s.Scrub.BytesScrubbed), testutil.ToFloat64(only(t, reg, "kvfence_scrub_bytes_total")))
 	buckets := h.GetBucket()
-	require.Len(t, buckets, len(kvcache.FillLatencyBounds))
+	require.Len(t, buckets, len(kvcache.FillLatencyBounds()))
 	assert.Equal(t, 1e-6, buckets[0].GetUpperBound())
 	assert.LessOrEqual(t, buckets[len(buckets)-1].GetCumulativeCount(), h.GetSampleCount())
 

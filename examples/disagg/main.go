@@ -289,12 +289,13 @@ func writePrompt(p *kvcache.Pool, l *kvcache.Lease) error {
 		return err
 	}
 	page := make([]byte, geometry.RegionPageBytes())
-	for i, pg := range table[:geometry.PagesFor(l.PromptTokens())] {
+	group := p.Spec().Groups[0].Name
+	for i := range table[:geometry.PagesFor(l.PromptTokens())] {
 		for j := range page {
 			page[j] = byte(i + j)
 		}
 		for r := range geometry.Regions() {
-			if err := p.Device().WritePage(r, pg, page); err != nil {
+			if err := l.WritePage(group, i, r, page); err != nil {
 				return err
 			}
 		}

@@ -23,7 +23,6 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/kvcache"
 )
 
@@ -82,7 +81,6 @@ func run() error {
 		return err
 	}
 	defer pool.Close()
-	host := pool.Device().(*cudaops.Host)
 	say("this replay runs the preset's miniature (first layer, 1/%d of the bytes): %d bytes instead of %d, the same %d pages and %d tokens",
 		miniShrink, mini.BytesFor(pages, 0), realBytes, pool.Pages(), pool.CapacityTokens())
 	say("requests longer than the pool will be refused at admission")
@@ -94,11 +92,17 @@ func run() error {
 	}
 	secret := []byte("customer-a's private prompt ")
 	tableA, _ := a.BlockTable()
-	for _, page := range tableA {
-		for r := range host.Regions() {
-			mem := host.PageBytes(r, page)
-			for i := range mem {
-				mem[i] = secret[i%len(secret)]
+	// The engine's kernels would write the KV; here the lease's own page
+	// writes do, region by region of every page it holds.
+	group, regions := mini.Groups[0].Name, mini.Groups[0].Regions
+	for i := range tableA {
+		for r, region := range regions {
+			mem := make([]byte, region.PageBytes)
+			for j := range mem {
+				mem[j] = secret[j%len(secret)]
+			}
+			if err := a.WritePage(group, i, r, mem); err != nil {
+				return err
 			}
 		}
 	}
@@ -135,12 +139,15 @@ func run() error {
 	for _, p := range tableA {
 		inA[p] = true
 	}
-	for _, page := range tableB {
+	for i, page := range tableB {
 		if inA[page] {
 			reused++
 		}
-		for r := range host.Regions() {
-			mem := host.PageBytes(r, page)
+		for r, region := range regions {
+			mem := make([]byte, region.PageBytes)
+			if err := b.ReadPage(group, i, r, mem); err != nil {
+				return err
+			}
 			if !bytes.Equal(mem, make([]byte, len(mem))) {
 				dirty++
 			}

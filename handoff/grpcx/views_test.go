@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/handoff/grpcx"
 	"github.com/kvfence/kvfence/handoff/internal/testkit"
@@ -25,7 +26,13 @@ import (
 var viewGeometry = kvcache.Geometry{TokensPerPage: 16, Layers: 1, KVHeads: 1, HeadDim: 128, DType: kvcache.FP16}
 
 func newViewPool(t testing.TB, pages int) *kvcache.Pool {
-	p, err := testkit.NewPool(testkit.PoolConfig{Geometry: viewGeometry, Pages: pages, Tenants: tenants})
+	return newViewPoolOn(t, pages, nil)
+}
+
+// newViewPoolOn is newViewPool on host, which the caller keeps to reach
+// page memory behind the leases.
+func newViewPoolOn(t testing.TB, pages int, host *cudaops.Host) *kvcache.Pool {
+	p, err := testkit.NewPool(testkit.PoolConfig{Geometry: viewGeometry, Pages: pages, Tenants: tenants, Device: host})
 	require.NoError(t, err)
 	t.Cleanup(func() { p.Close() })
 	return p
@@ -105,7 +112,8 @@ func TestHandoffSendsThePagesThemselves(t *testing.T) {
 // exactly as with a staged copy: the views are summed where they lie, and
 // gRPC sends what lies there when it copies them out.
 func TestHandoffOfViewsDetectsAPageChangedInFlight(t *testing.T) {
-	prefill, decode := newViewPool(t, 512), newViewPool(t, 1024)
+	host := cudaops.NewHost()
+	prefill, decode := newViewPoolOn(t, 512, host), newViewPool(t, 1024)
 	recv, addr, _ := serve(t, decode, insecure.NewCredentials())
 	tr, err := grpcx.Dial(addr, insecure.NewCredentials())
 	require.NoError(t, err)
@@ -116,7 +124,6 @@ func TestHandoffOfViewsDetectsAPageChangedInFlight(t *testing.T) {
 	require.NoError(t, err)
 	exp, err := newSender(t, time.Minute).Export(l, 0)
 	require.NoError(t, err)
-	host := prefill.Device().(interface{ PageBytes(int, int32) []byte })
 	victim := host.PageBytes(1, table[4]) // in the second frame of 3 pages (newSender's 32 KiB frames)
 	err = exp.Send(context.Background(), &tamper{inner: tr, at: 2, f: func() { victim[100] ^= 0xff }})
 	var refused *handoff.RefusedError

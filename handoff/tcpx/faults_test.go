@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/handoff/internal/testkit"
 	"github.com/kvfence/kvfence/handoff/tcpx"
@@ -103,7 +104,11 @@ func TestReceiverRefusalReachesTheSender(t *testing.T) {
 		endAndSweep(t, exp, prefill, decode)
 	})
 	t.Run("a page changed after it was summed", func(t *testing.T) {
-		prefill, decode := newPool(t, 512), newPool(t, 1024)
+		host := cudaops.NewHost() // the test's, to change a page behind the lease
+		prefill, err := testkit.NewPool(testkit.PoolConfig{Geometry: testkit.Geometry, Pages: 512, Tenants: tenants, Device: host})
+		require.NoError(t, err)
+		t.Cleanup(func() { prefill.Close() })
+		decode := newPool(t, 1024)
 		srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(), tcpx.Options{})
 		l, err := testkit.Prefill(prefill, "torn", "victim", 300*16)
 		require.NoError(t, err)
@@ -111,7 +116,6 @@ func TestReceiverRefusalReachesTheSender(t *testing.T) {
 		require.NoError(t, err)
 		exp, err := newSender(t, time.Minute).Export(l, 0)
 		require.NoError(t, err)
-		host := prefill.Device().(interface{ PageBytes(int, int32) []byte })
 		victim := host.PageBytes(1, table[70]) // in frame 2 (63 pages a frame)
 		w := &watch{inner: dial(t, srv.addr, tcpx.Insecure(), tcpx.Options{}), hook: func(n int, _ handoff.Stream, _ []byte) {
 			if n == 2 {

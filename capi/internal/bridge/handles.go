@@ -590,7 +590,7 @@ func StatsJSON(h Handle) ([]byte, error) {
 		return nil, err
 	}
 	doc := statsJSON(pe.pool.Stats(), pe.domainOf)
-	doc.CUDA = cudaStatsDoc(pe.pool.Device())
+	doc.CUDA = cudaStatsDoc(pe.pool)
 	js, err := json.Marshal(doc)
 	if err != nil { // plain structs of numbers and strings: a bug
 		return nil, fmt.Errorf("%w: stats JSON: %w", ErrInternal, err)

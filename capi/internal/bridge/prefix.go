@@ -152,7 +152,7 @@ func Regions(h Handle, dst []cudaops.Region) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	rs := pe.pool.Device().Regions()
+	rs := pe.pool.Regions()
 	if len(dst) < len(rs) {
 		return len(rs), &BufferError{What: "regions", Need: len(rs), Have: len(dst)}
 	}

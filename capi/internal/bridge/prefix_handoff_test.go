@@ -191,16 +191,13 @@ func TestHandoffThroughBridge(t *testing.T) {
 	wantStatus(t, err, StatusInvalidConfig) // short key
 	prefill(t, l, 40)
 	// Give the prompt's pages recognisable content.
-	srcDev, dstDev := must(lookupPool(src)).pool.Device(), must(lookupPool(dst)).pool.Device()
-	srcTable := make([]int32, 3)
-	must(BlockTable(l, srcTable))
 	region := make([]byte, 256)
-	for i, pg := range srcTable {
+	for i := range 3 {
 		for r := range 2 {
 			for j := range region {
 				region[j] = byte(i*7 + r*3 + j)
 			}
-			noErr(t, srcDev.WritePage(r, pg, region))
+			noErr(t, withLease(l, func(_ *poolEntry, kl *kvcache.Lease) error { return kl.WritePage("kv", i, r, region) }))
 		}
 	}
 	exp := must(Export(l, testKey, 8, 0))
@@ -241,15 +238,13 @@ func TestHandoffThroughBridge(t *testing.T) {
 	noErr(t, ImportWritePages(imp, 0, pages[:pb]))
 	noErr(t, ImportWritePages(imp, 1, pages[pb:]))
 	dl := must(CompleteImport(imp))
-	dstTable := make([]int32, 4)
-	must(BlockTable(dl, dstTable))
 	got := make([]byte, 256)
-	for i, pg := range dstTable[:3] {
+	for i := range 3 {
 		for r := range 2 {
 			for j := range region {
 				region[j] = byte(i*7 + r*3 + j)
 			}
-			noErr(t, dstDev.ReadPage(r, pg, got))
+			noErr(t, withLease(dl, func(_ *poolEntry, kl *kvcache.Lease) error { return kl.ReadPage("kv", i, r, got) }))
 			if !bytes.Equal(got, region) {
 				t.Fatalf("page %d region %d did not arrive intact", i, r)
 			}

@@ -1,7 +1,6 @@
 package bridge
 
 import (
-	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/kvcache"
 )
 
@@ -42,12 +41,11 @@ type CUDAStatsDoc struct {
 	FencesPending int    `json:"fences_pending"`
 }
 
-func cudaStatsDoc(dev any) *CUDAStatsDoc {
-	d, ok := dev.(interface{ Stats() cudaops.Stats })
+func cudaStatsDoc(p *kvcache.Pool) *CUDAStatsDoc {
+	s, ok := p.DeviceStats()
 	if !ok {
 		return nil
 	}
-	s := d.Stats()
 	return &CUDAStatsDoc{FillMode: s.Mode.String(), KernelError: s.KernelError, ContextSyncs: s.ContextSyncs,
 		StagingWaits: s.StagingWaits, FencesPending: s.FencesPending}
 }

@@ -106,11 +106,9 @@ func Handoff(b *testing.B, connect func(recv *handoff.Receiver) handoff.Transpor
 		l, err := prefill.Admit(ctx, kvcache.Request{ID: id, Tenant: "victim", PromptTokens: Prompt})
 		require.NoError(b, err)
 		require.NoError(b, l.BeginPrefill())
-		table, err := l.BlockTable()
-		require.NoError(b, err)
 		for _, p := range sample {
 			for r := range Geometry.Regions() {
-				require.NoError(b, prefill.Device().WritePage(r, table[p], mark(i, p, r)))
+				require.NoError(b, l.WritePage("kv", p, r, mark(i, p, r)))
 			}
 		}
 		require.NoError(b, l.Commit(Prompt))
@@ -132,7 +130,7 @@ func Handoff(b *testing.B, connect func(recv *handoff.Receiver) handoff.Transpor
 		require.GreaterOrEqual(b, len(dtable), pages)
 		for _, p := range sample {
 			for r := range Geometry.Regions() {
-				require.NoError(b, decode.Device().ReadPage(r, dtable[p], got))
+				require.NoError(b, dl.ReadPage("kv", p, r, got))
 				if !bytes.Equal(got, mark(i, p, r)) {
 					b.Fatalf("%s: decode page %d region %d is not what prefill wrote", id, p, r)
 				}

@@ -44,6 +44,10 @@ type PoolConfig struct {
 	MaxContext int // zero: the pool's capacity
 	Undersized bool
 	Tenants    []kvcache.TenantConfig
+	// Device, if set, is the empty Host the pool is built on: a test that
+	// must reach page memory behind the leases (to tamper with a page in
+	// flight) keeps it. Nil: a Host of the pool's own.
+	Device *cudaops.Host
 }
 
 // NewPool builds a canary-scrubbed pool on its own Host device. The pool
@@ -52,6 +56,10 @@ type PoolConfig struct {
 // page is caught at its next admission, and Sweep checks every page.
 func NewPool(c PoolConfig) (*kvcache.Pool, error) {
 	policy := kvcache.ScrubPolicy{Kind: kvcache.ScrubCanary}
+	dev := c.Device
+	if dev == nil {
+		dev = cudaops.NewHost()
+	}
 	if !c.Spec.IsZero() {
 		maxCtx := c.MaxContext
 		if maxCtx == 0 {
@@ -60,14 +68,13 @@ func NewPool(c PoolConfig) (*kvcache.Pool, error) {
 		return kvcache.New(kvcache.Config{
 			Cache: c.Spec, Pages: c.Pages, MaxContextTokens: maxCtx, AllowUndersizedPool: c.Undersized,
 			Tenants: append([]kvcache.TenantConfig{{Name: Auditor}}, c.Tenants...),
-			Scrub:   policy, Device: cudaops.NewHost(),
+			Scrub:   policy, Device: dev,
 		})
 	}
 	g := c.Geometry
 	if g == (kvcache.Geometry{}) {
 		g = Geometry
 	}
-	dev := cudaops.NewHost()
 	for range g.Regions() {
 		if _, err := dev.AllocRegion(c.Pages, g.RegionPageBytes()); err != nil {
 			return nil, err
@@ -112,16 +119,12 @@ func Prefill(p *kvcache.Pool, id, tenant string, prompt int) (*kvcache.Lease, er
 		return nil, err
 	}
 	spec := p.Spec()
-	regions := spec.Groups[0].Regions
-	table, err := l.BlockTable()
-	if err != nil {
-		return nil, err
-	}
-	for i, pg := range table[:spec.PagesFor(prompt)] {
+	group, regions := spec.Groups[0].Name, spec.Groups[0].Regions
+	for i := range spec.PagesFor(prompt) {
 		for r, reg := range regions {
 			buf := make([]byte, reg.PageBytes)
 			fill(buf, id, i*len(regions)+r)
-			if err := p.Device().WritePage(r, pg, buf); err != nil {
+			if err := l.WritePage(group, i, r, buf); err != nil {
 				return nil, err
 			}
 		}
@@ -136,7 +139,7 @@ func Prefill(p *kvcache.Pool, id, tenant string, prompt int) (*kvcache.Lease, er
 // wrote for request id.
 func VerifyContent(p *kvcache.Pool, l *kvcache.Lease, id string) error {
 	spec := p.Spec()
-	regions := spec.Groups[0].Regions
+	group, regions := spec.Groups[0].Name, spec.Groups[0].Regions
 	table, err := l.BlockTable()
 	if err != nil {
 		return err
@@ -146,7 +149,7 @@ func VerifyContent(p *kvcache.Pool, l *kvcache.Lease, id string) error {
 			want := make([]byte, reg.PageBytes)
 			got := make([]byte, reg.PageBytes)
 			fill(want, id, i*len(regions)+r)
-			if err := p.Device().ReadPage(r, pg, got); err != nil {
+			if err := l.ReadPage(group, i, r, got); err != nil {
 				return err
 			}
 			if !bytes.Equal(want, got) {
@@ -179,26 +182,8 @@ func Sweep(p *kvcache.Pool) error {
 	}
 	// Every page must hold exactly its canary: nothing a tenant wrote
 	// (no Marker), nothing half-scrubbed.
-	spec := p.FillSpec()
-	regions := p.Spec().Groups[0].Regions
-	for pg := range int32(p.Pages()) {
-		w := spec.WordFor(pg)
-		for r, reg := range regions {
-			want := make([]byte, reg.PageBytes)
-			got := make([]byte, reg.PageBytes)
-			for i := 0; i < len(want); i += 4 {
-				binary.LittleEndian.PutUint32(want[i:], w)
-			}
-			if err := p.Device().ReadPage(r, pg, got); err != nil {
-				return err
-			}
-			if !bytes.Equal(got, want) {
-				if bytes.Contains(got, Marker) {
-					return fmt.Errorf("testkit: free page %d region %d still holds tenant KV", pg, r)
-				}
-				return fmt.Errorf("testkit: free page %d region %d does not hold its canary %#08x", pg, r, w)
-			}
-		}
+	if _, err := p.AuditFreePages(); err != nil {
+		return fmt.Errorf("testkit: %w", err)
 	}
 	if st := p.Stats(); st.Scrub.CanaryFailures != 0 {
 		return fmt.Errorf("testkit: %d canary failures", st.Scrub.CanaryFailures)

@@ -1,4 +1,22 @@
-package isolation
+// Package scrub is the quarantine of a kvfence pool: how a freed page
+// becomes clean before anyone else can receive it. It is kvcache's
+// machinery; the rules (what a page is filled with) are isolation's
+// ScrubPolicy.
+//
+//	released (allocator: Quarantined) ──Issue: one batched fill──▶ filling
+//	filling ──fence done, no error──▶ FinishLocked: Clean ──▶ Free
+//	filling ──fill or fence error──▶ FinishLocked: Retire, pool faulted
+//
+// # Invariants (checked by CheckLocked)
+//
+//   - a page is never returned to the free list before its fill's fence
+//     has completed without error;
+//   - every quarantined page belongs to a fill in flight, and pages leave
+//     quarantine only through FinishLocked (clean, or retired on error);
+//   - a failed fill retires its pages (they never come back) and faults
+//     the quarantine: every admission must then fail closed until the
+//     operator clears the fault.
+package scrub
 
 import (
 	"encoding/binary"
@@ -10,44 +28,34 @@ import (
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/internal/invariants"
+	"github.com/kvfence/kvfence/isolation"
 )
 
-// Quarantine cleans released pages before they can be reused:
+// Quarantine scrubs one or more page spaces (Space): a pool's cache
+// groups, each numbered from zero by its own allocator and living in its
+// own device regions. Every method takes its pages per space: batches[s]
+// are pages of space s. A release that frees pages of several spaces
+// scrubs them with one device operation (cudaops.SpanFiller.FillSpans;
+// cudaops.Device.Fill where one space covers every region).
 //
-//	released (allocator: Quarantined) ──Issue: one batched Fill──▶ filling
-//	filling ──fence done, no error──▶ FinishLocked: Clean ──▶ Free
-//	filling ──fill or fence error──▶ FinishLocked: Retire, pool faulted
-//
-// A page is never returned to the free list before its fill's fence has
-// completed without error. A failed fill retires its pages (they never come
-// back) and faults the quarantine: every admission must then fail closed
-// until the operator clears the fault.
-//
-// A quarantine scrubs one or more page spaces (Space): a pool's attention
-// pages, and the pages or slots of its other cache groups, each numbered
-// from zero by its own allocator and living in its own device regions.
-// A release that frees pages of several spaces scrubs them with one
-// device operation (IssueSpaces: cudaops.SpanFiller); methods without
-// "Spaces" in their name act on space 0.
-//
-// Methods ending in Locked must be called with the owning pool's lock held,
-// the same lock that guards the Allocators and the Registry (under the
-// invariants build tag they assert it). Issue needs no lock: it only
-// touches the device, which is why a pool can fill outside its lock.
+// Methods ending in Locked must be called with the owning pool's lock
+// held, the same lock that guards the allocators (under the invariants
+// build tag they assert it). Issue needs no lock: it only touches the
+// device, which is why a pool can fill outside its lock.
 type Quarantine struct {
 	spaces []space
 	dev    cudaops.Device
 	// whole is set when space 0 is the only space and covers every
 	// device region: Issue then uses Fill, which every device has.
-	whole  bool
-	reg    *Registry
-	lock   *sync.Mutex // the owner's lock, for assertions
-	spec   cudaops.FillSpec
-	policy ScrubPolicy
+	whole     bool
+	ownerName func(allocator.Owner) string // for canary reports; called under the lock
+	lock      *sync.Mutex                  // the owner's lock, for assertions
+	spec      cudaops.FillSpec
+	policy    isolation.ScrubPolicy
 
 	// Guarded by the owner's lock.
 	fault     error
-	stats     ScrubStats
+	stats     isolation.ScrubStats
 	verifyBuf []byte
 }
 
@@ -65,42 +73,26 @@ type space struct {
 	inFlight     int   // guarded by the owner's lock: pages released and not yet cleaned or retired
 }
 
-// ScrubStats are running totals of a quarantine.
-type ScrubStats struct {
-	Fills          uint64 // batches filled
-	PagesScrubbed  uint64
-	BytesScrubbed  uint64
-	FillErrors     uint64
-	PagesRetired   uint64
-	CanaryChecks   uint64 // pages verified on allocation
-	CanaryFailures uint64
-}
-
-// NewQuarantine returns the quarantine of a pool whose pages live in all
-// of dev's regions. The policy is validated against dtype. lock is the
-// owner's lock that guards alloc and reg; the Locked methods must be
-// called with it held.
-func NewQuarantine(alloc *allocator.Allocator, dev cudaops.Device, reg *Registry, lock *sync.Mutex, policy ScrubPolicy, dtype DType) (*Quarantine, error) {
-	return NewQuarantineOf([]Space{{Alloc: alloc, First: 0, Count: len(dev.Regions())}}, dev, reg, lock, policy, dtype)
-}
-
-// NewQuarantineOf returns the quarantine of several page spaces on dev,
-// whose regions hold the element types dtypes (ScrubPolicy.FillSpecFor).
-// The spaces' regions must not overlap; a device that must fill more
-// than one space, or a space that is not all of its regions, must
-// implement cudaops.SpanFiller.
-func NewQuarantineOf(spaces []Space, dev cudaops.Device, reg *Registry, lock *sync.Mutex, policy ScrubPolicy, dtypes ...DType) (*Quarantine, error) {
+// New returns the quarantine of spaces on dev, whose regions hold the
+// element types dtypes (isolation.ScrubPolicy.FillSpecFor). The spaces'
+// regions must not overlap; a device that must fill more than one space,
+// or a space that is not all of its regions, must implement
+// cudaops.SpanFiller. lock is the owner's lock that guards the
+// allocators; the Locked methods must be called with it held. ownerName
+// names a page's last owner in canary reports.
+func New(spaces []Space, dev cudaops.Device, lock *sync.Mutex, policy isolation.ScrubPolicy,
+	ownerName func(allocator.Owner) string, dtypes ...isolation.DType) (*Quarantine, error) {
 	spec, err := policy.FillSpecFor(dtypes...)
 	if err != nil {
 		return nil, err
 	}
 	regions := dev.Regions()
-	q := &Quarantine{dev: dev, reg: reg, lock: lock, spec: spec, policy: policy}
+	q := &Quarantine{dev: dev, ownerName: ownerName, lock: lock, spec: spec, policy: policy}
 	spans := make([]cudaops.Span, len(spaces))
 	maxPage := int64(0)
 	for i, sp := range spaces {
 		if sp.Alloc == nil || sp.Count < 1 || sp.First < 0 || sp.First > len(regions)-sp.Count {
-			return nil, fmt.Errorf("%w: page space %d names regions [%d, %d+%d) of %d", ErrInvalidPolicy, i, sp.First, sp.First, sp.Count, len(regions))
+			return nil, fmt.Errorf("%w: page space %d names regions [%d, %d+%d) of %d", isolation.ErrInvalidPolicy, i, sp.First, sp.First, sp.Count, len(regions))
 		}
 		s := space{Space: sp, regions: regions[sp.First : sp.First+sp.Count]}
 		for _, r := range s.regions {
@@ -111,14 +103,14 @@ func NewQuarantineOf(spaces []Space, dev cudaops.Device, reg *Registry, lock *sy
 		spans[i] = cudaops.Span{First: sp.First, Count: sp.Count}
 	}
 	if err := cudaops.CheckSpans(regions, spans); err != nil {
-		return nil, fmt.Errorf("%w: page spaces: %w", ErrInvalidPolicy, err)
+		return nil, fmt.Errorf("%w: page spaces: %w", isolation.ErrInvalidPolicy, err)
 	}
 	q.whole = len(spaces) == 1 && spaces[0].First == 0 && spaces[0].Count == len(regions)
 	if _, ok := dev.(cudaops.SpanFiller); !ok && !q.whole {
 		return nil, fmt.Errorf("%w: %s cannot fill %d page spaces (or part of its regions) in one operation: it does not implement cudaops.SpanFiller",
-			ErrInvalidPolicy, dev.Name(), len(spaces))
+			isolation.ErrInvalidPolicy, dev.Name(), len(spaces))
 	}
-	if policy.Kind == ScrubCanary {
+	if policy.Kind == isolation.ScrubCanary {
 		q.verifyBuf = make([]byte, maxPage)
 	}
 	return q, nil
@@ -136,12 +128,12 @@ func (q *Quarantine) ScrubAllFree() error {
 		slices.Sort(batches[i])
 		n += len(batches[i])
 	}
-	f, err := q.IssueSpaces(batches, cudaops.Ordering{})
+	f, err := q.Issue(batches, cudaops.Ordering{})
 	if err == nil {
 		err = f.Wait()
 	}
 	if err != nil {
-		return fmt.Errorf("%w: initial scrub of %d pages: %w", ErrScrubFailed, n, err)
+		return fmt.Errorf("%w: initial scrub of %d pages: %w", isolation.ErrScrubFailed, n, err)
 	}
 	q.stats.Fills++
 	for i, s := range q.spaces {
@@ -157,7 +149,7 @@ func (q *Quarantine) ScrubAllFree() error {
 func (q *Quarantine) assertHeld() {
 	if invariants.Enabled && q.lock != nil && q.lock.TryLock() {
 		q.lock.Unlock()
-		panic("isolation: Quarantine Locked method called without the pool lock")
+		panic("scrub: Quarantine Locked method called without the pool lock")
 	}
 }
 
@@ -165,42 +157,34 @@ func (q *Quarantine) assertHeld() {
 func (q *Quarantine) Spec() cudaops.FillSpec { return q.spec }
 
 // Policy returns the scrub policy.
-func (q *Quarantine) Policy() ScrubPolicy { return q.policy }
+func (q *Quarantine) Policy() isolation.ScrubPolicy { return q.policy }
 
 // Spaces returns the number of page spaces.
 func (q *Quarantine) Spaces() int { return len(q.spaces) }
 
-// BeginLocked records that n pages of space 0 just entered quarantine and
+// BeginLocked records that n pages of space s just entered quarantine and
 // will be passed to Issue.
-func (q *Quarantine) BeginLocked(n int) { q.BeginSpaceLocked(0, n) }
-
-// BeginSpaceLocked is BeginLocked for space s.
-func (q *Quarantine) BeginSpaceLocked(s, n int) {
+func (q *Quarantine) BeginLocked(s, n int) {
 	q.assertHeld()
 	q.spaces[s].inFlight += n
 }
 
-// Issue starts the fill of pages of space 0, ordered after the engine
-// work named by after. It returns the fill's fence; an error means the
+// Issue starts the fill of pages, batches[s] of space s (len(batches) ≤
+// Spaces(); empty ones are skipped), all in one device operation with one
+// fence, ordered after the engine work named by after. An error means the
 // fill never started, and the caller must pass it to FinishLocked.
-func (q *Quarantine) Issue(pages []int32, after cudaops.Ordering) (cudaops.Fence, error) {
-	if len(pages) == 0 {
-		return cudaops.Completed(nil), nil
+func (q *Quarantine) Issue(batches [][]int32, after cudaops.Ordering) (cudaops.Fence, error) {
+	if q.whole {
+		// One space, every region: Fill, which every device has.
+		if len(batches) == 0 || len(batches[0]) == 0 {
+			return cudaops.Completed(nil), nil
+		}
+		f, err := q.dev.Fill(batches[0], q.spec, after)
+		if err != nil {
+			return nil, fmt.Errorf("%w: fill of %d pages: %w", isolation.ErrScrubFailed, len(batches[0]), err)
+		}
+		return f, nil
 	}
-	if !q.whole {
-		return q.IssueSpaces([][]int32{pages}, after)
-	}
-	f, err := q.dev.Fill(pages, q.spec, after)
-	if err != nil {
-		return nil, fmt.Errorf("%w: fill of %d pages: %w", ErrScrubFailed, len(pages), err)
-	}
-	return f, nil
-}
-
-// IssueSpaces is Issue for pages of several spaces: batches[s] are pages
-// of space s (len(batches) ≤ Spaces(); empty ones are skipped), all
-// filled in one device operation with one fence.
-func (q *Quarantine) IssueSpaces(batches [][]int32, after cudaops.Ordering) (cudaops.Fence, error) {
 	buf := spanBufs.Get().(*[]cudaops.Span)
 	defer spanBufs.Put(buf)
 	spans := (*buf)[:0]
@@ -219,38 +203,23 @@ func (q *Quarantine) IssueSpaces(batches [][]int32, after cudaops.Ordering) (cud
 	if n == 0 {
 		return cudaops.Completed(nil), nil
 	}
-	if q.whole {
-		return q.Issue(batches[0], after)
-	}
 	f, err := q.dev.(cudaops.SpanFiller).FillSpans(spans, q.spec, after)
 	if err != nil {
-		return nil, fmt.Errorf("%w: fill of %d pages in %d page spaces: %w", ErrScrubFailed, n, len(spans), err)
+		return nil, fmt.Errorf("%w: fill of %d pages in %d page spaces: %w", isolation.ErrScrubFailed, n, len(spans), err)
 	}
 	return f, nil
 }
 
-// spanBufs recycles IssueSpaces' span lists: releases run concurrently,
+// spanBufs recycles Issue's span lists: releases run concurrently,
 // outside the pool lock, and a list handed to an interface method would
 // otherwise be allocated by every release.
 var spanBufs = sync.Pool{New: func() any { return new([]cudaops.Span) }}
 
-// FinishLocked ends the scrub of pages of space 0 with the fence's (or
-// Issue's) result: cleaned pages go to the free list, failed ones are
+// FinishLocked ends the scrub of a batch of Issue with the fence's (or
+// Issue's) result: cleaned pages go to the free lists, failed ones are
 // retired and the quarantine faults. It returns the fault it recorded, or
 // nil.
-func (q *Quarantine) FinishLocked(pages []int32, fillErr error) error {
-	q.assertHeld()
-	if fillErr == nil {
-		q.cleanLocked(0, pages)
-		q.stats.Fills++
-		return nil
-	}
-	q.retireLocked(0, pages)
-	return q.failedLocked(len(pages), fillErr)
-}
-
-// FinishSpacesLocked is FinishLocked for a batch of IssueSpaces.
-func (q *Quarantine) FinishSpacesLocked(batches [][]int32, fillErr error) error {
+func (q *Quarantine) FinishLocked(batches [][]int32, fillErr error) error {
 	q.assertHeld()
 	n := 0
 	for s, pages := range batches {
@@ -269,20 +238,26 @@ func (q *Quarantine) FinishSpacesLocked(batches [][]int32, fillErr error) error 
 }
 
 func (q *Quarantine) cleanLocked(s int, pages []int32) {
+	if len(pages) == 0 {
+		return
+	}
 	sp := &q.spaces[s]
 	sp.inFlight -= len(pages)
 	if err := sp.Alloc.Clean(pages); err != nil {
-		panic(fmt.Sprintf("isolation: cleaning scrubbed pages: %v", err)) // pages were quarantined by us
+		panic(fmt.Sprintf("scrub: cleaning scrubbed pages: %v", err)) // pages were quarantined by us
 	}
 	q.stats.PagesScrubbed += uint64(len(pages))
 	q.stats.BytesScrubbed += uint64(len(pages)) * uint64(sp.bytesPerPage)
 }
 
 func (q *Quarantine) retireLocked(s int, pages []int32) {
+	if len(pages) == 0 {
+		return
+	}
 	sp := &q.spaces[s]
 	sp.inFlight -= len(pages)
 	if err := sp.Alloc.Retire(pages); err != nil {
-		panic(fmt.Sprintf("isolation: retiring pages of a failed fill: %v", err))
+		panic(fmt.Sprintf("scrub: retiring pages of a failed fill: %v", err))
 	}
 	q.stats.PagesRetired += uint64(len(pages))
 }
@@ -290,8 +265,8 @@ func (q *Quarantine) retireLocked(s int, pages []int32) {
 // failedLocked records a failed fill of n pages (already retired).
 func (q *Quarantine) failedLocked(n int, fillErr error) error {
 	q.stats.FillErrors++
-	if !errors.Is(fillErr, ErrScrubFailed) {
-		fillErr = fmt.Errorf("%w: %w", ErrScrubFailed, fillErr)
+	if !errors.Is(fillErr, isolation.ErrScrubFailed) {
+		fillErr = fmt.Errorf("%w: %w", isolation.ErrScrubFailed, fillErr)
 	}
 	err := fmt.Errorf("%w (%d pages retired)", fillErr, n)
 	if q.fault == nil {
@@ -324,25 +299,21 @@ func (q *Quarantine) ClearFaultLocked() {
 }
 
 // StatsLocked returns running totals.
-func (q *Quarantine) StatsLocked() ScrubStats {
+func (q *Quarantine) StatsLocked() isolation.ScrubStats {
 	q.assertHeld()
 	return q.stats
 }
 
 // NeedsVerify reports whether pages must pass VerifyLocked before they
 // are handed out (the canary policy).
-func (q *Quarantine) NeedsVerify() bool { return q.policy.Kind == ScrubCanary }
+func (q *Quarantine) NeedsVerify() bool { return q.policy.Kind == isolation.ScrubCanary }
 
-// VerifyLocked checks that free pages of space 0 about to be handed out
+// VerifyLocked checks that free pages of space s about to be handed out
 // still hold their canary in every byte of every region. Pages found
 // written are retired and the quarantine faults; the first mismatch is
-// returned as a *CanaryError, with the number of pages retired.
-func (q *Quarantine) VerifyLocked(pages []int32) (retired int, err error) {
-	return q.VerifySpaceLocked(0, pages)
-}
-
-// VerifySpaceLocked is VerifyLocked for pages of space s.
-func (q *Quarantine) VerifySpaceLocked(s int, pages []int32) (retired int, err error) {
+// returned as an *isolation.CanaryError, with the number of pages
+// retired.
+func (q *Quarantine) VerifyLocked(s int, pages []int32) (retired int, err error) {
 	q.assertHeld()
 	sp := &q.spaces[s]
 	var first error
@@ -360,10 +331,10 @@ func (q *Quarantine) VerifySpaceLocked(s int, pages []int32) (retired int, err e
 		return 0, nil
 	}
 	if err := sp.Alloc.Unclean(bad); err != nil {
-		panic(fmt.Sprintf("isolation: taking corrupt free pages back: %v", err))
+		panic(fmt.Sprintf("scrub: taking corrupt free pages back: %v", err))
 	}
 	if err := sp.Alloc.Retire(bad); err != nil {
-		panic(fmt.Sprintf("isolation: retiring corrupt pages: %v", err))
+		panic(fmt.Sprintf("scrub: retiring corrupt pages: %v", err))
 	}
 	q.stats.CanaryFailures += uint64(len(bad))
 	q.stats.PagesRetired += uint64(len(bad))
@@ -379,13 +350,17 @@ func (q *Quarantine) verifyPage(sp *space, p int32) error {
 		ri := sp.First + i
 		buf := q.verifyBuf[:r.PageBytes]
 		if err := q.dev.ReadPage(ri, p, buf); err != nil {
-			return fmt.Errorf("%w: reading page %d of region %d: %w", ErrCanaryMismatch, p, ri, err)
+			return fmt.Errorf("%w: reading page %d of region %d: %w", isolation.ErrCanaryMismatch, p, ri, err)
 		}
 		for off := 0; off < len(buf); off += 4 {
 			if got := binary.LittleEndian.Uint32(buf[off:]); got != want {
 				info, _ := sp.Alloc.Info(p)
-				return &CanaryError{Page: p, Region: ri, Offset: int64(off), Want: want, Got: got,
-					PrevOwner: ownerName(q.reg, info.Owner), Gen: info.Gen}
+				owner := fmt.Sprintf("owner#%d", info.Owner)
+				if q.ownerName != nil {
+					owner = q.ownerName(info.Owner)
+				}
+				return &isolation.CanaryError{Page: p, Region: ri, Offset: int64(off), Want: want, Got: got,
+					PrevOwner: owner, Gen: info.Gen}
 			}
 		}
 	}
@@ -399,7 +374,7 @@ func (q *Quarantine) CheckLocked() error {
 	var errs []error
 	for i, sp := range q.spaces {
 		if n := sp.Alloc.Count(allocator.Quarantined); n != sp.inFlight {
-			errs = append(errs, fmt.Errorf("%w: page space %d: %d pages quarantined, %d in flight", ErrCorrupt, i, n, sp.inFlight))
+			errs = append(errs, fmt.Errorf("%w: page space %d: %d pages quarantined, %d in flight", isolation.ErrCorrupt, i, n, sp.inFlight))
 		}
 	}
 	return errors.Join(errs...)

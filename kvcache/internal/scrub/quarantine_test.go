@@ -1,4 +1,4 @@
-package isolation
+package scrub
 
 import (
 	"errors"
@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/isolation"
 )
 
 // failingDevice is a Host whose next FillSpans fails to queue (queueErr)
@@ -47,8 +48,8 @@ func TestQuarantineBooksAfterFailedFills(t *testing.T) {
 	require.NoError(t, err)
 	small, err := allocator.New(4)
 	require.NoError(t, err)
-	q, err := NewQuarantineOf([]Space{{Alloc: big, First: 0, Count: 1}, {Alloc: small, First: 1, Count: 1}},
-		dev, NewRegistry(16), &mu, ScrubPolicy{Kind: ScrubPoison}, FP16)
+	q, err := New([]Space{{Alloc: big, First: 0, Count: 1}, {Alloc: small, First: 1, Count: 1}},
+		dev, &mu, isolation.ScrubPolicy{Kind: isolation.ScrubPoison}, nil, isolation.FP16)
 	require.NoError(t, err)
 	mu.Lock()
 	defer mu.Unlock()
@@ -63,7 +64,7 @@ func TestQuarantineBooksAfterFailedFills(t *testing.T) {
 			require.NoError(t, err)
 			pages, err := a.Release(nil, hs, 1)
 			require.NoError(t, err)
-			q.BeginSpaceLocked(s, len(pages))
+			q.BeginLocked(s, len(pages))
 			batches = append(batches, pages)
 		}
 		require.NoError(t, q.CheckLocked())
@@ -74,15 +75,15 @@ func TestQuarantineBooksAfterFailedFills(t *testing.T) {
 
 	dev.queueErr = queueErr
 	b1 := release(3, 1)
-	_, err = q.IssueSpaces(b1, cudaops.Ordering{})
+	_, err = q.Issue(b1, cudaops.Ordering{})
 	require.ErrorIs(t, err, queueErr)
-	require.ErrorIs(t, q.FinishSpacesLocked(b1, err), ErrScrubFailed)
+	require.ErrorIs(t, q.FinishLocked(b1, err), isolation.ErrScrubFailed)
 
 	dev.fenceErr = fenceErr
 	b2 := release(2, 2)
-	f, err := q.IssueSpaces(b2, cudaops.Ordering{})
+	f, err := q.Issue(b2, cudaops.Ordering{})
 	require.NoError(t, err)
-	require.ErrorIs(t, q.FinishSpacesLocked(b2, f.Wait()), fenceErr)
+	require.ErrorIs(t, q.FinishLocked(b2, f.Wait()), fenceErr)
 
 	require.NoError(t, q.CheckLocked())
 	assert.Equal(t, 5, big.Count(allocator.Retired))
@@ -96,9 +97,9 @@ func TestQuarantineBooksAfterFailedFills(t *testing.T) {
 
 	q.ClearFaultLocked()
 	b3 := release(4, 1)
-	f, err = q.IssueSpaces(b3, cudaops.Ordering{})
+	f, err = q.Issue(b3, cudaops.Ordering{})
 	require.NoError(t, err)
-	require.NoError(t, q.FinishSpacesLocked(b3, f.Wait()))
+	require.NoError(t, q.FinishLocked(b3, f.Wait()))
 	require.NoError(t, q.CheckLocked())
 	require.NoError(t, q.FaultLocked())
 	assert.Equal(t, 16-5, big.Count(allocator.Free))
