@@ -194,7 +194,7 @@ func (p *Pool) growFastLocked(l *Lease, need int) bool {
 	}
 	h.handles = append(h.handles, hd)
 	h.pages = append(h.pages, hd.Page)
-	l.publishTable()
+	l.publishTable(h.pages)
 	p.mu.growth.Grown++
 	p.mu.growth.PagesGrown++
 	p.assertLocked("grow")
@@ -211,7 +211,7 @@ func (p *Pool) grantGrowthLocked(l *Lease, fresh int) {
 		panic(fmt.Sprintf("kvcache: %d pages granted and free, but the allocator refused: %v", fresh, err))
 	}
 	h.handles, h.pages = handles, table
-	l.publishTable()
+	l.publishTable(table)
 	p.mu.growth.Grown++
 	p.mu.growth.PagesGrown += uint64(fresh)
 	p.assertLocked("grow")
