@@ -198,29 +198,38 @@
 //
 // # Cost
 //
-// An event's cost is in its bytes: an event of 128 blocks is 4.9 KB on
-// the wire, 29 of each block's 38 bytes its domain's extra key. The
-// publisher encodes it in 0.6–0.9 µs (BenchmarkEncode; 7–12 µs through
+// An event's cost is in its bytes. A stored event of 128 blocks is about
+// 1.3 KB on the wire without token IDs (9 bytes a hash, 1 of extra keys,
+// the salt once), and 9.7 KB with them (2,048 tokens of a 150k
+// vocabulary, 3 to 5 bytes each); a removal of 128 blocks is 1.2 KB. The
+// publisher encodes the two events of a cycle in 0.11 µs each without
+// tokens and 1.16 µs with (BenchmarkEncode; 10.8 µs through
 // vmihailenco/msgpack), into the one allocation its batch makes, and each
 // subscriber's writer hands the kernel what is queued in one system call
 // per wake-up. With the BatchWindow, a pool that emits faster than once a
 // millisecond costs one message per millisecond, not one per event.
-// All told, in metrics' BenchmarkAdmitReleaseObserved (two such events per
-// admit-and-release cycle, a subscriber in the same process, a scrape
-// every 10 ms, on a 2-core VM), the publisher, the subscriber and the
-// collector use about 9 µs of CPU per cycle, 4.6 µs per event: encoding
-// 1.1, the message's allocation 0.6, the write 0.75, the subscriber's
-// reads 0.4, the scrapes 0.4, the rest scheduling and sweeping
-// (bench/README.md). That CPU runs beside the pool's, on another core
-// when there is one free.
+// CURVE adds, per subscriber, the encryption of every frame it is sent
+// (XSalsa20-Poly1305 over the message, one copy into a buffer the writer
+// keeps), and that subscriber's decryption on its side.
 //
-// What the pool pays is kvcache's: copying each event's keys under its
-// lock, and a send that never blocks. The publisher hands each event's
-// key array back to the pool once the batch is encoded
-// (kvcache.Pool.ReturnEventKeys), so that a later event reuses it: a pool
-// observed this way allocates nothing per event, where a fresh 4 KiB of
-// keys per event was most of what publishing cost it (page faults and
-// cache misses on the admission path). A consumer parked on the channel
+// In metrics' BenchmarkAdmitReleaseObserved (two events per
+// admit-and-release cycle, a subscriber in the same process, a scrape
+// every 10 ms, on a 2-core VM; bench/README.md), publishing token IDs
+// costs the pool 1.04× a plain pool's cycle at the median of 5 paired
+// rounds (prefix=tokens/paired-drained), and the whole of it, token IDs
+// over CURVE to a CURVE subscriber, 1.06× (prefix=tokens+curve/paired).
+// The publisher, the subscriber and the scrapes together use 5.5 µs of
+// CPU per event over NULL and 15.7 µs over CURVE (median; the CURVE
+// subscriber's decryption included). That CPU runs beside the pool's, on
+// another core when there is one free.
+//
+// What the pool pays is kvcache's: copying each event's keys (and, with
+// EventTokens, its tokens) under its lock, and a send that never blocks.
+// The publisher hands each event's arrays back to the pool once the batch
+// is encoded (kvcache.Pool.ReturnEventKeys, ReturnEventTokens), so that a
+// later event reuses them: a pool observed this way allocates nothing per
+// event, where a fresh 4 KiB of keys per event was most of what publishing
+// cost it (page faults and cache misses on the admission path). A consumer parked on the channel
 // adds a goroutine wake-up per event, which the BatchWindow spares the
 // pool under load (the publisher is asleep on a timer, not parked).
 package kvevents
