@@ -35,6 +35,11 @@ type Request struct {
 	TokenIDs []int32
 	PageKeys []BlockKey
 	Adapter  string
+	// PageExtra is extra key material of the prompt's pages, with
+	// TokenIDs: PageExtra[i] (nil for none) enters page i's key and so
+	// every key after it, for pages whose KV depends on more than their
+	// tokens (a multimodal prompt's placeholders; see pageextra.go).
+	PageExtra [][]byte
 	// Sizing overrides the tenant's (and the pool's) sizing of this
 	// request's lease; the zero value inherits it.
 	Sizing Sizing
@@ -173,6 +178,9 @@ func (p *Pool) admit(a *admission) error {
 		// these tokens later.
 		l.keys = append(l.keys, a.req.PageKeys...)
 		l.tokens = append(l.tokens, a.req.TokenIDs...)
+		l.extra = copyPageExtra(l.extra, a.req.PageExtra)
+	} else {
+		l.extra = l.extra[:0]
 	}
 	p.mu.Lock()
 	return p.runLocked(a)
@@ -210,7 +218,7 @@ func (p *Pool) stepsLocked(a *admission, st step) error {
 			if testHookDeriveKeys != nil {
 				testHookDeriveKeys()
 			}
-			l.keys = appendPageKeys(l.keys[:0], prefixRoot(dom.Name, a.req.Adapter), p.tpp, l.tokens)
+			l.keys = l.appendLeaseKeys(l.keys[:0], prefixRoot(dom.Name, a.req.Adapter), p.tpp, 0, l.tokens)
 			p.mu.Lock()
 			l.keysFor, l.match.valid = dom, false
 		case stepEvict:
@@ -327,10 +335,11 @@ func (p *Pool) attemptLocked(a *admission) step {
 	// The prefix: matched once per attempt, reused while the index has
 	// not changed (its epoch), and worth only what the tenant may share.
 	// A request with tokens walks the trie; only while its domain holds
-	// pages published by keys alone does it derive its keys (once) and
-	// match by them.
+	// pages published by keys alone, or when its pages have extra key
+	// material the trie does not compare, does it derive its keys (once)
+	// and match by them.
 	sharing := p.sharing(req)
-	byKeys := len(l.tokens) == 0 || p.mu.prefix.counters(t.Domain).keyOnly > 0
+	byKeys := len(l.tokens) == 0 || len(l.extra) > 0 || p.mu.prefix.counters(t.Domain).keyOnly > 0
 	if sharing && len(l.tokens) > 0 && byKeys && l.keysFor != t.Domain {
 		a.hashFor = t.Domain
 		return stepHash

@@ -125,7 +125,9 @@
 //
 // A request may carry its prompt's token IDs (or keys derived by
 // PageKeys). Admit derives BlockKeys, a SHA-256 chain over full pages
-// rooted at the domain and adapter, shares the longest chain cached in the
+// rooted at the domain and adapter (and covering each page's extra key
+// material, Request.PageExtra, such as the images behind a multimodal
+// prompt's placeholder tokens), shares the longest chain cached in the
 // tenant's domain (never the page holding the last prompt token, which the
 // engine writes), and allocates the rest: the lease still holds every page
 // prompt + max new tokens need. The match is made once per attempt and

@@ -328,7 +328,7 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 		if have == 0 {
 			parent = prefixRoot(l.Domain(), l.adapter)
 		}
-		extra = appendPageKeys(nil, parent, tpp, tokens[have*tpp:full*tpp])
+		extra = l.appendLeaseKeys(nil, parent, tpp, have, tokens[have*tpp:full*tpp])
 	}
 
 	p.mu.Lock()

@@ -62,6 +62,7 @@ type Lease struct {
 	domain    *tenancy.Domain
 	adapter   string
 	tokens    []int32
+	extra     [][]byte // per-page extra key material (pageextra.go), copied at admission
 	keys      []BlockKey
 	keysFor   *tenancy.Domain
 	hitPages  int

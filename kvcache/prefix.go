@@ -34,7 +34,7 @@ func validatePrefix(req Request, tokensPerPage int) error {
 		return fmt.Errorf("%w: adapter ID %q: %s (want at most %d bytes of UTF-8 without a NUL)",
 			ErrInvalidRequest, req.Adapter, isolation.NameProblem(req.Adapter, MaxIDLen), MaxIDLen)
 	}
-	return nil
+	return validatePageExtra(req, tokensPerPage)
 }
 
 // PageKeys appends to dst the keys of the full pages of tokens as tenant's
@@ -394,7 +394,7 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 	p.assertHeld()
 	x := &p.mu.prefix
 	tpp := p.tpp
-	withTokens := len(l.tokens) >= upTo*tpp
+	withTokens := len(l.tokens) >= upTo*tpp && len(l.extra) == 0 // the trie compares tokens only
 	// A KVStored event per run of newly published pages l.keys[run:i],
 	// emitted when the run ends; run < 0 while there is none.
 	events := p.mu.events.enabled()
@@ -526,7 +526,7 @@ func (l *Lease) CachePrefix(n int) (int, error) {
 		if have == 0 {
 			parent = prefixRoot(l.Domain(), l.adapter)
 		}
-		extra := appendPageKeys(nil, parent, tpp, tokens[have*tpp:upTo*tpp])
+		extra := l.appendLeaseKeys(nil, parent, tpp, have, tokens[have*tpp:upTo*tpp])
 		p.mu.Lock()
 		if p.mu.closed {
 			return 0, ErrPoolClosed

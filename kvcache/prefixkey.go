@@ -15,7 +15,9 @@ import (
 //	key_0   = SHA-256(root    ‖ tokensPerPage ‖ tokens of page 0)
 //	key_i   = SHA-256(key_i-1 ‖ tokensPerPage ‖ tokens of page i)
 //
-// with lengths and token IDs as little-endian uint32. The domain and the
+// with lengths and token IDs as little-endian uint32; a page with extra
+// key material (Request.PageExtra: a multimodal prompt's images) takes the
+// extended form of pageextra.go. The domain and the
 // extra key (the adapter: a LoRA or other weights ID) enter every key
 // through the root, so key_i = H(domain, key_i-1, tokens_i, adapter) as a
 // chain: equal tokens in two domains, or under two adapters, never share a
