@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -457,9 +458,13 @@ type RankWorker struct {
 	rank int
 	auto atomic.Bool // launch batches as they arrive (SetAutoStep)
 
-	wmu     sync.Mutex
-	mu      sync.Mutex
-	queued  []rankBatch
+	wmu    sync.Mutex
+	mu     sync.Mutex
+	queued []rankBatch
+	// held[i] is the batches that have waited i steps fewer than the
+	// step lag (SetStepLag): held[0] launches at the next Step. Guarded by
+	// mu.
+	held    [][]rankBatch
 	ended   bool // reports is closed; guarded by mu
 	reports chan rankReport
 	done    chan struct{}
@@ -506,18 +511,21 @@ func ServeRank(conn net.Conn, rank int, dev Device, autoStep bool) (*RankWorker,
 
 // Step launches every batch handed over since the last Step, ordered
 // after after (the engine's stream or event on this rank's device), and
-// returns how many it launched. A batch that fails to launch is reported
-// failed: the scheduler faults the pool.
+// returns how many it launched; with a step lag of n (SetStepLag), it
+// launches instead the batches handed over before the nth Step before
+// this one, and the others wait for their turn. A batch that fails to
+// launch is reported failed: the scheduler faults the pool.
 func (w *RankWorker) Step(after Ordering) (int, error) {
 	w.mu.Lock()
-	batches := w.queued
-	w.queued = nil
+	queued, held := w.queued, slices.Clone(w.held)
+	batches := w.advanceLocked()
 	w.mu.Unlock()
 	if c, ok := w.dev.(OrderingChecker); ok {
 		if err := c.CheckOrdering(after); err != nil {
-			// Keep the batches for a Step with a usable ordering.
+			// Keep the batches where they were, for a Step with a usable
+			// ordering.
 			w.mu.Lock()
-			w.queued = append(batches, w.queued...)
+			w.queued, w.held = append(queued, w.queued...), held
 			w.mu.Unlock()
 			return 0, err
 		}
@@ -531,6 +539,59 @@ func (w *RankWorker) Step(after Ordering) (int, error) {
 		w.mu.Unlock()
 	}
 	return len(batches), nil
+}
+
+// advanceLocked moves the batches one step on and returns those to launch
+// now: with a step lag (and not launching on arrival) the ones that have
+// waited it out, oldest first; otherwise all of them.
+func (w *RankWorker) advanceLocked() []rankBatch {
+	n := len(w.held)
+	if n == 0 || w.auto.Load() {
+		var out []rankBatch
+		for _, h := range w.held {
+			out = append(out, h...)
+		}
+		clear(w.held)
+		out = append(out, w.queued...)
+		w.queued = nil
+		return out
+	}
+	out := w.held[0]
+	copy(w.held, w.held[1:])
+	w.held[n-1], w.queued = w.queued, nil
+	return out
+}
+
+// SetStepLag makes each batch wait n Steps after the one it arrived before
+// (0: none), so that it launches after what the engine queues in those
+// steps too. An engine that frees pages while a step that writes them may
+// still be on its way to this rank (scheduling one step ahead of the
+// results it has processed) sets it to that depth. Batches that wait now
+// launch at the next Step.
+func (w *RankWorker) SetStepLag(n int) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var waiting []rankBatch
+	for _, h := range w.held {
+		waiting = append(waiting, h...)
+	}
+	w.held = make([][]rankBatch, n)
+	if n > 0 {
+		w.held[0] = waiting
+	} else {
+		w.queued = append(waiting, w.queued...)
+	}
+}
+
+// Waiting is how many batches have arrived and not been launched yet.
+func (w *RankWorker) Waiting() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n := len(w.queued)
+	for _, h := range w.held {
+		n += len(h)
+	}
+	return n
 }
 
 // SetAutoStep switches between launching batches as they arrive, with the
