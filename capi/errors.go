@@ -34,6 +34,7 @@ func fail(err error) C.kvf_status {
 		limit:        C.int64_t(info.Limit),
 		need_tokens:  C.int64_t(info.NeedTokens),
 		limit_tokens: C.int64_t(info.LimitTokens),
+		cause:        C.int32_t(info.Cause),
 	}
 	if info.Retryable {
 		ci.retryable = 1

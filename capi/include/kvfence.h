@@ -72,8 +72,12 @@ extern "C" {
  * kvf_admit_tokens_table, admission by token IDs that writes the block
  * table in the same call; version 7 adds the host device's
  * "async_fills" and the callbacks of language bindings
- * (kvf_py_set_callbacks). */
-#define KVF_ABI_VERSION 7
+ * (kvf_py_set_callbacks); version 8 adds extra key material per prompt
+ * page (kvf_admit_tokens_keyed: a multimodal prompt's images), dropping
+ * the prefix cache (kvf_pool_clear_prefix_cache), the cause of a
+ * KVF_ERR_POOL_EXHAUSTED refusal (kvf_error_info.cause, KVF_CAUSE_*) and a
+ * rank worker's "step_lag". */
+#define KVF_ABI_VERSION 8
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -160,13 +164,26 @@ enum {
     KVF_PHASE_ABORTED = 6
 };
 
+/* Why a pool had no pages for an admission or growth refused with
+ * KVF_ERR_POOL_EXHAUSTED (kvf_error_info.cause). Since ABI 8. An engine
+ * that serves several tenants tells by it whether others may still be
+ * admitted: with KVF_CAUSE_NONE the pool's supply is short (back-pressure
+ * for everyone); with KVF_CAUSE_RESERVED or KVF_CAUSE_KEPT_FOR_GROWTH the
+ * pages exist but not for this tenant's request now, and a tenant with an
+ * unused reservation may still get its own. */
+enum {
+    KVF_CAUSE_NONE = 0,
+    KVF_CAUSE_RESERVED = 1,        /* the free pages are other tenants' unused reservations */
+    KVF_CAUSE_KEPT_FOR_GROWTH = 2  /* the free pages are kept for the growth of running leases ("growth_watermark") */
+};
+
 /* What the last failed call on this thread reported. Numbers that do not
  * apply are 0. */
 typedef struct kvf_error_info {
     kvf_status status;    /* KVF_OK if no call on this thread has failed yet */
     int32_t retryable;    /* 1: the same admission may succeed later unchanged */
     int32_t permanent;    /* 1: it can never succeed on this pool as configured */
-    int32_t reserved0;
+    int32_t cause;        /* KVF_CAUSE_*: why the pool had no pages (since ABI 8; 0 before) */
     int64_t need;         /* pages (tokens for EXCEEDS_MAX_CONTEXT; elements or bytes for BUFFER_TOO_SMALL) */
     int64_t have;         /* what could be granted now (the buffer's length for BUFFER_TOO_SMALL) */
     int64_t limit;        /* the ceiling: pages in service, quota, max context */
@@ -537,6 +554,42 @@ KVF_API kvf_status kvf_admit_tokens_table(kvf_pool pool, const char *request_id,
                                           const char *adapter, int64_t wait_ms, int32_t *table, size_t table_len,
                                           size_t *table_length, kvf_lease *out);
 
+/* kvf_admit_tokens_table whose prompt pages carry extra key material
+ * (since ABI 8): bytes that name what else than its tokens a page's KV was
+ * computed from, such as the images whose embeddings stand where a
+ * multimodal prompt has its placeholder tokens. Page i's material is
+ * page_extra[page_extra_ends[i-1] .. page_extra_ends[i]) (from 0 for page
+ * 0), none when empty; n_extra_pages may be 0 (then it is
+ * kvf_admit_tokens_table) and at most the prompt's pages, the partial last
+ * one included; the ends must not decrease, page_extra must hold
+ * page_extra_ends[n_extra_pages - 1] bytes, and one page's material is at
+ * most 65536 bytes. A page with material has the extended key
+ * SHA-256(parent || tokens_per_page | 1<<31 || tokens || len || bytes),
+ * and every key after it chains from that one, so equal tokens with other
+ * material never share a page while the pages before the first page with
+ * material share with prompts that have none. Such a lease publishes its
+ * pages by key alone (kvf_lease_cache_prefix, kvf_lease_preempt). Bad
+ * material (decreasing ends, too much, material without token IDs) is
+ * KVF_ERR_INVALID_REQUEST with nothing admitted; page_extra NULL with
+ * bytes to read, or page_extra_ends NULL with n_extra_pages > 0, is
+ * KVF_ERR_NULL_POINTER. Everything else is kvf_admit_tokens_table's. The
+ * buffers are read during the call only. */
+KVF_API kvf_status kvf_admit_tokens_keyed(kvf_pool pool, const char *request_id, const char *tenant,
+                                          const int32_t *token_ids, size_t n_tokens, int64_t max_new_tokens,
+                                          const char *adapter, const uint8_t *page_extra,
+                                          const uint64_t *page_extra_ends, size_t n_extra_pages, int64_t wait_ms,
+                                          int32_t *table, size_t table_len, size_t *table_length, kvf_lease *out);
+
+/* Drops the pool's prefix cache in every sharing domain, as after a model
+ * weight update (since ABI 8): no later admission matches a page
+ * published before the call. Cached pages no lease holds are scrubbed as
+ * released pages are (after all work of the pool's CUDA context; on a
+ * remote pool at each rank's next steps) and reused only once the scrub
+ * has completed; pages that live leases hold stay theirs and are scrubbed
+ * when the last of them ends. The call does not wait for the scrub. With
+ * events on, a "cleared" event follows. */
+KVF_API kvf_status kvf_pool_clear_prefix_cache(kvf_pool pool);
+
 /* Leading prompt tokens the lease shares from the prefix cache (a multiple
  * of tokens_per_page; never the page holding the last prompt token). */
 KVF_API kvf_status kvf_lease_hit_tokens(kvf_lease lease, int64_t *out);
@@ -703,6 +756,9 @@ KVF_API kvf_status kvf_import_free(kvf_import imp);
  *    "rank": 0,                     (required; 0 <= rank < the pool's ranks)
  *    "device": {"kind": "cuda", "ordinal": 1}   (as a pool's; default host),
  *    "auto_step": false,            (true: launch each batch as it arrives)
+ *    "step_lag": 0,                 (since ABI 8; 1: kvf_rank_step launches
+ *                                    the batches that had arrived before
+ *                                    the previous step, see kvf_rank_step)
  *    "connect_timeout_ms": 60000}   (0: 60 s)
  * The scheduler need not listen yet: the call tries again until
  * connect_timeout_ms, then returns KVF_ERR_NO_DEVICE. regions are the
@@ -731,7 +787,13 @@ KVF_API kvf_status kvf_rank_worker_create(const char *config_json, const kvf_reg
  * completed; the scheduler frees its pages when every rank has. Call it
  * after queuing each engine step's kernels, and also while the engine is
  * idle, at least once per report_timeout_ms: a batch no step launches
- * makes the scheduler declare the rank lost. Until the first call,
+ * makes the scheduler declare the rank lost. With "step_lag": 1 a batch
+ * waits for one more step: it launches at the second step after it
+ * arrived, ordered after everything the engine queued up to then. An
+ * engine that runs a step ahead of the scheduler's bookkeeping (vLLM's
+ * asynchronous scheduling: a request the scheduler frees may still be in
+ * a step the worker has yet to queue) needs that step between; it must
+ * then step twice within report_timeout_ms. Until the first call,
  * batches launch as they arrive with stream = event = 0 (the first is the
  * pool's initial scrub, which kvf_pool_create waits for before any engine
  * could step); with "auto_step" they always do, and a step seldom finds

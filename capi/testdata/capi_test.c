@@ -1,5 +1,5 @@
 /*
- * capi_test.c (with capi_test_v2.inc to _v7.inc) drives every
+ * capi_test.c (with capi_test_v2.inc to _v8.inc) drives every
  * function of kvfence.h, every bad-input case the header documents, and
  * concurrent use from several threads. It exits 0 if
  * every check passed; each failed check prints its line and the library's
@@ -532,6 +532,7 @@ static void test_long_strings(void) {
 #include "capi_test_v5.inc"
 #include "capi_test_v6.inc"
 #include "capi_test_v7.inc"
+#include "capi_test_v8.inc"
 
 int main(void) {
     test_library();
@@ -557,6 +558,9 @@ int main(void) {
     test_admit_tokens_table();
     test_binding_callbacks();
     test_async_host_fills();
+    test_admit_tokens_keyed();
+    test_exhausted_cause();
+    test_rank_step_lag_config();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);
         return 1;

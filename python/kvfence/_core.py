@@ -369,7 +369,8 @@ class Pool:
         check(_lib.admit(self._handle(), rid, ten, prompt_tokens, max_new_tokens, wait_ms, ctypes.byref(h)))
         return Lease(self, h.value, -(-(prompt_tokens + max_new_tokens) // self.tokens_per_page))
 
-    def admit_tokens(self, request_id, tenant, token_ids, max_new_tokens=0, adapter=None, wait_ms=0, block_table=None):
+    def admit_tokens(self, request_id, tenant, token_ids, max_new_tokens=0, adapter=None, wait_ms=0, block_table=None,
+                     page_extra=None):
         """Admits a prompt given as its token IDs (a list, array('i'), or an
         int32/int64 tensor or numpy array: int32 ones are read in place);
         kvfence derives the page keys and the lease shares the longest
@@ -382,7 +383,18 @@ class Pool:
         hold ceil((len(token_ids) + max_new_tokens) / tokens_per_page)
         entries, the most the lease can grow to, or BufferTooSmall is
         raised (need: that number) with nothing admitted and block_table
-        unchanged."""
+        unchanged.
+
+        adapter (a LoRA's name, any ID of the weights) roots every key.
+        page_extra, a sequence with one entry per prompt page (bytes, or
+        None / b"" for none; the partial last page included), is extra key
+        material of those pages (kvf_admit_tokens_keyed, ABI 8): what else
+        than its tokens a page's KV depends on, such as the images behind
+        a multimodal prompt's placeholder tokens. Equal tokens with other
+        material never share a page from the first page with material on."""
+        if page_extra:
+            return self._admit_keyed(request_id, tenant, token_ids, max_new_tokens, adapter, wait_ms, block_table,
+                                     page_extra)
         state = self._state
         if state.closed:
             raise PoolClosed("the pool is closed", _ERR_POOL_CLOSED)
@@ -429,6 +441,54 @@ class Pool:
         lease.table_len = pages
         self._live.add(h)
         return lease
+
+    def _admit_keyed(self, request_id, tenant, token_ids, max_new_tokens, adapter, wait_ms, block_table, page_extra):
+        """admit_tokens with extra key material: kvf_admit_tokens_keyed."""
+        if _lib.admit_tokens_keyed is None:
+            raise InvalidArgument("kvfence: page_extra needs a library of ABI 8 (this one is %d)" % _lib.abi_version(),
+                                  InvalidArgument.status)
+        state = self._state
+        if state.closed:
+            raise PoolClosed("the pool is closed", _ERR_POOL_CLOSED)
+        addr, n, keep = _int32s(token_ids)
+        rid = _cstr(request_id, "request_id", InvalidRequest)
+        ten = _cstr(tenant, "tenant", InvalidRequest)
+        ad = _cstr(adapter, "adapter", InvalidRequest) if adapter else None
+        parts, total = [], 0
+        ends = array.array("Q")
+        for e in page_extra:
+            if e:
+                if not isinstance(e, (bytes, bytearray, memoryview)):
+                    raise TypeError("kvfence: page_extra entries are bytes or None, not %s" % type(e).__name__)
+                parts.append(bytes(e))
+                total += len(parts[-1])
+            ends.append(total)
+        material = b"".join(parts)
+        if block_table is None:
+            cap = max(0, -(-(n + max_new_tokens) // self.tokens_per_page)) if n else 0
+            out = array.array("i", bytes(4 * max(cap, 1)))
+            table, cap = out.buffer_info()[0], cap
+        else:
+            table, cap = _int32_out(block_table)
+        h, m = ctypes.c_uint64(), ctypes.c_size_t()
+        st = _lib.admit_tokens_keyed(state.harg, rid, ten, addr, n, max_new_tokens, ad, material or None,
+                                     ends.buffer_info()[0] if ends else None, len(ends), wait_ms, table, cap, m, h)
+        if st:
+            raise from_last_error(st)
+        del keep
+        lease = Lease(self, h.value, -(-(n + max_new_tokens) // self.tokens_per_page))
+        lease.table_len = m.value if block_table is not None else 0
+        return lease
+
+    def clear_prefix_cache(self):
+        """Drops the prefix cache of every sharing domain, as after a weight
+        update (kvf_pool_clear_prefix_cache, ABI 8): no later admission
+        matches a page published before the call; cached pages are
+        scrubbed, and pages live leases share when their last lease ends."""
+        if _lib.pool_clear_prefix_cache is None:
+            raise InvalidArgument("kvfence: clear_prefix_cache needs a library of ABI 8 (this one is %d)"
+                                  % _lib.abi_version(), InvalidArgument.status)
+        check(_lib.pool_clear_prefix_cache(self._handle()))
 
     def _admit_then_table(self, rid, ten, addr, n, max_new_tokens, ad, wait_ms, table, cap, h):
         """admit_tokens(block_table=) on a library older than ABI 6: the
@@ -940,15 +1000,19 @@ class RankWorker:
     tensor's data_ptr(), with its "stride"; 0 or absent: the worker
     allocates the region) or, on a host device, "memory": a writable
     buffer the worker adopts and keeps referenced until close(). device
-    is a pool's "device" dict (default host). A worker dropped without
-    close() is closed when it is collected, before those references go."""
+    is a pool's "device" dict (default host). step_lag (ABI 8) makes each
+    batch wait that many more steps (kvf_rank_step). A worker dropped
+    without close() is closed when it is collected, before those
+    references go."""
 
-    def __init__(self, connect, rank, regions, device=None, auto_step=False, connect_timeout_ms=0):
+    def __init__(self, connect, rank, regions, device=None, auto_step=False, connect_timeout_ms=0, step_lag=0):
         cfg = {"connect": connect, "rank": rank}
         if device is not None:
             cfg["device"] = device
         if auto_step:
             cfg["auto_step"] = True
+        if step_lag:
+            cfg["step_lag"] = step_lag
         if connect_timeout_ms:
             cfg["connect_timeout_ms"] = connect_timeout_ms
         self._keep = []

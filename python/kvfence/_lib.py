@@ -13,6 +13,10 @@ import os
 
 ABI_VERSION = 5  # the library must implement at least this
 
+# The causes of a KVF_ERR_POOL_EXHAUSTED refusal (kvf_error_info.cause,
+# ABI 8): the names KvfenceError.cause takes.
+CAUSES = {0: None, 1: "reserved", 2: "kept_for_growth"}
+
 # The driver's special stream handles (KVF_STREAM_LEGACY, KVF_STREAM_PER_THREAD).
 STREAM_LEGACY = 0x1
 STREAM_PER_THREAD = 0x2
@@ -23,7 +27,7 @@ class ErrorInfo(ctypes.Structure):
         ("status", ctypes.c_int32),
         ("retryable", ctypes.c_int32),
         ("permanent", ctypes.c_int32),
-        ("reserved0", ctypes.c_int32),
+        ("cause", ctypes.c_int32),  # KVF_CAUSE_* (ABI 8; 0 before)
         ("need", ctypes.c_int64),
         ("have", ctypes.c_int64),
         ("limit", ctypes.c_int64),
@@ -131,6 +135,11 @@ admit_tokens = _fn("kvf_admit_tokens", _st, _h, _s, _s, _vp, _sz, _i64, _s, _i64
 admit_tokens_table = (_fn("kvf_admit_tokens_table", _st, _h, _s, _s, _vp, _sz, _i64, _s, _i64, _vp, _sz, _P(_sz),
                           _P(_h)) if abi_version() >= 6 else None)
 lease_block_table = _fn("kvf_lease_block_table", _st, _h, _vp, _sz, _P(_sz))
+# ABI 8: extra key material per prompt page, and dropping the prefix
+# cache; None with an older library.
+admit_tokens_keyed = (_fn("kvf_admit_tokens_keyed", _st, _h, _s, _s, _vp, _sz, _i64, _s, _vp, _vp, _sz, _i64, _vp, _sz,
+                          _P(_sz), _P(_h)) if abi_version() >= 8 else None)
+pool_clear_prefix_cache = _fn("kvf_pool_clear_prefix_cache", _st, _h) if abi_version() >= 8 else None
 
 
 class PyAPI(ctypes.Structure):

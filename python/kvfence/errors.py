@@ -66,14 +66,17 @@ class KvfenceError(Exception):
     enumerator; go_error: the Go sentinel it mirrors; message: the Go
     error's text; need, have, limit (pages; tokens for ExceedsMaxContext;
     elements or bytes for BufferTooSmall), need_tokens, limit_tokens;
-    retryable, permanent (admission refusals)."""
+    retryable, permanent (admission refusals); cause, for PoolExhausted
+    (ABI 8): None when the pool's supply is short, "reserved" when the
+    free pages are other tenants' unused reservations, "kept_for_growth"
+    when they are kept for running leases' growth."""
 
     status = -1
     name = "KVF_ERR_UNKNOWN_STATUS"
     go_error = ""
 
     def __init__(self, message, status=None, need=0, have=0, limit=0, need_tokens=0, limit_tokens=0,
-                 retryable=False, permanent=False):
+                 retryable=False, permanent=False, cause=None):
         if status is not None:
             self.status = status
             self.name = _lib.status_name(status).decode()
@@ -81,6 +84,7 @@ class KvfenceError(Exception):
         self.need, self.have, self.limit = need, have, limit
         self.need_tokens, self.limit_tokens = need_tokens, limit_tokens
         self.retryable, self.permanent = retryable, permanent
+        self.cause = cause
         super().__init__(message)
 
     def __str__(self):
@@ -124,7 +128,8 @@ def from_last_error(status):
     _lib.last_error_message(buf, len(buf), None)
     cls = BY_STATUS.get(status, KvfenceError)
     return cls(buf.value.decode(errors="replace"), status, info.need, info.have, info.limit,
-               info.need_tokens, info.limit_tokens, bool(info.retryable), bool(info.permanent))
+               info.need_tokens, info.limit_tokens, bool(info.retryable), bool(info.permanent),
+               _lib.CAUSES.get(info.cause, info.cause))
 
 
 def check(status):

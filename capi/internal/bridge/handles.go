@@ -297,6 +297,14 @@ func AdmitTokens(h Handle, id, tenant string, tokens []int32, maxNewTokens int64
 // written.
 func AdmitTokensTable(h Handle, id, tenant string, tokens []int32, maxNewTokens int64, adapter string, wait time.Duration,
 	table []int32) (Handle, int, error) {
+	return admitTable(h, kvcache.Request{ID: id, Tenant: tenant, PromptTokens: len(tokens), MaxNewTokens: clampInt(maxNewTokens),
+		TokenIDs: tokens, Adapter: strings.Clone(adapter)}, maxNewTokens, wait, table)
+}
+
+// admitTable is AdmitTokensTable of a request by token IDs (req) whose
+// max new tokens, as the caller gave it, is maxNewTokens.
+func admitTable(h Handle, req kvcache.Request, maxNewTokens int64, wait time.Duration, table []int32) (Handle, int, error) {
+	tokens := req.TokenIDs
 	pe, err := lookupPool(h)
 	if err != nil {
 		return 0, 0, err
@@ -310,8 +318,7 @@ func AdmitTokensTable(h Handle, id, tenant string, tokens []int32, maxNewTokens 
 			return 0, need, &BufferError{What: "block table", Need: need, Have: len(table)}
 		}
 	}
-	l, err := pe.admit(kvcache.Request{ID: id, Tenant: tenant, PromptTokens: len(tokens), MaxNewTokens: clampInt(maxNewTokens),
-		TokenIDs: tokens, Adapter: strings.Clone(adapter)}, wait)
+	l, err := pe.admit(req, wait)
 	if err != nil {
 		return 0, 0, err
 	}

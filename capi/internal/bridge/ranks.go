@@ -34,13 +34,15 @@ var workers sync.Map // Handle → *rankEntry
 // RankConfigJSON is what kvf_rank_worker_create takes: where the
 // scheduler listens, this worker's rank, its device (as a pool's
 // "device": host or CUDA), whether batches launch as they arrive rather
-// than at each step, and how long to keep trying to connect (0: 60 s; the
-// scheduler may not listen yet).
+// than at each step, how many more steps a batch waits (since ABI 8;
+// cudaops.RankWorker.SetStepLag), and how long to keep trying to connect
+// (0: 60 s; the scheduler may not listen yet).
 type RankConfigJSON struct {
 	Connect          string     `json:"connect"`
 	Rank             *int       `json:"rank"`
 	Device           DeviceJSON `json:"device,omitzero"`
 	AutoStep         bool       `json:"auto_step,omitempty"`
+	StepLag          int        `json:"step_lag,omitempty"`
 	ConnectTimeoutMS int64      `json:"connect_timeout_ms,omitempty"`
 }
 
@@ -50,8 +52,13 @@ type RankConfig struct {
 	Rank             int
 	Device           DeviceJSON // kind host or cuda
 	AutoStep         bool
+	StepLag          int
 	ConnectTimeout   time.Duration
 }
+
+// maxStepLag bounds RankConfigJSON.StepLag: an engine runs at most a few
+// steps ahead of the results it has processed.
+const maxStepLag = 8
 
 // defaultConnectTimeout matches how long a scheduler waits for its ranks
 // by default (cudaops.RemoteConfig.AcceptTimeout).
@@ -86,13 +93,15 @@ func ParseRankConfig(data []byte) (RankConfig, error) {
 		return fail("rank %d, want 0 to %d", *cj.Rank, maxRanks-1)
 	case cj.ConnectTimeoutMS < 0:
 		return fail("connect_timeout_ms %d", cj.ConnectTimeoutMS)
+	case cj.StepLag < 0 || cj.StepLag > maxStepLag:
+		return fail("step_lag %d, want 0 to %d", cj.StepLag, maxStepLag)
 	}
 	dev, err := cj.Device.checkLocal()
 	if err != nil {
 		return RankConfig{}, err
 	}
 	cfg := RankConfig{Network: network, Address: addr, Rank: *cj.Rank, Device: dev, AutoStep: cj.AutoStep,
-		ConnectTimeout: ms(cj.ConnectTimeoutMS)}
+		StepLag: cj.StepLag, ConnectTimeout: ms(cj.ConnectTimeoutMS)}
 	if cfg.ConnectTimeout == 0 {
 		cfg.ConnectTimeout = defaultConnectTimeout
 	}
@@ -319,6 +328,7 @@ func CreateRankWorker(cfg RankConfig, regions []RankRegion) (Handle, error) {
 		dev.Close()
 		return 0, err
 	}
+	w.SetStepLag(cfg.StepLag)
 	e := &rankEntry{rank: cfg.Rank, auto: cfg.AutoStep, w: w, conn: conn, dev: dev, ended: make(chan struct{})}
 	go func() {
 		err := w.Wait()

@@ -167,6 +167,7 @@ type Info struct {
 	// ErrExceedsMaxContext), elements or bytes for a short buffer.
 	Need, Have, Limit       int64
 	NeedTokens, LimitTokens int64
+	Cause                   Cause // why the pool had no pages (cause.go)
 }
 
 // Classify returns the status of err and the numbers it carries. A nil
@@ -182,6 +183,7 @@ func Classify(err error) Info {
 			Permanent: ae.Permanent(),
 			Need:      int64(ae.Need), Have: int64(ae.Have), Limit: int64(ae.Limit),
 			NeedTokens: int64(ae.NeedTokens), LimitTokens: int64(ae.LimitTokens),
+			Cause: causeOf(ae),
 		}
 	}
 	info := Info{Status: statusOf(err)}
