@@ -57,6 +57,7 @@ for other in python3 "$py"; do
 	(cd "$out" && PYTHONPATH="$site" "$other" -S -c '
 import sys
 import kvfence
+import kvfence.vllm
 assert "torch" not in sys.modules and "numpy" not in sys.modules, "kvfence imported torch or numpy"
 with kvfence.Pool({"geometry": {"tokens_per_page": 16, "layers": 1, "kv_heads": 1, "head_dim": 8, "dtype": "fp16"},
                    "pages": 4, "max_context_tokens": 64, "tenants": [{"name": "a"}]}) as pool:

@@ -1,0 +1,88 @@
+"""kvfence inside vLLM: a KV cache manager, a scheduler plugin and a KV
+connector that run in vLLM's own loop, written against vLLM's main at
+commit 003df29 (VLLM_COMMIT): vllm/v1/core/sched/scheduler.py,
+kv_cache_manager.py, kv_cache_utils.py, request.py and the KV connector
+interface (vllm/distributed/kv_transfer/kv_connector/v1/base.py) at that
+commit. python/README.md, "Running kvfence in vLLM", has the flags.
+
+- KVCacheManager (this module, standard library only): every method,
+  signature and return type vLLM's Scheduler and AsyncScheduler call on
+  their kv_cache_manager at VLLM_COMMIT, over a kvfence Pool.
+- scheduler.Scheduler / scheduler.AsyncScheduler (import vLLM): vLLM's
+  schedulers with this manager, for --scheduler-cls.
+- connector.KvfenceConnector (imports vLLM): the KV connector for
+  kv_transfer_config; it runs kvfence's rank worker in each worker process.
+
+# The model
+
+A request is admitted in get_computed_blocks, the scheduler's prefix
+lookup: kvfence finds the cached prefix in the tenant's sharing domain and
+reserves, all or nothing, every page of the prompt and the room of its
+first step (and, with the pool's default "sizing": "full", of all its
+output; the plugin defaults to "on_demand" with a headroom). The pages of
+a hit are its lease's first pages. A lease never leaves a page to another
+request before kvfence has scrubbed it.
+
+Block tables. The worker's row is the lease's first `reported` pages:
+get_blocks (new and resumed requests, taken whole by the worker) gives
+them, allocate_slots (running requests, appended) only those past what
+the worker holds. No ID is reported twice, and no row is longer than
+cdiv(max_model_len, block_size).
+
+Refusals. vLLM reads None from allocate_slots as "the pool is out of
+blocks": it preempts running requests, or stops admitting from the waiting
+queue. kvfence's refusals mean more than that, and map to what the
+scheduler does right with them:
+
+- the pool short for everyone (PoolExhausted without a cause, or a
+  faulted pool) is None: vLLM's back-pressure;
+- the tenant's own limit (ExceedsQuota now; PoolExhausted because the free
+  pages are other tenants' unused reservations or kept for growth) never
+  preempts another tenant's request and never blocks another tenant's
+  queue: the connector has the waiting loop skip the request this step
+  (get_num_new_matched_tokens is None), and before vLLM's running loop the
+  plugin preempts that tenant's own newest request to let a running one
+  grow;
+- a refusal for good (longer than the context, the pool or the tenant's
+  whole quota; an unknown, unauthenticated or client-chosen tenant) is
+  skipped too and finished with FINISHED_ERROR after schedule(): nothing
+  raises out of the scheduler.
+
+Publishing. kvfence shares a page only once its KV exists: the full prompt
+pages below the request's processed tokens (num_computed_tokens -
+num_in_flight_tokens: steps whose output has come back) are published at
+the request's next allocate_slots (the synchronous Scheduler never calls
+cache_blocks) or cache_blocks (AsyncScheduler). A preempted request's
+full pages stay cached for its resumption (kvfence's Lease.preempt); a
+finished request's other pages are scrubbed.
+
+Keys. The prefix key covers the tenant's sharing domain (server-side),
+the LoRA adapter, the operator's salt and the request's cache_salt (the
+adapter string) and, page by page, the multimodal items the page's
+placeholder tokens stand for (extra key material): equal tokens with
+another LoRA or another image never share a page (_keys).
+reset_prefix_cache drops the cache through kvfence, scrubbing it, and
+stops the leases admitted before from publishing.
+
+Worker side. The KV memory is vLLM's, in its worker processes: the
+scheduler's pool is over remote ranks, and each tensor-parallel worker
+runs a kvfence RankWorker over the tensors vLLM allocated (adopted), which
+launches the scrubs at the end of each step's forward on that step's
+stream, one step late (the connector's doc says why).
+
+Not served: hybrid models (several KV cache groups: sliding windows,
+Mamba), MLA, pipeline and context parallelism, encoder-decoder models,
+external KV (other connectors, P/D through vLLM's connector API: kvfence's
+own handoff is Lease.export / Receiver), cascade attention (the common
+prefix is reported as 0), vLLM's KV cache zeroing and copy-on-write
+(kvfence scrubs instead), prompt-embedding requests' prefix sharing,
+streaming-input sessions.
+"""
+
+from ._keys import ClientTenantField, TenantError, Unauthenticated, adapter_of, page_extra_of, resolver
+from ._manager import BACKPRESSURE, DEFERRED, ERROR, KVCacheManager, Refusal, classify
+from ._types import HAVE_VLLM, VLLM_COMMIT, KVCacheBlocks, PrefixCacheStats
+
+__all__ = ["KVCacheManager", "KVCacheBlocks", "PrefixCacheStats", "Refusal", "classify", "BACKPRESSURE", "DEFERRED",
+           "ERROR", "VLLM_COMMIT", "HAVE_VLLM", "TenantError", "Unauthenticated", "ClientTenantField", "resolver",
+           "adapter_of", "page_extra_of"]

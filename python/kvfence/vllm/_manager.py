@@ -1,0 +1,510 @@
+"""KVCacheManager: vLLM's KV cache manager, for vLLM's Scheduler and
+AsyncScheduler at VLLM_COMMIT, over a kvfence Pool. See the package doc
+for the model; this module is the mechanism.
+
+Per request the manager holds a _Held: the kvfence lease, its block table
+(page IDs), how many of them the worker holds (reported), and the tokens
+the lease was committed and published to. Every table the scheduler
+receives is a prefix of the lease's table: get_blocks gives table[:reported]
+(new and resumed requests, which the worker takes whole), allocate_slots
+the entries from the old reported to the new (running requests, which the
+worker appends): so the worker's row is always exactly the lease's first
+reported pages, never an ID twice, never more than the
+cdiv(max_model_len, block_size) columns of the worker's block table.
+"""
+
+import array
+import logging
+
+from .._core import Lease
+from ..errors import (AdmissionError, DuplicateRequest, ExceedsCapacity, ExceedsMaxContext, ExceedsQuota,
+                      InvalidRequest, KvfenceError, PoolClosed, PoolExhausted, PoolFaulted, UnknownTenant)
+from . import _keys
+from ._types import (AllBlocksCleared, BlockPoolView, BlockRemoved, BlockStored, KVCacheBlocks, PrefixCacheStats)
+
+logger = logging.getLogger("kvfence.vllm")
+
+# What a refusal means to the scheduler (Refusal.kind).
+BACKPRESSURE = "backpressure"  # the pool is short for everyone: vLLM's None (stop admitting, preempt)
+DEFERRED = "deferred"          # this tenant's quota or reservation now: skip its request, not the others
+ERROR = "error"                # never admissible as it is: finish the request with FINISHED_ERROR
+
+
+class Refusal:
+    """A refused admission or growth: kind (BACKPRESSURE, DEFERRED,
+    ERROR), the exception and a message for the log."""
+
+    __slots__ = ("kind", "error", "message")
+
+    def __init__(self, kind, error, message):
+        self.kind, self.error, self.message = kind, error, message
+
+    def __repr__(self):
+        return "Refusal(%s, %s)" % (self.kind, self.message)
+
+
+def classify(e):
+    """The Refusal of a kvfence error from an admission or a growth."""
+    if isinstance(e, _keys.TenantError):
+        return Refusal(ERROR, e, str(e))
+    if isinstance(e, PoolExhausted):
+        # The pool short for everyone is back-pressure; pages held for
+        # other tenants' reservations, or for running leases' growth, are
+        # this tenant's refusal: a tenant with a reservation still gets its
+        # own.
+        return Refusal(BACKPRESSURE if e.cause is None else DEFERRED, e, str(e))
+    if isinstance(e, ExceedsQuota):
+        return Refusal(DEFERRED if e.retryable else ERROR, e, str(e))
+    if isinstance(e, (ExceedsCapacity, ExceedsMaxContext, InvalidRequest, UnknownTenant, DuplicateRequest)):
+        return Refusal(ERROR, e, str(e))
+    if isinstance(e, PoolFaulted):
+        return Refusal(BACKPRESSURE, e, "kvfence pool faulted (a scrub failed); admissions wait for "
+                                        "Pool.clear_fault(): %s" % e)
+    if isinstance(e, PoolClosed):
+        raise e
+    if isinstance(e, (KvfenceError, ValueError, TypeError, OverflowError)):
+        return Refusal(ERROR, e, str(e))
+    raise e
+
+
+class _Held:
+    """One request's lease and what the scheduler and the worker were told
+    of it. cap: tokens the table holds; limit: the most tokens the lease
+    may ever hold (prompt + max new); prompt: the tokens admitted as its
+    prompt; written: the watermark committed to kvfence; published: prompt
+    pages published; epoch: the manager's prefix epoch at admission."""
+
+    __slots__ = ("lease", "table", "reported", "cap", "limit", "prompt", "written", "published", "hit", "sharing",
+                 "epoch", "tenant")
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """vLLM's KVCacheManager over a kvfence Pool (see the package doc).
+
+    pool: a kvfence.Pool whose tokens_per_page is vLLM's block size and
+    whose max_context_tokens covers max_model_len. tenant_of: the resolver
+    of the server-authenticated tenant (kvfence.vllm._keys.resolver).
+    num_lookahead_tokens and num_spec_tokens: the scheduler's, for the
+    room a request's steps may need beyond its tokens. salt: the
+    operator's salt, in every key."""
+
+    def __init__(self, pool, max_model_len, tenant_of, enable_caching=True, log_stats=False,
+                 enable_kv_cache_events=False, num_lookahead_tokens=0, num_spec_tokens=0, salt=None,
+                 hash_block_size=None):
+        self.pool = pool
+        self.block_size = bs = pool.tokens_per_page
+        self.max_model_len = max_model_len
+        self.max_blocks_per_request = _cdiv(max_model_len, bs)
+        self.resolve_tenant = tenant_of
+        self.enable_caching = enable_caching
+        self.log_stats = log_stats
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.num_lookahead_tokens = num_lookahead_tokens
+        # Positions a request's steps can write beyond its prompt and
+        # max_tokens: spec tokens and the drafter's lookahead. vLLM
+        # allocates min(computed + new + lookahead, max_model_len) slots:
+        # at most prompt + max_tokens - 1 + spec + lookahead for the last
+        # step of a synchronous scheduler; the asynchronous one schedules
+        # while a step's 1 + spec placeholders are in flight (its guard:
+        # computed + 2 - placeholders < prompt + max_tokens), which adds
+        # spec more.
+        self.slack = 2 * num_spec_tokens + num_lookahead_tokens
+        self.salt = salt
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.num_kv_cache_groups = 1
+        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        self.block_pool = BlockPoolView(hash_block_size or bs, pool.num_pages, self._usage)
+        cfg = pool.config
+        sizing = (cfg.get("sizing") or {}).get("mode", "full")
+        self.grows = sizing == "on_demand" or any((t.get("sizing") or {}).get("mode") == "on_demand"
+                                                  for t in cfg.get("tenants", ()))
+        self._held = {}      # request ID -> _Held
+        self._refused = {}   # request ID -> Refusal, this step
+        self._errors = {}    # request ID -> (request, Refusal): to finish with FINISHED_ERROR
+        self._epoch = 0      # bumped by reset_prefix_cache: older leases publish nothing
+        self._usage_cache = None
+
+    # ---- what the scheduler reads
+
+    @property
+    def usage(self):
+        """The share of pages held by requests or being scrubbed, 0..1
+        (vLLM: blocks not free; cached pages no request holds count as
+        free, as vLLM's evictable blocks do)."""
+        return self._usage()
+
+    def _usage(self):
+        if self._usage_cache is None:
+            s = self.pool.stats()
+            self._usage_cache = (s["total_pages"] - s["free_pages"] - s["cached_pages"]) / s["total_pages"]
+        return self._usage_cache
+
+    def new_step_starts(self):
+        """Called by schedule() first (scheduler.py: schedule); the
+        refusals of the last step are forgotten: they are tried again."""
+        self._refused.clear()
+        self._usage_cache = None
+
+    def prefix_cache_lookup_enabled(self, request):
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    # ---- admission
+
+    def get_computed_blocks(self, request):
+        """Admits the request (its lease holds every page of its prompt and
+        the room of its first step, fail-closed) and returns (the blocks of
+        its cached prefix, their tokens, 0). A refused request gets
+        (empty, 0, 0) and a Refusal for this step (refusal_of). Called again
+        for a request it has admitted, it returns the same."""
+        held = self._held.get(request.request_id)
+        if held is None:
+            if request.request_id in self._refused:
+                return self.empty_kv_cache_blocks, 0, 0
+            held = self._admit(request)
+            if held is None:
+                return self.empty_kv_cache_blocks, 0, 0
+        if not held.hit:
+            return self.empty_kv_cache_blocks, 0, 0
+        return KVCacheBlocks((held.table[:held.hit // self.block_size],)), held.hit, 0
+
+    def get_computed_blocks_for_connector(self, request):
+        """get_computed_blocks for the scheduler with a KV connector:
+        kvfence's hits never diverge between groups (there is one)."""
+        blocks, hit, boundary = self.get_computed_blocks(request)
+        return blocks, hit, boundary, False
+
+    def truncate_computed_blocks(self, blocks, num_computed_tokens):
+        n = num_computed_tokens // self.block_size
+        return KVCacheBlocks((list(blocks.blocks[0][:n]),)) if n else self.empty_kv_cache_blocks
+
+    def refusal_of(self, request_id):
+        """This step's Refusal of the request's admission, or None."""
+        return self._refused.get(request_id)
+
+    def take_errors(self):
+        """The requests refused for good since the last call, as
+        (request, Refusal): the scheduler finishes them with an error."""
+        errors, self._errors = self._errors, {}
+        return list(errors.values())
+
+    def _refuse(self, request, refusal):
+        self._refused[request.request_id] = refusal
+        if refusal.kind == ERROR:
+            self._errors[request.request_id] = (request, refusal)
+            logger.warning("kvfence: request %s refused for good: %s", request.request_id, refusal.message)
+        elif refusal.kind == BACKPRESSURE and isinstance(refusal.error, PoolFaulted):
+            logger.error("%s", refusal.message)
+        return None
+
+    def _admit(self, request):
+        """Admits request; its _Held, or None after recording a Refusal."""
+        try:
+            tenant = _keys.tenant_of(self.resolve_tenant, request)
+        except _keys.TenantError as e:
+            return self._refuse(request, classify(e))
+        bs = self.block_size
+        tokens = request._all_token_ids if hasattr(request, "_all_token_ids") else list(request.all_token_ids)
+        n = len(tokens)
+        limit = min(self.max_model_len, request.num_prompt_tokens + request.max_tokens + self.slack)
+        max_new = max(0, limit - n)
+        sharing = (self.enable_caching and not request.skip_reading_prefix_cache
+                   and getattr(request, "prompt_embeds", None) is None)
+        table = array.array("i", bytes(4 * max(1, _cdiv(n + max_new, bs))))
+        try:
+            if sharing:
+                lease = self.pool.admit_tokens(request.request_id, tenant, tokens, max_new_tokens=max_new,
+                                               adapter=_keys.adapter_of(request, self.salt), block_table=table,
+                                               page_extra=_keys.page_extra_of(request, bs, n))
+                pages = lease.table_len
+            else:
+                lease = self.pool.admit(request.request_id, tenant, n, max_new)
+                pages = lease.write_block_table(table)
+        except (KvfenceError, ValueError, TypeError, OverflowError) as e:
+            return self._refuse(request, classify(e))
+        held = _Held()
+        held.lease, held.tenant, held.sharing, held.epoch = lease, tenant, sharing, self._epoch
+        held.table = table[:pages].tolist()
+        held.reported, held.cap, held.limit, held.prompt = 0, pages * bs, n + max_new, n
+        held.hit = held.published = lease.hit_tokens() if sharing else 0
+        held.written = 0  # kvfence's watermark: a hit is shared, not written by this lease
+        self._held[request.request_id] = held
+        # The room of the first step: the prompt, and the lookahead slots
+        # the scheduler allocates with it (an on-demand lease's headroom
+        # may be smaller).
+        refusal = self._ensure_room(held, min(n + self.num_lookahead_tokens, self.max_model_len))
+        if refusal is not None:
+            self._drop(request.request_id)
+            return self._refuse(request, refusal)
+        return held
+
+    def _ensure_room(self, held, tokens):
+        """Grows held's lease to hold tokens (at most its limit); None, or
+        the growth's Refusal."""
+        tokens = min(tokens, held.limit)
+        if tokens <= held.cap:
+            return None
+        try:
+            held.lease.grow(tokens - held.written)
+        except (KvfenceError, ValueError) as e:
+            return classify(e)
+        held.table = held.lease.block_table()
+        held.cap = len(held.table) * self.block_size
+        return None
+
+    def ensure_room(self, request, tokens):
+        """Grows the running request's lease to hold tokens (capped by its
+        max tokens): None, or the Refusal (the scheduler plugin calls it
+        before vLLM's running loop, so that a tenant's refusal preempts
+        only that tenant's requests). A request without a lease: None."""
+        held = self._held.get(request.request_id)
+        return None if held is None else self._ensure_room(held, tokens)
+
+    def tenant_of(self, request_id):
+        held = self._held.get(request_id)
+        return None if held is None else held.tenant
+
+    # ---- allocation (scheduler.py: schedule, running and waiting loops)
+
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None,
+                       num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False,
+                       num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
+                       has_scheduled_reqs=True):
+        """Makes room for num_new_tokens (+ lookahead) after the request's
+        computed tokens and returns the blocks the worker has not been
+        given yet (vLLM's new blocks), or None when the pool cannot give
+        them now (vLLM then preempts, or stops admitting). The whole
+        prompt is in the lease from admission, so full_sequence_must_fit
+        holds; external KV (num_external_computed_tokens), cross-attention
+        (num_encoder_tokens) and reserved_blocks belong to features this
+        manager does not support (the package doc)."""
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no external computed tokens")
+        if num_external_computed_tokens or num_encoder_tokens:
+            raise ValueError("kvfence.vllm: external KV (%d tokens) and encoder caches (%d tokens) are not supported"
+                             % (num_external_computed_tokens, num_encoder_tokens))
+        held = self._held.get(request.request_id)
+        if held is None:
+            if request.request_id in self._refused:
+                return None
+            if request.num_computed_tokens:
+                raise RuntimeError("kvfence.vllm: request %s has %d computed tokens and no lease: its KV is in pages "
+                                   "kvfence no longer holds for it" % (request.request_id, request.num_computed_tokens))
+            held = self._admit(request)
+            if held is None:
+                return None
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        need = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        if need > held.limit:
+            # More than the lease may ever hold: the worker would write
+            # past its pages. Never by vLLM's arithmetic; an error, not a
+            # table that does not cover the step.
+            refusal = Refusal(ERROR, None, "request %s asks for %d token slots, its lease holds at most %d"
+                              % (request.request_id, need, held.limit))
+            self._errors[request.request_id] = (request, refusal)
+            logger.error("kvfence: %s", refusal.message)
+            return None
+        if need > held.cap:
+            refusal = self._ensure_room(held, need)
+            if refusal is not None:
+                if refusal.kind == ERROR:
+                    self._errors[request.request_id] = (request, refusal)
+                if refusal.kind != BACKPRESSURE:
+                    logger.warning("kvfence: growth of running request %s refused inside the scheduler's loop (%s); "
+                                   "vLLM will preempt", request.request_id, refusal.message)
+                return None
+        blocks = min(_cdiv(need, self.block_size), len(held.table))
+        # The KV below the processed tokens exists: publish its full
+        # prompt pages (the synchronous scheduler never calls cache_blocks).
+        self._publish(held, request.num_computed_tokens - request.num_in_flight_tokens)
+        old = held.reported
+        if blocks <= old:
+            return self.empty_kv_cache_blocks
+        held.reported = blocks
+        return KVCacheBlocks((held.table[old:blocks],))
+
+    def get_blocks(self, request_id):
+        """The blocks the worker holds for the request (after this step's
+        allocate_slots): the lease's first reported pages."""
+        held = self._held.get(request_id)
+        if held is None or not held.reported:
+            return self.empty_kv_cache_blocks
+        return KVCacheBlocks((held.table[:held.reported],))
+
+    def get_block_ids(self, request_id):
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_block_ids_for_computed_tokens(self, request_id, num_computed_tokens):
+        held = self._held.get(request_id)
+        if held is None:
+            return ([],)
+        return (held.table[:min(held.reported, _cdiv(num_computed_tokens, self.block_size))],)
+
+    def get_num_common_prefix_blocks(self, running_request_id):
+        """0: cascade attention gets no common prefix from kvfence (a
+        correct answer, which disables it)."""
+        return [0]
+
+    def estimate_cached_tokens(self, request):
+        held = self._held.get(request.request_id)
+        return held.hit if held is not None else 0
+
+    # ---- publishing (kvfence shares a page only once its KV exists)
+
+    def cache_blocks(self, request, num_computed_tokens):
+        """vLLM's AsyncScheduler calls this after a step's output with its
+        computed tokens less placeholders; kvfence publishes only what the
+        processed steps wrote, num_computed_tokens - num_in_flight_tokens
+        at most."""
+        held = self._held.get(request.request_id)
+        if held is not None:
+            self._publish(held, min(num_computed_tokens, request.num_computed_tokens - request.num_in_flight_tokens))
+
+    def _publish(self, held, processed):
+        if not held.sharing or held.epoch != self._epoch:
+            return
+        pages = min(processed, held.prompt) // self.block_size
+        if pages <= held.published // self.block_size:
+            return
+        lease = held.lease
+        if processed > held.written:
+            lease.commit(processed)
+            held.written = processed
+        held.published = lease.cache_prefix(pages * self.block_size)
+
+    # ---- the end of a lease
+
+    def free(self, request):
+        """Ends the request's lease. A finished request's pages are
+        scrubbed, its published ones staying cached; a preempted one's
+        (the scheduler frees a request it preempts while it still runs)
+        are given back keeping the full pages of its processed tokens in
+        the prefix cache, so that its resumption shares them."""
+        held = self._held.pop(request.request_id, None)
+        if held is None:
+            return
+        processed = request.num_computed_tokens - request.num_in_flight_tokens
+        lease = held.lease
+        try:
+            if request.is_finished() or not held.sharing or held.epoch != self._epoch or processed <= 0:
+                self._publish(held, processed)
+            else:
+                written = max(processed, held.written)
+                if written > held.written:
+                    lease.commit(written)
+                lease.preempt(request.all_token_ids[:written])
+        except KvfenceError as e:
+            # Publishing is an optimisation; the lease still ends (below),
+            # its pages scrubbed. Nothing may raise out of the scheduler.
+            logger.warning("kvfence: request %s: keeping its pages failed, they are scrubbed: %s",
+                           request.request_id, e)
+        finally:
+            lease.free()
+
+    def pop_blocks_for_free(self, request):
+        """vLLM defers the free of a KV consumer's blocks while a step may
+        still write them; kvfence's rank workers order the scrub after those
+        steps themselves (the worker connector's step lag), so the lease
+        ends now and no blocks are left to free later."""
+        self.free(request)
+        return []
+
+    def _drop(self, request_id):
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            held.lease.free()
+
+    def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):
+        """Nothing to remove: one full-attention group keeps every block."""
+
+    def evict_blocks(self, block_ids):
+        """vLLM evicts blocks whose external KV failed to load; kvfence
+        loads no external KV."""
+
+    def reset_prefix_cache(self):
+        """Drops the prefix cache through kvfence (cached pages scrubbed;
+        pages live leases share scrubbed when their last lease ends) and
+        stops the leases admitted before from publishing: KV computed with
+        the old weights is never shared again. Always True: kvfence needs
+        no request preempted first."""
+        self.pool.clear_prefix_cache()
+        self._epoch += 1
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # ---- stats and events
+
+    def make_prefix_cache_stats(self):
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def record_prefix_cache_stats(self, request, num_hits):
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
+                                       preempted=request.num_preemptions > 0)
+
+    def take_events(self):
+        """The pool's prefix-cache events as vLLM's BlockStored,
+        BlockRemoved and AllBlocksCleared (needs the pool's
+        "prefix": {"event_buffer": N}): keys are kvfence's, whose chain is
+        rooted in the tenant's sharing domain, and token_ids is empty, as
+        kvfence's kvevents publisher sends them."""
+        if not self.enable_kv_cache_events:
+            return []
+        out = []
+        for ev in self.pool.events():
+            kind = ev["kind"]
+            hashes = [bytes.fromhex(k) for k in ev["keys"]]
+            if kind == "stored":
+                parent = ev.get("parent")
+                out.append(BlockStored(block_hashes=hashes, parent_block_hash=bytes.fromhex(parent) if parent else None,
+                                       token_ids=[], block_size=self.block_size, lora_id=None, medium="GPU",
+                                       lora_name=None))
+            elif kind == "removed":
+                out.append(BlockRemoved(block_hashes=hashes, medium="GPU"))
+            elif kind == "cleared":
+                out.append(AllBlocksCleared())
+        return out
+
+    # ---- what vLLM's manager has for features this one does not serve
+
+    def take_new_block_ids(self):
+        """vLLM zeroes new blocks for hybrid models only; kvfence hands
+        out only scrubbed pages."""
+        return []
+
+    def get_zeroing_block_ids_in_range(self, request_id, start_token, end_token):
+        return []
+
+    def record_blocks_for_zeroing(self, request_id, start_token):
+        pass
+
+    def take_kv_cache_block_copies(self):
+        return [], []
+
+    def take_partial_tail_offloads(self):
+        return {}
+
+    # ---- for tests and operators
+
+    def lease_of(self, request_id):
+        """The request's kvfence Lease (None if it holds none)."""
+        held = self._held.get(request_id)
+        return None if held is None else held.lease
+
+    def reported_blocks(self, request_id):
+        held = self._held.get(request_id)
+        return [] if held is None else held.table[:held.reported]
+
+    def held_requests(self):
+        return list(self._held)
+
+
+__all__ = ["KVCacheManager", "Refusal", "classify", "BACKPRESSURE", "DEFERRED", "ERROR", "Lease", "AdmissionError"]
