@@ -15,6 +15,7 @@ cdiv(max_model_len, block_size) columns of the worker's block table.
 
 import array
 import logging
+import time
 
 from .._core import Lease
 from ..errors import (AdmissionError, DuplicateRequest, ExceedsCapacity, ExceedsMaxContext, ExceedsQuota,
@@ -74,8 +75,8 @@ class _Held:
     prompt; written: the watermark committed to kvfence; published: prompt
     pages published; epoch: the manager's prefix epoch at admission."""
 
-    __slots__ = ("lease", "table", "reported", "cap", "limit", "prompt", "written", "published", "hit", "sharing",
-                 "epoch", "tenant")
+    __slots__ = ("lease", "table", "reported", "cap", "limit", "prompt", "written", "published", "next_publish", "hit",
+                 "sharing", "epoch", "tenant")
 
 
 def _cdiv(a, b):
@@ -126,7 +127,7 @@ class KVCacheManager:
         self._refused = {}   # request ID -> Refusal, this step
         self._errors = {}    # request ID -> (request, Refusal): to finish with FINISHED_ERROR
         self._epoch = 0      # bumped by reset_prefix_cache: older leases publish nothing
-        self._usage_cache = None
+        self._usage_cache, self._usage_at = None, 0.0
 
     # ---- what the scheduler reads
 
@@ -134,20 +135,25 @@ class KVCacheManager:
     def usage(self):
         """The share of pages held by requests or being scrubbed, 0..1
         (vLLM: blocks not free; cached pages no request holds count as
-        free, as vLLM's evictable blocks do)."""
+        free, as vLLM's evictable blocks do), from the pool's stats at most
+        USAGE_TTL old: vLLM reads it every step for its metrics, and the
+        stats cost tens of microseconds."""
         return self._usage()
 
+    USAGE_TTL = 0.1  # seconds
+
     def _usage(self):
-        if self._usage_cache is None:
+        now = time.monotonic()
+        if self._usage_cache is None or now - self._usage_at > self.USAGE_TTL:
             s = self.pool.stats()
             self._usage_cache = (s["total_pages"] - s["free_pages"] - s["cached_pages"]) / s["total_pages"]
+            self._usage_at = now
         return self._usage_cache
 
     def new_step_starts(self):
         """Called by schedule() first (scheduler.py: schedule); the
         refusals of the last step are forgotten: they are tried again."""
         self._refused.clear()
-        self._usage_cache = None
 
     def prefix_cache_lookup_enabled(self, request):
         return self.enable_caching and not request.skip_reading_prefix_cache
@@ -231,6 +237,7 @@ class KVCacheManager:
         held.reported, held.cap, held.limit, held.prompt = 0, pages * bs, n + max_new, n
         held.hit = held.published = lease.hit_tokens() if sharing else 0
         held.written = 0  # kvfence's watermark: a hit is shared, not written by this lease
+        self._next_publish(held)
         self._held[request.request_id] = held
         # The room of the first step: the prompt, and the lookahead slots
         # the scheduler allocates with it (an on-demand lease's headroom
@@ -316,10 +323,12 @@ class KVCacheManager:
                     logger.warning("kvfence: growth of running request %s refused inside the scheduler's loop (%s); "
                                    "vLLM will preempt", request.request_id, refusal.message)
                 return None
-        blocks = min(_cdiv(need, self.block_size), len(held.table))
+        blocks = min(-(-need // self.block_size), len(held.table))
         # The KV below the processed tokens exists: publish its full
         # prompt pages (the synchronous scheduler never calls cache_blocks).
-        self._publish(held, request.num_computed_tokens - request.num_in_flight_tokens)
+        processed = request.num_computed_tokens - request.num_in_flight_tokens
+        if processed >= held.next_publish:
+            self._publish(held, processed)
         old = held.reported
         if blocks <= old:
             return self.empty_kv_cache_blocks
@@ -374,6 +383,14 @@ class KVCacheManager:
             lease.commit(processed)
             held.written = processed
         held.published = lease.cache_prefix(pages * self.block_size)
+        self._next_publish(held)
+
+    def _next_publish(self, held):
+        """The processed tokens at which held has a page more to publish:
+        the end of its next full prompt page (never, past the prompt's)."""
+        bs = self.block_size
+        nxt = (held.published // bs + 1) * bs
+        held.next_publish = nxt if held.sharing and nxt <= held.prompt else 1 << 62
 
     # ---- the end of a lease
 
@@ -432,6 +449,8 @@ class KVCacheManager:
         no request preempted first."""
         self.pool.clear_prefix_cache()
         self._epoch += 1
+        for held in self._held.values():
+            held.next_publish = 1 << 62  # admitted before: never publishes
         if self.log_stats:
             self.prefix_cache_stats.reset = True
         return True
