@@ -146,6 +146,7 @@ const char *kvf_status_name(kvf_status status) {
     case KVF_ERR_DOMAIN_MISMATCH: return "KVF_ERR_DOMAIN_MISMATCH";
     case KVF_ERR_REPLAY: return "KVF_ERR_REPLAY";
     case KVF_ERR_IN_PROGRESS: return "KVF_ERR_IN_PROGRESS";
+    case KVF_ERR_SHARD_MISMATCH: return "KVF_ERR_SHARD_MISMATCH";
     }
     return "KVF_ERR_UNKNOWN_STATUS";
 }

@@ -221,10 +221,10 @@ func (h *handoffPair) handoff(per int, buf []byte) error {
 	partsPerPage := len(h.parts) / h.pages
 	for first := 0; first < h.pages; first += per {
 		k := min(per, h.pages-first)
-		if err := h.out.ReadPages(first, buf[first*h.pageBytes:(first+k)*h.pageBytes]); err != nil {
+		if err := h.out.ReadUnits(first, buf[first*h.pageBytes:(first+k)*h.pageBytes]); err != nil {
 			return err
 		}
-		if err := in.WritePagesFrom(first, h.parts[first*partsPerPage:(first+k)*partsPerPage]); err != nil {
+		if err := in.WriteUnitsFrom(first, h.parts[first*partsPerPage:(first+k)*partsPerPage]); err != nil {
 			return err
 		}
 	}

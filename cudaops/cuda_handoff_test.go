@@ -295,7 +295,7 @@ func TestCUDAHandoffRoundTrip(t *testing.T) {
 			s0 := src.f.Calls("cuStreamSynchronize")
 			_, pageable0 := src.f.CopiedBytes()
 			got := make([]byte, pages*handoffPage)
-			require.NoError(t, out.ReadPages(0, got))
+			require.NoError(t, out.ReadUnits(0, got))
 			require.True(t, bytes.Equal(want, got), "the export read other bytes")
 			_, d1 := asyncCopies(src.f)
 			copies, waits := stagedCopies(src.d.Regions(), srcTable[:pages], per)
@@ -319,8 +319,8 @@ func TestCUDAHandoffRoundTrip(t *testing.T) {
 			_, pageable0 = dst.f.CopiedBytes()
 			// Pages 4… first, then 0…3: two calls, out of order.
 			const split = 4
-			require.NoError(t, in.WritePagesFrom(split, parts(want[split*handoffPage:], rng)))
-			require.NoError(t, in.WritePagesFrom(0, parts(want[:split*handoffPage], rng)))
+			require.NoError(t, in.WriteUnitsFrom(split, parts(want[split*handoffPage:], rng)))
+			require.NoError(t, in.WriteUnitsFrom(0, parts(want[:split*handoffPage], rng)))
 			h1, _ := asyncCopies(dst.f)
 			_, pageable1 = dst.f.CopiedBytes()
 			delivered, err := in.Complete()
@@ -366,14 +366,14 @@ func TestCUDAHandoffDriverFailure(t *testing.T) {
 
 	t.Run("export read", func(t *testing.T) {
 		src.f.FailLater("cuMemcpyDtoHAsync_v2", firstBatch+1, 719)
-		err := out.ReadPages(0, make([]byte, pages*handoffPage))
+		err := out.ReadUnits(0, make([]byte, pages*handoffPage))
 		require.ErrorIs(t, err, kvcache.ErrDevice)
 		require.ErrorIs(t, err, cudaops.ErrDriver)
 		require.ErrorContains(t, err, "reading pages [3, 6) of the 10 listed, region 0", "not the second batch's second copy")
 		require.NoError(t, src.p.Check())
 		require.True(t, out.Live(), "a failed read ends no export")
 		got := make([]byte, pages*handoffPage)
-		require.NoError(t, out.ReadPages(0, got))
+		require.NoError(t, out.ReadUnits(0, got))
 		require.True(t, bytes.Equal(want, got))
 	})
 
@@ -394,7 +394,7 @@ func TestCUDAHandoffDriverFailure(t *testing.T) {
 			} else {
 				dst.f.FaultNext("cuMemcpyHtoDAsync_v2", 700)
 			}
-			err := in.WritePagesFrom(0, parts(want, rng))
+			err := in.WriteUnitsFrom(0, parts(want, rng))
 			require.ErrorIs(t, err, kvcache.ErrDevice)
 			require.ErrorIs(t, err, cudaops.ErrDriver)
 			if how == "refused copy" {
@@ -413,7 +413,7 @@ func TestCUDAHandoffDriverFailure(t *testing.T) {
 			}
 			assert.Zero(t, s.RetiredPages)
 			again := begin()
-			require.NoError(t, again.WritePagesFrom(0, parts(want, rng)))
+			require.NoError(t, again.WriteUnitsFrom(0, parts(want, rng)))
 			delivered, err := again.Complete()
 			require.NoError(t, err)
 			assert.True(t, bytes.Equal(want, dst.leaseContent(t, delivered, pages)))

@@ -149,7 +149,7 @@ func (d *CUDA) pageLocked(r int, p int32, n int) (uint64, error) {
 	if p < 0 || int(p) >= reg.Pages {
 		return 0, fmt.Errorf("%w: page %d outside [0, %d)", ErrInvalidArgument, p, reg.Pages)
 	}
-	if int64(n) != reg.PageBytes {
+	if n >= 0 && int64(n) != reg.PageBytes { // n < 0: a part, which the caller checks
 		return 0, fmt.Errorf("%w: buffer of %d bytes for a page of %d", ErrInvalidArgument, n, reg.PageBytes)
 	}
 	return reg.Base + uint64(p)*uint64(reg.Stride), nil
@@ -170,14 +170,50 @@ func (d *CUDA) WritePage(r int, p int32, src []byte) error {
 	})
 }
 
+// ReadPagePart implements PartReader: ReadPage of bytes [off,
+// off+len(dst)) of the page.
+func (d *CUDA) ReadPagePart(r int, p int32, off int, dst []byte) error {
+	return d.copyPagePart(r, p, off, len(dst), "reading", func(addr uint64) error {
+		return d.drv.memcpyDtoHSync(dst, addr, d.stream)
+	})
+}
+
+// WritePagePart implements PartWriter: WritePage of bytes [off,
+// off+len(src)) of the page.
+func (d *CUDA) WritePagePart(r int, p int32, off int, src []byte) error {
+	return d.copyPagePart(r, p, off, len(src), "writing", func(addr uint64) error {
+		return d.drv.memcpyHtoDSync(addr, src, d.stream)
+	})
+}
+
+var (
+	_ PartReader = (*CUDA)(nil)
+	_ PartWriter = (*CUDA)(nil)
+)
+
 // copyPage runs a synchronous copy of page p of region r on the device's
 // stream, so that it is ordered after every fill already issued.
 func (d *CUDA) copyPage(r int, p int32, n int, verb string, copyAt func(addr uint64) error) error {
+	return d.copyPagePart(r, p, -1, n, verb, copyAt)
+}
+
+// copyPagePart is copyPage of n bytes at offset off of the page; off < 0
+// means the whole page, which n must then be.
+func (d *CUDA) copyPagePart(r int, p int32, off, n int, verb string, copyAt func(addr uint64) error) error {
 	d.life.RLock()
 	defer d.life.RUnlock()
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	addr, err := d.pageLocked(r, p, n)
+	var addr uint64
+	var err error
+	if off < 0 {
+		addr, err = d.pageLocked(r, p, n)
+	} else if addr, err = d.pageLocked(r, p, -1); err == nil {
+		if pb := d.mu.regions[r].PageBytes; int64(off) > pb || int64(n) > pb-int64(off) {
+			err = fmt.Errorf("%w: %d bytes at offset %d of a page of %d", ErrInvalidArgument, n, off, pb)
+		}
+		addr += uint64(off)
+	}
 	if err != nil {
 		return err
 	}

@@ -217,17 +217,30 @@ type Device interface {
 // PartWriter is implemented by devices that can write part of a page in
 // place. kvcache uses it to write received pages straight from the
 // buffers they arrived in (a gRPC message is a list of 16 KiB buffers, so
-// a page's bytes are rarely contiguous). The Host implements it. CUDA
-// does not, and need not: on a StagedCopier kvcache's import gathers the
-// parts straight into page-locked staging (WriteStaged), which is the one
-// host copy a write to GPU memory takes anyway, so a part writer there
-// would only cut each DMA into pieces. On a device with neither, kvcache
-// assembles each page region in host memory and calls WritePage.
+// a page's bytes are rarely contiguous), and to write a handoff unit that
+// arrives in ranges (a state slot larger than a message). The Host and
+// CUDA implement it. For whole pages CUDA's import takes its
+// StagedCopier instead: it gathers the parts straight into page-locked
+// staging (WriteStaged), which is the one host copy a write to GPU
+// memory takes anyway, where a part writer would cut each DMA into
+// pieces. On a device with neither, kvcache assembles each page region
+// in host memory and calls WritePage.
 type PartWriter interface {
 	// WritePagePart copies src into page p of region r from byte offset
 	// off on; off+len(src) must not exceed the region's PageBytes. The
 	// write is ordered as WritePage's.
 	WritePagePart(r int, p int32, off int, src []byte) error
+}
+
+// PartReader is implemented by devices that can read part of a page:
+// kvcache reads a handoff unit larger than a transport's message (a
+// state slot) in ranges, each region the range covers in part read in
+// part rather than whole. The Host and CUDA implement it.
+type PartReader interface {
+	// ReadPagePart copies bytes [off, off+len(dst)) of page p of region r
+	// into dst; off+len(dst) must not exceed the region's PageBytes. The
+	// read is ordered as ReadPage's.
+	ReadPagePart(r int, p int32, off int, dst []byte) error
 }
 
 // PageCopier is implemented by devices that copy many pages of a region

@@ -349,7 +349,32 @@ func (h *Host) WritePagePart(r int, p int32, off int, src []byte) error {
 	return nil
 }
 
-var _ PartWriter = (*Host)(nil)
+// ReadPagePart implements PartReader.
+func (h *Host) ReadPagePart(r int, p int32, off int, dst []byte) error {
+	h.afterFills()
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	if h.mu.closed {
+		return ErrClosed
+	}
+	if r < 0 || r >= len(h.mu.regions) {
+		return fmt.Errorf("%w: region %d of %d", ErrInvalidArgument, r, len(h.mu.regions))
+	}
+	src, err := h.page(r, p, int(h.mu.regions[r].PageBytes))
+	if err != nil {
+		return err
+	}
+	if off < 0 || off > len(src) || len(dst) > len(src)-off {
+		return fmt.Errorf("%w: %d bytes at offset %d of a page of %d", ErrInvalidArgument, len(dst), off, len(src))
+	}
+	copy(dst, src[off:])
+	return nil
+}
+
+var (
+	_ PartWriter = (*Host)(nil)
+	_ PartReader = (*Host)(nil)
+)
 
 // ReadPages implements PageCopier.
 func (h *Host) ReadPages(r int, pages []int32, dst []byte) error {

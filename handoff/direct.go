@@ -15,11 +15,16 @@ import (
 // ABI) moves the bytes itself instead:
 //
 //	prefill:  e := sender.Export(lease, maxNew)
-//	          ship e.ManifestBytes(); for each page range: e.ReadPages(first, buf), ship buf
+//	          ship e.ManifestBytes(); for each run of units: e.ReadUnits(first, buf), ship buf
+//	          (a unit too large to ship whole, in ranges: e.ReadUnitRange(u, off, buf))
 //	          after the decode side confirmed: e.Ack()   (or e.Abort())
 //	decode:   in := receiver.Begin(ctx, manifestBytes)   (verify, claim, admit fail-closed)
-//	          for each page range received: in.WritePages(first, buf)
-//	          lease := in.Complete()                      (every page, checksum verified)
+//	          for each run received: in.WriteUnits(first, buf)  (ranges: in.WriteUnitRange)
+//	          lease := in.Complete()                      (every unit, checksum verified)
+//
+// Units are kvcache's handoff units: the pages (slots) of every cache
+// group that hold the prompt's state, group by group (Extents); in a pool
+// of one per-token group, its pages.
 //
 // The checks are the same as Serve's (MAC, expiry, geometry, domain,
 // replay, fail-closed admission, checksum); only the per-frame transfer ID
@@ -61,8 +66,8 @@ func (e *Export) Checksum() (uint32, error) {
 	return e.out.Checksum()
 }
 
-// PageBytes is the size of one exported page, all regions; 0 for a nil
-// export.
+// PageBytes is the size of one page of the per-token group, all
+// regions; 0 for a nil export.
 func (e *Export) PageBytes() int {
 	if e == nil {
 		return 0
@@ -70,14 +75,42 @@ func (e *Export) PageBytes() int {
 	return int(e.out.PageBytes())
 }
 
-// ReadPages copies exported pages first, first+1, … into dst (a whole
-// number of pages, regions in order). It fails with kvcache.ErrReclaimed
-// once the pages are no longer pinned, and then copies nothing.
-func (e *Export) ReadPages(first int, dst []byte) error {
+// Extents returns the export's extents, one per cache group (nil for a
+// nil export).
+func (e *Export) Extents() []kvcache.HandoffExtent {
+	if e == nil {
+		return nil
+	}
+	return e.out.Extents()
+}
+
+// UnitBytes is the size of unit u; 0 for a unit out of range or a nil
+// export.
+func (e *Export) UnitBytes(u int) int64 {
+	if e == nil {
+		return 0
+	}
+	return e.out.UnitBytes(u)
+}
+
+// ReadUnits copies exported units first, first+1, … into dst (whole
+// units, each's regions in order; dst ends at a unit's end). It fails
+// with kvcache.ErrReclaimed once the units are no longer pinned, and then
+// copies nothing.
+func (e *Export) ReadUnits(first int, dst []byte) error {
 	if e == nil {
 		return errNilExport
 	}
-	return e.out.ReadPages(first, dst)
+	return e.out.ReadUnits(first, dst)
+}
+
+// ReadUnitRange copies bytes [off, off+len(dst)) of unit u into dst, for
+// a unit shipped in ranges; errors are ReadUnits'.
+func (e *Export) ReadUnitRange(u int, off int64, dst []byte) error {
+	if e == nil {
+		return errNilExport
+	}
+	return e.out.ReadUnitRange(u, off, dst)
 }
 
 // Ack ends the export once the decode side has confirmed the import: the
@@ -161,16 +194,34 @@ func (imp *Import) Manifest() Manifest {
 	return imp.m
 }
 
-// Pages is the number of pages to write; PageBytes the size of each. Both
-// are 0 for a nil import.
-func (imp *Import) Pages() int {
+// Units is the number of units to write, every group's; 0 for a nil
+// import.
+func (imp *Import) Units() int {
 	if imp == nil {
 		return 0
 	}
-	return imp.in.Pages()
+	return imp.in.Units()
 }
 
-// PageBytes is the size of one page, all regions.
+// Extents returns the import's extents, one per cache group (nil for a
+// nil import).
+func (imp *Import) Extents() []kvcache.HandoffExtent {
+	if imp == nil {
+		return nil
+	}
+	return imp.in.Extents()
+}
+
+// UnitBytes is the size of unit u; 0 for a unit out of range or a nil
+// import.
+func (imp *Import) UnitBytes(u int) int64 {
+	if imp == nil {
+		return 0
+	}
+	return imp.in.UnitBytes(u)
+}
+
+// PageBytes is the size of one page of the per-token group, all regions.
 func (imp *Import) PageBytes() int {
 	if imp == nil {
 		return 0
@@ -178,13 +229,30 @@ func (imp *Import) PageBytes() int {
 	return imp.pb
 }
 
-// WritePages writes received pages first, first+1, … from src (a whole
-// number of pages, regions in order). Any error aborts the import.
-func (imp *Import) WritePages(first int, src []byte) error {
+// WriteUnits writes received units first, first+1, … from src (whole
+// units, each's regions in order; src ends at a unit's end). Any error
+// aborts the import.
+func (imp *Import) WriteUnits(first int, src []byte) error {
 	if imp == nil {
 		return errNilImport
 	}
-	if err := imp.in.WritePages(first, src); err != nil {
+	return imp.written(imp.in.WriteUnits(first, src))
+}
+
+// WriteUnitRange writes bytes [off, off+len(src)) of unit u, for a unit
+// received in ranges: a unit's ranges one at a time and in order, from
+// offset 0, each but the last a multiple of kvcache.UnitRangeAlign long.
+// Any error aborts the import.
+func (imp *Import) WriteUnitRange(u int, off int64, src []byte) error {
+	if imp == nil {
+		return errNilImport
+	}
+	return imp.written(imp.in.WriteUnitRangeFrom(u, off, [][]byte{src}))
+}
+
+// written ends the import for a write's error, if any.
+func (imp *Import) written(err error) error {
+	if err != nil {
 		// The Incoming aborted itself (but for a range outside it); this
 		// ends it, settles the claim and counts the refusal under err.
 		imp.abortFor(err)

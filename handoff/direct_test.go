@@ -18,17 +18,17 @@ import (
 // chunk pages at a time, letting tamper change a chunk on its way.
 func moveDirect(exp *handoff.Export, imp *handoff.Import, chunk int, tamper func(first int, b []byte)) error {
 	pb := exp.PageBytes()
-	n := exp.Manifest().Pages()
+	n := exp.Manifest().Units()
 	for first := 0; first < n; first += chunk {
 		k := min(chunk, n-first)
 		buf := make([]byte, k*pb)
-		if err := exp.ReadPages(first, buf); err != nil {
+		if err := exp.ReadUnits(first, buf); err != nil {
 			return err
 		}
 		if tamper != nil {
 			tamper(first, buf)
 		}
-		if err := imp.WritePages(first, buf); err != nil {
+		if err := imp.WriteUnits(first, buf); err != nil {
 			return err
 		}
 	}
@@ -53,8 +53,8 @@ func TestDirect(t *testing.T) {
 		{name: "missing page", prompt: 40, wantErr: kvcache.ErrIncompleteTransfer,
 			move: func(e *handoff.Export, in *handoff.Import) error {
 				buf := make([]byte, e.PageBytes())
-				require.NoError(t, e.ReadPages(0, buf))
-				return in.WritePages(0, buf)
+				require.NoError(t, e.ReadUnits(0, buf))
+				return in.WriteUnits(0, buf)
 			}},
 		{name: "corrupted page", prompt: 40, wantErr: kvcache.ErrChecksumMismatch,
 			move: func(e *handoff.Export, in *handoff.Import) error {
@@ -63,13 +63,13 @@ func TestDirect(t *testing.T) {
 		{name: "page twice", prompt: 40, wantErr: kvcache.ErrDuplicatePage,
 			move: func(e *handoff.Export, in *handoff.Import) error {
 				buf := make([]byte, e.PageBytes())
-				require.NoError(t, e.ReadPages(0, buf))
-				require.NoError(t, in.WritePages(0, buf))
-				return in.WritePages(0, buf)
+				require.NoError(t, e.ReadUnits(0, buf))
+				require.NoError(t, in.WriteUnits(0, buf))
+				return in.WriteUnits(0, buf)
 			}},
 		{name: "ragged write", prompt: 40, wantErr: kvcache.ErrInvalidArgument,
 			move: func(e *handoff.Export, in *handoff.Import) error {
-				return in.WritePages(0, make([]byte, e.PageBytes()+1))
+				return in.WriteUnits(0, make([]byte, e.PageBytes()+1))
 			}},
 		{name: "aborted by the caller", prompt: 40, wantErr: kvcache.ErrStaleTransfer,
 			move: func(e *handoff.Export, in *handoff.Import) error {
@@ -92,7 +92,7 @@ func TestDirect(t *testing.T) {
 			}
 			imp, err := recv.Begin(ctx, mb)
 			if err == nil {
-				assert.Equal(t, exp.Manifest().Pages(), imp.Pages())
+				assert.Equal(t, exp.Manifest().Units(), imp.Units())
 				move := tt.move
 				if move == nil {
 					move = func(e *handoff.Export, in *handoff.Import) error { return moveDirect(e, in, 3, nil) }
@@ -260,7 +260,7 @@ func TestDirectCacheSpecPools(t *testing.T) {
 	require.NoError(t, err)
 	exp, err := sender(t).Export(l, 16)
 	require.NoError(t, err)
-	assert.Equal(t, handoff.LayoutCacheSpec, exp.Manifest().Geometry.Layout)
+	assert.Equal(t, len(mlaSpec(16).Groups[0].Regions), len(exp.Manifest().Spec.Groups[0].Regions))
 	assert.Equal(t, int(prefill.PageBytes()), exp.PageBytes())
 	mb := mustManifest(t, exp)
 	for name, other := range map[string]*kvcache.Pool{

@@ -22,7 +22,7 @@ var (
 	// as an error the caller can log, never as a panic that takes the node
 	// (and every other tenant's requests on it) down.
 	ErrInvalidArgument = kvcache.ErrInvalidArgument
-	// ErrMalformedManifest: bytes that are not a version-1 manifest: wrong
+	// ErrMalformedManifest: bytes that are not a version-2 manifest: wrong
 	// magic, version or length, a field out of range, trailing bytes.
 	ErrMalformedManifest = errors.New("handoff: malformed manifest")
 	// ErrBadMAC: the manifest's MAC does not verify under the shared key
@@ -31,9 +31,15 @@ var (
 	// ErrExpired: the manifest's expiry has passed, or lies further ahead
 	// than the receiver accepts.
 	ErrExpired = errors.New("handoff: manifest expired")
-	// ErrGeometryMismatch: the manifest describes pages of another
-	// geometry than the decode pool's.
+	// ErrGeometryMismatch: the manifest describes units of another cache
+	// spec than the decode pool's: its error names the first difference
+	// (SpecDifference).
 	ErrGeometryMismatch = errors.New("handoff: geometry mismatch")
+	// ErrShardMismatch: the manifest's units are another tensor-parallel
+	// shard than the decode pool's (kvcache.CacheSpec.Shard): another
+	// rank, or another number of ranks. Slicing a shard's KV across
+	// tensor-parallel sizes is not done.
+	ErrShardMismatch = errors.New("handoff: tensor-parallel shard mismatch")
 	// ErrDomainMismatch: the manifest's sharing domain (the exporting
 	// lease's) is not the one its tenant is in on the decode pool. It is
 	// kvcache.ErrDomainMismatch, which the decode pool's import returns.
@@ -97,6 +103,7 @@ var reasons = []error{
 	24: kvcache.ErrContextDone, // the receiver's context ended before the admission
 	25: kvcache.ErrDevice,      // a page copy failed: the decode pool's write, the prefill pool's read
 	26: kvcache.ErrReclaimed,   // the sender's pages were released before they were all sent
+	27: ErrShardMismatch,
 }
 
 const (
@@ -135,6 +142,7 @@ var ReasonNames = [...]string{
 	24: "context_done",
 	25: "device",
 	26: "reclaimed",
+	27: "shard_mismatch",
 }
 
 // ReasonName is the label of the reason err ends a transfer for: the

@@ -11,12 +11,20 @@ import (
 //
 //	sender → receiver
 //	  'M' manifest                       the encoded, MAC'd manifest
-//	  'D' transfer ID[16] first u32 n u32 gens n×u32 pages
-//	                                     n consecutive pages from page index first,
-//	                                     each PageBytes long, regions in order
-//	  'E' transfer ID[16] pages u32      no more pages follow
-//	  'S' transfer ID[16] pages u32 checksum u32 MAC[32]
-//	                                     seal: no more pages follow, and the
+//	  'D' transfer ID[16] first u32 n u32 gens n×u32 units
+//	                                     n consecutive whole units from unit first
+//	                                     (kvcache's handoff units: pages and slots
+//	                                     of every group, each its group's
+//	                                     UnitBytes long, regions in order)
+//	  'P' transfer ID[16] unit u32 offset u64 gen u32 bytes
+//	                                     bytes [offset, offset+len) of one unit too
+//	                                     large for a message (a state slot): a
+//	                                     unit's parts follow each other in order,
+//	                                     from offset 0, every one but the last a
+//	                                     multiple of kvcache.UnitRangeAlign long
+//	  'E' transfer ID[16] units u32      no more units follow
+//	  'S' transfer ID[16] units u32 checksum u32 MAC[32]
+//	                                     seal: no more units follow, and the
 //	                                     content checksum of a manifest with
 //	                                     FlagChecksumSealed (which ends with a
 //	                                     seal, never an end frame); MAC =
@@ -29,6 +37,7 @@ import (
 const (
 	msgManifest = 'M'
 	msgData     = 'D'
+	msgPart     = 'P'
 	msgEnd      = 'E'
 	msgSeal     = 'S'
 	msgVerdict  = 'V'
@@ -37,6 +46,7 @@ const (
 	stageImport   = 2
 
 	dataFixed   = 1 + 16 + 4 + 4
+	partFixed   = 1 + 16 + 4 + 8 + 4
 	endLen      = 1 + 16 + 4
 	sealLen     = endLen + 4 + macLen
 	sealMagic   = "KVFS" // separates seal MACs from manifest MACs ("KVFH")
@@ -109,12 +119,12 @@ type dataFrame struct {
 	id    [16]byte
 	first int
 	gens  []byte   // n little-endian u32
-	pages [][]byte // n pages, regions in order, in parts
+	units [][]byte // n units, regions in order, in parts
 	n     int
 }
 
-// parseData parses m, a 'D' message; f.pages reuses pages' storage.
-func parseData(m *messageParts, pages [][]byte) (dataFrame, error) {
+// parseData parses m, a 'D' message; f.units reuses units' storage.
+func parseData(m *messageParts, units [][]byte) (dataFrame, error) {
 	var f dataFrame
 	if m.len < dataFixed {
 		return f, fmt.Errorf("%w: data frame of %d bytes", ErrProtocol, m.len)
@@ -124,21 +134,51 @@ func parseData(m *messageParts, pages [][]byte) (dataFrame, error) {
 	f.first = int(binary.LittleEndian.Uint32(h[17:]))
 	n := int64(binary.LittleEndian.Uint32(h[21:]))
 	if n == 0 || int64(m.len-dataFixed) < 4*n {
-		return f, fmt.Errorf("%w: data frame of %d bytes claims %d pages", ErrProtocol, m.len, n)
+		return f, fmt.Errorf("%w: data frame of %d bytes claims %d units", ErrProtocol, m.len, n)
 	}
 	f.n = int(n)
 	f.gens = m.head(dataFixed + 4*f.n)[dataFixed:]
-	f.pages = m.tail(pages[:0], dataFixed+4*f.n)
+	f.units = m.tail(units[:0], dataFixed+4*f.n)
 	return f, nil
 }
 
-// appendSeal appends the seal of transfer id: pages pages whose content
+// partFrame is a parsed 'P' message; bytes aliases the message.
+type partFrame struct {
+	id    [16]byte
+	unit  int
+	off   int64
+	gen   uint32
+	bytes [][]byte // in parts
+	n     int64
+}
+
+// parsePart parses m, a 'P' message; f.bytes reuses parts' storage.
+func parsePart(m *messageParts, parts [][]byte) (partFrame, error) {
+	var f partFrame
+	if m.len <= partFixed {
+		return f, fmt.Errorf("%w: part frame of %d bytes", ErrProtocol, m.len)
+	}
+	h := m.head(partFixed)
+	le := binary.LittleEndian
+	copy(f.id[:], h[1:17])
+	f.unit = int(le.Uint32(h[17:]))
+	off := le.Uint64(h[21:])
+	if off > 1<<60 {
+		return f, fmt.Errorf("%w: part frame at offset %d", ErrProtocol, off)
+	}
+	f.off, f.gen = int64(off), le.Uint32(h[29:])
+	f.bytes = m.tail(parts[:0], partFixed)
+	f.n = int64(m.len - partFixed)
+	return f, nil
+}
+
+// appendSeal appends the seal of transfer id: units units whose content
 // checksum is checksum.
-func appendSeal(dst []byte, key *Key, id [16]byte, pages int, checksum uint32) []byte {
+func appendSeal(dst []byte, key *Key, id [16]byte, units int, checksum uint32) []byte {
 	start := len(dst)
 	dst = append(dst, msgSeal)
 	dst = append(dst, id[:]...)
-	dst = binary.LittleEndian.AppendUint32(dst, uint32(pages))
+	dst = binary.LittleEndian.AppendUint32(dst, uint32(units))
 	dst = binary.LittleEndian.AppendUint32(dst, checksum)
 	return sealMAC(dst, key, dst[start+1:])
 }
@@ -152,8 +192,8 @@ func sealMAC(dst []byte, key *Key, signed []byte) []byte {
 }
 
 // parseSeal verifies a seal under key, then that it closes transfer id
-// of pages pages, and returns its checksum.
-func parseSeal(msg []byte, key *Key, id [16]byte, pages int) (uint32, error) {
+// of units units, and returns its checksum.
+func parseSeal(msg []byte, key *Key, id [16]byte, units int) (uint32, error) {
 	if len(msg) != sealLen || msg[0] != msgSeal {
 		return 0, fmt.Errorf("%w: seal of %d bytes (kind %q)", ErrProtocol, len(msg), firstByte(msg))
 	}
@@ -163,9 +203,9 @@ func parseSeal(msg []byte, key *Key, id [16]byte, pages int) (uint32, error) {
 		return 0, fmt.Errorf("%w: the seal of transfer %x", ErrBadMAC, id)
 	}
 	le := binary.LittleEndian
-	if [16]byte(signed[:16]) != id || int64(le.Uint32(signed[16:])) != int64(pages) {
-		return 0, fmt.Errorf("%w: seal of transfer %x (%d pages) in transfer %x (%d pages)",
-			ErrProtocol, signed[:16], le.Uint32(signed[16:]), id, pages)
+	if [16]byte(signed[:16]) != id || int64(le.Uint32(signed[16:])) != int64(units) {
+		return 0, fmt.Errorf("%w: seal of transfer %x (%d units) in transfer %x (%d units)",
+			ErrProtocol, signed[:16], le.Uint32(signed[16:]), id, units)
 	}
 	return le.Uint32(signed[20:]), nil
 }

@@ -42,7 +42,7 @@ func TestParseDataInParts(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 5, want.first)
 	require.Equal(t, n, want.n)
-	wantPages := joined(want.pages)
+	wantPages := joined(want.units)
 	require.Equal(t, msg[dataFixed+4*n:], wantPages)
 
 	check := func(parts [][]byte) {
@@ -55,7 +55,7 @@ func TestParseDataInParts(t *testing.T) {
 		assert.Equal(t, want.id, f.id)
 		assert.Equal(t, want.first, f.first)
 		assert.Equal(t, want.gens, f.gens)
-		assert.Equal(t, wantPages, joined(f.pages))
+		assert.Equal(t, wantPages, joined(f.units))
 	}
 	for cut := 0; cut <= len(msg); cut++ {
 		check([][]byte{msg[:cut], msg[cut:]})
@@ -114,10 +114,10 @@ func FuzzParseData(f *testing.F) {
 			return
 		}
 		if got.id != want.id || got.first != want.first || got.n != want.n ||
-			!bytes.Equal(got.gens, want.gens) || !bytes.Equal(joined(got.pages), joined(want.pages)) {
+			!bytes.Equal(got.gens, want.gens) || !bytes.Equal(joined(got.units), joined(want.units)) {
 			t.Fatal("parts parse differently from the whole message")
 		}
-		if len(want.gens) != 4*want.n || dataFixed+4*want.n+len(joined(want.pages)) != len(msg) {
+		if len(want.gens) != 4*want.n || dataFixed+4*want.n+len(joined(want.units)) != len(msg) {
 			t.Fatal("parsed fields do not add up to the message")
 		}
 	})

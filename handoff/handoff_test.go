@@ -439,7 +439,7 @@ func ExampleExport_Send() {
 	// Prefill: admit, write the prompt's KV, mark it prefilled.
 	lease, _ := testkit.Prefill(prefill, "req-1", "acme", 100)
 	exp, err := s.Export(lease, 50)
-	fmt.Println("export:", exp.Manifest().Pages(), "pages", err)
+	fmt.Println("export:", exp.Manifest().Units(), "pages", err)
 	fmt.Println("send:", exp.Send(ctx, handoff.NewInProcess(r)))
 
 	dl, _ := r.Take("req-1")

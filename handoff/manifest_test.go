@@ -23,19 +23,45 @@ func testKey(t testing.TB) *Key {
 	return k
 }
 
-func sampleManifest(pages int) Manifest {
+// sampleSpec is the spec of a 32-layer GQA model, as a manifest carries
+// it.
+var sampleSpec = wireSpec(kvcache.GeometrySpec(kvcache.Geometry{TokensPerPage: 16, Layers: 32, KVHeads: 8, HeadDim: 128, DType: kvcache.BF16}))
+
+// hybridWireSpec is a hybrid model's spec (per-token MLA latents and
+// indexer keys, a sliding window, a state slot), as a manifest carries
+// it.
+var hybridWireSpec = func() kvcache.CacheSpec {
+	s := kvcache.CacheSpec{Groups: []kvcache.CacheGroup{
+		{Name: "kv", Kind: kvcache.GroupPerToken, TokensPerPage: 16, Regions: append(
+			kvcache.MLALatent([]int{1, 3}, 512, 64, kvcache.BF16, 16), kvcache.IndexerKeys([]int{1, 3}, 128, 16)...)},
+		{Name: "swa", Kind: kvcache.GroupSlidingWindow, TokensPerPage: 16, WindowTokens: 128,
+			Regions: kvcache.AttentionKVOf([]int{2}, 8, 64, kvcache.BF16, 16)},
+		{Name: "state", Kind: kvcache.GroupState,
+			Regions: kvcache.LinearAttentionState([]int{0, 4}, 1024, 4, kvcache.BF16, 8, 64, 64, kvcache.FP32)},
+	}, Shard: kvcache.Shard{Rank: 1, Size: 2}}
+	return wireSpec(s)
+}()
+
+// manifestOf is a manifest of spec for a prompt of prompt tokens.
+func manifestOf(spec kvcache.CacheSpec, prompt int) Manifest {
 	m := Manifest{
 		TransferID: [16]byte{1, 2, 3}, RequestID: "req-1", Tenant: "acme", Domain: "acme",
-		PromptTokens: pages*16 - 3, MaxNewTokens: 256,
-		Geometry: GeometryFingerprint{TokensPerPage: 16, Layers: 32, KVHeads: 8, HeadDim: 128, DType: kvcache.BF16, Layout: LayoutKVPerLayer},
+		PromptTokens: prompt, MaxNewTokens: 256, Spec: wireSpec(spec),
+		Extents:  wireExtents(spec.HandoffExtents(prompt)),
 		Expires:  time.Unix(1_800_000_000, 123),
 		Checksum: 0xdeadbeef,
 	}
-	for i := range pages {
+	units := 0
+	for _, e := range m.Extents {
+		units += e.Units
+	}
+	for i := range units {
 		m.Generations = append(m.Generations, uint32(i*3+1))
 	}
 	return m
 }
+
+func sampleManifest(pages int) Manifest { return manifestOf(sampleSpec, pages*16-3) }
 
 // sealedManifest is a manifest whose checksum follows in a seal.
 func sealedManifest(pages int) Manifest {
@@ -49,7 +75,8 @@ func TestManifestRoundTrip(t *testing.T) {
 	longest := sampleManifest(3)
 	longest.RequestID, longest.Tenant = strings.Repeat("r", kvcache.MaxIDLen), strings.Repeat("t", kvcache.MaxIDLen)
 	longest.Domain = "tenant:" + longest.Tenant
-	for _, m := range []Manifest{sampleManifest(1), sampleManifest(2), sampleManifest(2048), sealedManifest(1), sealedManifest(7), longest} {
+	for _, m := range []Manifest{sampleManifest(1), sampleManifest(2), sampleManifest(2048), sealedManifest(1), sealedManifest(7), longest,
+		manifestOf(hybridWireSpec, 1), manifestOf(hybridWireSpec, 1000)} {
 		b, err := m.AppendEncode(nil, k)
 		require.NoError(t, err)
 		assert.Equal(t, m.encodedLen(), len(b))
@@ -69,6 +96,8 @@ func resign(k *Key, body []byte) []byte {
 func TestManifestRefusesMalformed(t *testing.T) {
 	k := testKey(t)
 	m := sampleManifest(3)
+	specAt := fixedLen + len(m.RequestID) + len(m.Tenant) + len(m.Domain)
+	extentsAt := specAt + specLen(m.Spec)
 	good, err := m.AppendEncode(nil, k)
 	require.NoError(t, err)
 	body := good[:len(good)-macLen]
@@ -89,26 +118,33 @@ func TestManifestRefusesMalformed(t *testing.T) {
 			return b
 		}(), ErrBadMAC},
 		{"magic", edit(func(b []byte) []byte { b[0] = 'X'; return b }), ErrMalformedManifest},
-		{"version 2", edit(func(b []byte) []byte { le.PutUint16(b[4:], 2); return b }), ErrMalformedManifest},
+		{"version 1", edit(func(b []byte) []byte { le.PutUint16(b[4:], 1); return b }), ErrMalformedManifest},
+		{"version 3", edit(func(b []byte) []byte { le.PutUint16(b[4:], 3); return b }), ErrMalformedManifest},
 		{"unknown flag", edit(func(b []byte) []byte { le.PutUint16(b[6:], 2); return b }), ErrMalformedManifest},
 		{"sealed with a checksum", edit(func(b []byte) []byte { le.PutUint16(b[6:], FlagChecksumSealed); return b }), ErrMalformedManifest},
 		{"zero prompt", edit(func(b []byte) []byte { le.PutUint64(b[32:], 0); return b }), ErrMalformedManifest},
 		{"huge prompt", edit(func(b []byte) []byte { le.PutUint64(b[32:], 1<<62); return b }), ErrMalformedManifest},
-		{"prompt vs pages", edit(func(b []byte) []byte { le.PutUint64(b[32:], 16*5); return b }), ErrMalformedManifest},
+		{"prompt vs units", edit(func(b []byte) []byte { le.PutUint64(b[32:], 16*5); return b }), ErrMalformedManifest},
 		{"huge max new", edit(func(b []byte) []byte { le.PutUint64(b[40:], 1<<63); return b }), ErrMalformedManifest},
-		{"zero tokens per page", edit(func(b []byte) []byte { le.PutUint32(b[48:], 0); return b }), ErrMalformedManifest},
-		{"zero layers", edit(func(b []byte) []byte { le.PutUint32(b[52:], 0); return b }), ErrMalformedManifest},
-		{"bad dtype", edit(func(b []byte) []byte { b[64] = 99; return b }), ErrMalformedManifest},
-		{"bad layout", edit(func(b []byte) []byte { b[65] = 3; return b }), ErrMalformedManifest},
-		{"CRC32C checksum (earlier builds)", edit(func(b []byte) []byte { b[66] = 1; return b }), ErrMalformedManifest},
-		{"unknown checksum alg", edit(func(b []byte) []byte { b[66] = 3; return b }), ErrMalformedManifest},
-		{"reserved", edit(func(b []byte) []byte { b[67] = 1; return b }), ErrMalformedManifest},
-		{"page count", edit(func(b []byte) []byte { le.PutUint32(b[72:], 4); return b }), ErrMalformedManifest},
-		{"empty request ID", edit(func(b []byte) []byte { le.PutUint16(b[76:], 0); return b }), ErrMalformedManifest},
-		{"ID length past end", edit(func(b []byte) []byte { le.PutUint16(b[76:], 60000); return b }), ErrMalformedManifest},
+		{"CRC32C checksum (earlier builds)", edit(func(b []byte) []byte { b[48] = 1; return b }), ErrMalformedManifest},
+		{"unknown checksum alg", edit(func(b []byte) []byte { b[48] = 3; return b }), ErrMalformedManifest},
+		{"no groups", edit(func(b []byte) []byte { b[49] = 0; return b }), ErrMalformedManifest},
+		{"two groups in the header", edit(func(b []byte) []byte { b[49] = 2; return b }), ErrMalformedManifest},
+		{"reserved", edit(func(b []byte) []byte { b[50] = 1; return b }), ErrMalformedManifest},
+		{"unit count", edit(func(b []byte) []byte { le.PutUint32(b[56:], 4); return b }), ErrMalformedManifest},
+		{"spec length", edit(func(b []byte) []byte { le.PutUint32(b[60:], le.Uint32(b[60:])+1); return b }), ErrMalformedManifest},
+		{"empty request ID", edit(func(b []byte) []byte { le.PutUint16(b[64:], 0); return b }), ErrMalformedManifest},
+		{"ID length past end", edit(func(b []byte) []byte { le.PutUint16(b[64:], 60000); return b }), ErrMalformedManifest},
 		{"trailing byte", edit(func(b []byte) []byte { return append(b, 0) }), ErrMalformedManifest},
 		{"missing generation", edit(func(b []byte) []byte { return b[:len(b)-4] }), ErrMalformedManifest},
 		{"invalid UTF-8 tenant", edit(func(b []byte) []byte { b[fixedLen+len("req-1")] = 0xff; return b }), ErrMalformedManifest},
+		{"zero tokens per page", edit(func(b []byte) []byte { le.PutUint32(b[specAt+specShardLen+5:], 0); return b }), ErrMalformedManifest},
+		{"unknown group kind", edit(func(b []byte) []byte { b[specAt+specShardLen] = 9; return b }), ErrMalformedManifest},
+		{"bad dtype", edit(func(b []byte) []byte { b[specAt+specShardLen+specGroupLen+8] = 99; return b }), ErrMalformedManifest},
+		{"odd region bytes", edit(func(b []byte) []byte { le.PutUint64(b[specAt+specShardLen+specGroupLen:], 4097); return b }), ErrMalformedManifest},
+		{"shard rank past its size", edit(func(b []byte) []byte { le.PutUint32(b[specAt:], 1); le.PutUint32(b[specAt+4:], 1); return b }), ErrMalformedManifest},
+		{"extent's first page", edit(func(b []byte) []byte { le.PutUint32(b[extentsAt:], 1); return b }), ErrMalformedManifest},
+		{"extent's units", edit(func(b []byte) []byte { le.PutUint32(b[extentsAt+4:], 2); return b }), ErrMalformedManifest},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -129,9 +165,11 @@ func TestManifestEncodeRefusesInvalid(t *testing.T) {
 		"no domain":       func(m *Manifest) { m.Domain = "" },
 		"long domain":     func(m *Manifest) { m.Domain = strings.Repeat("d", maxDomainLen+1) },
 		"no expiry":       func(m *Manifest) { m.Expires = time.Time{} },
-		"pages vs prompt": func(m *Manifest) { m.PromptTokens = 1 },
-		"bad geometry":    func(m *Manifest) { m.Geometry.HeadDim = 0 },
-		"bad layout":      func(m *Manifest) { m.Geometry.Layout = 0 },
+		"units vs prompt": func(m *Manifest) { m.PromptTokens = 1 },
+		"bad spec":        func(m *Manifest) { m.Spec.Groups[0].TokensPerPage = 0 },
+		"no spec":         func(m *Manifest) { m.Spec = kvcache.CacheSpec{} },
+		"bad shard":       func(m *Manifest) { m.Spec.Shard = kvcache.Shard{Rank: 2, Size: 2} },
+		"extent missing":  func(m *Manifest) { m.Extents = m.Extents[:0] },
 		"sealed checksum": func(m *Manifest) { m.ChecksumSealed = true },
 	}
 	for name, f := range tests {
@@ -154,13 +192,14 @@ func fuzzSeeds(f *testing.F, k *Key) {
 		}
 		f.Add(b)
 	}
-	spec := sealedManifest(3) // a pool of a cache spec: regions, digest
-	spec.Geometry = GeometryFingerprint{TokensPerPage: 16, Layers: 3, KVHeads: 0x1234, HeadDim: 0x5678, DType: kvcache.FP16, Layout: LayoutCacheSpec}
-	b, err := spec.AppendEncode(nil, k)
-	if err != nil {
-		f.Fatal(err)
+	for _, prompt := range []int{1, 17, 500} {
+		hybrid := manifestOf(hybridWireSpec, prompt) // every kind of group
+		b, err := hybrid.AppendEncode(nil, k)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
 	}
-	f.Add(b)
 	f.Add([]byte{})
 	f.Add([]byte(magic))
 }
@@ -202,9 +241,6 @@ func FuzzParse(f *testing.F) {
 			}
 			return
 		}
-		if want := Fingerprint(m.Geometry.Geometry()); m.Geometry.Layout == LayoutKVPerLayer && want != m.Geometry {
-			t.Fatalf("accepted geometry %v does not round-trip", m.Geometry)
-		}
 		again, err := m.AppendEncode(nil, k)
 		if err != nil || !bytes.Equal(again, signed) {
 			t.Fatalf("accepted manifest re-encodes differently (%v)", err)
@@ -214,21 +250,22 @@ func FuzzParse(f *testing.F) {
 
 func ExampleManifest() {
 	key, _ := NewKey([]byte("a 32-byte key shared by the pools"))
+	spec := kvcache.GeometrySpec(kvcache.Geometry{TokensPerPage: 16, Layers: 2, KVHeads: 1, HeadDim: 8, DType: kvcache.FP16})
 	m := Manifest{
 		RequestID: "req-7", Tenant: "acme", Domain: "acme",
 		PromptTokens: 40, MaxNewTokens: 100,
-		Geometry:    Fingerprint(kvcache.Geometry{TokensPerPage: 16, Layers: 2, KVHeads: 1, HeadDim: 8, DType: kvcache.FP16}),
+		Spec: spec, Extents: spec.HandoffExtents(40),
 		Expires:     time.Unix(1_900_000_000, 0),
 		Generations: []uint32{1, 1, 1},
 	}
 	wire, _ := m.AppendEncode(nil, key)
 	got, err := Decode(wire, key)
-	fmt.Println(len(wire), got.RequestID, got.Pages(), err)
+	fmt.Println(len(wire), got.RequestID, got.Units(), err)
 
 	wire[len(wire)-1] ^= 1 // one bit of the MAC
 	_, err = Decode(wire, key)
 	fmt.Println(err)
 	// Output:
-	// 139 req-7 3 <nil>
+	// 196 req-7 3 <nil>
 	// handoff: manifest MAC does not verify
 }

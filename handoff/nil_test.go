@@ -100,7 +100,7 @@ func TestNilArguments(t *testing.T) {
 		{"nil Export.Send", func() error { return nilExport.Send(ctx, handoff.NewInProcess(recv)) }},
 		{"nil Export.ManifestBytes", func() error { _, err := nilExport.ManifestBytes(); return err }},
 		{"nil Export.Checksum", func() error { _, err := nilExport.Checksum(); return err }},
-		{"nil Export.ReadPages", func() error { return nilExport.ReadPages(0, make([]byte, 512)) }},
+		{"nil Export.ReadUnits", func() error { return nilExport.ReadUnits(0, make([]byte, 512)) }},
 		{"nil Export.Ack", func() error { return nilExport.Ack() }},
 		{"nil Export.Abort", func() error { return nilExport.Abort() }},
 		{"Receiver.Serve(nil ctx)", func() error { return recv.Serve(noCtx, nopEndpoint{}) }},
@@ -108,7 +108,7 @@ func TestNilArguments(t *testing.T) {
 		{"nil Receiver.Serve", func() error { return nilReceiver.Serve(ctx, nopEndpoint{}) }},
 		{"Receiver.Begin(nil ctx)", func() error { _, err := recv.Begin(noCtx, manifest); return err }},
 		{"nil Receiver.Begin", func() error { _, err := nilReceiver.Begin(ctx, manifest); return err }},
-		{"nil Import.WritePages", func() error { return nilImport.WritePages(0, make([]byte, 512)) }},
+		{"nil Import.WriteUnits", func() error { return nilImport.WriteUnits(0, make([]byte, 512)) }},
 		{"nil Import.Complete", func() error { _, err := nilImport.Complete(); return err }},
 		{"nil Import.Abort", func() error { return nilImport.Abort() }},
 		{"NewInProcess(nil).Open", func() error { _, err := handoff.NewInProcess(nil).Open(ctx); return err }},
@@ -132,7 +132,7 @@ func TestNilArguments(t *testing.T) {
 		assert.False(t, ok)
 		assert.Zero(t, nilReceiver.Stats())
 		assert.True(t, nilImport.Ended())
-		assert.Zero(t, nilImport.Pages())
+		assert.Zero(t, nilImport.Units())
 		assert.Zero(t, nilImport.PageBytes())
 		assert.Zero(t, nilImport.Manifest())
 		nilInProc.Wait()

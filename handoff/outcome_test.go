@@ -185,13 +185,13 @@ func TestDirectImportWriteFailureCountedByItsReason(t *testing.T) {
 		reason string
 	}{
 		{"page written twice", func(imp *handoff.Import, page []byte) error {
-			if err := imp.WritePages(0, page); err != nil {
+			if err := imp.WriteUnits(0, page); err != nil {
 				return err
 			}
-			return imp.WritePages(0, page)
+			return imp.WriteUnits(0, page)
 		}, "duplicate_page"},
 		{"page out of range", func(imp *handoff.Import, page []byte) error {
-			return imp.WritePages(imp.Pages(), page)
+			return imp.WriteUnits(imp.Units(), page)
 		}, "internal"}, // kvcache.ErrInvalidArgument has no reason code of its own
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -204,7 +204,7 @@ func TestDirectImportWriteFailureCountedByItsReason(t *testing.T) {
 			imp, err := recv.Begin(context.Background(), mustManifest(t, exp))
 			require.NoError(t, err)
 			page := make([]byte, imp.PageBytes())
-			require.NoError(t, exp.ReadPages(0, page))
+			require.NoError(t, exp.ReadUnits(0, page))
 			err = tc.write(imp, page)
 			require.Error(t, err)
 			assert.Equal(t, tc.reason, handoff.ReasonName(err), "the write's own error: %v", err)

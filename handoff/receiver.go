@@ -237,8 +237,12 @@ func (r *Receiver) vet(b []byte) (Manifest, error) {
 		return Manifest{}, fmt.Errorf("%w: request %q expires in %v, more than the %v accepted",
 			ErrExpired, m.RequestID, m.Expires.Sub(now), r.cfg.MaxTTL)
 	}
-	if want := PoolFingerprint(r.cfg.Pool); m.Geometry != want {
-		return Manifest{}, fmt.Errorf("%w: request %q has pages of %v, this pool %v", ErrGeometryMismatch, m.RequestID, m.Geometry, want)
+	here := r.cfg.Pool.Spec()
+	if d := SpecDifference(m.Spec, here); d != "" {
+		return Manifest{}, fmt.Errorf("%w: request %q: %s", ErrGeometryMismatch, m.RequestID, d)
+	}
+	if d := ShardDifference(m.Spec, here); d != "" {
+		return Manifest{}, fmt.Errorf("%w: request %q: %s", ErrShardMismatch, m.RequestID, d)
 	}
 	return m, r.claim(m.RequestID, m.Expires, now)
 }
@@ -288,18 +292,22 @@ func (r *Receiver) admit(ctx context.Context, m *Manifest) (*kvcache.Incoming, e
 
 // receive runs the transfer of m into in once the manifest is admitted.
 // timedOut is set when the watchdog has aborted in and interrupted ep.
+//
+// Units arrive in order: whole ones in data frames, a unit larger than a
+// message in part frames, one after the other from offset 0. next is the
+// next unit expected and nextOff, while a unit arrives in parts, the
+// next part's offset in it.
 func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timedOut *atomic.Bool) (*kvcache.Lease, error) {
 	if err := r.reply(ep, stageManifest, nil); err != nil {
 		return nil, err
 	}
-	pages := m.Pages()
-	pb := int(r.cfg.Pool.PageBytes()) // the fingerprints matched
+	units := m.Units()
 	split, _ := ep.(PartsEndpoint)
 	held, _ := ep.(HoldingEndpoint)
 	var (
 		msg       messageParts
 		one       [1][]byte
-		pageParts [2][][]byte // a write in flight holds one; the next frame parses into the other
+		unitParts [2][][]byte // a write in flight holds one; the next frame parses into the other
 		turn      int
 		wantGens  []byte
 		// On a HoldingEndpoint each data frame is written on a goroutine
@@ -316,7 +324,25 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 			cur()
 		}
 	}()
-	next := 0
+	// start writes a frame's bytes, on the overlapped goroutine when the
+	// endpoint holds messages.
+	start := func(w func() error) error {
+		if err := write.wait(); err != nil {
+			return err
+		}
+		if cur == nil {
+			return w()
+		}
+		release := cur
+		cur = nil
+		write.start(func() error {
+			defer release()
+			return w()
+		})
+		turn ^= 1
+		return nil
+	}
+	next, nextOff := 0, int64(0)
 	for {
 		if cur != nil {
 			cur()
@@ -337,59 +363,73 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 			msg.reset(one[:])
 		}
 		if errors.Is(err, io.EOF) {
-			return nil, fmt.Errorf("%w: request %q: stream ended after %d of %d pages without an end frame",
-				kvcache.ErrIncompleteTransfer, m.RequestID, next, pages)
+			return nil, fmt.Errorf("%w: request %q: stream ended after %d of %d units without an end frame",
+				kvcache.ErrIncompleteTransfer, m.RequestID, next, units)
 		}
 		if err != nil && timedOut.Load() {
 			// The watchdog ended the wait (InterruptRecv), or the
 			// transport's own deadline came after it: the transport did
 			// not fail, the sender was too slow. Its error is only text
 			// here: a wrapped ErrTransport would take the reason code.
-			return nil, fmt.Errorf("%w: request %q: no frame awaited any more after %d of %d pages (%v)",
-				kvcache.ErrIncompleteTransfer, m.RequestID, next, pages, err)
+			return nil, fmt.Errorf("%w: request %q: no frame awaited any more after %d of %d units (%v)",
+				kvcache.ErrIncompleteTransfer, m.RequestID, next, units, err)
 		}
 		if err != nil {
-			return nil, fmt.Errorf("%w: request %q after %d of %d pages: %w", ErrTransport, m.RequestID, next, pages, err)
+			return nil, fmt.Errorf("%w: request %q after %d of %d units: %w", ErrTransport, m.RequestID, next, units, err)
 		}
 		switch msg.kind() {
 		case msgData:
-			f, err := parseData(&msg, pageParts[turn])
+			f, err := parseData(&msg, unitParts[turn])
 			if err != nil {
 				return nil, err
 			}
-			pageParts[turn] = f.pages
+			unitParts[turn] = f.units
 			switch {
 			case f.id != m.TransferID:
 				return nil, fmt.Errorf("%w: data frame of transfer %x in transfer %x", ErrProtocol, f.id, m.TransferID)
-			case f.first != next || f.n > pages-next:
-				return nil, fmt.Errorf("%w: pages [%d, %d) after %d of %d", ErrProtocol, f.first, f.first+f.n, next, pages)
-			case msg.len-dataFixed-4*f.n != f.n*pb:
-				return nil, fmt.Errorf("%w: %d bytes for %d pages of %d", ErrProtocol, msg.len-dataFixed-4*f.n, f.n, pb)
+			case nextOff != 0 || f.first != next || f.n > units-next:
+				return nil, fmt.Errorf("%w: units [%d, %d) after %d of %d (%d bytes into unit %d)", ErrProtocol, f.first, f.first+f.n, next, units, nextOff, next)
+			}
+			var want int64
+			for u := f.first; u < f.first+f.n; u++ {
+				want += in.UnitBytes(u)
+			}
+			if int64(msg.len-dataFixed-4*f.n) != want {
+				return nil, fmt.Errorf("%w: %d bytes for units [%d, %d), which are %d", ErrProtocol, msg.len-dataFixed-4*f.n, f.first, f.first+f.n, want)
 			}
 			wantGens = wantGens[:0]
 			for _, g := range m.Generations[f.first : f.first+f.n] {
 				wantGens = binary.LittleEndian.AppendUint32(wantGens, g)
 			}
 			if !bytes.Equal(f.gens, wantGens) {
-				return nil, fmt.Errorf("%w: pages [%d, %d) carry generations the manifest does not name", ErrProtocol, f.first, f.first+f.n)
+				return nil, fmt.Errorf("%w: units [%d, %d) carry generations the manifest does not name", ErrProtocol, f.first, f.first+f.n)
 			}
-			if err := write.wait(); err != nil {
+			if err := start(func() error { return in.WriteUnitsFrom(f.first, f.units) }); err != nil {
 				return nil, err
 			}
-			if cur == nil {
-				if err := in.WritePagesFrom(f.first, f.pages); err != nil {
-					return nil, err
-				}
-			} else {
-				release := cur
-				cur = nil
-				write.start(func() error {
-					defer release()
-					return in.WritePagesFrom(f.first, f.pages)
-				})
-				turn ^= 1
-			}
 			next += f.n
+		case msgPart:
+			f, err := parsePart(&msg, unitParts[turn])
+			if err != nil {
+				return nil, err
+			}
+			unitParts[turn] = f.bytes
+			ub := in.UnitBytes(f.unit)
+			switch {
+			case f.id != m.TransferID:
+				return nil, fmt.Errorf("%w: part frame of transfer %x in transfer %x", ErrProtocol, f.id, m.TransferID)
+			case f.unit != next || next >= units || f.off != nextOff || f.n > ub-f.off:
+				return nil, fmt.Errorf("%w: %d bytes at offset %d of unit %d after %d of %d units (%d bytes into unit %d)",
+					ErrProtocol, f.n, f.off, f.unit, next, units, nextOff, next)
+			case f.gen != m.Generations[f.unit]:
+				return nil, fmt.Errorf("%w: a part of unit %d carries generation %d, the manifest names %d", ErrProtocol, f.unit, f.gen, m.Generations[f.unit])
+			}
+			if err := start(func() error { return in.WriteUnitRangeFrom(f.unit, f.off, f.bytes) }); err != nil {
+				return nil, err
+			}
+			if nextOff += f.n; nextOff == ub {
+				next, nextOff = next+1, 0
+			}
 		case msgEnd:
 			if err := write.wait(); err != nil {
 				return nil, err
@@ -411,7 +451,7 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 			if msg.len != sealLen {
 				return nil, fmt.Errorf("%w: seal of %d bytes", ErrProtocol, msg.len)
 			}
-			sum, err := parseSeal(msg.head(sealLen), r.cfg.Key, m.TransferID, pages)
+			sum, err := parseSeal(msg.head(sealLen), r.cfg.Key, m.TransferID, units)
 			if err != nil {
 				return nil, err
 			}

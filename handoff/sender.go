@@ -24,7 +24,13 @@ type SenderConfig struct {
 	// anyway; 0 means 2×TTL.
 	ReclaimAfter time.Duration
 	// FrameBytes is the target size of one data message; 0 means 1 MiB.
-	// A message always holds whole pages, at least one.
+	// A message holds whole units (pages, slots) of one cache group, as
+	// many as fit and at least one; a unit that does not fit (a state
+	// slot) is sent in parts, each the largest multiple of
+	// kvcache.UnitRangeAlign that fits, when FrameBytes has room for one
+	// (MinFrameBytes), and whole otherwise. A transport bounds its
+	// messages (tcpx.Options.MaxMessageBytes): keep FrameBytes below that
+	// bound, and parts keep every unit, however large, within it.
 	FrameBytes int
 	// Now is the clock; nil means time.Now.
 	Now func() time.Time
@@ -32,6 +38,11 @@ type SenderConfig struct {
 	// receiver's reason (or the transport's) and the error's numbers.
 	Logger *slog.Logger
 }
+
+// MinFrameBytes is the least SenderConfig.FrameBytes that sends units
+// too large for a message in parts: a part frame's head and one unit
+// range of kvcache.UnitRangeAlign bytes.
+const MinFrameBytes = partFixed + kvcache.UnitRangeAlign
 
 // Sender exports prefilled leases and streams them to decode pools.
 type Sender struct {
@@ -154,7 +165,7 @@ func (s *Sender) Export(l *kvcache.Lease, maxNewTokens int) (*Export, error) {
 	m := Manifest{
 		RequestID: out.RequestID(), Tenant: out.Tenant(), Domain: out.Domain(),
 		PromptTokens: out.PromptTokens(), MaxNewTokens: maxNewTokens,
-		Geometry: PoolFingerprint(out), Expires: now.Add(s.cfg.TTL),
+		Spec: wireSpec(out.Spec()), Extents: wireExtents(out.Extents()), Expires: now.Add(s.cfg.TTL),
 		ChecksumSealed: true, Generations: out.Generations(nil),
 	}
 	rand.Read(m.TransferID[:])
@@ -227,7 +238,7 @@ func (e *Export) sendOver(ctx context.Context, t Transport) error {
 	if err := e.verdict(st, stageManifest); err != nil {
 		return err
 	}
-	if err := e.sendPages(st); err != nil {
+	if err := e.sendUnits(st); err != nil {
 		return err
 	}
 	if err := st.CloseSend(); err != nil {
@@ -245,67 +256,158 @@ func (e *Export) sendOver(ctx context.Context, t Transport) error {
 	return nil
 }
 
-// sendPages sends the pages in data frames, summing each page as it is
+// wireExtents is es as a manifest carries them: without the groups'
+// names, which the receiver takes from its own spec.
+func wireExtents(es []kvcache.HandoffExtent) []kvcache.HandoffExtent {
+	for i := range es {
+		es[i].Group = ""
+	}
+	return es
+}
+
+// frame is one data message of a transfer: n whole units from unit
+// first, or (part) bytes [off, off+bytes) of unit first.
+type frame struct {
+	first, n   int
+	part       bool
+	off, bytes int64
+}
+
+// frames plans the data messages of the export: per group, runs of as
+// many whole units as fit in FrameBytes (at least one), or each unit in
+// parts of the largest multiple of kvcache.UnitRangeAlign that fits.
+func (e *Export) frames() []frame {
+	var fs []frame
+	u := 0
+	fb := int64(e.s.cfg.FrameBytes)
+	for _, ext := range e.out.Extents() {
+		ub := ext.UnitBytes
+		if per := max((fb-dataFixed)/(ub+4), 0); per >= 1 || fb < MinFrameBytes {
+			per = max(per, 1)
+			for j := 0; j < ext.Units; j += int(per) {
+				fs = append(fs, frame{first: u + j, n: min(int(per), ext.Units-j), bytes: int64(min(int(per), ext.Units-j)) * ub})
+			}
+		} else {
+			chunk := (fb - partFixed) / kvcache.UnitRangeAlign * kvcache.UnitRangeAlign
+			for j := range ext.Units {
+				for off := int64(0); off < ub; off += chunk {
+					fs = append(fs, frame{first: u + j, n: 1, part: true, off: off, bytes: min(chunk, ub-off)})
+				}
+			}
+		}
+		u += ext.Units
+	}
+	return fs
+}
+
+// sendUnits sends the units in data frames, summing each unit as it is
 // read (while it is in cache), and then the seal with their checksum.
-func (e *Export) sendPages(st Stream) error {
-	pb := int(e.out.PageBytes())
-	n := e.out.Pages()
-	per := max(1, min(n, (e.s.cfg.FrameBytes-dataFixed)/(pb+4)))
+func (e *Export) sendUnits(st Stream) error {
+	n := e.out.Units()
 	sums := make([]uint64, n)
+	fs := e.frames()
 	if vs, ok := st.(ViewStream); ok && e.out.Viewable() {
-		if err := e.sendViews(vs, per, sums); err != nil {
+		if err := e.sendViews(vs, fs, sums); err != nil {
 			return err
 		}
 		return e.send(st, appendSeal(nil, e.s.cfg.Key, e.m.TransferID, n, kvcache.ContentChecksum(sums)))
 	}
 	// Every frame buffer has a full frame's capacity: one size class in
 	// the pool per geometry and frame size.
-	full := dataFixed + per*(4+pb)
+	full := 0
+	for _, f := range fs {
+		full = max(full, f.headLen()+int(f.bytes))
+	}
 	owning, _ := st.(OwningStream)
-	for first := 0; first < n; {
-		k := min(per, n-first)
-		b := frameBuffers.get(dataFixed+k*(4+pb), full)
-		frame := *b
-		e.putDataHead(frame, first, k)
-		pages := frame[dataFixed+4*k:]
-		if err := e.out.ReadPages(first, pages); err != nil {
+	var part kvcache.UnitSummer
+	for _, f := range fs {
+		h := f.headLen()
+		b := frameBuffers.get(h+int(f.bytes), full)
+		buf := *b
+		e.putHead(buf, f)
+		payload := buf[h:]
+		var err error
+		if f.part {
+			err = e.out.ReadUnitRange(f.first, f.off, payload)
+		} else {
+			err = e.out.ReadUnits(f.first, payload)
+		}
+		if err != nil {
 			frameBuffers.put(b)
 			return err
 		}
-		for i := range k {
-			sums[first+i] = kvcache.PageChecksum(pages[i*pb : (i+1)*pb])
-		}
-		var err error
+		e.sum(f, sums, &part, func(yield func(u int, b [][]byte)) {
+			at := 0
+			for u := f.first; u < f.first+f.n; u++ {
+				ub := int(f.bytes)
+				if !f.part {
+					ub = int(e.out.UnitBytes(u))
+				}
+				yield(u, [][]byte{payload[at : at+ub]})
+				at += ub
+			}
+		})
 		if owning != nil {
-			err = owning.SendOwned(frame, func() { frameBuffers.put(b) })
+			err = owning.SendOwned(buf, func() { frameBuffers.put(b) })
 		} else {
-			err = st.Send(frame)
+			err = st.Send(buf)
 			frameBuffers.put(b)
 		}
 		if err := e.check(st, err); err != nil {
 			return err
 		}
-		first += k
 	}
 	return e.send(st, appendSeal(nil, e.s.cfg.Key, e.m.TransferID, n, kvcache.ContentChecksum(sums)))
 }
 
-// putDataHead writes the head of the data frame of pages first …
-// first+k-1 (kind, transfer ID, first, k, generations) into frame.
-func (e *Export) putDataHead(frame []byte, first, k int) {
+// sum records the checksums of frame f's units, whose bytes each(yield)
+// hands over unit by unit: a whole unit's checksum, or a part added to
+// part, whose checksum is the unit's once its last part is in.
+func (e *Export) sum(f frame, sums []uint64, part *kvcache.UnitSummer, each func(yield func(u int, b [][]byte))) {
+	each(func(u int, b [][]byte) {
+		if !f.part {
+			sums[u] = kvcache.PageChecksumOf(b)
+			return
+		}
+		part.AddParts(b)
+		if f.off+f.bytes == e.out.UnitBytes(u) {
+			sums[u] = part.Sum()
+		}
+	})
+}
+
+// headLen is the length of f's message head.
+func (f frame) headLen() int {
+	if f.part {
+		return partFixed
+	}
+	return dataFixed + 4*f.n
+}
+
+// putHead writes the head of frame f (kind, transfer ID, where its bytes
+// go, their generations) into buf.
+func (e *Export) putHead(buf []byte, f frame) {
 	le := binary.LittleEndian
-	frame[0] = msgData
-	copy(frame[1:17], e.m.TransferID[:])
-	le.PutUint32(frame[17:], uint32(first))
-	le.PutUint32(frame[21:], uint32(k))
-	for i, g := range e.m.Generations[first : first+k] {
-		le.PutUint32(frame[dataFixed+4*i:], g)
+	copy(buf[1:17], e.m.TransferID[:])
+	if f.part {
+		buf[0] = msgPart
+		le.PutUint32(buf[17:], uint32(f.first))
+		le.PutUint64(buf[21:], uint64(f.off))
+		le.PutUint32(buf[29:], e.m.Generations[f.first])
+		return
+	}
+	buf[0] = msgData
+	le.PutUint32(buf[17:], uint32(f.first))
+	le.PutUint32(buf[21:], uint32(f.n))
+	for i, g := range e.m.Generations[f.first : f.first+f.n] {
+		le.PutUint32(buf[dataFixed+4*i:], g)
 	}
 }
 
-// sendViews sends the data frames of a ViewStream: each frame's pages
-// are lent by the pool (PageViews, pinned until the stream is done with
-// them) and summed where they lie; nothing is staged.
+// sendViews sends the data frames of a ViewStream: each frame's units
+// (or part of one) are lent by the pool (UnitViews, UnitRangeViews:
+// pinned until the stream is done with them) and summed where they lie;
+// nothing is staged.
 //
 // The sums run one frame ahead of the stream, on a goroutine of their
 // own: while the stream writes frame k, frame k+1 is summed. On a
@@ -315,22 +417,37 @@ func (e *Export) putDataHead(frame []byte, first, k int) {
 // the checksum off that path; and the stream then reads frame k+1 from
 // the cache the sum just filled. A frame's views are not handed to the
 // stream until its sum is done, so the stream's done (which unpins the
-// pages) always comes after the last read of them.
-func (e *Export) sendViews(st ViewStream, per int, sums []uint64) error {
-	n := e.out.Pages()
-	head := make([]byte, dataFixed+4*per)
+// units) always comes after the last read of them; and frames are summed
+// in order, so a unit's parts are.
+func (e *Export) sendViews(st ViewStream, fs []frame, sums []uint64) error {
+	head := make([]byte, partFixed+dataFixed+4*maxUnitsPerFrame(fs))
 	var spare [][]byte // a views slice the stream is done with, for the next frame
-	// lend returns the views of the frame of pages first …, in buf.
-	lend := func(first int, buf [][]byte) (viewFrame, error) {
-		k := min(per, n-first)
-		views, done, err := e.out.PageViews(first, k, buf[:0])
-		return viewFrame{first: first, k: k, views: views, done: done}, err
-	}
-	sum := func(f viewFrame) {
-		regions := len(f.views) / f.k
-		for i := range f.k {
-			sums[f.first+i] = kvcache.PageChecksumOf(f.views[i*regions : (i+1)*regions])
+	var part kvcache.UnitSummer
+	// lend returns the views of frame i, in buf.
+	lend := func(i int, buf [][]byte) (viewFrame, error) {
+		f := fs[i]
+		var views [][]byte
+		var done func()
+		var err error
+		if f.part {
+			views, done, err = e.out.UnitRangeViews(f.first, f.off, f.bytes, buf[:0])
+		} else {
+			views, done, err = e.out.UnitViews(f.first, f.n, buf[:0])
 		}
+		return viewFrame{i: i, views: views, done: done}, err
+	}
+	sum := func(v viewFrame) {
+		f := fs[v.i]
+		e.sum(f, sums, &part, func(yield func(u int, b [][]byte)) {
+			if f.part {
+				yield(f.first, v.views)
+				return
+			}
+			regions := len(v.views) / f.n // the frame's units are of one group
+			for k := range f.n {
+				yield(f.first+k, v.views[k*regions:(k+1)*regions])
+			}
+		})
 	}
 	cur, err := lend(0, nil)
 	if err != nil {
@@ -340,8 +457,9 @@ func (e *Export) sendViews(st ViewStream, per int, sums []uint64) error {
 	summed := make(chan struct{}, 1)
 	for {
 		var next viewFrame
-		if after := cur.first + cur.k; after < n {
-			if next, err = lend(after, spare); err != nil {
+		more := cur.i+1 < len(fs)
+		if more {
+			if next, err = lend(cur.i+1, spare); err != nil {
 				cur.done()
 				return err
 			}
@@ -350,10 +468,11 @@ func (e *Export) sendViews(st ViewStream, per int, sums []uint64) error {
 				summed <- struct{}{}
 			}()
 		}
-		h := head[:dataFixed+4*cur.k]
-		e.putDataHead(h, cur.first, cur.k)
+		f := fs[cur.i]
+		h := head[:f.headLen()]
+		e.putHead(h, f)
 		err := e.check(st, st.SendViews(h, cur.views, cur.done))
-		if next.k == 0 {
+		if !more {
 			return err
 		}
 		<-summed
@@ -366,12 +485,23 @@ func (e *Export) sendViews(st ViewStream, per int, sums []uint64) error {
 	}
 }
 
-// viewFrame is one data frame's pages as sendViews holds them: pages
-// first … first+k-1, their views, and the done that unpins them.
+// maxUnitsPerFrame is the most whole units a frame of fs carries.
+func maxUnitsPerFrame(fs []frame) int {
+	n := 0
+	for _, f := range fs {
+		if !f.part {
+			n = max(n, f.n)
+		}
+	}
+	return n
+}
+
+// viewFrame is one data frame as sendViews holds it: frame i of the
+// plan, its views, and the done that unpins them.
 type viewFrame struct {
-	first, k int
-	views    [][]byte
-	done     func()
+	i     int
+	views [][]byte
+	done  func()
 }
 
 // send transmits msg; if the receiver has already ended the transfer,

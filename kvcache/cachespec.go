@@ -100,6 +100,27 @@ type CacheSpec struct {
 	// reported.
 	Model  string
 	Groups []CacheGroup
+	// Shard says which tensor-parallel shard of the model's caches the
+	// regions hold: rank Rank of Size (heads split across Size ranks).
+	// The zero Shard is the whole model (a pool over one GPU, or over
+	// every rank of a tensor-parallel group side by side). Two ranks'
+	// shards have the same shapes and different heads: a handoff moves
+	// KV only between pools of the same shard.
+	Shard Shard
+}
+
+// Shard is a tensor-parallel shard: rank Rank of Size ranks; the zero
+// Shard is unsharded.
+type Shard struct{ Rank, Size int }
+
+// maxShardSize bounds Shard.Size.
+const maxShardSize = 1 << 16
+
+func (s Shard) String() string {
+	if s.Size == 0 {
+		return "unsharded"
+	}
+	return fmt.Sprintf("tensor-parallel rank %d of %d", s.Rank, s.Size)
 }
 
 // CacheGroup is one cache group: regions whose pages (or slots) share one
@@ -336,6 +357,9 @@ func (s CacheSpec) layout() (*layout, error) {
 		return bad("group 0 (%q) is %v: the first group must be the per-token one", s.Groups[0].Name, s.Groups[0].Kind)
 	case len(s.Model) > maxCacheNameLen:
 		return bad("model name of %d bytes, at most %d", len(s.Model), maxCacheNameLen)
+	case s.Shard.Size < 0 || s.Shard.Size > maxShardSize || s.Shard.Rank < 0 || (s.Shard.Size == 0 && s.Shard.Rank != 0) ||
+		(s.Shard.Size > 0 && s.Shard.Rank >= s.Shard.Size):
+		return bad("shard rank %d of %d (want rank 0..size-1 of size 1..%d, or the zero shard)", s.Shard.Rank, s.Shard.Size, maxShardSize)
 	}
 	l := &layout{spec: s, tpp: s.Groups[0].TokensPerPage}
 	groupNames := map[string]bool{}

@@ -1,8 +1,8 @@
 package kvcache
 
-// The content checksum folds, in page order, one 64-bit XXH3 hash per page
-// (PageChecksum: over its bytes in every region, region 0 first, in 4 KiB
-// blocks): the XXH3 of the little-endian per-page hashes, its two halves
+// The content checksum folds, in unit order, one 64-bit XXH3 hash per
+// handoff unit (a page or a slot, units.go; PageChecksum: over its bytes
+// in every region of its group, region 0 first, in 4 KiB blocks): the XXH3 of the little-endian per-page hashes, its two halves
 // XORed into 32 bits. Being computed per page, it lets pages arrive in any
 // order and on several streams, and lets a sender sum each page as it
 // reads it to send it (PageChecksum, ContentChecksum) instead of reading
@@ -53,6 +53,42 @@ func PageChecksumOf(parts [][]byte) uint64 {
 	var block []byte
 	cur := partCursor{parts: parts}
 	sum, _ := cur.pageSum(n, &block, small[:0])
+	return sum
+}
+
+// UnitSummer is PageChecksum of a handoff unit whose bytes come in
+// pieces (a unit sent in ranges): Add (or AddParts) the pieces in order,
+// every one but the last a whole number of checksum blocks
+// (UnitRangeAlign), then Sum. Each block is hashed once, where it lies.
+// The zero value is ready; Sum makes it ready for the next unit.
+type UnitSummer struct {
+	sums  []byte // the unit's block sums so far
+	block []byte // scratch for a block that straddles parts
+}
+
+// Add adds b, the unit's next piece.
+func (s *UnitSummer) Add(b []byte) {
+	for off := 0; off < len(b); off += checksumBlock {
+		s.sums = binary.LittleEndian.AppendUint64(s.sums, xxh3.Hash(b[off:min(len(b), off+checksumBlock)]))
+	}
+}
+
+// AddParts adds the unit's next piece, which arrived as parts.
+func (s *UnitSummer) AddParts(parts [][]byte) {
+	n := 0
+	for _, p := range parts {
+		n += len(p)
+	}
+	cur := partCursor{parts: parts}
+	for off := 0; off < n; off += checksumBlock {
+		s.sums = binary.LittleEndian.AppendUint64(s.sums, xxh3.Hash(cur.take(min(checksumBlock, n-off), &s.block)))
+	}
+}
+
+// Sum returns the unit's checksum and resets s.
+func (s *UnitSummer) Sum() uint64 {
+	sum := xxh3.Hash(s.sums)
+	s.sums = s.sums[:0]
 	return sum
 }
 

@@ -3,27 +3,28 @@ package kvcache
 import (
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"golang.org/x/sync/errgroup"
 
-	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
 )
 
 // This file is the prefill side of a handoff: an exported lease (Outgoing)
-// whose prompt pages are read for a transfer. See phase.go for the state
-// machine and its invariants.
+// whose prompt's units, in every cache group (units.go), are read for a
+// transfer. See phase.go for the state machine and its invariants.
 
-// Outgoing is an exported lease: the prompt's pages pinned for a transfer
+// Outgoing is an exported lease: the prompt's units pinned for a transfer
 // until Ack, Abort or the reclaim deadline.
 type Outgoing struct {
 	pool    *Pool
 	lease   *Lease
 	seq     uint64 // the lease incarnation this export belongs to
-	handles []allocator.Handle
+	extents []HandoffExtent
+	units   []handoffUnit
 	// timer reclaims the pages at the deadline. Set under Pool.mu before
 	// Export returns; the lease's end stops it.
 	timer *time.Timer
@@ -35,21 +36,24 @@ type Outgoing struct {
 	}
 }
 
-// Export pins a prefilled lease's prompt pages for a transfer. The pages
-// stay pinned until Ack or Abort, or until reclaimAt, when they are
-// released through the scrubber whatever the transfer's state. A lease
-// that is not prefilled, or whose watermark is not its prompt, is refused
-// with ErrLeasePhase and left as it was. Export reads no page: the content
-// checksum comes from Checksum (one pass over the pages) or from a sender
-// that sums the pages as it reads them to send them.
+// Export pins a prefilled lease's prompt units, in every cache group, for
+// a transfer. They stay pinned until Ack or Abort, or until reclaimAt,
+// when they are released through the scrubber whatever the transfer's
+// state. A lease that is not prefilled, or whose watermark is not its
+// prompt, is refused with ErrLeasePhase and left as it was. Export reads
+// no page: the content checksum comes from Checksum (one pass over the
+// units) or from a sender that sums the units as it reads them to send
+// them.
+//
+// A sliding window must hold the prompt's window: the pages a lease that
+// slid past it scrubbed are gone. A lease exported at its prompt cannot
+// have (SlideWindows slides to the written watermark), so this always
+// holds.
 func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 	if err := l.live(); err != nil {
 		return nil, err
 	}
 	p := l.pool
-	if err := p.handoffSupported(); err != nil {
-		return nil, err
-	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.stateErrLocked(); err != nil {
@@ -65,8 +69,8 @@ func (l *Lease) Export(reclaimAt time.Time) (*Outgoing, error) {
 			ErrLeasePhase, l.id, ph, l.Written(), l.prompt)
 	}
 	l.phase.Store(uint32(PhaseExported))
-	n := p.pagesFor(l.prompt)
-	o := &Outgoing{pool: p, lease: l, seq: l.seq, handles: append([]allocator.Handle(nil), l.holds[0].handles[:n]...)}
+	es := p.lay.handoffExtents(l.prompt)
+	o := &Outgoing{pool: p, lease: l, seq: l.seq, extents: es, units: p.leaseUnitsLocked(l, es)}
 	// The callback runs in its own goroutine and takes Pool.mu itself; it
 	// ends only this export (o.owns), never a later incarnation.
 	o.timer = time.AfterFunc(time.Until(reclaimAt), func() {
@@ -97,29 +101,51 @@ func (o *Outgoing) Tenant() string { return o.lease.Tenant() }
 // domain its pages belong to, whatever the tenant's domain is now.
 func (o *Outgoing) Domain() string { return o.lease.Domain() }
 
-// PromptTokens is the number of tokens whose KV the pages hold.
+// PromptTokens is the number of tokens whose KV the units hold.
 func (o *Outgoing) PromptTokens() int { return o.lease.prompt }
 
-// Pages is the number of exported pages: those that hold the prompt.
-func (o *Outgoing) Pages() int { return len(o.handles) }
+// Extents returns the export's extents, one per cache group (a copy).
+func (o *Outgoing) Extents() []HandoffExtent { return slices.Clone(o.extents) }
 
-// Generations appends each exported page's generation to dst.
+// Units is the number of exported units, every group's.
+func (o *Outgoing) Units() int { return len(o.units) }
+
+// UnitBytes is the size of unit u (over its group's regions); 0 for a
+// unit out of range.
+func (o *Outgoing) UnitBytes(u int) int64 {
+	if u < 0 || u >= len(o.units) {
+		return 0
+	}
+	return o.pool.groups[o.units[u].group].pageBytes
+}
+
+// Bytes is the size of every unit, summed: what a transfer moves.
+func (o *Outgoing) Bytes() int64 {
+	var b int64
+	for _, e := range o.extents {
+		b += int64(e.Units) * e.UnitBytes
+	}
+	return b
+}
+
+// Generations appends each exported unit's generation to dst, in unit
+// order.
 func (o *Outgoing) Generations(dst []uint32) []uint32 {
-	for _, h := range o.handles {
-		dst = append(dst, h.Gen)
+	for _, u := range o.units {
+		dst = append(dst, u.handle.Gen)
 	}
 	return dst
 }
 
-// Checksum returns the content checksum of the exported pages, reading
-// each once on the first call (in parallel: see pageSums); later calls
-// return the same value. It fails as ReadPages does once the export has
+// Checksum returns the content checksum of the exported units, reading
+// each once on the first call (in parallel: see unitSums); later calls
+// return the same value. It fails as ReadUnits does once the export has
 // ended, unless the sum was already known.
 func (o *Outgoing) Checksum() (uint32, error) {
 	o.checksum.Lock()
 	defer o.checksum.Unlock()
 	if !o.checksum.done {
-		sums, err := o.pageSums()
+		sums, err := o.unitSums()
 		if err != nil {
 			return 0, err
 		}
@@ -128,32 +154,45 @@ func (o *Outgoing) Checksum() (uint32, error) {
 	return o.checksum.value, nil
 }
 
-// pageSums reads every exported page once and returns its checksum. The
-// pages are split among up to GOMAXPROCS workers in contiguous runs: a
+// unitSums reads every exported unit once and returns its checksum. The
+// units are split among up to GOMAXPROCS workers in contiguous runs: a
 // manifest that carries the checksum cannot leave before this pass ends,
-// and the reads run in parallel (ReadPages pins the lease, it does not
-// hold the pool lock while copying).
-func (o *Outgoing) pageSums() ([]uint64, error) {
-	n := len(o.handles)
+// and the reads run in parallel (ReadUnits pins the lease, it does not
+// hold the pool lock while copying). A unit larger than the read buffer
+// is read in ranges and summed block by block.
+func (o *Outgoing) unitSums() ([]uint64, error) {
+	n := len(o.units)
 	sums := make([]uint64, n)
-	pb := int(o.pool.PageBytes())
-	batch := max(1, (1<<20)/pb) // pages read at a time, into a cache-sized buffer
-	workers := min(runtime.GOMAXPROCS(0), 8, (n+batch-1)/batch)
+	workers := min(runtime.GOMAXPROCS(0), 8, max(1, n))
 	per := (n + workers - 1) / workers
 	var g errgroup.Group
 	for lo := 0; lo < n; lo += per {
 		hi := min(n, lo+per)
 		g.Go(func() error {
-			buf := make([]byte, pb*min(batch, hi-lo))
-			for i := lo; i < hi; {
-				k := min(hi-i, batch)
-				if err := o.ReadPages(i, buf[:k*pb]); err != nil {
-					return err
+			var buf []byte
+			var s UnitSummer
+			for u := lo; u < hi; u++ {
+				ub := o.UnitBytes(u)
+				const chunk = 1 << 20 // a multiple of UnitRangeAlign
+				if int64(cap(buf)) < min(ub, chunk) {
+					buf = make([]byte, min(ub, chunk))
 				}
-				for j := range k {
-					sums[i+j] = PageChecksum(buf[j*pb : (j+1)*pb])
+				for off := int64(0); off < ub; {
+					k := min(ub-off, chunk)
+					b := buf[:k]
+					var err error
+					if k == ub {
+						err = o.ReadUnits(u, b)
+					} else {
+						err = o.ReadUnitRange(u, off, b)
+					}
+					if err != nil {
+						return err
+					}
+					s.Add(b)
+					off += k
 				}
-				i += k
+				sums[u] = s.Sum()
 			}
 			return nil
 		})
@@ -168,53 +207,66 @@ func (o *Outgoing) Geometry() Geometry { return o.pool.geom }
 // Spec is the cache spec of the exporting pool.
 func (o *Outgoing) Spec() CacheSpec { return o.pool.Spec() }
 
-// PageBytes is one exported page over all its regions.
+// PageBytes is one page of the per-token group over all its regions.
 func (o *Outgoing) PageBytes() int64 { return o.pool.PageBytes() }
 
-// handoffSupported refuses a handoff from or to a pool with side groups:
-// its pages alone would be half of the request's state.
-func (p *Pool) handoffSupported() error {
-	if p.lay.perLeaseGroups() {
-		return fmt.Errorf("%w: the pool has the %s cache group(s), which handoffs do not move: only pools of one per-token group export and import",
-			ErrInvalidArgument, p.lay.perLeaseNames())
-	}
-	return nil
-}
-
-// Live reports whether the pages are still pinned for this export.
+// Live reports whether the units are still pinned for this export.
 func (o *Outgoing) Live() bool {
 	o.pool.mu.Lock()
 	defer o.pool.mu.Unlock()
 	return !o.pool.mu.closed && o.owns()
 }
 
-// ReadPages copies exported pages first, first+1, … into dst, each page
-// PageBytes long with its regions in order; len(dst) must be a multiple of
-// PageBytes. A range outside the export is refused (ErrInvalidArgument)
-// and copies nothing; so does an export that has ended (ErrReclaimed).
-// Reads may run concurrently with each other and with the pool's other
-// work: the pool lock is held only while the read is vetted, and the lease
-// cannot be released until it is done.
-func (o *Outgoing) ReadPages(first int, dst []byte) error {
+// ReadUnits copies exported units first, first+1, … into dst, whole, each
+// unit's regions in order and one unit after the other, until dst is
+// full: dst must end at a unit's end. A range outside the export, or a
+// dst that ends inside a unit, is refused (ErrInvalidArgument) and copies
+// nothing; so does an export that has ended (ErrReclaimed). Reads may run
+// concurrently with each other and with the pool's other work: the pool
+// lock is held only while the read is vetted, and the lease cannot be
+// released until it is done.
+func (o *Outgoing) ReadUnits(first int, dst []byte) error {
 	p := o.pool
-	pb := int(p.PageBytes())
-	n := len(dst) / pb
-	if !pageRangeOK(first, n, len(dst), pb, len(o.handles)) {
-		return fmt.Errorf("%w: read of %d bytes at page %d of %d (pages are %d bytes)",
-			ErrInvalidArgument, len(dst), first, len(o.handles), pb)
+	n := p.unitsFor(o.units, first, len(dst))
+	if n < 1 {
+		return fmt.Errorf("%w: read of %d bytes at unit %d of %d does not end at a unit's end",
+			ErrInvalidArgument, len(dst), first, len(o.units))
 	}
-	hs := o.handles[first : first+n]
-	p.mu.Lock()
-	err := o.checkLocked()
-	if err == nil {
-		err = p.pinPagesLocked(o.lease, 0, hs, false)
-	}
-	p.mu.Unlock()
-	if err != nil {
+	us := o.units[first : first+n]
+	if err := o.pin(us); err != nil {
 		return err
 	}
 	defer p.unpin(o.lease)
-	return p.readPages(hs, dst)
+	return p.readUnits(us, dst)
+}
+
+// ReadUnitRange copies bytes [off, off+len(dst)) of exported unit u into
+// dst, for a transfer that sends a unit in ranges (a state slot larger
+// than a message). Errors are ReadUnits'; a range outside the unit, or
+// empty, is ErrInvalidArgument.
+func (o *Outgoing) ReadUnitRange(u int, off int64, dst []byte) error {
+	p := o.pool
+	if u < 0 || u >= len(o.units) || len(dst) == 0 || off < 0 || off > o.UnitBytes(u)-int64(len(dst)) {
+		return fmt.Errorf("%w: read of %d bytes at offset %d of unit %d of %d (%d bytes)",
+			ErrInvalidArgument, len(dst), off, u, len(o.units), o.UnitBytes(u))
+	}
+	us := o.units[u : u+1]
+	if err := o.pin(us); err != nil {
+		return err
+	}
+	defer p.unpin(o.lease)
+	return p.readUnitRange(us[0], off, dst)
+}
+
+// pin vets the export and pins its lease for a read of us.
+func (o *Outgoing) pin(us []handoffUnit) error {
+	p := o.pool
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := o.checkLocked(); err != nil {
+		return err
+	}
+	return p.pinUnitsLocked(o.lease, us, false)
 }
 
 // pageViewer is a device whose pages are host memory a copy can read in
@@ -223,42 +275,50 @@ type pageViewer interface {
 	PageBytes(r int, p int32) []byte
 }
 
-// Viewable reports whether PageViews can lend the exported pages' memory
-// (the pool's pages are host memory); otherwise copy them with ReadPages.
+// Viewable reports whether UnitViews can lend the exported units' memory
+// (the pool's pages are host memory); otherwise copy them with ReadUnits.
 func (o *Outgoing) Viewable() bool {
 	_, ok := o.pool.dev.(pageViewer)
 	return ok
 }
 
-// PageViews is ReadPages without the copy, for a transport that sends
-// the pages' memory itself: it appends to views the live memory of
-// exported pages first … first+n-1, one view per page per region, each
-// page's regions in order, and pins the lease until done is called.
-// While pinned, the pages are the export's as ReadPages checks them (in
-// use, at the generations exported), and every end of the lease (Ack,
-// Abort, the reclaim deadline, Close) waits for done. The caller must
-// call done exactly once, when nothing will read the views again, and
-// must not write them; later calls of done do nothing. Errors are
-// ReadPages' (nothing is pinned then), and ErrInvalidArgument on a pool
-// whose pages are not host memory (see Viewable).
-func (o *Outgoing) PageViews(first, n int, views [][]byte) (_ [][]byte, done func(), err error) {
+// UnitViews is ReadUnits without the copy, for a transport that sends
+// the units' memory itself: it appends to views the live memory of
+// exported units first … first+n-1, one view per region of each unit, in
+// order, and pins the lease until done is called. While pinned, the
+// units are the export's as ReadUnits checks them (in use, at the
+// generations exported), and every end of the lease (Ack, Abort, the
+// reclaim deadline, Close) waits for done. The caller must call done
+// exactly once, when nothing will read the views again, and must not
+// write them; later calls of done do nothing. Errors are ReadUnits'
+// (nothing is pinned then), and ErrInvalidArgument on a pool whose pages
+// are not host memory (see Viewable).
+func (o *Outgoing) UnitViews(first, n int, views [][]byte) (_ [][]byte, done func(), err error) {
+	if first < 0 || n < 1 || first > len(o.units) || n > len(o.units)-first {
+		return views, nil, fmt.Errorf("%w: view of %d units at unit %d of %d", ErrInvalidArgument, n, first, len(o.units))
+	}
+	return o.views(o.units[first:first+n], 0, -1, views)
+}
+
+// UnitRangeViews is UnitViews of bytes [off, off+n) of unit u: the views
+// of the parts of its regions the range covers, in order.
+func (o *Outgoing) UnitRangeViews(u int, off, n int64, views [][]byte) (_ [][]byte, done func(), err error) {
+	if u < 0 || u >= len(o.units) || n < 1 || off < 0 || off > o.UnitBytes(u)-n {
+		return views, nil, fmt.Errorf("%w: view of %d bytes at offset %d of unit %d of %d (%d bytes)",
+			ErrInvalidArgument, n, off, u, len(o.units), o.UnitBytes(u))
+	}
+	return o.views(o.units[u:u+1], off, n, views)
+}
+
+// views lends the memory of us (bytes [off, off+n) of the one unit in us
+// when n ≥ 0).
+func (o *Outgoing) views(us []handoffUnit, off, n int64, views [][]byte) (_ [][]byte, done func(), err error) {
 	p := o.pool
 	pv, ok := p.dev.(pageViewer)
 	if !ok {
-		return views, nil, fmt.Errorf("%w: the pool's device (%s) has no host memory to view: copy with ReadPages", ErrInvalidArgument, p.dev.Name())
+		return views, nil, fmt.Errorf("%w: the pool's device (%s) has no host memory to view: copy with ReadUnits", ErrInvalidArgument, p.dev.Name())
 	}
-	pb := int(p.PageBytes())
-	if n > len(o.handles) || !pageRangeOK(first, n, n*pb, pb, len(o.handles)) {
-		return views, nil, fmt.Errorf("%w: view of %d pages at page %d of %d", ErrInvalidArgument, n, first, len(o.handles))
-	}
-	hs := o.handles[first : first+n]
-	p.mu.Lock()
-	err = o.checkLocked()
-	if err == nil {
-		err = p.pinPagesLocked(o.lease, 0, hs, false)
-	}
-	p.mu.Unlock()
-	if err != nil {
+	if err := o.pin(us); err != nil {
 		return views, nil, err
 	}
 	var once atomic.Bool
@@ -268,24 +328,38 @@ func (o *Outgoing) PageViews(first, n int, views [][]byte) (_ [][]byte, done fun
 		}
 	}
 	start := len(views)
-	for _, h := range hs {
-		for r := range p.groups[0].count {
-			v := pv.PageBytes(r, h.Page)
-			if len(v) != int(p.lay.regions[r].PageBytes) {
-				done()
-				return views[:start], nil, fmt.Errorf("%w: page %d region %d: no memory to view", ErrDevice, h.Page, r)
+	view := func(u handoffUnit, r int, roff, k int64) bool {
+		v := pv.PageBytes(r, u.handle.Page)
+		if int64(len(v)) != p.lay.regions[r].PageBytes {
+			return false
+		}
+		v = v[roff : roff+k]
+		views = append(views, v[:len(v):len(v)]) // nothing past the view
+		return true
+	}
+	for _, u := range us {
+		g := &p.groups[u.group]
+		if n < 0 {
+			for r := g.first; r < g.first+g.count; r++ {
+				if !view(u, r, 0, p.lay.regions[r].PageBytes) {
+					done()
+					return views[:start], nil, fmt.Errorf("%w: page %d region %d: no memory to view", ErrDevice, u.handle.Page, r)
+				}
 			}
-			views = append(views, v[:len(v):len(v)]) // nothing past the page
+			continue
+		}
+		err := p.eachRegionPart(u.group, off, n, func(r int, roff, k, _ int64) error {
+			if !view(u, r, roff, k) {
+				return fmt.Errorf("%w: page %d region %d: no memory to view", ErrDevice, u.handle.Page, r)
+			}
+			return nil
+		})
+		if err != nil {
+			done()
+			return views[:start], nil, err
 		}
 	}
 	return views, done, nil
-}
-
-// pageRangeOK reports whether n ≥ 1 whole pages of pageBytes (bytes in
-// all) starting at page first lie within [0, pages). It is written so that
-// no sum can overflow, whatever first is.
-func pageRangeOK(first, n, bytes, pageBytes, pages int) bool {
-	return n > 0 && bytes%pageBytes == 0 && first >= 0 && first <= pages && n <= pages-first
 }
 
 func (o *Outgoing) checkLocked() error {
@@ -299,95 +373,7 @@ func (o *Outgoing) checkLocked() error {
 	return nil
 }
 
-// pinPagesLocked checks that each page of group gi is still in use at
-// its handle's generation (and, for a write, held by l alone and
-// published nowhere) and, if so, pins l for one copy; unpin ends it.
-func (p *Pool) pinPagesLocked(l *Lease, gi int, hs []allocator.Handle, write bool) error {
-	p.assertHeld()
-	for _, h := range hs {
-		info, err := p.groups[gi].alloc.Info(h.Page)
-		if err != nil || info.State != allocator.InUse || info.Gen != h.Gen {
-			return fmt.Errorf("%w: page %d is at generation %d (%v), transfer expects %d",
-				ErrStaleTransfer, h.Page, info.Gen, info.State, h.Gen)
-		}
-		if write && (info.Refs != 1 || gi == 0 && p.mu.prefix.byPage[h.Page] != nil) {
-			// An import's pages are its own (it shares nothing); a page
-			// held elsewhere or published is someone else's KV.
-			return fmt.Errorf("%w: page %d is shared (%d references) or published; an import writes only its own pages",
-				ErrStaleTransfer, h.Page, info.Refs)
-		}
-	}
-	l.pins++
-	p.mu.pins++
-	return nil
-}
-
-// readPages copies whole pages into buf; the caller has pinned them.
-func (p *Pool) readPages(hs []allocator.Handle, buf []byte) error {
-	if sc, ok := p.dev.(cudaops.StagedCopier); ok {
-		return p.readStaged(sc, hs, buf)
-	}
-	off := 0
-	for _, h := range hs {
-		for r := range p.groups[0].count {
-			rb := int(p.lay.regions[r].PageBytes)
-			if err := p.dev.ReadPage(r, h.Page, buf[off:off+rb]); err != nil {
-				return fmt.Errorf("%w: page %d region %d: %w", ErrDevice, h.Page, r, err)
-			}
-			off += rb
-		}
-	}
-	return nil
-}
-
-// readStaged is readPages on a device that copies through page-locked
-// staging (CUDA): every region of every page in one call, one DMA per run
-// of adjacent pages per region and one wait per staging buffer's worth,
-// instead of a synchronous copy per page per region. Staging holds a batch
-// region by region, and buf is page-major, so each page region is copied
-// from staging to its place in buf: the copy out of page-locked memory
-// that any read into Go memory takes (the driver makes it itself for a
-// synchronous copy), and the only one, as neither a per-region scratch
-// nor a second pass is needed.
-func (p *Pool) readStaged(sc cudaops.StagedCopier, hs []allocator.Handle, buf []byte) error {
-	pb := int(p.PageBytes())
-	regions, pages := p.handoffRegions(), pageIDs(hs)
-	err := sc.ReadStaged(regions, pages, func(first int, staged [][]byte) {
-		at := first * pb // where the region's first page of the batch goes in buf
-		for k, r := range regions {
-			rb := int(p.lay.regions[r].PageBytes)
-			for j, dst := 0, at; j*rb < len(staged[k]); j, dst = j+1, dst+pb {
-				copy(buf[dst:dst+rb], staged[k][j*rb:])
-			}
-			at += rb
-		}
-	})
-	if err != nil {
-		return fmt.Errorf("%w: reading %d pages: %w", ErrDevice, len(hs), err)
-	}
-	return nil
-}
-
-// handoffRegions lists the device regions a handoff copies: the
-// per-token group's, the first on the device, each page's in order.
-func (p *Pool) handoffRegions() []int {
-	regions := make([]int, p.groups[0].count)
-	for k := range regions {
-		regions[k] = p.groups[0].first + k
-	}
-	return regions
-}
-
-// pageIDs returns the pages of handles.
-func pageIDs(hs []allocator.Handle) []int32 {
-	pages := make([]int32, len(hs))
-	for i, h := range hs {
-		pages[i] = h.Page
-	}
-	return pages
-}
-
-// Ack ends the export after the receiver confirmed the import: the pages
+// Ack ends the export after the receiver confirmed the import: the units
 // are released through the scrubber. It returns ErrReclaimed if they had
 // already been reclaimed.
 func (o *Outgoing) Ack() error {
@@ -399,7 +385,7 @@ func (o *Outgoing) Ack() error {
 }
 
 // Abort ends the export now (the transfer failed and will not be
-// retried): the pages are released through the scrubber. Aborting an
+// retried): the units are released through the scrubber. Aborting an
 // export that already ended, or a later export of the same Lease, does
 // nothing.
 func (o *Outgoing) Abort() error {

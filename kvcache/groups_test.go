@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -430,22 +429,6 @@ func (d plainDevice) ReadPage(r int, p int32, b []byte) error  { return d.h.Read
 func (d plainDevice) WritePage(r int, p int32, b []byte) error { return d.h.WritePage(r, p, b) }
 func (d plainDevice) Counters() cudaops.Counters               { return d.h.Counters() }
 func (d plainDevice) Close() error                             { return d.h.Close() }
-
-// Handoffs move per-token pages only: a pool with side groups refuses to
-// export or import rather than move half of a request's state.
-func TestHybridRefusesHandoff(t *testing.T) {
-	p := newPool(t, hybridConfig(16, 2))
-	l := admit(t, p, "r", "a", 4)
-	require.NoError(t, l.BeginPrefill())
-	require.NoError(t, l.Commit(4))
-	require.NoError(t, l.FinishPrefill())
-	_, err := l.Export(time.Now().Add(time.Hour))
-	assert.ErrorIs(t, err, ErrInvalidArgument)
-	assert.ErrorContains(t, err, "handoffs do not move")
-	_, err = p.TryBeginImport(Request{ID: "i", Tenant: "a", PromptTokens: 4}, "a", 0)
-	assert.ErrorIs(t, err, ErrInvalidArgument)
-	require.NoError(t, p.Check())
-}
 
 // Admission against a model of every group's free pages and every
 // tenant's share: a random mix of admissions and releases is admitted

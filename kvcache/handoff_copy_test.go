@@ -52,8 +52,8 @@ func TestImportWritePagesFromParts(t *testing.T) {
 			in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), mustChecksum(t, out))
 			require.NoError(t, err)
 			// Page 0 alone, then pages 1 and 2 in one call.
-			require.NoError(t, in.WritePagesFrom(0, split(want[:pb], uint64(maxPart), maxPart)), "%s, parts ≤ %d", dev.name, maxPart)
-			require.NoError(t, in.WritePagesFrom(1, split(want[pb:], uint64(maxPart)+1, maxPart)))
+			require.NoError(t, in.WriteUnitsFrom(0, split(want[:pb], uint64(maxPart), maxPart)), "%s, parts ≤ %d", dev.name, maxPart)
+			require.NoError(t, in.WriteUnitsFrom(1, split(want[pb:], uint64(maxPart)+1, maxPart)))
 			got, err := in.Complete()
 			require.NoError(t, err, "%s, parts ≤ %d", dev.name, maxPart)
 			back := leaseBytes(t, host.(*cudaops.Host), g.Regions(), got, 3)
@@ -80,7 +80,7 @@ func TestImportWritePagesFromRefusesBadParts(t *testing.T) {
 		dst := handoffPool(t, 32)
 		in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), mustChecksum(t, out))
 		require.NoError(t, err)
-		assert.ErrorIs(t, in.WritePagesFrom(0, parts), ErrInvalidArgument, name)
+		assert.ErrorIs(t, in.WriteUnitsFrom(0, parts), ErrInvalidArgument, name)
 		_, err = in.Complete()
 		assert.Error(t, err, "%s: an aborted import completed", name)
 		assert.Equal(t, 0, dst.Stats().InUsePages, name)
@@ -135,7 +135,7 @@ func TestReleaseWaitsForCopyInFlight(t *testing.T) {
 
 			buf := make([]byte, g.PageBytes())
 			read := make(chan error, 1)
-			go func() { read <- out.ReadPages(0, buf) }()
+			go func() { read <- out.ReadUnits(0, buf) }()
 			<-dev.entered // the copy is in flight, pinned
 
 			ended := endExportAsync(how, p, l, out)
@@ -148,7 +148,7 @@ func TestReleaseWaitsForCopyInFlight(t *testing.T) {
 			assert.Equal(t, 1, p.Stats().InUsePages, "the page left the lease under a copy")
 			if how != "close" {
 				// The release has begun: a new read is refused at once.
-				assert.ErrorIs(t, out.ReadPages(0, make([]byte, g.PageBytes())), ErrReclaimed)
+				assert.ErrorIs(t, out.ReadUnits(0, make([]byte, g.PageBytes())), ErrReclaimed)
 			}
 			close(dev.open)
 			require.NoError(t, <-read)
@@ -172,7 +172,7 @@ func TestConcurrentExportReadsAndReleases(t *testing.T) {
 		require.NoError(t, err)
 		pb := int(p.Geometry().PageBytes())
 		want := make([]byte, 3*pb)
-		require.NoError(t, out.ReadPages(0, want))
+		require.NoError(t, out.ReadUnits(0, want))
 		var wg sync.WaitGroup
 		for range 4 {
 			wg.Add(1)
@@ -180,7 +180,7 @@ func TestConcurrentExportReadsAndReleases(t *testing.T) {
 				defer wg.Done()
 				buf := make([]byte, 3*pb)
 				for {
-					err := out.ReadPages(0, buf)
+					err := out.ReadUnits(0, buf)
 					if err != nil {
 						assert.ErrorIs(t, err, ErrReclaimed)
 						return
@@ -225,7 +225,7 @@ func TestExportChecksumIsLazy(t *testing.T) {
 	assert.Equal(t, 3*regions, counted.reads.Load(), "a second Checksum read again")
 	p.dev = host
 	buf := make([]byte, 3*p.Geometry().PageBytes())
-	require.NoError(t, out.ReadPages(0, buf))
+	require.NoError(t, out.ReadUnits(0, buf))
 	pb := int(p.Geometry().PageBytes())
 	want := ContentChecksum([]uint64{PageChecksum(buf[:pb]), PageChecksum(buf[pb : 2*pb]), PageChecksum(buf[2*pb:])})
 	assert.Equal(t, want, sum)
@@ -238,7 +238,7 @@ func TestExportChecksumIsLazy(t *testing.T) {
 		dst := handoffPool(t, 32)
 		in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10}, out.Domain(), 0)
 		require.NoError(t, err)
-		require.NoError(t, in.WritePages(0, buf))
+		require.NoError(t, in.WriteUnits(0, buf))
 		got, err := in.CompleteWithChecksum(tc.claim)
 		if tc.ok {
 			require.NoError(t, err, tc.name)
@@ -291,8 +291,8 @@ func TestPageViewsLendThePagesUntilDone(t *testing.T) {
 			require.True(t, out.Viewable())
 			pb := int(p.PageBytes())
 			want := make([]byte, 3*pb)
-			require.NoError(t, out.ReadPages(0, want))
-			views, done, err := out.PageViews(1, 2, nil)
+			require.NoError(t, out.ReadUnits(0, want))
+			views, done, err := out.UnitViews(1, 2, nil)
 			require.NoError(t, err)
 			require.Len(t, views, 2*p.Geometry().Regions())
 			var lent []byte
@@ -315,7 +315,7 @@ func TestPageViewsLendThePagesUntilDone(t *testing.T) {
 				require.Equal(t, want[pb+i*len(v):pb+(i+1)*len(v)], lent, "view %d changed while lent", i)
 			}
 			if how != "close" {
-				_, _, err := out.PageViews(0, 1, nil)
+				_, _, err := out.UnitViews(0, 1, nil)
 				assert.ErrorIs(t, err, ErrReclaimed, "a view once the release has begun")
 			}
 			done()
@@ -335,13 +335,13 @@ func TestPageViewsRefusals(t *testing.T) {
 	out, err := l.Export(time.Now().Add(time.Hour))
 	require.NoError(t, err)
 	for _, r := range [][2]int{{0, 0}, {0, 4}, {3, 1}, {-1, 2}, {2, 2}, {0, -1}, {1 << 40, 1}, {0, 1 << 40}} {
-		views, done, err := out.PageViews(r[0], r[1], nil)
+		views, done, err := out.UnitViews(r[0], r[1], nil)
 		assert.ErrorIs(t, err, ErrInvalidArgument, "pages [%d, +%d)", r[0], r[1])
 		assert.Nil(t, done)
 		assert.Empty(t, views)
 	}
 	require.NoError(t, out.Abort()) // returns at once: nothing was pinned
-	_, _, err = out.PageViews(0, 1, nil)
+	_, _, err = out.UnitViews(0, 1, nil)
 	assert.ErrorIs(t, err, ErrReclaimed)
 	require.NoError(t, p.Check())
 
@@ -358,7 +358,7 @@ func TestPageViewsRefusals(t *testing.T) {
 	qo, err := ql.Export(time.Now().Add(time.Hour))
 	require.NoError(t, err)
 	assert.False(t, qo.Viewable())
-	_, _, err = qo.PageViews(0, 1, nil)
+	_, _, err = qo.UnitViews(0, 1, nil)
 	assert.ErrorIs(t, err, ErrInvalidArgument)
 	require.NoError(t, qo.Abort())
 	require.NoError(t, q.Check())
@@ -397,9 +397,9 @@ func TestImportCompleteAfterItsAbortBegan(t *testing.T) {
 	require.NoError(t, err)
 	in, err := p.TryBeginImport(Request{ID: "r2", Tenant: "a", PromptTokens: 10}, "tenant:a", sum)
 	require.NoError(t, err)
-	buf := make([]byte, out.Pages()*int(p.PageBytes()))
-	require.NoError(t, out.ReadPages(0, buf))
-	require.NoError(t, in.WritePages(0, buf))
+	buf := make([]byte, out.Units()*int(p.PageBytes()))
+	require.NoError(t, out.ReadUnits(0, buf))
+	require.NoError(t, in.WriteUnits(0, buf))
 	require.NoError(t, out.Ack())
 
 	// A write in flight, as WritePages pins the lease for one.
@@ -452,7 +452,7 @@ func TestImportWriteAfterItsAbortOnAnotherGoroutine(t *testing.T) {
 			in, err := p.TryBeginImport(Request{ID: "r", Tenant: "a", PromptTokens: 10}, "tenant:a", 0)
 			require.NoError(t, err)
 			page := make([]byte, p.PageBytes())
-			require.NoError(t, in.WritePages(0, page))
+			require.NoError(t, in.WriteUnits(0, page))
 			go func() {
 				if how == "abort" {
 					in.Abort()
@@ -466,7 +466,7 @@ func TestImportWriteAfterItsAbortOnAnotherGoroutine(t *testing.T) {
 				time.Sleep(time.Millisecond)
 			}
 			time.Sleep(20 * time.Millisecond)
-			err = in.WritePages(1, page)
+			err = in.WriteUnits(1, page)
 			if how == "abort" {
 				assert.ErrorIs(t, err, ErrStaleTransfer)
 			} else {

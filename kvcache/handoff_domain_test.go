@@ -57,9 +57,9 @@ func canarySweep(t *testing.T, p *Pool) {
 // transfer copies every exported page into the import and completes it.
 func transfer(t *testing.T, out *Outgoing, in *Incoming) (*Lease, error) {
 	t.Helper()
-	buf := make([]byte, out.Pages()*int(out.Geometry().PageBytes()))
-	require.NoError(t, out.ReadPages(0, buf))
-	require.NoError(t, in.WritePages(0, buf))
+	buf := make([]byte, out.Units()*int(out.Geometry().PageBytes()))
+	require.NoError(t, out.ReadUnits(0, buf))
+	require.NoError(t, in.WriteUnits(0, buf))
 	return in.Complete()
 }
 
@@ -276,9 +276,9 @@ func TestImportedLeasePrefixCache(t *testing.T) {
 		require.NoError(t, err)
 		in, err := dst.BeginImport(context.Background(), Request{ID: id, Tenant: "a", PromptTokens: 10, MaxNewTokens: 4}, out.Domain(), mustChecksum(t, out))
 		require.NoError(t, err)
-		sent := make([]byte, out.Pages()*pb)
-		require.NoError(t, out.ReadPages(0, sent))
-		require.NoError(t, in.WritePages(0, sent))
+		sent := make([]byte, out.Units()*pb)
+		require.NoError(t, out.ReadUnits(0, sent))
+		require.NoError(t, in.WriteUnits(0, sent))
 		got, err := in.Complete()
 		require.NoError(t, err)
 		require.NoError(t, out.Ack())

@@ -118,14 +118,14 @@ func TestExportImportMovesBytes(t *testing.T) {
 	l := prefilled(t, src, "r", 10) // 3 pages
 	out, err := l.Export(time.Now().Add(time.Minute))
 	require.NoError(t, err)
-	require.Equal(t, 3, out.Pages())
+	require.Equal(t, 3, out.Units())
 
 	in, err := dst.BeginImport(context.Background(), Request{ID: "r", Tenant: "a", PromptTokens: 10, MaxNewTokens: 20}, out.Domain(), mustChecksum(t, out))
 	require.NoError(t, err)
 	buf := make([]byte, 3*src.Geometry().PageBytes())
-	require.NoError(t, out.ReadPages(0, buf))
-	require.NoError(t, in.WritePages(0, buf[:len(buf)/3]))
-	require.NoError(t, in.WritePages(1, buf[len(buf)/3:]))
+	require.NoError(t, out.ReadUnits(0, buf))
+	require.NoError(t, in.WriteUnits(0, buf[:len(buf)/3]))
+	require.NoError(t, in.WriteUnits(1, buf[len(buf)/3:]))
 	require.NoError(t, dst.Check())
 	got, err := in.Complete()
 	require.NoError(t, err)
@@ -152,7 +152,7 @@ func exported(t *testing.T) (*Outgoing, []byte) {
 	require.NoError(t, err)
 	t.Cleanup(func() { out.Abort() })
 	buf := make([]byte, 3*src.Geometry().PageBytes())
-	require.NoError(t, out.ReadPages(0, buf))
+	require.NoError(t, out.ReadUnits(0, buf))
 	return out, buf
 }
 
@@ -181,26 +181,26 @@ func TestImportFailuresAbort(t *testing.T) {
 		want error
 	}{
 		{"truncated", func(in *Incoming) error {
-			require.NoError(t, in.WritePages(0, good[:2*pb]))
+			require.NoError(t, in.WriteUnits(0, good[:2*pb]))
 			_, err := in.Complete()
 			return err
 		}, ErrIncompleteTransfer},
 		{"checksum", func(in *Incoming) error {
 			bad := bytes.Clone(good)
 			bad[pb+5] ^= 1
-			require.NoError(t, in.WritePages(0, bad))
+			require.NoError(t, in.WriteUnits(0, bad))
 			_, err := in.Complete()
 			return err
 		}, ErrChecksumMismatch},
 		{"duplicate page", func(in *Incoming) error {
-			require.NoError(t, in.WritePages(0, good[:pb]))
-			return in.WritePages(0, good[:pb])
+			require.NoError(t, in.WriteUnits(0, good[:pb]))
+			return in.WriteUnits(0, good[:pb])
 		}, ErrDuplicatePage},
-		{"out of range", func(in *Incoming) error { return in.WritePages(2, good[:2*pb]) }, ErrInvalidArgument},
-		{"partial page", func(in *Incoming) error { return in.WritePages(0, good[:pb-4]) }, ErrInvalidArgument},
+		{"out of range", func(in *Incoming) error { return in.WriteUnits(2, good[:2*pb]) }, ErrInvalidArgument},
+		{"partial page", func(in *Incoming) error { return in.WriteUnits(0, good[:pb-4]) }, ErrInvalidArgument},
 		{"stale write after abort", func(in *Incoming) error {
 			require.NoError(t, in.Abort())
-			return in.WritePages(0, good)
+			return in.WriteUnits(0, good)
 		}, ErrStaleTransfer},
 	}
 	for _, tt := range tests {
@@ -233,7 +233,7 @@ func TestReclaimDeadline(t *testing.T) {
 	assert.True(t, out.Live())
 	require.Eventually(t, func() bool { return !out.Live() }, 5*time.Second, time.Millisecond)
 	assert.Equal(t, PhaseAborted, l.Phase())
-	err = out.ReadPages(0, make([]byte, p.Geometry().PageBytes()))
+	err = out.ReadUnits(0, make([]byte, p.Geometry().PageBytes()))
 	assert.ErrorIs(t, err, ErrReclaimed)
 	assert.ErrorIs(t, out.Ack(), ErrReclaimed)
 	require.NoError(t, p.Check())
@@ -258,7 +258,7 @@ func TestExportReadAfterEngineRelease(t *testing.T) {
 	require.NoError(t, l.Release())
 	// The pages may now belong to someone else: never read them.
 	other := prefilled(t, p, "other", 8)
-	err = out.ReadPages(0, make([]byte, p.Geometry().PageBytes()))
+	err = out.ReadUnits(0, make([]byte, p.Geometry().PageBytes()))
 	assert.True(t, errors.Is(err, ErrReclaimed), "read of released pages: %v", err)
 	require.NoError(t, other.Release())
 	require.NoError(t, p.Check())

@@ -92,7 +92,7 @@ func (l *Lease) copyPage(group string, index, region int, buf []byte, write bool
 			err = fmt.Errorf("%w: page %d of lease %q is shared or published in the prefix cache, and immutable", ErrInvalidArgument, index, l.id)
 		default:
 			page = h.pages[(h.first+index)%len(h.pages)]
-			err = p.pinPagesLocked(l, gi, []allocator.Handle{h.handles[(h.first+index)%len(h.pages)]}, false)
+			err = p.pinUnitsLocked(l, []handoffUnit{{group: gi, handle: h.handles[(h.first+index)%len(h.pages)]}}, false)
 		}
 	}
 	p.mu.Unlock()

@@ -53,8 +53,8 @@ func TestImportCannotShareOrOverwriteCachedPrefix(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, commonPages(tableOf(t, in.lease), tableOf(t, owner)), "an import shares no page")
 	require.ErrorIs(t, in.lease.AttachTokens("", toks), ErrLeasePhase, "no prefix material while importing")
-	junk := bytes.Repeat([]byte{0xee}, in.Pages()*int(p.geom.PageBytes()))
-	require.NoError(t, in.WritePages(0, junk))
+	junk := bytes.Repeat([]byte{0xee}, in.Units()*int(p.geom.PageBytes()))
+	require.NoError(t, in.WriteUnits(0, junk))
 	require.NoError(t, in.Abort())
 	assert.Equal(t, before, leaseBytes(t, host, p.geom.Regions(), owner, 2))
 	hit := admitComputeCache(t, p, "reader", "a", toks, 0)
@@ -78,7 +78,7 @@ func TestImportWritesOnlyItsOwnPages(t *testing.T) {
 	require.NoError(t, err)
 	p.mu.Unlock()
 	page := make([]byte, p.geom.PageBytes())
-	err = in.WritePages(1, page)
+	err = in.WriteUnits(1, page)
 	require.ErrorIs(t, err, ErrStaleTransfer)
 	assert.False(t, in.lease.Live(), "the refused write aborted the import")
 	// The other holder lets go: the page is scrubbed like any other.
@@ -118,7 +118,7 @@ func TestRecycledLeaseIsNotTakenOverByItsEarlierExport(t *testing.T) {
 
 	second := export(time.Hour)
 	require.Equal(t, 2*prefixTPP, l.HitTokens(), "the cached pages came back with their handles")
-	assert.Equal(t, first.handles[0], second.handles[0], "the same first page at the same generation")
+	assert.Equal(t, first.units[0].handle, second.units[0].handle, "the same first page at the same generation")
 	assert.False(t, first.Live(), "a stale export is not live again")
 	require.NoError(t, first.Abort())
 	assert.True(t, second.Live(), "a stale export's Abort leaves the later one alone")
@@ -252,7 +252,7 @@ func TestReservationHonouredWhileOthersContend(t *testing.T) {
 	require.NoError(t, p.Check())
 }
 
-// Outgoing.ReadPages(math.MaxInt, …) and Incoming.WritePages(math.MaxInt,
+// Outgoing.ReadUnits(math.MaxInt, …) and Incoming.WriteUnits(math.MaxInt,
 // …) panicked: first+n overflowed the range check.
 func TestPageRangesCannotOverflow(t *testing.T) {
 	out, good := exported(t)
@@ -262,13 +262,13 @@ func TestPageRangesCannotOverflow(t *testing.T) {
 	require.NoError(t, err)
 	for _, first := range []int{math.MaxInt, math.MaxInt - 1, math.MinInt, -1, 3, 2} {
 		buf := make([]byte, 2*pb)
-		require.ErrorIs(t, out.ReadPages(first, buf), ErrInvalidArgument, "read at %d", first)
-		require.ErrorIs(t, in.WritePages(first, buf), ErrInvalidArgument, "write at %d", first)
+		require.ErrorIs(t, out.ReadUnits(first, buf), ErrInvalidArgument, "read at %d", first)
+		require.ErrorIs(t, in.WriteUnits(first, buf), ErrInvalidArgument, "write at %d", first)
 	}
-	require.ErrorIs(t, in.WritePages(0, good[:pb+1]), ErrInvalidArgument, "not whole pages")
+	require.ErrorIs(t, in.WriteUnits(0, good[:pb+1]), ErrInvalidArgument, "not whole pages")
 	assert.True(t, out.Live())
 	// Nothing changed: the import is still usable.
-	require.NoError(t, in.WritePages(0, good))
+	require.NoError(t, in.WriteUnits(0, good))
 	l, err := in.Complete()
 	require.NoError(t, err)
 	require.NoError(t, l.Release())

@@ -138,10 +138,11 @@ enum {
     KVF_ERR_MALFORMED_MANIFEST = 66,  /* not a version-1 manifest (length, magic, fields) */
     KVF_ERR_BAD_MAC = 67,             /* the manifest's MAC does not verify under the key: forged, corrupted, other key */
     KVF_ERR_MANIFEST_EXPIRED = 68,    /* expired, or expiring further ahead than the receiver's max_ttl_ms */
-    KVF_ERR_GEOMETRY_MISMATCH = 69,   /* the manifest's pages have another geometry than the decode pool's */
+    KVF_ERR_GEOMETRY_MISMATCH = 69,   /* the manifest's units are of another cache spec than the decode pool's: the message names the first difference */
     KVF_ERR_DOMAIN_MISMATCH = 70,     /* the manifest names another sharing domain than its tenant has here */
     KVF_ERR_REPLAY = 71,              /* this request ID was imported by this receiver: refused for good */
-    KVF_ERR_IN_PROGRESS = 72          /* this request ID is being imported by this receiver: retry once that import ends */
+    KVF_ERR_IN_PROGRESS = 72,         /* this request ID is being imported by this receiver: retry once that import ends */
+    KVF_ERR_SHARD_MISMATCH = 73       /* the manifest's KV is another tensor-parallel shard (rank, or number of ranks) than the decode pool's */
 };
 
 /* Handles. 0 is never valid. All kinds share one counter: a value names

@@ -125,6 +125,7 @@ static void test_library(void) {
         {KVF_ERR_DOMAIN_MISMATCH, "KVF_ERR_DOMAIN_MISMATCH"},
         {KVF_ERR_REPLAY, "KVF_ERR_REPLAY"},
         {KVF_ERR_IN_PROGRESS, "KVF_ERR_IN_PROGRESS"},
+        {KVF_ERR_SHARD_MISMATCH, "KVF_ERR_SHARD_MISMATCH"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         CHECK(strcmp(kvf_status_name(names[i].s), names[i].name) == 0);

@@ -248,7 +248,7 @@ func prefill(transport string) error {
 	m := exp.Manifest()
 	fmt.Printf("   exported: manifest for %q of tenant %q in sharing domain %q, %d pages, expires in %v, signed (HMAC-SHA256);\n"+
 		"   the content checksum is summed as the pages are sent and sealed after them (HMAC-SHA256, same key)\n",
-		m.RequestID, m.Tenant, m.Domain, m.Pages(), time.Until(m.Expires).Round(time.Second))
+		m.RequestID, m.Tenant, m.Domain, m.Units(), time.Until(m.Expires).Round(time.Second))
 	if err := exp.Send(ctx, tr); err != nil {
 		return err
 	}

@@ -56,6 +56,7 @@ STATUSES = (
     (70, "KVF_ERR_DOMAIN_MISMATCH", "handoff.ErrDomainMismatch"),
     (71, "KVF_ERR_REPLAY", "handoff.ErrReplay"),
     (72, "KVF_ERR_IN_PROGRESS", "handoff.ErrInProgress"),
+    (73, "KVF_ERR_SHARD_MISMATCH", "handoff.ErrShardMismatch"),
 )
 
 OK = 0

@@ -59,8 +59,10 @@ type TransferInfo struct {
 	Live                                         bool
 }
 
+// transferInfo describes a transfer: Pages are the per-token group's
+// units (the transfer's first), each PageBytes long.
 func transferInfo(m handoff.Manifest, pageBytes int, live bool) TransferInfo {
-	return TransferInfo{Pages: int64(m.Pages()), PageBytes: int64(pageBytes), PromptTokens: int64(m.PromptTokens),
+	return TransferInfo{Pages: int64(m.Extents[0].Units), PageBytes: int64(pageBytes), PromptTokens: int64(m.PromptTokens),
 		MaxNewTokens: int64(m.MaxNewTokens), Checksum: m.Checksum, Live: live}
 }
 
@@ -160,19 +162,20 @@ func pageRange(op string, first int64, n, pages, pageBytes int) (int, error) {
 	return int(first), nil
 }
 
-// ExportReadPages copies exported pages first, first+1, … into dst, a
-// whole number of pages within the export. A bad range is refused before
+// ExportReadPages copies exported pages first, first+1, … of the
+// per-token group (the transfer's first units) into dst, a whole number
+// of pages within the export. A bad range is refused before
 // the export is touched: nothing is copied and the export is unchanged.
 func ExportReadPages(h Handle, first int64, dst []byte) error {
 	exp, err := lookupExport(h)
 	if err != nil {
 		return err
 	}
-	f, err := pageRange("read", first, len(dst), exp.Manifest().Pages(), exp.PageBytes())
+	f, err := pageRange("read", first, len(dst), exp.Manifest().Extents[0].Units, exp.PageBytes())
 	if err != nil {
 		return err
 	}
-	return exp.ReadPages(f, dst)
+	return exp.ReadUnits(f, dst)
 }
 
 // ExportAck ends the export after the decode side confirmed the import.
@@ -325,11 +328,11 @@ func ImportWritePages(h Handle, first int64, src []byte) error {
 	if err != nil {
 		return err
 	}
-	f, err := pageRange("write", first, len(src), ie.imp.Pages(), ie.imp.PageBytes())
+	f, err := pageRange("write", first, len(src), ie.imp.Manifest().Extents[0].Units, ie.imp.PageBytes())
 	if err != nil {
 		return err
 	}
-	return ie.imp.WritePages(f, src)
+	return ie.imp.WriteUnits(f, src)
 }
 
 // CompleteImport verifies the import and returns its lease handle in the

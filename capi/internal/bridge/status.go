@@ -70,6 +70,7 @@ const (
 	StatusDomainMismatch     Status = 70
 	StatusReplay             Status = 71
 	StatusInProgress         Status = 72 // handoff.ErrInProgress: the request ID is being imported; try again later
+	StatusShardMismatch      Status = 73 // handoff.ErrShardMismatch: another tensor-parallel shard's KV
 )
 
 // Errors of the C boundary. Match with errors.Is.
@@ -122,6 +123,7 @@ var sentinels = []struct {
 	{handoff.ErrMalformedManifest, StatusMalformedManifest},
 	{handoff.ErrExpired, StatusManifestExpired},
 	{handoff.ErrGeometryMismatch, StatusGeometryMismatch},
+	{handoff.ErrShardMismatch, StatusShardMismatch},
 	{handoff.ErrDomainMismatch, StatusDomainMismatch},
 	{kvcache.ErrLeasePhase, StatusLeasePhase},
 	{kvcache.ErrReclaimed, StatusReclaimed},
@@ -246,6 +248,7 @@ var statusNames = map[Status]string{
 	StatusDomainMismatch:     "KVF_ERR_DOMAIN_MISMATCH",
 	StatusReplay:             "KVF_ERR_REPLAY",
 	StatusInProgress:         "KVF_ERR_IN_PROGRESS",
+	StatusShardMismatch:      "KVF_ERR_SHARD_MISMATCH",
 }
 
 // Statuses returns every status with its C name.

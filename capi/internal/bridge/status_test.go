@@ -81,7 +81,7 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		"ErrBadMAC": handoff.ErrBadMAC, "ErrExpired": handoff.ErrExpired,
 		"ErrGeometryMismatch": handoff.ErrGeometryMismatch, "ErrDomainMismatch": handoff.ErrDomainMismatch,
 		"ErrReplay": handoff.ErrReplay, "ErrInvalidArgument": handoff.ErrInvalidArgument,
-		"ErrInProgress": handoff.ErrInProgress,
+		"ErrInProgress": handoff.ErrInProgress, "ErrShardMismatch": handoff.ErrShardMismatch,
 		// Errors of transports and of a refusal seen by a sender: the C
 		// ABI moves the bytes through the caller, never a Transport.
 		"ErrProtocol": nil, "ErrTransport": nil, "ErrRefused": nil, "ErrInternal": nil,
