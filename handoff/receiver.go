@@ -421,6 +421,9 @@ func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timed
 			case f.unit != next || next >= units || f.off != nextOff || f.n > ub-f.off:
 				return nil, fmt.Errorf("%w: %d bytes at offset %d of unit %d after %d of %d units (%d bytes into unit %d)",
 					ErrProtocol, f.n, f.off, f.unit, next, units, nextOff, next)
+			case f.off+f.n < ub && f.n%kvcache.UnitRangeAlign != 0:
+				return nil, fmt.Errorf("%w: a part of %d bytes of unit %d, not its last: parts are multiples of %d bytes",
+					ErrProtocol, f.n, f.unit, kvcache.UnitRangeAlign)
 			case f.gen != m.Generations[f.unit]:
 				return nil, fmt.Errorf("%w: a part of unit %d carries generation %d, the manifest names %d", ErrProtocol, f.unit, f.gen, m.Generations[f.unit])
 			}

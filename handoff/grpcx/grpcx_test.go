@@ -9,6 +9,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"fmt"
 	"io"
 	"math/big"
 	"net"
@@ -258,4 +259,38 @@ func goTool(t *testing.T) string {
 		t.Skip("no go command to build the helper")
 	}
 	return p
+}
+
+// A hybrid model's prompt crosses gRPC whole: per-token pages, the
+// window's pages at the prompt's end and the state slot in parts; the
+// decode lease holds exactly what prefill wrote, and both pools end
+// clean.
+func TestHybridHandoffOverGRPC(t *testing.T) {
+	hybrid := func() *kvcache.Pool {
+		p, err := testkit.NewPool(testkit.PoolConfig{Spec: testkit.HybridSpec(), Pages: 128, Tenants: tenants})
+		require.NoError(t, err)
+		t.Cleanup(func() { p.Close() })
+		return p
+	}
+	prefill, decode := hybrid(), hybrid()
+	recv, addr, _ := serve(t, decode, insecure.NewCredentials())
+	tr, err := grpcx.Dial(addr, insecure.NewCredentials())
+	require.NoError(t, err)
+	defer tr.Close()
+	s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), FrameBytes: handoff.MinFrameBytes})
+	require.NoError(t, err)
+	for i, prompt := range []int{3, 16*25 + 9} {
+		id := fmt.Sprintf("h%d", i)
+		l, err := testkit.Prefill(prefill, id, "victim", prompt)
+		require.NoError(t, err)
+		exp, err := s.Export(l, 16)
+		require.NoError(t, err)
+		require.NoError(t, exp.Send(context.Background(), tr))
+		dl, ok := recv.Take(id)
+		require.True(t, ok)
+		require.NoError(t, testkit.VerifyContent(decode, dl, id))
+		require.NoError(t, dl.Release())
+	}
+	require.NoError(t, testkit.Sweep(prefill))
+	require.NoError(t, testkit.Sweep(decode))
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"fmt"
 	"net"
 	"net/http/httptest"
 	"sync"
@@ -22,6 +23,16 @@ import (
 var tenants = []kvcache.TenantConfig{{Name: "victim"}, {Name: "other"}}
 
 func newPool(t testing.TB, pages int) *kvcache.Pool { return newPoolOf(t, testkit.Geometry, pages) }
+
+// pool is a testkit pool of c, with the package's tenants, closed at the
+// end of the test.
+func pool(t testing.TB, c testkit.PoolConfig) *kvcache.Pool {
+	c.Tenants = tenants
+	p, err := testkit.NewPool(c)
+	require.NoError(t, err)
+	t.Cleanup(func() { p.Close() })
+	return p
+}
 
 func newPoolOf(t testing.TB, g kvcache.Geometry, pages int) *kvcache.Pool {
 	p, err := testkit.NewPool(testkit.PoolConfig{Geometry: g, Pages: pages, Tenants: tenants})
@@ -218,4 +229,27 @@ func TestTLSHandoff(t *testing.T) {
 	require.NoError(t, exp.Abort())
 	require.NoError(t, testkit.Sweep(prefill))
 	require.NoError(t, testkit.Sweep(decode))
+}
+
+// A hybrid model's prompt crosses tcpx whole: per-token pages, the
+// window's pages at the prompt's end and the state slot (in parts: it is
+// larger than a 4 KiB-part message here), page views lent and staged
+// alike; the decode lease holds exactly what prefill wrote.
+func TestHybridHandoffOverTCPX(t *testing.T) {
+	for _, frame := range []int{handoff.MinFrameBytes, 32 << 10} {
+		prefill := pool(t, testkit.PoolConfig{Spec: testkit.HybridSpec(), Pages: 128})
+		decode := pool(t, testkit.PoolConfig{Spec: testkit.HybridSpec(), Pages: 128})
+		srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(), tcpx.Options{})
+		tr := dial(t, srv.addr, tcpx.Insecure(), tcpx.Options{})
+		s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), FrameBytes: frame})
+		require.NoError(t, err)
+		for i, prompt := range []int{5, 16*30 + 1} {
+			id := fmt.Sprintf("h%d-%d", frame, i)
+			exp := export(t, s, prefill, id, prompt)
+			require.NoError(t, exp.Send(context.Background(), tr))
+			takeVerified(t, srv, decode, id)
+		}
+		require.NoError(t, testkit.Sweep(prefill))
+		require.NoError(t, testkit.Sweep(decode))
+	}
 }

@@ -43,7 +43,9 @@ type PoolConfig struct {
 	Pages      int
 	MaxContext int // zero: the pool's capacity
 	Undersized bool
-	Tenants    []kvcache.TenantConfig
+	// MaxLeases sizes a Spec's window and state groups; zero means 8.
+	MaxLeases int
+	Tenants   []kvcache.TenantConfig
 	// Device, if set, is the empty Host the pool is built on: a test that
 	// must reach page memory behind the leases (to tamper with a page in
 	// flight) keeps it. Nil: a Host of the pool's own.
@@ -65,10 +67,18 @@ func NewPool(c PoolConfig) (*kvcache.Pool, error) {
 		if maxCtx == 0 {
 			maxCtx = c.Pages * c.Spec.TokensPerPage()
 		}
+		maxLeases := 0
+		if len(c.Spec.Groups) > 1 {
+			maxLeases = c.MaxLeases
+			if maxLeases == 0 {
+				maxLeases = 8
+			}
+		}
 		return kvcache.New(kvcache.Config{
 			Cache: c.Spec, Pages: c.Pages, MaxContextTokens: maxCtx, AllowUndersizedPool: c.Undersized,
-			Tenants: append([]kvcache.TenantConfig{{Name: Auditor}}, c.Tenants...),
-			Scrub:   policy, Device: dev,
+			MaxLeases: maxLeases,
+			Tenants:   append([]kvcache.TenantConfig{{Name: Auditor}}, c.Tenants...),
+			Scrub:     policy, Device: dev,
 		})
 	}
 	g := c.Geometry
@@ -108,8 +118,26 @@ func fill(b []byte, id string, page int) {
 	}
 }
 
-// Prefill admits a request, writes its prompt's KV and walks it to
-// prefilled, as a prefill engine would.
+// HybridSpec is a small hybrid model's cache, with a group of every
+// kind: per-token MLA latents and indexer keys (pages of 16 tokens), a
+// sliding window of 48 tokens, and a state slot of two linear-attention
+// layers, 16 KiB: larger than a small transport message, so that it
+// moves in parts.
+func HybridSpec() kvcache.CacheSpec {
+	return kvcache.CacheSpec{Model: "testkit-hybrid", Groups: []kvcache.CacheGroup{
+		{Name: "kv", Kind: kvcache.GroupPerToken, TokensPerPage: 16, Regions: append(
+			kvcache.MLALatent([]int{1, 3}, 12, 4, kvcache.BF16, 16), kvcache.IndexerKeys([]int{1, 3}, 16, 16)...)},
+		{Name: "swa", Kind: kvcache.GroupSlidingWindow, TokensPerPage: 16, WindowTokens: 48,
+			Regions: kvcache.AttentionKVOf([]int{2}, 1, 8, kvcache.BF16, 16)},
+		{Name: "state", Kind: kvcache.GroupState,
+			Regions: kvcache.LinearAttentionState([]int{0, 4}, 16, 4, kvcache.BF16, 4, 16, 32, kvcache.FP32)},
+	}}
+}
+
+// Prefill admits a request, writes its prompt's KV in every cache group
+// and walks it to prefilled, as a prefill engine would: each window
+// slid to the prompt's end, every page (slot) holding content of its
+// request, group, logical page and region (fill).
 func Prefill(p *kvcache.Pool, id, tenant string, prompt int) (*kvcache.Lease, error) {
 	l, err := p.Admit(context.Background(), kvcache.Request{ID: id, Tenant: tenant, PromptTokens: prompt})
 	if err != nil {
@@ -118,42 +146,59 @@ func Prefill(p *kvcache.Pool, id, tenant string, prompt int) (*kvcache.Lease, er
 	if err := l.BeginPrefill(); err != nil {
 		return nil, err
 	}
-	spec := p.Spec()
-	group, regions := spec.Groups[0].Name, spec.Groups[0].Regions
-	for i := range spec.PagesFor(prompt) {
-		for r, reg := range regions {
-			buf := make([]byte, reg.PageBytes)
-			fill(buf, id, i*len(regions)+r)
-			if err := l.WritePage(group, i, r, buf); err != nil {
-				return nil, err
-			}
-		}
-	}
 	if err := l.Commit(prompt); err != nil {
 		return nil, err
+	}
+	if _, err := l.SlideWindows(cudaops.Ordering{}); err != nil {
+		return nil, err
+	}
+	spec := p.Spec()
+	for gi, e := range spec.HandoffExtents(prompt) {
+		regions := spec.Groups[gi].Regions
+		for j := range e.Units {
+			for r, reg := range regions {
+				buf := make([]byte, reg.PageBytes)
+				fill(buf, id, label(gi, e.First+j, r, len(regions)))
+				if err := l.WritePage(e.Group, j, r, buf); err != nil {
+					return nil, err
+				}
+			}
+		}
 	}
 	return l, l.FinishPrefill()
 }
 
+// label is what fill writes into region r of logical page lp of group gi
+// (of regions regions): the page's number among the group's region pages,
+// the group in its high byte.
+func label(gi, lp, r, regions int) int { return gi<<24 | (lp*regions + r) }
+
 // VerifyContent checks that lease l holds exactly the prompt KV Prefill
-// wrote for request id.
+// wrote for request id, in every cache group.
 func VerifyContent(p *kvcache.Pool, l *kvcache.Lease, id string) error {
 	spec := p.Spec()
-	group, regions := spec.Groups[0].Name, spec.Groups[0].Regions
-	table, err := l.BlockTable()
-	if err != nil {
-		return err
-	}
-	for i, pg := range table[:spec.PagesFor(l.PromptTokens())] {
-		for r, reg := range regions {
-			want := make([]byte, reg.PageBytes)
-			got := make([]byte, reg.PageBytes)
-			fill(want, id, i*len(regions)+r)
-			if err := l.ReadPage(group, i, r, got); err != nil {
-				return err
-			}
-			if !bytes.Equal(want, got) {
-				return fmt.Errorf("testkit: request %q page %d (pool page %d) region %d differs from what prefill wrote", id, i, pg, r)
+	for gi, e := range spec.HandoffExtents(l.PromptTokens()) {
+		first, table, err := l.GroupTable(e.Group, nil)
+		if err != nil {
+			return err
+		}
+		if first != e.First || len(table) < e.Units {
+			return fmt.Errorf("testkit: request %q group %q starts at logical page %d with %d pages; the prompt's window starts at %d with %d",
+				id, e.Group, first, len(table), e.First, e.Units)
+		}
+		regions := spec.Groups[gi].Regions
+		for j := range e.Units {
+			for r, reg := range regions {
+				want := make([]byte, reg.PageBytes)
+				got := make([]byte, reg.PageBytes)
+				fill(want, id, label(gi, e.First+j, r, len(regions)))
+				if err := l.ReadPage(e.Group, j, r, got); err != nil {
+					return err
+				}
+				if !bytes.Equal(want, got) {
+					return fmt.Errorf("testkit: request %q group %q logical page %d (pool page %d) region %d differs from what prefill wrote",
+						id, e.Group, e.First+j, table[j], r)
+				}
 			}
 		}
 	}
@@ -169,16 +214,24 @@ func Sweep(p *kvcache.Pool) error {
 	}
 	// A release that just happened on another goroutine (a reclaim
 	// deadline) may still be filling its pages.
+	quarantined := func(s kvcache.Stats) (n int) {
+		for _, g := range s.Groups {
+			n += g.Quarantined
+		}
+		return n
+	}
 	s := p.Stats()
-	for deadline := time.Now().Add(5 * time.Second); s.QuarantinedPages != 0 && time.Now().Before(deadline); s = p.Stats() {
+	for deadline := time.Now().Add(5 * time.Second); quarantined(s) != 0 && time.Now().Before(deadline); s = p.Stats() {
 		time.Sleep(time.Millisecond)
 	}
-	if s.LiveLeases != 0 || s.InUsePages != 0 || s.QuarantinedPages != 0 {
-		return fmt.Errorf("testkit: sweep of a busy pool: %d leases, %d pages in use, %d quarantined",
-			s.LiveLeases, s.InUsePages, s.QuarantinedPages)
-	}
-	if s.RetiredPages != 0 || s.Fault != "" {
-		return fmt.Errorf("testkit: %d pages retired, fault %q", s.RetiredPages, s.Fault)
+	for _, g := range s.Groups {
+		if s.LiveLeases != 0 || g.InUse != 0 || g.Quarantined != 0 {
+			return fmt.Errorf("testkit: sweep of a busy pool: %d leases; group %q has %d pages in use, %d quarantined",
+				s.LiveLeases, g.Name, g.InUse, g.Quarantined)
+		}
+		if g.Retired != 0 || s.Fault != "" {
+			return fmt.Errorf("testkit: group %q has %d pages retired, fault %q", g.Name, g.Retired, s.Fault)
+		}
 	}
 	// Every page must hold exactly its canary: nothing a tenant wrote
 	// (no Marker), nothing half-scrubbed.
