@@ -127,18 +127,35 @@ func decodeScript(b []byte) (msgs [][]byte, cuts []int) {
 // written while the next is read), which must all be released, once
 // each, with no more than two held at a time.
 func FuzzServe(f *testing.F) {
+	// One genuine transfer of 3 pages (the last one partly filled), one
+	// page per data frame.
+	fuzzServe(f, testkit.PoolConfig{Pages: 16}, 3*testkit.Geometry.TokensPerPage-5, 1)
+}
+
+// FuzzServeHybrid is FuzzServe of a hybrid model's transfer: every group
+// (per-token pages, the window's, the state slot in 4 KiB parts), so
+// that part frames, and their order, offsets and generations, are fuzzed
+// too.
+func FuzzServeHybrid(f *testing.F) {
+	fuzzServe(f, testkit.PoolConfig{Spec: testkit.HybridSpec(), Pages: 16, MaxLeases: 2}, 3*16-5, handoff.MinFrameBytes)
+}
+
+// fuzzServe is FuzzServe of the transfer of a prompt of prompt tokens
+// between pools of c, in frames of frameBytes, recorded.
+func fuzzServe(f *testing.F, c testkit.PoolConfig, prompt, frameBytes int) {
 	const id = "fuzz"
-	prefill, err := testkit.NewPool(testkit.PoolConfig{Pages: 16, Tenants: []kvcache.TenantConfig{{Name: "victim"}}})
+	c.Tenants = []kvcache.TenantConfig{{Name: "victim"}}
+	prefill, err := testkit.NewPool(c)
 	if err != nil {
 		f.Fatal(err)
 	}
 	defer prefill.Close()
-	decode, err := testkit.NewPool(testkit.PoolConfig{Pages: 16, Tenants: []kvcache.TenantConfig{{Name: "victim"}}})
+	decode, err := testkit.NewPool(c)
 	if err != nil {
 		f.Fatal(err)
 	}
 	defer decode.Close()
-	s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), TTL: time.Hour, FrameBytes: 1})
+	s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), TTL: time.Hour, FrameBytes: frameBytes})
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -150,9 +167,7 @@ func FuzzServe(f *testing.F) {
 		return r
 	}
 
-	// One genuine transfer of 3 pages (the last one partly filled), one
-	// page per data frame, recorded.
-	l, err := testkit.Prefill(prefill, id, "victim", 3*testkit.Geometry.TokensPerPage-5)
+	l, err := testkit.Prefill(prefill, id, "victim", prompt)
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -178,16 +193,25 @@ func FuzzServe(f *testing.F) {
 		f.Fatal(err)
 	}
 	manifest, rest := sent[0], sent[1:]
-	if manifest[0] != 'M' || len(rest) != 4 || rest[3][0] != 'S' {
-		f.Fatalf("recorded transfer is not manifest, 3 data frames, seal: %d messages", len(sent))
+	last := len(rest) - 1
+	if manifest[0] != 'M' || last < 3 || rest[last][0] != 'S' {
+		f.Fatalf("recorded transfer is not manifest, 3 or more data frames, seal: %d messages", len(sent))
+	}
+	for _, m := range rest {
+		if len(m) > 1<<16-1 {
+			f.Fatalf("a recorded message of %d bytes: the script encodes at most 64 KiB", len(m))
+		}
 	}
 	genuine := encodeScript(rest)
+	with := func(msgs ...[]byte) []byte { return encodeScript(msgs) }
 	for mode := range uint8(3) {
-		f.Add(encodeScript(rest), mode)
-		f.Add(encodeScript(rest[:3]), mode)                                     // no seal
-		f.Add(encodeScript([][]byte{rest[0], rest[2], rest[1], rest[3]}), mode) // out of order
-		f.Add(encodeScript([][]byte{rest[0], rest[0], rest[1], rest[2], rest[3]}), mode)
-		f.Add(encodeScript(append([][]byte{}, rest[0], rest[1], rest[2], append([]byte{'E'}, rest[3][1:21]...))), mode)
+		f.Add(genuine, mode)
+		f.Add(encodeScript(rest[:last]), mode) // no seal
+		swapped := append([][]byte{}, rest...)
+		swapped[1], swapped[2] = swapped[2], swapped[1]
+		f.Add(encodeScript(swapped), mode)                                                                         // out of order
+		f.Add(encodeScript(append([][]byte{rest[0]}, rest...)), mode)                                              // the first frame twice
+		f.Add(with(append(append([][]byte{}, rest[:last]...), append([]byte{'E'}, rest[last][1:21]...))...), mode) // an end frame
 		f.Add([]byte{}, mode)
 	}
 

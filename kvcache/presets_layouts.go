@@ -59,7 +59,7 @@ func (s CacheSpec) Miniature(layers, shrink int) (CacheSpec, error) {
 		return CacheSpec{}, err
 	}
 	const suffix = " (miniature)"
-	m := CacheSpec{Model: s.Model, Groups: make([]CacheGroup, 0, len(s.Groups))}
+	m := CacheSpec{Model: s.Model, Groups: make([]CacheGroup, 0, len(s.Groups)), Shard: s.Shard}
 	if len(s.Model)+len(suffix) <= maxCacheNameLen {
 		m.Model += suffix
 	}

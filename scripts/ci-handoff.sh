@@ -14,8 +14,16 @@ go test -run '^$' -fuzz '^FuzzParse$' -fuzztime "$fuzztime" ./handoff
 go test -run '^$' -fuzz '^FuzzParseData$' -fuzztime "$fuzztime" ./handoff
 # Serve after a genuine manifest, whatever messages follow.
 go test -run '^$' -fuzz '^FuzzServe$' -fuzztime "$fuzztime" ./handoff
+go test -run '^$' -fuzz '^FuzzServeHybrid$' -fuzztime "$fuzztime" ./handoff
 # And tcpx's hello and frame reader, which read what any peer sends.
 go test -run '^$' -fuzz '^FuzzHello$' -fuzztime "$fuzztime" ./handoff/tcpx
 go test -run '^$' -fuzz '^FuzzFrameReader$' -fuzztime "$fuzztime" ./handoff/tcpx
 go run ./examples/disagg >/dev/null
 go run ./examples/disagg -transport tcpx >/dev/null
+# Hybrid models through the handoff: every cache group (MLA latents and
+# the indexer per token with a KDA state slot; a sliding window; a Gated
+# DeltaNet state slot) crosses, and the decode lease's digest matches the
+# prefill's.
+go run ./examples/disagg -model glm-5.3-flash -transport tcpx >/dev/null
+go run ./examples/disagg -model gpt-oss-120b >/dev/null
+go run ./examples/disagg -model qwen3-next-80b-a3b -transport tcpx >/dev/null
