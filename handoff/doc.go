@@ -18,11 +18,16 @@
 // imports it) and adds what crosses the wire:
 //
 //   - Manifest: request ID, tenant, sharing domain, prompt and max new
-//     tokens, a geometry fingerprint, per-page sender generations, the
-//     content checksum, an expiry, and an HMAC-SHA256 under a key the
-//     prefill and decode pools share. A versioned little-endian encoding;
-//     Decode checks the MAC before it trusts a byte and refuses anything
-//     not exactly a version-1 manifest. The checksum travels either in the
+//     tokens, the exporting pool's cache spec (every group's kind, page
+//     size and window, every region's bytes and element types) with its
+//     tensor-parallel shard, each group's extent (kvcache's handoff
+//     units: the prompt's per-token pages, each window's pages still
+//     inside the window at the prompt's end from its first logical page
+//     on, each state slot), per-unit sender generations, the content
+//     checksum, an expiry, and an HMAC-SHA256 under a key the prefill and
+//     decode pools share. A versioned little-endian encoding; Decode
+//     checks the MAC before it trusts a byte and refuses anything not
+//     exactly a version-2 manifest. The checksum travels either in the
 //     manifest or, for a streamed transfer, sealed after the pages: the
 //     manifest says which (FlagChecksumSealed), and the seal carries the
 //     checksum under an HMAC with the same key, bound to the manifest's
@@ -30,10 +35,12 @@
 //   - Sender: Export pins a prefilled lease (nothing else exports: a
 //     refused request has no lease, a placeholder that wrote 1 of N tokens
 //     is not prefilled) and signs its manifest; Send streams the manifest,
-//     waits for the receiver to accept it, streams the pages, summing each
+//     waits for the receiver to accept it, streams the units (whole units
+//     of one group per data frame; a unit larger than a message, such as
+//     a state slot, in part frames of whole 4 KiB blocks), summing each
 //     just before the transport takes it, seals the sum, and waits for the
 //     receiver's verdict. On a ViewStream over a pool of host memory the
-//     transport reads the pages where they lie (kvcache's PageViews: pinned
+//     transport reads the units where they lie (kvcache's UnitViews: pinned
 //     until the stream gives them back, and every end of the export waits
 //     for that); otherwise they are staged (device → host → wire). So the first page leaves as soon
 //     as the receiver has admitted the import, and each byte leaves the
@@ -42,14 +49,18 @@
 //     Abort, or the reclaim deadline; then they are released through the
 //     scrubber.
 //   - Receiver: Serve verifies the MAC, expiry (and an upper bound on it),
-//     geometry and replay (a request ID already imported is refused,
+//     the cache spec and the shard (another is refused naming the first
+//     difference: ErrGeometryMismatch, ErrShardMismatch), and replay (a
+//     request ID already imported is refused,
 //     ErrReplay, and one being imported too, ErrInProgress, until that
-//     import ends), then admits fail-closed in the decode pool
-//     (prompt + max new tokens, the pool's own quota and capacity checks,
-//     and the sharing domain: see below), receives the pages in order,
-//     checks every frame's transfer ID and generations, and only once every
-//     page arrived and the content checksum (the manifest's, or the seal's
-//     once its MAC verifies) matches hands out the lease.
+//     import ends), then admits fail-closed in every cache group of the
+//     decode pool (prompt + max new tokens, the pool's own quota and
+//     capacity checks, and the sharing domain: see below), receives the
+//     units in order, checks every frame's transfer ID, place and
+//     generations, and only once every unit of every group arrived and the
+//     content checksum (the manifest's, or the seal's once its MAC
+//     verifies) matches hands out the lease: a transfer that lacks any
+//     group's bytes is incomplete, never a lease with an empty state.
 //     Any failure aborts the import through the scrubber and reports a
 //     reason code to the sender. So does the TransferTimeout, which also
 //     ends Serve's wait for the sender's next frame
@@ -77,9 +88,9 @@
 // # Invariants
 //
 //   - No decode lease becomes usable unless a manifest signed with the
-//     shared key, unexpired, of the pool's geometry and of the domain the
+//     shared key, unexpired, of the pool's cache spec and shard and of the domain the
 //     tenant is in on the decode pool, not seen before, was followed by
-//     exactly its pages with its checksum (in the manifest, or in a seal
+//     exactly its units, every group's, with its checksum (in the manifest, or in a seal
 //     signed with the same key for the manifest's transfer).
 //   - An exported lease takes no writes (Commit and SlotMapping fail with
 //     kvcache.ErrLeasePhase): the bytes sent are the bytes summed.
@@ -109,8 +120,9 @@
 // # Transports
 //
 // A Transport carries messages: the manifest, data frames (consecutive
-// whole pages tagged with the transfer ID and their generations), an end
-// frame, and verdicts back. InProcess connects two pools in one process;
+// whole units tagged with the transfer ID and their generations), part
+// frames (a range of one unit too large for a message), an end frame or
+// seal, and verdicts back. InProcess connects two pools in one process;
 // handoff/grpcx streams over gRPC (TLS or, on a trusted network, plain)
 // between processes and machines; handoff/tcpx does the same over TCP or
 // TLS connections of its own, one per transfer, with length-prefixed
@@ -121,8 +133,8 @@
 // themselves, with no staging copy (grpcx's does); an OwningStream takes
 // over the sender's staged data frames instead of copying them; and a
 // PartsEndpoint hands the receiver each message in the buffers it arrived
-// in, from which the pages are written into the decode pool directly
-// (kvcache.Incoming.WritePagesFrom).
+// in, from which the units are written into the decode pool directly
+// (kvcache.Incoming.WriteUnitsFrom, WriteUnitRangeFrom).
 //
 // Two more let each end overlap its work with the transport's. A sender
 // on a ViewStream sums the pages one frame ahead of the stream, on a
@@ -139,7 +151,7 @@
 // over a control stream like this one, the receiver's accept verdict
 // carries the registered addresses of its import pages (kvcache would
 // expose them through an Incoming method, checked against the import's
-// generations under the pool lock exactly as WritePages is), the sender
+// generations under the pool lock exactly as WriteUnits is), the sender
 // posts one-sided writes device to device, and the end frame is sent once
 // they complete. The receiver then verifies the content checksum by reading
 // back (or on the device) before Complete. The fail-closed admission, the

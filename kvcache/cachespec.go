@@ -56,9 +56,10 @@ import (
 // pages may hold a tenth of its state slots, and a tenant that reserves
 // a tenth of the pages is kept a tenth of the slots.
 //
-// Pools with a window or a state group share no prefixes and take no
-// handoffs yet: a prefix hit or a transfer would need the state (or the
-// window) at the prefix's end, which no engine hands over today.
+// A handoff moves every group: the prompt's per-token pages, each
+// window's pages at the prompt's end, each state slot (units.go). Pools
+// with a window or a state group share no prefixes yet: a prefix hit
+// would need the state (or the window) at the prefix's end.
 
 // GroupKind says how a cache group's memory follows a request.
 type GroupKind uint8

@@ -39,7 +39,7 @@ func PageChecksum(page []byte) uint64 {
 }
 
 // PageChecksumOf is PageChecksum of the page whose bytes are parts, in
-// order (a page's region views from Outgoing.PageViews), hashed where
+// order (a unit's region views from Outgoing.UnitViews), hashed where
 // they lie: only a 4 KiB block that straddles two parts is copied.
 func PageChecksumOf(parts [][]byte) uint64 {
 	n := 0

@@ -183,10 +183,10 @@
 // (under the invariants build tag, or -race, it asserts so), and none of
 // them takes it. Device fills, key hashing and waiting run without
 // Pool.mu. Events are sent under Pool.mu with a non-blocking send. Handoff
-// page copies (Outgoing.ReadPages, Incoming.WritePages) are vetted under
+// page copies (Outgoing.ReadUnits, Incoming.WriteUnits) are vetted under
 // Pool.mu and run outside it, with the lease pinned: an end of a pinned
 // lease, and Close, wait on a condition variable of Pool.mu (Pool.quiet)
-// until the copies are done. Outgoing.PageViews lends the pages' host
+// until the copies are done. Outgoing.UnitViews lends the units' host
 // memory itself to a transport the same way: pinned until the transport
 // calls done.
 //
