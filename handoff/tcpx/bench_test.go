@@ -63,3 +63,15 @@ func serveBench(b *testing.B, srv *tcpx.Server, sec tcpx.Security) handoff.Trans
 	b.Cleanup(func() { tr.Close() })
 	return tr
 }
+
+// BenchmarkHandoffHybrid is BenchmarkHandoff of the incident's model: a
+// miniature of glm-5.3-flash (benchkit.Hybrid: MLA latents and indexer
+// keys per token, a 16.6 MiB Kimi Delta Attention state slot in 1 MiB
+// parts), 82.6 MiB a handoff, every group checked on the decode side.
+func BenchmarkHandoffHybrid(b *testing.B) {
+	benchkit.HandoffOf(b, benchkit.Hybrid(), func(recv *handoff.Receiver) handoff.Transport {
+		srv, err := tcpx.NewServer(recv, tcpx.Insecure(), tcpx.Options{})
+		require.NoError(b, err)
+		return serveBench(b, srv, tcpx.Insecure())
+	})
+}

@@ -38,6 +38,50 @@ var Bytes = int64(Prompt) * Geometry.TokenBytes()
 
 var tenants = []kvcache.TenantConfig{{Name: "victim"}, {Name: "other"}}
 
+// Workload is what a handoff benchmark moves: the cache of a prompt of
+// Prompt tokens between pools of Spec (with MaxLeases leases of its
+// window and state groups).
+type Workload struct {
+	Spec      kvcache.CacheSpec
+	Prompt    int
+	MaxLeases int
+}
+
+// PerToken is BenchmarkHandoff's workload: Geometry's K and V, Prompt
+// tokens, 256 MiB.
+var PerToken = Workload{Spec: kvcache.GeometrySpec(Geometry), Prompt: Prompt}
+
+// HybridPrompt is the prompt of the Hybrid workload.
+const HybridPrompt = 16_384
+
+// Hybrid is BenchmarkHandoffHybrid's workload: a miniature of the
+// incident's model, glm-5.3-flash, of its first 4 layers of each group
+// at their full size: per token 4 MLA latents and pooled indexer keys
+// (pages of 64 tokens, 264 KiB), and a state slot of 4 Kimi Delta
+// Attention layers (16.6 MiB), for a prompt of HybridPrompt tokens:
+// 82.6 MiB a handoff, the slot in 1 MiB parts.
+func Hybrid() Workload {
+	full, err := kvcache.Preset("glm-5.3-flash")
+	if err != nil {
+		panic(err)
+	}
+	spec, err := full.Miniature(4, 1)
+	if err != nil {
+		panic(err)
+	}
+	return Workload{Spec: spec, Prompt: HybridPrompt, MaxLeases: 2}
+}
+
+// Bytes is what one handoff of the workload moves: every unit of every
+// group.
+func (w Workload) Bytes() int64 {
+	var b int64
+	for _, e := range w.Spec.HandoffExtents(w.Prompt) {
+		b += int64(e.Units) * e.UnitBytes
+	}
+	return b
+}
+
 // Handoff runs b.N handoffs of a Prompt-token prompt's KV from a prefill
 // pool to a decode pool over the transport connect returns, which
 // delivers to recv (connect registers its own cleanup with b), and after
@@ -62,12 +106,18 @@ var tenants = []kvcache.TenantConfig{{Name: "victim"}, {Name: "other"}}
 // checksum over every page before Send returned; the sample shows the
 // pages it verified are the ones the decode lease got.
 func Handoff(b *testing.B, connect func(recv *handoff.Receiver) handoff.Transport) {
+	HandoffOf(b, PerToken, connect)
+}
+
+// HandoffOf is Handoff of workload w: every group's units move, and the
+// sample covers every group (its first, middle and last units).
+func HandoffOf(b *testing.B, w Workload, connect func(recv *handoff.Receiver) handoff.Transport) {
 	newPool := func(dev cudaops.Device) *kvcache.Pool {
 		if dev != nil {
 			b.Cleanup(func() { dev.Close() }) // after the pool's Close
 		}
-		p, err := kvcache.New(kvcache.Config{Geometry: Geometry, Pages: Prompt / 16,
-			MaxContextTokens: Prompt, Tenants: tenants, Device: dev})
+		p, err := kvcache.New(kvcache.Config{Cache: w.Spec, Pages: w.Spec.PagesFor(w.Prompt), MaxLeases: w.MaxLeases,
+			MaxContextTokens: w.Prompt, Tenants: tenants, Device: dev})
 		require.NoError(b, err)
 		b.Cleanup(func() { p.Close() })
 		return p
@@ -80,38 +130,47 @@ func Handoff(b *testing.B, connect func(recv *handoff.Receiver) handoff.Transpor
 	s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key()})
 	require.NoError(b, err)
 	ctx := context.Background()
-	size := Bytes
+	size := w.Bytes()
 	tcp := NewTCPCopy(b, size)
 	defer tcp.Close()
 	b.SetBytes(size)
 
-	pages := Geometry.PagesFor(Prompt)
-	sample := []int{0, pages / 2, pages - 1}
-	page := make([]byte, Geometry.RegionPageBytes())
-	// mark fills page with bytes that name request i, prompt page p and
+	extents := w.Spec.HandoffExtents(w.Prompt)
+	// mark returns bytes of n that name request i, group g, unit j and
 	// region r.
-	mark := func(i, p, r int) []byte {
-		for off := 0; off < len(page); off += 8 {
-			binary.LittleEndian.PutUint64(page[off:], uint64(i)<<40|uint64(p)<<16|uint64(r)<<8|uint64(off&0xff))
+	mark := func(i, g, j, r int, n int64) []byte {
+		page := make([]byte, n)
+		for off := 0; off+8 <= len(page); off += 8 {
+			binary.LittleEndian.PutUint64(page[off:], uint64(i)<<40|uint64(g)<<32|uint64(j)<<16|uint64(r)<<8|uint64(off&0xff))
 		}
 		return page
 	}
-	got := make([]byte, len(page))
+	// sampled calls f for the sample: the first, a middle and the last
+	// unit of every group, every region.
+	sampled := func(f func(g int, e kvcache.HandoffExtent, j, r int, n int64)) {
+		for g, e := range extents {
+			for _, j := range []int{0, e.Units / 2, e.Units - 1} {
+				for r, reg := range w.Spec.Groups[g].Regions {
+					f(g, e, j, r, reg.PageBytes)
+				}
+			}
+		}
+	}
 
 	tally := NewTally()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
 		id := fmt.Sprint("bench-", i)
-		l, err := prefill.Admit(ctx, kvcache.Request{ID: id, Tenant: "victim", PromptTokens: Prompt})
+		l, err := prefill.Admit(ctx, kvcache.Request{ID: id, Tenant: "victim", PromptTokens: w.Prompt})
 		require.NoError(b, err)
 		require.NoError(b, l.BeginPrefill())
-		for _, p := range sample {
-			for r := range Geometry.Regions() {
-				require.NoError(b, l.WritePage("kv", p, r, mark(i, p, r)))
-			}
-		}
-		require.NoError(b, l.Commit(Prompt))
+		require.NoError(b, l.Commit(w.Prompt))
+		_, err = l.SlideWindows(cudaops.Ordering{})
+		require.NoError(b, err)
+		sampled(func(g int, e kvcache.HandoffExtent, j, r int, n int64) {
+			require.NoError(b, l.WritePage(e.Group, j, r, mark(i, g, j, r, n)))
+		})
 		require.NoError(b, l.FinishPrefill())
 		b.StartTimer()
 		span := tally.Begin()
@@ -124,18 +183,14 @@ func Handoff(b *testing.B, connect func(recv *handoff.Receiver) handoff.Transpor
 		tally.End(span)
 		dl, ok := recv.Take(id)
 		require.True(b, ok, "no decode lease for %s", id)
-		require.Equal(b, Prompt, dl.Written(), "decode lease of %s", id)
-		dtable, err := dl.BlockTable()
-		require.NoError(b, err)
-		require.GreaterOrEqual(b, len(dtable), pages)
-		for _, p := range sample {
-			for r := range Geometry.Regions() {
-				require.NoError(b, dl.ReadPage("kv", p, r, got))
-				if !bytes.Equal(got, mark(i, p, r)) {
-					b.Fatalf("%s: decode page %d region %d is not what prefill wrote", id, p, r)
-				}
+		require.Equal(b, w.Prompt, dl.Written(), "decode lease of %s", id)
+		sampled(func(g int, e kvcache.HandoffExtent, j, r int, n int64) {
+			got := make([]byte, n)
+			require.NoError(b, dl.ReadPage(e.Group, j, r, got))
+			if !bytes.Equal(got, mark(i, g, j, r, n)) {
+				b.Fatalf("%s: decode unit %d of group %q region %d is not what prefill wrote", id, j, e.Group, r)
 			}
-		}
+		})
 		require.NoError(b, dl.Release())
 		require.Zero(b, prefill.Stats().LiveLeases, "the exported lease of %s is still live", id)
 		tally.Baseline(b, tcp)
@@ -151,7 +206,13 @@ func Handoff(b *testing.B, connect func(recv *handoff.Receiver) handoff.Transpor
 // waitClean returns once p holds no quarantined page: every scrub its
 // releases queued has ended.
 func waitClean(b *testing.B, p *kvcache.Pool) {
-	for deadline := time.Now().Add(time.Minute); p.Stats().QuarantinedPages > 0; {
+	quarantined := func() (n int) {
+		for _, g := range p.Stats().Groups {
+			n += g.Quarantined
+		}
+		return n
+	}
+	for deadline := time.Now().Add(time.Minute); quarantined() > 0; {
 		if time.Now().After(deadline) {
 			b.Fatalf("the prefill pages are still quarantined a minute after the handoff: %+v", p.Stats())
 		}
