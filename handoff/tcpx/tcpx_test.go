@@ -253,3 +253,42 @@ func TestHybridHandoffOverTCPX(t *testing.T) {
 		require.NoError(t, testkit.Sweep(decode))
 	}
 }
+
+// A state slot larger than tcpx's message bound crosses in parts when
+// the sender's frames fit the bound; a sender whose frames do not is
+// refused by the transport with tcpx.ErrMessageTooLarge, and nothing is
+// imported or left behind on either side.
+func TestHybridSlotLargerThanAMessage(t *testing.T) {
+	const bound = 8 << 10 // the hybrid's slot is 16.2 KiB
+	opts := tcpx.Options{MaxMessageBytes: bound}
+	for _, tc := range []struct {
+		frame int
+		want  error
+	}{
+		{bound, nil},
+		{4 * bound, tcpx.ErrMessageTooLarge},
+	} {
+		t.Run(fmt.Sprint(tc.frame), func(t *testing.T) {
+			prefill := pool(t, testkit.PoolConfig{Spec: testkit.HybridSpec(), Pages: 64})
+			decode := pool(t, testkit.PoolConfig{Spec: testkit.HybridSpec(), Pages: 64})
+			srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(), opts)
+			tr := dial(t, srv.addr, tcpx.Insecure(), opts)
+			s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), FrameBytes: tc.frame})
+			require.NoError(t, err)
+			exp := export(t, s, prefill, "slot", 40)
+			err = exp.Send(context.Background(), tr)
+			if tc.want == nil {
+				require.NoError(t, err)
+				takeVerified(t, srv, decode, "slot")
+			} else {
+				require.ErrorIs(t, err, tc.want)
+				require.NoError(t, exp.Abort())
+				_, ok := srv.recv.Take("slot")
+				require.False(t, ok)
+				require.Eventually(t, func() bool { return decode.Stats().LiveLeases == 0 }, 5*time.Second, time.Millisecond)
+			}
+			require.NoError(t, testkit.Sweep(prefill))
+			require.NoError(t, testkit.Sweep(decode))
+		})
+	}
+}
