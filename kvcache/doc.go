@@ -188,7 +188,9 @@
 // lease, and Close, wait on a condition variable of Pool.mu (Pool.quiet)
 // until the copies are done. Outgoing.UnitViews lends the units' host
 // memory itself to a transport the same way: pinned until the transport
-// calls done.
+// calls done; and Incoming.LendPages an import's, for a transport that
+// writes them out of band (remote memory access): pinned until
+// PageLoan.Return, each unit summed where it landed (PageLoan.Landed).
 //
 // A Lease's own fields are immutable while it lives, except the written
 // watermark, the state and the handoff phase (phase.go), which are
