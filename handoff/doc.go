@@ -128,7 +128,10 @@
 // TLS connections of its own, one per transfer, with length-prefixed
 // frames and page views written by one writev each, at about half gRPC's
 // CPU per byte (where both ends share a few cores, its handoffs are about
-// twice as fast). Three optional interfaces save copies
+// twice as fast); handoff/ucxx moves the units over UCX, written into the
+// decode pool's memory (see Remote memory below). All of them pass one
+// conformance suite (handoff/internal/conformance). Three optional
+// interfaces save copies
 // of the page bytes: a ViewStream sends the exporting pool's pages
 // themselves, with no staging copy (grpcx's does); an OwningStream takes
 // over the sender's staged data frames instead of copying them; and a
@@ -146,14 +149,33 @@
 // begins, and every write before the end frame or seal is checked, so
 // the order of the writes and what Complete vouches for are as before.
 //
-// RDMA transports (NIXL, Mooncake's transfer engine, UCX) fit the same
-// protocol with the bytes moved out of band: the manifest and verdicts go
-// over a control stream like this one, the receiver's accept verdict
-// carries the registered addresses of its import pages (kvcache would
-// expose them through an Incoming method, checked against the import's
-// generations under the pool lock exactly as WriteUnits is), the sender
-// posts one-sided writes device to device, and the end frame is sent once
-// they complete. The receiver then verifies the content checksum by reading
-// back (or on the device) before Complete. The fail-closed admission, the
-// generation checks and the abort-through-scrubber paths stay as they are.
+// # Remote memory
+//
+// A transport that writes remote memory (RDMA; handoff/ucxx, over UCX)
+// moves the units without data frames, and the protocol around them stays
+// as it is (remote.go). The receiver, once it has admitted the import,
+// lends the import's units (kvcache.Incoming.LendPages: pinned, checked
+// against the generations the import was admitted with, under the pool
+// lock, as WriteUnits is), has its endpoint expose exactly that memory
+// (MemoryEndpoint), and answers the manifest with a grant instead of the
+// accept verdict: for every region of every group (a lane), where each of
+// its units goes, in runs of adjacent pages, and the transport's remote
+// keys, all under the shared key's MAC and bound to the transfer ID, so
+// that a sender writes only into memory a holder of the key granted for
+// this transfer. The sender checks that the grant places every unit once,
+// inside its extents and on bytes of its own, then writes each chunk of
+// units (MemoryStream, RemoteWriter: one put per run; a state slot is
+// one chunk, whatever its size), summed one chunk ahead as before, and
+// once a chunk's writes have landed sends a landed note: the units, with
+// their generations, as a data frame's head. The receiver checks each
+// note as it checks a data frame and sums the landed units where they lie
+// (kvcache.PageLoan.Landed) while the next chunk is written; at the seal
+// it has the transport take the memory back (revoke: the sender
+// acknowledges that it writes no more, or its connection is cut), returns
+// the loan, and completes the import against the seal's checksum. Every
+// failure takes the memory back the same way before the import is
+// aborted, so no page is scrubbed or reused while a sender can still
+// write it. A pool whose pages are not host memory, or a transport that
+// cannot expose them (ErrNoRemoteMemory), accepts with the plain verdict,
+// and the units come in data frames.
 package handoff

@@ -183,13 +183,16 @@ func (r *Receiver) serve(ctx context.Context, ep Endpoint) error {
 	watchdog := time.AfterFunc(r.cfg.TransferTimeout, func() {
 		defer close(fired)
 		timedOut.Store(true)
-		in.Abort()
 		// A sender that sends nothing more would otherwise keep this
 		// goroutine, its connection and the request ID's claim until the
-		// transport's own deadline, if it has one.
+		// transport's own deadline, if it has one. The wait ends before
+		// the abort: an import whose units are lent to the transport
+		// (MemoryEndpoint) is pinned until the receive returns the loan,
+		// and the abort waits for its pins.
 		if ie, ok := ep.(InterruptibleEndpoint); ok {
 			ie.InterruptRecv()
 		}
+		in.Abort()
 	})
 	lease, err := r.receive(ep, &m, in, &timedOut)
 	if !watchdog.Stop() {
@@ -298,6 +301,11 @@ func (r *Receiver) admit(ctx context.Context, m *Manifest) (*kvcache.Incoming, e
 // next unit expected and nextOff, while a unit arrives in parts, the
 // next part's offset in it.
 func (r *Receiver) receive(ep Endpoint, m *Manifest, in *kvcache.Incoming, timedOut *atomic.Bool) (*kvcache.Lease, error) {
+	if me, ok := ep.(MemoryEndpoint); ok {
+		if lease, remote, err := r.receiveRemote(me, m, in, timedOut); remote {
+			return lease, err
+		}
+	}
 	if err := r.reply(ep, stageManifest, nil); err != nil {
 		return nil, err
 	}

@@ -235,10 +235,16 @@ func (e *Export) sendOver(ctx context.Context, t Transport) error {
 	if err := e.send(st, e.wire); err != nil {
 		return err
 	}
-	if err := e.verdict(st, stageManifest); err != nil {
+	grant, err := e.accepted(st)
+	if err != nil {
 		return err
 	}
-	if err := e.sendUnits(st); err != nil {
+	if grant != nil {
+		err = e.sendRemote(st, grant)
+	} else {
+		err = e.sendUnits(st)
+	}
+	if err != nil {
 		return err
 	}
 	if err := st.CloseSend(); err != nil {

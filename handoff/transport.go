@@ -9,9 +9,10 @@ import (
 
 // Transport opens transfers from a prefill pool to one decode receiver.
 // Implementations: InProcess (both pools in one process),
-// handoff/grpcx (gRPC streaming across processes and machines) and
+// handoff/grpcx (gRPC streaming across processes and machines),
 // handoff/tcpx (frames of its own over TCP or TLS, at about half gRPC's
-// CPU per byte).
+// CPU per byte) and handoff/ucxx (UCX: the units written into the decode
+// pool's memory).
 type Transport interface {
 	// Open starts a transfer. The stream ends when ctx is done.
 	Open(ctx context.Context) (Stream, error)
