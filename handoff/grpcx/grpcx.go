@@ -330,11 +330,15 @@ func ServerOptions(creds credentials.TransportCredentials) ([]grpc.ServerOption,
 		grpc.WriteBufferSize(bufferBytes),
 		grpc.ReadBufferSize(bufferBytes),
 		experimental.BufferPool(buffers),
+		// Stop and GracefulStop return once every transfer's handler has:
+		// the imports it began have ended (scrubbed, if they failed).
+		grpc.WaitForHandlers(true),
 	}, nil
 }
 
 // NewServer returns a gRPC server that imports transfers with r. Serve it
-// on a listener; stop it with Stop or GracefulStop. Without credentials it
+// on a listener; stop it with Stop or GracefulStop, which return once the
+// imports of the transfers in flight have ended. Without credentials it
 // fails with ErrNoCredentials, without a receiver with
 // handoff.ErrInvalidArgument.
 func NewServer(r *handoff.Receiver, creds credentials.TransportCredentials, extra ...grpc.ServerOption) (*grpc.Server, error) {
@@ -403,17 +407,21 @@ func (t *Transport) Open(ctx context.Context) (handoff.Stream, error) {
 	case ctx == nil:
 		return nil, fmt.Errorf("%w: Open with a nil context", handoff.ErrInvalidArgument)
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	st, err := t.cc.NewStream(ctx, &streamDesc, Method)
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("%w: %w", handoff.ErrTransport, context.Cause(ctx))
+	}
+	sctx, cancel := context.WithCancel(ctx)
+	st, err := t.cc.NewStream(sctx, &streamDesc, Method)
 	if err != nil {
 		cancel()
 		return nil, fmt.Errorf("%w: %w", handoff.ErrTransport, err)
 	}
-	return &clientStream{st: st, cancel: cancel}, nil
+	return &clientStream{st: st, ctx: ctx, cancel: cancel}, nil
 }
 
 type clientStream struct {
 	st     grpc.ClientStream
+	ctx    context.Context // the caller's: its end names the failures it causes
 	cancel context.CancelFunc
 	in     frame
 	lent   []*lentState // of SendViews, for Close
@@ -469,7 +477,7 @@ func (s *clientStream) SendOwned(msg []byte, done func()) error {
 	if mem.IsBelowBufferPoolingThreshold(cap(msg)) {
 		err := s.st.SendMsg(&frame{b: msg}) // mem.NewBuffer would not report back
 		done()
-		return transportErr(err)
+		return s.fail(err)
 	}
 	return s.sendOwned(mem.BufferSlice{mem.NewBuffer(&msg, donePool{done})})
 }
@@ -603,30 +611,32 @@ func (s *clientStream) sendOwned(msg mem.BufferSlice) error {
 	if !f.marshaled {
 		msg.Free()
 	}
-	return transportErr(err)
+	return s.fail(err)
 }
 
-func transportErr(err error) error {
-	if err != nil {
-		return fmt.Errorf("%w: %w", handoff.ErrTransport, err)
+// fail wraps err, a gRPC error, in handoff.ErrTransport and, when the
+// caller's context has ended (which cancels the stream), names its cause.
+func (s *clientStream) fail(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case s.ctx.Err() != nil:
+		return fmt.Errorf("%w: %w (%w)", handoff.ErrTransport, err, context.Cause(s.ctx))
 	}
-	return nil
+	return fmt.Errorf("%w: %w", handoff.ErrTransport, err)
 }
 
 func (s *clientStream) Send(msg []byte) error {
-	return transportErr(s.st.SendMsg(&frame{b: msg}))
+	return s.fail(s.st.SendMsg(&frame{b: msg}))
 }
 
 func (s *clientStream) CloseSend() error {
-	if err := s.st.CloseSend(); err != nil {
-		return fmt.Errorf("%w: %w", handoff.ErrTransport, err)
-	}
-	return nil
+	return s.fail(s.st.CloseSend())
 }
 
 func (s *clientStream) Recv() ([]byte, error) {
 	if err := s.st.RecvMsg(&s.in); err != nil {
-		return nil, fmt.Errorf("%w: %w", handoff.ErrTransport, err)
+		return nil, s.fail(err)
 	}
 	return s.in.b, nil
 }

@@ -9,7 +9,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
-	"fmt"
 	"io"
 	"math/big"
 	"net"
@@ -118,75 +117,6 @@ func TestTLSHandoff(t *testing.T) {
 	require.NoError(t, testkit.Sweep(decode))
 }
 
-// TestFaultsOverGRPC: the connection torn down mid-transfer and the
-// receiver's server stopped; both pools end with every page scrubbed.
-func TestFaultsOverGRPC(t *testing.T) {
-	ctx := context.Background()
-	t.Run("sender cancels mid-transfer", func(t *testing.T) {
-		prefill, decode := newPool(t, 1024), newPool(t, 2048)
-		recv, addr, _ := serve(t, decode, insecure.NewCredentials())
-		tr, err := grpcx.Dial(addr, insecure.NewCredentials())
-		require.NoError(t, err)
-		defer tr.Close()
-		l, err := testkit.Prefill(prefill, "cut", "victim", 1000*16)
-		require.NoError(t, err)
-		exp, err := newSender(t, 100*time.Millisecond).Export(l, 0)
-		require.NoError(t, err)
-		cctx, cancel := context.WithCancel(ctx)
-		err = exp.Send(cctx, &cutAfter{inner: tr, sends: 4, cancel: cancel})
-		assert.ErrorIs(t, err, handoff.ErrTransport)
-		require.Eventually(t, func() bool { return recv.Stats().Refused == 1 }, 5*time.Second, time.Millisecond)
-		_, ok := recv.Take("cut")
-		assert.False(t, ok)
-		require.Eventually(t, func() bool { return !exp.Live() }, 5*time.Second, time.Millisecond)
-		require.NoError(t, testkit.Sweep(prefill))
-		require.NoError(t, testkit.Sweep(decode))
-	})
-	t.Run("receiver stopped", func(t *testing.T) {
-		prefill, decode := newPool(t, 1024), newPool(t, 2048)
-		_, addr, stop := serve(t, decode, insecure.NewCredentials())
-		tr, err := grpcx.Dial(addr, insecure.NewCredentials())
-		require.NoError(t, err)
-		defer tr.Close()
-		l, err := testkit.Prefill(prefill, "gone", "victim", 1000*16)
-		require.NoError(t, err)
-		exp, err := newSender(t, 100*time.Millisecond).Export(l, 0)
-		require.NoError(t, err)
-		err = exp.Send(ctx, &cutAfter{inner: tr, sends: 4, cancel: stop})
-		assert.ErrorIs(t, err, handoff.ErrTransport)
-		require.Eventually(t, func() bool { return !exp.Live() }, 5*time.Second, time.Millisecond)
-		require.Eventually(t, func() bool { return decode.Stats().InUsePages == 0 }, 5*time.Second, time.Millisecond)
-		require.NoError(t, testkit.Sweep(prefill))
-		require.NoError(t, testkit.Sweep(decode))
-	})
-}
-
-// cutAfter calls cancel once the sender has sent `sends` messages.
-type cutAfter struct {
-	inner  handoff.Transport
-	sends  int
-	cancel func()
-}
-
-func (c *cutAfter) Open(ctx context.Context) (handoff.Stream, error) {
-	st, err := c.inner.Open(ctx)
-	return &cutStream{Stream: st, c: c}, err
-}
-
-type cutStream struct {
-	handoff.Stream
-	c *cutAfter
-	n int
-}
-
-func (s *cutStream) Send(msg []byte) error {
-	s.n++
-	if s.n == s.c.sends {
-		s.c.cancel()
-	}
-	return s.Stream.Send(msg)
-}
-
 // TestTwoProcesses moves real page bytes to a decode pool in another OS
 // process over loopback gRPC, and audits that process's pool.
 func TestTwoProcesses(t *testing.T) {
@@ -259,38 +189,4 @@ func goTool(t *testing.T) string {
 		t.Skip("no go command to build the helper")
 	}
 	return p
-}
-
-// A hybrid model's prompt crosses gRPC whole: per-token pages, the
-// window's pages at the prompt's end and the state slot in parts; the
-// decode lease holds exactly what prefill wrote, and both pools end
-// clean.
-func TestHybridHandoffOverGRPC(t *testing.T) {
-	hybrid := func() *kvcache.Pool {
-		p, err := testkit.NewPool(testkit.PoolConfig{Spec: testkit.HybridSpec(), Pages: 128, Tenants: tenants})
-		require.NoError(t, err)
-		t.Cleanup(func() { p.Close() })
-		return p
-	}
-	prefill, decode := hybrid(), hybrid()
-	recv, addr, _ := serve(t, decode, insecure.NewCredentials())
-	tr, err := grpcx.Dial(addr, insecure.NewCredentials())
-	require.NoError(t, err)
-	defer tr.Close()
-	s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), FrameBytes: handoff.MinFrameBytes})
-	require.NoError(t, err)
-	for i, prompt := range []int{3, 16*25 + 9} {
-		id := fmt.Sprintf("h%d", i)
-		l, err := testkit.Prefill(prefill, id, "victim", prompt)
-		require.NoError(t, err)
-		exp, err := s.Export(l, 16)
-		require.NoError(t, err)
-		require.NoError(t, exp.Send(context.Background(), tr))
-		dl, ok := recv.Take(id)
-		require.True(t, ok)
-		require.NoError(t, testkit.VerifyContent(decode, dl, id))
-		require.NoError(t, dl.Release())
-	}
-	require.NoError(t, testkit.Sweep(prefill))
-	require.NoError(t, testkit.Sweep(decode))
 }

@@ -104,31 +104,6 @@ func TestServeAfterClose(t *testing.T) {
 	assert.Error(t, err, "the listener is closed")
 }
 
-// Transfers from several goroutines over one Transport and one Server
-// run at once, each on its own connection, and all arrive; a closed
-// Transport opens no more.
-func TestConcurrentTransfers(t *testing.T) {
-	prefill, decode := newPool(t, 2048), newPool(t, 4096)
-	srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(), tcpx.Options{})
-	tr := dial(t, srv.addr, tcpx.Insecure(), tcpx.Options{})
-	s := newSender(t, time.Minute)
-	var wg sync.WaitGroup
-	for i := range 6 {
-		id := fmt.Sprint("concurrent-", i)
-		exp := export(t, s, prefill, id, (100+50*i)*16)
-		wg.Go(func() { assert.NoError(t, exp.Send(context.Background(), tr)) })
-	}
-	wg.Wait()
-	for i := range 6 {
-		takeVerified(t, srv, decode, fmt.Sprint("concurrent-", i))
-	}
-	require.NoError(t, tr.Close())
-	_, err := tr.Open(context.Background())
-	assert.ErrorIs(t, err, handoff.ErrTransport, "Open after Close")
-	require.NoError(t, testkit.Sweep(prefill))
-	require.NoError(t, testkit.Sweep(decode))
-}
-
 // Close while connections keep arriving, in every state (just accepted,
 // in the hello, mid-frame, mid-transfer, over MaxConns): it returns, Serve
 // returns ErrServerClosed, every connection the server took is closed, and

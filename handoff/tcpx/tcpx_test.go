@@ -147,40 +147,6 @@ func (s *watchedStream) SendViews(head []byte, views [][]byte, done func()) erro
 	})
 }
 
-// Prompts of one token, one page and many frames' worth go over plain
-// TCP as the prefill pool's pages themselves (every frame lent to the
-// stream and given back), arrive exactly, and leave both pools clean; a
-// replay of one of them is refused.
-func TestHandoffRoundTrip(t *testing.T) {
-	prefill, decode := newPool(t, 2048), newPool(t, 4096)
-	srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(), tcpx.Options{})
-	cv := &watch{inner: dial(t, srv.addr, tcpx.Insecure(), tcpx.Options{})}
-	s := newSender(t, time.Minute)
-	ctx := context.Background()
-	for _, tc := range []struct {
-		id     string
-		prompt int
-	}{{"first", 1}, {"second", 16}, {"third", 1500*16 + 7}} {
-		exp := export(t, s, prefill, tc.id, tc.prompt)
-		require.NoError(t, exp.Send(ctx, cv))
-		assert.False(t, exp.Live())
-		takeVerified(t, srv, decode, tc.id)
-	}
-	lent, back := cv.counts()
-	assert.Greater(t, lent, 3, "the pages went as lent frames")
-	assert.Equal(t, lent, back, "every lent frame was given back")
-
-	exp := export(t, s, prefill, "first", 1)
-	err := exp.Send(ctx, cv)
-	var refused *handoff.RefusedError
-	require.ErrorAs(t, err, &refused)
-	assert.ErrorIs(t, err, handoff.ErrReplay)
-	require.NoError(t, exp.Abort())
-	assert.Equal(t, uint64(3), srv.recv.Stats().Imported)
-	require.NoError(t, testkit.Sweep(prefill))
-	require.NoError(t, testkit.Sweep(decode))
-}
-
 // testCert is a certificate for 127.0.0.1 and the roots that trust it:
 // net/http/httptest's, which saves making one.
 func testCert(t testing.TB) (tls.Certificate, *x509.CertPool) {
@@ -229,29 +195,6 @@ func TestTLSHandoff(t *testing.T) {
 	require.NoError(t, exp.Abort())
 	require.NoError(t, testkit.Sweep(prefill))
 	require.NoError(t, testkit.Sweep(decode))
-}
-
-// A hybrid model's prompt crosses tcpx whole: per-token pages, the
-// window's pages at the prompt's end and the state slot (in parts: it is
-// larger than a 4 KiB-part message here), page views lent and staged
-// alike; the decode lease holds exactly what prefill wrote.
-func TestHybridHandoffOverTCPX(t *testing.T) {
-	for _, frame := range []int{handoff.MinFrameBytes, 32 << 10} {
-		prefill := pool(t, testkit.PoolConfig{Spec: testkit.HybridSpec(), Pages: 128})
-		decode := pool(t, testkit.PoolConfig{Spec: testkit.HybridSpec(), Pages: 128})
-		srv := serve(t, handoff.ReceiverConfig{Pool: decode}, tcpx.Insecure(), tcpx.Options{})
-		tr := dial(t, srv.addr, tcpx.Insecure(), tcpx.Options{})
-		s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), FrameBytes: frame})
-		require.NoError(t, err)
-		for i, prompt := range []int{5, 16*30 + 1} {
-			id := fmt.Sprintf("h%d-%d", frame, i)
-			exp := export(t, s, prefill, id, prompt)
-			require.NoError(t, exp.Send(context.Background(), tr))
-			takeVerified(t, srv, decode, id)
-		}
-		require.NoError(t, testkit.Sweep(prefill))
-		require.NoError(t, testkit.Sweep(decode))
-	}
 }
 
 // A state slot larger than tcpx's message bound crosses in parts when
