@@ -12,6 +12,8 @@ fuzztime="${FUZZTIME:-20000x}" # inputs, not seconds: see .ci/run
 go test -run '^$' -fuzz '^FuzzDecode$' -fuzztime "$fuzztime" ./handoff
 go test -run '^$' -fuzz '^FuzzParse$' -fuzztime "$fuzztime" ./handoff
 go test -run '^$' -fuzz '^FuzzParseData$' -fuzztime "$fuzztime" ./handoff
+# And the grant of remote memory, whatever bytes a receiver signs.
+go test -run '^$' -fuzz '^FuzzParseGrant$' -fuzztime "$fuzztime" ./handoff
 # Serve after a genuine manifest, whatever messages follow.
 go test -run '^$' -fuzz '^FuzzServe$' -fuzztime "$fuzztime" ./handoff
 go test -run '^$' -fuzz '^FuzzServeHybrid$' -fuzztime "$fuzztime" ./handoff

@@ -1,0 +1,155 @@
+// Package ucxx is a handoff.Transport over UCX (openucx), the transfer
+// library under NIXL and most RDMA deployments of disaggregated serving:
+// the decode side exposes the import's pages to the sender, which writes
+// the prefill pages straight into them with UCX's remote puts, over
+// whatever UCX finds (InfiniBand, RoCE, TCP, shared memory, and CUDA
+// memory where UCX is built for it), with the handoff's manifest, MACs,
+// checksum and verdicts around the bytes as over every transport
+// (handoff's "Remote memory").
+//
+// It is built with UCX only under the build tag ucx, with cgo and UCX's
+// headers and libraries (Debian's libucx-dev; UCX 1.13 or later):
+//
+//	go test -tags ucx ./handoff/ucxx
+//
+// Without the tag, or without cgo, every constructor returns
+// ErrUnavailable (Available says which build this is), so that code that
+// uses the package builds everywhere. The cgo is a thin layer of this
+// package's own over UCX's ucp API (shim.c, worker.go); UCX's Go bindings
+// are not used.
+//
+// # Model
+//
+// A Transport and a Server each own a UCX context and worker, which a
+// goroutine progresses: it polls while operations move, and sleeps in Go's
+// poller on the worker's event file descriptor otherwise. Every UCX call
+// is made with the worker's lock held (UCS_THREAD_MODE_SERIALIZED);
+// UCX's callbacks only queue events, which the progress loop hands to
+// the goroutines waiting for them, so no Go code runs on a UCX callback
+// and UCX keeps no Go pointer (the memory of an operation in flight is
+// pinned with runtime.Pinner until it ends).
+//
+// One transfer is one connection, as with handoff/tcpx. The two ends
+// meet over TCP (Server.Listen's address): each sends a hello with its
+// worker's address and the connection's ID, and each creates a UCX
+// endpoint to the other's worker from it, the way UCX's perftest and NIXL
+// connect. (UCX 1.13's sockaddr connection manager would choose network
+// transports only, never shared memory.) That TCP connection stays open,
+// silent, until the transfer ends: its close tells either end at once
+// that the other has gone, which UCX itself would learn only from a
+// keepalive, and on shared memory not at all (the endpoints use UCX's
+// error mode NONE with a handler: in 1.13 error mode PEER leaves out
+// shared memory and every transport's remote memory access on an
+// endpoint created from a worker address).
+//
+// Messages (the handoff's manifest, grant, landed notes, seal and
+// verdicts) are UCX active messages, sent eagerly, each with a header
+// naming the connection they are for at the receiving worker (a random
+// 64-bit ID). A sender may have window (4) messages unread by the
+// receiver; each one read earns a credit back, so a fast sender cannot
+// queue a prompt at a slow receiver.
+//
+// # Data path
+//
+// Where the decode pool's pages are host memory (and Options.DataPath is
+// PathAuto), the receiver lends the import's units, every cache group's
+// (kvcache's Incoming.LendPages: the prompt's pages, a window's pages at
+// the prompt's end, a state slot), and its endpoint maps each run of
+// adjacent pages of a region with ucp_mem_map (registered with every
+// transport that writes remote memory, for remote writes) and packs its
+// remote key; the grant carries the runs' addresses and keys inside the
+// handoff's signed grant, never beside it. The sender unpacks the keys on
+// its endpoint, checks every put against the extent it was granted before
+// posting it, and writes each chunk of units with one put per run of
+// pages adjacent on both sides (ucp_put_nbx; a state slot of any size is
+// one put per region), then flushes the endpoint: the flush's completion
+// is the remote completion of the puts, after which the chunk's landed
+// note goes out. Only the import's pages are mapped, and only for the
+// life of the transfer: when the receiver takes the memory back
+// (revoke), it asks the sender to stop writing, the sender stops posting
+// (every post takes the worker's lock, so none is half posted), flushes,
+// and acknowledges; past Options.RevokeTimeout the connection is cut.
+// Then the memory is unmapped and the loan returned, and only then is
+// the import completed, or aborted and scrubbed.
+//
+// Where the pages cannot be lent (the decode pool's pages are not host
+// memory) or Options.DataPath is PathMessages, the pages travel in the
+// handoff's data frames, as active messages from the prefill pages
+// themselves (handoff.ViewStream), copied into the decode pool by the
+// receiver: the data path of handoff/tcpx.
+//
+// # Configuration
+//
+// UCX's own environment picks the transports and devices: UCX_TLS
+// (tcp; sm,self for shared memory; rc,ud,... for InfiniBand and RoCE),
+// UCX_NET_DEVICES (mlx5_0:1, eth0, ...) and the rest (ucx_info -c lists
+// them). Options bound messages, connecting, each message and chunk of
+// writes, the revoke, and a server's connections.
+//
+// Two nodes on RoCE or InfiniBand, on paper (this package was tested on
+// one machine only: see below): on the decode node, with the fabric's
+// device named,
+//
+//	UCX_TLS=rc,ud,sm,self UCX_NET_DEVICES=mlx5_0:1 decode-server
+//	    srv, _ := ucxx.NewServer(recv, ucxx.Options{})
+//	    addr, _ := srv.Listen("10.0.0.2:13337") // an address the prefill node reaches
+//
+// and on the prefill node
+//
+//	UCX_TLS=rc,ud,sm,self UCX_NET_DEVICES=mlx5_0:1 prefill-engine
+//	    tr, _ := ucxx.Dial("10.0.0.2:13337", ucxx.Options{})
+//	    exp.Send(ctx, tr)
+//
+// The TCP connection the ends meet over needs an IP route between them
+// (IPoIB, or the RoCE interface's own address); the pages go over the
+// verbs transports UCX_TLS names, written by the prefill node's NIC into
+// the decode pool's registered pages. With RoCE, the GID index
+// (UCX_IB_GID_INDEX) may need setting as for any UCX program. A decode
+// pool on a GPU is lent only once kvcache lends device memory, which it
+// does not yet: such pools take the message path, through host staging.
+//
+// On one machine the package is tested over UCX_TLS=tcp (loopback) and
+// over shared memory, UCX_TLS=sm,self (posix and sysv for the messages,
+// cma, that is process_vm_writev, for the puts), in one process and in
+// two (the peer binary in internal/peer); CI runs both
+// (scripts/ci-ucx.sh).
+//
+// # Security
+//
+// UCX encrypts nothing: the page bytes cross the fabric in the clear, so
+// use it on a trusted fabric, as RDMA deployments do. The handoff's MACs
+// still hold: a manifest, a grant and a seal that a holder of the shared
+// key did not sign are refused, so a sender writes only into memory a
+// receiver holding the key granted for this very transfer, and a receiver
+// admits only what such a sender manifested. What enforces a remote key
+// is the transport: an RDMA NIC refuses a write outside the memory
+// registered for the key, and after its unmap; TCP and shared memory do
+// not check (UCX's tcp transport writes where the peer says, cma writes
+// with the peer's process_vm_writev), so there the bounds checks of the
+// sender (this package's, and handoff's check of the grant) and the
+// revoke's handshake are what keep a sender's writes inside the import's
+// pages and within its life.
+//
+// # Bounds
+//
+// A peer cannot make a server allocate more than it sends: a message over
+// Options.MaxMessageBytes is refused before anything is allocated for it
+// (ErrMessageTooLarge), and the messages a peer may queue unread are
+// bounded (window, and a few more for the receiver's verdicts). A server
+// serves at most Options.MaxConns connections at once, from their
+// accept; one more is closed unread (ServerStats.OverMaxConns). A
+// connection whose hello is not a ucxx peer's of this version is closed
+// (ErrHandshake, ServerStats.FailedHandshakes). Refusals are logged at
+// most one a second.
+//
+// # Errors
+//
+// Every error the package returns wraps ErrUnavailable, ErrServerClosed or
+// one of handoff's sentinels: handoff.ErrTransport for anything UCX, the
+// network or the peer did (ErrMessageTooLarge and ErrHandshake wrap it),
+// handoff.ErrProtocol for a put outside the granted memory or a remote
+// key that does not unpack, handoff.ErrInvalidConfig for Options that
+// cannot work, handoff.ErrInvalidArgument
+// for a nil server, receiver, transport or context, or an address
+// without a port.
+package ucxx
