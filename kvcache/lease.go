@@ -32,7 +32,7 @@ type Lease struct {
 	// see it: they take no lock (publishTable).
 	view    atomic.Pointer[[]int32]
 	viewLen atomic.Int64
-	viewCap int // cap(*view), guarded by Pool.mu; 0 before the first view
+	viewCap int // cap(*view), guarded by Pool.mu; 0 before the first view, -1 to force a new one
 	// scrub is scratch for release, reused, guarded by Pool.mu: empty
 	// while a scrub of the lease's pages reads its arrays (see
 	// scrubBatch.scratch).
@@ -104,6 +104,11 @@ func (l *Lease) holdsFor(p *Pool) []hold {
 		} else {
 			l.holds = make([]hold, len(p.groups))
 		}
+		// The block table moves to another hold's array, whose capacity
+		// may be the one the view shows: publishTable, which tells
+		// arrays by capacity, must store a new view. (A stale view gave
+		// the engine page IDs the lease did not hold.)
+		l.viewCap = -1
 	}
 	return l.holds
 }
@@ -124,8 +129,9 @@ func (l *Lease) reset(p *Pool, req Request, t *tenancy.Tenant, seq uint64) {
 // what the lease's lock-free readers see. It runs under Pool.mu after every change of the
 // table. A new view header is
 // needed only when the table moved to a larger array (amortised: append
-// doubles, and a lease's table never moves to another array of the same
-// capacity); otherwise the readers' array already holds the new entries
+// doubles, and a lease's table moves to another array of the same
+// capacity only with its holds, when holdsFor forces a new view);
+// otherwise the readers' array already holds the new entries
 // beyond the length they had, and the new length is all there is to
 // publish. The view is stored before its length, and tableView loads the
 // length first, so a reader never slices past the array it reads.
