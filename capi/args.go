@@ -77,15 +77,23 @@ func cBytes(p *C.uint8_t, n C.size_t, name string) ([]byte, error) {
 }
 
 // cPages views the page buffer of kvf_export_read_pages or
-// kvf_import_write_pages. Its length says how many pages to move, so,
-// unlike cSlice, a length beyond maxBufferBytes is not cut down to a view
-// of the first bytes (which could make a whole number of pages again): it
-// is a range no transfer has, refused with the numbers before the buffer
-// is viewed. The rest of the range is checked by bridge.
+// kvf_import_write_pages: cUnits of pages.
 func cPages(p *C.uint8_t, n C.size_t, first C.int64_t, op string) ([]byte, error) {
+	return cUnits(p, n, op, "page", first)
+}
+
+// cUnits views the buffer of a call that moves pages or handoff units
+// (the page calls, kvf_export_read_units, kvf_import_write_unit_range,
+// ...), what it moves starting at that one at. Its length says how many
+// bytes to move, so, unlike cSlice, a length beyond maxBufferBytes is not
+// cut down to a view of the first bytes (which could make a whole number
+// of pages again): it is a range no transfer has, refused with the
+// numbers before the buffer is viewed. The rest of the range is checked
+// by bridge.
+func cUnits(p *C.uint8_t, n C.size_t, op, what string, at C.int64_t) ([]byte, error) {
 	if p != nil && uint64(n) > maxBufferBytes {
-		return nil, fmt.Errorf("%w: %s of %d bytes at page %d: more than the %d bytes one call moves",
-			kvcache.ErrInvalidArgument, op, uint64(n), int64(first), uint64(maxBufferBytes))
+		return nil, fmt.Errorf("%w: %s of %d bytes at %s %d: more than the %d bytes one call moves",
+			kvcache.ErrInvalidArgument, op, uint64(n), what, int64(at), uint64(maxBufferBytes))
 	}
 	return cBytes(p, n, "buf")
 }

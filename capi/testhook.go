@@ -32,6 +32,7 @@ type (
 	cWorker   = C.kvf_rank_worker
 	cRegion   = C.kvf_region
 	cTransfer = C.kvf_transfer_info
+	cExtent   = C.kvf_handoff_extent
 	cChar     = C.char
 	cUint8    = C.uint8_t
 	cInt32    = C.int32_t

@@ -76,8 +76,13 @@ extern "C" {
  * page (kvf_admit_tokens_keyed: a multimodal prompt's images), dropping
  * the prefix cache (kvf_pool_clear_prefix_cache), the cause of a
  * KVF_ERR_POOL_EXHAUSTED refusal (kvf_error_info.cause, KVF_CAUSE_*) and a
- * rank worker's "step_lag". */
-#define KVF_ABI_VERSION 8
+ * rank worker's "step_lag"; version 9 adds handoffs of every cache group:
+ * a transfer's extents (kvf_export_extents, kvf_import_extents), reads
+ * and writes of handoff units and of ranges of one
+ * (kvf_export_read_units, kvf_import_write_unit_range, ...), which a pool
+ * with sliding-window or state groups needs, and a cache spec's
+ * tensor-parallel "shard". */
+#define KVF_ABI_VERSION 9
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -135,7 +140,7 @@ enum {
     KVF_ERR_DUPLICATE_PAGE = 63,      /* an import received the same page twice; the import is aborted */
     KVF_ERR_INCOMPLETE_TRANSFER = 64, /* complete before every page arrived; the import is aborted */
     KVF_ERR_CHECKSUM_MISMATCH = 65,   /* the pages do not match the manifest's checksum; the import is aborted */
-    KVF_ERR_MALFORMED_MANIFEST = 66,  /* not a version-1 manifest (length, magic, fields) */
+    KVF_ERR_MALFORMED_MANIFEST = 66,  /* not a manifest this library reads (length, magic, version, fields) */
     KVF_ERR_BAD_MAC = 67,             /* the manifest's MAC does not verify under the key: forged, corrupted, other key */
     KVF_ERR_MANIFEST_EXPIRED = 68,    /* expired, or expiring further ahead than the receiver's max_ttl_ms */
     KVF_ERR_GEOMETRY_MISMATCH = 69,   /* the manifest's units are of another cache spec than the decode pool's: the message names the first difference */
@@ -215,13 +220,41 @@ typedef struct kvf_region {
 /* What an export holds or an import expects (kvf_export_describe,
  * kvf_import_describe). Since ABI 2. */
 typedef struct kvf_transfer_info {
-    int64_t pages;          /* prompt pages to move */
-    int64_t page_bytes;     /* bytes of one page, all layers' K and V, layer 0's K first */
+    int64_t pages;          /* prompt pages of the per-token group to move (its units: the transfer's first);
+                               a pool with window or state groups moves more (kvf_export_extents) */
+    int64_t page_bytes;     /* bytes of one per-token page, all its regions (layers' K and V, layer 0's K first) */
     int64_t prompt_tokens;
     int64_t max_new_tokens; /* what the decode lease reserves beyond the prompt */
-    uint32_t checksum;      /* content checksum the manifest promises (XXH3-64 per page, folded) */
+    uint32_t checksum;      /* content checksum the manifest promises (XXH3-64 per unit, folded) */
     int32_t live;           /* export: pages still pinned; import: neither completed nor aborted */
 } kvf_transfer_info;
+
+/* The kind of a cache group (kvf_handoff_extent.kind). Since ABI 9. */
+enum {
+    KVF_GROUP_PER_TOKEN = 1,      /* pages of tokens: K/V, MLA latents, indexer keys */
+    KVF_GROUP_SLIDING_WINDOW = 2, /* a ring of pages over the last window_tokens tokens */
+    KVF_GROUP_STATE = 3           /* one slot per lease: a linear-attention layer's state */
+};
+
+/* The most bytes of a cache group's name in a kvf_handoff_extent, NUL
+ * included (names are at most 128 bytes). Since ABI 9. */
+#define KVF_GROUP_NAME_MAX 129
+
+/* One cache group's part of a handoff (kvf_export_extents,
+ * kvf_import_extents). Since ABI 9. A transfer moves units: the pages
+ * (slots) of every group that hold the prompt's state, group by group in
+ * the cache spec's order, numbered from 0 across groups. A unit's bytes
+ * are its page (slot) in every region of its group, in region order. */
+typedef struct kvf_handoff_extent {
+    int64_t first_unit; /* the transfer's number of the group's first unit */
+    int64_t units;      /* per-token: the prompt's pages; window: its ring pages still inside the window at the
+                           prompt's end, oldest first; state: 1, the lease's slot */
+    int64_t unit_bytes; /* bytes of one unit: its page (slot) in every region of the group */
+    int64_t first_page; /* the logical page the first unit holds: 0, or for a window the oldest page inside it
+                           (unit first_unit + i holds tokens [(first_page + i) x tokens_per_page, ...)) */
+    int32_t kind;       /* KVF_GROUP_* */
+    char group[KVF_GROUP_NAME_MAX]; /* the group's name, NUL-terminated */
+} kvf_handoff_extent;
 
 #ifndef KVFENCE_TYPES_ONLY
 
@@ -312,7 +345,12 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  * The first group is the per-token one (K/V, latents, indexer keys: any
  * page size per region); "sliding_window" groups take "window_tokens";
  * "state" groups hold one slot per lease. "max_leases" sizes the window
- * and state groups (required with them). A region's "memory":
+ * and state groups (required with them). "shard": {"rank": r, "size": n}
+ * (since ABI 9) says the regions hold tensor-parallel rank r's shard of n
+ * (its heads of every layer); a handoff moves KV only between pools of
+ * one shard (KVF_ERR_SHARD_MISMATCH). Omitted: the whole model. Both
+ * fields are required, size 1 to 65536 and rank 0 to size - 1
+ * (KVF_ERR_INVALID_CONFIG naming the field). A region's "memory":
  * {"base": "0x7f..", "stride": N, "pages": N, "bytes": N} adopts an
  * engine's tensor instead of allocating: a device address on a CUDA pool,
  * a host address ("bytes" long, required) on a host pool; the engine keeps
@@ -634,12 +672,30 @@ KVF_API kvf_status kvf_lease_abort(kvf_lease lease);
  *
  * The key is a secret of at least 32 bytes shared by both sides (shorter:
  * KVF_ERR_INVALID_CONFIG); the manifest is HMAC-SHA256 signed with it.
+ *
+ * A handoff moves every cache group of the pool (since ABI 9), as units
+ * (kvf_handoff_extent): the per-token group's prompt pages, each sliding
+ * window's ring pages still inside the window at the prompt's end, each
+ * state group's slot. The page calls (kvf_export_read_pages,
+ * kvf_import_write_pages) move the per-token group's pages, which are
+ * units 0 .. pages - 1: all a pool of one per-token group has. A pool
+ * with sliding-window or state groups needs the unit calls
+ * (kvf_export_read_units, kvf_export_read_unit_range and their import
+ * twins) for the other groups' units: an import without them is refused
+ * as incomplete, naming the group. Both sides' pools must have one cache
+ * spec (KVF_ERR_GEOMETRY_MISMATCH names the first difference) and one
+ * tensor-parallel shard (KVF_ERR_SHARD_MISMATCH).
+ *
+ *   kvf_export_extents(exp, ext, n, &groups, &units, &bytes);
+ *   kvf_export_read_units(exp, first, buf, len);   whole units: send them
+ *   kvf_export_read_unit_range(exp, u, off, buf, len);   a unit larger
+ *                                                 than a message, in ranges
  */
 
-/* Pins a prefilled lease's prompt pages (KVF_ERR_LEASE_PHASE if it is not
- * prefilled: nothing changes), reads each once for the content checksum
- * and signs their manifest. max_new_tokens is
- * the output budget the decode pool must reserve. The manifest is valid
+/* Pins a prefilled lease's prompt pages, in every cache group
+ * (KVF_ERR_LEASE_PHASE if it is not prefilled: nothing changes), reads
+ * each once for the content checksum and signs their manifest.
+ * max_new_tokens is the output budget the decode pool must reserve. The manifest is valid
  * for ttl_ms (0: 30 s); the pages stay pinned until kvf_export_ack,
  * kvf_export_abort, kvf_export_free, or 2 x ttl, then are scrubbed. */
 KVF_API kvf_status kvf_export_create(kvf_lease lease, const uint8_t *key, size_t key_len,
@@ -652,7 +708,9 @@ KVF_API kvf_status kvf_export_manifest(kvf_export exp, uint8_t *buf, size_t buf_
 /* Pages, page size, sizes, checksum, and whether the pages are pinned. */
 KVF_API kvf_status kvf_export_describe(kvf_export exp, kvf_transfer_info *out);
 
-/* Copies exported pages first_page, first_page+1, ... into buf. The range
+/* Copies exported pages first_page, first_page+1, ... of the per-token
+ * group into buf (units first_page, ...: on a pool with window or state
+ * groups their units need kvf_export_read_units). The range
  * must lie within the export: 0 <= first_page < pages, and buf_len a
  * positive multiple of page_bytes that ends at or before the last page.
  * Any other first_page or buf_len, however large or negative, returns
@@ -660,6 +718,33 @@ KVF_API kvf_status kvf_export_describe(kvf_export exp, kvf_transfer_info *out);
  * nothing and leaves the export as it was. KVF_ERR_RECLAIMED once the
  * pages were released: nothing is copied. */
 KVF_API kvf_status kvf_export_read_pages(kvf_export exp, int64_t first_page, uint8_t *buf, size_t buf_len);
+
+/* Copies the transfer's extents, one per cache group in the cache spec's
+ * order, into buf (buf_len entries). *len (if not NULL) gets their
+ * number, *units and *bytes (if not NULL) every group's units and the
+ * bytes of them all, what the transfer moves; all three also with
+ * KVF_ERR_BUFFER_TOO_SMALL, so NULL, 0 asks for every size in one call.
+ * Works until the handle is freed, also once the export ended. Since
+ * ABI 9. */
+KVF_API kvf_status kvf_export_extents(kvf_export exp, kvf_handoff_extent *buf, size_t buf_len, size_t *len,
+                                      int64_t *units, int64_t *bytes);
+
+/* Copies exported units first_unit, first_unit+1, ... into buf: whole
+ * units, each its regions in order, one after the other; the run may
+ * cross from one group to the next (units of different sizes) and must
+ * end where buf does, at a unit's end. Anything else (first_unit outside
+ * 0 .. units - 1, buf_len 0 or ending inside a unit or past the last)
+ * returns KVF_ERR_INVALID_ARGUMENT with the numbers in the message,
+ * copies nothing and leaves the export as it was; KVF_ERR_RECLAIMED once
+ * the units were released. Since ABI 9. */
+KVF_API kvf_status kvf_export_read_units(kvf_export exp, int64_t first_unit, uint8_t *buf, size_t buf_len);
+
+/* Copies bytes [offset, offset + buf_len) of exported unit `unit` into
+ * buf, for a unit larger than the caller's message (a state slot is tens
+ * or hundreds of MiB): any non-empty range inside the unit, in any order.
+ * Errors are kvf_export_read_units'. Since ABI 9. */
+KVF_API kvf_status kvf_export_read_unit_range(kvf_export exp, int64_t unit, int64_t offset, uint8_t *buf,
+                                              size_t buf_len);
 
 /* Ends the export after the decode side confirmed: the prefill pages are
  * scrubbed. KVF_ERR_RECLAIMED if they had been released already. */
@@ -677,7 +762,9 @@ KVF_API kvf_status kvf_export_free(kvf_export exp);
  *   kvf_receiver_create(decode_pool, key, key_len, NULL, &rcv);   once
  *   kvf_import_begin(rcv, manifest, manifest_len, &imp);   verify + admit
  *   kvf_import_write_pages(imp, first, buf, k * page_bytes);  as they come
- *   kvf_import_complete(imp, &lease);   every page + checksum verified
+ *     (every group's units: kvf_import_write_units, and ranges of a unit
+ *      kvf_import_write_unit_range; since ABI 9)
+ *   kvf_import_complete(imp, &lease);   every unit + checksum verified
  *   kvf_import_free(imp);  ... decode with lease ...
  */
 
@@ -704,8 +791,10 @@ KVF_API kvf_status kvf_import_begin(kvf_receiver receiver, const uint8_t *manife
 /* Pages and sizes the import expects; live until completed or aborted. */
 KVF_API kvf_status kvf_import_describe(kvf_import imp, kvf_transfer_info *out);
 
-/* Writes received pages first_page, first_page+1, ... from buf (a
- * positive multiple of page_bytes). A range outside the import (as for
+/* Writes received pages first_page, first_page+1, ... of the per-token
+ * group from buf (a positive multiple of page_bytes); on a pool with
+ * window or state groups their units need kvf_import_write_units, or the
+ * import is incomplete. A range outside the import (as for
  * kvf_export_read_pages: KVF_ERR_INVALID_ARGUMENT, naming the numbers)
  * and a NULL buf (KVF_ERR_NULL_POINTER) are refused before the import is
  * touched: nothing is written and the import stays live, so the call may
@@ -714,11 +803,48 @@ KVF_API kvf_status kvf_import_describe(kvf_import imp, kvf_transfer_info *out);
  * (KVF_ERR_STALE_TRANSFER, nothing written). */
 KVF_API kvf_status kvf_import_write_pages(kvf_import imp, int64_t first_page, const uint8_t *buf, size_t buf_len);
 
-/* Verifies that every page arrived and the checksum matches, and returns
- * the decode lease: phase prefilled, written = prompt tokens, its pages
- * holding prompt + max new tokens. On failure the import is aborted
- * (KVF_ERR_INCOMPLETE_TRANSFER, KVF_ERR_CHECKSUM_MISMATCH) and its pages
- * scrubbed. */
+/* The extents the import expects, as kvf_export_extents gives the
+ * export's (the receiver checked that both pools have one cache spec).
+ * Since ABI 9. */
+KVF_API kvf_status kvf_import_extents(kvf_import imp, kvf_handoff_extent *buf, size_t buf_len, size_t *len,
+                                      int64_t *units, int64_t *bytes);
+
+/* Writes received units first_unit, first_unit+1, ... from buf: whole
+ * units as kvf_export_read_units read them, the run ending where buf
+ * does. A run outside the import (the rules of kvf_export_read_units:
+ * KVF_ERR_INVALID_ARGUMENT, naming the numbers) and a NULL buf
+ * (KVF_ERR_NULL_POINTER) are refused before the import is touched:
+ * nothing is written and the import stays live. Any other error aborts
+ * the import: a unit twice, or one received in ranges already
+ * (KVF_ERR_DUPLICATE_PAGE), an import that has ended
+ * (KVF_ERR_STALE_TRANSFER, nothing written). Calls for disjoint units may
+ * run on several threads at once. Since ABI 9. */
+KVF_API kvf_status kvf_import_write_units(kvf_import imp, int64_t first_unit, const uint8_t *buf, size_t buf_len);
+
+/* Writes bytes [offset, offset + buf_len) of unit `unit`, received in
+ * ranges. The import sums a unit as its ranges land, so a unit's ranges
+ * are written one at a time and in order: the first at offset 0, each
+ * next one where the last ended, every one but the unit's last a multiple
+ * of 4096 bytes long; and one unit's ranges at a time (a run of whole
+ * units may come between). A range outside the unit, empty, at an offset
+ * that is not a multiple of 4096, or short of 4096 bytes' multiple while
+ * not reaching the unit's end is refused as kvf_import_write_units'
+ * ranges are (KVF_ERR_INVALID_ARGUMENT, the import live). A range out of
+ * order (not where the unit's last ended, of another unit while one is
+ * received in ranges, or while another range is being written) is also
+ * KVF_ERR_INVALID_ARGUMENT, but it aborts the import: its bytes were lost
+ * or reordered on the way. Other errors are kvf_import_write_units'. The
+ * unit counts as received once its last range has landed. Since ABI 9. */
+KVF_API kvf_status kvf_import_write_unit_range(kvf_import imp, int64_t unit, int64_t offset, const uint8_t *buf,
+                                               size_t buf_len);
+
+/* Verifies that every unit of every cache group arrived and the checksum
+ * matches, and returns the decode lease: phase prefilled, written =
+ * prompt tokens, its pages holding prompt + max new tokens, each sliding
+ * window starting where the prompt's does. On failure the import is
+ * aborted (KVF_ERR_INCOMPLETE_TRANSFER, whose message names the first
+ * group some of whose units are missing; KVF_ERR_CHECKSUM_MISMATCH) and
+ * its pages scrubbed in every group. */
 KVF_API kvf_status kvf_import_complete(kvf_import imp, kvf_lease *out);
 
 /* Ends an import that has not completed; its pages are scrubbed and its

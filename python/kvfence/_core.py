@@ -157,10 +157,49 @@ def _int32_out(out):
     raise TypeError("kvfence: out must be an int32 tensor, numpy array or array('i'), not %s" % type(out).__name__)
 
 
+class _PyBuffer(ctypes.Structure):
+    """Py_buffer, the buffer protocol's view (in the stable ABI since
+    Python 3.11, and unchanged since 3.3)."""
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+try:  # CPython's own buffer calls: read-only buffers in place (elsewhere: copied)
+    _get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+    _get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+    _get_buffer.restype = ctypes.c_int
+    _release_buffer = ctypes.pythonapi.PyBuffer_Release
+    _release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+    _release_buffer.restype = None
+except AttributeError:
+    _get_buffer = None
+
+
+class _Exported:
+    """A read-only buffer's memory (PyBUF_SIMPLE: contiguous bytes),
+    exported by its owner while this lives: a slice of a received message
+    (memoryview(msg)[a:b]) is written from where it lies, with no copy."""
+
+    __slots__ = ("view", "held")
+
+    def __init__(self, obj):
+        self.view, self.held = _PyBuffer(), False
+        _get_buffer(obj, self.view, 0)  # raises the owner's error if it cannot
+        self.held = True
+
+    def __del__(self):
+        if self.held:
+            self.held = False
+            _release_buffer(self.view)
+
+
 def _buffer(data, writable):
     """(address, bytes, keep-alive) of a contiguous buffer: bytes (read
     only), bytearray, memoryview, a ctypes array, a numpy array or a CPU
-    torch tensor."""
+    torch tensor. None is copied: a read-only buffer other than bytes is
+    read where it lies too, where CPython's buffer calls are at hand."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(data, torch.Tensor):
         if data.device.type != "cpu" or not data.is_contiguous():
@@ -177,8 +216,10 @@ def _buffer(data, writable):
     if mv.readonly:
         if writable:
             raise TypeError("kvfence: a read-only buffer cannot receive pages")
-        b = mv.tobytes()
-        return _buffer(b, False)
+        if _get_buffer is None:
+            return _buffer(mv.tobytes(), False)
+        ex = _Exported(mv)
+        return ex.view.buf or 0, mv.nbytes, (mv, ex)
     c = (ctypes.c_char * mv.nbytes).from_buffer(mv)
     return ctypes.addressof(c), mv.nbytes, (mv, c)
 
@@ -857,9 +898,94 @@ class Lease:
 _new_lease = object.__new__  # _new_lease(Lease): a Lease without __init__ (Pool.admit_tokens)
 
 
-class Export:
-    """The prefill side of a handoff: manifest() and read_pages() give the
-    bytes to carry; ack() once the decode side completed the import."""
+class _Units:
+    """What an export and an import share (ABI 9): the transfer's units,
+    the pages (slots) of every cache group that hold the prompt's state,
+    group by group, numbered from 0 across groups (extents()). A pool of
+    one per-token group moves its pages, units 0 .. pages - 1, which the
+    page calls move too; one with sliding-window or state groups needs the
+    unit calls for the rest."""
+
+    _ext = None
+    _extents_call = None
+
+    def _units_call(self, call):
+        if call is None:
+            raise InvalidArgument("kvfence: handoff units need a library of ABI 9 (this one is %d)"
+                                  % _lib.abi_version(), InvalidArgument.status)
+        return call
+
+    def _extents(self):
+        """(extents, units, bytes), asked once: a transfer's extents never
+        change."""
+        if self._ext is None:
+            call = self._units_call(self._extents_call)
+            n, units, nbytes = ctypes.c_size_t(), ctypes.c_int64(), ctypes.c_int64()
+            st = call(self._h, None, 0, n, units, nbytes)
+            if st != _ERR_BUFFER_TOO_SMALL:
+                check(st)
+            buf = (_lib.HandoffExtent * max(1, n.value))()
+            check(call(self._h, buf, n.value, n, units, nbytes))
+            ext = tuple({"group": e.group.decode(), "kind": _lib.GROUP_KINDS.get(e.kind, e.kind),
+                         "first_unit": e.first_unit, "units": e.units, "unit_bytes": e.unit_bytes,
+                         "first_page": e.first_page} for e in buf[: n.value])
+            self._ext = (ext, units.value, nbytes.value)
+        return self._ext
+
+    def extents(self):
+        """One dict per cache group, in the cache spec's order: group (its
+        name), kind ("per_token", "sliding_window", "state"), first_unit
+        (the transfer's number of its first unit), units, unit_bytes (its
+        page or slot in every region of the group, in region order) and
+        first_page (the logical page the first unit holds: a window's
+        oldest page still inside it at the prompt's end, else 0)."""
+        return [dict(e) for e in self._extents()[0]]
+
+    def units(self):
+        """The number of units of every group: what the transfer moves."""
+        return self._extents()[1]
+
+    def nbytes(self):
+        """The bytes of every unit: what the transfer moves."""
+        return self._extents()[2]
+
+    def _run_bytes(self, first, count):
+        """The bytes of units [first, first + count), or 0 for a run the
+        transfer does not have (which the library then refuses, naming the
+        numbers)."""
+        ext, units, _ = self._extents()
+        if first < 0 or count < 1 or first + count > units:
+            return 0
+        n = 0
+        for e in ext:
+            lo, hi = max(first, e["first_unit"]), min(first + count, e["first_unit"] + e["units"])
+            if hi > lo:
+                n += (hi - lo) * e["unit_bytes"]
+        return n
+
+    def unit_bytes(self, unit):
+        """The size of one unit; 0 for a unit the transfer does not have."""
+        for e in self._extents()[0]:
+            if e["first_unit"] <= unit < e["first_unit"] + e["units"]:
+                return e["unit_bytes"]
+        return 0
+
+    def _info(self, call):
+        ti = _lib.TransferInfo()
+        check(call(self._h, ctypes.byref(ti)))
+        info = {f: getattr(ti, f) for f, _ in _lib.TransferInfo._fields_}
+        if self._extents_call is not None:
+            _, info["units"], info["bytes"] = self._extents()
+        return info
+
+
+class Export(_Units):
+    """The prefill side of a handoff: manifest() and read_pages() (a pool
+    of one per-token group) or read_units() and read_unit_range() (every
+    group) give the bytes to carry; ack() once the decode side completed
+    the import."""
+
+    _extents_call = _lib.export_extents
 
     def __init__(self, handle):
         self._h = handle
@@ -873,9 +999,10 @@ class Export:
         return _sized_text(lambda b, n, need: _lib.export_manifest(self._h, b, n, need))
 
     def info(self):
-        ti = _lib.TransferInfo()
-        check(_lib.export_describe(self._h, ctypes.byref(ti)))
-        return {f: getattr(ti, f) for f, _ in _lib.TransferInfo._fields_}
+        """pages and page_bytes (the per-token group's), prompt_tokens,
+        max_new_tokens, checksum, live; with ABI 9 also units and bytes,
+        every group's."""
+        return self._info(_lib.export_describe)
 
     def read_pages(self, first, count, out=None):
         """Copies pages [first, first + count) into out (a writable buffer
@@ -887,6 +1014,46 @@ class Export:
             return buf.raw
         addr, n, keep = _buffer(out, writable=True)
         check(_lib.export_read_pages(self._h, first, addr, n))
+        return out
+
+    def read_units(self, first=0, count=None, out=None):
+        """Copies units first, first + 1, ... (whole, each its regions in
+        order; a run may cross groups) into out, a writable buffer or CPU
+        tensor, and returns it: as many units as out holds (it must end at
+        a unit's end), or exactly count of them. Without out, into a new
+        bytearray of count units (None: up to the transfer's last unit).
+        A run the export does not have raises InvalidArgument and leaves
+        the export as it was."""
+        call = self._units_call(_lib.export_read_units)
+        if out is None:
+            if count is None:
+                count = self.units() - first
+            buf = bytearray(self._run_bytes(first, count))
+            addr, n, keep = _buffer(buf, writable=True)
+            check(call(self._h, first, addr, n))
+            return buf
+        addr, n, keep = _buffer(out, writable=True)
+        if count is not None and n != self._run_bytes(first, count):
+            raise InvalidArgument("kvfence: a buffer of %d bytes for %d units from unit %d (%d bytes)"
+                                  % (n, count, first, self._run_bytes(first, count)), InvalidArgument.status)
+        check(call(self._h, first, addr, n))
+        return out
+
+    def read_unit_range(self, unit, offset=0, length=None, out=None):
+        """Copies bytes [offset, offset + length) of one unit into out (a
+        writable buffer or CPU tensor of length bytes; length None: out's
+        size) or a new bytearray (length None: to the unit's end), and
+        returns it: a unit larger than a message, read in ranges of any
+        size and order."""
+        call = self._units_call(_lib.export_read_unit_range)
+        if out is None:
+            if length is None:
+                length = max(0, self.unit_bytes(unit) - offset)
+            out = bytearray(length)
+        addr, n, keep = _buffer(out, writable=True)
+        if length is not None and n != length:
+            raise InvalidArgument("kvfence: a buffer of %d bytes for a range of %d" % (n, length), InvalidArgument.status)
+        check(call(self._h, unit, offset, addr, n))
         return out
 
     def ack(self):
@@ -942,8 +1109,12 @@ class Receiver:
         self.close()
 
 
-class Import:
-    """An import in progress; complete() returns the decode Lease."""
+class Import(_Units):
+    """An import in progress; complete() returns the decode Lease once
+    every unit of every group has landed (write_pages, write_units,
+    write_unit_range)."""
+
+    _extents_call = _lib.import_extents
 
     def __init__(self, pool, handle):
         self._h = handle
@@ -955,16 +1126,38 @@ class Import:
             _lib.import_free(h)
 
     def info(self):
-        ti = _lib.TransferInfo()
-        check(_lib.import_describe(self._h, ctypes.byref(ti)))
-        return {f: getattr(ti, f) for f, _ in _lib.TransferInfo._fields_}
+        """As Export.info: live until completed or aborted."""
+        return self._info(_lib.import_describe)
 
     def write_pages(self, first, data):
-        """Writes whole pages from page first (bytes, a buffer or a CPU
-        tensor). A range outside the import raises InvalidArgument and
-        leaves the import live; any other error aborts it."""
+        """Writes whole pages of the per-token group from page first
+        (bytes, a buffer or a CPU tensor). A range outside the import
+        raises InvalidArgument and leaves the import live; any other error
+        aborts it."""
         addr, n, keep = _buffer(data, writable=False)
         check(_lib.import_write_pages(self._h, first, addr, n))
+
+    def write_units(self, first, data):
+        """Writes units first, first + 1, ... from data (bytes, a buffer
+        or a CPU tensor, read in place): whole units as read_units reads
+        them, ending at a unit's end. A run outside the import raises
+        InvalidArgument and leaves the import live; any other error (a
+        unit twice: DuplicatePage) aborts it."""
+        call = self._units_call(_lib.import_write_units)
+        addr, n, keep = _buffer(data, writable=False)
+        check(call(self._h, first, addr, n))
+
+    def write_unit_range(self, unit, offset, data):
+        """Writes bytes [offset, offset + len(data)) of one unit, received
+        in ranges: a unit's ranges one at a time and in order, from offset
+        0, each but the unit's last a multiple of 4096 bytes long, one
+        unit's at a time. A range outside the unit or not so aligned raises
+        InvalidArgument and leaves the import live; one out of order
+        raises InvalidArgument too but aborts the import (its bytes were
+        lost or reordered on the way), as every other error does."""
+        call = self._units_call(_lib.import_write_unit_range)
+        addr, n, keep = _buffer(data, writable=False)
+        check(call(self._h, unit, offset, addr, n))
 
     def complete(self):
         h = ctypes.c_uint64()

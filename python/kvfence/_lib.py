@@ -69,6 +69,25 @@ class TransferInfo(ctypes.Structure):
     ]
 
 
+GROUP_NAME_MAX = 129  # KVF_GROUP_NAME_MAX
+
+# Cache group kinds (KVF_GROUP_*): the names the package gives them, the
+# config's.
+GROUP_KINDS = {1: "per_token", 2: "sliding_window", 3: "state"}
+
+
+class HandoffExtent(ctypes.Structure):
+    """kvf_handoff_extent (ABI 9): one cache group's part of a handoff."""
+    _fields_ = [
+        ("first_unit", ctypes.c_int64),
+        ("units", ctypes.c_int64),
+        ("unit_bytes", ctypes.c_int64),
+        ("first_page", ctypes.c_int64),
+        ("kind", ctypes.c_int32),
+        ("group", ctypes.c_char * GROUP_NAME_MAX),
+    ]
+
+
 def library_path():
     """Where the library is loaded from (see the module doc)."""
     env = os.environ.get("KVFENCE_LIB")
@@ -183,6 +202,19 @@ import_begin = _fn("kvf_import_begin", _st, _h, _s, _sz, _P(_h))
 import_describe = _fn("kvf_import_describe", _st, _h, _P(TransferInfo))
 import_write_pages = _fn("kvf_import_write_pages", _st, _h, _i64, _vp, _sz)
 import_complete = _fn("kvf_import_complete", _st, _h, _P(_h))
+# ABI 9: every cache group's units, whole or in ranges of one; None with
+# an older library (a pool with window or state groups then takes no
+# handoff through the package).
+if abi_version() >= 9:
+    export_extents = _fn("kvf_export_extents", _st, _h, _P(HandoffExtent), _sz, _P(_sz), _P(_i64), _P(_i64))
+    export_read_units = _fn("kvf_export_read_units", _st, _h, _i64, _vp, _sz)
+    export_read_unit_range = _fn("kvf_export_read_unit_range", _st, _h, _i64, _i64, _vp, _sz)
+    import_extents = _fn("kvf_import_extents", _st, _h, _P(HandoffExtent), _sz, _P(_sz), _P(_i64), _P(_i64))
+    import_write_units = _fn("kvf_import_write_units", _st, _h, _i64, _vp, _sz)
+    import_write_unit_range = _fn("kvf_import_write_unit_range", _st, _h, _i64, _i64, _vp, _sz)
+else:
+    export_extents = export_read_units = export_read_unit_range = None
+    import_extents = import_write_units = import_write_unit_range = None
 import_abort = _fn("kvf_import_abort", _st, _h)
 import_free = _fn("kvf_import_free", _st, _h)
 

@@ -16,6 +16,37 @@ import (
 type CacheSpecJSON struct {
 	Model  string           `json:"model,omitempty"`
 	Groups []CacheGroupJSON `json:"groups"`
+	// Shard (since ABI 9): the tensor-parallel shard the regions hold;
+	// omitted, the whole model (kvcache.CacheSpec.Shard).
+	Shard *ShardJSON `json:"shard,omitempty"`
+}
+
+// ShardJSON is kvcache.Shard: rank Rank of Size. Both are required: a
+// shard whose rank or size was left out (rank 0 by default, or size 0,
+// the unsharded spec) would be another shard's pool than the operator
+// meant, which a handoff refuses only once KV is on the way.
+type ShardJSON struct {
+	Rank *int `json:"rank"`
+	Size *int `json:"size"`
+}
+
+// shard checks the fields JSON can get wrong; kvcache.New checks the
+// size's upper bound.
+func (j *ShardJSON) shard() (kvcache.Shard, error) {
+	bad := func(format string, args ...any) (kvcache.Shard, error) {
+		return kvcache.Shard{}, fmt.Errorf("%w: cache.shard: "+format, append([]any{kvcache.ErrInvalidConfig}, args...)...)
+	}
+	switch {
+	case j.Size == nil:
+		return bad("size missing (the tensor-parallel degree; omit shard for the whole model)")
+	case j.Rank == nil:
+		return bad("rank missing (0 to size - 1)")
+	case *j.Size < 1:
+		return bad("size %d, want 1 or more ranks (omit shard for the whole model)", *j.Size)
+	case *j.Rank < 0 || *j.Rank >= *j.Size:
+		return bad("rank %d of size %d, want 0 to %d", *j.Rank, *j.Size, *j.Size-1)
+	}
+	return kvcache.Shard{Rank: *j.Rank, Size: *j.Size}, nil
 }
 
 // CacheGroupJSON is kvcache.CacheGroup; kind is "per_token",
@@ -80,6 +111,12 @@ var HostMemory func(base uint64, n int64) []byte
 // get wrong; kvcache.New checks the rest.
 func (c *CacheSpecJSON) spec(deviceKind string) (kvcache.CacheSpec, error) {
 	s := kvcache.CacheSpec{Model: c.Model}
+	if c.Shard != nil {
+		var err error
+		if s.Shard, err = c.Shard.shard(); err != nil {
+			return kvcache.CacheSpec{}, err
+		}
+	}
 	for gi, gj := range c.Groups {
 		kind, err := kvcache.ParseGroupKind(gj.Kind)
 		if err != nil {

@@ -126,6 +126,9 @@ func FuzzParseConfig(f *testing.F) {
 	f.Add([]byte(`{` + geom + `, "pages": 8, "max_context_tokens": 128, "scrub": {"kind": "poison", "pattern": "0x8000"}, "tenants": [{"name": "t", "quota_pages": 4}]}`))
 	f.Add([]byte(`{"scrub": {"pattern": null}}`))
 	f.Add([]byte(`{"geometry": {"dtype": "fp8"}, "pages": -1}`))
+	f.Add([]byte(hybridJSON(`"shard": {"rank": 1, "size": 2},`)))
+	f.Add([]byte(`{"cache": {"shard": {"rank": 2, "size": 2}, "groups": [{"name": "kv", "kind": "per_token", "tokens_per_page": 4,
+	 "regions": [{"name": "k", "dtype": "bf16", "page_bytes": 64}]}]}, "pages": 8, "max_context_tokens": 32}`))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		cfg, err := ParseConfig(data)
 		if err != nil {
