@@ -682,13 +682,3 @@ func parseLanded(msg []byte, m *Manifest, next int, wantGens *[]byte) (first, k 
 	}
 	return first, k, nil
 }
-
-// Pool is the decode pool the receiver imports into, for a transport
-// that must know what it will move (its cache groups); nil for a nil
-// receiver.
-func (r *Receiver) Pool() *kvcache.Pool {
-	if r == nil {
-		return nil
-	}
-	return r.cfg.Pool
-}

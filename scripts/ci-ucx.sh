@@ -2,7 +2,10 @@
 # CI for handoff/ucxx, the handoff over UCX: installs Debian's libucx-dev
 # and ucx-utils when they are missing (CI runs as root), checks that the
 # package builds and reports UCX unavailable without it (no cgo, or
-# without the build tag ucx), and runs its tests with it.
+# without the build tag ucx), and runs its tests with it: over TCP and
+# over shared memory (UCX_TLS=tcp; UCX_TLS=sm,self: posix and sysv for
+# the messages, cma for the writes), the conformance suite, the faults
+# and the two-process tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,3 +18,11 @@ fi
 echo "== without UCX: the package builds and says so"
 go test -count=1 ./handoff/ucxx/...
 CGO_ENABLED=0 go test -count=1 ./handoff/ucxx/...
+
+echo "== with UCX: vet, and the tests over TCP (with -race) and over shared memory"
+go vet -tags ucx ./handoff/ucxx/...
+UCX_TLS=tcp go test -race -count=1 -tags ucx ./handoff/ucxx/...
+UCX_TLS=sm,self go test -count=1 -tags ucx ./handoff/ucxx/...
+
+echo "== the transport's share of a handoff, one iteration (it checks its result)"
+UCX_TLS=sm,self go test -run '^$' -bench '^BenchmarkPut$' -benchtime 1x -tags ucx ./handoff/ucxx/ >/dev/null

@@ -1,0 +1,31 @@
+//go:build cgo && ucx
+
+package ucxx
+
+import (
+	"context"
+	"fmt"
+	"net"
+
+	"github.com/kvfence/kvfence/handoff"
+)
+
+// Lanes describes the transports under a stream Open returned.
+func Lanes(st handoff.Stream) string { return st.(*clientStream).c.lanes() }
+
+// NewRawServer is a server whose every connection runs serve instead of
+// a receiver's: for tests and benchmarks of the transport alone.
+func NewRawServer(serve func(context.Context, handoff.Endpoint) error, opts Options) (*Server, error) {
+	return newServer(serve, opts)
+}
+
+// Cut breaks the connection under a stream Open returned as a network
+// failure would: the endpoint goes, and the connection the ends met over
+// is reset.
+func Cut(st handoff.Stream) {
+	c := st.(*clientStream).c
+	if tc, ok := c.ctrl.(*net.TCPConn); ok {
+		tc.SetLinger(0)
+	}
+	c.fail(fmt.Errorf("%w: cut by the test", handoff.ErrTransport))
+}

@@ -1,0 +1,324 @@
+//go:build cgo && ucx
+
+package ucxx
+
+/*
+#cgo LDFLAGS: -lucp -lucs
+#include <stdlib.h>
+#include "shim.h"
+*/
+import "C"
+
+import (
+	"encoding/binary"
+	"fmt"
+	"os"
+	"runtime"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"github.com/kvfence/kvfence/handoff"
+)
+
+// This file and shim.c are the package's cgo: a UCX context and worker
+// (worker), the progress loop that drives it, and the operations the
+// connections post on it. Everything above (conn.go, client.go,
+// server.go) is Go.
+//
+// One worker serves a Transport or a Server: every UCX call on it is made
+// with w.mu held (the worker is UCS_THREAD_MODE_SERIALIZED), by the
+// goroutine that posts an operation or by the progress loop. UCX's
+// callbacks only queue events (shim.c); the loop drains the queue after
+// each progress, under w.mu, and hands each event to whoever waits for
+// it: an operation's completion, a connection's message or failure.
+// Those handlers run with w.mu held: they do little (close a channel,
+// queue a message, post a small send) and never block.
+
+// available is nil: this build has UCX.
+var available error
+
+// ucsError is a UCX status as an error.
+type ucsError C.ucs_status_t
+
+func (e ucsError) Error() string { return C.GoString(C.ucs_status_string(C.ucs_status_t(e))) }
+
+func statusErr(st C.ucs_status_t) error {
+	if st == C.UCS_OK {
+		return nil
+	}
+	return ucsError(st)
+}
+
+// worker is a UCX context, its worker, and the loop that progresses it.
+type worker struct {
+	mu      sync.Mutex
+	w       *C.kvf_worker
+	file    *os.File // a duplicate of the worker's event fd, in Go's poller
+	address []byte   // the worker's address, which peers connect to
+
+	// Guarded by mu.
+	ops      map[uint64]func(error) // posted operations' completions by token
+	byEP     map[C.ucp_ep_h]*conn   // connections by their endpoint (its failures)
+	byID     map[uint64]*conn       // and by their ID (the messages for them)
+	token    uint64
+	sleeping bool // the loop waits for the event fd: a new operation signals it
+	closed   bool
+
+	loopDone chan struct{}
+}
+
+// openWorker creates a context and worker from UCX's environment
+// (UCX_TLS, UCX_NET_DEVICES, ...) and starts its progress loop.
+func openWorker() (*worker, error) {
+	var cw *C.kvf_worker
+	if st := C.kvf_open(&cw); st != C.UCS_OK {
+		return nil, fmt.Errorf("%w: ucxx: UCX context: %w", handoff.ErrTransport, statusErr(st))
+	}
+	fd, err := syscall.Dup(int(cw.efd))
+	if err == nil {
+		err = syscall.SetNonblock(fd, true)
+	}
+	if err != nil {
+		C.kvf_close(cw)
+		return nil, fmt.Errorf("%w: ucxx: the worker's event fd: %w", handoff.ErrTransport, err)
+	}
+	var addr unsafe.Pointer
+	var addrLen C.size_t
+	if st := C.kvf_address(cw, &addr, &addrLen); st != C.UCS_OK {
+		syscall.Close(fd)
+		C.kvf_close(cw)
+		return nil, fmt.Errorf("%w: ucxx: the worker's address: %w", handoff.ErrTransport, statusErr(st))
+	}
+	address := C.GoBytes(addr, C.int(addrLen))
+	C.free(addr)
+	w := &worker{w: cw, file: os.NewFile(uintptr(fd), "ucx-worker"), address: address,
+		ops: make(map[uint64]func(error)), byEP: make(map[C.ucp_ep_h]*conn), byID: make(map[uint64]*conn),
+		loopDone: make(chan struct{})}
+	go w.loop()
+	return w, nil
+}
+
+// loop progresses the worker until close: whenever UCX has work
+// (progress returns something, arm says busy) it goes round again,
+// otherwise it waits in Go's poller for the event fd.
+//
+// RawConn.Read resets the poller's readiness before it calls f, and
+// parks only when f returns false: so the worker is armed inside f, and
+// an event that arrives after the arm wakes the wait that follows.
+func (w *worker) loop() {
+	defer close(w.loopDone)
+	rc, err := w.file.SyscallConn()
+	if err != nil {
+		return
+	}
+	idle := 0 // rounds in a row that found nothing to do
+	for {
+		stop := false
+		err := rc.Read(func(uintptr) bool {
+			w.mu.Lock()
+			defer w.mu.Unlock()
+			w.sleeping = false
+			if w.closed {
+				stop = true
+				return true
+			}
+			n := 0
+			for C.ucp_worker_progress(w.w.worker) != 0 {
+				n++
+			}
+			if w.dispatchLocked() {
+				n++
+			}
+			if idle = idle + 1; n > 0 {
+				idle = 0
+			}
+			if len(w.ops) > 0 && idle < spinRounds {
+				// Operations in flight that progress is moving: not every
+				// transport signals the event fd as it goes (shared
+				// memory's copies do not), so the loop polls while they
+				// move, and waits for the fd once they wait on a peer.
+				return true
+			}
+			switch C.ucp_worker_arm(w.w.worker) {
+			case C.UCS_OK:
+				w.sleeping = true
+				return false
+			default: // UCS_ERR_BUSY: events came in meanwhile
+				return true
+			}
+		})
+		if err != nil || stop {
+			return
+		}
+		runtime.Gosched()
+	}
+}
+
+// spinRounds is how many rounds in a row without progress the loop polls
+// before it waits for the event fd, while operations are in flight.
+const spinRounds = 64
+
+// wakeLocked has the loop look at the worker again, after an operation
+// was posted that progress must drive.
+func (w *worker) wakeLocked() {
+	if w.sleeping {
+		w.sleeping = false
+		C.ucp_worker_signal(w.w.worker)
+	}
+}
+
+// dispatchLocked hands the queued events to their handlers, and
+// reports whether there were any.
+func (w *worker) dispatchLocked() bool {
+	var evs *C.kvf_event
+	var n C.size_t
+	C.kvf_events(w.w, &evs, &n)
+	if n == 0 {
+		return false
+	}
+	defer C.free(unsafe.Pointer(evs))
+	for _, ev := range unsafe.Slice(evs, int(n)) {
+		switch ev.kind {
+		case C.KVF_EV_DONE:
+			if done, ok := w.ops[uint64(ev.token)]; ok {
+				delete(w.ops, uint64(ev.token))
+				done(statusErr(C.ucs_status_t(ev.status)))
+			}
+		case C.KVF_EV_EPERR:
+			if c := w.byEP[C.ucp_ep_h(ev.data)]; c != nil {
+				c.failLocked(fmt.Errorf("%w: ucxx: connection failed: %w", handoff.ErrTransport, statusErr(C.ucs_status_t(ev.status))))
+			}
+		case C.KVF_EV_AM:
+			w.messageLocked(&ev)
+		}
+	}
+	if w.w.overflow != 0 {
+		// An event was lost for want of memory: nothing it concerned can
+		// be trusted to end, so every connection fails now.
+		w.w.overflow = 0
+		for _, c := range w.byEP {
+			c.failLocked(fmt.Errorf("%w: ucxx: out of memory for UCX's events", handoff.ErrTransport))
+		}
+	}
+	return true
+}
+
+// messageLocked gives an active message to the connection its header
+// names, or drops it: a message for no connection of this worker's (one
+// that has ended, or a peer that is not ucxx) has nobody to tell.
+//
+// ucxx sends every message eagerly (shim.c): one that would have to be
+// fetched (a rendezvous) is not a ucxx peer's, and fails its connection.
+func (w *worker) messageLocked(ev *C.kvf_event) {
+	var m inMessage
+	if ev.rndv != 0 {
+		C.ucp_am_data_release(w.w.worker, ev.data)
+	} else if ev.data != nil {
+		m.data = C.GoBytes(ev.data, C.int(ev.len))
+		C.free(ev.data)
+	}
+	h := C.GoBytes(unsafe.Pointer(&ev.header[0]), C.int(ev.header_len))
+	var c *conn
+	if len(h) == headerLen && string(h[:4]) == magic {
+		c = w.byID[binary.LittleEndian.Uint64(h[8:])]
+	}
+	switch {
+	case c == nil:
+	case ev.rndv != 0:
+		c.failLocked(fmt.Errorf("%w: ucxx: a message of %d bytes sent by rendezvous, which ucxx does not", ErrHandshake, ev.len))
+	default:
+		c.arrivedLocked(h, m)
+	}
+}
+
+// postLocked registers done for the operation that post posts with the
+// token it is given, and returns post's result: done runs with w.mu
+// held, once, when the operation ends, unless post fails or completes at
+// once (then the caller has the result and done never runs).
+func (w *worker) postLocked(post func(token C.uint64_t) C.ucs_status_t, done func(error)) (inProgress bool, err error) {
+	if w.closed {
+		return false, errWorkerClosed
+	}
+	w.token++
+	tok := w.token
+	switch st := post(C.uint64_t(tok)); st {
+	case C.UCS_OK:
+		return false, nil
+	case C.UCS_INPROGRESS:
+		w.ops[tok] = done
+		w.wakeLocked()
+		return true, nil
+	default:
+		return false, statusErr(st)
+	}
+}
+
+// errWorkerClosed is what operations posted on a closed worker get.
+var errWorkerClosed = fmt.Errorf("%w: ucxx: closed", handoff.ErrTransport)
+
+// pending waits for the operations of one call: each op posted adds one,
+// each completion takes it back, and wait returns the first error once
+// none is left. Its methods other than wait run with w.mu held.
+type pending struct {
+	n    int
+	err  error
+	done chan struct{}
+	pin  runtime.Pinner // Go memory UCX reads or writes until the ops end
+}
+
+func newPending() *pending { return &pending{done: make(chan struct{})} }
+
+// add accounts for one more posted operation's outcome.
+func (p *pending) add(inProgress bool, err error) {
+	if err != nil && p.err == nil {
+		p.err = err
+	}
+	if inProgress {
+		p.n++
+	}
+}
+
+// complete is an operation's completion (postLocked's done).
+func (p *pending) complete(err error) {
+	if err != nil && p.err == nil {
+		p.err = err
+	}
+	p.n--
+	if p.n == 0 {
+		p.pin.Unpin()
+		close(p.done)
+	}
+}
+
+// seal is called once every operation is posted: if none is in progress,
+// the wait is over.
+func (p *pending) seal() {
+	if p.n == 0 {
+		p.pin.Unpin()
+		close(p.done)
+	}
+}
+
+// close stops the loop and destroys the worker. Its connections must
+// have been closed.
+func (w *worker) close() {
+	w.mu.Lock()
+	if w.closed {
+		w.mu.Unlock()
+		return
+	}
+	w.closed = true
+	C.ucp_worker_signal(w.w.worker)
+	w.mu.Unlock()
+	w.file.Close() // ends the loop's wait, if it waits
+	<-w.loopDone
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for tok, done := range w.ops {
+		delete(w.ops, tok)
+		done(errWorkerClosed)
+	}
+	C.kvf_close(w.w)
+	w.w = nil
+}
