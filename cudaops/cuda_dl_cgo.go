@@ -46,6 +46,7 @@ static struct {
 	CUresult (*MemAllocHost)(void **, size_t);
 	CUresult (*MemFreeHost)(void *);
 	CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+	CUresult (*MemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 	CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
 	CUresult (*MemsetD32Async)(CUdeviceptr, unsigned, size_t, CUstream);
 	CUresult (*MemsetD2D32Async)(CUdeviceptr, size_t, unsigned, size_t, size_t, CUstream);
@@ -97,6 +98,7 @@ static int kvf_load(char *msg, size_t n) {
 	SYM(MemAllocHost, "cuMemAllocHost_v2")
 	SYM(MemFreeHost, "cuMemFreeHost")
 	SYM(MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2")
+	SYM(MemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2")
 	SYM(MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2")
 	SYM(MemsetD32Async, "cuMemsetD32Async")
 	SYM(MemsetD2D32Async, "cuMemsetD2D32Async")
@@ -158,6 +160,9 @@ static CUresult kvf_mem_alloc_host(void **p, size_t n) { return kvf.MemAllocHost
 static CUresult kvf_mem_free_host(void *p) { return kvf.MemFreeHost(p); }
 static CUresult kvf_htod_async(CUdeviceptr d, const void *h, size_t n, uintptr_t s) {
 	return kvf.MemcpyHtoDAsync(d, h, n, (CUstream)s);
+}
+static CUresult kvf_dtod_async(CUdeviceptr dst, CUdeviceptr src, size_t n, uintptr_t s) {
+	return kvf.MemcpyDtoDAsync(dst, src, n, (CUstream)s);
 }
 static CUresult kvf_dtoh_async(void *h, CUdeviceptr d, size_t n, uintptr_t s) {
 	return kvf.MemcpyDtoHAsync(h, d, n, (CUstream)s);
@@ -377,6 +382,13 @@ func (dl) memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error {
 	}
 	return check("cuMemcpyDtoHAsync_v2", C.kvf_dtoh_async(unsafe.Pointer(unsafe.SliceData(dst)), C.CUdeviceptr(src),
 		C.size_t(len(dst)), C.uintptr_t(s)))
+}
+
+func (dl) memcpyDtoDAsync(dst, src, n uint64, s uintptr) error {
+	if n == 0 {
+		return nil
+	}
+	return check("cuMemcpyDtoDAsync_v2", C.kvf_dtod_async(C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n), C.uintptr_t(s)))
 }
 
 func (dl) memcpyHtoDSync(dst uint64, src []byte, s uintptr) error {

@@ -57,6 +57,9 @@ type driver interface {
 	// work queued on s and Go memory is never referenced after the call.
 	memcpyHtoDSync(dst uint64, src []byte, s uintptr) error
 	memcpyDtoHSync(dst []byte, src uint64, s uintptr) error
+	// memcpyDtoDAsync queues a copy of n bytes from device address src
+	// to device address dst on stream s.
+	memcpyDtoDAsync(dst, src, n uint64, s uintptr) error
 	memsetD32Async(dst uint64, word uint32, n uint64, s uintptr) error
 	memsetD2D32Async(dst, pitch uint64, word uint32, width, height uint64, s uintptr) error
 

@@ -173,6 +173,9 @@ func (d *CUDA) WritePage(r int, p int32, src []byte) error {
 // ReadPagePart implements PartReader: ReadPage of bytes [off,
 // off+len(dst)) of the page.
 func (d *CUDA) ReadPagePart(r int, p int32, off int, dst []byte) error {
+	if off < 0 {
+		return fmt.Errorf("%w: a part at offset %d", ErrInvalidArgument, off)
+	}
 	return d.copyPagePart(r, p, off, len(dst), "reading", func(addr uint64) error {
 		return d.drv.memcpyDtoHSync(dst, addr, d.stream)
 	})
@@ -181,6 +184,9 @@ func (d *CUDA) ReadPagePart(r int, p int32, off int, dst []byte) error {
 // WritePagePart implements PartWriter: WritePage of bytes [off,
 // off+len(src)) of the page.
 func (d *CUDA) WritePagePart(r int, p int32, off int, src []byte) error {
+	if off < 0 {
+		return fmt.Errorf("%w: a part at offset %d", ErrInvalidArgument, off)
+	}
 	return d.copyPagePart(r, p, off, len(src), "writing", func(addr uint64) error {
 		return d.drv.memcpyHtoDSync(addr, src, d.stream)
 	})

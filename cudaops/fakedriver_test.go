@@ -586,6 +586,19 @@ func (f *fakeDriver) memcpyHtoDAsync(dst uint64, src []byte, s uintptr) error {
 	return err
 }
 
+func (f *fakeDriver) memcpyDtoDAsync(dst, src, n uint64, s uintptr) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.queueLocked("cuMemcpyDtoDAsync_v2", s, fakeOp{run: func() int {
+		d, from := f.spanLocked(dst, n), f.spanLocked(src, n)
+		if d == nil || from == nil {
+			return 700
+		}
+		copy(d, from)
+		return 0
+	}})
+}
+
 func (f *fakeDriver) memcpyDtoHAsync(dst []byte, src uint64, s uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()

@@ -64,6 +64,8 @@ func RunWith(t *testing.T, c Config) {
 	t.Run("Spans", func(t *testing.T) { testSpans(t, c) })
 	t.Run("PageCopies", func(t *testing.T) { testPageCopies(t, c) })
 	t.Run("StagedCopies", func(t *testing.T) { testStagedCopies(t, c) })
+	t.Run("PageMoves", func(t *testing.T) { testPageMoves(t, c) })
+	t.Run("PageParts", func(t *testing.T) { testPageParts(t, c) })
 	t.Run("PageBounds", func(t *testing.T) { testPageBounds(t, c) })
 	t.Run("Fence", func(t *testing.T) { testFence(t, c) })
 	t.Run("Ordering", func(t *testing.T) { testOrdering(t, c) })
@@ -657,6 +659,136 @@ func testPageCopies(t *testing.T, c Config) {
 	require.NoError(t, d.Close())
 	assert.ErrorIs(t, pc.ReadPages(0, []int32{0}, make([]byte, pb)), cudaops.ErrClosed)
 	assert.ErrorIs(t, pc.WritePages(0, []int32{0}, make([]byte, pb)), cudaops.ErrClosed)
+}
+
+// testPageMoves checks MovePages, for devices that implement PageMover:
+// runs and scattered moves over spans of regions, moves ordered after a
+// fill not waited for (the moved page carries the fill), and refusals
+// that move nothing.
+func testPageMoves(t *testing.T, c Config) {
+	d := open(t, c)
+	pm, ok := d.(cudaops.PageMover)
+	if !ok {
+		t.Skipf("%s does not implement PageMover", d.Name())
+	}
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	regs := d.Regions()
+	move := func(spans []cudaops.MoveSpan) {
+		t.Helper()
+		f, err := pm.MovePages(spans, cudaops.Ordering{})
+		require.NoError(t, err)
+		require.NoError(t, f.Wait())
+		for _, s := range spans {
+			for r := s.First; r < s.First+s.Count; r++ {
+				moved := make(map[int32][]byte)
+				for _, m := range s.Moves {
+					moved[m.To] = append([]byte(nil), img[r][m.From]...)
+				}
+				for p, b := range moved {
+					img[r][p] = b
+				}
+			}
+		}
+	}
+	// A run (sources and destinations adjacent) and scattered pages, over
+	// two spans of regions.
+	move([]cudaops.MoveSpan{
+		{First: 0, Count: 2, Moves: []cudaops.PageMove{{From: 0, To: 20}, {From: 1, To: 21}, {From: 2, To: 22}, {From: 9, To: 3}}},
+		{First: 2, Count: len(regs) - 2, Moves: []cudaops.PageMove{{From: 40, To: 5}, {From: 7, To: 30}}},
+	})
+	verify(t, d, img, "after moves")
+	// Random batches: distinct destinations, none of them a source.
+	for range 4 {
+		perm := rng.Perm(regs[0].Pages)
+		var moves []cudaops.PageMove
+		for i := 0; i+1 < len(perm) && len(moves) < 10; i += 2 {
+			moves = append(moves, cudaops.PageMove{From: int32(perm[i]), To: int32(perm[i+1])})
+		}
+		move([]cudaops.MoveSpan{{First: 0, Count: len(regs), Moves: moves}})
+	}
+	verify(t, d, img, "after random moves")
+
+	// Moves are ordered after fills issued before them.
+	spec := cudaops.FillSpec{Word: 0x3c003c00}
+	f, err := d.Fill([]int32{11}, spec, cudaops.Ordering{})
+	require.NoError(t, err)
+	img.apply([]int32{11}, spec)
+	move([]cudaops.MoveSpan{{First: 0, Count: len(regs), Moves: []cudaops.PageMove{{From: 11, To: 12}}}})
+	require.NoError(t, f.Wait())
+	verify(t, d, img, "after a move of a page being filled")
+
+	for name, spans := range map[string][]cudaops.MoveSpan{
+		"a region past the end":   {{First: len(regs), Count: 1, Moves: []cudaops.PageMove{{From: 0, To: 1}}}},
+		"no regions":              {{First: 0, Count: 0, Moves: []cudaops.PageMove{{From: 0, To: 1}}}},
+		"spans sharing a region":  {{First: 0, Count: 2, Moves: []cudaops.PageMove{{From: 0, To: 1}}}, {First: 1, Count: 1, Moves: []cudaops.PageMove{{From: 2, To: 3}}}},
+		"a page out of range":     {{First: 0, Count: 1, Moves: []cudaops.PageMove{{From: 0, To: int32(regs[0].Pages)}}}},
+		"a negative page":         {{First: 0, Count: 1, Moves: []cudaops.PageMove{{From: -1, To: 1}}}},
+		"a page onto itself":      {{First: 0, Count: 1, Moves: []cudaops.PageMove{{From: 4, To: 4}}}},
+		"a page written twice":    {{First: 0, Count: 1, Moves: []cudaops.PageMove{{From: 4, To: 6}, {From: 5, To: 6}}}},
+		"a page read and written": {{First: 0, Count: 1, Moves: []cudaops.PageMove{{From: 4, To: 6}, {From: 6, To: 7}}}},
+	} {
+		_, err := pm.MovePages(spans, cudaops.Ordering{})
+		assert.ErrorIs(t, err, cudaops.ErrInvalidArgument, name)
+	}
+	verify(t, d, img, "after refused moves")
+	f, err = pm.MovePages(nil, cudaops.Ordering{})
+	require.NoError(t, err, "an empty batch")
+	require.NoError(t, f.Wait())
+	require.NoError(t, d.Close())
+	_, err = pm.MovePages([]cudaops.MoveSpan{{First: 0, Count: 1, Moves: []cudaops.PageMove{{From: 0, To: 1}}}}, cudaops.Ordering{})
+	assert.ErrorIs(t, err, cudaops.ErrClosed)
+}
+
+// testPageParts checks ReadPagePart and WritePagePart, for devices that
+// implement PartReader and PartWriter: parts at every offset class, in
+// every region, ordered after fills, and refusals that touch nothing.
+func testPageParts(t *testing.T, c Config) {
+	d := open(t, c)
+	pr, okr := d.(cudaops.PartReader)
+	pw, okw := d.(cudaops.PartWriter)
+	if !okr || !okw {
+		t.Skipf("%s does not implement PartReader and PartWriter", d.Name())
+	}
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	for r, reg := range d.Regions() {
+		pb := int(reg.PageBytes)
+		for _, part := range [][2]int{{0, pb}, {0, 4}, {pb - 4, 4}, {pb / 3, pb / 3}, {pb, 0}} {
+			off, n := part[0], part[1]
+			p := int32(rng.IntN(reg.Pages))
+			got := make([]byte, n)
+			require.NoError(t, pr.ReadPagePart(r, p, off, got), "region %d", r)
+			assert.Equal(t, img[r][p][off:off+n], got, "region %d page %d [%d, %d)", r, p, off, off+n)
+			src := make([]byte, n)
+			for i := range src {
+				src[i] = byte(rng.Uint32())
+			}
+			require.NoError(t, pw.WritePagePart(r, p, off, src))
+			copy(img[r][p][off:], src)
+		}
+	}
+	verify(t, d, img, "after part writes")
+	// Ordered after a fill not waited for.
+	spec := cudaops.FillSpec{Word: 0x80008000}
+	f, err := d.Fill([]int32{9}, spec, cudaops.Ordering{})
+	require.NoError(t, err)
+	img.apply([]int32{9}, spec)
+	got := make([]byte, 8)
+	require.NoError(t, pr.ReadPagePart(0, 9, 8, got))
+	assert.Equal(t, img[0][9][8:16], got)
+	require.NoError(t, f.Wait())
+	pb := int(d.Regions()[0].PageBytes)
+	for name, call := range map[string]func() error{
+		"a read past the page":    func() error { return pr.ReadPagePart(0, 1, pb-4, make([]byte, 8)) },
+		"a read at a negative":    func() error { return pr.ReadPagePart(0, 1, -4, make([]byte, 4)) },
+		"a read of a bad page":    func() error { return pr.ReadPagePart(0, int32(geometry.pages), 0, make([]byte, 4)) },
+		"a write past the page":   func() error { return pw.WritePagePart(0, 1, pb-4, make([]byte, 8)) },
+		"a write to a bad region": func() error { return pw.WritePagePart(len(d.Regions()), 1, 0, make([]byte, 4)) },
+	} {
+		assert.ErrorIs(t, call(), cudaops.ErrInvalidArgument, name)
+	}
+	verify(t, d, img, "after refused parts")
 }
 
 // testStagedCopies checks ReadStaged and WriteStaged, for devices that
