@@ -140,6 +140,9 @@ func (s FillSpec) Uniform() bool { return s.PageSalt == 0 }
 //     the context first (cuCtxSynchronize), which stalls the caller until
 //     the GPU is idle. It is always safe and never fast; an engine should
 //     name its stream.
+//   - Own means "after the device's own work only" (the fills and moves
+//     it queued), for pages no engine work can touch: a pool's own copy
+//     between a page it keeps and a page it has not handed out yet.
 //
 // A stream of another context, or one capturing a CUDA graph, and an
 // event recorded inside a capture are refused (ErrBadOrdering); see
@@ -147,6 +150,7 @@ func (s FillSpec) Uniform() bool { return s.PageSalt == 0 }
 type Ordering struct {
 	Stream uintptr // wait for all work queued on this stream so far
 	Event  uintptr // wait for this recorded event
+	Own    bool    // with neither: wait for the device's own work only
 }
 
 // The driver's special stream handles (cuda.h).
@@ -155,8 +159,9 @@ const (
 	StreamPerThread uintptr = 0x2 // CU_STREAM_PER_THREAD, cudaStreamPerThread
 )
 
-// IsZero reports whether o names no engine work.
-func (o Ordering) IsZero() bool { return o.Stream == 0 && o.Event == 0 }
+// IsZero reports whether o names no engine work and is not Own: the
+// ordering after all work of the context.
+func (o Ordering) IsZero() bool { return o.Stream == 0 && o.Event == 0 && !o.Own }
 
 // OrderingChecker is implemented by devices whose Ordering handles can be
 // wrong (CUDA). CheckOrdering queues nothing and returns an error wrapping

@@ -30,7 +30,14 @@ type TenantConfig struct {
 	// Sizing overrides the pool's sizing of this tenant's leases; the
 	// zero value inherits it.
 	Sizing Sizing
+	// MaxCheckpoints bounds the state checkpoints the prefix cache keeps
+	// for the tenant's requests at once, in a pool with window or state
+	// groups; zero means the pool's bound.
+	MaxCheckpoints int
 }
+
+// MaxCheckpointsLimit bounds TenantConfig.MaxCheckpoints.
+const MaxCheckpointsLimit = 1 << 24
 
 // ValidateTenant checks c on its own, for a pool of poolPages pages, and
 // returns the quota it resolves to (the whole pool for zero or more).
@@ -43,6 +50,8 @@ func ValidateTenant(c TenantConfig, poolPages int) (quota int, err error) {
 			ErrInvalidTenant, c.Name, NameProblem(c.Name, MaxTenantName), MaxTenantName)
 	case c.QuotaPages < 0 || c.ReservedPages < 0:
 		return 0, fmt.Errorf("%w: tenant %q quota %d, reservation %d must not be negative", ErrInvalidTenant, c.Name, c.QuotaPages, c.ReservedPages)
+	case c.MaxCheckpoints < 0 || c.MaxCheckpoints > MaxCheckpointsLimit:
+		return 0, fmt.Errorf("%w: tenant %q MaxCheckpoints %d, want 0..%d", ErrInvalidTenant, c.Name, c.MaxCheckpoints, MaxCheckpointsLimit)
 	}
 	quota = c.QuotaPages
 	if quota == 0 || quota > poolPages {

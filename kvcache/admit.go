@@ -183,7 +183,13 @@ func (p *Pool) admit(a *admission) error {
 		l.extra = l.extra[:0]
 	}
 	p.mu.Lock()
-	return p.runLocked(a)
+	err := p.runLocked(a)
+	if err == nil && l.restore != nil {
+		// A hybrid hit: the state at its end goes into the lease before
+		// the engine sees it.
+		err = p.restore(l)
+	}
+	return err
 }
 
 // runLocked runs an admission or a growth (a.growing) to its end, with
@@ -365,6 +371,9 @@ func (p *Pool) attemptLocked(a *admission) step {
 		if gi == 0 {
 			cached = cachedHits
 		}
+		if c := l.match.ckpt; gi > 0 && c != nil && c.restoring == 0 {
+			cached = len(c.units[gi]) // the match's checkpoint is not evicted for it
+		}
 		supply := g.alloc.Count(allocator.Free) + g.evicting + p.evictableLocked(gi) - cached - (g.claimed - a.claims[gi])
 		dec := g.tenants.Decide(g.mirror(t), holds[gi].dec.Demand,
 			isolation.Supply{Pages: supply, InService: inService, Queued: queued, Keep: p.keepLocked(g, inService)})
@@ -403,8 +412,11 @@ func (p *Pool) attemptLocked(a *admission) step {
 			looked = req.PromptTokens / p.tpp
 		}
 		p.countMatchLocked(req, t.Domain, looked, hits)
+		if p.hybrid() {
+			p.countCheckpointMatchLocked(l)
+		}
 	}
-	l.match.entries = l.match.entries[:0]
+	l.match.entries, l.match.ckpt = l.match.entries[:0], nil
 	l.match.valid = false
 	p.mu.leases[req.ID] = l
 	p.mu.admitted++
@@ -455,7 +467,6 @@ func (p *Pool) endClaimLocked(a *admission, gi int) {
 // and (under the canary policy) verified: take them.
 func (p *Pool) claimLocked(a *admission, t *tenancy.Tenant, keep []*cacheEntry) (st step, ready bool) {
 	p.assertHeld()
-	evicting := false
 	for gi := range p.groups {
 		g, fresh := &p.groups[gi], a.take[gi]
 		g.claimed += fresh - a.claims[gi]
@@ -464,13 +475,15 @@ func (p *Pool) claimLocked(a *admission, t *tenancy.Tenant, keep []*cacheEntry) 
 			if len(a.evicted.spaces) != len(p.groups) {
 				a.evicted = a.evicted.batchFor(p)
 			}
-			before := len(a.evicted.spaces[gi])
-			a.evicted.spaces[gi] = p.evictLocked(gi, a.evicted.spaces[gi], short, keep)
-			g.evicting += len(a.evicted.spaces[gi]) - before
-			evicting = true
+			p.evictLocked(gi, &a.evicted, short, keep)
 		}
 	}
-	if evicting {
+	// Whatever was evicted, in any group (a checkpoint's units are in
+	// several), is on its way to the claims.
+	if n := a.evicted.len(); n > 0 {
+		for gi := range p.groups {
+			p.groups[gi].evicting += len(a.evicted.spaces[gi])
+		}
 		p.fills.Add(1)
 		return stepEvict, false
 	}
@@ -507,12 +520,13 @@ func (p *Pool) claimLocked(a *admission, t *tenancy.Tenant, keep []*cacheEntry) 
 
 // evictableLocked is the pages of group gi that eviction can free: the
 // per-token group's cached pages, which no lease holds (the prefix
-// cache's LRU list); no other group caches pages.
+// cache's LRU list, and the pages state checkpoints pin); in the other
+// groups, the units of checkpoints not being restored.
 func (p *Pool) evictableLocked(gi int) int {
 	if gi == 0 {
-		return p.mu.prefix.lruLen
+		return p.mu.prefix.lruLen + p.mu.ckpts.pinnedCached
 	}
-	return 0
+	return p.mu.ckpts.evictable[gi]
 }
 
 // keepLocked is the pages of group g new admissions leave free for the

@@ -97,8 +97,14 @@ func (p *Pool) checkLocked() error {
 	c.add(p.q.CheckLocked())
 	p.mu.prefix.check(&c)
 	p.checkLeasesLocked(&c)
+	// Each unit's holders: the live leases, and the state checkpoints.
+	refs := make([][]int, len(p.groups))
 	for gi := range p.groups {
-		p.checkGroupLocked(&c, gi)
+		refs[gi] = make([]int, p.groups[gi].pages)
+	}
+	p.checkCheckpointsLocked(&c, refs)
+	for gi := range p.groups {
+		p.checkGroupLocked(&c, gi, refs[gi])
 	}
 	p.checkAdmissionsLocked(&c)
 	p.checkMatchesLocked(&c)
@@ -164,9 +170,10 @@ func (p *Pool) checkLeasesLocked(c *checker) {
 // is in use by its domain at its generation, each page's refcount is the
 // number of live leases holding it, and each tenant is charged once per
 // page it holds. Only the per-token group's pages can be in the prefix
-// index; in every other group each page is held by one lease at most and
-// none is cached, and a lease holds what its request needs there.
-func (p *Pool) checkGroupLocked(c *checker, gi int) {
+// index; in every other group each page is held by one lease or state
+// checkpoint at most and none is cached, and a lease holds what its
+// request needs there. refs holds the checkpoints' references already.
+func (p *Pool) checkGroupLocked(c *checker, gi int, refs []int) {
 	p.assertHeld()
 	g, x := &p.groups[gi], &p.mu.prefix
 	a := g.alloc
@@ -180,11 +187,10 @@ func (p *Pool) checkGroupLocked(c *checker, gi int) {
 	var byPage []*cacheEntry // the index's entries by page: the per-token group's
 	if gi == 0 {
 		byPage = x.byPage
-		if lru := x.lruLen; lru != a.Count(allocator.Cached) {
-			c.failf("LRU list holds %d pages, the allocator has %d cached", lru, a.Count(allocator.Cached))
+		if lru, pinned := x.lruLen, p.mu.ckpts.pinnedCached; lru+pinned != a.Count(allocator.Cached) {
+			c.failf("LRU list holds %d pages and checkpoints pin %d more, the allocator has %d cached", lru, pinned, a.Count(allocator.Cached))
 		}
 	}
-	refs := make([]int, g.pages)
 	charged := make(map[*tenancy.Tenant]int) // by the pool's tenant
 	type tenantPage struct {
 		t    *tenancy.Tenant
@@ -239,7 +245,7 @@ func (p *Pool) checkGroupLocked(c *checker, gi int) {
 	for page := range int32(g.pages) {
 		info, _ := a.Info(page)
 		if info.Refs != refs[page] {
-			c.failf("page %d of group %q has %d references, %d live leases hold it", page, g.name, info.Refs, refs[page])
+			c.failf("page %d of group %q has %d references, %d live leases and checkpoints hold it", page, g.name, info.Refs, refs[page])
 		}
 		var e *cacheEntry
 		if byPage != nil {
@@ -258,7 +264,7 @@ func (p *Pool) checkGroupLocked(c *checker, gi int) {
 			c.failf("index entry of page %d is in domain %q, page owner is %d", page, e.dom.Name, info.Owner)
 		}
 		switch {
-		case info.State == allocator.Cached && !e.inLRU,
+		case info.State == allocator.Cached && !e.inLRU && e.pins == 0,
 			info.State == allocator.InUse && e.inLRU,
 			info.State != allocator.Cached && info.State != allocator.InUse,
 			e.detached && info.State != allocator.InUse:

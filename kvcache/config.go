@@ -141,9 +141,9 @@ type Config struct {
 	PoolBytes int64
 	// MaxLeases is the most leases live at once. A spec with a sliding
 	// window or a state group needs it: it sizes them (MaxLeases slots,
-	// MaxLeases window rings), and an admission beyond it is refused
-	// like one beyond any group's capacity. Without such groups it must
-	// be 0.
+	// MaxLeases window rings, and Prefix.CheckpointSlots more of each for
+	// state checkpoints), and an admission beyond them is refused like
+	// one beyond any group's capacity. Without such groups it must be 0.
 	MaxLeases int
 	// MaxContextTokens is the longest prompt + output the engine serves
 	// (its context window). Required. A pool whose pages cannot hold it is
@@ -236,17 +236,22 @@ func (c *Config) sizes(lay *layout) (pages []int, err error) {
 		return nil, fmt.Errorf("%w: MaxLeases = %d, but the pool has no sliding-window or state group for it to size", ErrInvalidConfig, c.MaxLeases)
 	case lay.perLeaseGroups() && (c.MaxLeases < 1 || c.MaxLeases > maxLeasesLimit):
 		return nil, fmt.Errorf("%w: MaxLeases = %d, want 1..%d: it sizes the %s group(s)", ErrInvalidConfig, c.MaxLeases, maxLeasesLimit, lay.perLeaseNames())
+	case !lay.perLeaseGroups() && c.Prefix.CheckpointSlots != 0:
+		return nil, fmt.Errorf("%w: Prefix.CheckpointSlots = %d, but the pool has no sliding-window or state group to checkpoint", ErrInvalidConfig, c.Prefix.CheckpointSlots)
+	case c.Prefix.CheckpointSlots < 0 || c.Prefix.CheckpointSlots > maxLeasesLimit-c.MaxLeases:
+		return nil, fmt.Errorf("%w: Prefix.CheckpointSlots = %d, want 0..%d beside MaxLeases %d", ErrInvalidConfig, c.Prefix.CheckpointSlots, maxLeasesLimit-c.MaxLeases, c.MaxLeases)
 	}
+	slots := c.MaxLeases + c.Prefix.CheckpointSlots
 	var sideBytes int64
 	pages = make([]int, len(lay.groups))
 	for i, g := range lay.groups {
 		if i == 0 {
 			continue // sized by Pages or PoolBytes, below
 		}
-		n := g.groupPages(c.MaxLeases)
+		n := g.groupPages(slots)
 		if n > allocator.MaxPages {
-			return nil, fmt.Errorf("%w: group %q needs %d pages for %d leases, more than the %d an allocator addresses",
-				ErrInvalidConfig, g.name, n, c.MaxLeases, allocator.MaxPages)
+			return nil, fmt.Errorf("%w: group %q needs %d pages for %d leases and checkpoints, more than the %d an allocator addresses",
+				ErrInvalidConfig, g.name, n, slots, allocator.MaxPages)
 		}
 		pages[i] = n
 		sideBytes = satAdd(sideBytes, satMul(int64(n), g.pageBytes)) // 2^31 pages of 2^44 bytes overflow

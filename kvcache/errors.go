@@ -106,6 +106,15 @@ var (
 	// or PageKeys). An import never shares pages: every page it writes is
 	// its own; give the tokens to the delivered lease with AttachTokens.
 	ErrImportPrefix = errors.New("kvcache: an import request carries prefix material")
+	// ErrNoStateGroup: a state checkpoint of a lease in a pool whose only
+	// cache group is per-token: there is no state to checkpoint.
+	ErrNoStateGroup = errors.New("kvcache: the pool has no window or state group")
+	// ErrCheckpointCapacity: a state checkpoint not taken because the
+	// pool's or the tenant's bound on checkpoints (Prefix.MaxCheckpoints,
+	// TenantConfig.MaxCheckpoints) is reached, or its groups have no units
+	// for it, free or held by evictable checkpoints. It is counted and
+	// logged once per tenant; the lease is unchanged.
+	ErrCheckpointCapacity = errors.New("kvcache: no room for a state checkpoint")
 )
 
 // AdmissionError is a refused admission with its numbers. It wraps one of

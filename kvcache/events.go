@@ -75,14 +75,32 @@ type PrefixConfig struct {
 	// they leave the pool with every event, to wherever its consumer
 	// sends them. Without EventBuffer it does nothing.
 	EventTokens bool
+	// MaxCheckpoints bounds the state checkpoints the prefix cache of a
+	// pool with window or state groups keeps at once (checkpoint.go);
+	// zero means as many as those groups have room for. Each tenant's
+	// are bounded too (TenantConfig.MaxCheckpoints).
+	MaxCheckpoints int
+	// CheckpointSlots sizes the window and state groups for that many
+	// checkpoints beside MaxLeases leases: each a state slot and a window
+	// ring more. Leases and checkpoints share the slots: checkpoints use
+	// what leases leave, and are evicted (least recently used first) for
+	// an admission that needs their slots. Zero leaves checkpoints only
+	// the slots of leases not live.
+	CheckpointSlots int
 }
 
 // maxEventBuffer keeps a typo from allocating gigabytes.
 const maxEventBuffer = 1 << 20
 
+// maxCheckpoints bounds MaxCheckpoints settings.
+const maxCheckpoints = 1 << 24
+
 func (c PrefixConfig) validate() error {
 	if c.EventBuffer < 0 || c.EventBuffer > maxEventBuffer {
 		return fmt.Errorf("%w: Prefix.EventBuffer = %d, want 0..%d", ErrInvalidConfig, c.EventBuffer, maxEventBuffer)
+	}
+	if c.MaxCheckpoints < 0 || c.MaxCheckpoints > maxCheckpoints {
+		return fmt.Errorf("%w: Prefix.MaxCheckpoints = %d, want 0..%d", ErrInvalidConfig, c.MaxCheckpoints, maxCheckpoints)
 	}
 	return nil
 }

@@ -2,7 +2,9 @@ package kvcache
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
@@ -324,6 +326,24 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 	}
 	tpp := p.tpp
 	full := written / tpp
+	if keep && p.hybrid() && written >= tpp && written%tpp == 0 {
+		// The state reflects every written token: a checkpoint there lets
+		// the resumed request restore it. Without room for one, the
+		// preemption keeps what earlier checkpoints cover.
+		switch err := l.checkpoint(written, cudaops.Ordering{}, tokens); {
+		case errors.Is(err, ErrLeaseReleased), errors.Is(err, ErrPoolClosed), errors.Is(err, ErrPoolFaulted):
+			return 0, err
+		case err != nil:
+			p.log.LogAttrs(context.Background(), slog.LevelDebug, "kvcache: no state checkpoint for a preempted lease",
+				slog.String("request", l.id), slog.Int("tokens", written), slog.Any("error", err))
+		}
+		p.mu.Lock()
+		have = len(l.keys)
+		if have > 0 {
+			parent = l.keys[have-1]
+		}
+		p.mu.Unlock()
+	}
 	if keep && full > have {
 		if have == 0 {
 			parent = prefixRoot(l.Domain(), l.adapter)
@@ -363,6 +383,9 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 		p.publishLocked(l, min(full, len(l.keys)))
 		l.tokens = own
 		kept = l.published * tpp
+		if p.hybrid() {
+			kept = p.checkpointedLocked(l) * tpp // what a resumed request can use
+		}
 	}
 	l.phase.Store(uint32(PhaseReleased))
 	l.state.Store(leaseReleased)

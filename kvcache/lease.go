@@ -72,6 +72,10 @@ type Lease struct {
 	// guarded by Pool.mu: its prefix match and its place in the queue.
 	match leaseMatch
 	wait  waiter
+	// restore is the state checkpoint the admission in progress copies
+	// into the lease before handing it out (checkpoint.go), guarded by
+	// Pool.mu.
+	restore *checkpoint
 
 	// holds is what the lease holds in each cache group (groups.go),
 	// written under Pool.mu; holds[0].pages is the block table, page IDs
@@ -92,6 +96,10 @@ type leaseMatch struct {
 	epoch   uint64
 	domain  *tenancy.Domain
 	valid   bool
+	// In a hybrid pool: the checkpoint at the end of entries, and how
+	// many matched pages past the last checkpoint were cut.
+	ckpt *checkpoint
+	cut  int
 }
 
 // holdsFor makes l.holds one hold per group of p, keeping what it can

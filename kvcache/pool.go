@@ -39,6 +39,7 @@ type Pool struct {
 	dev            cudaops.Device
 	ownsDevice     bool
 	prefixDisabled bool
+	maxCheckpoints int     // Config.Prefix.MaxCheckpoints
 	sizing         Sizing  // the pool's default, never SizeInherit
 	watermark      float64 // Config.GrowthWatermark
 	events         chan KVEvent
@@ -85,6 +86,7 @@ type Pool struct {
 		perTenant tenantCounters // admissions and refusals per tenant
 		growth    GrowthStats
 		prefix    prefixIndex
+		ckpts     checkpointBook
 		events    eventSink
 	}
 }
@@ -109,7 +111,8 @@ func New(cfg Config) (_ *Pool, err error) {
 		tppShift:       log2Exact(v.lay.tpp),
 		total:          v.pages[0],
 		maxContext:     cfg.MaxContextTokens,
-		prefixDisabled: cfg.Prefix.Disable || v.lay.perLeaseGroups(),
+		prefixDisabled: cfg.Prefix.Disable,
+		maxCheckpoints: cfg.Prefix.MaxCheckpoints,
 		sizing:         cfg.Sizing.Or(Sizing{Mode: SizeFull}),
 		watermark:      cfg.GrowthWatermark,
 		log:            cfg.logger(),
@@ -158,6 +161,8 @@ func New(cfg Config) (_ *Pool, err error) {
 	p.quiet.L = &p.mu.Mutex
 	p.mu.leases = make(map[string]*Lease)
 	p.mu.prefix.init(p.total, rand.Uint64())
+	p.mu.ckpts.units, p.mu.ckpts.evictable = make([]int, len(p.groups)), make([]int, len(p.groups))
+	p.mu.ckpts.loose = make(map[*checkpoint]struct{})
 	if cfg.Prefix.EventBuffer > 0 {
 		p.events = make(chan KVEvent, cfg.Prefix.EventBuffer)
 		p.mu.events.ch = p.events
@@ -292,7 +297,7 @@ func (p *Pool) Close() error {
 		l.state.Store(leaseReleased)
 		b = p.detachLocked(l, b)
 	}
-	b.spaces[0] = p.clearLocked(b.spaces[0]) // a closed pool keeps no KV
+	p.clearLocked(&b) // a closed pool keeps no KV
 	p.mu.events.closeLocked()
 	p.fills.Add(1)
 	p.mu.Unlock()

@@ -168,58 +168,84 @@ func (p *Pool) matchLocked(l *Lease, dom *tenancy.Domain, adapter string, limit 
 			node = &e.node
 		}
 	}
+	m.ckpt, m.cut = nil, 0
+	if p.hybrid() {
+		p.matchCheckpointLocked(l)
+	}
 	m.epoch, m.domain, m.valid = x.epoch, dom, true
 }
 
 // weighMatchLocked returns how many of l's matched pages tenant t holds no
 // other lease on (it is charged for those) and how many of them are
-// Cached. A page shared as often as a page can be ends the match: the rest
-// is computed afresh.
+// Cached (no lease holds them: on the LRU list, or pinned by
+// checkpoints). A page shared as often as a page can be ends the match:
+// the rest is computed afresh (in a hybrid pool, from the checkpoint
+// before it).
 func (p *Pool) weighMatchLocked(l *Lease, t *tenancy.Tenant) (newToTenant, cached int) {
 	p.assertHeld()
 	for i, e := range l.match.entries {
 		if e.leases >= allocator.MaxRefs {
 			l.match.entries = l.match.entries[:i]
+			if p.hybrid() {
+				p.matchCheckpointLocked(l)
+				return p.weighMatchLocked(l, t)
+			}
 			break
 		}
 		if e.ref(t) == nil {
 			newToTenant++
 		}
-		if e.inLRU {
+		if e.leases == 0 {
 			cached++
 		}
 	}
 	return newToTenant, cached
 }
 
-// evictLocked evicts up to n cached pages of group gi, least recently
-// used first, of any domain but never one of keep (the pages the evicting
-// admission is about to share), appends them to pages and counts them in
-// flight in the quarantine. The caller must scrub them (p.fills.Add(1)
-// first). The prefix cache holds pages of the per-token group only: no
-// other group has any to evict.
-func (p *Pool) evictLocked(gi int, pages []int32, n int, keep []*cacheEntry) []int32 {
+// evictLocked evicts for n free units of group gi, least recently used
+// first, of any domain but never one of keep (the pages the evicting
+// admission is about to share, and the checkpoint at their end): cached
+// pages of the per-token group, and, in a hybrid pool, state checkpoints
+// (checkpoint.go) for their units, or for the pages they pin once the
+// LRU list has none left. What it evicts, in any group, is appended to b
+// and counted in flight in the quarantine; it returns the units of gi
+// freed, which may be fewer than n. The caller must scrub b (p.fills.Add(1)
+// first).
+func (p *Pool) evictLocked(gi int, b *scrubBatch, n int, keep []*cacheEntry) (freed int) {
 	p.assertHeld()
 	if gi != 0 {
-		return pages
+		return p.evictCheckpointsLocked(b, gi, n, keep)
 	}
 	x := &p.mu.prefix
 	for _, e := range keep {
 		e.pinned = true
 	}
+	pages := b.spaces[0]
 	start := len(pages)
-	for e := x.lruHead; e != nil && len(pages)-start < n; {
-		next := e.next
-		if !e.pinned {
-			x.lruRemove(e)
-			x.counters(e.dom).evictedPages++
-			pages = append(pages, e.page)
-			if p.mu.events.enabled() {
-				p.mu.events.gatherRemovedLocked(e.dom.Name, e.key)
+	for {
+		for e := x.lruHead; e != nil && len(pages)-start < n; {
+			next := e.next
+			if !e.pinned {
+				x.lruRemove(e)
+				x.counters(e.dom).evictedPages++
+				pages = append(pages, e.page)
+				if p.mu.events.enabled() {
+					p.mu.events.gatherRemovedLocked(e.dom.Name, e.key)
+				}
+				x.drop(e) // last: e is a spare from here on
 			}
-			x.drop(e) // last: e is a spare from here on
+			e = next
 		}
-		e = next
+		// Short still, with pages pinned by checkpoints: evict one, whose
+		// pages join the LRU list, and go again.
+		if len(pages)-start >= n || p.mu.ckpts.pinnedCached == 0 {
+			break
+		}
+		b.spaces[0] = pages
+		if p.evictCheckpointLocked(b) == nil {
+			break
+		}
+		pages = b.spaces[0]
 	}
 	for _, e := range keep {
 		e.pinned = false
@@ -229,7 +255,8 @@ func (p *Pool) evictLocked(gi int, pages []int32, n int, keep []*cacheEntry) []i
 	}
 	p.q.BeginLocked(0, len(pages)-start)
 	p.mu.events.emitRemovedLocked(p.tpp)
-	return pages
+	b.spaces[0] = pages
+	return len(pages) - start
 }
 
 // shareMatchedLocked retains, in group gi, l's matched prefix for a
@@ -249,6 +276,8 @@ func (p *Pool) shareMatchedLocked(l *Lease, t *tenancy.Tenant, gi int, handles [
 		}
 		if e.inLRU {
 			x.lruRemove(e)
+		} else if e.leases == 0 { // pinned by checkpoints
+			p.mu.ckpts.pinnedCached--
 		}
 		e.leases++
 		if r := e.ref(t); r != nil {
@@ -336,7 +365,11 @@ func (p *Pool) releasePagesLocked(l *Lease, gi int, pages []int32) []int32 {
 			panic(fmt.Sprintf("kvcache: lease %q held shared pages the allocator refuses: %v", l.id, err))
 		}
 		for _, pg := range parked {
-			x.lruPush(x.byPage[pg])
+			if e := x.byPage[pg]; e.pins == 0 {
+				x.lruPush(e)
+			} else {
+				p.mu.ckpts.pinnedCached++ // Cached, off the LRU list while pinned
+			}
 		}
 		if len(parked) > 0 {
 			p.wakePagesLocked() // evictable pages are pages for whoever waits
@@ -355,17 +388,27 @@ func (p *Pool) releasePagesLocked(l *Lease, gi int, pages []int32) []int32 {
 // clearLocked drops the whole cache: Cached pages are evicted (appended to
 // pages, counted in flight), pages still held by leases leave the key
 // index and are scrubbed when their last lease ends.
-func (p *Pool) clearLocked(pages []int32) []int32 {
+func (p *Pool) clearLocked(b *scrubBatch) {
 	p.assertHeld()
 	x := &p.mu.prefix
-	pages = p.evictLocked(0, pages, x.lruLen, nil)
+	// The checkpoints first: their units are scrubbed, and the pages they
+	// pinned join the LRU list. One being restored into an admitted lease
+	// goes when its restore ends (endRestoreLocked).
+	for c := p.mu.ckpts.lruHead; c != nil; {
+		next := c.next
+		if c.restoring == 0 {
+			p.dropCheckpointLocked(c, b)
+			p.mu.ckpts.stats.Evicted++
+		}
+		c = next
+	}
+	p.evictLocked(0, b, x.lruLen, nil)
 	for _, e := range x.byPage {
 		if e != nil && !e.detached {
 			x.unindex(e)
 		}
 	}
 	p.mu.events.emitLocked(KVEvent{Kind: KVCleared})
-	return pages
 }
 
 // ClearPrefixCache drops every domain's prefix cache, as after a model
@@ -378,7 +421,7 @@ func (p *Pool) ClearPrefixCache() error {
 		return ErrPoolClosed
 	}
 	b := scrubBatch{}.batchFor(p)
-	b.spaces[0] = p.clearLocked(b.spaces[0])
+	p.clearLocked(&b)
 	p.fills.Add(1)
 	p.mu.Unlock()
 	return p.scrub(b, cudaops.Ordering{})
@@ -489,11 +532,22 @@ func trieNodeOf(e *cacheEntry) *trieNode {
 // (a multiple of the page size). With prefix caching disabled, or for a
 // request that carried no tokens or keys, it publishes nothing and
 // returns 0.
+//
+// In a pool with window or state groups a page is worth sharing only
+// with the state at a checkpoint after it (checkpoint.go): CachePrefix(n)
+// there is CheckpointState(n) after all the context's work (n must be a
+// multiple of TokensPerPage, and the engine's state must reflect exactly
+// n tokens), and it returns the tokens up to the lease's deepest
+// checkpoint, which later requests can use. An n within a page publishes
+// nothing more.
 func (l *Lease) CachePrefix(n int) (int, error) {
 	if err := l.live(); err != nil {
 		return 0, err
 	}
 	p := l.pool
+	if p.hybrid() {
+		return l.cacheHybridPrefix(n)
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.mu.closed {

@@ -129,6 +129,12 @@ type cacheEntry struct {
 	// once for the page, whatever its number of leases.
 	leases  int
 	tenants []tenantRef
+
+	// ckpt is the state checkpoint at the end of this page, if any, and
+	// pins the checkpoints whose prefix includes it (checkpoint.go): a
+	// page pins > 0 that no lease holds is Cached but off the LRU list.
+	ckpt *checkpoint
+	pins int32
 }
 
 // inlineTokens is the most token IDs an entry keeps in itself: vLLM's

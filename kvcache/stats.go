@@ -180,6 +180,9 @@ type Stats struct {
 	FillLatency FillLatency
 	Tenants     []TenantStats
 	Prefix      PrefixStats
+	// Checkpoints is the state checkpoints of a pool with window or state
+	// groups (zero in any other).
+	Checkpoints CheckpointStats
 	Closed      bool
 	Fault       string // why the pool is faulted; empty while healthy
 }
@@ -212,6 +215,7 @@ func (p *Pool) Stats() Stats {
 		s.Fault = f.Error()
 	}
 	s.Prefix = p.prefixStatsLocked()
+	s.Checkpoints = p.checkpointStatsLocked()
 	// One allocation, sized: this runs under mu, which a scrape should
 	// hold for the copy and no longer.
 	tenants := p.tenantsLocked().Tenants()

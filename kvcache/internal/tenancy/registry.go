@@ -48,6 +48,9 @@ type Tenant struct {
 	Used     int // pages held by the tenant's leases
 	Domain   *Domain
 	Sizing   isolation.Sizing
+	// MaxCheckpoints is the configuration's bound on the tenant's state
+	// checkpoints (0: the pool's).
+	MaxCheckpoints int
 }
 
 // unusedReservation is the part of t's reservation it does not hold now.
@@ -84,7 +87,8 @@ func (r *Registry) Add(c isolation.TenantConfig) (*Tenant, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := &Tenant{ID: allocator.Owner(len(r.list) + 1), Name: c.Name, Quota: quota, Reserved: c.ReservedPages, Sizing: c.Sizing}
+	t := &Tenant{ID: allocator.Owner(len(r.list) + 1), Name: c.Name, Quota: quota, Reserved: c.ReservedPages, Sizing: c.Sizing,
+		MaxCheckpoints: c.MaxCheckpoints}
 	r.byName[c.Name] = t
 	r.list = append(r.list, t)
 	r.unusedReserved += t.unusedReservation()
@@ -126,7 +130,7 @@ func (r *Registry) Update(c isolation.TenantConfig) error {
 		return err
 	}
 	r.unusedReserved -= t.unusedReservation()
-	t.Quota, t.Reserved, t.Sizing = quota, c.ReservedPages, c.Sizing
+	t.Quota, t.Reserved, t.Sizing, t.MaxCheckpoints = quota, c.ReservedPages, c.Sizing, c.MaxCheckpoints
 	r.unusedReserved += t.unusedReservation()
 	r.domains.assign(t, c.Domain)
 	return nil
