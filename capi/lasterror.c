@@ -147,6 +147,8 @@ const char *kvf_status_name(kvf_status status) {
     case KVF_ERR_REPLAY: return "KVF_ERR_REPLAY";
     case KVF_ERR_IN_PROGRESS: return "KVF_ERR_IN_PROGRESS";
     case KVF_ERR_SHARD_MISMATCH: return "KVF_ERR_SHARD_MISMATCH";
+    case KVF_ERR_NO_STATE_GROUP: return "KVF_ERR_NO_STATE_GROUP";
+    case KVF_ERR_CHECKPOINT_CAPACITY: return "KVF_ERR_CHECKPOINT_CAPACITY";
     }
     return "KVF_ERR_UNKNOWN_STATUS";
 }

@@ -147,7 +147,9 @@ enum {
     KVF_ERR_DOMAIN_MISMATCH = 70,     /* the manifest names another sharing domain than its tenant has here */
     KVF_ERR_REPLAY = 71,              /* this request ID was imported by this receiver: refused for good */
     KVF_ERR_IN_PROGRESS = 72,         /* this request ID is being imported by this receiver: retry once that import ends */
-    KVF_ERR_SHARD_MISMATCH = 73       /* the manifest's KV is another tensor-parallel shard (rank, or number of ranks) than the decode pool's */
+    KVF_ERR_SHARD_MISMATCH = 73,      /* the manifest's KV is another tensor-parallel shard (rank, or number of ranks) than the decode pool's */
+    KVF_ERR_NO_STATE_GROUP = 74,      /* a state checkpoint in a pool whose only cache group is per-token */
+    KVF_ERR_CHECKPOINT_CAPACITY = 75  /* no room for a state checkpoint: the pool's or the tenant's bound, or no slot free or evictable; counted, the lease unchanged */
 };
 
 /* Handles. 0 is never valid. All kinds share one counter: a value names

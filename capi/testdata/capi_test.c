@@ -126,6 +126,8 @@ static void test_library(void) {
         {KVF_ERR_REPLAY, "KVF_ERR_REPLAY"},
         {KVF_ERR_IN_PROGRESS, "KVF_ERR_IN_PROGRESS"},
         {KVF_ERR_SHARD_MISMATCH, "KVF_ERR_SHARD_MISMATCH"},
+        {KVF_ERR_NO_STATE_GROUP, "KVF_ERR_NO_STATE_GROUP"},
+        {KVF_ERR_CHECKPOINT_CAPACITY, "KVF_ERR_CHECKPOINT_CAPACITY"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         CHECK(strcmp(kvf_status_name(names[i].s), names[i].name) == 0);

@@ -57,6 +57,8 @@ STATUSES = (
     (71, "KVF_ERR_REPLAY", "handoff.ErrReplay"),
     (72, "KVF_ERR_IN_PROGRESS", "handoff.ErrInProgress"),
     (73, "KVF_ERR_SHARD_MISMATCH", "handoff.ErrShardMismatch"),
+    (74, "KVF_ERR_NO_STATE_GROUP", "kvcache.ErrNoStateGroup"),
+    (75, "KVF_ERR_CHECKPOINT_CAPACITY", "kvcache.ErrCheckpointCapacity"),
 )
 
 OK = 0

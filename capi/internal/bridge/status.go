@@ -71,6 +71,8 @@ const (
 	StatusReplay             Status = 71
 	StatusInProgress         Status = 72 // handoff.ErrInProgress: the request ID is being imported; try again later
 	StatusShardMismatch      Status = 73 // handoff.ErrShardMismatch: another tensor-parallel shard's KV
+	StatusNoStateGroup       Status = 74 // kvcache.ErrNoStateGroup: a state checkpoint in a pool without window or state groups
+	StatusCheckpointCapacity Status = 75 // kvcache.ErrCheckpointCapacity: no room for a state checkpoint (counted, logged once a tenant)
 )
 
 // Errors of the C boundary. Match with errors.Is.
@@ -124,6 +126,8 @@ var sentinels = []struct {
 	{handoff.ErrExpired, StatusManifestExpired},
 	{handoff.ErrGeometryMismatch, StatusGeometryMismatch},
 	{handoff.ErrShardMismatch, StatusShardMismatch},
+	{kvcache.ErrNoStateGroup, StatusNoStateGroup},
+	{kvcache.ErrCheckpointCapacity, StatusCheckpointCapacity},
 	{handoff.ErrDomainMismatch, StatusDomainMismatch},
 	{kvcache.ErrLeasePhase, StatusLeasePhase},
 	{kvcache.ErrReclaimed, StatusReclaimed},
@@ -249,6 +253,8 @@ var statusNames = map[Status]string{
 	StatusReplay:             "KVF_ERR_REPLAY",
 	StatusInProgress:         "KVF_ERR_IN_PROGRESS",
 	StatusShardMismatch:      "KVF_ERR_SHARD_MISMATCH",
+	StatusNoStateGroup:       "KVF_ERR_NO_STATE_GROUP",
+	StatusCheckpointCapacity: "KVF_ERR_CHECKPOINT_CAPACITY",
 }
 
 // Statuses returns every status with its C name.

@@ -58,6 +58,7 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		"ErrStaleTransfer": kvcache.ErrStaleTransfer, "ErrDuplicatePage": kvcache.ErrDuplicatePage,
 		"ErrIncompleteTransfer": kvcache.ErrIncompleteTransfer, "ErrChecksumMismatch": kvcache.ErrChecksumMismatch,
 		"ErrDomainMismatch": kvcache.ErrDomainMismatch,
+		"ErrNoStateGroup":   kvcache.ErrNoStateGroup, "ErrCheckpointCapacity": kvcache.ErrCheckpointCapacity,
 		// Never reach C: the bridge admits with a live context and builds
 		// imports from manifests, which carry no prefix material; a Check
 		// failure is a bug, reported as internal.
