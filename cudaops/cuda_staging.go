@@ -220,8 +220,8 @@ func (d *CUDA) copyPagePart(r int, p int32, off, n int, verb string, copyAt func
 		}
 		addr += uint64(off)
 	}
-	if err != nil {
-		return err
+	if err != nil || n == 0 {
+		return err // nothing to copy: no driver call at the end of a region
 	}
 	g, err := d.enter()
 	if err != nil {
