@@ -152,6 +152,20 @@
 // IDs too (for routers that derive their own keys from tokens), in arrays
 // recycled the same way (Pool.ReturnEventTokens).
 //
+// A pool with window or state groups shares a prefix only with the state
+// at its end: its prefix cache keeps state checkpoints (checkpoint.go).
+// The engine says when its state reflects exactly n tokens, n at a page
+// boundary (Lease.CheckpointState; Lease.PrefillCheckpoint is where a
+// prefill chunk should end for an identical prompt to reuse all it can);
+// kvfence copies the state slot and the window's pages there on the
+// device into units the cache owns, and publishes the pages below n in
+// the lease's domain. A hit is the longest cached prefix ending at a
+// checkpoint of the domain; Admit copies the checkpoint into the lease's
+// fresh units before it returns, the watermark at the hit. A checkpoint
+// pins its pages; checkpoints are evicted least recently used, for slots
+// or for the pages they pin, scrubbed like pages; Prefix.MaxCheckpoints,
+// Prefix.CheckpointSlots and TenantConfig.MaxCheckpoints bound them.
+//
 // # Operations
 //
 // Stats has the figures an operator graphs (package metrics exports them
