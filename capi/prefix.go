@@ -3,8 +3,8 @@
 package main
 
 // The prefix cache: admission by token IDs (with the block table in the
-// same call, since ABI 6), the hit, and publishing a lease's prompt
-// pages.
+// same call, since ABI 6), the hit, publishing a lease's prompt pages,
+// and state checkpoints (since ABI 10).
 
 // #include "lasterror.h"
 import "C"
@@ -13,6 +13,7 @@ import (
 	"unsafe"
 
 	"github.com/kvfence/kvfence/capi/internal/bridge"
+	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/kvcache"
 )
 
@@ -107,5 +108,28 @@ func kvf_lease_cache_prefix(lease C.kvf_lease, tokens C.int64_t, sharedTokens *C
 	if sharedTokens != nil {
 		*sharedTokens = C.int64_t(n)
 	}
+	return C.KVF_OK
+}
+
+// State checkpoints (since ABI 10): a pool with window or state groups
+// shares a prefix with the state at its end.
+
+//export kvf_lease_checkpoint_state
+func kvf_lease_checkpoint_state(lease C.kvf_lease, tokens C.int64_t, stream, event C.uintptr_t) (st C.kvf_status) {
+	defer guard(&st)
+	return result(bridge.CheckpointState(uint64(lease), int64(tokens), cudaops.Ordering{Stream: uintptr(stream), Event: uintptr(event)}))
+}
+
+//export kvf_lease_prefill_checkpoint
+func kvf_lease_prefill_checkpoint(lease C.kvf_lease, out *C.int64_t) (st C.kvf_status) {
+	defer guard(&st)
+	if out == nil {
+		return nullPointer("out")
+	}
+	n, err := bridge.PrefillCheckpoint(uint64(lease))
+	if err != nil {
+		return fail(err)
+	}
+	*out = C.int64_t(n)
 	return C.KVF_OK
 }

@@ -53,7 +53,7 @@ func kvf_pool_update_tenant(pool C.kvf_pool, name *C.char, quotaPages, reservedP
 	if err != nil {
 		return fail(err)
 	}
-	return result(bridge.UpdateTenantKeepDomain(uint64(pool), tc))
+	return result(bridge.UpdateTenantQuota(uint64(pool), tc))
 }
 
 //export kvf_pool_add_tenant_json

@@ -81,8 +81,13 @@ extern "C" {
  * and writes of handoff units and of ranges of one
  * (kvf_export_read_units, kvf_import_write_unit_range, ...), which a pool
  * with sliding-window or state groups needs, and a cache spec's
- * tensor-parallel "shard". */
-#define KVF_ABI_VERSION 9
+ * tensor-parallel "shard"; version 10 adds state checkpoints, the prefix
+ * cache of a pool with sliding-window or state groups
+ * (kvf_lease_checkpoint_state, kvf_lease_prefill_checkpoint, the config's
+ * "prefix": {"max_checkpoints", "checkpoint_slots"} and a tenant's
+ * "max_checkpoints", "checkpoints" in the stats JSON) and the statuses
+ * KVF_ERR_NO_STATE_GROUP and KVF_ERR_CHECKPOINT_CAPACITY. */
+#define KVF_ABI_VERSION 10
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -148,6 +153,7 @@ enum {
     KVF_ERR_REPLAY = 71,              /* this request ID was imported by this receiver: refused for good */
     KVF_ERR_IN_PROGRESS = 72,         /* this request ID is being imported by this receiver: retry once that import ends */
     KVF_ERR_SHARD_MISMATCH = 73,      /* the manifest's KV is another tensor-parallel shard (rank, or number of ranks) than the decode pool's */
+    /* State checkpoints (kvf_lease_checkpoint_state). Since ABI 10. */
     KVF_ERR_NO_STATE_GROUP = 74,      /* a state checkpoint in a pool whose only cache group is per-token */
     KVF_ERR_CHECKPOINT_CAPACITY = 75  /* no room for a state checkpoint: the pool's or the tenant's bound, or no slot free or evictable; counted, the lease unchanged */
 };
@@ -304,7 +310,8 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  *    "tenants": [{"name": "acme", "quota_pages": 2048, "reserved_pages": 0,
  *                 "domain": "team-a"}],
  *    "scrub": {"kind": "poison", "pattern": "0x8000"},
- *    "prefix": {"disable": false, "event_buffer": 0},
+ *    "prefix": {"disable": false, "event_buffer": 0,
+ *               "max_checkpoints": 0, "checkpoint_slots": 0},
  *    "sizing": {"mode": "full"},      (or {"mode": "on_demand",
  *                                        "headroom_tokens": 256})
  *    "growth_watermark": 0.01,
@@ -360,6 +367,17 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  * smaller than a page and memory smaller than its group are refused
  * (KVF_ERR_INVALID_CONFIG), with nothing adopted.
  *
+ * Such a pool (with sliding-window or state groups) shares prefixes
+ * through state checkpoints (since ABI 10; kvf_lease_checkpoint_state).
+ * "prefix": {"checkpoint_slots": N} sizes its window and state groups for
+ * N checkpoints beside max_leases leases (0: checkpoints use only the
+ * slots of leases not live; refused in a pool without such groups), and
+ * "max_checkpoints": N bounds the checkpoints it keeps at once (0: as many
+ * as the groups have room for); a tenant's "max_checkpoints" bounds its
+ * own (0: the pool's bound). Each is 0 to 16777216 (checkpoint_slots: up
+ * to 16777216 - max_leases); a bad value is KVF_ERR_INVALID_CONFIG naming
+ * the field (KVF_ERR_INVALID_TENANT through the tenant calls).
+ *
  * "device": {"kind": "remote", "listen": "unix:/run/kvf.sock" (or
  * "tcp:HOST:PORT"), "ranks": 4, "report_timeout_ms": 30000,
  * "accept_timeout_ms": 60000} (since ABI 5) makes this the scheduler's
@@ -399,12 +417,15 @@ KVF_API kvf_status kvf_pool_destroy(kvf_pool pool);
 KVF_API kvf_status kvf_pool_add_tenant(kvf_pool pool, const char *name, int64_t quota_pages, int64_t reserved_pages);
 
 /* Changes a registered tenant's quota and reservation; leases already
- * admitted keep their pages. The tenant keeps its sharing domain. */
+ * admitted keep their pages. The tenant keeps the rest of its
+ * configuration as last set: its sharing domain, its "sizing" and (since
+ * ABI 10) its "max_checkpoints". */
 KVF_API kvf_status kvf_pool_update_tenant(kvf_pool pool, const char *name, int64_t quota_pages, int64_t reserved_pages);
 
 /* kvf_pool_add_tenant and a full replacement of a tenant's configuration,
  * taking one object of the config's "tenants" list, e.g.
- * {"name": "acme", "quota_pages": 64, "domain": "team-a"}. The update
+ * {"name": "acme", "quota_pages": 64, "domain": "team-a",
+ * "max_checkpoints": 8}. The update
  * replaces every field: an omitted "domain" moves the tenant back to its
  * own domain (its live leases stay where they were admitted). Bad JSON is
  * KVF_ERR_INVALID_TENANT. Since ABI 2. */
@@ -412,7 +433,18 @@ KVF_API kvf_status kvf_pool_add_tenant_json(kvf_pool pool, const char *tenant_js
 KVF_API kvf_status kvf_pool_update_tenant_json(kvf_pool pool, const char *tenant_json);
 
 /* Writes the pool's statistics as NUL-terminated JSON into buf; *needed
- * (if not NULL) gets the JSON's length + 1. */
+ * (if not NULL) gets the JSON's length + 1. capi/README.md lists the
+ * keys. Since ABI 10 it has "checkpoints", the state checkpoints of a
+ * pool with sliding-window or state groups (all 0 in any other pool):
+ *   {"live", "restoring" (of them, being copied into an admitted lease),
+ *    "state_bytes" (the bytes they hold, every group), "taken",
+ *    "existing" (checkpoint calls that found one at the tokens already),
+ *    "hits", "hit_tokens" (admissions that restored one, and the tokens
+ *    they shared), "misses", "miss_tokens" (admissions that matched
+ *    cached pages past their last checkpoint, and those pages' tokens),
+ *    "evicted", "capacity_skips" (checkpoints not taken for lack of
+ *    room), "restore_nanos", "copy_nanos" (time spent copying into
+ *    admitted leases, and out of leases into checkpoints)} */
 KVF_API kvf_status kvf_pool_stats_json(kvf_pool pool, char *buf, size_t buf_len, size_t *needed);
 
 /* Verifies the pool's accounting (free + in use + cached + quarantined +
@@ -641,8 +673,80 @@ KVF_API kvf_status kvf_lease_hit_tokens(kvf_lease lease, int64_t *out);
  * Published pages are immutable: the engine must not write them again.
  * *shared_tokens (if not NULL) gets the prompt tokens now shared or
  * published; 0 for a lease admitted without token IDs or with the prefix
- * cache disabled. */
+ * cache disabled. In a pool with sliding-window or state groups it takes
+ * a state checkpoint at `tokens` when that is a page boundary (below;
+ * ordered after all work of the pool's CUDA context, with that call's
+ * refusals), and *shared_tokens is what a later request can use: the
+ * prefix up to the lease's deepest checkpoint (since ABI 10). */
 KVF_API kvf_status kvf_lease_cache_prefix(kvf_lease lease, int64_t tokens, int64_t *shared_tokens);
+
+/* ---- State checkpoints (since ABI 10) ---------------------------------- *
+ *
+ * A pool with sliding-window or state groups (a hybrid model: recurrent
+ * state plus attention) caches a prefix only with the state at its end:
+ * its KV is useless without the recurrent state that summarises it and
+ * the window's pages there. A checkpoint is that state, taken when the
+ * lease's state reflects exactly n tokens, n at a page boundary: its
+ * state slot and the window pages inside the window at n, copied on the
+ * device into slots the prefix cache owns, published with the pages below
+ * n in the lease's sharing domain. A later admission by token IDs in the
+ * domain whose prompt starts with those n tokens, and has at least one
+ * more, shares the pages and receives the state: copied into its own
+ * slot before the admission returns, its written watermark at n
+ * (kvf_lease_hit_tokens, kvf_lease_describe) and its windows starting
+ * where they did at n; every other slot or window page it gets is
+ * scrubbed. The hit is the longest cached prefix ending at a checkpoint:
+ * pages matched past it are not shared (counted as a checkpoint miss).
+ *
+ *   kvf_lease_prefill_checkpoint(lease, &at);   where to end a chunk
+ *   ... prefill tokens [hit, at), commit(at) ...
+ *   kvf_lease_checkpoint_state(lease, at, stream, 0);
+ *   ... prefill the rest ...
+ *
+ * kvf_lease_cache_prefix and kvf_lease_preempt on such a pool take the
+ * checkpoint at their page boundary themselves (ordered after all work
+ * of the context). Checkpoints pin their pages, are evicted least
+ * recently used for slots or pages and scrubbed before reuse, and are
+ * bounded by the config's "prefix": {"max_checkpoints",
+ * "checkpoint_slots"} and each tenant's "max_checkpoints" and quota. */
+
+/* Takes a state checkpoint of the lease at `tokens` tokens: the engine
+ * says its state (and windows) reflect exactly the first `tokens` tokens,
+ * after a chunk of prefill or at the end of a shared system prompt. The
+ * copy is ordered after the engine work named by stream and event (the
+ * rules of kvf_lease_release; a host pool ignores them, and stream =
+ * event = 0 waits for all work of the pool's CUDA context) and has
+ * completed when the call returns. The full pages below `tokens` are
+ * published (as kvf_lease_cache_prefix) and must not be written again.
+ * A checkpoint at `tokens` that exists already in the domain is kept:
+ * KVF_OK, counted as "existing".
+ *
+ * Refusals change nothing (no page published, nothing counted, the lease
+ * live), each with its status:
+ *   KVF_ERR_INVALID_ARGUMENT: tokens not a positive multiple of
+ *     tokens_per_page, past the written watermark (kvf_lease_commit) or
+ *     the prompt, a window that has slid or been written past its pages at
+ *     `tokens`, a lease admitted without token IDs, or a pool with the
+ *     prefix cache disabled;
+ *   KVF_ERR_NO_STATE_GROUP: the pool has no sliding-window or state group
+ *     (its prefixes need no checkpoint: kvf_lease_cache_prefix);
+ *   KVF_ERR_CHECKPOINT_CAPACITY: the pool's "max_checkpoints" or the
+ *     tenant's is reached, the tenant's quota in a group would be passed,
+ *     or a group has no slot free or held by an evictable checkpoint; the
+ *     skip is counted ("capacity_skips") and logged once per tenant;
+ *   KVF_ERR_LEASE_RELEASED, KVF_ERR_LEASE_PHASE (an exported or sealed
+ *     lease), KVF_ERR_BAD_ORDERING (stream or event unusable, as for
+ *     kvf_lease_release), KVF_ERR_INVALID_HANDLE.
+ * A failed device copy is KVF_ERR_DEVICE_FAILED, with nothing published. */
+KVF_API kvf_status kvf_lease_checkpoint_state(kvf_lease lease, int64_t tokens, uintptr_t stream, uintptr_t event);
+
+/* *out gets where the engine should checkpoint the lease's prefill
+ * (kvf_lease_checkpoint_state) so that a later request with the same
+ * prompt reuses all it can: the last page boundary before the prompt's
+ * last token, the deepest a hit can reach. 0 for a prompt within one page,
+ * and in a pool without sliding-window or state groups. Works on a
+ * released lease until it is freed. */
+KVF_API kvf_status kvf_lease_prefill_checkpoint(kvf_lease lease, int64_t *out);
 
 /* ---- Lease phases (since ABI 2) ---------------------------------------- */
 

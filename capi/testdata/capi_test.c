@@ -1,5 +1,5 @@
 /*
- * capi_test.c (with capi_test_v2.inc to _v9.inc) drives every
+ * capi_test.c (with capi_test_v2.inc to _v10.inc) drives every
  * function of kvfence.h, every bad-input case the header documents, and
  * concurrent use from several threads. It exits 0 if
  * every check passed; each failed check prints its line and the library's
@@ -537,6 +537,7 @@ static void test_long_strings(void) {
 #include "capi_test_v7.inc"
 #include "capi_test_v8.inc"
 #include "capi_test_v9.inc"
+#include "capi_test_v10.inc"
 
 int main(void) {
     test_library();
@@ -567,6 +568,8 @@ int main(void) {
     test_rank_step_lag_config();
     test_hybrid_handoff();
     test_shard_config();
+    test_checkpoint_config();
+    test_checkpoints();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);
         return 1;

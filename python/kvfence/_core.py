@@ -824,6 +824,45 @@ class Lease:
         check(_lib.lease_cache_prefix(self._h, tokens, ctypes.byref(n)))
         return n.value
 
+    def checkpoint_state(self, tokens, stream=None, event=0):
+        """Takes a state checkpoint of the lease at `tokens` tokens (ABI
+        10; a pool with sliding-window or state groups): the engine's state
+        and windows reflect exactly the first `tokens` tokens, a multiple of
+        the page size within the committed tokens and the prompt. kvfence
+        copies the state slot and the window's pages there into slots the
+        prefix cache owns, after the engine's work on stream (default
+        default_stream()) and event, as release orders its scrub, and
+        publishes the full pages below `tokens` (immutable from then on); a
+        later admit_tokens in the domain whose prompt starts with them, and
+        has at least one more token, shares the pages and gets that state,
+        its hit_tokens() and committed tokens there. The copy has completed
+        when the call returns. A checkpoint there already is kept. Refusals
+        change nothing: InvalidArgument (not a page boundary, past the
+        committed tokens or the prompt, a window slid past, no token IDs),
+        NoStateGroup (a pool without window or state groups),
+        CheckpointCapacity (no room: the pool's or the tenant's
+        max_checkpoints, the tenant's quota, no slot free or evictable;
+        counted in stats()["checkpoints"]["capacity_skips"]),
+        LeaseReleased, LeasePhase, BadOrdering."""
+        if _lib.lease_checkpoint_state is None:
+            raise InvalidArgument("kvfence: state checkpoints need a library of ABI 10 (this one is %d)"
+                                  % _lib.abi_version(), InvalidArgument.status)
+        if stream is None:
+            stream = default_stream()
+        check(_lib.lease_checkpoint_state(self._h, tokens, stream, event))
+
+    def prefill_checkpoint(self):
+        """Where to checkpoint the lease's prefill (checkpoint_state) so
+        that a later request with the same prompt reuses all it can: the
+        last page boundary before the prompt's last token (ABI 10). 0 for a
+        prompt within one page, in a pool without window or state groups,
+        and with a library older than ABI 10."""
+        if _lib.lease_prefill_checkpoint is None:
+            return 0
+        n = ctypes.c_int64()
+        check(_lib.lease_prefill_checkpoint(self._h, ctypes.byref(n)))
+        return n.value
+
     def group_table(self, group):
         """(first logical page, [pages]) the lease holds in cache group
         `group` of a cache-spec pool."""

@@ -184,6 +184,10 @@ lease_release = _fn("kvf_lease_release", _st, _h, _up, _up)
 lease_free = _fn("kvf_lease_free", _st, _h)
 lease_hit_tokens = _fn("kvf_lease_hit_tokens", _st, _h, _P(_i64))
 lease_cache_prefix = _fn("kvf_lease_cache_prefix", _st, _h, _i64, _P(_i64))
+# ABI 10: state checkpoints, the prefix cache of a pool with window or
+# state groups; None with an older library.
+lease_checkpoint_state = _fn("kvf_lease_checkpoint_state", _st, _h, _i64, _up, _up) if abi_version() >= 10 else None
+lease_prefill_checkpoint = _fn("kvf_lease_prefill_checkpoint", _st, _h, _P(_i64)) if abi_version() >= 10 else None
 lease_phase = _fn("kvf_lease_phase", _st, _h, _P(ctypes.c_int32))
 lease_begin_prefill = _fn("kvf_lease_begin_prefill", _st, _h)
 lease_finish_prefill = _fn("kvf_lease_finish_prefill", _st, _h)

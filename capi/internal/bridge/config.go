@@ -49,10 +49,21 @@ func (s SizingJSON) sizing() (kvcache.Sizing, error) {
 	return kvcache.Sizing{Mode: m, HeadroomTokens: s.HeadroomTokens}, err
 }
 
-// PrefixJSON is kvcache.PrefixConfig.
+// PrefixJSON is kvcache.PrefixConfig. MaxCheckpoints and
+// CheckpointSlots (since ABI 10) bound and size the state checkpoints of
+// a pool with window or state groups.
 type PrefixJSON struct {
-	Disable     bool `json:"disable,omitempty"`
-	EventBuffer int  `json:"event_buffer,omitempty"`
+	Disable         bool `json:"disable,omitempty"`
+	EventBuffer     int  `json:"event_buffer,omitempty"`
+	MaxCheckpoints  int  `json:"max_checkpoints,omitempty"`
+	CheckpointSlots int  `json:"checkpoint_slots,omitempty"`
+}
+
+// config is the Go PrefixConfig; kvcache.New validates it (its errors
+// name the field).
+func (j PrefixJSON) config() kvcache.PrefixConfig {
+	return kvcache.PrefixConfig{Disable: j.Disable, EventBuffer: j.EventBuffer,
+		MaxCheckpoints: j.MaxCheckpoints, CheckpointSlots: j.CheckpointSlots}
 }
 
 // DeviceJSON selects the device: kind "host" (or empty), "cuda" with the
@@ -160,6 +171,9 @@ type TenantJSON struct {
 	ReservedPages int        `json:"reserved_pages,omitempty"`
 	Domain        string     `json:"domain,omitempty"` // sharing domain; empty: the tenant's own
 	Sizing        SizingJSON `json:"sizing,omitzero"`  // omitted: the pool's
+	// MaxCheckpoints (since ABI 10) bounds the tenant's state checkpoints;
+	// 0 (omitted): the pool's bound.
+	MaxCheckpoints int `json:"max_checkpoints,omitempty"`
 }
 
 // ScrubJSON is kvcache.ScrubPolicy; an empty kind means zero.
@@ -299,7 +313,7 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 		MaxContextTokens:    cj.MaxContextTokens,
 		AllowUndersizedPool: cj.AllowUndersizedPool,
 		Scrub:               kvcache.ScrubPolicy{Kind: kind, Pattern: uint32(cj.Scrub.Pattern)},
-		Prefix:              kvcache.PrefixConfig{Disable: cj.Prefix.Disable, EventBuffer: cj.Prefix.EventBuffer},
+		Prefix:              cj.Prefix.config(),
 		GrowthWatermark:     cj.GrowthWatermark,
 	}
 	if cfg.Sizing, err = cj.Sizing.sizing(); err != nil {
@@ -317,7 +331,8 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 
 func (t TenantJSON) config() (kvcache.TenantConfig, error) {
 	sizing, err := t.Sizing.sizing()
-	return kvcache.TenantConfig{Name: t.Name, QuotaPages: t.QuotaPages, ReservedPages: t.ReservedPages, Domain: t.Domain, Sizing: sizing}, err
+	return kvcache.TenantConfig{Name: t.Name, QuotaPages: t.QuotaPages, ReservedPages: t.ReservedPages, Domain: t.Domain,
+		Sizing: sizing, MaxCheckpoints: t.MaxCheckpoints}, err
 }
 
 // ParseTenant decodes one tenant object, as in the config's "tenants"

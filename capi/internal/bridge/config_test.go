@@ -31,6 +31,16 @@ func TestParseConfig(t *testing.T) {
 				Tenants: []kvcache.TenantConfig{{Name: "a", QuotaPages: 8, ReservedPages: 2, Domain: "team"}, {Name: "b"}},
 				Scrub:   kvcache.ScrubPolicy{Kind: kvcache.ScrubPoison, Pattern: 0x8000},
 				Prefix:  kvcache.PrefixConfig{Disable: true, EventBuffer: 16}}},
+		{name: "checkpoint keys", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "prefix": {"max_checkpoints": 8, "checkpoint_slots": 4},
+			"tenants": [{"name": "a", "max_checkpoints": 2}]}`,
+			want: kvcache.Config{Geometry: g, Pages: 1, MaxContextTokens: 1, Prefix: kvcache.PrefixConfig{MaxCheckpoints: 8, CheckpointSlots: 4},
+				Tenants: []kvcache.TenantConfig{{Name: "a", MaxCheckpoints: 2}}}},
+		{name: "max_checkpoints as string", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "prefix": {"max_checkpoints": "8"}}`,
+			wantErr: "prefix.max_checkpoints"},
+		{name: "checkpoint_slots fractional", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "prefix": {"checkpoint_slots": 1.5}}`,
+			wantErr: "prefix.checkpoint_slots"},
+		{name: "tenant max_checkpoints as bool", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "tenants": [{"name": "a", "max_checkpoints": true}]}`,
+			wantErr: "tenants.max_checkpoints"},
 		{name: "cuda device parses", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "device": {"kind": "cuda", "ordinal": 3}}`,
 			want: kvcache.Config{Geometry: g, Pages: 1, MaxContextTokens: 1}},
 		{name: "pattern as number", json: `{` + geom + `, "pages": 1, "max_context_tokens": 1, "scrub": {"kind": "CANARY", "pattern": 7}}`,
@@ -91,6 +101,14 @@ func TestCreatePoolValidatesLikeGo(t *testing.T) {
 		`{` + geom + `, "pages": 64, "max_context_tokens": 64, "scrub": {"kind": "poison", "pattern": "0x7fc0"}}`, // NaN
 		`{` + geom + `, "pages": 64, "max_context_tokens": 64, "tenants": [{"name": "a", "quota_pages": 4, "reserved_pages": 5}]}`,
 		`{"geometry": {"tokens_per_page": 0, "layers": 2, "kv_heads": 2, "head_dim": 8, "dtype": "bf16"}, "pages": 64, "max_context_tokens": 64}`,
+		// State checkpoints' bounds, each refused naming its field.
+		`{` + geom + `, "pages": 64, "max_context_tokens": 64, "prefix": {"max_checkpoints": -1}}`,
+		`{` + geom + `, "pages": 64, "max_context_tokens": 64, "prefix": {"max_checkpoints": 16777217}}`,
+		`{` + geom + `, "pages": 64, "max_context_tokens": 64, "prefix": {"checkpoint_slots": 2}}`, // no window or state group
+		hybridJSONWith(`"checkpoint_slots": -1`, `"name": "a"`),
+		hybridJSONWith(`"checkpoint_slots": 16777213`, `"name": "a"`), // beside max_leases 4
+		hybridJSONWith(``, `"name": "a", "max_checkpoints": -1`),
+		hybridJSONWith(``, `"name": "a", "max_checkpoints": 16777217`),
 		// 2^31 - 1 pages of 8 KiB: refused with the bytes it needs, before
 		// anything is allocated (it used to end the process).
 		`{"geometry": {"tokens_per_page": 16, "layers": 1, "kv_heads": 1, "head_dim": 128, "dtype": "fp16"}, "pages": 2147483647, "max_context_tokens": 1048576}`,

@@ -159,3 +159,28 @@ func TestTablesOfALeaseGrowingDuringTheCopy(t *testing.T) {
 	}
 	mustCheck(t, p)
 }
+
+// TestQuotaUpdateKeepsSizing: the ABI-1 update (kvf_pool_update_tenant)
+// changes the quota and reservation only; a tenant sized in full stays
+// so, as its domain and checkpoint bound do.
+func TestQuotaUpdateKeepsSizing(t *testing.T) {
+	p := must(CreatePool([]byte(growthPool)))
+	defer DestroyPool(p)
+	capacity := func() int64 {
+		t.Helper()
+		l := must(Admit(p, "r", "f", 8, 24, 0))
+		defer Free(l)
+		return must(DescribeLease(l)).CapacityTokens
+	}
+	if c := capacity(); c != 32 {
+		t.Fatalf("a full lease holds %d tokens, want 32", c)
+	}
+	noErr(t, UpdateTenantQuota(p, kvcache.TenantConfig{Name: "f", QuotaPages: 12}))
+	if c := capacity(); c != 32 {
+		t.Errorf("after a quota update the lease holds %d tokens, want 32 (still sized in full)", c)
+	}
+	noErr(t, UpdateTenant(p, must(ParseTenant([]byte(`{"name": "f", "quota_pages": 12}`)))))
+	if c := capacity(); c != 12 {
+		t.Errorf("after the JSON update (the pool's sizing) the lease holds %d tokens, want 8 + 2 headroom in pages of 4", c)
+	}
+}

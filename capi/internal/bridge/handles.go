@@ -34,8 +34,8 @@ type poolEntry struct {
 	// sizes the block table it needs before admitting.
 	maxContext int
 	device     cudaops.Device // owned by the entry, closed after the pool; nil: the pool's own host device
-	// admin serialises tenant changes, so that the domains recorded in mu
-	// are the registry's. Held across the call into kvcache.
+	// admin serialises tenant changes, so that the configurations
+	// recorded in mu are the registry's. Held across the call into kvcache.
 	admin sync.Mutex
 	mu    struct {
 		sync.RWMutex
@@ -43,9 +43,10 @@ type poolEntry struct {
 		// known tenant does not copy the name out of C memory. A typed
 		// map, unlike sync.Map, looks a string up without boxing it.
 		names map[string]string
-		// domains is each tenant's configured sharing domain ("" for
-		// its own), for the legacy update call and the stats.
-		domains map[string]string
+		// tenants is each tenant's configuration as last set through C,
+		// for the legacy update call (which keeps what it cannot name)
+		// and the stats (its configured domain, "" for its own).
+		tenants map[string]kvcache.TenantConfig
 	}
 	events eventQueue
 }
@@ -68,17 +69,18 @@ func (pe *poolEntry) remember(tc kvcache.TenantConfig) {
 	defer pe.mu.Unlock()
 	if pe.mu.names == nil {
 		pe.mu.names = make(map[string]string)
-		pe.mu.domains = make(map[string]string)
+		pe.mu.tenants = make(map[string]kvcache.TenantConfig)
 	}
 	pe.mu.names[name] = name
-	pe.mu.domains[name] = strings.Clone(tc.Domain)
+	tc.Name, tc.Domain = name, strings.Clone(tc.Domain)
+	pe.mu.tenants[name] = tc
 }
 
 // domainOf is the name of tenant's sharing domain as kvcache names it
 // (Lease.Domain): the configured domain, or the tenant's own.
 func (pe *poolEntry) domainOf(tenant string) string {
 	pe.mu.RLock()
-	d := pe.mu.domains[tenant]
+	d := pe.mu.tenants[tenant].Domain
 	pe.mu.RUnlock()
 	if d == "" {
 		return isolation.PrivateDomainPrefix + tenant
@@ -237,14 +239,16 @@ func UpdateTenant(h Handle, tc kvcache.TenantConfig) error {
 	return updateTenant(h, tc, false)
 }
 
-// UpdateTenantKeepDomain changes a tenant's quota and reservation and
-// leaves its sharing domain as it is: the call of ABI 1, which cannot
-// name a domain, must not move a tenant out of a shared one.
-func UpdateTenantKeepDomain(h Handle, tc kvcache.TenantConfig) error {
+// UpdateTenantQuota changes a tenant's quota and reservation (tc's
+// QuotaPages and ReservedPages) and keeps the rest of its configuration
+// as last set through C: its sharing domain, sizing and checkpoint bound.
+// It is the call of ABI 1, which names none of them, and must not move a
+// tenant out of a shared domain or drop its settings.
+func UpdateTenantQuota(h Handle, tc kvcache.TenantConfig) error {
 	return updateTenant(h, tc, true)
 }
 
-func updateTenant(h Handle, tc kvcache.TenantConfig, keepDomain bool) error {
+func updateTenant(h Handle, tc kvcache.TenantConfig, quotaOnly bool) error {
 	pe, err := lookupPool(h)
 	if err != nil {
 		return err
@@ -252,10 +256,14 @@ func updateTenant(h Handle, tc kvcache.TenantConfig, keepDomain bool) error {
 	tc.Name, tc.Domain = pe.intern(tc.Name), strings.Clone(tc.Domain)
 	pe.admin.Lock()
 	defer pe.admin.Unlock()
-	if keepDomain {
+	if quotaOnly {
 		pe.mu.RLock()
-		tc.Domain = pe.mu.domains[tc.Name]
+		kept, ok := pe.mu.tenants[tc.Name]
 		pe.mu.RUnlock()
+		if ok { // else unknown: the pool refuses it
+			kept.QuotaPages, kept.ReservedPages = tc.QuotaPages, tc.ReservedPages
+			tc = kept
+		}
 	}
 	if err := pe.pool.UpdateTenant(tc); err != nil {
 		return err

@@ -263,7 +263,9 @@ func TestStatsJSON(t *testing.T) {
 		`"domain":"tenant:b"}],"prefix":{"enabled":true,"domains":[{"name":"tenant:a","shared":false,"tenants":1,"indexed_pages":0,` +
 		`"cached_pages":0,"hit_pages":0,"miss_pages":0,"hit_tokens":0,"stored_pages":0,"evicted_pages":0},{"name":"tenant:b",` +
 		`"shared":false,"tenants":1,"indexed_pages":0,"cached_pages":0,"hit_pages":0,"miss_pages":0,"hit_tokens":0,` +
-		`"stored_pages":0,"evicted_pages":0}],"events_sent":0,"events_dropped":0},"closed":false,"fault":""}`
+		`"stored_pages":0,"evicted_pages":0}],"events_sent":0,"events_dropped":0},"checkpoints":{"live":0,"restoring":0,` +
+		`"state_bytes":0,"taken":0,"existing":0,"hits":0,"hit_tokens":0,"misses":0,"miss_tokens":0,"evicted":0,` +
+		`"capacity_skips":0,"restore_nanos":0,"copy_nanos":0},"closed":false,"fault":""}`
 	if string(js) != want {
 		t.Errorf("stats\n%s\nwant\n%s", js, want)
 	}

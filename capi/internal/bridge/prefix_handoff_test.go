@@ -106,7 +106,7 @@ func TestPrefixThroughBridge(t *testing.T) {
 	}
 
 	// The ABI-1 update keeps the domain; the JSON update replaces it.
-	noErr(t, UpdateTenantKeepDomain(p, kvcache.TenantConfig{Name: "b", QuotaPages: 40}))
+	noErr(t, UpdateTenantQuota(p, kvcache.TenantConfig{Name: "b", QuotaPages: 40}))
 	l6 := must(AdmitTokens(p, "r6", "b", prompt, 10, "", 0))
 	if n := must(HitTokens(l6)); n != 96 {
 		t.Errorf("after a quota update b hits %d tokens, want 96", n)
@@ -123,11 +123,12 @@ func TestPrefixThroughBridge(t *testing.T) {
 }
 
 func TestParseTenant(t *testing.T) {
-	tc := must(ParseTenant([]byte(`{"name": "x", "quota_pages": 4, "reserved_pages": 1, "domain": "d"}`)))
-	if tc != (kvcache.TenantConfig{Name: "x", QuotaPages: 4, ReservedPages: 1, Domain: "d"}) {
+	tc := must(ParseTenant([]byte(`{"name": "x", "quota_pages": 4, "reserved_pages": 1, "domain": "d", "max_checkpoints": 3}`)))
+	if tc != (kvcache.TenantConfig{Name: "x", QuotaPages: 4, ReservedPages: 1, Domain: "d", MaxCheckpoints: 3}) {
 		t.Fatalf("%+v", tc)
 	}
-	for _, js := range []string{``, `{"name": "x", "salt": 1}`, `{"name": "x"} {}`, `[]`} {
+	for _, js := range []string{``, `{"name": "x", "salt": 1}`, `{"name": "x"} {}`, `[]`, `{"name": "x", "max_checkpoints": "3"}`,
+		`{"name": "x", "max_checkpoints": 1.5}`} {
 		_, err := ParseTenant([]byte(js))
 		wantStatus(t, err, StatusInvalidTenant)
 	}
@@ -385,6 +386,7 @@ func FuzzParseTenant(f *testing.F) {
 	f.Add([]byte(`{"name": "x", "quota_pages": 4, "domain": "d"}`))
 	f.Add([]byte(`{"name": "", "domain": "tenant:y"}`))
 	f.Add([]byte(`{"quota_pages": -1}`))
+	f.Add([]byte(`{"name": "c", "max_checkpoints": 16777217}`))
 	p, err := CreatePool([]byte(testPool))
 	if err != nil {
 		f.Fatal(err)

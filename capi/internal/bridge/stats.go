@@ -7,25 +7,26 @@ import (
 // StatsDoc is the JSON kvf_pool_stats_json writes: kvcache.Stats with
 // snake_case keys, the same names the config uses.
 type StatsDoc struct {
-	Device           string        `json:"device"`
-	TotalPages       int           `json:"total_pages"`
-	FreePages        int           `json:"free_pages"`
-	InUsePages       int           `json:"in_use_pages"`
-	CachedPages      int           `json:"cached_pages"`
-	QuarantinedPages int           `json:"quarantined_pages"`
-	RetiredPages     int           `json:"retired_pages"`
-	TokensPerPage    int           `json:"tokens_per_page"`
-	PageBytes        int64         `json:"page_bytes"`
-	Groups           []GroupDoc    `json:"groups"` // every cache group, the per-token one first (since ABI 4)
-	LiveLeases       int           `json:"live_leases"`
-	Admitted         uint64        `json:"admitted"`
-	Refused          RefusalsDoc   `json:"refused"`
-	Growth           GrowthDoc     `json:"growth"`
-	Scrub            ScrubStatsDoc `json:"scrub"`
-	Tenants          []TenantDoc   `json:"tenants"`
-	Prefix           PrefixDoc     `json:"prefix"`
-	Closed           bool          `json:"closed"`
-	Fault            string        `json:"fault"`
+	Device           string         `json:"device"`
+	TotalPages       int            `json:"total_pages"`
+	FreePages        int            `json:"free_pages"`
+	InUsePages       int            `json:"in_use_pages"`
+	CachedPages      int            `json:"cached_pages"`
+	QuarantinedPages int            `json:"quarantined_pages"`
+	RetiredPages     int            `json:"retired_pages"`
+	TokensPerPage    int            `json:"tokens_per_page"`
+	PageBytes        int64          `json:"page_bytes"`
+	Groups           []GroupDoc     `json:"groups"` // every cache group, the per-token one first (since ABI 4)
+	LiveLeases       int            `json:"live_leases"`
+	Admitted         uint64         `json:"admitted"`
+	Refused          RefusalsDoc    `json:"refused"`
+	Growth           GrowthDoc      `json:"growth"`
+	Scrub            ScrubStatsDoc  `json:"scrub"`
+	Tenants          []TenantDoc    `json:"tenants"`
+	Prefix           PrefixDoc      `json:"prefix"`
+	Checkpoints      CheckpointsDoc `json:"checkpoints"` // a hybrid pool's state checkpoints (since ABI 10)
+	Closed           bool           `json:"closed"`
+	Fault            string         `json:"fault"`
 	// CUDA is the CUDA device's own figures; absent for a host pool.
 	CUDA *CUDAStatsDoc `json:"cuda,omitempty"`
 }
@@ -139,7 +140,8 @@ func statsJSON(s kvcache.Stats, domainOf func(tenant string) string) StatsDoc {
 		Tenants: []TenantDoc{},
 		Prefix: PrefixDoc{Enabled: s.Prefix.Enabled, Domains: []DomainDoc{},
 			EventsSent: s.Prefix.EventsSent, EventsDropped: s.Prefix.EventsDropped},
-		Closed: s.Closed, Fault: s.Fault,
+		Checkpoints: checkpointsDoc(s.Checkpoints),
+		Closed:      s.Closed, Fault: s.Fault,
 	}
 	for _, t := range s.Tenants {
 		d.Tenants = append(d.Tenants, TenantDoc{Name: t.Name, UsedPages: t.UsedPages, QuotaPages: t.QuotaPages,
