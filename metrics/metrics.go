@@ -23,7 +23,12 @@
 //	vllm:prefix_cache_hits_total    counter, of those, tokens found cached
 //
 // (both prefix counters per sharing domain). Every other metric is listed
-// by Describe, each with a help text that says what it counts.
+// by Describe, each with a help text that says what it counts. A pool
+// with sliding-window or state groups (a hybrid model) adds its groups'
+// pages by state (kvfence_cache_group_pages) and its state checkpoints
+// (kvfence_state_checkpoint*: held by state, bytes, taken, hits and
+// misses with their tokens, evictions, capacity skips, copy and restore
+// seconds); a pool of one group sends neither.
 //
 // # Labels and cardinality
 //
@@ -74,6 +79,11 @@ type Collector struct {
 type descs struct {
 	pages, capacity, usage, leases, faulted, closed *prometheus.Desc
 	groupPages                                      *prometheus.Desc
+	ckpts, ckptBytes, ckptTaken, ckptExisting       *prometheus.Desc
+	ckptHits, ckptHitTokens                         *prometheus.Desc
+	ckptMisses, ckptMissTokens                      *prometheus.Desc
+	ckptEvicted, ckptSkips                          *prometheus.Desc
+	ckptCopySeconds, ckptRestoreSeconds             *prometheus.Desc
 	admissions, refusals                            *prometheus.Desc
 	tenantAdmissions, tenantRefusals                *prometheus.Desc
 	tenantUsed, tenantQuota, tenantReserved         *prometheus.Desc
@@ -104,6 +114,23 @@ func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
 		groupPages: d("kvfence_cache_group_pages",
 			"Pages (state slots) of each cache group of a pool made from a cache spec, by state; the per-token group's are kvfence_pool_pages.",
 			"group", "kind", "state"),
+		ckpts: d("kvfence_state_checkpoints",
+			"State checkpoints the prefix cache of a pool with window or state groups holds, by state: idle, or restoring (being copied into an admitted lease); their sum is the checkpoints held.",
+			"state"),
+		ckptBytes:    d("kvfence_state_checkpoint_bytes", "Bytes of the state slots and window pages state checkpoints hold, every group."),
+		ckptTaken:    d("kvfence_state_checkpoints_taken_total", "State checkpoints taken (copies of a lease's state at a page boundary)."),
+		ckptExisting: d("kvfence_state_checkpoints_existing_total", "State checkpoint requests that found one at their prefix already (kept, nothing copied)."),
+		ckptHits: d("kvfence_state_checkpoint_hits_total",
+			"Admissions that restored a state checkpoint (their hit ends at it)."),
+		ckptHitTokens: d("kvfence_state_checkpoint_hit_tokens_total", "Prompt tokens those admissions shared."),
+		ckptMisses: d("kvfence_state_checkpoint_misses_total",
+			"Admissions that matched cached pages past their last state checkpoint, or with none: the pages were there, the state was not."),
+		ckptMissTokens: d("kvfence_state_checkpoint_miss_tokens_total", "Prompt tokens of those pages, the hit lost for want of a checkpoint."),
+		ckptEvicted:    d("kvfence_state_checkpoints_evicted_total", "State checkpoints evicted (least recently used first, for slots or pages; scrubbed)."),
+		ckptSkips: d("kvfence_state_checkpoint_capacity_skips_total",
+			"State checkpoints not taken for lack of room: the pool's or the tenant's bound, the tenant's quota, no slot free or evictable."),
+		ckptCopySeconds:    d("kvfence_state_checkpoint_copy_seconds_total", "Time spent copying leases' state into checkpoints."),
+		ckptRestoreSeconds: d("kvfence_state_checkpoint_restore_seconds_total", "Time spent copying checkpoints into admitted leases, before the admission returns."),
 		usage: d("vllm:kv_cache_usage_perc",
 			"Fraction of KV-cache pages not available to a new request: 1 - (free + evictable cached) / total."),
 		leases:  d("kvfence_pool_live_leases", "Leases that hold pages now."),
@@ -160,6 +187,8 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	d := &c.d
 	for _, x := range []*prometheus.Desc{
 		d.pages, d.groupPages, d.capacity, d.usage, d.leases, d.faulted, d.closed, d.admissions, d.refusals,
+		d.ckpts, d.ckptBytes, d.ckptTaken, d.ckptExisting, d.ckptHits, d.ckptHitTokens, d.ckptMisses, d.ckptMissTokens,
+		d.ckptEvicted, d.ckptSkips, d.ckptCopySeconds, d.ckptRestoreSeconds,
 		d.fills, d.fillPages, d.fillBytes, d.fillErrors, d.fillSeconds, d.retired, d.canaryChecks, d.canaryFailures,
 		d.prefixQueries, d.prefixHits, d.prefixIndexed, d.prefixCached, d.prefixStored, d.prefixEvicted, d.events,
 	} {
@@ -214,10 +243,11 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 	byState(d.pages, [5]int{s.FreePages, s.InUsePages, s.CachedPages, s.QuarantinedPages, s.RetiredPages})
-	if len(s.Groups) > 1 { // a pool of one group has nothing to add
+	if len(s.Groups) > 1 { // a pool of one group has nothing to add, and no checkpoints
 		for _, g := range s.Groups {
 			byState(d.groupPages, [5]int{g.Free, g.InUse, g.Cached, g.Quarantined, g.Retired}, g.Name, g.Kind.String())
 		}
+		c.collectCheckpoints(ch, s.Checkpoints, gauge, counter)
 	}
 	gauge(d.capacity, float64(s.TotalPages))
 	usage := 0.0
@@ -297,6 +327,25 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		counter(d.pubReplays, ps.Replays)
 		counter(d.pubReplayed, ps.ReplayedBatches)
 	}
+}
+
+// collectCheckpoints sends the state checkpoints' series.
+func (c *Collector) collectCheckpoints(ch chan<- prometheus.Metric, k kvcache.CheckpointStats,
+	gauge func(*prometheus.Desc, float64, ...string), counter func(*prometheus.Desc, uint64, ...string)) {
+	d := &c.d
+	gauge(d.ckpts, float64(k.Live-k.Restoring), "idle")
+	gauge(d.ckpts, float64(k.Restoring), "restoring")
+	gauge(d.ckptBytes, float64(k.StateBytes))
+	counter(d.ckptTaken, k.Taken)
+	counter(d.ckptExisting, k.Existing)
+	counter(d.ckptHits, k.Hits)
+	counter(d.ckptHitTokens, k.HitTokens)
+	counter(d.ckptMisses, k.Misses)
+	counter(d.ckptMissTokens, k.MissTokens)
+	counter(d.ckptEvicted, k.Evicted)
+	counter(d.ckptSkips, k.CapacitySkips)
+	ch <- prometheus.MustNewConstMetric(d.ckptCopySeconds, prometheus.CounterValue, float64(k.CopyNanos)/1e9)
+	ch <- prometheus.MustNewConstMetric(d.ckptRestoreSeconds, prometheus.CounterValue, float64(k.RestoreNanos)/1e9)
 }
 
 // collectPrefix sends the per-domain prefix-cache series, summing

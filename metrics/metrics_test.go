@@ -3,6 +3,7 @@ package metrics_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -394,6 +395,133 @@ func TestCollectorReportsEveryCacheGroup(t *testing.T) {
 	reg = prometheus.NewPedanticRegistry()
 	require.NoError(t, reg.Register(metrics.NewCollector(one, metrics.Options{})))
 	n, err := testutil.GatherAndCount(reg, "kvfence_cache_group_pages")
+	require.NoError(t, err)
+	assert.Zero(t, n)
+}
+
+// A hybrid pool's state checkpoints: held by state and their bytes,
+// taken, found there already, skipped for lack of room, hits and misses
+// with their tokens, evicted, and the copy and restore time, each equal
+// to the pool's Stats; a pool of one group sends no checkpoint series.
+func TestCollectorReportsStateCheckpoints(t *testing.T) {
+	spec := kvcache.CacheSpec{Model: "hybrid", Groups: []kvcache.CacheGroup{
+		{Name: "kv", Kind: kvcache.GroupPerToken, TokensPerPage: 4,
+			Regions: kvcache.MLALatent([]int{0, 1}, 12, 4, kvcache.BF16, 4)},
+		{Name: "swa", Kind: kvcache.GroupSlidingWindow, TokensPerPage: 4, WindowTokens: 8,
+			Regions: kvcache.AttentionKVOf([]int{2}, 1, 8, kvcache.BF16, 4)},
+		{Name: "state", Kind: kvcache.GroupState,
+			Regions: kvcache.LinearAttentionState([]int{3}, 8, 4, kvcache.BF16, 2, 4, 4, kvcache.FP32)},
+	}}
+	// Two slots, shared by leases and checkpoints; tenant a keeps one
+	// checkpoint at most.
+	p, err := kvcache.New(kvcache.Config{Cache: spec, Pages: 32, MaxLeases: 2, MaxContextTokens: 64,
+		Tenants: []kvcache.TenantConfig{{Name: "a", MaxCheckpoints: 1}, {Name: "b"}}})
+	require.NoError(t, err)
+	defer p.Close()
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(p, metrics.Options{})))
+	prompt := tokens(500, 20)
+	advance := func(l *kvcache.Lease, n int) {
+		require.NoError(t, l.Commit(n))
+		_, err := l.SlideWindows(cudaops.Ordering{})
+		require.NoError(t, err)
+	}
+
+	la, err := p.TryAdmit(kvcache.Request{ID: "la", Tenant: "a", PromptTokens: 20, TokenIDs: prompt})
+	require.NoError(t, err)
+	// One checkpoint taken, one found there already, one over a's bound.
+	advance(la, 8)
+	require.NoError(t, la.CheckpointState(8, cudaops.Ordering{}))
+	require.NoError(t, la.CheckpointState(8, cudaops.Ordering{}))
+	advance(la, 16)
+	require.ErrorIs(t, la.CheckpointState(16, cudaops.Ordering{}), kvcache.ErrCheckpointCapacity)
+	require.NoError(t, la.Release())
+	// A hit on it (8 tokens), and a prompt whose one matched page ends
+	// before it: a miss of 4.
+	lb, err := p.TryAdmit(kvcache.Request{ID: "lb", Tenant: "a", PromptTokens: 20, TokenIDs: prompt})
+	require.NoError(t, err)
+	require.Equal(t, 8, lb.HitTokens())
+	require.NoError(t, lb.Release())
+	lc, err := p.TryAdmit(kvcache.Request{ID: "lc", Tenant: "a", PromptTokens: 6, TokenIDs: prompt[:6]})
+	require.NoError(t, err)
+	require.Zero(t, lc.HitTokens())
+	require.NoError(t, lc.Release())
+
+	s := p.Stats().Checkpoints
+	require.Equal(t, 1, s.Live)
+	require.Positive(t, s.StateBytes)
+	want := fmt.Sprintf(`
+# HELP kvfence_state_checkpoints State checkpoints the prefix cache of a pool with window or state groups holds, by state: idle, or restoring (being copied into an admitted lease); their sum is the checkpoints held.
+# TYPE kvfence_state_checkpoints gauge
+kvfence_state_checkpoints{state="idle"} 1
+kvfence_state_checkpoints{state="restoring"} 0
+# HELP kvfence_state_checkpoint_bytes Bytes of the state slots and window pages state checkpoints hold, every group.
+# TYPE kvfence_state_checkpoint_bytes gauge
+kvfence_state_checkpoint_bytes %d
+# HELP kvfence_state_checkpoints_taken_total State checkpoints taken (copies of a lease's state at a page boundary).
+# TYPE kvfence_state_checkpoints_taken_total counter
+kvfence_state_checkpoints_taken_total 1
+# HELP kvfence_state_checkpoints_existing_total State checkpoint requests that found one at their prefix already (kept, nothing copied).
+# TYPE kvfence_state_checkpoints_existing_total counter
+kvfence_state_checkpoints_existing_total 1
+# HELP kvfence_state_checkpoint_capacity_skips_total State checkpoints not taken for lack of room: the pool's or the tenant's bound, the tenant's quota, no slot free or evictable.
+# TYPE kvfence_state_checkpoint_capacity_skips_total counter
+kvfence_state_checkpoint_capacity_skips_total 1
+# HELP kvfence_state_checkpoint_hits_total Admissions that restored a state checkpoint (their hit ends at it).
+# TYPE kvfence_state_checkpoint_hits_total counter
+kvfence_state_checkpoint_hits_total 1
+# HELP kvfence_state_checkpoint_hit_tokens_total Prompt tokens those admissions shared.
+# TYPE kvfence_state_checkpoint_hit_tokens_total counter
+kvfence_state_checkpoint_hit_tokens_total 8
+# HELP kvfence_state_checkpoint_misses_total Admissions that matched cached pages past their last state checkpoint, or with none: the pages were there, the state was not.
+# TYPE kvfence_state_checkpoint_misses_total counter
+kvfence_state_checkpoint_misses_total 1
+# HELP kvfence_state_checkpoint_miss_tokens_total Prompt tokens of those pages, the hit lost for want of a checkpoint.
+# TYPE kvfence_state_checkpoint_miss_tokens_total counter
+kvfence_state_checkpoint_miss_tokens_total 4
+# HELP kvfence_state_checkpoints_evicted_total State checkpoints evicted (least recently used first, for slots or pages; scrubbed).
+# TYPE kvfence_state_checkpoints_evicted_total counter
+kvfence_state_checkpoints_evicted_total 0
+`, s.StateBytes)
+	names := []string{"kvfence_state_checkpoints", "kvfence_state_checkpoint_bytes", "kvfence_state_checkpoints_taken_total",
+		"kvfence_state_checkpoints_existing_total", "kvfence_state_checkpoint_capacity_skips_total",
+		"kvfence_state_checkpoint_hits_total", "kvfence_state_checkpoint_hit_tokens_total",
+		"kvfence_state_checkpoint_misses_total", "kvfence_state_checkpoint_miss_tokens_total", "kvfence_state_checkpoints_evicted_total"}
+	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want), names...))
+	copySeconds := testutil.ToFloat64(only(t, reg, "kvfence_state_checkpoint_copy_seconds_total"))
+	assert.Positive(t, copySeconds)
+	assert.InDelta(t, float64(s.CopyNanos)/1e9, copySeconds, 1e-12)
+	assert.InDelta(t, float64(s.RestoreNanos)/1e9, testutil.ToFloat64(only(t, reg, "kvfence_state_checkpoint_restore_seconds_total")), 1e-12)
+	assert.Positive(t, s.RestoreNanos)
+
+	// Two leases need both slots: the checkpoint is evicted for the
+	// second, its bytes gone.
+	x, err := p.TryAdmit(kvcache.Request{ID: "x", Tenant: "b", PromptTokens: 20})
+	require.NoError(t, err)
+	y, err := p.TryAdmit(kvcache.Request{ID: "y", Tenant: "b", PromptTokens: 20})
+	require.NoError(t, err)
+	assert.Equal(t, 0.0, testutil.ToFloat64(only(t, reg, "kvfence_state_checkpoints", "state", "idle")))
+	assert.Equal(t, 0.0, testutil.ToFloat64(only(t, reg, "kvfence_state_checkpoint_bytes")))
+	assert.Equal(t, 1.0, testutil.ToFloat64(only(t, reg, "kvfence_state_checkpoints_evicted_total")))
+	require.NoError(t, x.Release())
+	require.NoError(t, y.Release())
+	require.NoError(t, p.Check())
+
+	problems, err := testutil.GatherAndLint(reg)
+	require.NoError(t, err)
+	for _, pr := range problems {
+		if !strings.HasPrefix(pr.Metric, "vllm:") {
+			t.Errorf("lint: %s: %s", pr.Metric, pr.Text)
+		}
+	}
+
+	one, err := kvcache.New(kvcache.Config{Geometry: geometry, Pages: 8, MaxContextTokens: 32,
+		Tenants: []kvcache.TenantConfig{{Name: "a"}}})
+	require.NoError(t, err)
+	defer one.Close()
+	reg = prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(one, metrics.Options{})))
+	n, err := testutil.GatherAndCount(reg, names...)
 	require.NoError(t, err)
 	assert.Zero(t, n)
 }
