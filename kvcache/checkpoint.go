@@ -59,9 +59,11 @@ type checkpoint struct {
 	dom    *tenancy.Domain
 	tenant *tenancy.Tenant // whose capacity it counts against
 	// restoring counts restores in flight from it, outside Pool.mu: its
-	// units are not evicted meanwhile. dropped: it left the book (the
-	// cache was cleared) during one; the last to end releases its units.
+	// units are not evicted meanwhile. copying: it is being taken (its
+	// copy runs outside Pool.mu). dropped: the cache was cleared during
+	// either; the last restore to end, or the copy, releases its units.
 	restoring  int
+	copying    bool
 	dropped    bool
 	prev, next *checkpoint // the LRU list, least recently used first
 }
@@ -281,16 +283,20 @@ func (p *Pool) checkpointAttempt(l *Lease, n int, after cudaops.Ordering, tokens
 	if l.pins == 0 && (l.draining || p.mu.closed) {
 		p.quiet.Broadcast()
 	}
+	c.copying = false
 	last := c.chain[len(c.chain)-1]
-	if err == nil && (last.ckpt != nil || p.mu.closed || !p.chainIndexedLocked(c)) {
+	if err == nil && (c.dropped || last.ckpt != nil || p.mu.closed || !p.chainIndexedLocked(c)) {
 		err = errCheckpointRace
 	}
 	if err != nil {
-		// Nothing was published: the units are scrubbed, the pins let go.
+		// Nothing was published: the units are scrubbed, the pins let go
+		// (a cache clear let them go already).
 		b := scrubBatch{}.batchFor(p)
 		delete(p.mu.ckpts.loose, c)
 		p.dropCheckpointUnitsLocked(c, &b)
-		p.unpinChainLocked(c)
+		if !c.dropped {
+			p.unpinChainLocked(c)
+		}
 		p.fills.Add(1)
 		go p.scrub(b, cudaops.Ordering{})
 		switch {
@@ -420,6 +426,7 @@ func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32) (*checkp
 		c.units[gi] = hs
 	}
 	p.pinChainLocked(c)
+	c.copying = true
 	p.mu.ckpts.loose[c] = struct{}{}
 	return c, b, nil
 }
@@ -863,8 +870,11 @@ func (p *Pool) checkCheckpointsLocked(c *checker, refs [][]int) {
 		if held := k.chain[len(k.chain)-1].ckpt == k; held != onBook || onBook && k.dropped {
 			c.failf("checkpoint of %d tokens: on the book %v, held by its last page %v, dropped %v", k.tokens, onBook, held, k.dropped)
 		}
-		if !onBook && k.dropped && k.restoring == 0 {
-			c.failf("checkpoint of %d tokens dropped with no restore in flight, its units held", k.tokens)
+		if !onBook && k.dropped && k.restoring == 0 && !k.copying {
+			c.failf("checkpoint of %d tokens dropped with no restore or copy in flight, its units held", k.tokens)
+		}
+		if onBook && k.copying || !onBook && !k.copying && !k.dropped {
+			c.failf("checkpoint of %d tokens: on the book %v, copying %v, dropped %v", k.tokens, onBook, k.copying, k.dropped)
 		}
 		if onBook || !k.dropped {
 			for _, e := range k.chain {
@@ -922,8 +932,9 @@ func (p *Pool) checkCheckpointsLocked(c *checker, refs [][]int) {
 				c.failf("page %d, pinned by %d checkpoints and held by no lease, is on the LRU list (%v) or detached (%v)", e.page, e.pins, e.inLRU, e.detached)
 			}
 		}
-		if e.ckpt != nil && (e.detached || e.ckpt.chain[len(e.ckpt.chain)-1] != e) {
-			c.failf("page %d holds a checkpoint of another page, or is detached", e.page)
+		if k := e.ckpt; k != nil && (e.detached || k.chain[len(k.chain)-1] != e) {
+			c.failf("page %d (detached %v) holds a checkpoint of %d tokens ending at page %d (dropped %v, restoring %d)",
+				e.page, e.detached, k.tokens, k.chain[len(k.chain)-1].page, k.dropped, k.restoring)
 		}
 	}
 	if pinnedCached != b.pinnedCached {

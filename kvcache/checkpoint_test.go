@@ -3,8 +3,10 @@ package kvcache
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -412,4 +414,99 @@ func TestClearDropsCheckpoints(t *testing.T) {
 	require.NoError(t, l.Release())
 	_, err = p.AuditFreePages()
 	require.NoError(t, err)
+}
+
+// Checkpoints taken, restored, evicted and cleared from many goroutines
+// at once: every restored unit holds its checkpoint's bytes or the scrub
+// pattern, never another prompt's, and the books balance at the end.
+func TestCheckpointsConcurrently(t *testing.T) {
+	cfg := checkpointConfig(256, 6, 3)
+	p := newPool(t, cfg)
+	prompts := make([][]int32, 4)
+	for i := range prompts {
+		prompts[i] = promptTokens(i+1, 24, 0, 24)
+	}
+	const workers = 6
+	errs := make(chan error, workers+1)
+	done := make(chan struct{})
+	for w := range workers {
+		go func() {
+			for i := range 150 {
+				k := (w + i) % len(prompts)
+				id := fmt.Sprintf("w%d-%d", w, i)
+				l, err := p.Admit(t.Context(), Request{ID: id, Tenant: []string{"a", "b"}[w%2], PromptTokens: 24, TokenIDs: prompts[k]})
+				if err != nil {
+					errs <- err
+					return
+				}
+				// Whatever it restored, it is the prompt's own state at the
+				// hit (every checkpoint of prompt k at n holds "pk@n").
+				if err := stateErr(p, l, fmt.Sprintf("p%d@%d", k, l.HitTokens()), l.HitTokens()); err != nil {
+					errs <- err
+					return
+				}
+				if l.HitTokens() < 20 {
+					if err := l.Commit(20); err == nil {
+						if _, err := l.SlideWindows(cudaops.Ordering{}); err != nil {
+							errs <- err
+							return
+						}
+						writeStateNoT(p, l, fmt.Sprintf("p%d@20", k), 20)
+						if err := l.CheckpointState(20, cudaops.Ordering{}); err != nil && !errors.Is(err, ErrCheckpointCapacity) && !errors.Is(err, ErrInvalidArgument) {
+							errs <- err
+							return
+						}
+					}
+				}
+				if err := l.Release(); err != nil {
+					errs <- err
+					return
+				}
+			}
+			errs <- nil
+		}()
+	}
+	go func() {
+		for {
+			select {
+			case <-done:
+				errs <- nil
+				return
+			default:
+			}
+			if err := p.ClearPrefixCache(); err != nil {
+				errs <- err
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}()
+	for range workers {
+		require.NoError(t, <-errs)
+	}
+	close(done)
+	require.NoError(t, <-errs)
+	require.NoError(t, p.Check())
+	_, err := p.AuditFreePages()
+	require.NoError(t, err)
+	t.Logf("%+v", p.Stats().Checkpoints)
+}
+
+// writeStateNoT is writeState for goroutines that must not fail t.
+func writeStateNoT(p *Pool, l *Lease, tag string, n int) {
+	spec := p.Spec()
+	for gi, e := range spec.HandoffExtents(n) {
+		if gi == 0 {
+			continue
+		}
+		first, _, err := l.GroupTable(e.Group, nil)
+		if err != nil {
+			return
+		}
+		for j := range e.Units {
+			for r, reg := range spec.Groups[gi].Regions {
+				_ = l.WritePage(e.Group, e.First+j-first, r, stateBytes(tag, e.Group, e.First+j, r, reg.PageBytes))
+			}
+		}
+	}
 }

@@ -391,16 +391,23 @@ func (p *Pool) releasePagesLocked(l *Lease, gi int, pages []int32) []int32 {
 func (p *Pool) clearLocked(b *scrubBatch) {
 	p.assertHeld()
 	x := &p.mu.prefix
-	// The checkpoints first: their units are scrubbed, and the pages they
-	// pinned join the LRU list. One being restored into an admitted lease
-	// goes when its restore ends (endRestoreLocked).
+	// The checkpoints first: their units are scrubbed (one being restored
+	// into an admitted lease once its restore ends), and the pages they
+	// pinned join the LRU list.
 	for c := p.mu.ckpts.lruHead; c != nil; {
 		next := c.next
-		if c.restoring == 0 {
-			p.dropCheckpointLocked(c, b)
-			p.mu.ckpts.stats.Evicted++
-		}
+		p.dropCheckpointLocked(c, b)
+		p.mu.ckpts.stats.Evicted++
 		c = next
+	}
+	// Those being taken let their pages go now (their copy ends in a
+	// race, and scrubs their units), so that no page this clear detaches
+	// is pinned with no lease to release it.
+	for c := range p.mu.ckpts.loose {
+		if c.copying && !c.dropped {
+			p.unpinChainLocked(c)
+			c.dropped = true
+		}
 	}
 	p.evictLocked(0, b, x.lruLen, nil)
 	for _, e := range x.byPage {
