@@ -485,6 +485,9 @@ func (w *remoteWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 	w.batches = append(live, p)
 	failed := p.err != nil // p is the completions' until its done
 	c.w.mu.Unlock()
+	// The writes move now, on this goroutine, as far as progress takes
+	// them without waiting on the peer.
+	c.w.drive(p.done)
 	wait := func() error {
 		if !c.wait(p, w.s.t.opts.MessageTimeout) {
 			return fmt.Errorf("%w: ucxx: writes into the receiver's memory did not land in %v", handoff.ErrTransport, w.s.t.opts.MessageTimeout)

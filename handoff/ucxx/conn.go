@@ -397,6 +397,7 @@ func (c *conn) postControlLocked(kind byte) {
 // the connection, which ends them, and waits for that. It reports
 // whether they ended in time.
 func (c *conn) wait(p *pending, timeout time.Duration) bool {
+	c.w.drive(p.done)
 	t := time.NewTimer(timeout)
 	defer t.Stop()
 	select {

@@ -16,6 +16,7 @@ import (
 	"runtime"
 	"sync"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"github.com/kvfence/kvfence/handoff"
@@ -106,13 +107,25 @@ func openWorker() (*worker, error) {
 // RawConn.Read resets the poller's readiness before it calls f, and
 // parks only when f returns false: so the worker is armed inside f, and
 // an event that arrives after the arm wakes the wait that follows.
+//
+// Not every transport signals the event fd as an operation moves (shared
+// memory's copies and sends do not: they advance in progress alone), so
+// while operations are in flight the loop does not wait for the fd
+// alone: a timer wakes it after a while (backoff, from 50 µs, doubling
+// to 1 ms while nothing moves). Most of that work is done by the
+// goroutines that wait for their operations, which progress the worker
+// themselves while it moves (drive), rather than by the loop, which
+// would have to spin.
 func (w *worker) loop() {
 	defer close(w.loopDone)
 	rc, err := w.file.SyscallConn()
 	if err != nil {
 		return
 	}
-	idle := 0 // rounds in a row that found nothing to do
+	var backoff time.Duration
+	nudge := time.AfterFunc(time.Hour, w.signal)
+	nudge.Stop()
+	defer nudge.Stop()
 	for {
 		stop := false
 		err := rc.Read(func(uintptr) bool {
@@ -123,41 +136,76 @@ func (w *worker) loop() {
 				stop = true
 				return true
 			}
-			n := 0
-			for C.ucp_worker_progress(w.w.worker) != 0 {
-				n++
+			if w.progressLocked() {
+				backoff = 0
+				return true // more may follow at once
 			}
-			if w.dispatchLocked() {
-				n++
+			if C.ucp_worker_arm(w.w.worker) != C.UCS_OK {
+				return true // UCS_ERR_BUSY: events came in meanwhile
 			}
-			if idle = idle + 1; n > 0 {
-				idle = 0
+			w.sleeping = true
+			if len(w.ops) > 0 {
+				backoff = min(max(2*backoff, 50*time.Microsecond), time.Millisecond)
+				nudge.Reset(backoff)
 			}
-			if len(w.ops) > 0 && idle < spinRounds {
-				// Operations in flight that progress is moving: not every
-				// transport signals the event fd as it goes (shared
-				// memory's copies do not), so the loop polls while they
-				// move, and waits for the fd once they wait on a peer.
-				return true
-			}
-			switch C.ucp_worker_arm(w.w.worker) {
-			case C.UCS_OK:
-				w.sleeping = true
-				return false
-			default: // UCS_ERR_BUSY: events came in meanwhile
-				return true
-			}
+			return false
 		})
 		if err != nil || stop {
 			return
 		}
-		runtime.Gosched()
 	}
 }
 
-// spinRounds is how many rounds in a row without progress the loop polls
-// before it waits for the event fd, while operations are in flight.
-const spinRounds = 64
+// progressLocked progresses the worker until it has nothing to do and
+// hands out the events, and reports whether anything happened.
+func (w *worker) progressLocked() bool {
+	n := 0
+	for C.ucp_worker_progress(w.w.worker) != 0 {
+		n++
+	}
+	return w.dispatchLocked() || n > 0
+}
+
+// drive progresses the worker from the calling goroutine, which is about
+// to wait for done, for as long as that makes something happen: a
+// transfer's copies (shared memory's) and sends run on the goroutine that
+// waits for them instead of on the loop's.
+//
+// It takes the worker's lock round by round, so that other goroutines
+// post their operations in between.
+func (w *worker) drive(done <-chan struct{}) {
+	for idle := 0; idle < driveIdle; {
+		select {
+		case <-done:
+			return
+		default:
+		}
+		w.mu.Lock()
+		if w.closed {
+			w.mu.Unlock()
+			return
+		}
+		if w.progressLocked() {
+			idle = 0
+		} else {
+			idle++
+		}
+		w.mu.Unlock()
+	}
+}
+
+// driveIdle is how many rounds of progress in a row that do nothing
+// drive takes before it leaves the rest to the loop.
+const driveIdle = 32
+
+// signal wakes the loop (from a timer).
+func (w *worker) signal() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.closed && w.sleeping {
+		C.ucp_worker_signal(w.w.worker)
+	}
+}
 
 // wakeLocked has the loop look at the worker again, after an operation
 // was posted that progress must drive.
