@@ -3,7 +3,13 @@
 package ucxx_test
 
 import (
+	"fmt"
+	"net"
+	"os/exec"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -13,8 +19,15 @@ import (
 )
 
 // BenchmarkHandoff is tcpx's BenchmarkHandoff over ucxx (benchkit.Handoff:
-// the same workload, checks and raw TCP baseline after each handoff),
-// over the transports UCX_TLS names.
+// the same workload, a 256 MiB prompt, the same checks and the raw TCP
+// copy after each handoff), over the transports UCX_TLS names: export,
+// manifest, the grant, the pages written into the decode pool's memory
+// chunk by chunk (summed on both sides), the seal, the ack, the release
+// of the prefill pages. After each handoff, beside the TCP copy, UCX's
+// own put bandwidth over the same transports: ucx_perftest's ucp_put_bw
+// between two processes, one message of the transfer's size
+// (perftest-GB/s, x-perftest), and 4 MiB messages, the size of the
+// handoff's chunks (perftest-4MiB-GB/s, x-perftest-4MiB).
 func BenchmarkHandoff(b *testing.B) {
 	benchkit.Handoff(b, func(recv *handoff.Receiver) handoff.Transport {
 		srv, err := ucxx.NewServer(recv, ucxx.Options{})
@@ -26,5 +39,70 @@ func BenchmarkHandoff(b *testing.B) {
 		require.NoError(b, err)
 		b.Cleanup(func() { tr.Close() })
 		return tr
-	})
+	}, perftest("perftest", 0), perftest("perftest-4MiB", 4<<20))
+}
+
+// perftest is ucx_perftest's ucp_put_bw between two processes over the
+// transports UCX_TLS names, as a reference of benchkit.Handoff's: msg
+// bytes a message (0: one message of the transfer's size), as many as
+// make the transfer's bytes, after one of warm-up. Without ucx_perftest
+// the benchmark is skipped.
+func perftest(name string, msg int64) benchkit.Reference {
+	return benchkit.Reference{Name: name, Run: func(b *testing.B, size int64) float64 {
+		if _, err := exec.LookPath("ucx_perftest"); err != nil {
+			b.Skip("no ucx_perftest (Debian's ucx-utils)")
+		}
+		if msg == 0 {
+			msg = size
+		}
+		iters := max(1, size/msg)
+		var err error
+		for try := 0; try < 5; try++ {
+			var gbps float64
+			if gbps, err = perftestOnce(msg, iters); err == nil {
+				return gbps
+			}
+		}
+		b.Fatalf("ucx_perftest: %v", err)
+		return 0
+	}}
+}
+
+// perftestOnce runs one ucx_perftest server and client and returns the
+// client's overall put bandwidth in GB/s.
+func perftestOnce(msg, iters int64) (float64, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0") // a free port
+	if err != nil {
+		return 0, err
+	}
+	port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+	ln.Close()
+	args := []string{"-p", port, "-t", "ucp_put_bw", "-s", strconv.FormatInt(msg, 10),
+		"-n", strconv.FormatInt(iters, 10), "-w", "1"}
+	srv := exec.Command("ucx_perftest", args...)
+	if err := srv.Start(); err != nil {
+		return 0, err
+	}
+	defer func() {
+		srv.Process.Kill()
+		srv.Wait()
+	}()
+	time.Sleep(200 * time.Millisecond) // for the server to listen
+	out, err := exec.Command("ucx_perftest", append([]string{"127.0.0.1"}, args...)...).CombinedOutput()
+	if err != nil {
+		return 0, fmt.Errorf("%w: %s", err, out)
+	}
+	// "Final: iters p50 avg overall bw-avg bw-overall mr-avg mr-overall",
+	// bandwidths in MiB/s (ucx_perftest's MB/s).
+	for _, line := range strings.Split(string(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) >= 7 && f[0] == "Final:" {
+			mibps, err := strconv.ParseFloat(f[6], 64)
+			if err != nil {
+				return 0, fmt.Errorf("ucx_perftest said %q: %w", line, err)
+			}
+			return mibps * (1 << 20) / 1e9, nil
+		}
+	}
+	return 0, fmt.Errorf("no Final line in %s", out)
 }

@@ -105,13 +105,26 @@ func (w Workload) Bytes() int64 {
 // pages have been released. The receiver has verified the content
 // checksum over every page before Send returned; the sample shows the
 // pages it verified are the ones the decode lease got.
-func Handoff(b *testing.B, connect func(recv *handoff.Receiver) handoff.Transport) {
-	HandoffOf(b, PerToken, connect)
+//
+// refs, if any, are further baselines, each run after each handoff
+// beside the TCP copy (and so under the same load): for each, Handoff
+// reports its bandwidth (NAME-GB/s, over the runs) and the handoff's
+// against it (x-NAME).
+func Handoff(b *testing.B, connect func(recv *handoff.Receiver) handoff.Transport, refs ...Reference) {
+	HandoffOf(b, PerToken, connect, refs...)
+}
+
+// Reference is a baseline of Handoff's besides the TCP copy: Run moves
+// size bytes its own way and returns the bandwidth it measured, in GB/s
+// (10⁹ bytes a second).
+type Reference struct {
+	Name string
+	Run  func(b *testing.B, size int64) float64
 }
 
 // HandoffOf is Handoff of workload w: every group's units move, and the
 // sample covers every group (its first, middle and last units).
-func HandoffOf(b *testing.B, w Workload, connect func(recv *handoff.Receiver) handoff.Transport) {
+func HandoffOf(b *testing.B, w Workload, connect func(recv *handoff.Receiver) handoff.Transport, refs ...Reference) {
 	newPool := func(dev cudaops.Device) *kvcache.Pool {
 		if dev != nil {
 			b.Cleanup(func() { dev.Close() }) // after the pool's Close
@@ -158,6 +171,7 @@ func HandoffOf(b *testing.B, w Workload, connect func(recv *handoff.Receiver) ha
 	}
 
 	tally := NewTally()
+	refGBps := make([]float64, len(refs)) // summed over the runs
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
@@ -194,6 +208,9 @@ func HandoffOf(b *testing.B, w Workload, connect func(recv *handoff.Receiver) ha
 		require.NoError(b, dl.Release())
 		require.Zero(b, prefill.Stats().LiveLeases, "the exported lease of %s is still live", id)
 		tally.Baseline(b, tcp)
+		for k, ref := range refs {
+			refGBps[k] += ref.Run(b, size)
+		}
 		b.StartTimer()
 	}
 	b.StopTimer()
@@ -201,6 +218,12 @@ func HandoffOf(b *testing.B, w Workload, connect func(recv *handoff.Receiver) ha
 	require.NoError(b, prefill.Check())
 	require.NoError(b, decode.Check())
 	tally.Report(b, size)
+	gbps := float64(size) * float64(b.N) / tally.time.Seconds() / 1e9
+	for k, ref := range refs {
+		mean := refGBps[k] / float64(b.N)
+		b.ReportMetric(mean, ref.Name+"-GB/s")
+		b.ReportMetric(gbps/mean, "x-"+ref.Name)
+	}
 }
 
 // waitClean returns once p holds no quarantined page: every scrub its
