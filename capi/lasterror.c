@@ -149,6 +149,9 @@ const char *kvf_status_name(kvf_status status) {
     case KVF_ERR_SHARD_MISMATCH: return "KVF_ERR_SHARD_MISMATCH";
     case KVF_ERR_NO_STATE_GROUP: return "KVF_ERR_NO_STATE_GROUP";
     case KVF_ERR_CHECKPOINT_CAPACITY: return "KVF_ERR_CHECKPOINT_CAPACITY";
+    case KVF_ERR_TRANSPORT: return "KVF_ERR_TRANSPORT";
+    case KVF_ERR_PROTOCOL: return "KVF_ERR_PROTOCOL";
+    case KVF_ERR_UNAVAILABLE: return "KVF_ERR_UNAVAILABLE";
     }
     return "KVF_ERR_UNKNOWN_STATUS";
 }

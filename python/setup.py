@@ -3,6 +3,7 @@ this directory belongs to (python/..; or $KVFENCE_GO_SRC), or copies the
 library named by $KVFENCE_LIB. Everything else is in pyproject.toml.
 
     pip install --no-build-isolation ./python                 # needs Go 1.26, cgo, gcc
+    KVFENCE_GO_TAGS=ucx pip install --no-build-isolation ./python   # with UCX (libucx-dev)
     KVFENCE_LIB=/path/libkvfence.so pip install --no-build-isolation ./python
 """
 
@@ -36,7 +37,9 @@ class BuildWithLibrary(build_py):
         if go is None:
             raise SystemExit("kvfence: building libkvfence.so needs Go (or set KVFENCE_LIB)")
         env = dict(os.environ, CGO_ENABLED="1")
-        subprocess.check_call([go, "build", "-buildmode=c-shared", "-o", os.path.abspath(dst), "./capi"], cwd=src, env=env)
+        tags = os.environ.get("KVFENCE_GO_TAGS", "")  # e.g. "ucx": handoffs over UCX
+        subprocess.check_call([go, "build", "-buildmode=c-shared", "-tags", tags, "-o", os.path.abspath(dst), "./capi"],
+                              cwd=src, env=env)
         header = dst[:-3] + ".h"  # the cgo header beside it: not part of the package
         if os.path.exists(header):
             os.remove(header)

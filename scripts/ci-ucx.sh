@@ -5,7 +5,8 @@
 # without the build tag ucx), and runs its tests with it: over TCP and
 # over shared memory (UCX_TLS=tcp; UCX_TLS=sm,self: posix and sysv for
 # the messages, cma for the writes), the conformance suite, the faults
-# and the two-process tests.
+# and the two-process tests; then libkvfence built with UCX, its C test
+# program and the Python package's UCX test over both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,3 +27,19 @@ UCX_TLS=sm,self go test -count=1 -tags ucx ./handoff/ucxx/...
 
 echo "== the transport's share of a handoff, one iteration (it checks its result)"
 UCX_TLS=sm,self go test -run '^$' -bench '^BenchmarkPut$' -benchtime 1x -tags ucx ./handoff/ucxx/ >/dev/null
+
+echo "== the C ABI and the Python package, with UCX in libkvfence"
+out="$(mktemp -d "${TMPDIR:-/tmp}/kvfence-ci-ucx.XXXXXX")"
+trap 'rm -rf "$out"' EXIT
+go test -count=1 -tags ucx ./capi/internal/bridge/
+go build -tags ucx -buildmode=c-shared -o "$out/libkvfence.so" ./capi
+gcc -std=c11 -Wall -Wextra -Werror -I capi/include capi/testdata/capi_test.c -L "$out" -lkvfence -lpthread -o "$out/capi_test"
+for tls in tcp sm,self; do
+	UCX_TLS=$tls LD_LIBRARY_PATH="$out" "$out/capi_test"
+	if /usr/bin/python3 -c 'import pytest, numpy, torch' 2>/dev/null; then
+		(cd python/tests && UCX_TLS=$tls KVF_REQUIRE_UCX=1 KVFENCE_LIB="$out/libkvfence.so" PYTHONPATH=.. \
+			PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -m pytest -q -p no:cacheprovider test_ucx_handoff.py)
+	else
+		echo "ci-ucx: Debian's python3 lacks pytest/numpy/torch (ci-python.sh installs them): Python's UCX test skipped"
+	fi
+done

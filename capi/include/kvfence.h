@@ -86,8 +86,13 @@ extern "C" {
  * (kvf_lease_checkpoint_state, kvf_lease_prefill_checkpoint, the config's
  * "prefix": {"max_checkpoints", "checkpoint_slots"} and a tenant's
  * "max_checkpoints", "checkpoints" in the stats JSON) and the statuses
- * KVF_ERR_NO_STATE_GROUP and KVF_ERR_CHECKPOINT_CAPACITY. */
-#define KVF_ABI_VERSION 10
+ * KVF_ERR_NO_STATE_GROUP and KVF_ERR_CHECKPOINT_CAPACITY; version 11 adds
+ * handoffs the library moves itself, over UCX: a receiver serves imports
+ * on an address (kvf_ucx_server_create), an export is sent there
+ * (kvf_ucx_transport_create, kvf_export_send_ucx), the imported lease
+ * taken by request ID (kvf_receiver_take), and the statuses
+ * KVF_ERR_TRANSPORT, KVF_ERR_PROTOCOL and KVF_ERR_UNAVAILABLE. */
+#define KVF_ABI_VERSION 11
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -155,7 +160,12 @@ enum {
     KVF_ERR_SHARD_MISMATCH = 73,      /* the manifest's KV is another tensor-parallel shard (rank, or number of ranks) than the decode pool's */
     /* State checkpoints (kvf_lease_checkpoint_state). Since ABI 10. */
     KVF_ERR_NO_STATE_GROUP = 74,      /* a state checkpoint in a pool whose only cache group is per-token */
-    KVF_ERR_CHECKPOINT_CAPACITY = 75  /* no room for a state checkpoint: the pool's or the tenant's bound, or no slot free or evictable; counted, the lease unchanged */
+    KVF_ERR_CHECKPOINT_CAPACITY = 75, /* no room for a state checkpoint: the pool's or the tenant's bound, or no slot free or evictable; counted, the lease unchanged */
+
+    /* Transports: handoffs the library moves itself. Since ABI 11. */
+    KVF_ERR_TRANSPORT = 76,   /* the connection failed, the peer is gone, or it stayed silent past a timeout; the export stays pinned for a retry */
+    KVF_ERR_PROTOCOL = 77,    /* the peer broke the handoff's protocol (a forged frame, a grant of memory that does not hold the units) */
+    KVF_ERR_UNAVAILABLE = 78  /* the library was built without UCX (build it with cgo, libucx-dev and -tags ucx) */
 };
 
 /* Handles. 0 is never valid. All kinds share one counter: a value names
@@ -166,6 +176,8 @@ typedef uint64_t kvf_export;   /* since ABI 2 */
 typedef uint64_t kvf_receiver; /* since ABI 2 */
 typedef uint64_t kvf_import;   /* since ABI 2 */
 typedef uint64_t kvf_rank_worker; /* since ABI 5 */
+typedef uint64_t kvf_ucx_server;    /* since ABI 11 */
+typedef uint64_t kvf_ucx_transport; /* since ABI 11 */
 
 /* A lease's handoff phase (kvf_lease_phase). Since ABI 2. */
 enum {
@@ -960,6 +972,69 @@ KVF_API kvf_status kvf_import_abort(kvf_import imp);
 /* Aborts the import unless it completed, and frees the handle; a
  * completed import's lease is unaffected. */
 KVF_API kvf_status kvf_import_free(kvf_import imp);
+
+/* ---- Handoff over UCX (since ABI 11) ------------------------------------ *
+ *
+ * The library moves the units itself, over UCX (handoff/ucxx): the decode
+ * side's receiver serves on an address, the prefill side sends exports
+ * there, and the decode engine takes the verified lease by request ID:
+ *
+ *   decode:  kvf_receiver_create(pool, key, key_len, NULL, &rcv);
+ *            kvf_ucx_server_create(rcv, "10.0.0.2:13337", NULL, &srv);
+ *            ... kvf_receiver_take(rcv, "req-1", &lease); (0 until it arrived)
+ *   prefill: kvf_ucx_transport_create("10.0.0.2:13337", NULL, &tr);   once
+ *            kvf_export_create(lease, key, key_len, max_new, 0, &exp);
+ *            kvf_export_send_ucx(exp, tr, timeout_ms);  -> KVF_OK: delivered
+ *            kvf_export_free(exp); kvf_lease_free(lease);
+ *
+ * The units are written into the decode pool's memory (host pools; a
+ * CUDA pool's travel as messages), each verified before the lease is
+ * handed out, exactly as a caller-carried import is. UCX's environment
+ * (UCX_TLS, UCX_NET_DEVICES, ...) picks the fabric; the bytes are not
+ * encrypted (see handoff/ucxx's package doc). options_json (NULL for
+ * defaults): {"connect_timeout_ms": 10000, "message_timeout_ms": 60000,
+ * "revoke_timeout_ms": 2000, "max_message_bytes": 67108864,
+ * "max_conns": 256 (a server's), "data_path": "auto" | "messages" (a
+ * server's: "messages" never writes the pool's memory remotely)}; bad JSON
+ * is KVF_ERR_INVALID_CONFIG. Without UCX in the library every create
+ * returns KVF_ERR_UNAVAILABLE.
+ */
+
+/* 1 if the library was built with UCX, else 0. */
+KVF_API int kvf_ucx_available(void);
+
+/* Serves the imports of receiver over UCX on addr ("host:port"; port 0
+ * picks one, kvf_ucx_server_addr says which) until destroyed. */
+KVF_API kvf_status kvf_ucx_server_create(kvf_receiver receiver, const char *addr, const char *options_json,
+                                         kvf_ucx_server *out);
+
+/* Writes the address the server listens on as a NUL-terminated string
+ * into buf; *needed (if not NULL) gets its length + 1. */
+KVF_API kvf_status kvf_ucx_server_addr(kvf_ucx_server server, char *buf, size_t buf_len, size_t *needed);
+
+/* Stops the server: transfers in flight fail, their imports aborted and
+ * scrubbed before it returns. */
+KVF_API kvf_status kvf_ucx_server_destroy(kvf_ucx_server server);
+
+/* A transport to the UCX server at addr; each send connects anew. */
+KVF_API kvf_status kvf_ucx_transport_create(const char *addr, const char *options_json, kvf_ucx_transport *out);
+
+/* Closes the transport: sends still going on it fail. */
+KVF_API kvf_status kvf_ucx_transport_destroy(kvf_ucx_transport transport);
+
+/* Sends the export and waits for the receiver's verdict, at most
+ * timeout_ms (0: the transport's own timeouts only). KVF_OK: the decode
+ * pool holds the verified lease, and the export has ended (its pages
+ * scrubbed). Otherwise the receiver's reason (KVF_ERR_BAD_MAC,
+ * KVF_ERR_REPLAY, KVF_ERR_CHECKSUM_MISMATCH, ...), KVF_ERR_TRANSPORT or
+ * KVF_ERR_PROTOCOL, and the pages stay pinned for a retry until abort,
+ * free or the reclaim deadline. */
+KVF_API kvf_status kvf_export_send_ucx(kvf_export exp, kvf_ucx_transport transport, int64_t timeout_ms);
+
+/* Takes the lease the receiver imported for request_id over a transport
+ * (a UCX server), once: *out is its handle, or 0 if no such import has
+ * completed (yet). */
+KVF_API kvf_status kvf_receiver_take(kvf_receiver receiver, const char *request_id, kvf_lease *out);
 
 /* ---- Rank workers (since ABI 5) ---------------------------------------- *
  *

@@ -1,5 +1,5 @@
 /*
- * capi_test.c (with capi_test_v2.inc to _v10.inc) drives every
+ * capi_test.c (with capi_test_v2.inc to _v11.inc) drives every
  * function of kvfence.h, every bad-input case the header documents, and
  * concurrent use from several threads. It exits 0 if
  * every check passed; each failed check prints its line and the library's
@@ -128,6 +128,9 @@ static void test_library(void) {
         {KVF_ERR_SHARD_MISMATCH, "KVF_ERR_SHARD_MISMATCH"},
         {KVF_ERR_NO_STATE_GROUP, "KVF_ERR_NO_STATE_GROUP"},
         {KVF_ERR_CHECKPOINT_CAPACITY, "KVF_ERR_CHECKPOINT_CAPACITY"},
+        {KVF_ERR_TRANSPORT, "KVF_ERR_TRANSPORT"},
+        {KVF_ERR_PROTOCOL, "KVF_ERR_PROTOCOL"},
+        {KVF_ERR_UNAVAILABLE, "KVF_ERR_UNAVAILABLE"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         CHECK(strcmp(kvf_status_name(names[i].s), names[i].name) == 0);
@@ -538,6 +541,7 @@ static void test_long_strings(void) {
 #include "capi_test_v8.inc"
 #include "capi_test_v9.inc"
 #include "capi_test_v10.inc"
+#include "capi_test_v11.inc"
 
 int main(void) {
     test_library();
@@ -570,6 +574,7 @@ int main(void) {
     test_shard_config();
     test_checkpoint_config();
     test_checkpoints();
+    test_ucx_handoff();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);
         return 1;

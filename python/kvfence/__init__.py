@@ -18,7 +18,7 @@ See python/README.md.
 """
 
 from . import _lib
-from ._core import PHASES, Export, Import, Lease, Pool, RankWorker, Receiver, default_stream
+from ._core import PHASES, Export, Import, Lease, Pool, RankWorker, Receiver, UCXServer, UCXTransport, default_stream, ucx_available
 from ._lib import ABI_VERSION, STREAM_LEGACY, STREAM_PER_THREAD, library_path
 from ._views import CudaArray, RegionView
 from .errors import *  # noqa: F401,F403
@@ -49,7 +49,8 @@ def status_name(status):
     return _lib.status_name(status).decode()
 
 
-__all__ = ["Pool", "Lease", "Export", "Import", "Receiver", "RankWorker", "RegionView", "CudaArray",
+__all__ = ["Pool", "Lease", "Export", "Import", "Receiver", "UCXServer", "UCXTransport", "ucx_available",
+           "RankWorker", "RegionView", "CudaArray",
            "KvfenceError", "AdmissionError", "default_stream", "version", "abi_version", "status_name",
            "library_path", "layouts", "STREAM_LEGACY", "STREAM_PER_THREAD", "ABI_VERSION", "PHASES"] + \
     [n for n in _errors.__all__ if n not in ("from_last_error", "check")]

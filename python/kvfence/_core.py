@@ -1095,6 +1095,18 @@ class Export(_Units):
         check(call(self._h, unit, offset, addr, n))
         return out
 
+    def send_ucx(self, transport, timeout_ms=0):
+        """Sends the export over UCX (a UCXTransport to a receiver's
+        UCXServer) and waits for the receiver's verdict, at most
+        timeout_ms (0: the transport's own timeouts). On return the decode
+        pool holds the verified lease and the export has ended; on an
+        error (the receiver's reason, Transport, Protocol) the pages stay
+        pinned for a retry until abort(), free() or the reclaim deadline.
+        ABI 11."""
+        if _lib.export_send_ucx is None:
+            raise _lib_too_old("UCX handoffs", 11)
+        check(_lib.export_send_ucx(self._h, transport._handle(), timeout_ms))
+
     def ack(self):
         check(_lib.export_ack(self._h))
 
@@ -1136,10 +1148,112 @@ class Receiver:
         check(_lib.import_begin(self._h, manifest, len(manifest), ctypes.byref(h)))
         return Import(self.pool, h.value)
 
+    def serve_ucx(self, addr="127.0.0.1:0", options=None):
+        """Serves this receiver's imports over UCX on addr ("host:port";
+        port 0 picks one): a UCXServer, whose address a UCXTransport on
+        the prefill side dials. The imported leases are taken with take().
+        options (a dict): connect_timeout_ms, message_timeout_ms,
+        revoke_timeout_ms, max_message_bytes, max_conns, data_path ("auto"
+        or "messages"). UCX's environment (UCX_TLS, UCX_NET_DEVICES)
+        picks the fabric. Raises Unavailable when the library was built
+        without UCX. ABI 11."""
+        if _lib.ucx_server_create is None:
+            raise _lib_too_old("UCX handoffs", 11)
+        h = ctypes.c_uint64()
+        opts = _b(json.dumps(options)) if options else None
+        check(_lib.ucx_server_create(self._h, _cstr(addr, "addr", InvalidArgument), opts, ctypes.byref(h)))
+        return UCXServer(h.value)
+
+    def take(self, request_id):
+        """The Lease this receiver imported for request_id over a
+        transport (serve_ucx), once; None if no such import has completed
+        (yet). ABI 11."""
+        if _lib.receiver_take is None:
+            raise _lib_too_old("UCX handoffs", 11)
+        h = ctypes.c_uint64()
+        check(_lib.receiver_take(self._h, _cstr(request_id, "request_id", InvalidRequest), ctypes.byref(h)))
+        return Lease(self.pool, h.value) if h.value else None
+
     def close(self):
         if self._h:
             h, self._h = self._h, 0
             check(_lib.receiver_destroy(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _lib_too_old(what, abi):
+    return NotImplementedError("kvfence: %s need a library of ABI %d, %s implements %d"
+                               % (what, abi, _lib.library_path(), _lib.abi_version()))
+
+
+def ucx_available():
+    """Whether the library moves handoffs over UCX (built with cgo,
+    libucx-dev and the Go build tag ucx)."""
+    return _lib.ucx_available is not None and bool(_lib.ucx_available())
+
+
+class UCXServer:
+    """A receiver's imports served over UCX (Receiver.serve_ucx)."""
+
+    def __init__(self, handle):
+        self._h = handle
+
+    def __del__(self):
+        h = getattr(self, "_h", 0)
+        if h and _lib is not None and _lib.ucx_server_destroy is not None:
+            _lib.ucx_server_destroy(h)
+
+    @property
+    def address(self):
+        """The address the server listens on, "host:port"."""
+        return _sized_text(lambda b, n, need: _lib.ucx_server_addr(self._h, b, n, need)).rstrip(b"\0").decode()
+
+    def close(self):
+        """Stops the server: transfers in flight fail, their imports
+        aborted and scrubbed before it returns."""
+        if self._h:
+            h, self._h = self._h, 0
+            check(_lib.ucx_server_destroy(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class UCXTransport:
+    """A transport to a UCXServer at addr, for Export.send_ucx. options as
+    Receiver.serve_ucx's. Raises Unavailable when the library was built
+    without UCX. ABI 11."""
+
+    def __init__(self, addr, options=None):
+        if _lib.ucx_transport_create is None:
+            raise _lib_too_old("UCX handoffs", 11)
+        h = ctypes.c_uint64()
+        opts = _b(json.dumps(options)) if options else None
+        check(_lib.ucx_transport_create(_cstr(addr, "addr", InvalidArgument), opts, ctypes.byref(h)))
+        self._h = h.value
+
+    def _handle(self):
+        if not self._h:
+            raise InvalidArgument("kvfence: the UCX transport is closed", InvalidArgument.status)
+        return self._h
+
+    def __del__(self):
+        h = getattr(self, "_h", 0)
+        if h and _lib is not None and _lib.ucx_transport_destroy is not None:
+            _lib.ucx_transport_destroy(h)
+
+    def close(self):
+        if self._h:
+            h, self._h = self._h, 0
+            check(_lib.ucx_transport_destroy(h))
 
     def __enter__(self):
         return self

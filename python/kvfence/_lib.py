@@ -221,6 +221,19 @@ else:
     import_extents = import_write_units = import_write_unit_range = None
 import_abort = _fn("kvf_import_abort", _st, _h)
 import_free = _fn("kvf_import_free", _st, _h)
+# ABI 11: handoffs over UCX, moved by the library; None with an older one.
+if abi_version() >= 11:
+    ucx_available = _fn("kvf_ucx_available", ctypes.c_int)
+    ucx_server_create = _fn("kvf_ucx_server_create", _st, _h, _s, _s, _P(_h))
+    ucx_server_addr = _fn("kvf_ucx_server_addr", _st, _h, _s, _sz, _P(_sz))
+    ucx_server_destroy = _fn("kvf_ucx_server_destroy", _st, _h)
+    ucx_transport_create = _fn("kvf_ucx_transport_create", _st, _s, _s, _P(_h))
+    ucx_transport_destroy = _fn("kvf_ucx_transport_destroy", _st, _h)
+    export_send_ucx = _fn("kvf_export_send_ucx", _st, _h, _h, _i64)
+    receiver_take = _fn("kvf_receiver_take", _st, _h, _s, _P(_h))
+else:
+    ucx_available = ucx_server_create = ucx_server_addr = ucx_server_destroy = None
+    ucx_transport_create = ucx_transport_destroy = export_send_ucx = receiver_take = None
 
 rank_worker_create = _fn("kvf_rank_worker_create", _st, _s, _P(Region), _sz, _P(_h))
 rank_step = _fn("kvf_rank_step", _st, _h, _up, _up, _P(_sz))

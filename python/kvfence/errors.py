@@ -59,6 +59,9 @@ STATUSES = (
     (73, "KVF_ERR_SHARD_MISMATCH", "handoff.ErrShardMismatch"),
     (74, "KVF_ERR_NO_STATE_GROUP", "kvcache.ErrNoStateGroup"),
     (75, "KVF_ERR_CHECKPOINT_CAPACITY", "kvcache.ErrCheckpointCapacity"),
+    (76, "KVF_ERR_TRANSPORT", "handoff.ErrTransport"),
+    (77, "KVF_ERR_PROTOCOL", "handoff.ErrProtocol"),
+    (78, "KVF_ERR_UNAVAILABLE", "ucxx.ErrUnavailable"),
 )
 
 OK = 0

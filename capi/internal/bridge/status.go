@@ -6,6 +6,7 @@ import (
 
 	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/handoff"
+	"github.com/kvfence/kvfence/handoff/ucxx"
 	"github.com/kvfence/kvfence/isolation"
 	"github.com/kvfence/kvfence/kvcache"
 )
@@ -73,6 +74,11 @@ const (
 	StatusShardMismatch      Status = 73 // handoff.ErrShardMismatch: another tensor-parallel shard's KV
 	StatusNoStateGroup       Status = 74 // kvcache.ErrNoStateGroup: a state checkpoint in a pool without window or state groups
 	StatusCheckpointCapacity Status = 75 // kvcache.ErrCheckpointCapacity: no room for a state checkpoint (counted, logged once a tenant)
+
+	// Transports (since ABI 11: handoffs the library moves itself, over UCX).
+	StatusTransport   Status = 76 // handoff.ErrTransport: the connection failed, the peer is gone or silent
+	StatusProtocol    Status = 77 // handoff.ErrProtocol: the peer broke the protocol (a forged frame, a put outside the grant)
+	StatusUnavailable Status = 78 // ucxx.ErrUnavailable: the library was built without UCX
 )
 
 // Errors of the C boundary. Match with errors.Is.
@@ -162,6 +168,11 @@ var sentinels = []struct {
 	{kvcache.ErrDevice, StatusDeviceFailed},
 	// Last: a failed fill wraps it inside ErrScrubFailed/ErrPoolFaulted.
 	{cudaops.ErrDriver, StatusDeviceFailed},
+	// Transports, after every reason a refusal can carry: a sender's
+	// refusal names the receiver's reason, which wins.
+	{ucxx.ErrUnavailable, StatusUnavailable},
+	{handoff.ErrProtocol, StatusProtocol},
+	{handoff.ErrTransport, StatusTransport},
 }
 
 // Info is what kvf_last_error reports besides the message.
@@ -255,6 +266,9 @@ var statusNames = map[Status]string{
 	StatusShardMismatch:      "KVF_ERR_SHARD_MISMATCH",
 	StatusNoStateGroup:       "KVF_ERR_NO_STATE_GROUP",
 	StatusCheckpointCapacity: "KVF_ERR_CHECKPOINT_CAPACITY",
+	StatusTransport:          "KVF_ERR_TRANSPORT",
+	StatusProtocol:           "KVF_ERR_PROTOCOL",
+	StatusUnavailable:        "KVF_ERR_UNAVAILABLE",
 }
 
 // Statuses returns every status with its C name.

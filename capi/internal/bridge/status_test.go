@@ -83,9 +83,12 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		"ErrGeometryMismatch": handoff.ErrGeometryMismatch, "ErrDomainMismatch": handoff.ErrDomainMismatch,
 		"ErrReplay": handoff.ErrReplay, "ErrInvalidArgument": handoff.ErrInvalidArgument,
 		"ErrInProgress": handoff.ErrInProgress, "ErrShardMismatch": handoff.ErrShardMismatch,
-		// Errors of transports and of a refusal seen by a sender: the C
-		// ABI moves the bytes through the caller, never a Transport.
-		"ErrProtocol": nil, "ErrTransport": nil, "ErrRefused": nil, "ErrInternal": nil,
+		// Errors of transports (the C ABI sends over UCX since ABI 11).
+		"ErrProtocol": handoff.ErrProtocol, "ErrTransport": handoff.ErrTransport,
+		// A refusal seen by a sender carries the receiver's reason, whose
+		// status it gets; one it cannot name is internal.
+		"ErrRefused": nil, "ErrInternal": nil,
+		"ErrNoRemoteMemory": nil, // the receiver falls back to data frames: never returned
 	}
 	dev := map[string]error{
 		"ErrNoDevice": cudaops.ErrNoDevice, "ErrOutOfMemory": cudaops.ErrOutOfMemory,
