@@ -5,7 +5,8 @@
 # without the build tag ucx), and runs its tests with it: over TCP and
 # over shared memory (UCX_TLS=tcp; UCX_TLS=sm,self: posix and sysv for
 # the messages, cma for the writes), the conformance suite, the faults
-# and the two-process tests; then libkvfence built with UCX, its C test
+# and the two-process tests; examples/disagg -transport ucx; then
+# libkvfence built with UCX, its C test
 # program and the Python package's UCX test over both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,10 @@ UCX_TLS=sm,self go test -count=1 -tags ucx ./handoff/ucxx/...
 
 echo "== the transport's share of a handoff, one iteration (it checks its result)"
 UCX_TLS=sm,self go test -run '^$' -bench '^BenchmarkPut$' -benchtime 1x -tags ucx ./handoff/ucxx/ >/dev/null
+
+echo "== examples/disagg over UCX: a hybrid model's every group, over shared memory and TCP"
+UCX_TLS=sm,self go run -tags ucx ./examples/disagg -transport ucx -model glm-5.3-flash >/dev/null
+UCX_TLS=tcp go run -tags ucx ./examples/disagg -transport ucx -model qwen3-next-80b-a3b >/dev/null
 
 echo "== the C ABI and the Python package, with UCX in libkvfence"
 out="$(mktemp -d "${TMPDIR:-/tmp}/kvfence-ci-ucx.XXXXXX")"

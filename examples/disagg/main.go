@@ -1,11 +1,13 @@
 // Command disagg runs a prefill pool and a decode pool in two processes on
 // loopback and hands a prompt's KV from one to the other over gRPC (or
-// handoff/tcpx's own frames over TCP, with -transport tcpx), then replays
+// handoff/tcpx's own frames over TCP, with -transport tcpx; over UCX with
+// -transport ucx, the decode pool's pages then written with RMA puts), then replays
 // the incident kvfence exists for: an over-long prompt on a prefill pool
 // too small for the model's context window.
 //
 //	go run ./examples/disagg
 //	go run ./examples/disagg -transport tcpx
+//	go run -tags ucx ./examples/disagg -transport ucx   # cgo, libucx-dev
 //	go run ./examples/disagg -model glm-5.3-flash
 //
 // With -model, the pools hold a miniature of a model preset's caches
@@ -43,6 +45,7 @@ import (
 	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/handoff/grpcx"
 	"github.com/kvfence/kvfence/handoff/tcpx"
+	"github.com/kvfence/kvfence/handoff/ucxx"
 	"github.com/kvfence/kvfence/kvcache"
 )
 
@@ -64,15 +67,15 @@ const (
 func main() {
 	role := flag.String("role", "prefill", "prefill (starts the decode process) or decode")
 	secret := flag.String("key", "", "hex HMAC key shared by the pools (the prefill process makes one)")
-	transport := flag.String("transport", "grpc", "how the KV travels: grpc (handoff/grpcx) or tcpx (handoff/tcpx)")
+	transport := flag.String("transport", "grpc", "how the KV travels: grpc (handoff/grpcx), tcpx (handoff/tcpx) or ucx (handoff/ucxx, built with -tags ucx)")
 	model := flag.String("model", "", "a model preset whose caches (a miniature of them) the pools hold, e.g. glm-5.3-flash; "+
 		"empty: one small K/V group")
 	flag.Parse()
 	log.SetFlags(0)
 	var err error
 	switch {
-	case *transport != "grpc" && *transport != "tcpx":
-		err = fmt.Errorf("-transport %q: want grpc or tcpx", *transport)
+	case *transport != "grpc" && *transport != "tcpx" && *transport != "ucx":
+		err = fmt.Errorf("-transport %q: want grpc, tcpx or ucx", *transport)
 	case *role == "decode":
 		err = decode(*secret, *transport, *model)
 	default:
@@ -122,27 +125,53 @@ func keyFrom(secretHex string) (*handoff.Key, error) {
 	return handoff.NewKey(secret)
 }
 
-// serve serves handoffs to recv on ln over the transport named, until
-// the returned stop is called. Plain TCP: this example runs on loopback.
-func serve(recv *handoff.Receiver, ln net.Listener, transport string) (stop func(), err error) {
+// serve serves handoffs to recv on loopback over the transport named,
+// until the returned stop is called, and returns its address. Plain TCP
+// (and UCX's bytes unencrypted): this example runs on loopback.
+func serve(recv *handoff.Receiver, transport string) (addr string, stop func(), err error) {
+	if transport == "ucx" {
+		srv, err := ucxx.NewServer(recv, ucxx.Options{})
+		if err != nil {
+			return "", nil, err
+		}
+		addr, err := srv.Listen("127.0.0.1:0")
+		if err != nil {
+			srv.Close()
+			return "", nil, err
+		}
+		return addr, func() { srv.Close() }, nil
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", nil, err
+	}
 	if transport == "tcpx" {
 		srv, err := tcpx.NewServer(recv, tcpx.Insecure(), tcpx.Options{})
 		if err != nil {
-			return nil, err
+			ln.Close()
+			return "", nil, err
 		}
 		go srv.Serve(ln)
-		return func() { srv.Close() }, nil
+		return ln.Addr().String(), func() { srv.Close() }, nil
 	}
 	srv, err := grpcx.NewServer(recv, insecure.NewCredentials())
 	if err != nil {
-		return nil, err
+		ln.Close()
+		return "", nil, err
 	}
 	go srv.Serve(ln)
-	return srv.Stop, nil
+	return ln.Addr().String(), srv.Stop, nil
 }
 
 // dial connects to the decode process's server over the transport named.
 func dial(addr, transport string) (handoff.Transport, func() error, error) {
+	if transport == "ucx" {
+		tr, err := ucxx.Dial(addr, ucxx.Options{})
+		if err != nil {
+			return nil, nil, err
+		}
+		return tr, tr.Close, nil
+	}
 	if transport == "tcpx" {
 		tr, err := tcpx.Dial(addr, tcpx.Insecure(), tcpx.Options{})
 		if err != nil {
@@ -172,17 +201,13 @@ func decode(secretHex, transport, model string) error {
 	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return err
-	}
-	stop, err := serve(recv, ln, transport)
+	addr, stop, err := serve(recv, transport)
 	if err != nil {
 		return err
 	}
 	defer stop()
-	fmt.Printf("decode pool: %d pages (%d tokens), serving handoffs on %s over %s\n", pool.Pages(), pool.CapacityTokens(), ln.Addr(), transport)
-	fmt.Println("addr", ln.Addr())
+	fmt.Printf("decode pool: %d pages (%d tokens), serving handoffs on %s over %s\n", pool.Pages(), pool.CapacityTokens(), addr, transport)
+	fmt.Println("addr", addr)
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
 		cmd, id, _ := strings.Cut(in.Text(), " ")
