@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/kvfence/kvfence/cudaops"
+	"github.com/kvfence/kvfence/internal/testlog"
 	"github.com/kvfence/kvfence/isolation"
 )
 
@@ -288,6 +289,8 @@ func TestCheckpointBadInput(t *testing.T) {
 func TestCheckpointPoolBound(t *testing.T) {
 	cfg := checkpointConfig(128, 4, 4)
 	cfg.Prefix.MaxCheckpoints = 2
+	var log testlog.Buffer
+	cfg.Logger = log.Logger()
 	p := newPool(t, cfg)
 	for i := range 4 {
 		l, err := p.TryAdmit(Request{ID: fmt.Sprint(i), Tenant: "a", PromptTokens: 20, TokenIDs: promptTokens(i, 20, i, 20)})
@@ -305,6 +308,48 @@ func TestCheckpointPoolBound(t *testing.T) {
 	s := p.Stats().Checkpoints
 	require.Equal(t, 2, s.Live)
 	require.EqualValues(t, 2, s.CapacitySkips)
+	require.NoError(t, p.Check())
+	var warned []map[string]any
+	for _, r := range log.Records(t) {
+		if r["msg"] == "kvcache: state checkpoint not taken for lack of room; later ones of the tenant are counted, not logged" {
+			warned = append(warned, r)
+		}
+	}
+	require.Len(t, warned, 1, "logged once for the tenant")
+	require.Equal(t, "a", warned[0]["tenant"])
+}
+
+// A prompt of one page and a token hits its page; identical prompts of
+// any length reuse; keys crafted after another domain's, and a request
+// of another domain whose keys collide with them, hit nothing of it.
+func TestCheckpointHitsEveryPromptPastAPage(t *testing.T) {
+	p := newPool(t, checkpointConfig(256, 4, 8))
+	for _, n := range []int{5, 8, 9, 17, 64} {
+		tokens := promptTokens(n, n, n, n)
+		for i := range 2 {
+			l, err := p.TryAdmit(Request{ID: fmt.Sprint(n, "-", i), Tenant: "a", PromptTokens: n, TokenIDs: tokens})
+			require.NoError(t, err)
+			want := (n - 1) / 4 * 4
+			if i == 0 {
+				want = 0
+			}
+			require.Equal(t, want, l.HitTokens(), "prompt of %d, admission %d", n, i)
+			if i == 0 {
+				prefillTo(t, p, l, "x", l.PrefillCheckpoint())
+				require.NoError(t, l.CheckpointState(l.PrefillCheckpoint(), cudaops.Ordering{}))
+			}
+			require.NoError(t, l.Release())
+		}
+	}
+	// Tenant b forges tenant a's keys for a prompt a checkpointed.
+	tokens := promptTokens(64, 64, 64, 64)
+	keys, err := p.PageKeys("a", "", tokens, nil)
+	require.NoError(t, err)
+	forged, err := p.TryAdmit(Request{ID: "forged", Tenant: "b", PromptTokens: 64, PageKeys: keys})
+	require.NoError(t, err)
+	require.Zero(t, forged.HitTokens(), "another domain's keys")
+	require.NoError(t, stateErr(p, forged, "", 0))
+	require.NoError(t, forged.Release())
 	require.NoError(t, p.Check())
 }
 
