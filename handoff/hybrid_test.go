@@ -115,6 +115,21 @@ func TestHybridHandoffFaultsPerGroup(t *testing.T) {
 			}
 			return st.Send(msg)
 		}, handoff.ErrProtocol},
+		{"the window's frame sent twice", func(m handoff.Manifest, st handoff.Stream, n int, msg []byte) error {
+			if msg[0] == kindData && int(binary.LittleEndian.Uint32(msg[17:])) == m.Extents[0].Units {
+				if err := st.Send(msg); err != nil {
+					return err
+				}
+			}
+			return st.Send(msg)
+		}, handoff.ErrProtocol},
+		{"the window's frame at a ring position past the extents", func(m handoff.Manifest, st handoff.Stream, n int, msg []byte) error {
+			if msg[0] == kindData && int(binary.LittleEndian.Uint32(msg[17:])) == m.Extents[0].Units {
+				msg = append([]byte(nil), msg...)
+				binary.LittleEndian.PutUint32(msg[17:], uint32(m.Units()+2))
+			}
+			return st.Send(msg)
+		}, handoff.ErrProtocol},
 		{"a state part sent twice", func(m handoff.Manifest, st handoff.Stream, n int, msg []byte) error {
 			if msg[0] == kindPart {
 				if err := st.Send(msg); err != nil {
@@ -156,6 +171,7 @@ func TestHybridHandoffFaultsPerGroup(t *testing.T) {
 				return tc.hook(m, st, n, msg)
 			}})
 			require.ErrorIs(t, err, tc.want)
+			t.Logf("%v", err)
 			assertNoImport(t, recv, decode, id)
 			require.NoError(t, exp.Abort())
 		})
