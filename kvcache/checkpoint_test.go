@@ -555,3 +555,30 @@ func writeStateNoT(p *Pool, l *Lease, tag string, n int) {
 		}
 	}
 }
+
+// A checkpoint publishes the pages below it as CachePrefix does (one
+// KVStored event of their keys), and its eviction removes them (KVRemoved)
+// once the pages it pinned are evicted.
+func TestCheckpointPagesAreEvents(t *testing.T) {
+	cfg := checkpointConfig(16, 4, 2)
+	cfg.Prefix.EventBuffer = 64
+	p := newPool(t, cfg)
+	tokens := promptTokens(1, 20, 1, 20)
+	l, err := p.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: 20, TokenIDs: tokens})
+	require.NoError(t, err)
+	prefillTo(t, p, l, "r", 16)
+	require.NoError(t, l.CheckpointState(16, cudaops.Ordering{}))
+	keys, err := p.PageKeys("a", "", tokens[:16], nil)
+	require.NoError(t, err)
+	stored := <-p.Events()
+	require.Equal(t, KVStored, stored.Kind)
+	require.Equal(t, keys, stored.Keys)
+	require.NoError(t, l.Release())
+	big, err := p.TryAdmit(Request{ID: "big", Tenant: "b", PromptTokens: 16 * 4})
+	require.NoError(t, err, "evicts the checkpoint and its pages")
+	removed := <-p.Events()
+	require.Equal(t, KVRemoved, removed.Kind)
+	require.ElementsMatch(t, keys, removed.Keys)
+	require.NoError(t, big.Release())
+	require.NoError(t, p.Check())
+}
