@@ -159,7 +159,13 @@ type CUDA struct {
 		// copies that may still run (copyStaged); freed only at Close,
 		// once the stream has drained.
 		abandonedHost [][]byte
-		ring          stagingRing
+		// hostMem is the page-locked memory AllocHost returned and
+		// FreeHost has not freed (a host tier, cuda_hostcopy.go);
+		// hostSuspect is set once a wait for host copies failed, after
+		// which copies may still reach it, so that only Close frees it.
+		hostMem     [][]byte
+		hostSuspect bool
+		ring        stagingRing
 		// ringFreed is signalled whenever the reaper completes a fence
 		// (it may have freed ring space, or left none in flight that
 		// could) and when ring space is freed otherwise.
@@ -583,6 +589,10 @@ func (d *CUDA) teardownLocked() {
 		_ = d.drv.memFreeHost(b)
 	}
 	d.mu.abandonedHost = nil
+	for _, b := range d.mu.hostMem {
+		_ = d.drv.memFreeHost(b)
+	}
+	d.mu.hostMem = nil
 	if d.mu.table != 0 {
 		_ = d.drv.memFree(d.mu.table)
 		d.mu.table = 0

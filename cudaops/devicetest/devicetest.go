@@ -66,6 +66,7 @@ func RunWith(t *testing.T, c Config) {
 	t.Run("StagedCopies", func(t *testing.T) { testStagedCopies(t, c) })
 	t.Run("PageMoves", func(t *testing.T) { testPageMoves(t, c) })
 	t.Run("PageParts", func(t *testing.T) { testPageParts(t, c) })
+	t.Run("HostCopies", func(t *testing.T) { testHostCopies(t, c) })
 	t.Run("PageBounds", func(t *testing.T) { testPageBounds(t, c) })
 	t.Run("Fence", func(t *testing.T) { testFence(t, c) })
 	t.Run("Ordering", func(t *testing.T) { testOrdering(t, c) })
@@ -918,4 +919,112 @@ func testStagedCopies(t *testing.T, c Config) {
 	assert.ErrorIs(t, sc.ReadStaged(regions, []int32{0}, count), cudaops.ErrClosed)
 	assert.ErrorIs(t, sc.WriteStaged(regions, []int32{0}, count), cudaops.ErrClosed)
 	assert.Zero(t, called, "a callback ran on a closed device")
+}
+
+// testHostCopies checks CopyToHost and CopyFromHost, for devices that
+// implement HostCopier: host memory from AllocHost laid out by region,
+// some of the regions in another order than the device's, runs of
+// adjacent pages into adjacent slots and scattered ones, every byte read
+// back both ways, copies to host ordered after a fill not waited for, and
+// refusals that copy nothing.
+func testHostCopies(t *testing.T, c Config) {
+	d := open(t, c)
+	hc, ok := d.(cudaops.HostCopier)
+	if !ok {
+		t.Skipf("%s does not implement HostCopier", d.Name())
+	}
+	rng := newRand(t)
+	img := randomize(t, d, rng)
+	regs := d.Regions()
+	regions := []int{2, 0, 3} // not in device order, not all of them
+	const slots = 40
+	var total int64
+	for _, r := range regions {
+		total += slots * regs[r].PageBytes
+	}
+	mem, err := hc.AllocHost(total)
+	require.NoError(t, err)
+	host := make([][]byte, len(regions))
+	off := int64(0)
+	for k, r := range regions {
+		n := slots * regs[r].PageBytes
+		host[k] = mem[off : off+n : off+n]
+		off += n
+	}
+	slotOf := func(k int, s int32) []byte {
+		pb := regs[regions[k]].PageBytes
+		return host[k][int64(s)*pb : int64(s+1)*pb]
+	}
+	for _, order := range []string{"runs", "scattered"} {
+		pages := batch(rng, slots, order)
+		// Slots: runs of adjacent slots where the pages are adjacent, in
+		// another place than the pages, and a few breaks.
+		sl := make([]int32, len(pages))
+		for i := range pages {
+			sl[i] = int32((int(pages[i]) + 7) % slots)
+		}
+		hcopy := cudaops.HostCopy{Regions: regions, Host: host, Pages: pages, Slots: sl}
+		require.NoError(t, hc.CopyToHost(hcopy, cudaops.Ordering{}), order)
+		for k, r := range regions {
+			for i, p := range pages {
+				if !bytes.Equal(slotOf(k, sl[i]), img[r][p]) {
+					t.Fatalf("CopyToHost (%s): region %d page %d (item %d) differs in slot %d", order, r, p, i, sl[i])
+				}
+			}
+		}
+		// Back into other pages: page p gets slot of page q.
+		dst := append([]int32(nil), pages...)
+		rng.Shuffle(len(dst), func(i, j int) { dst[i], dst[j] = dst[j], dst[i] })
+		for k := range regions {
+			for _, s := range sl {
+				b := slotOf(k, s)
+				for i := range b {
+					b[i] = byte(rng.Uint32())
+				}
+			}
+		}
+		require.NoError(t, hc.CopyFromHost(cudaops.HostCopy{Regions: regions, Host: host, Pages: dst, Slots: sl}), order)
+		for k, r := range regions {
+			for i, p := range dst {
+				img[r][p] = append([]byte(nil), slotOf(k, sl[i])...)
+			}
+		}
+		verify(t, d, img, "after CopyFromHost ("+order+")")
+	}
+
+	// A copy to host is ordered after fills issued before it.
+	spec := cudaops.FillSpec{Word: 0x80008000}
+	f, err := d.Fill([]int32{7, 8}, spec, cudaops.Ordering{})
+	require.NoError(t, err)
+	img.apply([]int32{7, 8}, spec)
+	require.NoError(t, hc.CopyToHost(cudaops.HostCopy{Regions: regions, Host: host, Pages: []int32{7, 8}, Slots: []int32{0, 1}}, cudaops.Ordering{}))
+	for k, r := range regions {
+		assert.Equal(t, img[r][7], slotOf(k, 0), "CopyToHost before the fill's fence was waited for")
+		assert.Equal(t, img[r][8], slotOf(k, 1), "CopyToHost before the fill's fence was waited for")
+	}
+	require.NoError(t, f.Wait())
+
+	// Refusals copy nothing, either way.
+	snapshot := append([]byte(nil), mem...)
+	ok1 := cudaops.HostCopy{Regions: regions, Host: host, Pages: []int32{1, 2}, Slots: []int32{3, 4}}
+	bad := map[string]cudaops.HostCopy{
+		"a region past the end":      {Regions: []int{len(regs)}, Host: host[:1], Pages: []int32{1}, Slots: []int32{1}},
+		"a page out of range":        {Regions: regions, Host: host, Pages: []int32{1, int32(regs[0].Pages)}, Slots: []int32{1, 2}},
+		"a slot past the memory":     {Regions: regions, Host: host, Pages: []int32{1, 2}, Slots: []int32{1, slots}},
+		"a negative slot":            {Regions: regions, Host: host, Pages: []int32{1, 2}, Slots: []int32{-1, 2}},
+		"fewer slots than pages":     {Regions: regions, Host: host, Pages: ok1.Pages, Slots: ok1.Slots[:1]},
+		"fewer buffers than regions": {Regions: regions, Host: host[:2], Pages: ok1.Pages, Slots: ok1.Slots},
+		"no regions":                 {Pages: ok1.Pages, Slots: ok1.Slots},
+	}
+	for name, hcopy := range bad {
+		assert.ErrorIs(t, hc.CopyToHost(hcopy, cudaops.Ordering{}), cudaops.ErrInvalidArgument, "to host: %s", name)
+		assert.ErrorIs(t, hc.CopyFromHost(hcopy), cudaops.ErrInvalidArgument, "from host: %s", name)
+	}
+	assert.Equal(t, snapshot, mem, "a refused copy wrote host memory")
+	verify(t, d, img, "after refused host copies")
+	require.NoError(t, hc.FreeHost(mem))
+	require.NoError(t, d.Close())
+	_, err = hc.AllocHost(64)
+	assert.ErrorIs(t, err, cudaops.ErrClosed)
+	assert.ErrorIs(t, hc.CopyToHost(ok1, cudaops.Ordering{}), cudaops.ErrClosed)
 }
