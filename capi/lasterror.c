@@ -152,6 +152,9 @@ const char *kvf_status_name(kvf_status status) {
     case KVF_ERR_TRANSPORT: return "KVF_ERR_TRANSPORT";
     case KVF_ERR_PROTOCOL: return "KVF_ERR_PROTOCOL";
     case KVF_ERR_UNAVAILABLE: return "KVF_ERR_UNAVAILABLE";
+    case KVF_ERR_TIER_UNSUPPORTED: return "KVF_ERR_TIER_UNSUPPORTED";
+    case KVF_ERR_ONLOAD_FAILED: return "KVF_ERR_ONLOAD_FAILED";
+    case KVF_ERR_OFFLOAD_FAILED: return "KVF_ERR_OFFLOAD_FAILED";
     }
     return "KVF_ERR_UNKNOWN_STATUS";
 }

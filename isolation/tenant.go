@@ -34,6 +34,13 @@ type TenantConfig struct {
 	// for the tenant's requests at once, in a pool with window or state
 	// groups; zero means the pool's bound.
 	MaxCheckpoints int
+	// TierPages is the tenant's share of the pool's host tier, in pages:
+	// its sharing domain may keep there at most the sum of its tenants'
+	// shares (cached pages and swapped requests), and the tier evicts the
+	// domain's own least recently used pages to stay within it. Zero sets
+	// no share: while one tenant of a domain sets none, the domain may use
+	// the whole tier. Without a tier it bounds nothing.
+	TierPages int
 }
 
 // MaxCheckpointsLimit bounds TenantConfig.MaxCheckpoints.
@@ -48,8 +55,9 @@ func ValidateTenant(c TenantConfig, poolPages int) (quota int, err error) {
 	case NameProblem(c.Name, MaxTenantName) != "":
 		return 0, fmt.Errorf("%w: name %q: %s (a tenant name is 1..%d bytes of UTF-8 without a NUL)",
 			ErrInvalidTenant, c.Name, NameProblem(c.Name, MaxTenantName), MaxTenantName)
-	case c.QuotaPages < 0 || c.ReservedPages < 0:
-		return 0, fmt.Errorf("%w: tenant %q quota %d, reservation %d must not be negative", ErrInvalidTenant, c.Name, c.QuotaPages, c.ReservedPages)
+	case c.QuotaPages < 0 || c.ReservedPages < 0 || c.TierPages < 0:
+		return 0, fmt.Errorf("%w: tenant %q quota %d, reservation %d, tier share %d must not be negative",
+			ErrInvalidTenant, c.Name, c.QuotaPages, c.ReservedPages, c.TierPages)
 	case c.MaxCheckpoints < 0 || c.MaxCheckpoints > MaxCheckpointsLimit:
 		return 0, fmt.Errorf("%w: tenant %q MaxCheckpoints %d, want 0..%d", ErrInvalidTenant, c.Name, c.MaxCheckpoints, MaxCheckpointsLimit)
 	}

@@ -119,8 +119,10 @@ type admission struct {
 	// Pool.mu (step stepHash).
 	hashFor *tenancy.Domain
 	// evicted is the pages this attempt evicted, to scrub outside Pool.mu
-	// (step stepEvict).
+	// (step stepEvict), and offload the host tier's write of those it
+	// keeps, run before the scrub.
 	evicted scrubBatch
+	offload tierWrite
 	// growing marks a growth of live lease l (Grow), of incarnation seq,
 	// to hold target tokens, instead of an admission.
 	growing bool
@@ -146,10 +148,11 @@ var testHookDeriveKeys func()
 type step uint8
 
 const (
-	stepDone  step = iota // admitted, or refused: admission.err
-	stepHash              // derive the page keys for hashFor, then try again
-	stepEvict             // scrub the evicted pages, then try again
-	stepWait              // wait for a wake-up or the end of ctx, then try again
+	stepDone   step = iota // admitted, or refused: admission.err
+	stepHash               // derive the page keys for hashFor, then try again
+	stepEvict              // scrub the evicted pages, then try again
+	stepWait               // wait for a wake-up or the end of ctx, then try again
+	stepOnload             // admitted: copy its pages out of the host tier, then done
 )
 
 // admit runs one admission to its end: the request's own checks, then
@@ -229,9 +232,19 @@ func (p *Pool) stepsLocked(a *admission, st step) error {
 			l.keysFor, l.match.valid = dom, false
 		case stepEvict:
 			b := a.evicted
+			p.beginTierWriteLocked(&a.offload)
 			p.mu.Unlock()
+			if !a.offload.empty() {
+				p.runTierWrite(&a.offload) // before the scrub: it reads the evicted pages
+			}
 			err := p.fillAndWait(b)
 			p.mu.Lock()
+			if fill := p.finishTierWriteLocked(&a.offload, nil); len(fill) > 0 {
+				p.mu.Unlock()
+				p.scrubTier(fill)
+				p.mu.Lock()
+			}
+			a.offload.reset()
 			for gi := range p.groups {
 				p.groups[gi].evicting -= len(b.spaces[gi])
 			}
@@ -257,6 +270,8 @@ func (p *Pool) stepsLocked(a *admission, st step) error {
 				p.refuseLocked(a, &e)
 				return p.endAdmissionLocked(a)
 			}
+		case stepOnload:
+			return p.onloadLocked(a)
 		case stepDone:
 			return p.endAdmissionLocked(a)
 		}
@@ -350,18 +365,19 @@ func (p *Pool) attemptLocked(a *admission) step {
 		a.hashFor = t.Domain
 		return stepHash
 	}
-	var newToTenant, cachedHits int
+	var newToTenant, cachedHits, onload int
 	if sharing {
 		p.matchLocked(l, t.Domain, req.Adapter, maxHitPages(*req, p.tpp), byKeys)
-		newToTenant, cachedHits = p.weighMatchLocked(l, t)
+		newToTenant, cachedHits, onload = p.weighMatchLocked(l, t)
 	} else {
 		l.match.entries = l.match.entries[:0]
 	}
-	// The matched pages are shared, not taken: the per-token group takes
-	// the rest, and its tenant is charged for those it holds no other
-	// lease on.
+	// The matched pages the device holds are shared, not taken: the
+	// per-token group takes the rest (those only the host tier holds
+	// among them: they are onloaded), and its tenant is charged for those
+	// it holds no other lease on.
 	tok := &holds[0].dec.Demand
-	tok.Take -= len(l.match.entries)
+	tok.Take -= len(l.match.entries) - onload
 	tok.Charge = tok.Take + newToTenant
 	queued := p.queuedAheadLocked(a)
 	for gi := range p.groups {
@@ -426,6 +442,14 @@ func (p *Pool) attemptLocked(a *admission) step {
 	}
 	a.err = nil
 	p.assertLocked("admit")
+	if p.tier != nil {
+		if a.importFrom == "" {
+			p.planSwapInLocked(l, req)
+		}
+		if l.onload.pending() {
+			return stepOnload // not handed out before its pages hold what the tier has
+		}
+	}
 	return stepDone
 }
 
@@ -439,6 +463,9 @@ func (p *Pool) takeLocked(l *Lease, t *tenancy.Tenant, a *admission) {
 		g.tenants.Apply(g.mirror(t), h.dec)
 		handles, pages := p.shareMatchedLocked(l, t, gi, h.handles[:0], h.pages[:0])
 		fresh := h.dec.Demand.Take
+		if gi == 0 && p.tier != nil {
+			fresh -= len(l.onload.pages) // allocated for the onloads already
+		}
 		var err error
 		h.handles, h.pages, err = g.alloc.AllocIDs(handles, pages, fresh, t.Domain.ID)
 		if err != nil {
@@ -475,7 +502,7 @@ func (p *Pool) claimLocked(a *admission, t *tenancy.Tenant, keep []*cacheEntry) 
 			if len(a.evicted.spaces) != len(p.groups) {
 				a.evicted = a.evicted.batchFor(p)
 			}
-			p.evictLocked(gi, &a.evicted, short, keep)
+			p.evictLocked(gi, &a.evicted, short, keep, &a.offload)
 		}
 	}
 	// Whatever was evicted, in any group (a checkpoint's units are in

@@ -32,7 +32,11 @@ import (
 //     exactly when it is on the LRU list; every Cached page has an entry;
 //   - the pages promised to admissions (claims) are free or being
 //     scrubbed for them, the page copies in flight are the live leases'
-//     pins, and the waiting queue is well formed.
+//     pins, and the waiting queue is well formed;
+//   - the host tier's slots add up (free + cached + in flight +
+//     quarantined + retired = its slots), each held by one item, and
+//     every entry it holds is indexed like those the device holds (see
+//     tier.go).
 //
 // Check is O(pages + leases' pages).
 func (p *Pool) Check() error {
@@ -95,7 +99,8 @@ func (p *Pool) checkLocked() error {
 	p.assertHeld()
 	var c checker
 	c.add(p.q.CheckLocked())
-	p.mu.prefix.check(&c)
+	p.mu.prefix.check(&c, p.tierOnlyLocked())
+	p.checkTierLocked(&c)
 	p.checkLeasesLocked(&c)
 	// Each unit's holders: the live leases, and the state checkpoints.
 	refs := make([][]int, len(p.groups))
@@ -127,7 +132,8 @@ func (p *Pool) checkMatchesLocked(c *checker) {
 			return
 		}
 		for i, e := range m.entries {
-			if e.spare || e.detached || e.page < 0 || int(e.page) >= len(x.byPage) || x.byPage[e.page] != e {
+			if e.spare || e.detached || !e.matchable() || e.page >= 0 && (int(e.page) >= len(x.byPage) || x.byPage[e.page] != e) ||
+				e.page < 0 && e.tier.entry != e {
 				c.failf("lease %q: entry %d of its current prefix match is not in the index (spare %v)", l.id, i, e.spare)
 				return
 			}

@@ -169,6 +169,15 @@ type Config struct {
 	// refused, retryably (ErrPoolExhausted, cause ErrKeptForGrowth).
 	// 0 (the default) keeps nothing; at most MaxGrowthWatermark.
 	GrowthWatermark float64
+	// HostTier is a second page space in host memory under the pool
+	// (tier.go): cached pages the device's LRU evicts are kept there
+	// instead of dropped and copied back into admissions whose prefix
+	// continues there, and Preempt swaps a request's private pages to it.
+	// The zero value has none. A pool with sliding-window or state groups
+	// cannot have one yet (ErrTierUnsupported), nor a device that cannot
+	// copy pages to host memory (cudaops.HostCopier: the Host and CUDA
+	// devices can).
+	HostTier HostTierConfig
 	// Device holds the pages. Nil means a new Host device owned (and
 	// closed) by the pool. A device with no regions gets the spec's
 	// regions allocated by the pool, or adopted from the engine memory
@@ -274,8 +283,9 @@ func (c *Config) sizes(lay *layout) (pages []int, err error) {
 
 // validated is a checked Config: its layout and group sizes.
 type validated struct {
-	lay   *layout
-	pages []int // each group's pages (slots), the per-token group's first
+	lay       *layout
+	pages     []int // each group's pages (slots), the per-token group's first
+	tierSlots int   // the host tier's, 0 for none
 }
 
 // validate checks everything but the device.
@@ -316,6 +326,15 @@ func (c *Config) validate() (validated, error) {
 		}
 	}
 	v := validated{lay: lay, pages: pages}
+	if c.HostTier.enabled() {
+		if lay.perLeaseGroups() {
+			return validated{}, fmt.Errorf("%w: %w: the pool has the %s cache group(s), whose state the host tier does not keep yet",
+				ErrInvalidConfig, ErrTierUnsupported, lay.perLeaseNames())
+		}
+		if v.tierSlots, err = c.HostTier.slots(lay.groups[0].pageBytes); err != nil {
+			return validated{}, err
+		}
+	}
 	if err := c.checkHostMemory(v); err != nil {
 		return validated{}, err
 	}
@@ -354,6 +373,10 @@ func (c *Config) checkHostMemory(v validated) error {
 	if c.Device != nil || v.lay.adopted {
 		host = 0 // the page memory is not the pool's to allocate here
 	}
+	// The host tier is host memory whatever the device (page-locked on
+	// CUDA), with its slots' metadata.
+	host = satAdd(host, satMul(int64(v.tierSlots), v.lay.groups[0].pageBytes))
+	meta += int64(v.tierSlots) * metadataBytesPerPage
 	host = min(host, math.MaxInt64-meta)
 	if need := meta + host; need > avail {
 		return fmt.Errorf("%w: a pool of %d pages needs %d bytes of host memory (%d for page metadata, %d for host page memory), "+

@@ -166,6 +166,27 @@
 // or for the pages they pin, scrubbed like pages; Prefix.MaxCheckpoints,
 // Prefix.CheckpointSlots and TenantConfig.MaxCheckpoints bound them.
 //
+// # The host tier
+//
+// With Config.HostTier a pool has a second page space in host memory
+// (tier.go): page-locked on CUDA, Go memory on the Host. A cached page the
+// device's LRU evicts is copied there (offload) instead of dropped, and
+// its entry stays in the prefix index, keyed as before by domain and key:
+// a walk or lookup that reaches it matches it like a page on the device.
+// An admission whose prefix continues in the tier takes fresh pages for
+// those pages, all or nothing like any other, and copies the tier's
+// copies into them before the lease is handed out (onload); they are hits
+// (HitTokens), and shared from then on. A failed copy refuses the
+// admission (ErrOnloadFailed) with nothing handed out. Preempt swaps a
+// request's private written pages to the tier, all or none, and its next
+// admission in the same domain copies them back. The tier evicts its
+// least recently used pages within each domain's share
+// (TenantConfig.TierPages), fills every slot it frees with the pool's
+// scrub policy before anything else is written to it, and Check covers it:
+// free + cached + in flight + quarantined + retired = its slots. A pool
+// with sliding-window or state groups cannot have one yet
+// (ErrTierUnsupported).
+//
 // # Operations
 //
 // Stats has the figures an operator graphs (package metrics exports them

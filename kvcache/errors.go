@@ -72,6 +72,21 @@ var (
 	// ErrDevice: the device failed a page copy (a handoff read or write).
 	// The error also wraps the device's own error.
 	ErrDevice = errors.New("kvcache: device operation failed")
+	// ErrTierUnsupported: a host tier (Config.HostTier) on a pool that
+	// cannot have one: its device cannot copy pages to host memory
+	// (cudaops.HostCopier), or it has sliding-window or state groups,
+	// whose state the tier does not keep yet. It comes wrapped in
+	// ErrInvalidConfig.
+	ErrTierUnsupported = errors.New("kvcache: host tier not supported")
+	// ErrOnloadFailed: an admission whose prefix continued in the host
+	// tier could not copy it into its pages: nothing was handed out, its
+	// pages were scrubbed and the tier's copies of them dropped (an
+	// *AdmissionError, retryable: the next attempt computes them).
+	ErrOnloadFailed = errors.New("kvcache: copy from the host tier failed")
+	// ErrOffloadFailed: a copy into the host tier failed; what it carried
+	// was not kept there (logged and counted in TierStats: the eviction or
+	// preemption it belonged to went on without it).
+	ErrOffloadFailed = errors.New("kvcache: copy into the host tier failed")
 	// ErrCorrupt: Check found the pool's accounting inconsistent. It always
 	// means a bug in kvfence; Check joins one such error per problem.
 	ErrCorrupt = errors.New("kvcache: accounting is inconsistent")
@@ -187,7 +202,7 @@ func (e *AdmissionError) Unwrap() []error {
 // any configuration change: the pool or the tenant's quota was only busy.
 func (e *AdmissionError) Retryable() bool {
 	switch e.Err {
-	case ErrPoolExhausted:
+	case ErrPoolExhausted, ErrOnloadFailed:
 		return true
 	case ErrExceedsQuota:
 		return e.Need <= e.Limit

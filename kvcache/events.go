@@ -26,6 +26,26 @@ func (k KVEventKind) String() string {
 	return fmt.Sprintf("KVEventKind(%d)", uint8(k))
 }
 
+// Medium says where an event's pages are: in the pool's device memory
+// (the zero value) or in its host tier (Config.HostTier). kvevents
+// publishes them as vLLM's medium, "GPU" and "CPU".
+type Medium uint8
+
+const (
+	MediumDevice Medium = iota
+	MediumHost
+)
+
+func (m Medium) String() string {
+	switch m {
+	case MediumDevice:
+		return "device"
+	case MediumHost:
+		return "host"
+	}
+	return fmt.Sprintf("Medium(%d)", uint8(m))
+}
+
 // KVEvent tells a KV-aware router what the pool's prefix cache holds. A
 // router that keeps, per domain, the set of stored keys minus the removed
 // ones (and forgets everything on KVCleared) mirrors the cache; a gap in
@@ -34,6 +54,11 @@ type KVEvent struct {
 	Kind KVEventKind
 	// Seq numbers every event the pool produced, dropped ones included.
 	Seq uint64
+	// Medium is where the pages are stored or were removed from: a page
+	// the device evicts into the host tier is removed from the device and
+	// stored in the host tier (two events), and one onloaded back is
+	// stored on the device again. KVCleared covers both.
+	Medium Medium
 	// Domain is the sharing domain's name; empty on a KVCleared that
 	// covers all domains.
 	Domain string

@@ -146,6 +146,7 @@ func (p *Pool) addTenantLocked(c TenantConfig) error {
 			panic(fmt.Sprintf("kvcache: tenant %q checked, then refused in group %q: %v", c.Name, g.name, err))
 		}
 	}
+	p.setTierPagesLocked(c)
 	return nil
 }
 
@@ -161,6 +162,7 @@ func (p *Pool) updateTenantLocked(c TenantConfig) error {
 			panic(fmt.Sprintf("kvcache: tenant %q update checked, then refused in group %q: %v", c.Name, g.name, err))
 		}
 	}
+	p.setTierPagesLocked(c)
 	return nil
 }
 

@@ -39,11 +39,12 @@ import (
 // again with all its tokens as the prompt shares those pages back
 // (HitTokens), so only the last page is computed again.
 //
-// Swapping to host memory would plug in at the same place: instead of
-// publishing the pages, Preempt would copy them to a host tier (the
-// handoff's page reads already copy a lease's pages out under a pin), and
-// the next admission would copy them into fresh pages before it returns
-// the lease, under the same sealed watermark as an import.
+// With a host tier (Config.HostTier), Preempt also swaps the pages it
+// does not publish (the partial last page; every written page with prefix
+// caching off) to the tier, all of them or none (tier_offload.go), and
+// the request's next admission in the same domain copies them back into
+// its fresh pages before the lease is handed out (tier_onload.go), so
+// that nothing it wrote is computed again.
 
 // Grow makes room for tokens more tokens after the written watermark: on
 // success CapacityTokens() ≥ Written() + tokens. It adds the pages that
@@ -284,12 +285,19 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 // (len(tokens) == Written(): the prompt, then what it generated), and the
 // full pages they fill are published to the prefix cache of the lease's
 // domain; every other page is scrubbed. The lease ends (PhaseReleased).
-// It returns the tokens kept: the full pages published or already shared.
-// To resume, admit the request again with TokenIDs = tokens (and the rest
-// of its output budget): HitTokens then says how much prefill to skip.
+// It returns the tokens kept: the full pages published or already shared,
+// or, when the pool has a host tier that took the rest of its written
+// pages (a swap, all of them or none; HostTierConfig.NoSwap turns it off;
+// a lease with extra key material, Request.PageExtra, is not swapped),
+// every written token. To resume, admit the request again, with the same
+// ID, tenant and adapter, with TokenIDs = tokens (and the rest of its
+// output budget): HitTokens then says how much prefill to skip. A swap
+// the tier had no room for, or whose copy failed, is counted in
+// TierStats (SwapsFull, SwapsFailed) and the preemption keeps what the
+// prefix cache holds, as it does without a tier.
 //
-// With prefix caching off, or tokens nil, Preempt is Release and keeps
-// nothing. An exported or importing lease refuses with ErrLeasePhase, and
+// With prefix caching off and no swap, or tokens nil, Preempt is Release
+// and keeps nothing. An exported or importing lease refuses with ErrLeasePhase, and
 // tokens that contradict the TokenIDs the lease was admitted with (its
 // prompt) with ErrInvalidArgument: the lease stays live either way.
 func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
@@ -387,6 +395,15 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 			kept = p.checkpointedLocked(l) * tpp // what a resumed request can use
 		}
 	}
+	// The rest of the written pages, to the host tier: copied after the
+	// lease has left the books (its pages quarantined, not yet filled),
+	// before the scrub.
+	var sw tierWrite
+	var swap *tierItem
+	if t := p.tier; t != nil && t.swapOn && len(tokens) > 0 && len(l.extra) == 0 && p.planSwapOutLocked(l, tokens, &sw) {
+		swap = sw.items[0]
+	}
+	p.beginTierWriteLocked(&sw)
 	l.phase.Store(uint32(PhaseReleased))
 	l.state.Store(leaseReleased)
 	p.mu.growth.Preempted++
@@ -394,6 +411,16 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 	b := p.detachOwnLocked(l)
 	p.fills.Add(1)
 	p.mu.Unlock()
+	if !sw.empty() {
+		p.runTierWrite(&sw)
+		p.mu.Lock()
+		if swap != nil && sw.err == nil && !swap.doomed {
+			kept = written // the swap lands whole: every written token comes back
+		}
+		fill := p.finishTierWriteLocked(&sw, nil)
+		p.mu.Unlock()
+		p.scrubTier(fill)
+	}
 	return kept, p.scrub(b, cudaops.Ordering{})
 }
 

@@ -69,9 +69,13 @@ type Lease struct {
 	published int
 
 	// Scratch of the admission in progress into this Lease (admit.go),
-	// guarded by Pool.mu: its prefix match and its place in the queue.
-	match leaseMatch
-	wait  waiter
+	// guarded by Pool.mu: its prefix match, its place in the queue and
+	// its copies out of the host tier (tier_onload.go). restored is the
+	// tokens a swap gave back (HitTokens), set when its copy landed.
+	match    leaseMatch
+	wait     waiter
+	onload   tierRead
+	restored int
 	// restore is the state checkpoint the admission in progress copies
 	// into the lease before handing it out (checkpoint.go), guarded by
 	// Pool.mu.
@@ -129,7 +133,7 @@ func (l *Lease) reset(p *Pool, req Request, t *tenancy.Tenant, seq uint64) {
 	l.publishTable(l.holds[0].pages)
 	l.written.Store(0)
 	l.phase.Store(uint32(PhaseAdmitted))
-	l.pins, l.draining, l.export = 0, false, nil
+	l.pins, l.draining, l.export, l.restored = 0, false, nil, 0
 	l.state.Store(leaseLive)
 }
 

@@ -111,10 +111,11 @@ func (l *Lease) copyPage(group string, index, region int, buf []byte, write bool
 	return nil
 }
 
-// AuditFreePages reads every free page of every cache group and checks
-// that it holds exactly what the scrub policy writes (the page's fill
-// word, FillSpec().WordFor, in every 4-byte word of every region): that
-// no tenant's KV, and no half-scrubbed page, waits in the free lists. It
+// AuditFreePages reads every free page of every cache group, and every
+// free slot of the host tier, and checks that it holds exactly what the
+// scrub policy writes (the page's or slot's fill word,
+// FillSpec().WordFor, in every 4-byte word of every region): that no
+// tenant's KV, and no half-scrubbed page, waits in the free lists. It
 // returns the pages read, and for the first page that holds anything
 // else an error wrapping ErrCanaryMismatch, an *isolation.CanaryError
 // that names the page, its group's first region it differs in, the
@@ -152,6 +153,14 @@ func (p *Pool) AuditFreePages() (pages int, err error) {
 							Page: pg, Region: r, Offset: int64(off), Want: want, Got: got, PrevOwner: books.OwnerName(info.Owner), Gen: info.Gen})
 					}
 				}
+			}
+			pages++
+		}
+	}
+	if t := p.tier; t != nil {
+		for _, s := range t.free {
+			if err := t.checkCanary(s, books.OwnerName(t.meta[s].owner)); err != nil {
+				return pages, fmt.Errorf("free host-tier slot %d: %w", s, err)
 			}
 			pages++
 		}

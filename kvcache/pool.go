@@ -50,6 +50,9 @@ type Pool struct {
 	// q scrubs every group (quarantine space i is group i). Its Issue runs
 	// without mu; its Locked methods need mu.
 	q *scrub.Quarantine
+	// tier is the host tier (tier.go), nil without one; what it holds is
+	// guarded by mu.
+	tier *hostTier
 
 	// fills counts scrubs whose pages have left the books (quarantined
 	// under mu) and whose fill has not finished. Add runs under mu before
@@ -158,6 +161,19 @@ func New(cfg Config) (_ *Pool, err error) {
 		return nil, err
 	}
 	p.q = q
+	if v.tierSlots > 0 {
+		if p.tier, err = newHostTier(p, cfg.HostTier, v.tierSlots); err != nil {
+			if owned {
+				dev.Close()
+			}
+			return nil, err
+		}
+		p.mu.Lock()
+		for _, tc := range cfg.Tenants {
+			p.setTierPagesLocked(tc)
+		}
+		p.mu.Unlock()
+	}
 	p.quiet.L = &p.mu.Mutex
 	p.mu.leases = make(map[string]*Lease)
 	p.mu.prefix.init(p.total, rand.Uint64())
@@ -289,7 +305,7 @@ func (p *Pool) Close() error {
 	p.wakeAllLocked()
 	// No copy may outlive the pages or the device, and no admission may
 	// still be evicting or waiting when the books are closed.
-	for p.mu.pins > 0 || p.mu.admitting > 0 {
+	for p.mu.pins > 0 || p.mu.admitting > 0 || p.tier != nil && p.tier.busy > 0 {
 		p.quiet.Wait()
 	}
 	b := scrubBatch{}.batchFor(p)
@@ -298,11 +314,14 @@ func (p *Pool) Close() error {
 		b = p.detachLocked(l, b)
 	}
 	p.clearLocked(&b) // a closed pool keeps no KV
+	fill := p.takeTierPendingLocked()
 	p.mu.events.closeLocked()
 	p.fills.Add(1)
 	p.mu.Unlock()
+	p.scrubTier(fill) // the host tier keeps no KV either
 	err := p.scrub(b, cudaops.Ordering{})
 	p.fills.Wait()
+	err = errors.Join(err, p.closeTier())
 	if p.ownsDevice {
 		err = errors.Join(err, p.dev.Close())
 	}

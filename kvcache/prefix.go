@@ -151,7 +151,7 @@ func (p *Pool) matchLocked(l *Lease, dom *tenancy.Domain, adapter string, limit 
 	if byKeys {
 		for _, k := range l.keys[:min(limit, len(l.keys))] {
 			e := x.lookup(dom, k)
-			if e == nil {
+			if e == nil || !e.matchable() {
 				break
 			}
 			m.entries = append(m.entries, e)
@@ -161,7 +161,7 @@ func (p *Pool) matchLocked(l *Lease, dom *tenancy.Domain, adapter string, limit 
 		node := x.root(dom, adapter, false)
 		for i := 0; node != nil && i < limit; i++ {
 			e := node.child(l.tokens[i*tpp:(i+1)*tpp], dom, x.seed)
-			if e == nil {
+			if e == nil || !e.matchable() {
 				break
 			}
 			m.entries = append(m.entries, e)
@@ -176,12 +176,13 @@ func (p *Pool) matchLocked(l *Lease, dom *tenancy.Domain, adapter string, limit 
 }
 
 // weighMatchLocked returns how many of l's matched pages tenant t holds no
-// other lease on (it is charged for those) and how many of them are
-// Cached (no lease holds them: on the LRU list, or pinned by
-// checkpoints). A page shared as often as a page can be ends the match:
-// the rest is computed afresh (in a hybrid pool, from the checkpoint
-// before it).
-func (p *Pool) weighMatchLocked(l *Lease, t *tenancy.Tenant) (newToTenant, cached int) {
+// other lease on (it is charged for those), how many of them are Cached
+// (no lease holds them: on the LRU list, or pinned by checkpoints), and
+// how many only the host tier holds (onload: the lease takes a fresh page
+// for each, see tier_onload.go). A page shared as often as a page can be
+// ends the match: the rest is computed afresh (in a hybrid pool, from the
+// checkpoint before it).
+func (p *Pool) weighMatchLocked(l *Lease, t *tenancy.Tenant) (newToTenant, cached, onload int) {
 	p.assertHeld()
 	for i, e := range l.match.entries {
 		if e.leases >= allocator.MaxRefs {
@@ -192,6 +193,10 @@ func (p *Pool) weighMatchLocked(l *Lease, t *tenancy.Tenant) (newToTenant, cache
 			}
 			break
 		}
+		if e.page < 0 {
+			onload++
+			continue
+		}
 		if e.ref(t) == nil {
 			newToTenant++
 		}
@@ -199,7 +204,7 @@ func (p *Pool) weighMatchLocked(l *Lease, t *tenancy.Tenant) (newToTenant, cache
 			cached++
 		}
 	}
-	return newToTenant, cached
+	return newToTenant, cached, onload
 }
 
 // evictLocked evicts for n free units of group gi, least recently used
@@ -210,8 +215,10 @@ func (p *Pool) weighMatchLocked(l *Lease, t *tenancy.Tenant) (newToTenant, cache
 // LRU list has none left. What it evicts, in any group, is appended to b
 // and counted in flight in the quarantine; it returns the units of gi
 // freed, which may be fewer than n. The caller must scrub b (p.fills.Add(1)
-// first).
-func (p *Pool) evictLocked(gi int, b *scrubBatch, n int, keep []*cacheEntry) (freed int) {
+// first), after it has run off, the offload of the pages the host tier
+// takes (offerLocked: their entries stay in the index); with off nil (the
+// cache is being cleared) every evicted entry leaves the index.
+func (p *Pool) evictLocked(gi int, b *scrubBatch, n int, keep []*cacheEntry, off *tierWrite) (freed int) {
 	p.assertHeld()
 	if gi != 0 {
 		return p.evictCheckpointsLocked(b, gi, n, keep)
@@ -232,7 +239,9 @@ func (p *Pool) evictLocked(gi int, b *scrubBatch, n int, keep []*cacheEntry) (fr
 				if p.mu.events.enabled() {
 					p.mu.events.gatherRemovedLocked(e.dom.Name, e.key)
 				}
-				x.drop(e) // last: e is a spare from here on
+				if !p.offerLocked(e, off) {
+					x.drop(e) // last: e is a spare from here on
+				}
 			}
 			e = next
 		}
@@ -246,6 +255,9 @@ func (p *Pool) evictLocked(gi int, b *scrubBatch, n int, keep []*cacheEntry) (fr
 			break
 		}
 		pages = b.spaces[0]
+	}
+	if p.tier != nil && off != nil {
+		p.placeOffloadLocked(off) // while keep is pinned: the tier evicts none of it
 	}
 	for _, e := range keep {
 		e.pinned = false
@@ -269,7 +281,16 @@ func (p *Pool) shareMatchedLocked(l *Lease, t *tenancy.Tenant, gi int, handles [
 		return handles, table
 	}
 	x := &p.mu.prefix
+	if p.tier != nil {
+		l.onload.reset()
+	}
 	for _, e := range l.match.entries {
+		if e.page < 0 {
+			h := p.onloadPageLocked(l, e, t.Domain.ID)
+			handles = append(handles, h)
+			table = append(table, h.Page)
+			continue
+		}
 		h, err := p.groups[0].alloc.Retain(e.page, e.dom.ID)
 		if err != nil {
 			panic(fmt.Sprintf("kvcache: retaining matched page %d: %v", e.page, err))
@@ -391,6 +412,9 @@ func (p *Pool) releasePagesLocked(l *Lease, gi int, pages []int32) []int32 {
 func (p *Pool) clearLocked(b *scrubBatch) {
 	p.assertHeld()
 	x := &p.mu.prefix
+	if t := p.tier; t != nil {
+		t.pending = p.clearTierLocked(t.pending) // first: no entry is left in the tier
+	}
 	// The checkpoints first: their units are scrubbed (one being restored
 	// into an admitted lease once its restore ends), and the pages they
 	// pinned join the LRU list.
@@ -409,7 +433,7 @@ func (p *Pool) clearLocked(b *scrubBatch) {
 			c.dropped = true
 		}
 	}
-	p.evictLocked(0, b, x.lruLen, nil)
+	p.evictLocked(0, b, x.lruLen, nil, nil)
 	for _, e := range x.byPage {
 		if e != nil && !e.detached {
 			x.unindex(e)
@@ -429,8 +453,10 @@ func (p *Pool) ClearPrefixCache() error {
 	}
 	b := scrubBatch{}.batchFor(p)
 	p.clearLocked(&b)
+	fill := p.takeTierPendingLocked()
 	p.fills.Add(1)
 	p.mu.Unlock()
+	p.scrubTier(fill)
 	return p.scrub(b, cudaops.Ordering{})
 }
 
@@ -476,12 +502,17 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 			e = x.lookup(l.domain, l.keys[i]) // the same content, published by another lease first
 		}
 		if e != nil {
+			if e.page < 0 && e.dom == l.domain {
+				// Only the host tier holds this content: the lease's page,
+				// which holds it too, is its device page from now on.
+				p.attachOnloadedLocked(l, e, page)
+			}
 			flush(i)
 			parent = trieNodeOf(e)
 			continue
 		}
 		e = x.newEntry()
-		e.key, e.dom, e.page, e.leases = l.keys[i], l.domain, page, 1
+		e.key, e.dom, e.page, e.leases, e.adapter = l.keys[i], l.domain, page, 1, l.adapter
 		e.tenants = append(e.tenants, tenantRef{t: l.tenant, refs: 1})
 		if i > 0 {
 			e.parent = l.keys[i-1]
@@ -604,13 +635,16 @@ func (l *Lease) CachePrefix(n int) (int, error) {
 }
 
 // HitTokens is how many leading prompt tokens the lease shares from the
-// prefix cache: their KV is already in its first pages, and the engine
-// starts prefill after them.
+// prefix cache (the device's or the host tier's), or, for a request
+// preempted and admitted again, its swap restored: their KV is already
+// in its first pages, and the engine starts prefill after them. A swap
+// restores at most all prompt tokens but the last, whose logits the
+// engine needs.
 func (l *Lease) HitTokens() int {
 	if l == nil || l.pool == nil {
 		return 0
 	}
-	return l.hitPages * l.pool.tpp
+	return max(l.hitPages*l.pool.tpp, l.restored)
 }
 
 // Domain returns the name of the sharing domain the lease was admitted in.
@@ -634,6 +668,16 @@ type DomainStats struct {
 	HitTokens    uint64
 	StoredPages  uint64
 	EvictedPages uint64
+	// The host tier's part (zero without one): the slots the domain holds
+	// there now and the most it may (TenantConfig.TierPages), pages
+	// admissions onloaded from it (counted in HitPages too, as hits),
+	// pages offloaded into it and evicted from it.
+	TierPages        int
+	TierBound        int
+	TierHitPages     uint64
+	TierHitTokens    uint64
+	TierStoredPages  uint64
+	TierEvictedPages uint64
 }
 
 // PrefixStats summarises the prefix cache.
@@ -658,6 +702,7 @@ func (p *Pool) prefixStatsLocked() PrefixStats {
 			HitPages: k.hitPages, MissPages: k.missPages, HitTokens: k.hitTokens,
 			StoredPages: k.storedPages, EvictedPages: k.evictedPages,
 		})
+		p.tierDomainStatsLocked(d, &s.Domains[len(s.Domains)-1])
 	}
 	return s
 }

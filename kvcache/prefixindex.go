@@ -116,8 +116,13 @@ type cacheEntry struct {
 
 	key      BlockKey
 	parent   BlockKey // zero for a prompt's first page
-	page     int32
-	detached bool // out of the key index (ClearPrefixCache) while leases still hold it
+	page     int32    // on the device; -1 while only the host tier holds it (tier)
+	detached bool     // out of the key index (ClearPrefixCache) while leases still hold it
+	// tier is the host tier's item that holds (or is writing) the page,
+	// nil if none (tier.go); adapter the adapter it was published under,
+	// for the events of its moves between the device and the tier.
+	tier    *tierItem
+	adapter string
 
 	prev, next *cacheEntry // LRU links while the page is Cached
 	inLRU      bool
@@ -294,7 +299,7 @@ type domainCounters struct {
 	hitPages, missPages, hitTokens uint64
 	storedPages, evictedPages      uint64
 	cachedPages                    int // Cached (evictable) pages now
-	entries                        int // entries now, cached, in use or detached
+	entries                        int // entries whose page the device holds now, cached, in use or detached
 	keyOnly                        int // indexed entries without tokens (see prefixIndex)
 }
 
@@ -442,9 +447,30 @@ func (x *prefixIndex) drop(e *cacheEntry) {
 	if !e.detached {
 		x.unindex(e)
 	}
+	if e.page >= 0 {
+		x.byPage[e.page] = nil
+		x.counters(e.dom).entries--
+	}
+	x.recycle(e)
+}
+
+// detachPage takes e's device page from it (evicted, and the host tier
+// holds or writes the page: e stays indexed, see tier.go). e must not be
+// on the LRU list.
+func (x *prefixIndex) detachPage(e *cacheEntry) {
 	x.byPage[e.page] = nil
 	x.counters(e.dom).entries--
-	x.recycle(e)
+	e.page = -1
+	x.epoch++ // a match taking e for a device page is stale
+}
+
+// attachPage makes page, which has no entry, e's device page again: e was
+// only in the host tier, and page holds its content now.
+func (x *prefixIndex) attachPage(e *cacheEntry, page int32) {
+	e.page = page
+	x.byPage[page] = e
+	x.counters(e.dom).entries++
+	x.epoch++
 }
 
 // recycle puts e, just dropped, on the spare list, cleared but for its
@@ -517,8 +543,9 @@ func (x *prefixIndex) lruRemove(e *cacheEntry) {
 }
 
 // check verifies the index's own invariants (see the type's doc) and
-// reports every problem to c.
-func (x *prefixIndex) check(c *checker) {
+// reports every problem to c. tierOnly are the entries only the host
+// tier holds (page −1, in no byPage slot): indexed like the others.
+func (x *prefixIndex) check(c *checker, tierOnly []*cacheEntry) {
 	lru := 0
 	for e := x.lruHead; e != nil; e = e.next {
 		if e.spare || !e.inLRU || e.detached || (e.next != nil && e.next.prev != e) || (e.next == nil && x.lruTail != e) {
@@ -537,25 +564,27 @@ func (x *prefixIndex) check(c *checker) {
 	cached := make([]int, len(x.domains))
 	keyOnly := make([]int, len(x.domains))
 	indexed, inLRU, inTrie := 0, 0, 0
-	for page, e := range x.byPage {
-		if e == nil {
-			continue
-		}
+	each := func(page int, e *cacheEntry) {
 		if e.spare {
 			c.failf("prefix index: page %d holds a spare entry", page)
-			continue
+			return
 		}
 		if int(e.page) != page {
 			c.failf("prefix index: page %d holds the entry of page %d", page, e.page)
-			continue
+			return
 		}
-		if d := int(e.dom.ID) - 1; d < len(entries) {
+		d := int(e.dom.ID) - 1
+		if d >= len(entries) {
+			c.failf("prefix index: page %d is in domain %q, which has no counters", page, e.dom.Name)
+			return
+		}
+		if page >= 0 {
 			entries[d]++
 			if e.inLRU {
 				cached[d]++
 			}
-		} else {
-			c.failf("prefix index: page %d is in domain %q, which has no counters", page, e.dom.Name)
+		} else if e.inLRU || e.detached || e.leases != 0 || len(e.tenants) != 0 {
+			c.failf("prefix index: an entry only the host tier holds is on the LRU list (%v), detached (%v) or held (%d)", e.inLRU, e.detached, e.leases)
 		}
 		if e.inLRU {
 			inLRU++
@@ -566,9 +595,7 @@ func (x *prefixIndex) check(c *checker) {
 				c.failf("prefix index: page %d not found under its key in domain %q", page, e.dom.Name)
 			}
 			if e.tokens == nil {
-				if d := int(e.dom.ID) - 1; d < len(keyOnly) {
-					keyOnly[d]++
-				}
+				keyOnly[d]++
 			}
 		} else if e.in != nil || e.orphan {
 			c.failf("prefix index: detached page %d is still in the trie", page)
@@ -586,10 +613,26 @@ func (x *prefixIndex) check(c *checker) {
 			c.failf("prefix index: page %d has tokens but is neither in the trie nor an orphan", page)
 		}
 	}
+	for page, e := range x.byPage {
+		if e != nil {
+			each(page, e)
+		}
+	}
+	for _, e := range tierOnly {
+		each(-1, e)
+	}
+	// live is an indexed or held entry: what the orphans, the trie and the
+	// key chains may hold.
+	live := func(e *cacheEntry) bool {
+		if e.page >= 0 {
+			return int(e.page) < len(x.byPage) && x.byPage[e.page] == e
+		}
+		return e.tier != nil && e.tier.entry == e
+	}
 	orphans := 0
 	for _, head := range x.orphans {
 		for o := head; o != nil; o = o.sib {
-			if orphans++; orphans > len(x.byPage) || o.spare || !o.orphan || x.byPage[o.page] != o {
+			if orphans++; orphans > len(x.byPage)+len(tierOnly) || o.spare || !o.orphan || !live(o) {
 				c.failf("prefix index: the orphans hold a stale entry for page %d", o.page)
 				break
 			}
@@ -604,7 +647,7 @@ func (x *prefixIndex) check(c *checker) {
 				c.failf("prefix index: a spare entry is a child of %s", what)
 			case k.in != n:
 				c.failf("prefix index: page %d is a child of %s but names another node", k.page, what)
-			case k.detached || k.tokens == nil || x.byPage[k.page] != k:
+			case k.detached || k.tokens == nil || !live(k):
 				c.failf("prefix index: trie child page %d of %s is not an indexed entry with tokens", k.page, what)
 			case n.many != nil && (k.hash != pageHash(k.tokens, x.seed) || !slices.Contains(chainOf(n.many[k.hash]), k)):
 				c.failf("prefix index: page %d is in the wrong bucket of %s", k.page, what)
@@ -619,6 +662,9 @@ func (x *prefixIndex) check(c *checker) {
 			checkNode(&e.node, fmt.Sprintf("page %d", e.page))
 		}
 	}
+	for _, e := range tierOnly {
+		checkNode(&e.node, "an entry in the host tier")
+	}
 	if children != inTrie {
 		c.failf("prefix index: the trie holds %d children, %d entries name a node", children, inTrie)
 	}
@@ -628,11 +674,11 @@ func (x *prefixIndex) check(c *checker) {
 	chained := 0
 	for _, head := range x.byKey {
 		for e := head; e != nil; e = e.chain {
-			if chained++; chained > len(x.byPage) {
+			if chained++; chained > len(x.byPage)+len(tierOnly) {
 				c.failf("prefix index: key chains cycle")
 				return
 			}
-			if e.spare || e.detached || int(e.page) >= len(x.byPage) || x.byPage[e.page] != e {
+			if e.spare || e.detached || !live(e) {
 				c.failf("prefix index: key chains hold a stale entry for page %d", e.page)
 			}
 		}
@@ -647,7 +693,7 @@ func (x *prefixIndex) check(c *checker) {
 			break
 		}
 		if !e.spare || e.page != -1 || e.in != nil || e.orphan || e.inLRU || e.detached || e.leases != 0 ||
-			len(e.tenants) != 0 || len(e.node.kids) != 0 || e.node.many != nil || e.dom != nil {
+			len(e.tenants) != 0 || len(e.node.kids) != 0 || e.node.many != nil || e.dom != nil || e.tier != nil {
 			c.failf("prefix index: spare entry %d of %d is not a cleared spare (page %d)", spares, x.spareLen, e.page)
 		}
 	}

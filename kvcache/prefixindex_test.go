@@ -225,7 +225,7 @@ func runIndexModel(t *testing.T, seed uint64, steps int) {
 			}
 		}
 		var c checker
-		x.check(&c)
+		x.check(&c, nil)
 		require.NoError(t, c.err(), "step %d", step)
 		require.Equal(t, m.epoch, x.epoch, "step %d: epoch", step)
 		require.Equal(t, len(m.lru), x.lruLen, "step %d", step)
@@ -261,11 +261,11 @@ func TestPrefixIndexCheckFindsCorruption(t *testing.T) {
 			x.insert(e, x.root(d, "", true))
 			x.lruPush(e)
 			var ok checker
-			x.check(&ok)
+			x.check(&ok, nil)
 			require.NoError(t, ok.err())
 			corrupt(&x, e)
 			var c checker
-			x.check(&c)
+			x.check(&c, nil)
 			require.ErrorIs(t, c.err(), ErrCorrupt)
 		})
 	}

@@ -146,6 +146,6 @@ func TestPrefixIndexCollisions(t *testing.T) {
 	assert.Empty(t, c.byKey)
 	assert.Equal(t, make([]*cacheEntry, 8), c.byPage)
 	var ck checker
-	c.check(&ck)
+	c.check(&ck, nil)
 	require.NoError(t, ck.err())
 }

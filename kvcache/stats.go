@@ -183,8 +183,10 @@ type Stats struct {
 	// Checkpoints is the state checkpoints of a pool with window or state
 	// groups (zero in any other).
 	Checkpoints CheckpointStats
-	Closed      bool
-	Fault       string // why the pool is faulted; empty while healthy
+	// Tier is the host tier's figures (zero without one).
+	Tier   TierStats
+	Closed bool
+	Fault  string // why the pool is faulted; empty while healthy
 }
 
 // Stats returns a snapshot of the pool's counters.
@@ -216,6 +218,7 @@ func (p *Pool) Stats() Stats {
 	}
 	s.Prefix = p.prefixStatsLocked()
 	s.Checkpoints = p.checkpointStatsLocked()
+	s.Tier = p.tierStatsLocked()
 	// One allocation, sized: this runs under mu, which a scrape should
 	// hold for the copy and no longer.
 	tenants := p.tenantsLocked().Tenants()

@@ -165,7 +165,12 @@ enum {
     /* Transports: handoffs the library moves itself. Since ABI 11. */
     KVF_ERR_TRANSPORT = 76,   /* the connection failed, the peer is gone, or it stayed silent past a timeout; the export stays pinned for a retry */
     KVF_ERR_PROTOCOL = 77,    /* the peer broke the handoff's protocol (a forged frame, a grant of memory that does not hold the units) */
-    KVF_ERR_UNAVAILABLE = 78  /* the library was built without UCX (build it with cgo, libucx-dev and -tags ucx) */
+    KVF_ERR_UNAVAILABLE = 78, /* the library was built without UCX (build it with cgo, libucx-dev and -tags ucx) */
+
+    /* The host tier. Since ABI 12. */
+    KVF_ERR_TIER_UNSUPPORTED = 79, /* a host tier on a pool that cannot have one (window or state groups, a remote device) */
+    KVF_ERR_ONLOAD_FAILED = 80,    /* an admission could not copy its prefix from the host tier: nothing admitted; retryable */
+    KVF_ERR_OFFLOAD_FAILED = 81    /* a copy into the host tier failed (logged and counted in the stats; no call returns it yet) */
 };
 
 /* Handles. 0 is never valid. All kinds share one counter: a value names

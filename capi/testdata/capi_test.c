@@ -131,6 +131,9 @@ static void test_library(void) {
         {KVF_ERR_TRANSPORT, "KVF_ERR_TRANSPORT"},
         {KVF_ERR_PROTOCOL, "KVF_ERR_PROTOCOL"},
         {KVF_ERR_UNAVAILABLE, "KVF_ERR_UNAVAILABLE"},
+        {KVF_ERR_TIER_UNSUPPORTED, "KVF_ERR_TIER_UNSUPPORTED"},
+        {KVF_ERR_ONLOAD_FAILED, "KVF_ERR_ONLOAD_FAILED"},
+        {KVF_ERR_OFFLOAD_FAILED, "KVF_ERR_OFFLOAD_FAILED"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         CHECK(strcmp(kvf_status_name(names[i].s), names[i].name) == 0);

@@ -7,10 +7,12 @@ class ExceedsQuota), each carrying the numbers of kvf_last_error.
     except kvfence.ExceedsQuota as e:      # or kvfence.AdmissionError, KvfenceError
         print(e.go_error, e.need, e.have, e.limit, e.retryable, e.permanent)
 
-Admission refusals (statuses 20-26) derive from AdmissionError, as the Go
-refusals are *kvcache.AdmissionError. Bad arguments and configurations
-are also ValueErrors. PoolClosed is raised by the package itself, too,
-for a pool closed on the Python side (a view of a closed pool).
+Admission refusals (statuses 20-26, and 80: an admission whose copy out
+of the host tier failed) derive from AdmissionError, as the Go refusals
+are *kvcache.AdmissionError. Bad arguments and configurations (a host
+tier a pool cannot have, 79, among them) are also ValueErrors.
+PoolClosed is raised by the package itself, too, for a pool closed on
+the Python side (a view of a closed pool).
 """
 
 from . import _lib
@@ -62,6 +64,9 @@ STATUSES = (
     (76, "KVF_ERR_TRANSPORT", "handoff.ErrTransport"),
     (77, "KVF_ERR_PROTOCOL", "handoff.ErrProtocol"),
     (78, "KVF_ERR_UNAVAILABLE", "ucxx.ErrUnavailable"),
+    (79, "KVF_ERR_TIER_UNSUPPORTED", "kvcache.ErrTierUnsupported"),
+    (80, "KVF_ERR_ONLOAD_FAILED", "kvcache.ErrOnloadFailed"),
+    (81, "KVF_ERR_OFFLOAD_FAILED", "kvcache.ErrOffloadFailed"),
 )
 
 OK = 0
@@ -110,8 +115,8 @@ BY_STATUS = {}
 
 def _make(status, cname, goname):
     short = goname.split(".", 1)[1][3:]  # kvcache.ErrExceedsQuota -> ExceedsQuota
-    bases = (AdmissionError,) if 20 <= status <= 26 else (KvfenceError,)
-    if status in (1, 10, 11, 40):
+    bases = (AdmissionError,) if 20 <= status <= 26 or status == 80 else (KvfenceError,)
+    if status in (1, 10, 11, 40, 79):
         bases += (ValueError,)
     cls = type(short, bases, {"status": status, "name": cname, "go_error": goname,
                               "__doc__": "%s (%s)" % (cname, goname), "__module__": __name__})

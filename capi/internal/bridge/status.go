@@ -79,6 +79,11 @@ const (
 	StatusTransport   Status = 76 // handoff.ErrTransport: the connection failed, the peer is gone or silent
 	StatusProtocol    Status = 77 // handoff.ErrProtocol: the peer broke the protocol (a forged frame, a put outside the grant)
 	StatusUnavailable Status = 78 // ucxx.ErrUnavailable: the library was built without UCX
+
+	// The host tier (since ABI 12).
+	StatusTierUnsupported Status = 79 // kvcache.ErrTierUnsupported: a host tier on a pool that cannot have one
+	StatusOnloadFailed    Status = 80 // kvcache.ErrOnloadFailed: an admission's copy from the host tier failed (retryable)
+	StatusOffloadFailed   Status = 81 // kvcache.ErrOffloadFailed: a copy into the host tier failed (logged and counted; no call returns it today)
 )
 
 // Errors of the C boundary. Match with errors.Is.
@@ -145,6 +150,10 @@ var sentinels = []struct {
 	// device wraps both.
 	{cudaops.ErrOutOfMemory, StatusDeviceOutOfMemory},
 	{cudaops.ErrNoDevice, StatusNoDevice},
+	// Before ErrInvalidConfig, which it comes wrapped in.
+	{kvcache.ErrTierUnsupported, StatusTierUnsupported},
+	{kvcache.ErrOnloadFailed, StatusOnloadFailed},
+	{kvcache.ErrOffloadFailed, StatusOffloadFailed},
 	{kvcache.ErrUndersizedPool, StatusUndersizedPool},
 	{kvcache.ErrInvalidConfig, StatusInvalidConfig},
 	{handoff.ErrInvalidConfig, StatusInvalidConfig},
@@ -269,6 +278,10 @@ var statusNames = map[Status]string{
 	StatusTransport:          "KVF_ERR_TRANSPORT",
 	StatusProtocol:           "KVF_ERR_PROTOCOL",
 	StatusUnavailable:        "KVF_ERR_UNAVAILABLE",
+
+	StatusTierUnsupported: "KVF_ERR_TIER_UNSUPPORTED",
+	StatusOnloadFailed:    "KVF_ERR_ONLOAD_FAILED",
+	StatusOffloadFailed:   "KVF_ERR_OFFLOAD_FAILED",
 }
 
 // Statuses returns every status with its C name.

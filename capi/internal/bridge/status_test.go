@@ -59,6 +59,8 @@ func TestEverySentinelHasAStatus(t *testing.T) {
 		"ErrIncompleteTransfer": kvcache.ErrIncompleteTransfer, "ErrChecksumMismatch": kvcache.ErrChecksumMismatch,
 		"ErrDomainMismatch": kvcache.ErrDomainMismatch,
 		"ErrNoStateGroup":   kvcache.ErrNoStateGroup, "ErrCheckpointCapacity": kvcache.ErrCheckpointCapacity,
+		"ErrTierUnsupported": kvcache.ErrTierUnsupported, "ErrOnloadFailed": kvcache.ErrOnloadFailed,
+		"ErrOffloadFailed": kvcache.ErrOffloadFailed,
 		// Never reach C: the bridge admits with a live context and builds
 		// imports from manifests, which carry no prefix material; a Check
 		// failure is a bug, reported as internal.
