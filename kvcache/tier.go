@@ -37,9 +37,9 @@ import (
 // What holds slots is an item (tierItem): a cached page's one slot, under
 // the entry of the prefix index it was published as (the same cacheEntry:
 // its domain, key, parent and tokens), or a preempted request's swapped
-// pages (tierSwap). Items that are written and not being read are on the
-// tier's LRU list and on their domain's; eviction takes the least
-// recently used item, of the domain that is at its bound first
+// pages (tierSwap). Items that are written are on the tier's LRU list
+// and on their domain's; eviction takes the least recently used item no
+// copy reads, of the domain that is at its bound first
 // (TenantConfig.TierPages), else of any domain. A slot an eviction frees
 // is filled with the pool's scrub policy before anything else is written
 // to it or it returns to the free list, and under the canary policy a
@@ -63,8 +63,9 @@ import (
 //     free stack holds exactly the free slots;
 //   - every cached slot belongs to one written item and every writing slot
 //     to one item or copy in flight; quarantined slots are fills in flight;
-//   - an item is on the LRU lists exactly when it is written and no copy
-//     reads it; each domain's use is the slots of its items;
+//   - an item is on the LRU lists exactly when it is written and not
+//     dropped (eviction passes over those copies read); each domain's use
+//     is the slots of its items;
 //   - an entry's tier item names it back, in its domain; a swap is in
 //     the swap table under its own key.
 //
@@ -456,20 +457,20 @@ func (t *hostTier) touch(it *tierItem) {
 	}
 }
 
-// pin marks it read by one more copy: off the LRU lists meanwhile.
+// pin marks it read by one more copy. It keeps its place on the LRU
+// lists (eviction passes over it while it is read): a page onloaded is
+// the device's again, and its tier copy becomes the most recently used
+// when the device evicts it next (offerLocked), not now.
 func (t *hostTier) pin(it *tierItem) {
 	if it.pins == 0 {
-		if it.inLRU {
-			t.lruRemove(it)
-		}
 		t.reading += len(it.slots)
 	}
 	it.pins++
 }
 
-// unpinTierLocked ends a copy's read of it: back on the LRU lists, most
-// recently used, once no copy reads it, or, if it was dropped meanwhile,
-// its slots quarantined and appended to fill (see releaseItemLocked).
+// unpinTierLocked ends a copy's read of it; once no copy reads it, if it
+// was dropped meanwhile, its slots are quarantined and appended to fill
+// (see releaseItemLocked).
 func (p *Pool) unpinTierLocked(it *tierItem, fill []int32) []int32 {
 	t := p.tier
 	if it.pins--; it.pins > 0 {
@@ -479,8 +480,13 @@ func (p *Pool) unpinTierLocked(it *tierItem, fill []int32) []int32 {
 	if it.doomed {
 		return p.releaseItemLocked(it, fill)
 	}
-	t.lruPush(it)
 	return fill
+}
+
+// evictable reports whether eviction may take it: no copy reads it and
+// its entry is not matched by the admission that evicts.
+func (it *tierItem) evictable() bool {
+	return it.pins == 0 && (it.entry == nil || !it.entry.pinned)
 }
 
 // unlinkItemLocked takes it out of what finds it: its entry no longer in
@@ -598,7 +604,7 @@ func (p *Pool) takeSlotsLocked(dom *tenancy.Domain, n int, w *tierWrite) (slots 
 	start := len(w.fill)
 	for over > 0 {
 		it := d.head
-		for it != nil && it.entry != nil && it.entry.pinned {
+		for it != nil && !it.evictable() {
 			it = it.dnext
 		}
 		if it == nil {
@@ -609,7 +615,7 @@ func (p *Pool) takeSlotsLocked(dom *tenancy.Domain, n int, w *tierWrite) (slots 
 	}
 	for len(w.fill)-start+len(t.free) < n {
 		it := t.head
-		for it != nil && it.entry != nil && it.entry.pinned {
+		for it != nil && !it.evictable() {
 			it = it.next
 		}
 		if it == nil {
@@ -899,8 +905,8 @@ func (p *Pool) checkTierLocked(c *checker) {
 		if d := int(it.dom.ID) - 1; d < len(used) {
 			used[d] += len(it.slots)
 		}
-		if it.inLRU != (it.ready && it.pins == 0 && !it.doomed) {
-			c.failf("host tier: an item of domain %q is on the LRU list %v, ready %v, read by %d copies", it.dom.Name, it.inLRU, it.ready, it.pins)
+		if it.inLRU != (it.ready && !it.doomed) {
+			c.failf("host tier: an item of domain %q is on the LRU list %v, ready %v, dropped %v", it.dom.Name, it.inLRU, it.ready, it.doomed)
 		}
 		if it.inLRU {
 			lru += len(it.slots)

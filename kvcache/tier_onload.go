@@ -1,9 +1,7 @@
 package kvcache
 
 import (
-	"cmp"
 	"fmt"
-	"slices"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
@@ -45,17 +43,13 @@ type tierRead struct {
 	// fill is tier slots to fill once the admission ends (a stale swap
 	// found and dropped).
 	fill []int32
-	// order and the sorted copies are scratch of runTierRead.
-	order                []int
-	sortPages, sortSlots []int32
-	err                  error
+	err  error
 }
 
 func (r *tierRead) reset() {
 	clear(r.entries)
 	clear(r.items)
-	*r = tierRead{entries: r.entries[:0], items: r.items[:0], pages: r.pages[:0], slots: r.slots[:0],
-		fill: r.fill[:0], order: r.order[:0], sortPages: r.sortPages[:0], sortSlots: r.sortSlots[:0]}
+	*r = tierRead{entries: r.entries[:0], items: r.items[:0], pages: r.pages[:0], slots: r.slots[:0], fill: r.fill[:0]}
 }
 
 // pending reports whether the admission has copies to run or slots to
@@ -124,25 +118,17 @@ func (p *Pool) planSwapInLocked(l *Lease, req *Request) {
 	r.restored = restored
 }
 
-// runTierRead copies r's slots into its pages outside Pool.mu, in device
-// page order (runs of adjacent pages and slots copy as one), timed.
+// runTierRead copies r's slots into its pages outside Pool.mu, timed, in
+// the lease's order: fresh pages come off the free list in order and a
+// prompt's pages went into the tier in order, so runs of adjacent pages
+// and slots copy as one without a sort.
 func (p *Pool) runTierRead(r *tierRead) {
 	if len(r.pages) == 0 {
 		return
 	}
 	t := p.tier
-	r.order = r.order[:0]
-	for i := range r.pages {
-		r.order = append(r.order, i)
-	}
-	slices.SortFunc(r.order, func(a, b int) int { return cmp.Compare(r.pages[a], r.pages[b]) })
-	r.sortPages, r.sortSlots = r.sortPages[:0], r.sortSlots[:0]
-	for _, i := range r.order {
-		r.sortPages = append(r.sortPages, r.pages[i])
-		r.sortSlots = append(r.sortSlots, r.slots[i])
-	}
 	start := monoNow()
-	r.err = t.copy(r.sortPages, r.sortSlots, false, cudaops.Ordering{})
+	r.err = t.copy(r.pages, r.slots, false, cudaops.Ordering{})
 	if r.err == nil {
 		t.onloadLatency.record(monoNow() - start)
 	}
@@ -186,18 +172,29 @@ func (p *Pool) finishTierReadLocked(a *admission) (b scrubBatch, ended bool) {
 	ok := r.err == nil && !p.mu.closed
 	onloaded := 0
 	if ok {
+		x, events := &p.mu.prefix, p.mu.events.enabled()
+		attached := 0
 		for i, e := range r.entries {
 			if e == nil {
 				continue
 			}
-			if it := r.items[i]; it.entry == e && !it.doomed {
-				t.domain(e.dom).hitPages++
-				if e.page < 0 && !e.detached && e.dom == l.domain {
-					p.attachOnloadedLocked(l, e, r.pages[i])
-				}
-			}
 			onloaded++
+			if it := r.items[i]; it.entry != e || it.doomed || e.page >= 0 || e.detached || e.dom != l.domain {
+				continue // gone from the tier, or on the device again: the page stays the lease's own
+			}
+			if events {
+				p.attachOnloadedLocked(l, e, r.pages[i])
+				continue
+			}
+			// attachOnloadedLocked's work, the counts once for all.
+			e.page, x.byPage[r.pages[i]] = r.pages[i], e
+			e.leases = 1
+			e.tenants = append(e.tenants[:0], tenantRef{t: l.tenant, refs: 1})
+			attached++
 		}
+		x.counters(l.domain).entries += attached
+		x.epoch++
+		t.domain(l.domain).hitPages += uint64(onloaded)
 		t.stats.Onloads += uint64(len(r.pages))
 		t.stats.OnloadBytes += uint64(len(r.pages)) * uint64(t.pageBytes)
 		if r.swap != nil {
