@@ -252,15 +252,17 @@ func (p *Pool) Events() <-chan KVEvent { return p.events }
 // sink's scratch, up to the next run's start.
 type removedRun struct {
 	domain string
+	medium Medium
 	start  int
 }
 
-// gatherRemovedLocked adds the key of an evicted page of domain to the
-// KVRemoved events being gathered, one per run of a domain's pages, in
-// the sink's reused scratch: no allocation per page.
-func (s *eventSink) gatherRemovedLocked(domain string, key BlockKey) {
-	if k := len(s.runs) - 1; k < 0 || s.runs[k].domain != domain {
-		s.runs = append(s.runs, removedRun{domain: domain, start: len(s.scratch)})
+// gatherRemovedLocked adds the key of a page of domain evicted from
+// medium to the KVRemoved events being gathered, one per run of a
+// domain's pages of one medium, in the sink's reused scratch: no
+// allocation per page.
+func (s *eventSink) gatherRemovedLocked(domain string, key BlockKey, medium Medium) {
+	if k := len(s.runs) - 1; k < 0 || s.runs[k].domain != domain || s.runs[k].medium != medium {
+		s.runs = append(s.runs, removedRun{domain: domain, medium: medium, start: len(s.scratch)})
 	}
 	s.scratch = append(s.scratch, key)
 }
@@ -275,7 +277,7 @@ func (s *eventSink) emitRemovedLocked(tokensPerPage int) {
 			end = s.runs[i+1].start
 		}
 		keys := append(s.keysLocked(end-r.start), s.scratch[r.start:end]...)
-		s.emitLocked(KVEvent{Kind: KVRemoved, Domain: r.domain, Keys: keys, Tokens: len(keys) * tokensPerPage})
+		s.emitLocked(KVEvent{Kind: KVRemoved, Medium: r.medium, Domain: r.domain, Keys: keys, Tokens: len(keys) * tokensPerPage})
 	}
 	clear(s.runs) // no domain name kept
 	s.runs, s.scratch = s.runs[:0], s.scratch[:0]

@@ -403,6 +403,7 @@ func (l *Lease) Preempt(tokens []int32) (kept int, err error) {
 	if t := p.tier; t != nil && t.swapOn && len(tokens) > 0 && len(l.extra) == 0 && p.planSwapOutLocked(l, tokens, &sw) {
 		swap = sw.items[0]
 	}
+	p.mu.events.emitRemovedLocked(tpp) // what the swap evicted from the tier
 	p.beginTierWriteLocked(&sw)
 	l.phase.Store(uint32(PhaseReleased))
 	l.state.Store(leaseReleased)

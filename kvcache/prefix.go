@@ -236,11 +236,18 @@ func (p *Pool) evictLocked(gi int, b *scrubBatch, n int, keep []*cacheEntry, off
 				x.lruRemove(e)
 				x.counters(e.dom).evictedPages++
 				pages = append(pages, e.page)
-				if p.mu.events.enabled() {
-					p.mu.events.gatherRemovedLocked(e.dom.Name, e.key)
-				}
-				if !p.offerLocked(e, off) {
-					x.drop(e) // last: e is a spare from here on
+				// Removed from the device now, unless the tier is about to
+				// store it: then after the store (finishTierWriteLocked),
+				// so that a router always finds the page's parent
+				// somewhere.
+				inTier := e.tier != nil
+				if kept := p.offerLocked(e, off); !kept || inTier {
+					if p.mu.events.enabled() {
+						p.mu.events.gatherRemovedLocked(e.dom.Name, e.key, MediumDevice)
+					}
+					if !kept {
+						x.drop(e) // last: e is a spare from here on
+					}
 				}
 			}
 			e = next

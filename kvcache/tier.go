@@ -499,8 +499,7 @@ func (p *Pool) unlinkItemLocked(it *tierItem) {
 		e.tier = nil
 		x.epoch++ // a match holding e is stale: e is no longer in the tier
 		if it.ready && p.mu.events.enabled() {
-			p.mu.events.emitLocked(KVEvent{Kind: KVRemoved, Medium: MediumHost, Domain: e.dom.Name,
-				Keys: append(p.mu.events.keysLocked(1), e.key), Tokens: p.tpp})
+			p.mu.events.gatherRemovedLocked(e.dom.Name, e.key, MediumHost) // the caller emits
 		}
 		if e.page < 0 {
 			x.drop(e) // neither the device nor the tier holds it

@@ -105,6 +105,9 @@ func (p *Pool) placeOffloadLocked(w *tierWrite) {
 		slots, ok := p.takeSlotsLocked(e.dom, 1, w)
 		if !ok {
 			t.stats.OffloadsDropped++
+			if p.mu.events.enabled() {
+				p.mu.events.gatherRemovedLocked(e.dom.Name, e.key, MediumDevice)
+			}
 			x.drop(e)
 			continue
 		}
@@ -192,8 +195,14 @@ func (p *Pool) finishTierWriteLocked(w *tierWrite, fill []int32) []int32 {
 	p.freeFilledLocked(w.surplus)
 	events := p.mu.events.enabled()
 	failed := 0
+	var stored []*cacheEntry // landed, for the events
 	for i, it := range w.items {
 		w.items[i] = nil
+		if e := it.entry; e != nil && !it.doomed && events {
+			// Its device page was evicted: reported once its tier copy is
+			// (or, failing, at once), see evictLocked.
+			p.mu.events.gatherRemovedLocked(e.dom.Name, e.key, MediumDevice)
+		}
 		switch {
 		case it.doomed:
 			fill = p.releaseItemLocked(it, fill)
@@ -213,7 +222,7 @@ func (p *Pool) finishTierWriteLocked(w *tierWrite, fill []int32) []int32 {
 				t.stats.Offloads++
 				t.stats.OffloadBytes += uint64(t.pageBytes)
 				if events {
-					p.emitTierStoredLocked(e)
+					stored = append(stored, e)
 				}
 				break
 			}
@@ -229,6 +238,10 @@ func (p *Pool) finishTierWriteLocked(w *tierWrite, fill []int32) []int32 {
 		t.stats.OffloadsFailed += uint64(failed)
 		p.log.LogAttrs(context.Background(), slog.LevelError, "kvcache: a copy into the host tier failed; its pages were not kept there",
 			slog.Int("pages", failed), slog.Any("error", fmt.Errorf("%w: %w", ErrOffloadFailed, w.err)))
+	}
+	if events {
+		p.emitTierStoredLocked(stored) // stored in the tier, then removed from the device
+		p.mu.events.emitRemovedLocked(p.tpp)
 	}
 	p.tierIdleLocked(1)
 	return fill
@@ -277,14 +290,33 @@ func (p *Pool) retireSlotsLocked(w *tierWrite) {
 		slog.Int("slots_retired", len(w.bad)), slog.Any("error", w.err))
 }
 
-// emitTierStoredLocked reports e stored in the host tier.
-func (p *Pool) emitTierStoredLocked(e *cacheEntry) {
-	ev := KVEvent{Kind: KVStored, Medium: MediumHost, Domain: e.dom.Name, Parent: e.parent,
-		Keys: append(p.mu.events.keysLocked(1), e.key), Tokens: p.tpp, Adapter: e.adapter}
-	if e.tokens != nil {
-		ev.TokenIDs = p.mu.events.tokensLocked(e.tokens)
+// emitTierStoredLocked reports entries stored in the host tier, in the
+// order they were written: a KVStored event of the host medium per run
+// of pages that chain (each the parent of the next, of one domain and
+// adapter, all with tokens or none).
+func (p *Pool) emitTierStoredLocked(entries []*cacheEntry) {
+	s := &p.mu.events
+	for i := 0; i < len(entries); {
+		j := i + 1
+		for j < len(entries) && entries[j].parent == entries[j-1].key && entries[j].dom == entries[i].dom &&
+			entries[j].adapter == entries[i].adapter && (entries[j].tokens == nil) == (entries[i].tokens == nil) {
+			j++
+		}
+		run := entries[i:j]
+		e := run[0]
+		ev := KVEvent{Kind: KVStored, Medium: MediumHost, Domain: e.dom.Name, Parent: e.parent, Adapter: e.adapter,
+			Keys: s.keysLocked(len(run)), Tokens: len(run) * p.tpp}
+		var toks []int32
+		for _, r := range run {
+			ev.Keys = append(ev.Keys, r.key)
+			toks = append(toks, r.tokens...)
+		}
+		if e.tokens != nil {
+			ev.TokenIDs = s.tokensLocked(toks)
+		}
+		s.emitLocked(ev)
+		i = j
 	}
-	p.mu.events.emitLocked(ev)
 }
 
 // swapKey names a swap: a request, in the domain it was preempted in.

@@ -225,6 +225,7 @@ func (p *Pool) finishTierReadLocked(a *admission) (b scrubBatch, ended bool) {
 	}
 	clear(r.entries)
 	r.entries, r.items, r.pages, r.slots = r.entries[:0], r.items[:0], r.pages[:0], r.slots[:0]
+	p.mu.events.emitRemovedLocked(p.tpp) // what a failed copy dropped from the tier
 	if ok {
 		return scrubBatch{}, false
 	}

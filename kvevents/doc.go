@@ -77,7 +77,11 @@
 //
 // ts is a float64 of seconds since the Unix epoch, data_parallel_rank
 // Config.DataParallelRank, block_size the pool's tokens per page, medium
-// Config.Medium ("GPU"), lora_id nil (vLLM deprecates it for lora_name),
+// Config.Medium ("GPU") for pages on the pool's device and
+// Config.HostMedium ("CPU") for pages in its host tier (a page evicted
+// into the tier is stored there, then removed from the device; one
+// onloaded back is stored on the device again; each event's
+// kvcache.KVEvent.Medium says which), lora_id nil (vLLM deprecates it for lora_name),
 // lora_name the adapter the pages were admitted under (nil for none).
 // group_idx and the cache-spec fields are left at their defaults.
 //

@@ -85,10 +85,10 @@ type encoder struct {
 	storedHead []byte // BlockStored's header, tag and block_hashes' name
 	parentName []byte
 	tokensName []byte
-	storedMid  []byte // block_size, lora_id, medium, and lora_name's name
+	storedMid  [2][]byte // block_size, lora_id, medium, and lora_name's name, per kvcache.Medium
 	extraName  []byte
-	removed    []byte // BlockRemoved's header, tag and block_hashes' name
-	removedEnd []byte // medium
+	removed    []byte    // BlockRemoved's header, tag and block_hashes' name
+	removedEnd [2][]byte // medium, per kvcache.Medium
 	cleared    []byte
 	// domain is the domain of the last salt encoded and salt its
 	// extra_keys entry, [CacheSalt(domain)]: a batch's events mostly
@@ -98,7 +98,9 @@ type encoder struct {
 	haveDomain bool
 }
 
-func newEncoder(form Encoding, fullHashes bool, medium string, blockSize, rank int) *encoder {
+// newEncoder returns an encoder whose events name medium for pages on the
+// pool's device and hostMedium for those in its host tier.
+func newEncoder(form Encoding, fullHashes bool, medium, hostMedium string, blockSize, rank int) *encoder {
 	e := &encoder{fullHashes: fullHashes, blockSize: blockSize, rank: rank}
 	name := func(b []byte, n string) []byte {
 		if form == MapEvents {
@@ -129,14 +131,16 @@ func newEncoder(form Encoding, fullHashes bool, medium string, blockSize, rank i
 	e.storedHead = name(head(9, TagBlockStored), "block_hashes")
 	e.parentName = name(nil, "parent_block_hash")
 	e.tokensName = name(nil, "token_ids")
-	b := appendInt(name(nil, "block_size"), int64(blockSize))
-	b = appendNil(name(b, "lora_id")) // deprecated in vLLM; kvfence names adapters
-	b = appendStr(name(b, "medium"), medium)
-	e.storedMid = name(b, "lora_name")
+	for m, name_ := range [2]string{medium, hostMedium} {
+		b := appendInt(name(nil, "block_size"), int64(blockSize))
+		b = appendNil(name(b, "lora_id")) // deprecated in vLLM; kvfence names adapters
+		b = appendStr(name(b, "medium"), name_)
+		e.storedMid[m] = name(b, "lora_name")
+		e.removedEnd[m] = appendStr(name(nil, "medium"), name_)
+	}
 	e.extraName = name(nil, "extra_keys")
 	// BlockRemoved: block_hashes, medium; group_idx at its default.
 	e.removed = name(head(3, TagBlockRemoved), "block_hashes")
-	e.removedEnd = appendStr(name(nil, "medium"), medium)
 	e.cleared = head(1, TagAllBlocksCleared)
 	return e
 }
@@ -153,9 +157,9 @@ func (e *encoder) batchBound(events []kvcache.KVEvent) int {
 		switch ev.Kind {
 		case kvcache.KVStored:
 			n += len(e.storedHead) + len(e.parentName) + hash + len(e.tokensName) + 5 + 5*len(ev.TokenIDs) +
-				len(e.storedMid) + 5 + len(ev.Adapter) + len(e.extraName) + 5 + len(ev.Keys) + 1 + 5 + len(DomainKeyPrefix) + len(ev.Domain)
+				len(e.storedMid[medium(ev)]) + 5 + len(ev.Adapter) + len(e.extraName) + 5 + len(ev.Keys) + 1 + 5 + len(DomainKeyPrefix) + len(ev.Domain)
 		case kvcache.KVRemoved:
-			n += len(e.removed) + len(e.removedEnd)
+			n += len(e.removed) + len(e.removedEnd[medium(ev)])
 		default:
 			n += len(e.cleared)
 			continue
@@ -193,7 +197,7 @@ func (e *encoder) event(b []byte, ev *kvcache.KVEvent) []byte {
 		} else {
 			b = appendArrayLen(b, 0) // no tokens: see the package doc
 		}
-		b = append(b, e.storedMid...)
+		b = append(b, e.storedMid[medium(ev)]...)
 		if ev.Adapter == "" {
 			b = appendNil(b)
 		} else {
@@ -202,10 +206,19 @@ func (e *encoder) event(b []byte, ev *kvcache.KVEvent) []byte {
 		return e.extraKeys(append(b, e.extraName...), ev)
 	case kvcache.KVRemoved:
 		b = e.hashes(append(b, e.removed...), ev.Keys)
-		return append(b, e.removedEnd...)
+		return append(b, e.removedEnd[medium(ev)]...)
 	default: // KVCleared, or a resynchronisation
 		return append(b, e.cleared...)
 	}
+}
+
+// medium is the index of ev's medium in the encoder's constant parts: 1
+// for the host tier, 0 for the device (and anything unknown).
+func medium(ev *kvcache.KVEvent) int {
+	if ev.Medium == kvcache.MediumHost {
+		return 1
+	}
+	return 0
 }
 
 func (e *encoder) hashes(b []byte, keys []kvcache.BlockKey) []byte {

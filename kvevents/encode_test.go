@@ -23,12 +23,13 @@ type refEncoder struct {
 	form       Encoding
 	fullHashes bool
 	medium     string
+	hostMedium string
 	blockSize  int
 	rank       int
 }
 
-func newRefEncoder(form Encoding, fullHashes bool, medium string, blockSize, rank int) *refEncoder {
-	e := &refEncoder{form: form, fullHashes: fullHashes, medium: medium, blockSize: blockSize, rank: rank}
+func newRefEncoder(form Encoding, fullHashes bool, medium, hostMedium string, blockSize, rank int) *refEncoder {
+	e := &refEncoder{form: form, fullHashes: fullHashes, medium: medium, hostMedium: hostMedium, blockSize: blockSize, rank: rank}
 	e.enc = msgpack.NewEncoder(&e.buf)
 	return e
 }
@@ -80,6 +81,10 @@ func (e *refEncoder) event(w *refWriter, ev *kvcache.KVEvent) {
 			w.do(w.enc.EncodeUint(BlockHash(*k)))
 		}
 	}
+	medium := e.medium
+	if ev.Medium == kvcache.MediumHost {
+		medium = e.hostMedium
+	}
 	hashes := func() {
 		w.do(w.enc.EncodeArrayLen(len(ev.Keys)))
 		for i := range ev.Keys {
@@ -111,7 +116,7 @@ func (e *refEncoder) event(w *refWriter, ev *kvcache.KVEvent) {
 		field("lora_id")
 		w.do(w.enc.EncodeNil())
 		field("medium")
-		w.do(w.enc.EncodeString(e.medium))
+		w.do(w.enc.EncodeString(medium))
 		field("lora_name")
 		if ev.Adapter == "" {
 			w.do(w.enc.EncodeNil())
@@ -133,7 +138,7 @@ func (e *refEncoder) event(w *refWriter, ev *kvcache.KVEvent) {
 		field("block_hashes")
 		hashes()
 		field("medium")
-		w.do(w.enc.EncodeString(e.medium))
+		w.do(w.enc.EncodeString(medium))
 	default:
 		head(1, TagAllBlocksCleared)
 	}
@@ -189,6 +194,7 @@ func randomEvents(r *rand.Rand, domains []string, n, maxKeys, blockSize int) []k
 			ev.Kind = kvcache.KVRemoved
 		}
 		ev.Domain = domains[r.IntN(len(domains))]
+		ev.Medium = kvcache.Medium(r.IntN(2)) // the device or the host tier
 		ev.Keys = make([]kvcache.BlockKey, 1+r.IntN(maxKeys))
 		for j := range ev.Keys {
 			ev.Keys[j] = randomKey(r)
@@ -224,8 +230,9 @@ func TestEncoderMatchesMsgpackLibrary(t *testing.T) {
 				rank, bs, medium := ranks[round%len(ranks)], blockSizes[round%len(blockSizes)], media[round%len(media)]
 				n := []int{0, 1, 2, 15, 16, 40}[round%6]
 				evs := randomEvents(r, domains[:len(domains)-1], n, 20, bs)
-				got := newEncoder(form, full, medium, bs, rank)
-				ref := newRefEncoder(form, full, medium, bs, rank)
+				host := media[(round+1)%len(media)]
+				got := newEncoder(form, full, medium, host, bs, rank)
+				ref := newRefEncoder(form, full, medium, host, bs, rank)
 				// twice with the same encoder: its cached domain entry must
 				// not leak from one batch into the next
 				for range 2 {
@@ -254,8 +261,8 @@ func TestEncoderMatchesMsgpackLibrary(t *testing.T) {
 			many[i].Kind = kvcache.KVCleared
 		}
 		for _, evs := range [][]kvcache.KVEvent{keys, domain, many} {
-			b := newEncoder(form, false, "GPU", 16, 0).batch(nil, ts, evs)
-			if want := newRefEncoder(form, false, "GPU", 16, 0).batch(t, ts, evs); !bytes.Equal(b, want) {
+			b := newEncoder(form, false, "GPU", "CPU", 16, 0).batch(nil, ts, evs)
+			if want := newRefEncoder(form, false, "GPU", "CPU", 16, 0).batch(t, ts, evs); !bytes.Equal(b, want) {
 				t.Fatalf("%v, %d events of %d keys: bytes differ", form, len(evs), len(evs[0].Keys))
 			}
 		}
@@ -267,7 +274,7 @@ func TestEncoderMatchesMsgpackLibrary(t *testing.T) {
 func TestEncoderAppendsWithoutAllocating(t *testing.T) {
 	r := rand.New(rand.NewPCG(17, 2))
 	evs := randomEvents(r, []string{"team", "tenant:acme"}, 32, 128, 16)
-	e := newEncoder(MapEvents, false, "GPU", 16, 0)
+	e := newEncoder(MapEvents, false, "GPU", "CPU", 16, 0)
 	buf := make([]byte, 0, e.batchBound(evs))
 	ts := time.Now()
 	e.batch(buf, ts, evs) // the domain entry's buffer grows once
@@ -309,7 +316,7 @@ func BenchmarkEncode(b *testing.B) {
 	evs := withTokens
 	ts := time.Now()
 	b.Run("own", func(b *testing.B) {
-		e := newEncoder(ArrayEvents, false, "GPU", 16, 0)
+		e := newEncoder(ArrayEvents, false, "GPU", "CPU", 16, 0)
 		buf := make([]byte, 0, e.batchBound(plain))
 		b.ReportAllocs()
 		for b.Loop() {
@@ -319,7 +326,7 @@ func BenchmarkEncode(b *testing.B) {
 		b.ReportMetric(float64(len(buf))/float64(len(plain)), "B/event")
 	})
 	b.Run("own/tokens", func(b *testing.B) {
-		e := newEncoder(ArrayEvents, false, "GPU", 16, 0)
+		e := newEncoder(ArrayEvents, false, "GPU", "CPU", 16, 0)
 		buf := make([]byte, 0, e.batchBound(evs))
 		b.ReportAllocs()
 		for b.Loop() {
@@ -329,7 +336,7 @@ func BenchmarkEncode(b *testing.B) {
 		b.ReportMetric(float64(len(buf))/float64(len(evs)), "B/event")
 	})
 	b.Run("msgpack", func(b *testing.B) {
-		ref := newRefEncoder(ArrayEvents, false, "GPU", 16, 0)
+		ref := newRefEncoder(ArrayEvents, false, "GPU", "CPU", 16, 0)
 		b.ReportAllocs()
 		for b.Loop() {
 			ref.batch(b, ts, evs)

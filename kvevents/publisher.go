@@ -45,8 +45,12 @@ type Config struct {
 	// list[int]); vLLM's own schema (bytes | int) and llm-d read it. Off
 	// by default; see the package doc.
 	FullHashes bool
-	// Medium is every event's medium; "" means "GPU".
-	Medium string
+	// Medium is the medium of events of pages on the pool's device; ""
+	// means "GPU". HostMedium is that of pages in its host tier
+	// (kvcache.HostTierConfig); "" means "CPU", as vLLM's offloading
+	// connector names host memory.
+	Medium     string
+	HostMedium string
 	// MaxBatchEvents bounds the pool events in one batch; 0 means 256. A
 	// batch holds what the pool emitted since the last one, up to this.
 	MaxBatchEvents int
@@ -220,7 +224,7 @@ func New(pool *kvcache.Pool, cfg Config) (*Publisher, error) {
 		cfg:     cfg,
 		pool:    pool,
 		events:  events,
-		enc:     newEncoder(cfg.Encoding, cfg.FullHashes, cfg.Medium, pool.TokensPerPage(), cfg.DataParallelRank),
+		enc:     newEncoder(cfg.Encoding, cfg.FullHashes, cfg.Medium, cfg.HostMedium, pool.TokensPerPage(), cfg.DataParallelRank),
 		curve:   newCurveServer(cfg.Curve),
 		log:     cfg.Logger,
 		stop:    make(chan struct{}),
@@ -284,6 +288,9 @@ func (c *Config) fill() error {
 	}
 	if c.Medium == "" {
 		c.Medium = "GPU"
+	}
+	if c.HostMedium == "" {
+		c.HostMedium = "CPU"
 	}
 	return nil
 }

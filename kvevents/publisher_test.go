@@ -123,6 +123,10 @@ type goSubscriber struct {
 	replay zmq4.Socket
 	next   uint64 // next sequence number expected
 	mirror mirror
+	// media: the pool has a host tier, whose pages a mirror of domains
+	// alone cannot follow (a page stored on two media, removed from one):
+	// only decode (the test mirrors media, tier_test.go).
+	media  bool
 	seen   []decodedBatch
 	gaps   int
 	missed uint64 // batches it saw gaps for: the publisher's drops for it
@@ -208,7 +212,9 @@ func (s *goSubscriber) replayFrom(start, upTo uint64) []uint64 {
 func (s *goSubscriber) apply(seq uint64, payload []byte) {
 	require.Equal(s.t, s.next, seq, "batches apply in order")
 	b := decodeBatch(s.t, payload)
-	s.mirror.apply(s.t, b)
+	if !s.media {
+		s.mirror.apply(s.t, b)
+	}
 	s.seen = append(s.seen, b)
 	s.next = seq + 1
 }

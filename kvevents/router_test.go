@@ -181,3 +181,70 @@ func subscribeRouter(t *testing.T, pub *kvevents.Publisher, idx *routerindex.Ind
 		}
 	}
 }
+
+// TestRouterIndexFollowsHostTier: a pod with a host tier, and a router
+// whose index keeps a pod's hold on a block per device tier, as llm-d's
+// does (PodEntry{pod, tier}, from each event's medium). When the pod's
+// device evicts a domain's prompt into its tier, the router still sends
+// the domain's requests there (the prefix is on the pod, in "cpu"); once
+// an admission onloads it, it is on both; another domain still finds
+// nothing; and when the tier evicts it too, the pod holds nothing of it.
+func TestRouterIndexFollowsHostTier(t *testing.T) {
+	idx := routerindex.New(geometry.TokensPerPage, "")
+	p, err := kvcache.New(kvcache.Config{
+		Geometry: geometry, Pages: 16, MaxContextTokens: 16 * geometry.TokensPerPage,
+		Tenants:  []kvcache.TenantConfig{{Name: "acme-1", Domain: "acme"}, {Name: "globex"}},
+		Prefix:   kvcache.PrefixConfig{EventBuffer: 1024, EventTokens: true},
+		HostTier: kvcache.HostTierConfig{Pages: 8},
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { p.Close() })
+	pub := publisher(t, p, kvevents.Config{Topic: "kv@pod-a@model"})
+	received := make(chan error, 1)
+	go func() { received <- subscribeRouter(t, pub, idx, false, kvevents.CurveKey{}, kvevents.CurveKey{}) }()
+	waitSubscribed(t, pub, 1)
+	sync := func() {
+		t.Helper()
+		waitPublished(t, p, pub)
+		waitIndexed(t, idx, pub)
+	}
+	hog := func() {
+		t.Helper()
+		l, err := p.TryAdmit(kvcache.Request{ID: "hog", Tenant: "globex", PromptTokens: 16 * geometry.TokensPerPage})
+		require.NoError(t, err)
+		require.NoError(t, l.Release())
+	}
+	prompt := tokens(5000, 6*geometry.TokensPerPage+1)
+	acme := idx.Keys(u32(prompt), "model", kvevents.CacheSalt("acme"))[:6]
+	publish(t, p, "a1", "acme-1", prompt, false)
+	sync()
+	assert.Equal(t, map[string]int{"pod-a": 6}, idx.Score(acme))
+	assert.Equal(t, map[string][]string{"pod-a": {"gpu"}}, idx.Tiers(acme[5]))
+
+	hog()
+	sync()
+	assert.Equal(t, map[string]int{"pod-a": 6}, idx.Score(acme), "the prefix is still on pod-a, in its tier")
+	assert.Equal(t, map[string][]string{"pod-a": {"cpu"}}, idx.Tiers(acme[5]))
+	assert.Empty(t, idx.Score(idx.Keys(u32(prompt), "model", kvevents.CacheSalt("tenant:globex"))), "another domain finds nothing")
+
+	l, err := p.TryAdmit(kvcache.Request{ID: "a2", Tenant: "acme-1", PromptTokens: len(prompt), TokenIDs: prompt})
+	require.NoError(t, err)
+	require.Equal(t, 6*geometry.TokensPerPage, l.HitTokens())
+	require.NoError(t, l.Release())
+	sync()
+	assert.Equal(t, map[string][]string{"pod-a": {"cpu", "gpu"}}, idx.Tiers(acme[5]), "onloaded: on both")
+
+	// globex's own prompts take the device and the tier.
+	publish(t, p, "g1", "globex", tokens(9000, 8*geometry.TokensPerPage), false)
+	hog()
+	publish(t, p, "g2", "globex", tokens(19000, 8*geometry.TokensPerPage), false)
+	hog()
+	sync()
+	assert.Empty(t, idx.Score(acme), "evicted from the tier too: pod-a holds none of it")
+	assert.Zero(t, idx.Stats().Unknown, "every removal names a block the router holds on that tier")
+	select {
+	case err := <-received:
+		require.NoError(t, err)
+	default:
+	}
+}

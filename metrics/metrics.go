@@ -40,6 +40,15 @@
 // domain="private" and only domains the operator named are kept apart.
 // Options.ConstLabels (model_name, engine, pool, ...) are added to every
 // series, as vLLM labels its own with model_name.
+//
+// # Host tier
+//
+// A pool with a host tier (kvcache.HostTierConfig) has the
+// kvfence_host_tier_* series: its slots by state, the pages and bytes
+// offloaded and onloaded, the copies' latency, failed copies, swaps by
+// outcome, and per sharing domain (summed as the prefix-cache series are)
+// the pages it holds there and the tokens admissions onloaded from it,
+// which vllm:prefix_cache_hits_total counts too.
 package metrics
 
 import (
@@ -73,6 +82,7 @@ const PrivateDomains = "private"
 type Collector struct {
 	pool *kvcache.Pool
 	opts Options
+	tier bool // the pool has a host tier
 	d    descs
 }
 
@@ -99,12 +109,17 @@ type descs struct {
 	pubSubscribers, pubDrops, pubDisconnects        *prometheus.Desc
 	pubRefusals                                     *prometheus.Desc
 	pubReplays, pubReplayed                         *prometheus.Desc
+	tierSlots, tierCapacity                         *prometheus.Desc
+	tierPages, tierBytes, tierCopySeconds           *prometheus.Desc
+	tierFailures, tierDropped, tierSwaps            *prometheus.Desc
+	tierEvicted, tierScrubbed, tierRetired          *prometheus.Desc
+	tierDomainPages, tierHits                       *prometheus.Desc
 }
 
 // NewCollector returns a collector over pool; register it with a
 // prometheus.Registerer.
 func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
-	c := &Collector{pool: pool, opts: opts}
+	c := &Collector{pool: pool, opts: opts, tier: pool.Stats().Tier.Enabled}
 	d := func(name, help string, labels ...string) *prometheus.Desc {
 		return prometheus.NewDesc(name, help, labels, opts.ConstLabels)
 	}
@@ -178,6 +193,25 @@ func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
 			"Peers and requests refused, by reason: auth (CURVE: wrong server key, client key not let in, a NULL peer, a message that does not open), handshake_timeout, oversized_frame, replay_out_of_range.", "reason"),
 		pubReplays:  d("kvfence_kv_event_replays_total", "Replay requests served."),
 		pubReplayed: d("kvfence_kv_event_replayed_batches_total", "Batches sent again by replays."),
+		tierSlots: d("kvfence_host_tier_slots",
+			"Slots of the host tier (one per-token page each) by state: free, cached, swapped (preempted requests' pages), in_flight (copies write or read them), quarantined, retired.", "state"),
+		tierCapacity: d("kvfence_host_tier_capacity_slots", "Slots of the host tier, all states."),
+		tierPages: d("kvfence_host_tier_pages_total",
+			"Pages copied by direction: offload (evicted device pages kept in the tier), onload (copied back into admissions' pages), swap_out, swap_in.", "direction"),
+		tierBytes: d("kvfence_host_tier_bytes_total", "Bytes copied into (offload) and out of (onload) the host tier by evictions and admissions.", "direction"),
+		tierCopySeconds: d("kvfence_host_tier_copy_duration_seconds",
+			"Time of each batch's copy into (offload) or out of (onload) the host tier.", "direction"),
+		tierFailures: d("kvfence_host_tier_copy_failures_total",
+			"Pages whose copy failed, by direction: offload (not kept), onload (the admission refused; swaps back included), swap_out (swaps of preemptions: swaps, not pages).", "direction"),
+		tierDropped: d("kvfence_host_tier_offloads_dropped_total",
+			"Evicted device pages the host tier had no room for (their domain at its share with nothing to evict, or everything else pinned or being written)."),
+		tierSwaps: d("kvfence_host_tier_swaps_total",
+			"Preemption swaps by outcome: out (swapped), full (no room: kept what the prefix cache holds), in (swapped back), evicted (evicted or dropped unused).", "outcome"),
+		tierEvicted:     d("kvfence_host_tier_evicted_slots_total", "Slots the host tier evicted."),
+		tierScrubbed:    d("kvfence_host_tier_scrubbed_slots_total", "Slots filled with the scrub policy on their way to the free list."),
+		tierRetired:     d("kvfence_host_tier_retired_slots_total", "Slots retired (a canary mismatch)."),
+		tierDomainPages: d("kvfence_host_tier_domain_pages", "Host-tier slots the sharing domain holds (cached pages and swaps).", "domain"),
+		tierHits:        d("kvfence_host_tier_hit_tokens_total", "Prompt tokens admissions onloaded from the host tier (also counted in vllm:prefix_cache_hits_total).", "domain"),
 	}
 	return c
 }
@@ -205,6 +239,12 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	if c.opts.Events != nil {
 		for _, x := range []*prometheus.Desc{d.pubBatches, d.pubEvents, d.pubLost, d.pubResyncs, d.pubSubscribers,
 			d.pubDrops, d.pubDisconnects, d.pubRefusals, d.pubReplays, d.pubReplayed} {
+			ch <- x
+		}
+	}
+	if c.tier {
+		for _, x := range []*prometheus.Desc{d.tierSlots, d.tierCapacity, d.tierPages, d.tierBytes, d.tierCopySeconds,
+			d.tierFailures, d.tierDropped, d.tierSwaps, d.tierEvicted, d.tierScrubbed, d.tierRetired, d.tierDomainPages, d.tierHits} {
 			ch <- x
 		}
 	}
@@ -287,6 +327,9 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- fillHistogram(d.fillSeconds, s.FillLatency)
 
 	c.collectPrefix(ch, s, gauge, counter)
+	if c.tier {
+		c.collectTier(ch, s, gauge, counter)
+	}
 	counter(d.events, s.Prefix.EventsSent, "sent")
 	counter(d.events, s.Prefix.EventsDropped, "dropped")
 
@@ -389,6 +432,56 @@ func (c *Collector) collectPrefix(ch chan<- prometheus.Metric, s kvcache.Stats,
 	}
 }
 
+// collectTier sends the host tier's series.
+func (c *Collector) collectTier(ch chan<- prometheus.Metric, s kvcache.Stats,
+	gauge func(*prometheus.Desc, float64, ...string), counter func(*prometheus.Desc, uint64, ...string)) {
+	d, t := &c.d, s.Tier
+	for _, st := range []struct {
+		name string
+		n    int
+	}{{"free", t.Free}, {"cached", t.Cached}, {"swapped", t.Swapped}, {"in_flight", t.InFlight},
+		{"quarantined", t.Quarantined}, {"retired", t.Retired}} {
+		gauge(d.tierSlots, float64(st.n), st.name)
+	}
+	gauge(d.tierCapacity, float64(t.Slots))
+	counter(d.tierPages, t.Offloads, "offload")
+	counter(d.tierPages, t.Onloads-t.SwapInPages, "onload")
+	counter(d.tierPages, t.SwapOutPages, "swap_out")
+	counter(d.tierPages, t.SwapInPages, "swap_in")
+	counter(d.tierBytes, t.OffloadBytes, "offload")
+	counter(d.tierBytes, t.OnloadBytes, "onload")
+	ch <- fillHistogram(d.tierCopySeconds, t.OffloadLatency, "offload")
+	ch <- fillHistogram(d.tierCopySeconds, t.OnloadLatency, "onload")
+	counter(d.tierFailures, t.OffloadsFailed, "offload")
+	counter(d.tierFailures, t.OnloadsFailed, "onload")
+	counter(d.tierFailures, t.SwapsFailed, "swap_out")
+	counter(d.tierDropped, t.OffloadsDropped)
+	counter(d.tierSwaps, t.SwapsOut, "out")
+	counter(d.tierSwaps, t.SwapsFull, "full")
+	counter(d.tierSwaps, t.SwapsIn, "in")
+	counter(d.tierSwaps, t.SwapsEvicted, "evicted")
+	counter(d.tierEvicted, t.EvictedSlots)
+	counter(d.tierScrubbed, t.ScrubbedSlots)
+	counter(d.tierRetired, t.RetiredSlots)
+	var order []string
+	pages, hits := map[string]int{}, map[string]uint64{}
+	for _, dom := range s.Prefix.Domains {
+		name := dom.Name
+		if !c.opts.TenantLabels && !dom.Shared {
+			name = PrivateDomains
+		}
+		if _, ok := hits[name]; !ok {
+			order = append(order, name)
+		}
+		pages[name] += dom.TierPages
+		hits[name] += dom.TierHitTokens
+	}
+	for _, name := range order {
+		gauge(d.tierDomainPages, float64(pages[name]), name)
+		counter(d.tierHits, hits[name], name)
+	}
+}
+
 func boolGauge(b bool) float64 {
 	if b {
 		return 1
@@ -398,7 +491,7 @@ func boolGauge(b bool) float64 {
 
 // fillHistogram turns kvcache.FillLatency into a Prometheus histogram
 // (cumulative buckets, in seconds).
-func fillHistogram(desc *prometheus.Desc, h kvcache.FillLatency) prometheus.Metric {
+func fillHistogram(desc *prometheus.Desc, h kvcache.FillLatency, labels ...string) prometheus.Metric {
 	bounds := kvcache.FillLatencyBounds()
 	buckets := make(map[float64]uint64, len(bounds))
 	var cum uint64
@@ -406,5 +499,5 @@ func fillHistogram(desc *prometheus.Desc, h kvcache.FillLatency) prometheus.Metr
 		cum += h.Buckets[i]
 		buckets[bound.Seconds()] = cum
 	}
-	return prometheus.MustNewConstHistogram(desc, h.Count, h.Sum.Seconds(), buckets)
+	return prometheus.MustNewConstHistogram(desc, h.Count, h.Sum.Seconds(), buckets, labels...)
 }

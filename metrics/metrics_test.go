@@ -525,3 +525,81 @@ kvfence_state_checkpoints_evicted_total 0
 	require.NoError(t, err)
 	assert.Zero(t, n)
 }
+
+// TestCollectorReportsHostTier: a pool with a host tier has the
+// kvfence_host_tier_* series, and they say what its Stats say: slots by
+// state (adding up to its capacity), pages offloaded and onloaded, the
+// copies' latency, and per domain the pages held there and the tokens
+// onloaded, which the prefix-cache hits count too. A pool without one has
+// none of them.
+func TestCollectorReportsHostTier(t *testing.T) {
+	p, err := kvcache.New(kvcache.Config{Geometry: geometry, Pages: 16, MaxContextTokens: 64,
+		Tenants:  []kvcache.TenantConfig{{Name: "a", Domain: "team"}, {Name: "b"}},
+		HostTier: kvcache.HostTierConfig{Pages: 8}})
+	require.NoError(t, err)
+	defer p.Close()
+	toks := tokens(0, 17)
+	l, err := p.TryAdmit(kvcache.Request{ID: "a1", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks})
+	require.NoError(t, err)
+	require.NoError(t, l.Commit(len(toks)))
+	_, err = l.CachePrefix(len(toks))
+	require.NoError(t, err)
+	require.NoError(t, l.Release())
+	hog, err := p.TryAdmit(kvcache.Request{ID: "hog", Tenant: "b", PromptTokens: 64})
+	require.NoError(t, err)
+	require.NoError(t, hog.Release())
+	l, err = p.TryAdmit(kvcache.Request{ID: "a2", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks})
+	require.NoError(t, err)
+	require.Equal(t, 16, l.HitTokens())
+	require.NoError(t, l.Release())
+
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(p, metrics.Options{})))
+	mfs, err := reg.Gather()
+	require.NoError(t, err)
+	got := map[string]float64{}
+	hist := map[string]uint64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			name := mf.GetName()
+			for _, lp := range m.GetLabel() {
+				name += "/" + lp.GetValue()
+			}
+			switch {
+			case m.GetGauge() != nil:
+				got[name] = m.GetGauge().GetValue()
+			case m.GetCounter() != nil:
+				got[name] = m.GetCounter().GetValue()
+			case m.GetHistogram() != nil:
+				hist[name] = m.GetHistogram().GetSampleCount()
+			}
+		}
+	}
+	s := p.Stats().Tier
+	assert.Equal(t, 8.0, got["kvfence_host_tier_capacity_slots"])
+	sum := 0.0
+	for _, st := range []string{"free", "cached", "swapped", "in_flight", "quarantined", "retired"} {
+		sum += got["kvfence_host_tier_slots/"+st]
+	}
+	assert.Equal(t, 8.0, sum, "the slots add up")
+	assert.Equal(t, 4.0, got["kvfence_host_tier_slots/cached"])
+	assert.Equal(t, 4.0, got["kvfence_host_tier_pages_total/offload"])
+	assert.Equal(t, 4.0, got["kvfence_host_tier_pages_total/onload"])
+	assert.Equal(t, float64(s.OffloadBytes), got["kvfence_host_tier_bytes_total/offload"])
+	assert.Equal(t, uint64(1), hist["kvfence_host_tier_copy_duration_seconds/offload"])
+	assert.Equal(t, uint64(1), hist["kvfence_host_tier_copy_duration_seconds/onload"])
+	assert.Equal(t, 4.0, got["kvfence_host_tier_domain_pages/team"])
+	assert.Equal(t, 16.0, got["kvfence_host_tier_hit_tokens_total/team"])
+	assert.Equal(t, 16.0, got["vllm:prefix_cache_hits_total/team"], "tier hits are prefix-cache hits")
+	assert.Zero(t, got["kvfence_host_tier_domain_pages/private"])
+
+	one, err := kvcache.New(kvcache.Config{Geometry: geometry, Pages: 8, MaxContextTokens: 32,
+		Tenants: []kvcache.TenantConfig{{Name: "a"}}})
+	require.NoError(t, err)
+	defer one.Close()
+	reg = prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(one, metrics.Options{})))
+	n, err := testutil.GatherAndCount(reg, "kvfence_host_tier_slots", "kvfence_host_tier_pages_total")
+	require.NoError(t, err)
+	assert.Zero(t, n)
+}

@@ -16,14 +16,18 @@
 // equal prompts differ by domain. The model name is the event's lora_name
 // when it has one, the topic's model ("kv@POD@MODEL") otherwise.
 //
-// A BlockStored event adds its pod to each of its blocks' request keys and
-// maps each engine block hash to its request key; the parent's request key
-// is looked up by the parent's engine hash, so a continuation whose parent
-// was never indexed is skipped, as is an event without token_ids.
-// BlockRemoved looks each engine hash up and removes the pod from its
-// request key; AllBlocksCleared removes the pod everywhere. A request is
-// scored by deriving its request keys from its tokens, model and salt and
-// counting, per pod, the leading blocks the pod holds.
+// A BlockStored event adds its pod, on the event's device tier (its
+// medium, lower-cased: "gpu", or "cpu" for a host tier; "gpu" when it has
+// none), to each of its blocks' request keys and maps each engine block
+// hash to its request key, as llm-d's PodEntry{pod, tier} does; the
+// parent's request key is looked up by the parent's engine hash, so a
+// continuation whose parent was never indexed is skipped, as is an event
+// without token_ids. BlockRemoved looks each engine hash up and removes
+// the pod's entry of the event's tier from its request key (a block a
+// pod holds on two tiers stays on the other); AllBlocksCleared removes
+// the pod everywhere. A request is scored by deriving its request keys
+// from its tokens, model and salt and counting, per pod, the leading
+// blocks the pod holds on any tier.
 package routerindex
 
 import (
@@ -32,6 +36,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math"
+	"slices"
 	"strings"
 	"sync"
 
@@ -44,8 +49,8 @@ type Index struct {
 	initHash  uint64
 
 	mu       sync.Mutex
-	requests map[uint64]map[string]bool // request key -> pods holding it
-	engine   map[uint64]uint64          // engine block hash -> request key
+	requests map[uint64]map[podTier]bool // request key -> pods holding it, by tier
+	engine   map[uint64]uint64           // engine block hash -> request key
 	stats    Stats
 }
 
@@ -62,13 +67,24 @@ type Stats struct {
 	Cleared          uint64
 }
 
+// podTier is a pod's hold on a block on one device tier.
+type podTier struct{ pod, tier string }
+
+// tierOf is the device tier an event's medium names, as llm-d reads it.
+func tierOf(medium any) string {
+	if m, ok := medium.(string); ok && m != "" {
+		return strings.ToLower(m)
+	}
+	return "gpu"
+}
+
 // New returns an empty index for blocks of blockSize tokens, with the
 // hash seed the router shares with its engines ("" for none).
 func New(blockSize int, seed string) *Index {
 	h := fnv.New64a()
 	h.Write([]byte(seed))
 	return &Index{blockSize: blockSize, initHash: h.Sum64(),
-		requests: map[uint64]map[string]bool{}, engine: map[uint64]uint64{}}
+		requests: map[uint64]map[podTier]bool{}, engine: map[uint64]uint64{}}
 }
 
 // Stats returns the index's running totals.
@@ -178,14 +194,15 @@ func (x *Index) storedLocked(pod, model string, f []any) error {
 		x.stats.Skipped += uint64(len(hashes)) // no tokens: nothing to derive keys from
 		return nil
 	}
+	tier := tierOf(at(f, 6))
 	for i, h := range hashes {
 		x.engine[h] = keys[i]
 		pods := x.requests[keys[i]]
 		if pods == nil {
-			pods = map[string]bool{}
+			pods = map[podTier]bool{}
 			x.requests[keys[i]] = pods
 		}
-		pods[pod] = true
+		pods[podTier{pod, tier}] = true
 		x.stats.Indexed++
 	}
 	return nil
@@ -199,13 +216,14 @@ func (x *Index) removedLocked(pod string, f []any) error {
 	if err != nil {
 		return fmt.Errorf("routerindex: block_hashes: %w", err)
 	}
+	held := podTier{pod, tierOf(at(f, 2))}
 	for _, h := range hashes {
 		rk, ok := x.engine[h]
-		if !ok || !x.requests[rk][pod] {
+		if !ok || !x.requests[rk][held] {
 			x.stats.Unknown++
 			continue
 		}
-		delete(x.requests[rk], pod)
+		delete(x.requests[rk], held)
 		if len(x.requests[rk]) == 0 {
 			delete(x.requests, rk)
 			delete(x.engine, h)
@@ -217,12 +235,31 @@ func (x *Index) removedLocked(pod string, f []any) error {
 
 func (x *Index) clearLocked(pod string) {
 	for rk, pods := range x.requests {
-		delete(pods, pod)
+		for held := range pods {
+			if held.pod == pod {
+				delete(pods, held)
+			}
+		}
 		if len(pods) == 0 {
 			delete(x.requests, rk)
 		}
 	}
 	x.stats.Cleared++
+}
+
+// Tiers returns, for each pod holding request key k, the device tiers it
+// holds it on.
+func (x *Index) Tiers(k uint64) map[string][]string {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	out := map[string][]string{}
+	for held := range x.requests[k] {
+		out[held.pod] = append(out[held.pod], held.tier)
+	}
+	for _, tiers := range out {
+		slices.Sort(tiers)
+	}
+	return out
 }
 
 // Keys returns the request keys of tokens' full blocks under model, with
@@ -244,15 +281,18 @@ func (x *Index) Score(keys []uint64) map[string]int {
 	defer x.mu.Unlock()
 	scores := map[string]int{}
 	for i, k := range keys {
-		pods := x.requests[k]
+		held := map[string]bool{}
+		for h := range x.requests[k] {
+			held[h.pod] = true
+		}
 		if i == 0 {
-			for pod := range pods {
+			for pod := range held {
 				scores[pod] = 1
 			}
 			continue
 		}
 		for pod, n := range scores {
-			if n == i && pods[pod] {
+			if n == i && held[pod] {
 				scores[pod]++
 			}
 		}
