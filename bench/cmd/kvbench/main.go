@@ -84,6 +84,7 @@ type options struct {
 	watermark                    float64
 	budget                       string
 	poolPages                    []int
+	tierPages                    []int // host-tier sizes to compare; 0: none
 	maxContext, maxBatch         int
 	geometry                     kvcache.Geometry
 	reportGeometry               *kvcache.Geometry
@@ -121,6 +122,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.budget, "budget", kvsim.BudgetTrace, "output budget of each request: trace (its max_new; an imported trace's output length) or window (the rest of the context window, as for a client that sends no max_tokens)")
 	pools := fs.String("pool-pages", "8192", "pool sizes in pages to compare, comma-separated")
 	poolTokens := fs.String("pool-tokens", "", "pool sizes in tokens instead of -pool-pages, comma-separated, with an optional k, M, G (powers of 1000) or Ki, Mi, Gi suffix (e.g. 1M,3M,10M,50M); rounded up to whole pages")
+	tierTokens := fs.String("host-tier-tokens", "0", "host-tier sizes in tokens to compare, comma-separated, suffixes as -pool-tokens (0: no tier): each pool size runs with each; "+
+		"cached pages the device evicts are kept in the tier and copied back into admissions whose prefix continues there")
 	fs.IntVar(&o.maxContext, "max-context", 262144, "engine context window in tokens")
 	fs.IntVar(&o.geometry.TokensPerPage, "page-tokens", 16, "tokens per page")
 	fs.IntVar(&o.geometry.Layers, "layers", 4, "model layers (regions = 2 × layers)")
@@ -226,6 +229,25 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 				return nil, badFlag("pool-pages", "%q is not a positive page count", s)
 			}
 			o.poolPages = append(o.poolPages, n)
+		}
+	}
+	for _, s := range strings.Split(*tierTokens, ",") {
+		var n int64
+		if strings.TrimSpace(s) != "0" {
+			var err error
+			if n, err = parseTokens(s); err != nil {
+				return nil, badFlag("host-tier-tokens", "%v (or 0 for none)", err)
+			}
+		}
+		pages := (n + int64(o.geometry.TokensPerPage) - 1) / int64(o.geometry.TokensPerPage)
+		if pages > math.MaxInt32 {
+			return nil, badFlag("host-tier-tokens", "%q is %d pages of %d tokens, more than a tier holds", s, pages, o.geometry.TokensPerPage)
+		}
+		if pages > 0 && !o.prefixCache {
+			return nil, badFlag("host-tier-tokens", "the host tier keeps the prefix cache's pages, which -prefix-cache off turns off")
+		}
+		if !slices.Contains(o.tierPages, int(pages)) {
+			o.tierPages = append(o.tierPages, int(pages))
 		}
 	}
 	if *model != "" {
@@ -526,9 +548,13 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	if o.prefixCache {
 		cacheState = "on"
 	}
-	fmt.Fprintf(stdout, "kvbench: %d requests, %v of serving, policies %s, pools of %v pages (up to %s of host memory), prefix cache %s, domains %s, sizing %s, %s budgets\n",
-		len(tr.Requests), o.duration, strings.Join(o.policies, ","), o.poolPages,
-		kvsim.FormatBytes(float64(int64(maxPool)*o.geometry.PageBytes())), cacheState, strings.Join(o.domains, ","),
+	maxTier, tiers := slices.Max(o.tierPages), ""
+	if maxTier > 0 {
+		tiers = fmt.Sprintf(", host tiers of %v pages", o.tierPages)
+	}
+	fmt.Fprintf(stdout, "kvbench: %d requests, %v of serving, policies %s, pools of %v pages%s (up to %s of host memory), prefix cache %s, domains %s, sizing %s, %s budgets\n",
+		len(tr.Requests), o.duration, strings.Join(o.policies, ","), o.poolPages, tiers,
+		kvsim.FormatBytes(float64(int64(maxPool+maxTier)*o.geometry.PageBytes())), cacheState, strings.Join(o.domains, ","),
 		strings.Join(o.sizings, ","), o.budget)
 
 	rep := &kvsim.Report{Tool: "kvbench", Version: kvsim.ReportVersion, Started: time.Now().UTC(), Args: args,
@@ -555,7 +581,7 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	}
 
 	steps := int64((o.duration + o.step - 1) / o.step)
-	runs := len(o.policies) * len(o.poolPages) * len(o.domains) * len(o.sizings)
+	runs := len(o.policies) * len(o.poolPages) * len(o.tierPages) * len(o.domains) * len(o.sizings)
 	var bar *progressbar.ProgressBar
 	var lines *progressLines
 	switch {
@@ -569,38 +595,43 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	}
 	var auditErr error
 	for _, pages := range o.poolPages {
-		for _, domains := range o.domains {
-			for _, sizing := range o.sizings {
-				for _, policy := range o.policies {
-					cfg := kvsim.RunConfig{Geometry: o.geometry, ReportGeometry: o.reportGeometry, ReportModel: o.reportModel, PoolPages: pages, MaxContext: o.maxContext,
-						Policy: policy, Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
-						Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open, PrefixCache: o.prefixCache,
-						Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens, Sizing: sizing}
-					if sizing == kvsim.SizingOnDemand {
-						cfg.HeadroomTokens, cfg.GrowthWatermark = o.headroom, o.watermark
+		for _, tier := range o.tierPages {
+			for _, domains := range o.domains {
+				for _, sizing := range o.sizings {
+					for _, policy := range o.policies {
+						cfg := kvsim.RunConfig{Geometry: o.geometry, ReportGeometry: o.reportGeometry, ReportModel: o.reportModel, PoolPages: pages, MaxContext: o.maxContext,
+							Policy: policy, Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
+							Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open, PrefixCache: o.prefixCache,
+							Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens, Sizing: sizing, HostTierPages: tier}
+						if sizing == kvsim.SizingOnDemand {
+							cfg.HeadroomTokens, cfg.GrowthWatermark = o.headroom, o.watermark
+						}
+						label := fmt.Sprintf("%s/%dp/%s", policy, pages, domains)
+						if tier > 0 {
+							label = fmt.Sprintf("%s/%dp+%dt/%s", policy, pages, tier, domains)
+						}
+						if len(o.sizings) > 1 {
+							label += "/" + sizing
+						}
+						switch {
+						case bar != nil:
+							bar.Describe(label)
+							cfg.Progress = func(kvsim.Progress) { _ = bar.Add(1) }
+						case lines != nil:
+							lines.run++
+							lines.label = label
+							cfg.Progress = lines.update
+						}
+						res, err := kvsim.Run(tr, cfg)
+						switch {
+						case errors.Is(err, kvsim.ErrAuditFailed) && res != nil:
+							auditErr = errors.Join(auditErr, err)
+						case err != nil:
+							return fmt.Errorf("policy %s, pool of %d pages, host tier of %d, %s domains, %s sizing: %w", policy, pages, tier, domains, sizing, err)
+						}
+						rep.Runs = append(rep.Runs, res)
+						debug.FreeOSMemory() // the next pool allocates afresh
 					}
-					label := fmt.Sprintf("%s/%dp/%s", policy, pages, domains)
-					if len(o.sizings) > 1 {
-						label += "/" + sizing
-					}
-					switch {
-					case bar != nil:
-						bar.Describe(label)
-						cfg.Progress = func(kvsim.Progress) { _ = bar.Add(1) }
-					case lines != nil:
-						lines.run++
-						lines.label = label
-						cfg.Progress = lines.update
-					}
-					res, err := kvsim.Run(tr, cfg)
-					switch {
-					case errors.Is(err, kvsim.ErrAuditFailed) && res != nil:
-						auditErr = errors.Join(auditErr, err)
-					case err != nil:
-						return fmt.Errorf("policy %s, pool of %d pages, %s domains, %s sizing: %w", policy, pages, domains, sizing, err)
-					}
-					rep.Runs = append(rep.Runs, res)
-					debug.FreeOSMemory() // the next pool allocates afresh
 				}
 			}
 		}

@@ -325,6 +325,8 @@ func TestBadInput(t *testing.T) {
 			[]string{"declares its own tenants"}},
 		{"bad pool tokens", []string{"-pool-tokens", "3M,lots"}, []string{"flag -pool-tokens", `"lots"`}},
 		{"pool tokens and pages", []string{"-pool-tokens", "3M", "-pool-pages", "64"}, []string{"flag -pool-tokens", "not both"}},
+		{"bad tier tokens", []string{"-host-tier-tokens", "0,lots"}, []string{"flag -host-tier-tokens", `"lots"`}},
+		{"tier without cache", []string{"-host-tier-tokens", "1M", "-prefix-cache", "off"}, []string{"flag -host-tier-tokens", "-prefix-cache off"}},
 		{"report geometry not key=value", []string{"-report-geometry", "llama"}, []string{"flag -report-geometry", "not key=value"}},
 		{"report geometry key missing", []string{"-report-geometry", "layers=32,kv-heads=8,head-dim=128"}, []string{"flag -report-geometry", "dtype missing"}},
 		{"report geometry unknown key", []string{"-report-geometry", "layers=32,heads=8"}, []string{"flag -report-geometry", `unknown key "heads"`}},
@@ -600,7 +602,7 @@ func TestHelp(t *testing.T) {
 	code, _, stderr := runKvbench(t, "-help")
 	assert.Equal(t, 0, code)
 	for _, want := range []string{"Usage: kvbench", "-policies", "Exit status", "Trace format (JSONL)", "abort_after", "-prefix-cache", "-domains", "prefix_id",
-		"block_tokens", "Imported traces", "hash_ids", "ContextTokens", "-trace-tenants", "-report-geometry", "-pool-tokens", "-progress-interval"} {
+		"block_tokens", "Imported traces", "hash_ids", "ContextTokens", "-trace-tenants", "-report-geometry", "-pool-tokens", "-progress-interval", "-host-tier-tokens"} {
 		assert.Contains(t, stderr, want)
 	}
 }

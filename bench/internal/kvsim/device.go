@@ -1,6 +1,7 @@
 package kvsim
 
 import (
+	"fmt"
 	"math/bits"
 	"sync"
 	"time"
@@ -21,6 +22,56 @@ type unsafeNoScrubDevice struct{ cudaops.Device }
 func UnsafeNoScrub(dev cudaops.Device) cudaops.Device { return unsafeNoScrubDevice{dev} }
 
 func (d unsafeNoScrubDevice) Name() string { return d.Device.Name() + " (UNSAFE: fills skipped)" }
+
+// The wrappers pass a host tier's copies (cudaops.HostCopier) through to
+// the device they wrap: a pool with a tier needs them.
+
+func (d unsafeNoScrubDevice) AllocHost(n int64) ([]byte, error) { return allocHost(d.Device, n) }
+func (d unsafeNoScrubDevice) FreeHost(b []byte) error           { return freeHost(d.Device, b) }
+func (d unsafeNoScrubDevice) CopyToHost(c cudaops.HostCopy, after cudaops.Ordering) error {
+	return copyToHost(d.Device, c, after)
+}
+func (d unsafeNoScrubDevice) CopyFromHost(c cudaops.HostCopy) error { return copyFromHost(d.Device, c) }
+
+func (d *meteredDevice) AllocHost(n int64) ([]byte, error) { return allocHost(d.Device, n) }
+func (d *meteredDevice) FreeHost(b []byte) error           { return freeHost(d.Device, b) }
+func (d *meteredDevice) CopyToHost(c cudaops.HostCopy, after cudaops.Ordering) error {
+	return copyToHost(d.Device, c, after)
+}
+func (d *meteredDevice) CopyFromHost(c cudaops.HostCopy) error { return copyFromHost(d.Device, c) }
+
+// errNoHostCopy is a wrapped device's lack of host copies.
+func errNoHostCopy(d cudaops.Device) error {
+	return fmt.Errorf("%w: %s cannot copy pages to host memory", cudaops.ErrInvalidArgument, d.Name())
+}
+
+func allocHost(d cudaops.Device, n int64) ([]byte, error) {
+	if hc, ok := d.(cudaops.HostCopier); ok {
+		return hc.AllocHost(n)
+	}
+	return nil, errNoHostCopy(d)
+}
+
+func freeHost(d cudaops.Device, b []byte) error {
+	if hc, ok := d.(cudaops.HostCopier); ok {
+		return hc.FreeHost(b)
+	}
+	return errNoHostCopy(d)
+}
+
+func copyToHost(d cudaops.Device, c cudaops.HostCopy, after cudaops.Ordering) error {
+	if hc, ok := d.(cudaops.HostCopier); ok {
+		return hc.CopyToHost(c, after)
+	}
+	return errNoHostCopy(d)
+}
+
+func copyFromHost(d cudaops.Device, c cudaops.HostCopy) error {
+	if hc, ok := d.(cudaops.HostCopier); ok {
+		return hc.CopyFromHost(c)
+	}
+	return errNoHostCopy(d)
+}
 
 func (d unsafeNoScrubDevice) Fill(pages []int32, _ cudaops.FillSpec, _ cudaops.Ordering) (cudaops.Fence, error) {
 	if err := cudaops.CheckPages(d.Regions(), pages); err != nil {

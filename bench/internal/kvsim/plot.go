@@ -32,13 +32,14 @@ var PlotFiles = []string{HitRatePlot, QueuePlot, UtilisationPlot, LatencyCDFPlot
 
 // Variety says what differs between the runs of a report besides the
 // policy, so that labels name it.
-type Variety struct{ Pools, Domains, Sizings bool }
+type Variety struct{ Pools, Tiers, Domains, Sizings bool }
 
 // VarietyOf looks at runs.
 func VarietyOf(runs []*RunResult) Variety {
 	var v Variety
 	for _, r := range runs {
 		v.Pools = v.Pools || r.PoolPages != runs[0].PoolPages
+		v.Tiers = v.Tiers || r.HostTierPages != runs[0].HostTierPages
 		v.Domains = v.Domains || r.Domains != runs[0].Domains
 		v.Sizings = v.Sizings || r.Sizing != runs[0].Sizing
 	}
@@ -50,6 +51,9 @@ func RunLabel(r *RunResult, v Variety) string {
 	label := r.Policy
 	if v.Pools {
 		label += fmt.Sprintf("/%dp", r.PoolPages)
+	}
+	if v.Tiers {
+		label += fmt.Sprintf("+%dt", r.HostTierPages) // host-tier pages
 	}
 	if v.Domains {
 		label += "/" + r.Domains

@@ -210,7 +210,7 @@ func CompareDomains(runs []*RunResult) []DomainComparison {
 			continue
 		}
 		for _, sh := range runs {
-			if sh.Domains == DomainsShared && sh.PoolPages == pt.PoolPages && sh.Policy == pt.Policy && sh.Sizing == pt.Sizing {
+			if sh.Domains == DomainsShared && sh.PoolPages == pt.PoolPages && sh.HostTierPages == pt.HostTierPages && sh.Policy == pt.Policy && sh.Sizing == pt.Sizing {
 				c := DomainComparison{PoolPages: pt.PoolPages, Policy: pt.Policy, Sizing: pt.Sizing, PerTenant: figuresOf(pt), Shared: figuresOf(sh)}
 				c.PrefillAvoidedRatio = ratio(float64(sh.Prefix.PrefillBytesAvoided), float64(pt.Prefix.PrefillBytesAvoided))
 				out = append(out, c)
@@ -264,7 +264,7 @@ func CompareSizings(runs []*RunResult) []SizingComparison {
 			continue
 		}
 		for _, od := range runs {
-			if od.Sizing == SizingOnDemand && od.PoolPages == f.PoolPages && od.Domains == f.Domains && od.Policy == f.Policy {
+			if od.Sizing == SizingOnDemand && od.PoolPages == f.PoolPages && od.HostTierPages == f.HostTierPages && od.Domains == f.Domains && od.Policy == f.Policy {
 				out = append(out, SizingComparison{PoolPages: f.PoolPages, Domains: f.Domains, Policy: f.Policy,
 					Full: sizingFiguresOf(f), OnDemand: sizingFiguresOf(od), ConcurrencyRatio: ratio(od.Concurrency.Mean, f.Concurrency.Mean)})
 				break
@@ -349,6 +349,34 @@ func (r *Report) writePrefixTable(w io.Writer, many Variety) {
 			FormatBytes(float64(c.Shared.PrefillBytesAvoided)), FormatBytes(float64(c.PerTenant.PrefillBytesAvoided)),
 			c.PrefillAvoidedRatio, c.Shared.Domains, c.PerTenant.Domains, fmtSeconds(c.Shared.TTFTP99), fmtSeconds(c.PerTenant.TTFTP99))
 	}
+}
+
+// writeTierTable prints what the host tier did, for the runs that had
+// one.
+func (r *Report) writeTierTable(w io.Writer, many Variety) {
+	has := false
+	for _, run := range r.Runs {
+		has = has || run.Tier != nil
+	}
+	if !has {
+		return
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "host tier (offloaded: cached pages the device evicted, copied into the tier; onloaded: copied back into "+
+		"admissions' pages, hits counted in the prefix cache's hit rate; tier hits: of those, first admissions' and re-admissions'):")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "run\ttier tokens\thit rate\toffloaded\tdropped\tonloaded\ttier hits\tevicted\tcached at end\toffload time\tonload time\t")
+	for _, run := range r.Runs {
+		t := run.Tier
+		if t == nil {
+			continue
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%d (%s)\t%d\t%d (%s)\t%d\t%d\t%d\t%s\t%s\t\n", RunLabel(run, many), run.HostTierTokens,
+			fmtHitRate(run.Prefix.HitRate, run.Prefix.LookupPages), t.OffloadedPages, FormatBytes(float64(t.OffloadedBytes)), t.OffloadsDropped,
+			t.OnloadedPages, FormatBytes(float64(t.OnloadedBytes)), t.TierHitPages, t.EvictedSlots, t.CachedAtEnd,
+			fmtSeconds(t.OffloadSeconds), fmtSeconds(t.OnloadSeconds))
+	}
+	tw.Flush()
 }
 
 // fmtHitRate prints a hit rate, or "-" when nothing was looked up (no
@@ -527,6 +555,7 @@ func (r *Report) WriteTable(w io.Writer) {
 		}
 	}
 	r.writePrefixTable(w, many)
+	r.writeTierTable(w, many)
 	r.writeSizingTable(w, many)
 	if r.DeviceBandwidth == 0 {
 		fmt.Fprintln(w, "GPU estimate: pass -device-bandwidth (e.g. 4TB/s) to estimate device fill time per second of serving")

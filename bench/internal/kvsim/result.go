@@ -17,10 +17,15 @@ type RunResult struct {
 	PoolTokens int    `json:"pool_tokens"`
 	// PoolBytes is the pool at the report geometry (RunConfig.ReportGeometry,
 	// else the pool's own); HostPoolBytes what was allocated.
-	PoolBytes         int64  `json:"pool_bytes"`
-	HostPoolBytes     int64  `json:"host_pool_bytes"`
-	Domains           string `json:"domains"` // DomainsPerTenant or DomainsShared
-	KVWritesSimulated bool   `json:"kv_writes_simulated"`
+	PoolBytes     int64  `json:"pool_bytes"`
+	HostPoolBytes int64  `json:"host_pool_bytes"`
+	Domains       string `json:"domains"` // DomainsPerTenant or DomainsShared
+	// HostTierPages and HostTierTokens size the pool's host tier (0: none);
+	// Tier is what it did.
+	HostTierPages     int         `json:"host_tier_pages"`
+	HostTierTokens    int         `json:"host_tier_tokens"`
+	Tier              *TierResult `json:"tier,omitempty"`
+	KVWritesSimulated bool        `json:"kv_writes_simulated"`
 	// Sizing is SizingFull or SizingOnDemand; HeadroomTokens and
 	// GrowthWatermark are on-demand's (0 under full sizing).
 	Sizing          string  `json:"sizing"`
@@ -145,6 +150,23 @@ type GrowthResult struct {
 	// hashing the computed tokens into page keys).
 	GrowSeconds    float64 `json:"grow_seconds"`
 	PreemptSeconds float64 `json:"preempt_seconds"`
+}
+
+// TierResult is what a run's host tier did (the pool's TierStats): pages
+// copied into it by evictions and back by admissions (which the prefix
+// figures count as hits, TierHitPages of them), in report bytes, and
+// the time the copies took.
+type TierResult struct {
+	OffloadedPages  uint64  `json:"offloaded_pages"`
+	OffloadedBytes  uint64  `json:"offloaded_bytes"`
+	OffloadsDropped uint64  `json:"offloads_dropped"`
+	OnloadedPages   uint64  `json:"onloaded_pages"`
+	OnloadedBytes   uint64  `json:"onloaded_bytes"`
+	TierHitPages    uint64  `json:"tier_hit_pages"`
+	EvictedSlots    uint64  `json:"evicted_slots"`
+	CachedAtEnd     int     `json:"cached_at_end"`
+	OffloadSeconds  float64 `json:"offload_seconds"`
+	OnloadSeconds   float64 `json:"onload_seconds"`
 }
 
 // UtilSample is the pool at one virtual instant, as fractions of its pages.
@@ -329,7 +351,7 @@ func CompareWithBaseline(runs []*RunResult, deviceBandwidth float64) {
 			continue
 		}
 		for _, b := range runs {
-			if b.Unsafe && b.PoolPages == r.PoolPages && b.Domains == r.Domains && b.Sizing == r.Sizing {
+			if b.Unsafe && b.PoolPages == r.PoolPages && b.HostTierPages == r.HostTierPages && b.Domains == r.Domains && b.Sizing == r.Sizing {
 				r.VsBaseline = &Ratios{
 					RunTime:         ratio(r.ServingCPUSeconds, b.ServingCPUSeconds),
 					AdmitP50:        ratio(float64(r.AdmitLatency.P50), float64(b.AdmitLatency.P50)),

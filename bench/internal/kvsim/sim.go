@@ -127,6 +127,12 @@ type RunConfig struct {
 	// preset, kvcache.Preset) whose per-token bytes the result reports:
 	// its per-token group's bytes per token, whatever its own page size.
 	ReportModel *kvcache.CacheSpec
+	// HostTierPages gives the pool a host tier of that many pages
+	// (kvcache.HostTierConfig): cached pages the device evicts are kept
+	// there and copied back into admissions whose prefix continues there,
+	// which counts as hits. 0: none. Preemptions do not swap to it (the
+	// simulated engine resumes a request by its page keys alone).
+	HostTierPages int
 	// OpenDevice returns the device for one run's pool; nil means a new
 	// Host. The run closes it.
 	OpenDevice func() (cudaops.Device, error)
@@ -281,6 +287,7 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		AllowUndersizedPool: true, Tenants: tenants, Scrub: policy, Device: metered,
 		Prefix: kvcache.PrefixConfig{Disable: !cfg.PrefixCache},
 		Sizing: sizing, GrowthWatermark: cfg.GrowthWatermark,
+		HostTier: kvcache.HostTierConfig{Pages: cfg.HostTierPages, NoSwap: true},
 	})
 	if err != nil {
 		return nil, err
@@ -291,6 +298,7 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		res: &RunResult{Policy: cfg.Policy, Unsafe: unsafe, Device: metered.Name(), PoolPages: cfg.PoolPages,
 			PoolTokens: cfg.PoolPages * cfg.Geometry.TokensPerPage, HostPoolBytes: int64(cfg.PoolPages) * cfg.Geometry.PageBytes(),
 			KVWritesSimulated: cfg.WriteKV, Domains: cfg.Domains, Dropped: map[string]uint64{},
+			HostTierPages: cfg.HostTierPages, HostTierTokens: cfg.HostTierPages * cfg.Geometry.TokensPerPage,
 			Sizing: cfg.Sizing, HeadroomTokens: cfg.HeadroomTokens, GrowthWatermark: cfg.GrowthWatermark,
 			Growth: GrowthResult{Truncated: map[string]uint64{}}},
 	}
@@ -1266,6 +1274,16 @@ func (s *sim) finish() {
 // finishPrefix fills in the prefix-cache figures from the pool's
 // per-domain counters, taken at the end of the run.
 func (s *sim) finishPrefix() {
+	if t := s.endStats.Tier; t.Enabled {
+		r := &TierResult{OffloadedPages: t.Offloads, OffloadsDropped: t.OffloadsDropped, OnloadedPages: t.Onloads,
+			EvictedSlots: t.EvictedSlots, CachedAtEnd: t.Cached,
+			OffloadedBytes: t.Offloads * uint64(s.report.page), OnloadedBytes: t.Onloads * uint64(s.report.page),
+			OffloadSeconds: t.OffloadLatency.Sum.Seconds(), OnloadSeconds: t.OnloadLatency.Sum.Seconds()}
+		for _, d := range s.endStats.Prefix.Domains {
+			r.TierHitPages += d.TierHitPages
+		}
+		s.res.Tier = r
+	}
 	px := &s.res.Prefix
 	px.Enabled = s.endStats.Prefix.Enabled && s.cfg.PrefixCache
 	hitTokens := px.HitTokens // counted from the leases' first admissions
