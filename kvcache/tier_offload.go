@@ -240,7 +240,7 @@ func (p *Pool) finishTierWriteLocked(w *tierWrite, fill []int32) []int32 {
 			slog.Int("pages", failed), slog.Any("error", fmt.Errorf("%w: %w", ErrOffloadFailed, w.err)))
 	}
 	if events {
-		p.emitTierStoredLocked(stored) // stored in the tier, then removed from the device
+		p.emitStoredLocked(stored, MediumHost) // stored in the tier, then removed from the device
 		p.mu.events.emitRemovedLocked(p.tpp)
 	}
 	p.tierIdleLocked(1)
@@ -290,11 +290,11 @@ func (p *Pool) retireSlotsLocked(w *tierWrite) {
 		slog.Int("slots_retired", len(w.bad)), slog.Any("error", w.err))
 }
 
-// emitTierStoredLocked reports entries stored in the host tier, in the
-// order they were written: a KVStored event of the host medium per run
-// of pages that chain (each the parent of the next, of one domain and
-// adapter, all with tokens or none).
-func (p *Pool) emitTierStoredLocked(entries []*cacheEntry) {
+// emitStoredLocked reports entries stored on medium (the host tier, or
+// the device again after an onload), in the order given: a KVStored event
+// per run of pages that chain (each the parent of the next, of one domain
+// and adapter, all with tokens or none).
+func (p *Pool) emitStoredLocked(entries []*cacheEntry, medium Medium) {
 	s := &p.mu.events
 	for i := 0; i < len(entries); {
 		j := i + 1
@@ -304,7 +304,7 @@ func (p *Pool) emitTierStoredLocked(entries []*cacheEntry) {
 		}
 		run := entries[i:j]
 		e := run[0]
-		ev := KVEvent{Kind: KVStored, Medium: MediumHost, Domain: e.dom.Name, Parent: e.parent, Adapter: e.adapter,
+		ev := KVEvent{Kind: KVStored, Medium: medium, Domain: e.dom.Name, Parent: e.parent, Adapter: e.adapter,
 			Keys: s.keysLocked(len(run)), Tokens: len(run) * p.tpp}
 		var toks []int32
 		for _, r := range run {

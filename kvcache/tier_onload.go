@@ -174,6 +174,7 @@ func (p *Pool) finishTierReadLocked(a *admission) (b scrubBatch, ended bool) {
 	if ok {
 		x, events := &p.mu.prefix, p.mu.events.enabled()
 		attached := 0
+		var stored []*cacheEntry // for the events
 		for i, e := range r.entries {
 			if e == nil {
 				continue
@@ -182,18 +183,20 @@ func (p *Pool) finishTierReadLocked(a *admission) (b scrubBatch, ended bool) {
 			if it := r.items[i]; it.entry != e || it.doomed || e.page >= 0 || e.detached || e.dom != l.domain {
 				continue // gone from the tier, or on the device again: the page stays the lease's own
 			}
-			if events {
-				p.attachOnloadedLocked(l, e, r.pages[i])
-				continue
-			}
 			// attachOnloadedLocked's work, the counts once for all.
 			e.page, x.byPage[r.pages[i]] = r.pages[i], e
 			e.leases = 1
 			e.tenants = append(e.tenants[:0], tenantRef{t: l.tenant, refs: 1})
 			attached++
+			if events {
+				stored = append(stored, e)
+			}
 		}
 		x.counters(l.domain).entries += attached
 		x.epoch++
+		if events {
+			p.emitStoredLocked(stored, MediumDevice) // on the device again, one event a chain
+		}
 		t.domain(l.domain).hitPages += uint64(onloaded)
 		t.stats.Onloads += uint64(len(r.pages))
 		t.stats.OnloadBytes += uint64(len(r.pages)) * uint64(t.pageBytes)
