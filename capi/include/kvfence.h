@@ -91,8 +91,13 @@ extern "C" {
  * on an address (kvf_ucx_server_create), an export is sent there
  * (kvf_ucx_transport_create, kvf_export_send_ucx), the imported lease
  * taken by request ID (kvf_receiver_take), and the statuses
- * KVF_ERR_TRANSPORT, KVF_ERR_PROTOCOL and KVF_ERR_UNAVAILABLE. */
-#define KVF_ABI_VERSION 11
+ * KVF_ERR_TRANSPORT, KVF_ERR_PROTOCOL and KVF_ERR_UNAVAILABLE; version
+ * 12 adds the host tier: the config's "host_tier" and a tenant's
+ * "tier_pages", its figures in the stats JSON ("tier", and per domain),
+ * events' "medium", swaps on preemption, and the statuses
+ * KVF_ERR_TIER_UNSUPPORTED, KVF_ERR_ONLOAD_FAILED and
+ * KVF_ERR_OFFLOAD_FAILED. */
+#define KVF_ABI_VERSION 12
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -332,6 +337,7 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  *    "sizing": {"mode": "full"},      (or {"mode": "on_demand",
  *                                        "headroom_tokens": 256})
  *    "growth_watermark": 0.01,
+ *    "host_tier": {"pages": 65536},   (or "bytes": N; "no_swap": true)
  *    "device": {"kind": "host"}}      (or {"kind": "cuda", "ordinal": 0},
  *                                        or {"kind": "remote", ...}: below)
  *
@@ -355,6 +361,21 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  * refused. "growth_watermark" (0 to 0.5, default 0) is the share of pages
  * new admissions leave free for growth: an admission that would cut into
  * it is refused KVF_ERR_POOL_EXHAUSTED (retryable); growth may use it.
+ *
+ * "host_tier" (since ABI 12) gives the pool a second page space in host
+ * memory (page-locked on a CUDA device), of "pages" pages or "bytes"
+ * bytes: cached pages the device evicts are kept there, under the same
+ * sharing domain and keys, and copied back into the fresh pages of an
+ * admission whose prefix continues there before the admission returns
+ * (they count as hits: kvf_lease_hit_tokens); a copy that fails refuses
+ * the admission with KVF_ERR_ONLOAD_FAILED, nothing allocated.
+ * kvf_lease_preempt swaps a request's private written pages there unless
+ * "no_swap" is true. The tier evicts least recently used within each
+ * domain's share: a tenant's "tier_pages" (its domain may keep the sum of
+ * its tenants' shares; a tenant without one lets its domain use the whole
+ * tier), and fills every slot it frees with the scrub policy. A pool with
+ * window or state groups, or over remote ranks, cannot have one
+ * (KVF_ERR_TIER_UNSUPPORTED).
  *
  * "cache" (since ABI 4), instead of "geometry", describes any model's
  * caches as groups of regions (kvcache.CacheSpec; capi/README.md has the
@@ -461,7 +482,19 @@ KVF_API kvf_status kvf_pool_update_tenant_json(kvf_pool pool, const char *tenant
  *    cached pages past their last checkpoint, and those pages' tokens),
  *    "evicted", "capacity_skips" (checkpoints not taken for lack of
  *    room), "restore_nanos", "copy_nanos" (time spent copying into
- *    admitted leases, and out of leases into checkpoints)} */
+ *    admitted leases, and out of leases into checkpoints)}
+ * Since ABI 12 it has "tier", the host tier's figures ("enabled": false
+ * without one): its slots by state, which add up to "slots", pages and
+ * bytes copied each way, copy failures and swaps,
+ *   {"enabled", "slots", "slot_bytes", "free", "cached", "swapped",
+ *    "in_flight", "quarantined", "retired", "offloads", "offload_bytes",
+ *    "offloads_dropped", "offloads_failed", "onloads", "onload_bytes",
+ *    "onloads_failed", "swaps_out", "swap_out_pages", "swaps_full",
+ *    "swaps_failed", "swaps_in", "swap_in_pages", "swaps_evicted",
+ *    "evicted_slots", "scrubbed_slots", "retired_slots"}
+ * and, for each prefix-cache domain, "tier_pages", "tier_bound",
+ * "tier_hit_pages", "tier_hit_tokens", "tier_stored_pages" and
+ * "tier_evicted_pages". */
 KVF_API kvf_status kvf_pool_stats_json(kvf_pool pool, char *buf, size_t buf_len, size_t *needed);
 
 /* Verifies the pool's accounting (free + in use + cached + quarantined +
@@ -486,7 +519,10 @@ KVF_API kvf_status kvf_pool_regions(kvf_pool pool, kvf_region *buf, size_t buf_l
  * NUL-terminated JSON, for a KV-aware router:
  *   {"enabled": true, "events": [{"kind": "stored"|"removed"|"cleared",
  *     "seq": 7, "domain": "team-a", "keys": ["<64 hex>", ...],
- *     "parent": "<64 hex>" (stored, not a prompt's first page), "tokens": 32}]}
+ *     "parent": "<64 hex>" (stored, not a prompt's first page), "tokens": 32,
+ *     "medium": "device"|"host" (since ABI 12: the host tier's pages are
+ *     stored there when the device evicts them, before they are removed
+ *     from the device)}]}
  * A short buffer returns KVF_ERR_BUFFER_TOO_SMALL with the size in
  * *needed and keeps the batch for the next call. Events flow only with
  * "prefix": {"event_buffer": N > 0}; when the buffer is full the pool drops
@@ -545,7 +581,15 @@ KVF_API kvf_status kvf_lease_grow(kvf_lease lease, int64_t tokens, int64_t wait_
  * to skip. With token_ids NULL (n_tokens 0) it is kvf_lease_release
  * without ordering, keeping nothing. Token IDs that contradict the prompt
  * the lease was admitted with (kvf_admit_tokens) are refused with
- * KVF_ERR_INVALID_ARGUMENT, the lease left live. Since ABI 3. */
+ * KVF_ERR_INVALID_ARGUMENT, the lease left live. With a host tier (since
+ * ABI 12) the written pages the prefix cache does not keep (the partial
+ * last page; all of them with the prefix cache off) are swapped to the
+ * tier, all or none, and *kept_tokens is then every written token: the
+ * next admission of the same request ID by the same tenant in the same
+ * domain, with those tokens as the prompt and the same adapter, copies
+ * them back (kvf_lease_hit_tokens: all but the last prompt token). A swap
+ * the tier has no room for, or whose copy fails, is counted in the stats
+ * and the preemption keeps what the prefix cache holds. Since ABI 3. */
 KVF_API kvf_status kvf_lease_preempt(kvf_lease lease, const int32_t *token_ids, size_t n_tokens,
                                      int64_t *kept_tokens);
 

@@ -383,6 +383,12 @@ class Pool:
         """Replaces a tenant's whole configuration; no "domain" means its own."""
         check(_lib.pool_update_tenant_json(self._handle(), _b(json.dumps(tenant))))
 
+    def tier_stats(self):
+        """The host tier's figures (the stats' "tier", ABI 12): slots by
+        state, pages copied each way, swaps; {"enabled": False} without
+        one, or on an older library."""
+        return self.stats().get("tier", {"enabled": False})
+
     def stats(self):
         h = self._handle()
         return json.loads(_sized_text(lambda b, n, need: _lib.pool_stats_json(h, b, n, need)).rstrip(b"\0"))
@@ -789,9 +795,14 @@ class Lease:
     def preempt(self, token_ids=None):
         """Gives the pages back, keeping the full pages of the written
         tokens (token_ids: all of them, prompt then output) in the prefix
-        cache; returns the tokens kept. Admit again with admit_tokens to
-        resume. Token IDs whose prompt part is not the prompt the lease was
-        admitted with raise InvalidArgument, and the lease stays live."""
+        cache; returns the tokens kept. With a host tier (the config's
+        "host_tier", ABI 12) the rest of the written pages are swapped to
+        it, all or none, and the tokens kept are then all of them: the
+        request's next admit_tokens (same ID, tenant and adapter, those
+        tokens as the prompt) copies them back, hit_tokens() all but the
+        last. Admit again with admit_tokens to resume. Token IDs whose
+        prompt part is not the prompt the lease was admitted with raise
+        InvalidArgument, and the lease stays live."""
         if token_ids is None or len(token_ids) == 0:
             addr, n, keep = None, 0, None
         else:

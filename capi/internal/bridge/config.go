@@ -34,6 +34,15 @@ type ConfigJSON struct {
 	Device              DeviceJSON     `json:"device,omitzero"`
 	Sizing              SizingJSON     `json:"sizing,omitzero"`
 	GrowthWatermark     float64        `json:"growth_watermark,omitempty"`
+	HostTier            HostTierJSON   `json:"host_tier,omitzero"` // since ABI 12
+}
+
+// HostTierJSON is kvcache.HostTierConfig: the host tier's size in pages
+// or bytes (omitted: none), and whether preemption swaps to it.
+type HostTierJSON struct {
+	Pages  int   `json:"pages,omitempty"`
+	Bytes  int64 `json:"bytes,omitempty"`
+	NoSwap bool  `json:"no_swap,omitempty"`
 }
 
 // SizingJSON is kvcache.Sizing with the mode by name: "full",
@@ -174,6 +183,8 @@ type TenantJSON struct {
 	// MaxCheckpoints (since ABI 10) bounds the tenant's state checkpoints;
 	// 0 (omitted): the pool's bound.
 	MaxCheckpoints int `json:"max_checkpoints,omitempty"`
+	// TierPages (since ABI 12) is the tenant's share of the host tier.
+	TierPages int `json:"tier_pages,omitempty"`
 }
 
 // ScrubJSON is kvcache.ScrubPolicy; an empty kind means zero.
@@ -314,6 +325,7 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 		AllowUndersizedPool: cj.AllowUndersizedPool,
 		Scrub:               kvcache.ScrubPolicy{Kind: kind, Pattern: uint32(cj.Scrub.Pattern)},
 		Prefix:              cj.Prefix.config(),
+		HostTier:            kvcache.HostTierConfig{Pages: cj.HostTier.Pages, Bytes: cj.HostTier.Bytes, NoSwap: cj.HostTier.NoSwap},
 		GrowthWatermark:     cj.GrowthWatermark,
 	}
 	if cfg.Sizing, err = cj.Sizing.sizing(); err != nil {
@@ -332,7 +344,7 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 func (t TenantJSON) config() (kvcache.TenantConfig, error) {
 	sizing, err := t.Sizing.sizing()
 	return kvcache.TenantConfig{Name: t.Name, QuotaPages: t.QuotaPages, ReservedPages: t.ReservedPages, Domain: t.Domain,
-		Sizing: sizing, MaxCheckpoints: t.MaxCheckpoints}, err
+		Sizing: sizing, MaxCheckpoints: t.MaxCheckpoints, TierPages: t.TierPages}, err
 }
 
 // ParseTenant decodes one tenant object, as in the config's "tenants"

@@ -82,6 +82,9 @@ type EventDoc struct {
 	Keys   []string `json:"keys"`
 	Parent string   `json:"parent,omitempty"`
 	Tokens int      `json:"tokens"`
+	// Medium is where the pages are: "device", or "host" for the host
+	// tier (since ABI 12).
+	Medium string `json:"medium"`
 }
 
 // EventsDoc is what kvf_pool_events_json writes.
@@ -134,7 +137,8 @@ func Events(h Handle, dst []byte) (int, error) {
 }
 
 func eventDoc(ev kvcache.KVEvent) EventDoc {
-	d := EventDoc{Kind: ev.Kind.String(), Seq: ev.Seq, Domain: ev.Domain, Tokens: ev.Tokens, Keys: make([]string, len(ev.Keys))}
+	d := EventDoc{Kind: ev.Kind.String(), Seq: ev.Seq, Domain: ev.Domain, Tokens: ev.Tokens, Keys: make([]string, len(ev.Keys)),
+		Medium: ev.Medium.String()}
 	for i, k := range ev.Keys {
 		d.Keys[i] = hex.EncodeToString(k[:])
 	}

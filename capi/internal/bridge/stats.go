@@ -25,6 +25,7 @@ type StatsDoc struct {
 	Tenants          []TenantDoc    `json:"tenants"`
 	Prefix           PrefixDoc      `json:"prefix"`
 	Checkpoints      CheckpointsDoc `json:"checkpoints"` // a hybrid pool's state checkpoints (since ABI 10)
+	Tier             TierDoc        `json:"tier"`        // the host tier (since ABI 12)
 	Closed           bool           `json:"closed"`
 	Fault            string         `json:"fault"`
 	// CUDA is the CUDA device's own figures; absent for a host pool.
@@ -122,6 +123,55 @@ type DomainDoc struct {
 	HitTokens    uint64 `json:"hit_tokens"`
 	StoredPages  uint64 `json:"stored_pages"`
 	EvictedPages uint64 `json:"evicted_pages"`
+	// The host tier's part (since ABI 12; 0 without one).
+	TierPages        int    `json:"tier_pages"`
+	TierBound        int    `json:"tier_bound"`
+	TierHitPages     uint64 `json:"tier_hit_pages"`
+	TierHitTokens    uint64 `json:"tier_hit_tokens"`
+	TierStoredPages  uint64 `json:"tier_stored_pages"`
+	TierEvictedPages uint64 `json:"tier_evicted_pages"`
+}
+
+// TierDoc is kvcache.TierStats without its latency histograms: the
+// slots by state (slots = free + cached + swapped + in_flight +
+// quarantined + retired), what was copied each way, and the swaps.
+type TierDoc struct {
+	Enabled         bool   `json:"enabled"`
+	Slots           int    `json:"slots"`
+	SlotBytes       int64  `json:"slot_bytes"`
+	Free            int    `json:"free"`
+	Cached          int    `json:"cached"`
+	Swapped         int    `json:"swapped"`
+	InFlight        int    `json:"in_flight"`
+	Quarantined     int    `json:"quarantined"`
+	Retired         int    `json:"retired"`
+	Offloads        uint64 `json:"offloads"`
+	OffloadBytes    uint64 `json:"offload_bytes"`
+	OffloadsDropped uint64 `json:"offloads_dropped"`
+	OffloadsFailed  uint64 `json:"offloads_failed"`
+	Onloads         uint64 `json:"onloads"`
+	OnloadBytes     uint64 `json:"onload_bytes"`
+	OnloadsFailed   uint64 `json:"onloads_failed"`
+	SwapsOut        uint64 `json:"swaps_out"`
+	SwapOutPages    uint64 `json:"swap_out_pages"`
+	SwapsFull       uint64 `json:"swaps_full"`
+	SwapsFailed     uint64 `json:"swaps_failed"`
+	SwapsIn         uint64 `json:"swaps_in"`
+	SwapInPages     uint64 `json:"swap_in_pages"`
+	SwapsEvicted    uint64 `json:"swaps_evicted"`
+	EvictedSlots    uint64 `json:"evicted_slots"`
+	ScrubbedSlots   uint64 `json:"scrubbed_slots"`
+	RetiredSlots    uint64 `json:"retired_slots"`
+}
+
+func tierDoc(t kvcache.TierStats) TierDoc {
+	return TierDoc{Enabled: t.Enabled, Slots: t.Slots, SlotBytes: t.SlotBytes, Free: t.Free, Cached: t.Cached,
+		Swapped: t.Swapped, InFlight: t.InFlight, Quarantined: t.Quarantined, Retired: t.Retired,
+		Offloads: t.Offloads, OffloadBytes: t.OffloadBytes, OffloadsDropped: t.OffloadsDropped, OffloadsFailed: t.OffloadsFailed,
+		Onloads: t.Onloads, OnloadBytes: t.OnloadBytes, OnloadsFailed: t.OnloadsFailed,
+		SwapsOut: t.SwapsOut, SwapOutPages: t.SwapOutPages, SwapsFull: t.SwapsFull, SwapsFailed: t.SwapsFailed,
+		SwapsIn: t.SwapsIn, SwapInPages: t.SwapInPages, SwapsEvicted: t.SwapsEvicted,
+		EvictedSlots: t.EvictedSlots, ScrubbedSlots: t.ScrubbedSlots, RetiredSlots: t.RetiredSlots}
 }
 
 func statsJSON(s kvcache.Stats, domainOf func(tenant string) string) StatsDoc {
@@ -141,6 +191,7 @@ func statsJSON(s kvcache.Stats, domainOf func(tenant string) string) StatsDoc {
 		Prefix: PrefixDoc{Enabled: s.Prefix.Enabled, Domains: []DomainDoc{},
 			EventsSent: s.Prefix.EventsSent, EventsDropped: s.Prefix.EventsDropped},
 		Checkpoints: checkpointsDoc(s.Checkpoints),
+		Tier:        tierDoc(s.Tier),
 		Closed:      s.Closed, Fault: s.Fault,
 	}
 	for _, t := range s.Tenants {
@@ -150,7 +201,9 @@ func statsJSON(s kvcache.Stats, domainOf func(tenant string) string) StatsDoc {
 	for _, x := range s.Prefix.Domains {
 		d.Prefix.Domains = append(d.Prefix.Domains, DomainDoc{Name: x.Name, Shared: x.Shared, Tenants: x.Tenants,
 			IndexedPages: x.IndexedPages, CachedPages: x.CachedPages, HitPages: x.HitPages, MissPages: x.MissPages,
-			HitTokens: x.HitTokens, StoredPages: x.StoredPages, EvictedPages: x.EvictedPages})
+			HitTokens: x.HitTokens, StoredPages: x.StoredPages, EvictedPages: x.EvictedPages,
+			TierPages: x.TierPages, TierBound: x.TierBound, TierHitPages: x.TierHitPages, TierHitTokens: x.TierHitTokens,
+			TierStoredPages: x.TierStoredPages, TierEvictedPages: x.TierEvictedPages})
 	}
 	return d
 }
