@@ -8,17 +8,20 @@ scheduler.py, async_scheduler.py, vllm/v1/request.py at 003df29;
 async_scheduler.py at 014b2350, the nearest stored) and quotes the lines
 whose calls and arithmetic it keeps. Kept: the running loop with its
 preemption, the waiting loop through the connector path, chunked prefill
-(the token budget and long_prefill_token_threshold), speculative decoding
-(spec tokens in num_tokens_with_spec, num_lookahead_tokens, rejection
-rollback), the asynchronous scheduler's placeholders and in-flight
-tokens, update_from_output, finish_requests, reset_prefix_cache.
+(the token budget and long_prefill_token_threshold), the block-aligned
+split of prefill chunks of a hybrid model's "align" Mamba cache mode
+(_mamba_block_aligned_split), speculative decoding (spec tokens in
+num_tokens_with_spec, num_lookahead_tokens, rejection rollback), the
+asynchronous scheduler's placeholders and in-flight tokens,
+update_from_output, finish_requests, reset_prefix_cache.
 Left out, because they make no other manager call: encoder inputs,
 structured output, LoRA slot limits, streaming sessions, KV loads by other
 connectors, pooling, stats beyond the prefix cache's.
 
-Worker mirrors a worker's block table (gpu_model_runner's _update_states
-at 003df29: new requests take their block IDs whole, cached ones append
-new_block_ids or, resumed, replace them).
+Worker mirrors a worker's block tables, one row per KV cache group
+(gpu_model_runner's _update_states, as at 003df29's neighbours: new
+requests take their block IDs whole, cached ones append each group's
+new_block_ids to that group's row or, resumed, replace them).
 """
 
 import enum
@@ -26,6 +29,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from kvfence.vllm._plugin import ConnectorScheduler, SchedulerMixin
 
@@ -115,6 +119,7 @@ class Request:
         # it (the resolver "trace_header:x-tenant").
         self.trace_headers = {"x-tenant": tenant} if tenant else None
         self.is_prefill_chunk = False
+        self.shared_prefix_boundary = 0
         self.num_preemptions = 0
         self.skip_reading_prefix_cache = False
         self.eos_token_id = eos_token_id
@@ -215,6 +220,15 @@ class ReplayScheduler:
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.scheduler_config = SimpleNamespace(long_prefill_token_threshold=long_prefill_token_threshold)
+        # What _mamba_block_aligned_split reads. vLLM sets the flag for a
+        # model with Mamba layers in "align" cache mode; kvfence's plugin
+        # sets it for a hybrid pool.
+        self.cache_config = SimpleNamespace(block_size=kv_cache_manager.block_size)
+        self.hash_block_size = kv_cache_manager.block_size
+        self.use_eagle = False
+        self.mamba_partial_cache_hit = False
+        self.need_mamba_block_aligned_split = False
         self.num_lookahead_tokens = num_lookahead_tokens
         self.num_spec_tokens = num_spec_tokens
         self.num_sampled_tokens_per_step = 1
@@ -316,6 +330,49 @@ class ReplayScheduler:
         self.waiting.appendleft(request)
         self.reset_preempted_req_ids.add(request.request_id)
 
+    def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0,
+                                   num_external_computed_tokens=0):
+        """Scheduler._mamba_block_aligned_split at 003df29, whole: `start =
+        request.num_computed_tokens + num_new_local_computed_tokens +
+        num_external_computed_tokens`; past the prompt (`start >=
+        max(request.num_prompt_tokens, request.num_tokens - 1)`) nothing;
+        `last_cache_position = request.num_tokens - request.num_tokens %
+        block_size` (less a block with EAGLE); `if end < last_cache_position`
+        the chunk ends on a block boundary (`aligned_end = end // block_size
+        * block_size; if aligned_end > start or block_size <=
+        max_prefill_tokens: end = aligned_end`); then it stops at the
+        earliest of the next block boundary (resumed mid-block),
+        last_cache_position, the partial-tail hash boundary and the
+        shared-prefix junction strictly inside it."""
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
+            return num_new_tokens
+        block_size = self.cache_config.block_size
+        last_cache_position = request.num_tokens - request.num_tokens % block_size
+        if self.use_eagle:
+            last_cache_position = max(last_cache_position - block_size, 0)
+        end = start + num_new_tokens
+        if end < last_cache_position:
+            max_prefill_tokens = self.max_num_scheduled_tokens
+            threshold = self.scheduler_config.long_prefill_token_threshold
+            if threshold > 0:
+                max_prefill_tokens = min(max_prefill_tokens, threshold)
+            aligned_end = end // block_size * block_size
+            if aligned_end > start or block_size <= max_prefill_tokens:
+                end = aligned_end
+        next_block_boundary = (start // block_size + 1) * block_size
+        tail_boundary = (request.num_prompt_tokens // self.hash_block_size * self.hash_block_size
+                         if self.mamba_partial_cache_hit else 0)
+        stops = (
+            next_block_boundary if start % block_size != 0 and next_block_boundary <= last_cache_position else 0,
+            last_cache_position,
+            tail_boundary if last_cache_position < tail_boundary < request.num_prompt_tokens else 0,
+            start + (request.shared_prefix_boundary - start) // block_size * block_size
+            if start < request.shared_prefix_boundary < end else 0,
+        )
+        end = min((s for s in stops if start < s < end), default=end)
+        return max(end - start, 0)
+
     def schedule(self, throttle_prefills=False):
         """Scheduler.schedule at 003df29, its manager and connector calls:
         `self.kv_cache_manager.new_step_starts()`; the running loop
@@ -363,6 +420,8 @@ class ReplayScheduler:
                 num_new = self.long_prefill_token_threshold
             num_new = min(num_new, token_budget)
             num_new = min(num_new, self.max_model_len - request.num_computed_tokens - self.num_sampled_tokens_per_step)
+            if self.need_mamba_block_aligned_split:
+                num_new = self._mamba_block_aligned_split(request, num_new)
             if num_new <= 0:
                 req_index += 1
                 continue
@@ -415,7 +474,8 @@ class ReplayScheduler:
                 if request.num_computed_tokens == 0:
                     if self.connector is not None:
                         self._call("get_computed_blocks_for_connector", rid)
-                        blocks, local, _boundary, _diverged = mgr.get_computed_blocks_for_connector(request)
+                        blocks, local, request.shared_prefix_boundary, _diverged = \
+                            mgr.get_computed_blocks_for_connector(request)
                         ext, load_async = self.connector.get_num_new_matched_tokens(request, local)
                         if ext is None:
                             queue.popleft()
@@ -424,7 +484,7 @@ class ReplayScheduler:
                         assert ext == 0 and not load_async
                     else:
                         self._call("get_computed_blocks", rid)
-                        blocks, local, _boundary = mgr.get_computed_blocks(request)
+                        blocks, local, request.shared_prefix_boundary = mgr.get_computed_blocks(request)
                     computed = local
                     assert computed <= request.num_tokens
                 else:
@@ -436,6 +496,10 @@ class ReplayScheduler:
                     break
                 num_new = min(num_new, token_budget)
                 assert num_new > 0
+                if self.need_mamba_block_aligned_split:
+                    num_new = self._mamba_block_aligned_split(request, num_new, local, 0)
+                    if num_new == 0:
+                        break
                 self._call("allocate_slots", rid)
                 new_blocks = mgr.allocate_slots(request, num_new, num_new_computed_tokens=local,
                                                 new_computed_blocks=blocks,
@@ -647,31 +711,46 @@ def plugin(base):
 
 class Worker:
     """A worker's block tables (gpu_model_runner._update_states): new
-    requests' block IDs whole, cached requests' appended (or replaced when
-    resumed), finished and preempted requests dropped."""
+    requests' block IDs whole, cached requests' appended group by group
+    (or replaced when resumed), finished and preempted requests dropped.
+    tables: request ID -> its first group's row; rows: request ID -> every
+    group's rows."""
 
     def __init__(self):
-        self.tables = {}
+        self.rows = {}
+
+    @property
+    def tables(self):
+        return {rid: rows[0] for rid, rows in self.rows.items()}
 
     def apply(self, out):
         for rid in out.finished_req_ids | out.preempted_req_ids:
-            self.tables.pop(rid, None)
+            self.rows.pop(rid, None)
         for rid, ids in out.scheduled_new_reqs:
-            self.tables[rid] = list(ids[0])
+            self.rows[rid] = [list(g) for g in ids]
         for rid, new_ids, resumed in out.scheduled_cached_reqs:
             if resumed:
-                self.tables[rid] = list(new_ids[0]) if new_ids is not None else []
+                assert new_ids is not None
+                self.rows[rid] = [list(g) for g in new_ids]
             elif new_ids is not None:
-                self.tables[rid].extend(new_ids[0])
+                for row, ids in zip(self.rows[rid], new_ids, strict=True):
+                    row.extend(ids)
+
+
+def sampled_token(request_id, position):
+    """The token Engine's model samples for a request's position: a
+    function of the two only, so that a step knows the tokens of the
+    positions it computes before the outputs that carry them come back."""
+    return 500 + (hash(request_id) % 100) + position % 97
 
 
 class Engine:
     """EngineCore's loop (vllm/v1/engine/core.py: step, and
     step_with_batch_queue for asynchronous scheduling, two batches in
     flight: schedule N+1 before update_from_output(N)), with a model that
-    samples deterministic tokens: check(out) runs after each step's
-    worker update. accept: drafts accepted per step (speculative
-    decoding)."""
+    samples deterministic tokens (sampled_token): check(out) runs after
+    each step's worker update, which is when the step runs on the device.
+    accept: drafts accepted per step (speculative decoding)."""
 
     def __init__(self, sched, check=None, accept=0, async_depth=1):
         self.sched, self.worker, self.check = sched, Worker(), check
@@ -690,8 +769,8 @@ class Engine:
                 continue
             spec = out.scheduled_spec_decode_tokens.get(rid, [])
             k = min(self.accept, len(spec))
-            base = 500 + (hash(rid) % 100)
-            sampled[rid] = [base + (req.num_output_tokens + i) % 97 for i in range(k + 1)]
+            first = req.num_computed_tokens - len(spec)  # the position the step samples for
+            sampled[rid] = [sampled_token(rid, first + i) for i in range(k + 1)]
         return sampled
 
     def step(self):

@@ -23,11 +23,30 @@ output; the plugin defaults to "on_demand" with a headroom). The pages of
 a hit are its lease's first pages. A lease never leaves a page to another
 request before kvfence has scrubbed it.
 
-Block tables. The worker's row is the lease's first `reported` pages:
-get_blocks (new and resumed requests, taken whole by the worker) gives
-them, allocate_slots (running requests, appended) only those past what
-the worker holds. No ID is reported twice, and no row is longer than
+Block tables. The worker holds one row per KV cache group, each what
+the lease holds for the tokens its rows cover: get_blocks (new and
+resumed requests, taken whole by the worker) gives them, allocate_slots
+(running requests, appended) only the positions past what the worker
+holds. No position is reported twice, and no row is longer than
 cdiv(max_model_len, block_size).
+
+Hybrid models (_groups). Over a pool with a cache spec, each of vLLM's
+KV cache groups is a kvfence group: full attention the per-token pages
+(the block table), a sliding window the lease's ring (position i: the
+ring page of logical page i), Mamba and other linear attention the
+lease's state slot (one entry, vLLM's "none" cache mode). Such a pool
+shares prefixes through state checkpoints: a hit is the longest cached
+prefix ending at one, its state and window restored into the lease's
+slot and ring before admission returns, and vLLM is told the hit's tokens
+as computed (its worker then starts from the state in the slot, as it
+does for a chunk of prefill). The plugin has prefill chunks end where
+vLLM's "align" cache mode would (block boundaries, the prompt's last
+one) and at the lease's PrefillCheckpoint; the manager checkpoints when a
+step starts on a page boundary of the prompt, before that step runs, and
+a preemption with nothing in flight checkpoints what was computed. A
+window's ring slides to the end of each step before the step runs, so
+it must hold the window and all a request can have scheduled past its
+processed tokens (checked at start and every step).
 
 Refusals. vLLM reads None from allocate_slots as "the pool is out of
 blocks": it preempts running requests, or stops admitting from the waiting
@@ -54,7 +73,10 @@ num_in_flight_tokens: steps whose output has come back) are published at
 the request's next allocate_slots (the synchronous Scheduler never calls
 cache_blocks) or cache_blocks (AsyncScheduler). A preempted request's
 full pages stay cached for its resumption (kvfence's Lease.preempt); a
-finished request's other pages are scrubbed.
+finished request's other pages are scrubbed. A hybrid pool publishes
+pages only with a checkpoint at their end (above): Lease.cache_prefix at
+a page boundary there checkpoints the state as it is, which may reflect
+other tokens.
 
 Keys. The prefix key covers the tenant's sharing domain (server-side),
 the LoRA adapter, the operator's salt and the request's cache_salt (the
@@ -70,8 +92,11 @@ runs a kvfence RankWorker over the tensors vLLM allocated (adopted), which
 launches the scrubs at the end of each step's forward on that step's
 stream, one step late (the connector's doc says why).
 
-Not served: hybrid models (several KV cache groups: sliding windows,
-Mamba), MLA, pipeline and context parallelism, encoder-decoder models,
+Not served: hybrid models through the scheduler plugin (a pool over
+remote ranks holds one per-token group and cannot copy a state; the
+manager serves them over a local pool), speculative decoding with a
+state group, window groups whose pages are not the per-token group's
+size, MLA, pipeline and context parallelism, encoder-decoder models,
 external KV (other connectors, P/D through vLLM's connector API: kvfence's
 own handoff is Lease.export / Receiver), cascade attention (the common
 prefix is reported as 0), vLLM's KV cache zeroing and copy-on-write
@@ -79,10 +104,11 @@ prefix is reported as 0), vLLM's KV cache zeroing and copy-on-write
 streaming-input sessions.
 """
 
+from ._groups import KVCacheGroup
 from ._keys import ClientTenantField, TenantError, Unauthenticated, adapter_of, page_extra_of, resolver
 from ._manager import BACKPRESSURE, DEFERRED, ERROR, KVCacheManager, Refusal, classify
 from ._types import HAVE_VLLM, VLLM_COMMIT, KVCacheBlocks, PrefixCacheStats
 
-__all__ = ["KVCacheManager", "KVCacheBlocks", "PrefixCacheStats", "Refusal", "classify", "BACKPRESSURE", "DEFERRED",
-           "ERROR", "VLLM_COMMIT", "HAVE_VLLM", "TenantError", "Unauthenticated", "ClientTenantField", "resolver",
-           "adapter_of", "page_extra_of"]
+__all__ = ["KVCacheManager", "KVCacheGroup", "KVCacheBlocks", "PrefixCacheStats", "Refusal", "classify",
+           "BACKPRESSURE", "DEFERRED", "ERROR", "VLLM_COMMIT", "HAVE_VLLM", "TenantError", "Unauthenticated",
+           "ClientTenantField", "resolver", "adapter_of", "page_extra_of"]

@@ -3,14 +3,26 @@ AsyncScheduler at VLLM_COMMIT, over a kvfence Pool. See the package doc
 for the model; this module is the mechanism.
 
 Per request the manager holds a _Held: the kvfence lease, its block table
-(page IDs), how many of them the worker holds (reported), and the tokens
-the lease was committed and published to. Every table the scheduler
-receives is a prefix of the lease's table: get_blocks gives table[:reported]
-(new and resumed requests, which the worker takes whole), allocate_slots
-the entries from the old reported to the new (running requests, which the
-worker appends): so the worker's row is always exactly the lease's first
-reported pages, never an ID twice, never more than the
+(page IDs), how many positions of it the worker holds (reported), and the
+tokens the lease was committed and published to. The worker holds one
+row per vLLM KV cache group (_groups), each the lease's entries for the
+first `reported` positions (a state group's: its slot, once): get_blocks
+gives the rows whole (new and resumed requests, which the worker takes
+whole), allocate_slots the entries from the old reported to the new
+(running requests, which the worker appends): so each row always holds
+exactly one entry per position (a per-token row never an ID twice; a
+window's row repeats its ring every R positions), never more than the
 cdiv(max_model_len, block_size) columns of the worker's block table.
+
+Hybrid pools (window or state groups) share prefixes through state
+checkpoints only (kvcache/checkpoint.go): the manager takes one when a
+step starts on a page boundary of the prompt, before that step runs, as
+vLLM's "align" cache mode keeps a state per block boundary where a
+prefill chunk ends (the plugin has the scheduler end chunks there, and at
+the lease's PrefillCheckpoint); it never publishes pages by
+Lease.cache_prefix there, whose checkpoint would copy a state of other
+tokens. A window's ring slides with the watermark, which the manager
+commits to the end of each step before the worker writes it (_advance).
 """
 
 import array
@@ -18,9 +30,10 @@ import logging
 import time
 
 from .._core import Lease
-from ..errors import (AdmissionError, DuplicateRequest, ExceedsCapacity, ExceedsMaxContext, ExceedsQuota,
-                      InvalidRequest, KvfenceError, PoolClosed, PoolExhausted, PoolFaulted, UnknownTenant)
-from . import _keys
+from ..errors import (AdmissionError, CheckpointCapacity, DuplicateRequest, ExceedsCapacity, ExceedsMaxContext,
+                      ExceedsQuota, InvalidRequest, KvfenceError, PoolClosed, PoolExhausted, PoolFaulted, UnknownTenant)
+from . import _groups, _keys
+from ._groups import PER_TOKEN, SLIDING_WINDOW
 from ._types import (AllBlocksCleared, BlockPoolView, BlockRemoved, BlockStored, KVCacheBlocks, PrefixCacheStats)
 
 logger = logging.getLogger("kvfence.vllm")
@@ -70,13 +83,19 @@ def classify(e):
 
 class _Held:
     """One request's lease and what the scheduler and the worker were told
-    of it. cap: tokens the table holds; limit: the most tokens the lease
+    of it. table: the block table; reported: the positions the worker's
+    rows hold; cap: tokens the table holds; limit: the most tokens the lease
     may ever hold (prompt + max new); prompt: the tokens admitted as its
     prompt; written: the watermark committed to kvfence; published: prompt
-    pages published; epoch: the manager's prefix epoch at admission."""
+    pages published; epoch: the manager's prefix epoch at admission.
+    Hybrid pools: rings, each window group's ring pages by slot (logical
+    page i in rings[g][i % R]); slots, each state group's slot;
+    checkpointed: the tokens of the lease's last checkpoint (or its hit);
+    stop: its PrefillCheckpoint; next_slide: the watermark at which a
+    window's oldest page leaves it."""
 
     __slots__ = ("lease", "table", "reported", "cap", "limit", "prompt", "written", "published", "next_publish", "hit",
-                 "sharing", "epoch", "tenant")
+                 "sharing", "epoch", "tenant", "rings", "slots", "checkpointed", "stop", "next_slide")
 
 
 def _cdiv(a, b):
@@ -91,11 +110,24 @@ class KVCacheManager:
     of the server-authenticated tenant (kvfence.vllm._keys.resolver).
     num_lookahead_tokens and num_spec_tokens: the scheduler's, for the
     room a request's steps may need beyond its tokens. salt: the
-    operator's salt, in every key."""
+    operator's salt, in every key.
+
+    kv_cache_groups: vLLM's KV cache groups, in KVCacheConfig's order, as
+    the pool's groups (_groups.resolve: each a kvfence group's name, or
+    {"group": name, "sliding_window": vLLM's window}); None for a pool of
+    one per-token group, or of per-token and state groups in vLLM's order.
+    max_num_scheduled_tokens (a step's token budget, or less: the
+    long-prefill threshold that caps a request's share of it) and
+    max_concurrent_batches (2 with asynchronous scheduling) bound what a
+    request can have scheduled past its processed tokens: a sliding-window
+    group's ring must hold that and the window (_groups), checked here.
+    A pool with a state group takes no speculative tokens: the one state
+    slot of a request cannot hold the states of draft tokens."""
 
     def __init__(self, pool, max_model_len, tenant_of, enable_caching=True, log_stats=False,
                  enable_kv_cache_events=False, num_lookahead_tokens=0, num_spec_tokens=0, salt=None,
-                 hash_block_size=None):
+                 hash_block_size=None, kv_cache_groups=None, max_num_scheduled_tokens=None,
+                 max_concurrent_batches=1):
         self.pool = pool
         self.block_size = bs = pool.tokens_per_page
         self.max_model_len = max_model_len
@@ -116,8 +148,31 @@ class KVCacheManager:
         self.slack = 2 * num_spec_tokens + num_lookahead_tokens
         self.salt = salt
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.num_kv_cache_groups = 1
-        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        self.groups = _groups.resolve(pool, kv_cache_groups)
+        self.num_kv_cache_groups = len(self.groups)
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in self.groups))
+        self._one = len(self.groups) == 1  # one per-token group: rows are block-table slices
+        # A pool with window or state groups shares through checkpoints.
+        self.hybrid = len({g.group for g in self.groups}) > 1
+        self.windows = list({g.group: g for g in self.groups if g.kind == SLIDING_WINDOW}.values())
+        self.states = sorted({g.group for g in self.groups if g.kind == _groups.STATE})
+        if self.states and (num_spec_tokens or num_lookahead_tokens):
+            raise ValueError("kvfence.vllm: speculative decoding (%d spec tokens, %d lookahead) with a state group: a "
+                             "request's one state slot cannot hold its draft tokens' states"
+                             % (num_spec_tokens, num_lookahead_tokens))
+        # The most tokens a request may have scheduled past its processed
+        # ones that every window's ring holds beside the window.
+        self.max_reach = min((g.max_reach() for g in self.windows), default=1 << 62)
+        step = min(max_num_scheduled_tokens or max_model_len, max_model_len)
+        reach = max(1, max_concurrent_batches) * step + num_lookahead_tokens
+        if reach > self.max_reach:
+            w = min(self.windows, key=lambda g: g.max_reach())
+            raise ValueError("kvfence.vllm: sliding-window group %r's ring of %d tokens holds vLLM's window of %d and "
+                             "%d tokens a request has scheduled past its processed ones; %d batches of up to %d tokens "
+                             "and %d lookahead slots need %d: give the group window_tokens >= %d, or lower "
+                             "max_num_scheduled_tokens (the long-prefill threshold)"
+                             % (w.group, w.ring_tokens, w.sliding_window, w.max_reach(), max(1, max_concurrent_batches),
+                                step, num_lookahead_tokens, reach, w.sliding_window - 1 + reach))
         self.block_pool = BlockPoolView(hash_block_size or bs, pool.num_pages, self._usage)
         cfg = pool.config
         sizing = (cfg.get("sizing") or {}).get("mode", "full")
@@ -175,17 +230,23 @@ class KVCacheManager:
                 return self.empty_kv_cache_blocks, 0, 0
         if not held.hit:
             return self.empty_kv_cache_blocks, 0, 0
-        return KVCacheBlocks((held.table[:held.hit // self.block_size],)), held.hit, 0
+        return self._blocks(held, 0, held.hit // self.block_size), held.hit, 0
 
     def get_computed_blocks_for_connector(self, request):
         """get_computed_blocks for the scheduler with a KV connector:
-        kvfence's hits never diverge between groups (there is one)."""
+        kvfence's hits never diverge between groups (a hybrid hit ends at
+        a checkpoint, where every group's state is)."""
         blocks, hit, boundary = self.get_computed_blocks(request)
         return blocks, hit, boundary, False
 
     def truncate_computed_blocks(self, blocks, num_computed_tokens):
         n = num_computed_tokens // self.block_size
-        return KVCacheBlocks((list(blocks.blocks[0][:n]),)) if n else self.empty_kv_cache_blocks
+        if not n:
+            return self.empty_kv_cache_blocks
+        if self._one:
+            return KVCacheBlocks((list(blocks.blocks[0][:n]),))
+        return KVCacheBlocks(tuple(list(b) if g.kind == _groups.STATE else list(b[:n])
+                                   for g, b in zip(self.groups, blocks.blocks)))
 
     def refusal_of(self, request_id):
         """This step's Refusal of the request's admission, or None."""
@@ -236,7 +297,11 @@ class KVCacheManager:
         held.table = table[:pages].tolist()
         held.reported, held.cap, held.limit, held.prompt = 0, pages * bs, n + max_new, n
         held.hit = held.published = lease.hit_tokens() if sharing else 0
-        held.written = 0  # kvfence's watermark: a hit is shared, not written by this lease
+        # kvfence's watermark: a hit is shared, not written by this lease;
+        # a hybrid hit's restored state puts the watermark there.
+        held.written = held.hit if self.hybrid else 0
+        if self.hybrid:
+            self._hold_groups(held)
         self._next_publish(held)
         self._held[request.request_id] = held
         # The room of the first step: the prompt, and the lookahead slots
@@ -247,6 +312,51 @@ class KVCacheManager:
             self._drop(request.request_id)
             return self._refuse(request, refusal)
         return held
+
+    def _hold_groups(self, held):
+        """Reads a hybrid lease's rings and slots, which never change while
+        it lives, and where it checkpoints."""
+        lease = held.lease
+        held.rings = {}
+        for g in self.windows:
+            first, ring = lease.group_table(g.group)
+            r = len(ring)
+            # group_table lists the ring from its oldest page in the window
+            # (logical page first) on; by slot, logical page i is slot i % r.
+            held.rings[g.group] = [ring[(k - first) % r] for k in range(r)]
+        held.slots = {name: lease.group_table(name)[1][0] for name in self.states}
+        held.checkpointed = held.hit
+        held.stop = (held.prompt - 1) // self.block_size * self.block_size if held.sharing else 0
+        held.next_slide = self._next_slide(held.written)
+
+    def _next_slide(self, written):
+        """The watermark past written at which a window's oldest page
+        leaves it (Lease.slide_windows has pages to scrub)."""
+        bs = self.block_size
+        return min(((max(0, written - g.ring_tokens) // bs + 1) * bs + g.ring_tokens for g in self.windows),
+                   default=1 << 62)
+
+    def _blocks(self, held, a, b, state=None):
+        """The worker's entries for the positions [a, b) of held, per vLLM
+        group: a per-token group's block table, a sliding-window group's
+        ring page of each logical page, a state group's slot if state (by
+        default: when the range starts at 0 and is not empty). Fresh
+        lists: the worker may extend what it receives."""
+        if self._one:
+            return KVCacheBlocks((held.table[a:b],))
+        if state is None:
+            state = a == 0 < b
+        out = []
+        for g in self.groups:
+            if g.kind == PER_TOKEN:
+                out.append(held.table[a:b])
+            elif g.kind == SLIDING_WINDOW:
+                ring = held.rings[g.group]
+                r = len(ring)
+                out.append([ring[i % r] for i in range(a, b)])
+            else:
+                out.append([held.slots[g.group]] if state else [])
+        return KVCacheBlocks(tuple(out))
 
     def _ensure_room(self, held, tokens):
         """Grows held's lease to hold tokens (at most its limit); None, or
@@ -323,39 +433,105 @@ class KVCacheManager:
                     logger.warning("kvfence: growth of running request %s refused inside the scheduler's loop (%s); "
                                    "vLLM will preempt", request.request_id, refusal.message)
                 return None
-        blocks = min(-(-need // self.block_size), len(held.table))
-        # The KV below the processed tokens exists: publish its full
-        # prompt pages (the synchronous scheduler never calls cache_blocks).
         processed = request.num_computed_tokens - request.num_in_flight_tokens
-        if processed >= held.next_publish:
+        if self.hybrid:
+            # The first token of the steps in flight (a new request's: its
+            # hit): from its window on, the rings must keep every page.
+            refusal = self._advance(held, request.request_id, computed, need,
+                                    computed - request.num_in_flight_tokens)
+            if refusal is not None:
+                self._errors[request.request_id] = (request, refusal)
+                logger.error("kvfence: %s", refusal.message)
+                return None
+        elif processed >= held.next_publish:
+            # The KV below the processed tokens exists: publish its full
+            # prompt pages (the synchronous scheduler never calls
+            # cache_blocks).
             self._publish(held, processed)
+        blocks = min(-(-need // self.block_size), len(held.table))
         old = held.reported
         if blocks <= old:
             return self.empty_kv_cache_blocks
         held.reported = blocks
-        return KVCacheBlocks((held.table[old:blocks],))
+        return self._blocks(held, old, blocks)
+
+    def _advance(self, held, rid, start, need, settled):
+        """A hybrid lease before a step that runs from start and writes up
+        to need: a checkpoint at start if the step starts on a page
+        boundary of the prompt (every step scheduled before it writes the
+        tokens below start, and this one has not run: the state then
+        reflects exactly start tokens once the work before it is done, on
+        which the copy waits), then the watermark committed to need and
+        the windows slid there, so that each ring holds the pages this
+        step writes. None, or the Refusal of a step no ring can hold."""
+        if need - settled > self.max_reach:
+            return Refusal(ERROR, None, "request %s would have %d tokens scheduled past its %d processed ones; the "
+                                        "sliding windows' rings hold %d beside the window (kv_cache_groups)"
+                           % (rid, need - settled, settled, self.max_reach))
+        lease = held.lease
+        bs = self.block_size
+        if start > held.checkpointed and start % bs == 0 and start <= held.prompt and held.sharing \
+                and held.epoch == self._epoch:
+            held.checkpointed = start  # tried once: a refusal is counted by kvfence
+            try:
+                if start > held.written:
+                    lease.commit(start)
+                    held.written = start
+                self._checkpoint(held, start)
+            except CheckpointCapacity:
+                pass  # counted, and logged once per tenant, by kvfence
+            except KvfenceError as e:
+                logger.warning("kvfence: request %s: no state checkpoint at %d tokens: %s", rid,
+                               start, e)
+        if self.windows and need > held.written:
+            lease.commit(need)
+            held.written = need
+            if need >= held.next_slide:
+                lease.slide_windows()
+                held.next_slide = self._next_slide(need)
+        return None
+
+    def _checkpoint(self, held, tokens):
+        """Lease.cache_prefix(tokens) on a hybrid pool, at a page boundary,
+        is Lease.checkpoint_state(tokens) after all work of the pool's
+        context (kvcache: cacheHybridPrefix), and publishes nothing else."""
+        held.lease.cache_prefix(tokens)
+
+    def checkpoint_stop(self, request, start, end):
+        """Where a prefill chunk of request from start to end should end
+        instead: at its lease's PrefillCheckpoint when that lies inside
+        (the deepest a later identical prompt can hit), else end. The
+        scheduler plugin asks it beside vLLM's block-aligned split."""
+        held = self._held.get(request.request_id)
+        if held is None or not self.hybrid or not held.sharing or not start < held.stop < end:
+            return end
+        return held.stop
 
     def get_blocks(self, request_id):
         """The blocks the worker holds for the request (after this step's
-        allocate_slots): the lease's first reported pages."""
+        allocate_slots): each group's entries for the lease's first
+        reported positions."""
         held = self._held.get(request_id)
         if held is None or not held.reported:
             return self.empty_kv_cache_blocks
-        return KVCacheBlocks((held.table[:held.reported],))
+        return self._blocks(held, 0, held.reported)
 
     def get_block_ids(self, request_id):
         return self.get_blocks(request_id).get_block_ids()
 
     def get_block_ids_for_computed_tokens(self, request_id, num_computed_tokens):
+        """vLLM's: each attention group's entries of the computed tokens,
+        a state group's whole."""
         held = self._held.get(request_id)
         if held is None:
-            return ([],)
-        return (held.table[:min(held.reported, _cdiv(num_computed_tokens, self.block_size))],)
+            return tuple([] for _ in self.groups)
+        n = min(held.reported, _cdiv(num_computed_tokens, self.block_size))
+        return self._blocks(held, 0, n, state=held.reported > 0).get_block_ids()
 
     def get_num_common_prefix_blocks(self, running_request_id):
-        """0: cascade attention gets no common prefix from kvfence (a
-        correct answer, which disables it)."""
-        return [0]
+        """0 in every group: cascade attention gets no common prefix from
+        kvfence (a correct answer, which disables it)."""
+        return [0] * len(self.groups)
 
     def estimate_cached_tokens(self, request):
         held = self._held.get(request.request_id)
@@ -373,8 +549,8 @@ class KVCacheManager:
             self._publish(held, min(num_computed_tokens, request.num_computed_tokens - request.num_in_flight_tokens))
 
     def _publish(self, held, processed):
-        if not held.sharing or held.epoch != self._epoch:
-            return
+        if not held.sharing or held.epoch != self._epoch or self.hybrid:
+            return  # a hybrid pool publishes through checkpoints (_advance)
         pages = min(processed, held.prompt) // self.block_size
         if pages <= held.published // self.block_size:
             return
@@ -390,7 +566,7 @@ class KVCacheManager:
         the end of its next full prompt page (never, past the prompt's)."""
         bs = self.block_size
         nxt = (held.published // bs + 1) * bs
-        held.next_publish = nxt if held.sharing and nxt <= held.prompt else 1 << 62
+        held.next_publish = nxt if held.sharing and not self.hybrid and nxt <= held.prompt else 1 << 62
 
     # ---- the end of a lease
 
@@ -399,7 +575,11 @@ class KVCacheManager:
         scrubbed, its published ones staying cached; a preempted one's
         (the scheduler frees a request it preempts while it still runs)
         are given back keeping the full pages of its processed tokens in
-        the prefix cache, so that its resumption shares them."""
+        the prefix cache, so that its resumption shares them. In a hybrid
+        pool the preemption also checkpoints there (Lease.preempt), which
+        needs the state to reflect exactly the processed tokens: no step
+        in flight, none scheduled past them (else it keeps only the
+        checkpoints taken so far)."""
         held = self._held.pop(request.request_id, None)
         if held is None:
             return
@@ -408,6 +588,8 @@ class KVCacheManager:
         try:
             if request.is_finished() or not held.sharing or held.epoch != self._epoch or processed <= 0:
                 self._publish(held, processed)
+            elif self.hybrid and (request.num_in_flight_tokens or held.written > processed):
+                pass
             else:
                 written = max(processed, held.written)
                 if written > held.written:

@@ -22,6 +22,13 @@ manager's None:
   The connector had the waiting loop skip them (get_num_new_matched_tokens
   is None), as it skips a request whose tenant is refused for now, so that
   neither blocks the other tenants' queue.
+
+Over a hybrid pool (window or state groups, which share prefixes through
+state checkpoints) it has vLLM's scheduler end prefill chunks where vLLM's
+"align" Mamba cache mode ends them (_mamba_block_aligned_split: on block
+boundaries, at the last one of the prompt) and also at the lease's
+PrefillCheckpoint, the deepest page boundary a later identical prompt can
+hit: the manager checkpoints when the next chunk starts there.
 """
 
 import json
@@ -122,6 +129,18 @@ class SchedulerMixin:
                              "tenant's refusal holds back")
         conn.kvf_bind(manager)
         conn.bind_gpu_block_pool(manager.block_pool)
+        if manager.hybrid and manager.enable_caching:
+            # vLLM's own flag for the "align" cache mode's chunk ends.
+            self.need_mamba_block_aligned_split = True
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0,
+                                   num_external_computed_tokens=0):
+        """vLLM's split of a prefill chunk at the block boundaries where the
+        state is kept, and at the lease's PrefillCheckpoint."""
+        n = super()._mamba_block_aligned_split(request, num_new_tokens, num_new_local_computed_tokens,
+                                               num_external_computed_tokens)
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        return self.kv_cache_manager.checkpoint_stop(request, start, start + n) - start
 
     def schedule(self, *args, **kwargs):
         self._kvf_finish_errors()

@@ -18,11 +18,12 @@ manager once, cache_blocks, as here."""
 
 class KVCacheBlocks:
     """vLLM's KVCacheBlocks (kv_cache_manager.py): one sequence of blocks
-    per KV cache group, here the one full-attention group, and holding
-    block IDs where vLLM's holds KVCacheBlock objects, whose block_id is
-    all the scheduler reads of them (through get_block_ids). The lists
-    are the manager's own fresh ones, never changed after they are handed
-    out: vLLM's worker may extend what it received in place."""
+    per KV cache group (the manager's kv_cache_groups: one full-attention
+    group, or a hybrid model's several), holding block IDs where vLLM's
+    holds KVCacheBlock objects, whose block_id is all the scheduler reads
+    of them (through get_block_ids). The lists are the manager's own fresh
+    ones, never changed after they are handed out: vLLM's worker may
+    extend what it received in place."""
 
     __slots__ = ("blocks",)
 

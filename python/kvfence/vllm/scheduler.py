@@ -26,8 +26,9 @@ def _unsupported(vc, kvc):
     """Why this vLLM configuration cannot run on kvfence, or None."""
     groups = kvc.kv_cache_groups
     if len(groups) != 1:
-        return ("%d KV cache groups (a hybrid model): kvfence.vllm serves one full-attention group; hybrid groups "
-                "follow kvfence's hybrid work" % len(groups))
+        return ("%d KV cache groups (a hybrid model): a pool over remote ranks holds one per-token group, and its "
+                "ranks copy no state; kvfence.vllm.KVCacheManager serves hybrid groups over a local pool only"
+                % len(groups))
     spec = groups[0].kv_cache_spec
     kind = type(spec).__name__
     if not hasattr(spec, "num_kv_heads") or "MLA" in kind or getattr(spec, "sliding_window", None) \
