@@ -16,7 +16,11 @@
 // grows as the request generates and a refused growth preempts), and
 // each policy is compared with the unsafe "none" baseline, which skips
 // the fills. Each run's prefix-cache hit rate is printed beside the
-// trace's own bound (an infinite cache).
+// trace's own bound (an infinite cache). With -model the pools are a
+// model preset's caches (a miniature, bytes reported at the model's
+// size); a hybrid model (glm-5.3-flash, qwen3-next-80b-a3b) shares
+// prefixes through state checkpoints, and its hit rate is printed beside
+// the same trace's on its per-token pages alone.
 //
 //	go run ./bench/cmd/kvbench -duration 5s -out DIR
 //	go run ./bench/cmd/kvbench -trace mooncake.jsonl -pool-tokens 1M,3M,10M,50M -policies zero
@@ -88,12 +92,15 @@ type options struct {
 	maxContext, maxBatch         int
 	geometry                     kvcache.Geometry
 	reportGeometry               *kvcache.Geometry
-	reportModel                  *kvcache.CacheSpec
-	audit, writeKV               bool
-	progressEvery                time.Duration
-	device                       string
-	bandwidth                    float64
-	durationSet                  bool
+	// model runs pools of a preset's cache spec (kvsim.ModelPool),
+	// stateShrink its miniature's state divisor.
+	model          *kvsim.ModelPool
+	stateShrink    int
+	audit, writeKV bool
+	progressEvery  time.Duration
+	device         string
+	bandwidth      float64
+	durationSet    bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
@@ -130,7 +137,14 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.geometry.KVHeads, "kv-heads", 4, "KV heads")
 	fs.IntVar(&o.geometry.HeadDim, "head-dim", 64, "head dimension")
 	dtype := fs.String("dtype", "fp16", "KV dtype: fp8_e4m3, fp8_e5m2, fp16, bf16, fp32")
-	model := fs.String("model", "", "report bytes at this model preset's size (one of: "+presetNames()+"), while the pools are allocated at -layers/-kv-heads/-head-dim/-dtype")
+	model := fs.String("model", "", "run pools of this model preset's caches (one of: "+presetNames()+"), allocated as a miniature (one layer of each cache group, "+
+		"fewer bytes per page) with every byte reported at the model's size; its page size replaces -page-tokens, and -layers/-kv-heads/-head-dim/-dtype/-report-geometry do not apply. "+
+		"A hybrid model (a state group: glm-5.3-flash, qwen3-next-80b-a3b) shares prefixes through state checkpoints, and is also replayed on its per-token pages alone for comparison. "+
+		"Models with a sliding-window group (gpt-oss-120b) are refused: the simulated engine does not slide windows")
+	maxLeases := fs.Int("max-leases", 0, "-model with a state group: leases live at once, which sizes the state slots (kvcache Config.MaxLeases; 0: -max-batch)")
+	checkpointSlots := fs.Int("checkpoint-slots", 256, "-model with a state group: state slots for checkpoints beside the leases' (kvcache PrefixConfig.CheckpointSlots)")
+	maxCheckpoints := fs.Int("max-checkpoints", 0, "-model with a state group: most checkpoints held at once (kvcache PrefixConfig.MaxCheckpoints; 0: the slots' room)")
+	fs.IntVar(&o.stateShrink, "state-shrink", 1, "-model with a state group: the miniature's state slot is one layer's divided by this (1: one layer at its full size, so that a checkpoint copies what a real layer's does)")
 	reportGeometry := fs.String("report-geometry", "", "report bytes at this model's KV geometry, e.g. layers=32,kv-heads=8,head-dim=128,dtype=bf16 (same page size), while the pools are allocated at -layers/-kv-heads/-head-dim/-dtype")
 	fs.DurationVar(&o.step, "step", 20*time.Millisecond, "virtual time of one decode step")
 	fs.IntVar(&o.maxBatch, "max-batch", 256, "most requests running at once")
@@ -207,6 +221,51 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if err := o.geometry.Validate(); err != nil {
 		return nil, &usageError{fmt.Sprintf("flags -page-tokens/-layers/-kv-heads/-head-dim/-dtype: %v", err)}
 	}
+	if *model != "" {
+		for _, f := range []string{"page-tokens", "layers", "kv-heads", "head-dim", "dtype", "report-geometry"} {
+			if set[f] {
+				return nil, badFlag(f, "does not apply with -model %s, whose cache spec sets the pools' layout and the bytes reported", *model)
+			}
+		}
+		spec, err := kvcache.Preset(*model)
+		if err != nil {
+			return nil, badFlag("model", "%v", err)
+		}
+		if o.stateShrink < 1 {
+			return nil, badFlag("state-shrink", "%d, want ≥ 1", o.stateShrink)
+		}
+		mini, err := kvsim.Miniature(spec, o.stateShrink)
+		if err != nil {
+			return nil, badFlag("model", "%v", err)
+		}
+		m := &kvsim.ModelPool{Spec: spec, Miniature: mini}
+		if len(spec.Groups) > 1 {
+			m.MaxLeases, m.CheckpointSlots, m.MaxCheckpoints = *maxLeases, *checkpointSlots, *maxCheckpoints
+			if m.MaxLeases == 0 {
+				m.MaxLeases = o.maxBatch
+			}
+			switch {
+			case *maxLeases < 0:
+				return nil, badFlag("max-leases", "%d, want ≥ 0 (0: -max-batch)", *maxLeases)
+			case *checkpointSlots < 0:
+				return nil, badFlag("checkpoint-slots", "%d, want ≥ 0", *checkpointSlots)
+			case *maxCheckpoints < 0:
+				return nil, badFlag("max-checkpoints", "%d, want ≥ 0 (0: the slots' room)", *maxCheckpoints)
+			}
+		}
+		if err := m.Validate(); err != nil {
+			return nil, badFlag("model", "%v", err)
+		}
+		o.model = m
+	}
+	if o.model == nil || !o.model.Hybrid() {
+		for _, f := range []string{"max-leases", "checkpoint-slots", "max-checkpoints", "state-shrink"} {
+			if set[f] {
+				return nil, badFlag(f, "sizes a hybrid model's state (-model glm-5.3-flash or qwen3-next-80b-a3b), and %s",
+					map[bool]string{true: "-model " + *model + " has no state group", false: "no -model is given"}[*model != ""])
+			}
+		}
+	}
 	switch {
 	case *poolTokens != "" && set["pool-pages"]:
 		return nil, badFlag("pool-tokens", "give pool sizes in pages (-pool-pages) or in tokens, not both")
@@ -216,9 +275,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 			if err != nil {
 				return nil, badFlag("pool-tokens", "%v", err)
 			}
-			pages := (n + int64(o.geometry.TokensPerPage) - 1) / int64(o.geometry.TokensPerPage)
+			pages := (n + int64(o.tokensPerPage()) - 1) / int64(o.tokensPerPage())
 			if pages > math.MaxInt32 {
-				return nil, badFlag("pool-tokens", "%q is %d pages of %d tokens, more than a pool holds", s, pages, o.geometry.TokensPerPage)
+				return nil, badFlag("pool-tokens", "%q is %d pages of %d tokens, more than a pool holds", s, pages, o.tokensPerPage())
 			}
 			o.poolPages = append(o.poolPages, int(pages))
 		}
@@ -239,29 +298,22 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 				return nil, badFlag("host-tier-tokens", "%v (or 0 for none)", err)
 			}
 		}
-		pages := (n + int64(o.geometry.TokensPerPage) - 1) / int64(o.geometry.TokensPerPage)
+		pages := (n + int64(o.tokensPerPage()) - 1) / int64(o.tokensPerPage())
 		if pages > math.MaxInt32 {
-			return nil, badFlag("host-tier-tokens", "%q is %d pages of %d tokens, more than a tier holds", s, pages, o.geometry.TokensPerPage)
+			return nil, badFlag("host-tier-tokens", "%q is %d pages of %d tokens, more than a tier holds", s, pages, o.tokensPerPage())
 		}
 		if pages > 0 && !o.prefixCache {
 			return nil, badFlag("host-tier-tokens", "the host tier keeps the prefix cache's pages, which -prefix-cache off turns off")
+		}
+		if pages > 0 && o.model.Hybrid() {
+			return nil, badFlag("host-tier-tokens", "the host tier keeps per-token pages, not the state checkpoints a hybrid model's prefixes need (-model %s)", *model)
 		}
 		if !slices.Contains(o.tierPages, int(pages)) {
 			o.tierPages = append(o.tierPages, int(pages))
 		}
 	}
-	if *model != "" {
-		if *reportGeometry != "" {
-			return nil, badFlag("model", "give -model or -report-geometry, not both")
-		}
-		spec, err := kvcache.Preset(*model)
-		if err != nil {
-			return nil, badFlag("model", "%v", err)
-		}
-		o.reportModel = &spec
-	}
 	if *reportGeometry != "" {
-		g, err := parseGeometry(*reportGeometry, o.geometry.TokensPerPage)
+		g, err := parseGeometry(*reportGeometry, o.tokensPerPage())
 		if err != nil {
 			return nil, badFlag("report-geometry", "%v", err)
 		}
@@ -306,6 +358,14 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, badFlag("duration", "%v is more than 10M steps of %v", o.duration, o.step)
 	}
 	return o, nil
+}
+
+// tokensPerPage is the pools' page size: the model's, or -page-tokens.
+func (o *options) tokensPerPage() int {
+	if o.model != nil {
+		return o.model.Spec.TokensPerPage()
+	}
+	return o.geometry.TokensPerPage
 }
 
 // parseTokens reads a token count: an integer with an optional k, M, G
@@ -440,6 +500,21 @@ policy failed its isolation audit) or a plot could not be written
 2 bad input (unknown flag or flag value,
 bad trace line: the message names the line and field).
 
+-model PRESET runs pools of a model's caches: its miniature (one layer of
+each cache group, fewer bytes per page) is allocated, and every byte
+figure is the model's. A hybrid model (a state group: glm-5.3-flash,
+qwen3-next-80b-a3b) shares a prefix only with a state checkpoint at its
+end: the engine ends prefill chunks on page boundaries and checkpoints
+there and at the last page boundary before each prompt's last token. Its
+report adds a table of state checkpoints: the hit rate beside the same
+trace replayed on the per-token pages alone (one more run per pool,
+layout and sizing), checkpoint hits and misses, checkpoints taken,
+evicted and skipped, the state memory they held at the model's size, and
+the pool's state copies (host memcpy of the miniature's slots; a plain
+memcpy of one slot of the model's size is printed as reference). Size
+the state with -max-leases, -checkpoint-slots, -max-checkpoints and
+-state-shrink.
+
 -device cuda runs on GPU 0 through the driver (libcuda.so.1); without one
 it exits 1 naming the driver's error. The engine's KV writes are then not
 simulated, and the audit reads pages back from the device.
@@ -500,7 +575,7 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	for _, n := range o.poolPages {
 		minPool, maxPool = min(minPool, n), max(maxPool, n)
 	}
-	capTokens := minPool * o.geometry.TokensPerPage
+	capTokens := minPool * o.tokensPerPage()
 
 	var tr *kvsim.Trace
 	source, format := "synthetic", "synthetic"
@@ -519,7 +594,7 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 		}
 		tr, err = kvsim.Generate(kvsim.GenConfig{Seed: o.seed, Duration: o.duration, Rate: o.rate, Tenants: o.tenants, OrgSize: o.orgSize,
 			OverlongFraction: o.overlong, AbortFraction: o.abort, CapacityTokens: capTokens,
-			MaxContext: o.maxContext, TokensPerPage: o.geometry.TokensPerPage})
+			MaxContext: o.maxContext, TokensPerPage: o.tokensPerPage()})
 		if err != nil {
 			return err
 		}
@@ -552,9 +627,13 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	if maxTier > 0 {
 		tiers = fmt.Sprintf(", host tiers of %v pages", o.tierPages)
 	}
+	hostPool := int64(maxPool+maxTier) * o.geometry.PageBytes()
+	if m := o.model; m != nil {
+		hostPool = m.Miniature.BytesFor(maxPool+maxTier, m.MaxLeases+m.CheckpointSlots)
+	}
 	fmt.Fprintf(stdout, "kvbench: %d requests, %v of serving, policies %s, pools of %v pages%s (up to %s of host memory), prefix cache %s, domains %s, sizing %s, %s budgets\n",
 		len(tr.Requests), o.duration, strings.Join(o.policies, ","), o.poolPages, tiers,
-		kvsim.FormatBytes(float64(int64(maxPool+maxTier)*o.geometry.PageBytes())), cacheState, strings.Join(o.domains, ","),
+		kvsim.FormatBytes(float64(hostPool)), cacheState, strings.Join(o.domains, ","),
 		strings.Join(o.sizings, ","), o.budget)
 
 	rep := &kvsim.Report{Tool: "kvbench", Version: kvsim.ReportVersion, Started: time.Now().UTC(), Args: args,
@@ -570,18 +649,31 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 		g := kvsim.ReportGeometry(*o.reportGeometry)
 		rep.ReportGeometry = &g
 	}
-	if o.reportModel != nil {
-		g := kvsim.ModelReport(*o.reportModel, o.geometry.TokensPerPage)
+	if o.model != nil {
+		g := kvsim.ModelReport(o.model.Spec, o.tokensPerPage())
 		rep.ReportGeometry = &g
+		rep.Model = kvsim.DescribeModel(o.model, o.stateShrink)
+		if rep.Model.Hybrid {
+			rep.Model.SlotCopyNs = kvsim.HostCopyNs(rep.Model.SlotBytes, 5)
+			debug.FreeOSMemory()
+		}
 	}
 	if o.prefixCache {
 		for _, d := range o.domains {
-			rep.Workload.PrefixBounds = append(rep.Workload.PrefixBounds, kvsim.Bound(tr, o.geometry.TokensPerPage, o.maxContext, d))
+			rep.Workload.PrefixBounds = append(rep.Workload.PrefixBounds, kvsim.Bound(tr, o.tokensPerPage(), o.maxContext, d))
 		}
 	}
 
 	steps := int64((o.duration + o.step - 1) / o.step)
-	runs := len(o.policies) * len(o.poolPages) * len(o.tierPages) * len(o.domains) * len(o.sizings)
+	// A hybrid model's runs are compared with the same trace on its
+	// per-token pages alone: one more run per pool, layout and sizing.
+	perTokenOnly := o.model.Hybrid() && o.prefixCache
+	runs := len(o.poolPages) * len(o.tierPages) * len(o.domains) * len(o.sizings)
+	if perTokenOnly {
+		runs *= len(o.policies) + 1
+	} else {
+		runs *= len(o.policies)
+	}
 	var bar *progressbar.ProgressBar
 	var lines *progressLines
 	switch {
@@ -596,20 +688,13 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	var auditErr error
 	for _, pages := range o.poolPages {
 		for _, tier := range o.tierPages {
+			pool := fmt.Sprintf("%dp", pages)
+			if tier > 0 {
+				pool = fmt.Sprintf("%dp+%dt", pages, tier)
+			}
 			for _, domains := range o.domains {
 				for _, sizing := range o.sizings {
-					for _, policy := range o.policies {
-						cfg := kvsim.RunConfig{Geometry: o.geometry, ReportGeometry: o.reportGeometry, ReportModel: o.reportModel, PoolPages: pages, MaxContext: o.maxContext,
-							Policy: policy, Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
-							Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open, PrefixCache: o.prefixCache,
-							Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens, Sizing: sizing, HostTierPages: tier}
-						if sizing == kvsim.SizingOnDemand {
-							cfg.HeadroomTokens, cfg.GrowthWatermark = o.headroom, o.watermark
-						}
-						label := fmt.Sprintf("%s/%dp/%s", policy, pages, domains)
-						if tier > 0 {
-							label = fmt.Sprintf("%s/%dp+%dt/%s", policy, pages, tier, domains)
-						}
+					progress := func(cfg *kvsim.RunConfig, label string) {
 						if len(o.sizings) > 1 {
 							label += "/" + sizing
 						}
@@ -622,12 +707,48 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 							lines.label = label
 							cfg.Progress = lines.update
 						}
+					}
+					base := kvsim.RunConfig{ReportGeometry: o.reportGeometry, PoolPages: pages, MaxContext: o.maxContext,
+						Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
+						Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open, PrefixCache: o.prefixCache,
+						Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens, Sizing: sizing, HostTierPages: tier}
+					if o.model != nil {
+						base.Model = o.model
+					} else {
+						base.Geometry = o.geometry
+					}
+					if sizing == kvsim.SizingOnDemand {
+						base.HeadroomTokens, base.GrowthWatermark = o.headroom, o.watermark
+					}
+					var perToken *kvsim.PerTokenFigures
+					if perTokenOnly {
+						// Hits depend on neither the policy nor the KV
+						// written: one run, the first policy's, no writes.
+						cfg := base
+						m := *o.model
+						m.PerTokenOnly = true
+						cfg.Model, cfg.Policy, cfg.Audit, cfg.WriteKV = &m, o.policies[0], false, false
+						progress(&cfg, fmt.Sprintf("per-token only/%s/%s", pool, domains))
+						res, err := kvsim.Run(tr, cfg)
+						if err != nil {
+							return fmt.Errorf("per-token-only run, pool of %d pages, %s domains, %s sizing: %w", pages, domains, sizing, err)
+						}
+						perToken = kvsim.PerTokenFiguresOf(res)
+						debug.FreeOSMemory()
+					}
+					for _, policy := range o.policies {
+						cfg := base
+						cfg.Policy = policy
+						progress(&cfg, fmt.Sprintf("%s/%s/%s", policy, pool, domains))
 						res, err := kvsim.Run(tr, cfg)
 						switch {
 						case errors.Is(err, kvsim.ErrAuditFailed) && res != nil:
 							auditErr = errors.Join(auditErr, err)
 						case err != nil:
 							return fmt.Errorf("policy %s, pool of %d pages, host tier of %d, %s domains, %s sizing: %w", policy, pages, tier, domains, sizing, err)
+						}
+						if res.Checkpoints != nil {
+							res.Checkpoints.PerTokenOnly = perToken
 						}
 						rep.Runs = append(rep.Runs, res)
 						debug.FreeOSMemory() // the next pool allocates afresh

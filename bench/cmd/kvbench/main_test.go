@@ -4,15 +4,17 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"github.com/kvfence/kvfence/kvcache"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/kvcache"
 )
 
 // small keeps test runs to a few MiB and well under a second each.
@@ -401,9 +403,13 @@ type report struct {
 	ReportGeometry *struct {
 		PageBytes int64 `json:"page_bytes"`
 	} `json:"report_geometry"`
+	Model *struct {
+		Hybrid bool
+	}
 	Runs []struct {
 		Policy, Domains string
 		PoolPages       int               `json:"pool_pages"`
+		PoolTokens      int               `json:"pool_tokens"`
 		PoolBytes       int64             `json:"pool_bytes"`
 		HostPoolBytes   int64             `json:"host_pool_bytes"`
 		BytesScrubbed   uint64            `json:"bytes_scrubbed"`
@@ -411,8 +417,19 @@ type report struct {
 		Admitted        uint64            `json:"admitted"`
 		Refusals        map[string]uint64 `json:"refusals"`
 		Dropped         map[string]uint64 `json:"dropped"`
-		Prefix          struct {
+		Checkpoints     *struct {
+			Hits           uint64
+			PeakStateBytes int64   `json:"peak_state_bytes"`
+			SlotBytes      int64   `json:"slot_bytes"`
+			CopyNs         float64 `json:"copy_ns_per_checkpoint"`
+			ModelCopyNs    float64 `json:"model_copy_ns_estimate"`
+			PerTokenOnly   *struct {
+				HitRate float64 `json:"hit_rate"`
+			} `json:"per_token_only"`
+		}
+		Prefix struct {
 			HitRate     float64 `json:"hit_rate"`
+			HitTokens   uint64  `json:"hit_tokens"`
 			HitPages    uint64  `json:"hit_pages"`
 			LookupPages uint64  `json:"lookup_pages"`
 			Bound       struct {
@@ -635,23 +652,90 @@ func TestParseBandwidth(t *testing.T) {
 	}
 }
 
-// -model reports bytes at a preset's size; unknown presets and -model
-// with -report-geometry are refused.
+// -model runs pools of a preset's miniature and reports bytes at the
+// model's size; flags of another layout, unknown presets, and state flags
+// without a state group are refused.
 func TestModelPreset(t *testing.T) {
+	noGeometry := []string{"-pool-pages", "1024", "-max-context", "8192", "-rate", "20", "-step", "5ms"}
 	dir := t.TempDir()
 	code, stdout, stderr := runKvbench(t, append([]string{"-duration", "1s", "-policies", "zero", "-out", dir,
-		"-model", "deepseek-v3", "-progress-interval", "0"}, small...)...)
+		"-model", "deepseek-v3", "-progress-interval", "0"}, noGeometry...)...)
 	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
 	spec, err := kvcache.Preset("deepseek-v3")
 	require.NoError(t, err)
-	assert.Contains(t, stdout, "bytes reported at model deepseek-v3:")
+	assert.Contains(t, stdout, "model: deepseek-v3, groups kv (per_token, 61 regions), 64 tokens/page")
+	assert.Contains(t, stdout, "the pools are its miniature")
 	rep := readFullReport(t, dir)
+	require.NotNil(t, rep.Model)
+	assert.False(t, rep.Model.Hybrid)
 	require.NotNil(t, rep.ReportGeometry)
-	assert.EqualValues(t, 16*spec.TokenBytes(), rep.ReportGeometry.PageBytes)
-	assert.EqualValues(t, 1024*16*spec.TokenBytes(), rep.Runs[0].PoolBytes)
-	for _, args := range [][]string{{"-model", "gpt-5"}, {"-model", "glm-5", "-report-geometry", "layers=32,kv-heads=8,head-dim=128,dtype=bf16"}} {
-		code, _, stderr := runKvbench(t, append(args, small...)...)
-		assert.Equal(t, 2, code, "%v", args)
-		assert.Contains(t, stderr, "flag -model", "%v", args)
+	assert.EqualValues(t, spec.PageBytes(), rep.ReportGeometry.PageBytes)
+	assert.EqualValues(t, 1024*spec.PageBytes(), rep.Runs[0].PoolBytes)
+	assert.EqualValues(t, 1024*64, rep.Runs[0].PoolTokens, "the model's pages of 64 tokens")
+	assert.Nil(t, rep.Runs[0].Checkpoints)
+	for _, tc := range []struct {
+		args []string
+		flag string
+	}{
+		{[]string{"-model", "gpt-5"}, "-model"},
+		{[]string{"-model", "glm-5", "-report-geometry", "layers=32,kv-heads=8,head-dim=128,dtype=bf16"}, "-report-geometry"},
+		{[]string{"-model", "glm-5", "-layers", "2"}, "-layers"},
+		{[]string{"-model", "qwen3-next-80b-a3b", "-page-tokens", "32"}, "-page-tokens"},
+		{[]string{"-model", "gpt-oss-120b"}, "-model"}, // a sliding window the engine does not slide
+		{[]string{"-max-leases", "4"}, "-max-leases"},
+		{[]string{"-model", "llama-3.1-8b", "-checkpoint-slots", "4"}, "-checkpoint-slots"},
+		{[]string{"-model", "glm-5.3-flash", "-state-shrink", "0"}, "-state-shrink"},
+		{[]string{"-model", "glm-5.3-flash", "-max-leases", "-1"}, "-max-leases"},
+	} {
+		code, _, stderr := runKvbench(t, append(tc.args, noGeometry...)...)
+		assert.Equal(t, 2, code, "%v", tc.args)
+		assert.Contains(t, stderr, "flag "+tc.flag, "%v", tc.args)
 	}
+}
+
+// A hybrid model replays a Mooncake trace with state checkpoints: the
+// report gives its hits against the same trace on its per-token pages
+// alone, the checkpoints' memory at the model's size and their copies.
+func TestHybridModel(t *testing.T) {
+	var trace strings.Builder
+	next := 1
+	chain := []string{}
+	for i := range 24 { // conversations of two turns, every one opening with block 0
+		if i%2 == 0 {
+			chain = []string{"0"}
+		}
+		chain = append(chain, strconv.Itoa(next))
+		next++
+		fmt.Fprintf(&trace, "{\"timestamp\": %d, \"input_length\": %d, \"output_length\": 4, \"hash_ids\": [%s]}\n",
+			200*i, 512*len(chain)-100, strings.Join(chain, ", "))
+	}
+	path := filepath.Join(t.TempDir(), "mooncake.jsonl")
+	require.NoError(t, os.WriteFile(path, []byte(trace.String()), 0o644))
+	dir := t.TempDir()
+	code, stdout, stderr := runKvbench(t, "-trace", path, "-model", "qwen3-next-80b-a3b", "-state-shrink", "64",
+		"-pool-tokens", "64k", "-max-leases", "8", "-checkpoint-slots", "32", "-policies", "zero,none", "-audit",
+		"-prefill-tokens", "512", "-out", dir, "-progress-interval", "0")
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	assert.Contains(t, stdout, "state slots for 8 leases and 32 checkpoints")
+	assert.Contains(t, stdout, "one layer's state ÷ 64")
+	assert.Contains(t, stdout, "state checkpoints (hit rate")
+	assert.Contains(t, stdout, "audit zero: passed")
+	rep := readFullReport(t, dir)
+	require.NotNil(t, rep.Model)
+	assert.True(t, rep.Model.Hybrid)
+	require.Len(t, rep.Runs, 2, "the per-token-only run is not one of the runs")
+	for _, r := range rep.Runs {
+		c := r.Checkpoints
+		require.NotNil(t, c, r.Policy)
+		require.NotNil(t, c.PerTokenOnly, r.Policy)
+		assert.Positive(t, c.Hits, r.Policy)
+		assert.Positive(t, c.PerTokenOnly.HitRate, r.Policy)
+		assert.LessOrEqual(t, r.Prefix.HitRate, c.PerTokenOnly.HitRate, r.Policy)
+		assert.Positive(t, c.PeakStateBytes, r.Policy)
+		assert.Zero(t, c.PeakStateBytes%c.SlotBytes, "whole checkpoints of the model's size")
+		assert.Positive(t, c.CopyNs, r.Policy)
+		assert.Positive(t, c.ModelCopyNs, r.Policy)
+	}
+	assert.Equal(t, rep.Runs[0].Checkpoints.PerTokenOnly, rep.Runs[1].Checkpoints.PerTokenOnly, "one per-token-only run for both policies")
+	assert.Equal(t, rep.Runs[0].Prefix.HitTokens, rep.Runs[1].Prefix.HitTokens, "hits do not depend on the policy")
 }

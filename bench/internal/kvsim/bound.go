@@ -188,7 +188,7 @@ func admissible(r *Request, cfg RunConfig) bool {
 	if cfg.Sizing == SizingOnDemand {
 		reserve = min(r.MaxNew, cfg.HeadroomTokens)
 	}
-	return r.Prompt+r.MaxNew <= cfg.MaxContext && r.Prompt+reserve <= cfg.PoolPages*cfg.Geometry.TokensPerPage
+	return r.Prompt+r.MaxNew <= cfg.MaxContext && r.Prompt+reserve <= cfg.PoolPages*cfg.tokensPerPage()
 }
 
 // newBoundIndexFor is a run's bound index: the requests its pool can
@@ -197,7 +197,7 @@ func admissible(r *Request, cfg RunConfig) bool {
 // sizing a request longer than the pool counts if its prompt and headroom
 // fit (MaxTokens still names the smaller of the two).
 func newBoundIndexFor(tr *Trace, cfg RunConfig) *boundIndex {
-	x := newBoundIndex(tr, cfg.Geometry.TokensPerPage, min(cfg.MaxContext, cfg.PoolPages*cfg.Geometry.TokensPerPage), cfg.Domains)
+	x := newBoundIndex(tr, cfg.tokensPerPage(), min(cfg.MaxContext, cfg.PoolPages*cfg.tokensPerPage()), cfg.Domains)
 	x.admits = func(r *Request) bool { return admissible(r, cfg) }
 	return x
 }

@@ -80,6 +80,29 @@ func (d unsafeNoScrubDevice) Fill(pages []int32, _ cudaops.FillSpec, _ cudaops.O
 	return cudaops.Completed(nil), nil
 }
 
+// FillSpans, for a pool of several cache groups: checks, writes nothing.
+func (d unsafeNoScrubDevice) FillSpans(spans []cudaops.Span, _ cudaops.FillSpec, _ cudaops.Ordering) (cudaops.Fence, error) {
+	if err := cudaops.CheckSpans(d.Regions(), spans); err != nil {
+		return nil, err
+	}
+	return cudaops.Completed(nil), nil
+}
+
+// MovePages copies, as the device does: state checkpoints are copies,
+// not scrubs, and the baseline takes and restores them like any engine.
+func (d unsafeNoScrubDevice) MovePages(spans []cudaops.MoveSpan, after cudaops.Ordering) (cudaops.Fence, error) {
+	return movePages(d.Device, spans, after)
+}
+
+// movePages is dev's MovePages, or an error naming a device that has none.
+func movePages(dev cudaops.Device, spans []cudaops.MoveSpan, after cudaops.Ordering) (cudaops.Fence, error) {
+	m, ok := dev.(cudaops.PageMover)
+	if !ok {
+		return nil, fmt.Errorf("%w: %s cannot copy pages on the device (cudaops.PageMover)", cudaops.ErrInvalidArgument, dev.Name())
+	}
+	return m.MovePages(spans, after)
+}
+
 // batchBuckets groups fills by pages per batch: bucket b holds batches of
 // [2^b, 2^(b+1)) pages.
 const batchBuckets = 32
@@ -97,10 +120,15 @@ type FillBucket struct {
 	GBps float64 `json:"gb_per_s"`
 }
 
-// meteredDevice times every Fill to its completion and groups the fills
+// meteredDevice times every fill to its completion and groups the fills
 // by batch size. It waits for each fence inside Fill, which the Host
 // backend does anyway; on an asynchronous backend that serialises the
-// fills, which is what a per-batch bandwidth figure needs.
+// fills, which is what a per-batch bandwidth figure needs. A pool of
+// several cache groups fills them together (FillSpans): a batch's size is
+// then its units over every group, and the units each group's fills
+// wrote are counted apart (by the span's first region), so that its
+// bytes can be reported at a model's size, where a state slot and a page
+// differ in bytes.
 type meteredDevice struct {
 	cudaops.Device
 	mu struct {
@@ -110,6 +138,10 @@ type meteredDevice struct {
 			fills, pages, bytes uint64
 			time                time.Duration
 		}
+		// units[first] counts the units written in the group whose
+		// regions start at first (0: the per-token group, and every
+		// page of a plain Fill).
+		units map[int]uint64
 	}
 }
 
@@ -121,20 +153,64 @@ func (d *meteredDevice) Fill(pages []int32, spec cudaops.FillSpec, after cudaops
 		return nil, err
 	}
 	err = f.Wait()
-	elapsed := time.Since(start)
-	written := d.Device.Counters().BytesFilled - before
-	if len(pages) > 0 {
-		b := bits.Len(uint(len(pages))) - 1
-		d.mu.Lock()
-		d.mu.total += elapsed
-		bk := &d.mu.buckets[b]
-		bk.fills++
-		bk.pages += uint64(len(pages))
-		bk.bytes += written
-		bk.time += elapsed
-		d.mu.Unlock()
-	}
+	d.record(time.Since(start), d.Device.Counters().BytesFilled-before, len(pages), func(units map[int]uint64) {
+		units[0] += uint64(len(pages))
+	})
 	return cudaops.Completed(err), nil
+}
+
+// FillSpans is Fill for a pool of several cache groups.
+func (d *meteredDevice) FillSpans(spans []cudaops.Span, spec cudaops.FillSpec, after cudaops.Ordering) (cudaops.Fence, error) {
+	sf, ok := d.Device.(cudaops.SpanFiller)
+	if !ok {
+		return nil, fmt.Errorf("%w: %s cannot fill spans of regions (cudaops.SpanFiller)", cudaops.ErrInvalidArgument, d.Device.Name())
+	}
+	start := time.Now()
+	before := d.Device.Counters().BytesFilled
+	f, err := sf.FillSpans(spans, spec, after)
+	if err != nil {
+		return nil, err
+	}
+	err = f.Wait()
+	n := 0
+	for _, s := range spans {
+		n += len(s.Pages)
+	}
+	d.record(time.Since(start), d.Device.Counters().BytesFilled-before, n, func(units map[int]uint64) {
+		for _, s := range spans {
+			units[s.First] += uint64(len(s.Pages))
+		}
+	})
+	return cudaops.Completed(err), nil
+}
+
+// record adds one fill of n units that wrote written bytes; count adds
+// its units by group, if it wrote any (the unsafe baseline's write
+// nothing).
+func (d *meteredDevice) record(elapsed time.Duration, written uint64, n int, count func(map[int]uint64)) {
+	if n == 0 {
+		return
+	}
+	b := bits.Len(uint(n)) - 1
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.mu.total += elapsed
+	bk := &d.mu.buckets[b]
+	bk.fills++
+	bk.pages += uint64(n)
+	bk.bytes += written
+	bk.time += elapsed
+	if written > 0 {
+		if d.mu.units == nil {
+			d.mu.units = map[int]uint64{}
+		}
+		count(d.mu.units)
+	}
+}
+
+// MovePages passes state checkpoints' copies to the device.
+func (d *meteredDevice) MovePages(spans []cudaops.MoveSpan, after cudaops.Ordering) (cudaops.Fence, error) {
+	return movePages(d.Device, spans, after)
 }
 
 // reset forgets what was measured so far.
@@ -143,6 +219,15 @@ func (d *meteredDevice) reset() {
 	defer d.mu.Unlock()
 	d.mu.total = 0
 	clear(d.mu.buckets[:])
+	clear(d.mu.units)
+}
+
+// unitsFilled returns the units written by fills in the group whose
+// regions start at first.
+func (d *meteredDevice) unitsFilled(first int) uint64 {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.mu.units[first]
 }
 
 // totals returns the time spent in fills and the bytes they wrote.

@@ -68,6 +68,17 @@
 // prefix cache's figures are first admissions', so that hit rates stay
 // comparable with the bound.
 //
+// # Model pools and state checkpoints
+//
+// RunConfig.Model runs a pool of a model preset's cache spec, allocated
+// as a miniature (Miniature) with every byte reported at the model's
+// size. A hybrid model's pool (a state group) shares prefixes through
+// state checkpoints: the engine ends its prefill chunks on page
+// boundaries and checkpoints at each, and at Lease.PrefillCheckpoint;
+// RunResult.Checkpoints reports what they hit, held and cost, beside the
+// same trace on the per-token pages alone (ModelPool.PerTokenOnly). See
+// model.go.
+//
 // Each run also reports how many requests ran at once (mean over the
 // steps that ran any, and max), the share of the pages leases held that
 // held written KV (KVUtilisation), and time to first token, which counts
@@ -99,7 +110,11 @@
 //     bound (PrefixResult.ServedBound), whose lookups are the run's.
 //   - With ReportGeometry, byte figures are the model's, scaled page for
 //     page from the small pool actually allocated; counts and ratios do
-//     not change.
+//     not change. With a Model, the same holds group by group: pages at
+//     its per-token group's bytes, state slots at its state's.
+//   - On a hybrid model's pool, a request's prefix hit is the longest
+//     prefix cached in its domain whose end has a checkpoint; the pool's
+//     checkpoint hits equal the leases' hits.
 //
 // The "none" baseline runs the zero policy's bookkeeping on a device whose
 // Fill does nothing (UnsafeNoScrub): it is what an engine that does not

@@ -254,6 +254,8 @@ var (
 	solid  []vg.Length
 	dashed = []vg.Length{vg.Points(5), vg.Points(3)}
 	dotted = []vg.Length{vg.Points(1.5), vg.Points(2)}
+	// dashDot marks a hybrid model's per-token-only hit rate.
+	dashDot = []vg.Length{vg.Points(6), vg.Points(2), vg.Points(1.5), vg.Points(2)}
 )
 
 // seriesStyle is the i-th series' colour and, past the palette, a dash
@@ -384,7 +386,7 @@ func hitRatePlot(runs []*RunResult) (*figure, error) {
 	drawn := false
 	for i, layout := range layouts {
 		c, _ := seriesStyle(i)
-		var xys, bounds, served plotter.XYs
+		var xys, bounds, served, perToken plotter.XYs
 		servedDiffers := false
 		for _, r := range byPoolLayout(runs) {
 			if (layoutSizing{r.Domains, r.Sizing}) != layout || !r.Prefix.Enabled {
@@ -397,11 +399,16 @@ func hitRatePlot(runs []*RunResult) (*figure, error) {
 				served = append(served, plotter.XY{X: float64(r.PoolTokens), Y: 100 * px.ServedBound.HitRate})
 				servedDiffers = servedDiffers || math.Abs(px.ServedBound.HitRate-px.Bound.HitRate) >= 0.0005
 			}
+			if c := r.Checkpoints; c != nil && c.PerTokenOnly != nil && c.PerTokenOnly.LookupPages > 0 &&
+				!slices.ContainsFunc(perToken, func(p plotter.XY) bool { return p.X == float64(r.PoolTokens) }) {
+				perToken = append(perToken, plotter.XY{X: float64(r.PoolTokens), Y: 100 * c.PerTokenOnly.HitRate})
+			}
 		}
 		byX := func(a, b plotter.XY) int { return cmpFloat(a.X, b.X) }
 		slices.SortFunc(xys, byX)
 		slices.SortFunc(bounds, byX)
 		slices.SortFunc(served, byX)
+		slices.SortFunc(perToken, byX)
 		suffix := ""
 		if many.Domains {
 			suffix += ", " + layout.domains
@@ -429,6 +436,19 @@ func hitRatePlot(runs []*RunResult) (*figure, error) {
 			if err := f.addLine(served, c, dotted, "bound of the requests served"+suffix); err != nil {
 				return nil, err
 			}
+		}
+		if len(perToken) > 0 {
+			// A hybrid model's pool: the same trace on its per-token pages
+			// alone, what its checkpoints are measured against.
+			// Rings at the points: one pool size draws no line.
+			l, s, err := plotter.NewLinePoints(perToken)
+			if err != nil {
+				return nil, err
+			}
+			l.Color, l.Dashes, l.Width, s.Color = c, dashDot, vg.Points(1.5), c
+			s.Shape, s.Radius = draw.RingGlyph{}, vg.Points(4)
+			f.add(l, s)
+			f.legend.Add("per-token pages alone (no state)"+suffix, l, s)
 		}
 		if len(xys) == 0 {
 			continue

@@ -26,8 +26,10 @@ import (
 // each run's sizing, headroom_tokens, growth_watermark, kv_utilisation,
 // concurrency, growth and utilisation samples' written_pages; a run's
 // prefix_cache figures now leave out the re-admissions of preempted
-// requests (in growth).
-const ReportVersion = 5
+// requests (in growth). 6 added model (-model runs pools of the preset's
+// cache spec, a miniature of it) and each run's checkpoints (a hybrid
+// model's state checkpoints, with the per-token-only run's figures).
+const ReportVersion = 6
 
 // Report is the whole output of one kvbench invocation.
 type Report struct {
@@ -41,11 +43,14 @@ type Report struct {
 	// ReportGeometry, when set, is the model whose bytes the figures are
 	// given at (pool, KV written, scrubbed, prefill avoided); the pools
 	// were allocated at Geometry.
-	ReportGeometry  *GeometryReport `json:"report_geometry,omitempty"`
-	MaxContext      int             `json:"max_context_tokens"`
-	Step            float64         `json:"decode_step_seconds"`
-	MaxBatch        int             `json:"max_batch"`
-	DeviceBandwidth float64         `json:"device_bandwidth_bytes_per_s,omitempty"`
+	ReportGeometry *GeometryReport `json:"report_geometry,omitempty"`
+	// Model, when set, is the model whose cache spec the pools ran
+	// (RunConfig.Model); Geometry is then not used.
+	Model           *ModelPoolReport `json:"model,omitempty"`
+	MaxContext      int              `json:"max_context_tokens"`
+	Step            float64          `json:"decode_step_seconds"`
+	MaxBatch        int              `json:"max_batch"`
+	DeviceBandwidth float64          `json:"device_bandwidth_bytes_per_s,omitempty"`
 	// PrefixCache is "on" or "off"; Domains the sharing-domain layouts
 	// replayed; PrefillTokens the engine's prefill budget per step (0: no
 	// limit).
@@ -112,6 +117,48 @@ func ReportGeometry(g kvcache.Geometry) GeometryReport {
 func ModelReport(s kvcache.CacheSpec, tokensPerPage int) GeometryReport {
 	return GeometryReport{Model: s.Model, TokensPerPage: tokensPerPage,
 		PageBytes: s.TokenBytes() * int64(tokensPerPage), TokenBytes: s.TokenBytes()}
+}
+
+// ModelPoolReport describes the pools of a model run (RunConfig.Model).
+type ModelPoolReport struct {
+	Model  string `json:"model"`
+	Hybrid bool   `json:"hybrid"` // it has a state group: prefixes are shared through checkpoints
+	// Groups names each cache group and its kind, the per-token group
+	// first.
+	Groups        []string `json:"groups"`
+	TokensPerPage int      `json:"tokens_per_page"`
+	// PageBytes and TokenBytes are the per-token group's at the model's
+	// size, SlotBytes one lease's state (every other group); the Host
+	// figures are the miniature's, which the pools allocated.
+	PageBytes     int64 `json:"page_bytes"`
+	TokenBytes    int64 `json:"token_bytes"`
+	SlotBytes     int64 `json:"slot_bytes"`
+	HostPageBytes int64 `json:"host_page_bytes"`
+	HostSlotBytes int64 `json:"host_slot_bytes"`
+	// StateShrink divided the miniature's one layer of state.
+	StateShrink int `json:"state_shrink,omitempty"`
+	// SlotCopyNs is a plain memcpy of SlotBytes on this host (HostCopyNs,
+	// median of 5): what a checkpoint of the model's size costs a host
+	// pool; not a GPU's copy.
+	SlotCopyNs      int64 `json:"host_slot_memcpy_ns,omitempty"`
+	MaxLeases       int   `json:"max_leases,omitempty"`
+	CheckpointSlots int   `json:"checkpoint_slots,omitempty"`
+	MaxCheckpoints  int   `json:"max_checkpoints,omitempty"`
+}
+
+// DescribeModel describes m's pools; stateShrink is what its miniature's
+// state was divided by (Miniature).
+func DescribeModel(m *ModelPool, stateShrink int) *ModelPoolReport {
+	r := &ModelPoolReport{Model: m.Spec.Model, Hybrid: m.Hybrid(), TokensPerPage: m.Spec.TokensPerPage(),
+		PageBytes: m.Spec.PageBytes(), TokenBytes: m.Spec.TokenBytes(), HostPageBytes: m.Miniature.PageBytes()}
+	for _, g := range m.Spec.Groups {
+		r.Groups = append(r.Groups, fmt.Sprintf("%s (%s, %d regions)", g.Name, g.Kind, len(g.Regions)))
+	}
+	if r.Hybrid {
+		r.SlotBytes, r.HostSlotBytes = stateBytes(m.Spec), stateBytes(m.Miniature)
+		r.StateShrink, r.MaxLeases, r.CheckpointSlots, r.MaxCheckpoints = stateShrink, m.MaxLeases, m.CheckpointSlots, m.MaxCheckpoints
+	}
+	return r
 }
 
 // Workload summarises a trace.
@@ -379,6 +426,41 @@ func (r *Report) writeTierTable(w io.Writer, many Variety) {
 	tw.Flush()
 }
 
+// writeCheckpointTable prints, per run of a hybrid model, what its state
+// checkpoints did.
+func (r *Report) writeCheckpointTable(w io.Writer, many Variety) {
+	if !slices.ContainsFunc(r.Runs, func(run *RunResult) bool { return run.Checkpoints != nil }) {
+		return
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "state checkpoints (hit rate: as above, prefixes shared with the state at their end; "+
+		"per-token only: the same trace on the same pages of the per-token group alone, whole prompts published, no state needed; "+
+		"ckpt misses: admissions, and their tokens, that matched cached pages past their last checkpoint; "+
+		"taken/existing/evicted/skipped: checkpoints copied, found there already, evicted (scrubbed), not taken for want of room; "+
+		"state: bytes checkpoints held at the model's size, most at a sample and at the end; "+
+		"copy, restore: the pool's state copies per checkpoint and per hit, HOST memcpy of the miniature's slot, "+
+		"and at model size the same rate over the model's slot; not GPU times):")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "policy\thit rate\tper-token only\tbound\tckpt hits\thit tokens\tckpt misses\tmiss tokens\ttaken\texisting\tevicted\tskipped\t"+
+		"state peak\tat end\tcopy\trestore\thost GB/s\tcopy at model size\t")
+	for _, run := range r.Runs {
+		c := run.Checkpoints
+		if c == nil {
+			continue
+		}
+		pto := "-"
+		if p := c.PerTokenOnly; p != nil {
+			pto = fmtHitRate(p.HitRate, p.LookupPages)
+		}
+		px := run.Prefix
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%.1f%%\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%.2f\t%s\t\n", RunLabel(run, many),
+			fmtHitRate(px.HitRate, px.LookupPages), pto, 100*px.Bound.HitRate, c.Hits, c.HitTokens, c.Misses, c.MissTokens,
+			c.Taken, c.Existing, c.Evicted, c.CapacitySkips, FormatBytes(float64(c.PeakStateBytes)), FormatBytes(float64(c.StateBytesAtEnd)),
+			fmtNs(int64(c.CopyNs)), fmtNs(int64(c.RestoreNs)), c.HostCopyGBps, fmtNs(int64(c.ModelCopyNs)))
+	}
+	tw.Flush()
+}
+
 // fmtHitRate prints a hit rate, or "-" when nothing was looked up (no
 // request admitted).
 func fmtHitRate(rate float64, lookups uint64) string {
@@ -460,6 +542,35 @@ func (r *Report) WriteTable(w io.Writer) {
 		fmt.Fprintf(w, "%s%.1f%% %s", sep, 100*b.HitRate, b.Domains)
 	}
 	fmt.Fprintln(w)
+	if m := r.Model; m != nil {
+		fmt.Fprintf(w, "model: %s, groups %s, %d tokens/page: %s/page, %s/token",
+			m.Model, strings.Join(m.Groups, ", "), m.TokensPerPage, FormatBytes(float64(m.PageBytes)), FormatBytes(float64(m.TokenBytes)))
+		if m.Hybrid {
+			fmt.Fprintf(w, ", %s of state per lease; state slots for %d leases and %d checkpoints", FormatBytes(float64(m.SlotBytes)), m.MaxLeases, m.CheckpointSlots)
+			if m.MaxCheckpoints > 0 {
+				fmt.Fprintf(w, " (at most %d held)", m.MaxCheckpoints)
+			}
+		}
+		fmt.Fprintf(w, "; max context %d tokens; step %v, batch ≤ %d\n", r.MaxContext, time.Duration(r.Step*1e9), r.MaxBatch)
+		fmt.Fprintf(w, "  the pools are its miniature (one layer of each group): %s/page", FormatBytes(float64(m.HostPageBytes)))
+		if m.Hybrid {
+			fmt.Fprintf(w, ", %s/state slot (one layer's state ÷ %d)", FormatBytes(float64(m.HostSlotBytes)), m.StateShrink)
+		}
+		fmt.Fprintln(w, "; every byte figure is at the model's size")
+		if m.SlotCopyNs > 0 {
+			fmt.Fprintf(w, "  a plain host memcpy of one state slot of the model's size (%s) takes %s here (median of 5; host memory, not a GPU)\n",
+				FormatBytes(float64(m.SlotBytes)), fmtNs(m.SlotCopyNs))
+		}
+	} else {
+		r.writeGeometry(w)
+	}
+	fmt.Fprintf(w, "machine: %s/%s, %d CPUs, %s\n\n", r.Machine.GOOS, r.Machine.GOARCH, r.Machine.CPUs, r.Machine.Go)
+	r.writeRuns(w)
+}
+
+// writeGeometry prints the pools' geometry, and the one bytes are
+// reported at.
+func (r *Report) writeGeometry(w io.Writer) {
 	g := r.Geometry
 	fmt.Fprintf(w, "geometry: %d layers × %d KV heads × %d dim %s, %d tokens/page: %s/page, %s/token; max context %d tokens; step %v, batch ≤ %d\n",
 		g.Layers, g.KVHeads, g.HeadDim, g.DType, g.TokensPerPage, FormatBytes(float64(g.PageBytes)), FormatBytes(float64(g.TokenBytes)),
@@ -471,8 +582,10 @@ func (r *Report) WriteTable(w io.Writer) {
 		fmt.Fprintf(w, "bytes reported at %d layers × %d KV heads × %d dim %s: %s/page, %s/token (the pools were allocated at the geometry above)\n",
 			rg.Layers, rg.KVHeads, rg.HeadDim, rg.DType, FormatBytes(float64(rg.PageBytes)), FormatBytes(float64(rg.TokenBytes)))
 	}
-	fmt.Fprintf(w, "machine: %s/%s, %d CPUs, %s\n\n", r.Machine.GOOS, r.Machine.GOARCH, r.Machine.CPUs, r.Machine.Go)
+}
 
+// writeRuns prints the runs' tables.
+func (r *Report) writeRuns(w io.Writer) {
 	many := VarietyOf(r.Runs)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	gpuHead := ""
@@ -556,6 +669,7 @@ func (r *Report) WriteTable(w io.Writer) {
 	}
 	r.writePrefixTable(w, many)
 	r.writeTierTable(w, many)
+	r.writeCheckpointTable(w, many)
 	r.writeSizingTable(w, many)
 	if r.DeviceBandwidth == 0 {
 		fmt.Fprintln(w, "GPU estimate: pass -device-bandwidth (e.g. 4TB/s) to estimate device fill time per second of serving")

@@ -76,6 +76,9 @@ type RunResult struct {
 	ScrubByBatch            []FillBucket `json:"scrub_by_batch"`
 
 	Prefix PrefixResult `json:"prefix_cache"`
+	// Checkpoints is what a hybrid model's state checkpoints did
+	// (RunConfig.Model with a state group); nil for other pools.
+	Checkpoints *CheckpointResult `json:"checkpoints,omitempty"`
 	// TTFT is the virtual time from arrival to the first generated token
 	// (queueing and prefill), of requests that generate one.
 	TTFT TTFTSummary `json:"ttft"`

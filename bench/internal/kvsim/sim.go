@@ -68,7 +68,10 @@ func ParsePolicy(name string) (policy isolation.ScrubPolicy, unsafe bool, err er
 
 // RunConfig is one replay of a trace against one pool.
 type RunConfig struct {
+	// Geometry is the pool's page shape; Model, instead, runs a pool of
+	// a model's cache spec (see ModelPool): set exactly one.
 	Geometry   kvcache.Geometry
+	Model      *ModelPool
 	PoolPages  int
 	MaxContext int
 	Policy     string
@@ -123,10 +126,6 @@ type RunConfig struct {
 	// must have Geometry's page size. Fill bandwidths and times stay the
 	// host's.
 	ReportGeometry *kvcache.Geometry
-	// ReportModel, instead of ReportGeometry, is a cache spec (a model
-	// preset, kvcache.Preset) whose per-token bytes the result reports:
-	// its per-token group's bytes per token, whatever its own page size.
-	ReportModel *kvcache.CacheSpec
 	// HostTierPages gives the pool a host tier of that many pages
 	// (kvcache.HostTierConfig): cached pages the device evicts are kept
 	// there and copied back into admissions whose prefix continues there,
@@ -187,16 +186,22 @@ func (c *RunConfig) validate() error {
 		return bad("a headroom (%d tokens) or a growth watermark (%v) with %s sizing: they are for %s leases only",
 			c.HeadroomTokens, c.GrowthWatermark, SizingFull, SizingOnDemand)
 	}
+	if m := c.Model; m != nil {
+		switch {
+		case c.Geometry != (kvcache.Geometry{}):
+			return bad("a geometry and a model: give one")
+		case c.ReportGeometry != nil:
+			return bad("a report geometry and a model: a model's bytes are reported at its own size")
+		case m.Hybrid() && c.HostTierPages > 0:
+			return bad("a host tier of %d pages on a hybrid model's pool: the tier holds per-token pages, not state checkpoints", c.HostTierPages)
+		case m.Hybrid() && c.PrefillTokens > 0 && c.PrefillTokens < m.Spec.TokensPerPage():
+			return bad("prefill budget of %d tokens per step on a hybrid model's pool, whose chunks end on pages of %d tokens: want 0 or ≥ a page",
+				c.PrefillTokens, m.Spec.TokensPerPage())
+		}
+		return m.Validate()
+	}
 	if err := c.Geometry.Validate(); err != nil {
 		return err
-	}
-	if c.ReportGeometry != nil && c.ReportModel != nil {
-		return bad("a report geometry and a report model: give one")
-	}
-	if m := c.ReportModel; m != nil {
-		if err := m.Validate(); err != nil {
-			return bad("report model: %v", err)
-		}
 	}
 	if g := c.ReportGeometry; g != nil {
 		if err := g.Validate(); err != nil {
@@ -255,7 +260,6 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		return nil, err
 	}
 	defer base.Close()
-	spec, _ := policy.FillSpec(cfg.Geometry.DType)
 	var dev cudaops.Device = base
 	if unsafe {
 		dev = unsafeNoScrubDevice{base}
@@ -282,36 +286,48 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 	if cfg.Sizing == SizingOnDemand {
 		sizing = kvcache.Sizing{Mode: kvcache.SizeOnDemand, HeadroomTokens: cfg.HeadroomTokens}
 	}
-	pool, err := kvcache.New(kvcache.Config{
-		Geometry: cfg.Geometry, Pages: cfg.PoolPages, MaxContextTokens: cfg.MaxContext,
+	pc := kvcache.Config{
+		Pages: cfg.PoolPages, MaxContextTokens: cfg.MaxContext,
 		AllowUndersizedPool: true, Tenants: tenants, Scrub: policy, Device: metered,
 		Prefix: kvcache.PrefixConfig{Disable: !cfg.PrefixCache},
 		Sizing: sizing, GrowthWatermark: cfg.GrowthWatermark,
 		HostTier: kvcache.HostTierConfig{Pages: cfg.HostTierPages, NoSwap: true},
-	})
+	}
+	if m := cfg.Model; m != nil {
+		pc.Cache = m.poolSpec()
+		if m.Hybrid() {
+			pc.MaxLeases = m.MaxLeases
+			pc.Prefix.CheckpointSlots, pc.Prefix.MaxCheckpoints = m.CheckpointSlots, m.MaxCheckpoints
+		}
+	} else {
+		pc.Geometry = cfg.Geometry
+	}
+	pool, err := kvcache.New(pc)
 	if err != nil {
 		return nil, err
 	}
+	lay := layoutOf(cfg)
 	s := &sim{
-		cfg: cfg, tr: tr, pool: pool, dev: metered, tenantIdx: tenantIdx, domainOf: domainOf,
+		cfg: cfg, tr: tr, pool: pool, dev: metered, tenantIdx: tenantIdx, domainOf: domainOf, lay: lay,
+		hybrid: cfg.Model.Hybrid() && cfg.PrefixCache,
 		reused: make([]bool, cfg.PoolPages), readmitByDomain: map[string]readmitCount{},
 		res: &RunResult{Policy: cfg.Policy, Unsafe: unsafe, Device: metered.Name(), PoolPages: cfg.PoolPages,
-			PoolTokens: cfg.PoolPages * cfg.Geometry.TokensPerPage, HostPoolBytes: int64(cfg.PoolPages) * cfg.Geometry.PageBytes(),
+			PoolTokens: cfg.PoolPages * lay.tpp, PoolBytes: lay.reportPool, HostPoolBytes: lay.hostPool,
 			KVWritesSimulated: cfg.WriteKV, Domains: cfg.Domains, Dropped: map[string]uint64{},
-			HostTierPages: cfg.HostTierPages, HostTierTokens: cfg.HostTierPages * cfg.Geometry.TokensPerPage,
+			HostTierPages: cfg.HostTierPages, HostTierTokens: cfg.HostTierPages * lay.tpp,
 			Sizing: cfg.Sizing, HeadroomTokens: cfg.HeadroomTokens, GrowthWatermark: cfg.GrowthWatermark,
 			Growth: GrowthResult{Truncated: map[string]uint64{}}},
 	}
-	s.report = reportBytesOf(cfg)
-	s.res.PoolBytes = int64(cfg.PoolPages) * s.report.page
 	s.served = newBoundIndexFor(tr, cfg)
-	s.spec = spec
+	// The policy's pattern over the pool's element types (the unsafe
+	// baseline's is the zero policy's).
+	s.spec = pool.FillSpec()
 	if unsafe {
 		// The safe pools scrubbed every page at creation, which also
 		// faulted their memory in; do the same for the baseline behind its
 		// back, or its first KV writes would pay the page faults and make
 		// scrubbing look cheaper than it is.
-		if err := prefault(base, cfg.PoolPages, spec); err != nil {
+		if err := prefault(base, lay, s.spec); err != nil {
 			pool.Close()
 			return nil, err
 		}
@@ -342,19 +358,6 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		return s.res, fmt.Errorf("%w: policy %s: %s", ErrAuditFailed, cfg.Policy, au.Summary)
 	}
 	return s.res, nil
-}
-
-// prefault fills every page of dev's regions once and waits.
-func prefault(dev cudaops.Device, pages int, spec cudaops.FillSpec) error {
-	all := make([]int32, pages)
-	for i := range all {
-		all[i] = int32(i)
-	}
-	f, err := dev.Fill(all, spec, cudaops.Ordering{})
-	if err == nil {
-		err = f.Wait()
-	}
-	return err
 }
 
 // hostMemory is a device whose pages the simulated engine can write in
@@ -410,16 +413,24 @@ type active struct {
 type readmitCount struct{ lookups, hits uint64 }
 
 type sim struct {
-	cfg         RunConfig
-	tr          *Trace
-	pool        *kvcache.Pool
-	dev         *meteredDevice
-	host        hostMemory // set when the engine's KV writes are simulated
-	spec        cudaops.FillSpec
-	scrub0      isolation.ScrubStats // the pool's own scrub at creation, not part of serving
-	tenantIdx   map[string]int
-	domainOf    []string    // tenant index → its sharing domain's name in the pool
-	report      reportBytes // whose bytes the result reports
+	cfg       RunConfig
+	tr        *Trace
+	pool      *kvcache.Pool
+	dev       *meteredDevice
+	host      hostMemory // set when the engine's KV writes are simulated
+	spec      cudaops.FillSpec
+	scrub0    isolation.ScrubStats // the pool's own scrub at creation, not part of serving
+	tenantIdx map[string]int
+	domainOf  []string  // tenant index → its sharing domain's name in the pool
+	lay       simLayout // what the engine writes into, and the bytes the result reports
+	// hybrid: the engine checkpoints its requests' state (a hybrid
+	// model's pool with the prefix cache on): ckptCalls calls, ckptTime
+	// their wall time; peakState the most state bytes checkpoints held at
+	// a sample.
+	hybrid      bool
+	ckptCalls   uint64
+	ckptTime    time.Duration
+	peakState   int64
 	served      *boundIndex // the prefix bound of the admitted requests, in admission order
 	ttft        []time.Duration
 	refused     uint64        // admission attempts refused
@@ -525,6 +536,9 @@ func (s *sim) run() error {
 	}
 	s.fillTime, s.filled = s.dev.totals()
 	s.fillBuckets = s.dev.report()
+	for _, g := range s.lay.groups {
+		s.res.BytesScrubbed += s.dev.unitsFilled(g.first) * uint64(g.report)
+	}
 	return nil
 }
 
@@ -716,7 +730,7 @@ func (s *sim) start(a *active, q *queued, keys int) error {
 		g := &s.res.Growth
 		g.Readmitted++
 		g.ReadmitWaitSeconds += (s.now - q.since).Seconds()
-		tpp := s.cfg.Geometry.TokensPerPage
+		tpp := s.lay.tpp
 		if s.cfg.PrefixCache {
 			// As the pool counts a lookup (countMatchLocked): the full
 			// pages it has keys for, but the one holding the last token.
@@ -736,7 +750,7 @@ func (s *sim) start(a *active, q *queued, keys int) error {
 		s.res.PromptTokens += uint64(a.req.Prompt)
 		s.res.Prefix.HitTokens += uint64(a.hit)
 		s.served.add(a.req)
-		s.res.Prefix.PrefillBytesAvoided += uint64(a.hit) * uint64(s.report.token)
+		s.res.Prefix.PrefillBytesAvoided += uint64(a.hit) * uint64(s.lay.token)
 	}
 	if s.cfg.afterAdmit != nil {
 		s.cfg.afterAdmit(s, a)
@@ -745,7 +759,7 @@ func (s *sim) start(a *active, q *queued, keys int) error {
 		s.audit(a, 0)
 	}
 	if s.host != nil {
-		rb := int(s.cfg.Geometry.RegionPageBytes())
+		rb := int(slices.Max(s.lay.kvRegions))
 		if cap(a.marker) < rb {
 			a.marker = make([]byte, rb)
 		}
@@ -780,6 +794,10 @@ func (s *sim) decode() error {
 		}
 		if prompt := a.prompt; a.written < prompt {
 			n := min(prompt-a.written, budget)
+			if s.hybrid {
+				// The chunk ends where the engine can checkpoint.
+				n = s.chunkEnd(a, a.written+n) - a.written
+			}
 			if n == 0 {
 				kept = append(kept, a)
 				continue
@@ -789,12 +807,18 @@ func (s *sim) decode() error {
 				return err
 			}
 			if a.written < prompt {
+				if s.hybrid {
+					// The state reflects the chunk's end, a page boundary.
+					if err := s.checkpoint(a, a.written, false); err != nil {
+						return err
+					}
+				}
 				kept = append(kept, a)
 				continue
 			}
 			if s.cfg.PrefixCache {
-				if _, err := a.lease.CachePrefix(prompt); err != nil {
-					return fmt.Errorf("publishing the prompt of %s: %w", a.req.ID, err)
+				if err := s.checkpoint(a, prompt, true); err != nil {
+					return err
 				}
 			}
 		}
@@ -988,23 +1012,31 @@ func (s *sim) preempt(a *active) error {
 // write appends n tokens of KV to the request's pages and commits them.
 // Past the pages its block table holds is a simulator bug (a growth taken
 // for granted), refused before anything is written.
+//
+// Token t of a page of tpp tokens is words [t·W/tpp, (t+1)·W/tpp) of a
+// region whose page holds W 4-byte words: a token's bytes in a
+// geometry's regions, and in a model's regions whatever they hold per
+// token (a pooled indexer holds an entry per four tokens; a miniature's
+// region may hold less than a word per token). A page written whole holds
+// the marker in every word of every region.
 func (s *sim) write(a *active, n int) error {
+	tpp := s.lay.tpp
 	from, to := a.written, a.written+n
-	if to > len(a.table)*s.cfg.Geometry.TokensPerPage {
+	if to > len(a.table)*tpp {
 		return fmt.Errorf("writing tokens %d..%d of %s: its lease holds %d pages (%d tokens)",
-			from, to, a.req.ID, len(a.table), len(a.table)*s.cfg.Geometry.TokensPerPage)
+			from, to, a.req.ID, len(a.table), len(a.table)*tpp)
 	}
-	s.res.KVBytesWritten += uint64(n) * uint64(s.report.token)
+	s.res.KVBytesWritten += uint64(n) * uint64(s.lay.token)
 	if s.host != nil {
 		start := time.Now()
-		tpp := s.cfg.Geometry.TokensPerPage
-		tb := int(s.cfg.Geometry.RegionPageBytes()) / tpp
 		for tok := from; tok < to; {
 			off := tok % tpp
 			k := min(tpp-off, to-tok)
 			p := a.table[tok/tpp]
-			for r := range s.cfg.Geometry.Regions() {
-				copy(s.host.PageBytes(r, p)[off*tb:(off+k)*tb], a.marker)
+			for r, pb := range s.lay.kvRegions {
+				words := int(pb / 4)
+				lo, hi := 4*(off*words/tpp), 4*((off+k)*words/tpp)
+				copy(s.host.PageBytes(r, p)[lo:hi], a.marker)
 			}
 			tok += k
 		}
@@ -1040,12 +1072,12 @@ func (s *sim) audit(a *active, from int) {
 	start := time.Now()
 	defer func() { s.auditTime += time.Since(start) }()
 	au := &s.res.Audit
-	rb := int(s.cfg.Geometry.RegionPageBytes())
+	rb := int(slices.Max(s.lay.kvRegions)) // the largest region's page: every region's is a prefix of the buffers
 	if len(s.auditBuf) != rb {
 		s.auditBuf, s.wantBuf = make([]byte, rb), make([]byte, rb)
 	}
 	example := false // one example per lease keeps the report varied
-	hitPages := a.hit / s.cfg.Geometry.TokensPerPage
+	hitPages := a.hit / s.lay.tpp
 	for i, p := range a.table[from:] {
 		i += from
 		if i < hitPages {
@@ -1062,20 +1094,21 @@ func (s *sim) audit(a *active, from int) {
 		for off := 0; off < rb; off += 4 {
 			binary.LittleEndian.PutUint32(s.wantBuf[off:], want)
 		}
-		for r := range s.cfg.Geometry.Regions() {
-			if err := s.dev.ReadPage(r, p, s.auditBuf); err != nil {
+		for r, pb := range s.lay.kvRegions {
+			buf := s.auditBuf[:pb]
+			if err := s.dev.ReadPage(r, p, buf); err != nil {
 				au.ReadErrors++
 				break
 			}
-			if bytes.Equal(s.auditBuf, s.wantBuf) {
+			if bytes.Equal(buf, s.wantBuf[:pb]) {
 				continue
 			}
 			au.StalePages++
 			off := 0
-			for off < rb && binary.LittleEndian.Uint32(s.auditBuf[off:]) == want {
+			for off < len(buf) && binary.LittleEndian.Uint32(buf[off:]) == want {
 				off += 4
 			}
-			got := binary.LittleEndian.Uint32(s.auditBuf[off:])
+			got := binary.LittleEndian.Uint32(buf[off:])
 			prev := "of an unknown writer"
 			if got&markerBit != 0 {
 				pt := int(got>>16) & 0xff
@@ -1105,26 +1138,26 @@ func (s *sim) audit(a *active, from int) {
 func (s *sim) auditHit(a *active, p int32) {
 	au := &s.res.Audit
 	au.HitPagesChecked++
-	rb := len(s.auditBuf)
-	for r := range s.cfg.Geometry.Regions() {
-		if err := s.dev.ReadPage(r, p, s.auditBuf); err != nil {
+	for r, pb := range s.lay.kvRegions {
+		buf, want := s.auditBuf[:pb], s.wantBuf[:pb]
+		if err := s.dev.ReadPage(r, p, buf); err != nil {
 			au.ReadErrors++
 			return
 		}
-		first := binary.LittleEndian.Uint32(s.auditBuf)
+		first := binary.LittleEndian.Uint32(buf)
 		if s.ownMarker(a, first) {
-			for off := 0; off < rb; off += 4 {
-				binary.LittleEndian.PutUint32(s.wantBuf[off:], first)
+			for off := 0; off < len(want); off += 4 {
+				binary.LittleEndian.PutUint32(want[off:], first)
 			}
-			if bytes.Equal(s.auditBuf, s.wantBuf) {
+			if bytes.Equal(buf, want) {
 				continue
 			}
 		}
 		off := 0
-		for off < rb && s.ownMarker(a, binary.LittleEndian.Uint32(s.auditBuf[off:])) {
+		for off < len(buf) && s.ownMarker(a, binary.LittleEndian.Uint32(buf[off:])) {
 			off += 4
 		}
-		got := binary.LittleEndian.Uint32(s.auditBuf[off:])
+		got := binary.LittleEndian.Uint32(buf[off:])
 		what := "no KV (a scrub pattern or never written)"
 		if got&markerBit != 0 {
 			au.ForeignHitPages++
@@ -1157,6 +1190,7 @@ func (s *sim) ownMarker(a *active, w uint32) bool {
 func (s *sim) sample() {
 	start := time.Now()
 	st := s.pool.Stats()
+	s.peakState = max(s.peakState, st.Checkpoints.StateBytes)
 	// Only full written pages are ever shared, so a lease's pages past its
 	// written tokens, and the free slots of a part-written last page, are
 	// its own: subtracted from the pages in use (where a shared page
@@ -1195,9 +1229,10 @@ func (s *sim) finish() {
 	r.Refusals = refusalsMap(st.Refused)
 	r.PagesScrubbed = st.Scrub.PagesScrubbed - s.scrub0.PagesScrubbed
 	r.ScrubFills = st.Scrub.Fills - s.scrub0.Fills
-	// Fills write whole pages, so the bytes scale exactly page for page.
+	// BytesScrubbed was summed at the end of serving: fills write whole
+	// pages (slots), so the bytes scale exactly unit for unit, group by
+	// group.
 	r.HostBytesScrubbed, r.FillSeconds = s.filled, s.fillTime.Seconds()
-	r.BytesScrubbed = s.filled / uint64(s.cfg.Geometry.PageBytes()) * uint64(s.report.page)
 	r.AdmitSeconds = s.admitTime.Seconds()
 	r.Prefix.KeySeconds = s.keyTime.Seconds()
 	r.ReleaseSeconds = s.releaseTime.Seconds()
@@ -1230,6 +1265,7 @@ func (s *sim) finish() {
 	g.PreemptKeptPages = st.Growth.PreemptKeptPages
 	g.GrowSeconds, g.PreemptSeconds = s.growTime.Seconds(), s.preemptTime.Seconds()
 	s.finishPrefix()
+	s.finishCheckpoints()
 	slices.Sort(s.ttft)
 	r.TTFT = ttftSummary(s.ttft)
 	var inUse float64
@@ -1277,7 +1313,7 @@ func (s *sim) finishPrefix() {
 	if t := s.endStats.Tier; t.Enabled {
 		r := &TierResult{OffloadedPages: t.Offloads, OffloadsDropped: t.OffloadsDropped, OnloadedPages: t.Onloads,
 			EvictedSlots: t.EvictedSlots, CachedAtEnd: t.Cached,
-			OffloadedBytes: t.Offloads * uint64(s.report.page), OnloadedBytes: t.Onloads * uint64(s.report.page),
+			OffloadedBytes: t.Offloads * uint64(s.lay.groups[0].report), OnloadedBytes: t.Onloads * uint64(s.lay.groups[0].report),
 			OffloadSeconds: t.OffloadLatency.Sum.Seconds(), OnloadSeconds: t.OnloadLatency.Sum.Seconds()}
 		for _, d := range s.endStats.Prefix.Domains {
 			r.TierHitPages += d.TierHitPages
@@ -1288,7 +1324,7 @@ func (s *sim) finishPrefix() {
 	px.Enabled = s.endStats.Prefix.Enabled && s.cfg.PrefixCache
 	hitTokens := px.HitTokens // counted from the leases' first admissions
 	px.HitTokens = 0
-	tpp := uint64(s.cfg.Geometry.TokensPerPage)
+	tpp := uint64(s.lay.tpp)
 	var poolHitTokens uint64
 	for _, d := range s.endStats.Prefix.Domains {
 		// The pool counts every admission's lookup; the figures here are
@@ -1338,21 +1374,4 @@ func refusalsMap(r kvcache.Refusals) map[string]uint64 {
 		}
 	}
 	return m
-}
-
-// reportBytes is what one simulated page and token stand for in the
-// result's byte figures.
-type reportBytes struct{ page, token int64 }
-
-// reportBytesOf is the pool's own geometry, or the report geometry, or
-// the report model's bytes per token at the pool's page size.
-func reportBytesOf(cfg RunConfig) reportBytes {
-	switch {
-	case cfg.ReportModel != nil:
-		t := cfg.ReportModel.TokenBytes()
-		return reportBytes{page: t * int64(cfg.Geometry.TokensPerPage), token: t}
-	case cfg.ReportGeometry != nil:
-		return reportBytes{page: cfg.ReportGeometry.PageBytes(), token: cfg.ReportGeometry.TokenBytes()}
-	}
-	return reportBytes{page: cfg.Geometry.PageBytes(), token: cfg.Geometry.TokenBytes()}
 }

@@ -297,29 +297,3 @@ func TestRunDoesNotHashUnservablePrompts(t *testing.T) {
 	assert.EqualValues(t, 1, res.Dropped["exceeds_max_context"])
 	assert.EqualValues(t, 1, res.Dropped["exceeds_capacity"])
 }
-
-// A report model (a preset) scales byte figures by its bytes per token;
-// the allocated pool stays the small one.
-func TestRunReportModel(t *testing.T) {
-	tr, err := ParseTrace(strings.NewReader(handTrace), "hand")
-	require.NoError(t, err)
-	spec, err := kvcache.Preset("glm-5")
-	require.NoError(t, err)
-	host, err := Run(tr, handConfig("zero"))
-	require.NoError(t, err)
-	cfg := handConfig("zero")
-	cfg.ReportModel = &spec
-	got, err := Run(tr, cfg)
-	require.NoError(t, err)
-	tokens := host.KVBytesWritten / uint64(tinyGeometry.TokenBytes())
-	pages := host.BytesScrubbed / uint64(tinyGeometry.PageBytes())
-	require.Positive(t, tokens)
-	assert.Equal(t, host.HostPoolBytes, got.HostPoolBytes)
-	assert.Equal(t, 64*spec.TokenBytes()*int64(tinyGeometry.TokensPerPage), got.PoolBytes)
-	assert.Equal(t, tokens*uint64(spec.TokenBytes()), got.KVBytesWritten)
-	assert.Equal(t, pages*uint64(spec.TokenBytes())*uint64(tinyGeometry.TokensPerPage), got.BytesScrubbed)
-	g := tinyGeometry
-	cfg.ReportGeometry = &g
-	_, err = Run(tr, cfg)
-	assert.ErrorIs(t, err, ErrBadConfig, "a report geometry and a report model")
-}
