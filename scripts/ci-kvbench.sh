@@ -5,7 +5,8 @@
 # plots written, audit of every safe policy passes, the unsafe
 # baseline's fails, the layouts compared), full against on-demand lease
 # sizing (growth, preemption, re-admission), a Mooncake-format trace
-# imported and replayed against its bound, the incident's shape (every
+# imported and replayed against its bound, and by a hybrid model with
+# state checkpoints, the incident's shape (every
 # request longer than the context window) replayed to the end, and one
 # iteration of every benchmark, so that they keep compiling, running and
 # passing their result checks (-short: the replay of Mooncake's
@@ -67,6 +68,21 @@ for w in '(mooncake, blocks of 512 tokens), 60 requests from 4 tenants' "infinit
 	'audit zero/shared: passed'; do
 	want "$out/mooncake.txt" "$w" "the Mooncake trace is imported and replayed against its bound"
 done
+
+# A hybrid model (Qwen3-Next: a state slot per lease) on the same trace:
+# prefixes are shared through state checkpoints, taken at page-aligned
+# prefill chunk ends; the report compares its hits with the same trace on
+# its per-token pages alone and the audit covers the restored prefixes.
+"$out/kvbench" -trace "$out/mooncake.jsonl" -model qwen3-next-80b-a3b -state-shrink 64 -max-leases 8 -checkpoint-slots 32 \
+	-prefill-tokens 512 -pool-tokens 64k -policies zero,none -audit -out "$out/hybrid" >"$out/hybrid.txt"
+check_plots "$out/hybrid"
+for w in 'model: qwen3-next-80b-a3b' 'state checkpoints (hit rate' 'per-token only' 'audit zero: passed'; do
+	want "$out/hybrid.txt" "$w" "a hybrid model replays with state checkpoints against its per-token pages alone"
+done
+test "$(grep -c '"hits": [1-9]' "$out/hybrid/report.json")" -ge 2 || {
+	echo "ci-kvbench: want checkpoint hits in both runs of $out/hybrid/report.json" >&2
+	exit 1
+}
 
 # Leases sized on demand against full reservation, every budget the rest
 # of an 8k window on a pool of one window: full sizing runs one request at
