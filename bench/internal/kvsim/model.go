@@ -330,7 +330,13 @@ type CheckpointResult struct {
 	HitTokens     uint64 `json:"hit_tokens"`
 	Misses        uint64 `json:"misses"`
 	MissTokens    uint64 `json:"miss_tokens"`
-	LiveAtEnd     int    `json:"live_at_end"`
+	// MatchedRate is the same pool's longest matches, checkpoints
+	// ignored: (hit + checkpoint-miss tokens) ÷ looked-up tokens. A
+	// hybrid pool publishes pages only with a checkpoint, so this counts
+	// only pages some checkpoint published; the per-token-only run is the
+	// bound the trace and pages allow.
+	MatchedRate float64 `json:"matched_rate"`
+	LiveAtEnd   int     `json:"live_at_end"`
 	// SlotBytes is one checkpoint's state at the model's size; HostSlotBytes
 	// the miniature's, which the copies moved.
 	SlotBytes     int64 `json:"slot_bytes"`
@@ -420,6 +426,9 @@ func (s *sim) finishCheckpoints() {
 	if st.Taken > 0 {
 		c.CopyNs = float64(st.CopyNanos) / float64(st.Taken)
 		c.ModelCopyNs = c.CopyNs * float64(c.SlotBytes) / float64(c.HostSlotBytes)
+	}
+	if px := s.res.Prefix; px.LookupPages > 0 {
+		c.MatchedRate = float64(px.HitTokens+st.MissTokens) / float64(px.LookupPages*uint64(s.lay.tpp))
 	}
 	if st.Hits > 0 {
 		c.RestoreNs = float64(st.RestoreNanos) / float64(st.Hits)

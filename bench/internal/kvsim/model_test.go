@@ -149,6 +149,7 @@ func TestHybridReplayHits(t *testing.T) {
 				assert.Equal(t, sum, c.HitTokens)
 				assert.Equal(t, tc.misses, c.Misses)
 				assert.Equal(t, tc.missed, c.MissTokens)
+				assert.InDelta(t, float64(sum+tc.missed)/float64(res.Prefix.LookupPages*uint64(m.Spec.TokensPerPage())), c.MatchedRate, 1e-12)
 				assert.Zero(t, c.CapacitySkips)
 				assert.Positive(t, c.Taken)
 				assert.GreaterOrEqual(t, c.Calls, c.Taken)

@@ -436,12 +436,13 @@ func (r *Report) writeCheckpointTable(w io.Writer, many Variety) {
 	fmt.Fprintln(w, "state checkpoints (hit rate: as above, prefixes shared with the state at their end; "+
 		"per-token only: the same trace on the same pages of the per-token group alone, whole prompts published, no state needed; "+
 		"ckpt misses: admissions, and their tokens, that matched cached pages past their last checkpoint; "+
+		"matched: hit and checkpoint-miss tokens ÷ looked up, the same pool's matches with checkpoints ignored; "+
 		"taken/existing/evicted/skipped: checkpoints copied, found there already, evicted (scrubbed), not taken for want of room; "+
 		"state: bytes checkpoints held at the model's size, most at a sample and at the end; "+
 		"copy, restore: the pool's state copies per checkpoint and per hit, HOST memcpy of the miniature's slot, "+
 		"and at model size the same rate over the model's slot; not GPU times):")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "policy\thit rate\tper-token only\tbound\tckpt hits\thit tokens\tckpt misses\tmiss tokens\ttaken\texisting\tevicted\tskipped\t"+
+	fmt.Fprintln(tw, "policy\thit rate\tper-token only\tbound\tmatched\tckpt hits\thit tokens\tckpt misses\tmiss tokens\ttaken\texisting\tevicted\tskipped\t"+
 		"state peak\tat end\tcopy\trestore\thost GB/s\tcopy at model size\t")
 	for _, run := range r.Runs {
 		c := run.Checkpoints
@@ -453,8 +454,8 @@ func (r *Report) writeCheckpointTable(w io.Writer, many Variety) {
 			pto = fmtHitRate(p.HitRate, p.LookupPages)
 		}
 		px := run.Prefix
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%.1f%%\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%.2f\t%s\t\n", RunLabel(run, many),
-			fmtHitRate(px.HitRate, px.LookupPages), pto, 100*px.Bound.HitRate, c.Hits, c.HitTokens, c.Misses, c.MissTokens,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%.1f%%\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%.2f\t%s\t\n", RunLabel(run, many),
+			fmtHitRate(px.HitRate, px.LookupPages), pto, 100*px.Bound.HitRate, fmtHitRate(c.MatchedRate, px.LookupPages), c.Hits, c.HitTokens, c.Misses, c.MissTokens,
 			c.Taken, c.Existing, c.Evicted, c.CapacitySkips, FormatBytes(float64(c.PeakStateBytes)), FormatBytes(float64(c.StateBytesAtEnd)),
 			fmtNs(int64(c.CopyNs)), fmtNs(int64(c.RestoreNs)), c.HostCopyGBps, fmtNs(int64(c.ModelCopyNs)))
 	}
