@@ -282,30 +282,46 @@ func (s *sim) chunkEnd(a *active, end int) int {
 	return end
 }
 
-// checkpoint takes a's state checkpoint at n tokens, after a prefill
-// chunk (CheckpointState), or with its whole prompt published
-// (CachePrefix(n), n = the prompt) on a hybrid model's pool; a
-// checkpoint refused for lack of room is skipped (the pool counts it).
-func (s *sim) checkpoint(a *active, n int, whole bool) error {
+// checkpoint takes a's state checkpoint at n tokens, the end of a
+// prefill chunk, on a hybrid model's pool (Lease.CheckpointState).
+func (s *sim) checkpoint(a *active, n int) error {
 	start := time.Now()
-	var err error
-	if whole {
-		_, err = a.lease.CachePrefix(n)
-	} else {
-		err = a.lease.CheckpointState(n, cudaops.Ordering{})
-	}
-	if s.hybrid && (!whole || n%s.lay.tpp == 0) { // CachePrefix checkpoints at a page boundary only
-		s.ckptTime += time.Since(start)
-		s.ckptCalls++
-	}
-	if err != nil && !errors.Is(err, kvcache.ErrCheckpointCapacity) {
-		what := "checkpointing"
-		if whole {
-			what = "publishing the prompt of"
-		}
-		return fmt.Errorf("%s %s at %d tokens: %w", what, a.req.ID, n, err)
+	err := a.lease.CheckpointState(n, cudaops.Ordering{})
+	s.countCheckpoint(time.Since(start))
+	if err = skipNoRoom(err); err != nil {
+		return fmt.Errorf("checkpointing %s at %d tokens: %w", a.req.ID, n, err)
 	}
 	return nil
+}
+
+// cachePrompt publishes a's computed prompt (Lease.CachePrefix). On a
+// hybrid model's pool that is a checkpoint at the prompt when it is
+// whole pages (and nothing otherwise: the pages below its prefill
+// checkpoint were published with it).
+func (s *sim) cachePrompt(a *active) error {
+	start := time.Now()
+	_, err := a.lease.CachePrefix(a.prompt)
+	if s.hybrid && a.prompt%s.lay.tpp == 0 {
+		s.countCheckpoint(time.Since(start))
+	}
+	if err = skipNoRoom(err); err != nil {
+		return fmt.Errorf("publishing the prompt of %s: %w", a.req.ID, err)
+	}
+	return nil
+}
+
+func (s *sim) countCheckpoint(took time.Duration) {
+	s.ckptCalls++
+	s.ckptTime += took
+}
+
+// skipNoRoom is err, but nil for a checkpoint refused for lack of room,
+// which an engine skips (the pool counts it, and logs the first).
+func skipNoRoom(err error) error {
+	if errors.Is(err, kvcache.ErrCheckpointCapacity) {
+		return nil
+	}
+	return err
 }
 
 // CheckpointResult is what a hybrid model's state checkpoints did in a

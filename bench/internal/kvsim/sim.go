@@ -809,7 +809,7 @@ func (s *sim) decode() error {
 			if a.written < prompt {
 				if s.hybrid {
 					// The state reflects the chunk's end, a page boundary.
-					if err := s.checkpoint(a, a.written, false); err != nil {
+					if err := s.checkpoint(a, a.written); err != nil {
 						return err
 					}
 				}
@@ -817,7 +817,7 @@ func (s *sim) decode() error {
 				continue
 			}
 			if s.cfg.PrefixCache {
-				if err := s.checkpoint(a, prompt, true); err != nil {
+				if err := s.cachePrompt(a); err != nil {
 					return err
 				}
 			}
