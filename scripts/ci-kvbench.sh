@@ -72,11 +72,12 @@ done
 # A hybrid model (Qwen3-Next: a state slot per lease) on the same trace:
 # prefixes are shared through state checkpoints, taken at page-aligned
 # prefill chunk ends; the report compares its hits with the same trace on
-# its per-token pages alone and the audit covers the restored prefixes.
+# its per-token pages alone, and the audit covers the restored prefixes
+# and every state slot handed out.
 "$out/kvbench" -trace "$out/mooncake.jsonl" -model qwen3-next-80b-a3b -state-shrink 64 -max-leases 8 -checkpoint-slots 32 \
 	-prefill-tokens 512 -pool-tokens 64k -policies zero,none -audit -out "$out/hybrid" >"$out/hybrid.txt"
 check_plots "$out/hybrid"
-for w in 'model: qwen3-next-80b-a3b' 'state checkpoints (hit rate' 'per-token only' 'audit zero: passed'; do
+for w in 'model: qwen3-next-80b-a3b' 'state checkpoints (hit rate' 'per-token only' 'audit zero: passed' 'state slots checked' 'audit none: FAILED'; do
 	want "$out/hybrid.txt" "$w" "a hybrid model replays with state checkpoints against its per-token pages alone"
 done
 test "$(grep -c '"hits": [1-9]' "$out/hybrid/report.json")" -ge 2 || {

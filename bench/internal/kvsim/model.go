@@ -1,6 +1,7 @@
 package kvsim
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
@@ -453,4 +454,126 @@ func (s *sim) finishCheckpoints() {
 		c.HostCopyGBps = float64((st.Taken+st.Hits)*uint64(c.HostSlotBytes)) / float64(ns)
 	}
 	s.res.Checkpoints = c
+}
+
+// State slots: what the audit sees of a hybrid lease's state.
+//
+// The simulated engine marks the state it computes: after each prefill
+// chunk it writes its marker word (markerWord: tenant and admission) at
+// the start of every region of the lease's state slots. With Audit, each
+// admitted lease's slots are read back before the engine writes: a lease
+// that hit restored a checkpoint, so each region must start with the
+// marker of a tenant of its own domain (a checkpoint is its domain's
+// computed state); a lease that did not must hold exactly the policy's
+// scrub word for its slot, every byte of every region (a slot is
+// scrubbed whenever a lease or a checkpoint lets it go).
+
+// stateRegion is one device region of a state group.
+type stateRegion struct {
+	region int
+	bytes  int64
+}
+
+// stateGroup is one state group of a hybrid model's pool.
+type stateGroup struct {
+	name    string
+	regions []stateRegion
+}
+
+// stateGroupsOf lists cfg's pool's state groups (none for other pools).
+func stateGroupsOf(cfg RunConfig, lay simLayout) []stateGroup {
+	if !cfg.Model.Hybrid() {
+		return nil
+	}
+	var out []stateGroup
+	for i, g := range cfg.Model.Miniature.Groups[1:] {
+		sg := stateGroup{name: g.Name}
+		for j, r := range g.Regions {
+			sg.regions = append(sg.regions, stateRegion{region: lay.groups[i+1].first + j, bytes: r.PageBytes})
+		}
+		out = append(out, sg)
+	}
+	return out
+}
+
+// stateSlots sets a.slots to its lease's slot in each state group.
+func (s *sim) stateSlots(a *active) error {
+	a.slots = a.slots[:0]
+	for _, g := range s.stateGroups {
+		var err error
+		if _, a.slots, err = a.lease.GroupTable(g.name, a.slots); err != nil {
+			return fmt.Errorf("the %s slot of %s: %w", g.name, a.req.ID, err)
+		}
+	}
+	if len(a.slots) != len(s.stateGroups) {
+		return fmt.Errorf("%s holds %d state slots in %d state groups", a.req.ID, len(a.slots), len(s.stateGroups))
+	}
+	return nil
+}
+
+// writeState marks a's state slots as computed by a (see above).
+func (s *sim) writeState(a *active) {
+	for i, g := range s.stateGroups {
+		for _, r := range g.regions {
+			copy(s.host.PageBytes(r.region, a.slots[i])[:4], a.marker)
+		}
+	}
+}
+
+// auditState checks a's state slots at its admission (see above).
+func (s *sim) auditState(a *active) {
+	au := &s.res.Audit
+	for i, g := range s.stateGroups {
+		slot := a.slots[i]
+		au.StateSlotsChecked++
+		want := s.spec.WordFor(slot)
+		for _, r := range g.regions {
+			if int64(len(s.stateBuf)) < r.bytes {
+				s.stateBuf = make([]byte, r.bytes)
+			}
+			buf := s.stateBuf[:r.bytes]
+			if err := s.dev.ReadPage(r.region, slot, buf); err != nil {
+				au.ReadErrors++
+				break
+			}
+			if a.hit > 0 {
+				if w := binary.LittleEndian.Uint32(buf); !s.ownMarker(a, w) {
+					au.ForeignStateSlots++
+					s.stateExample(a, "restored", g.name, slot, r.region, 0, w)
+					break
+				}
+				continue
+			}
+			off := 0
+			for off < len(buf) && binary.LittleEndian.Uint32(buf[off:]) == want {
+				off += 4
+			}
+			if off < len(buf) {
+				au.StaleStateSlots++
+				w := binary.LittleEndian.Uint32(buf[off:])
+				if w&markerBit != 0 && int(w>>16)&0xff != a.tenant {
+					au.CrossTenantStateSlots++
+				}
+				s.stateExample(a, "fresh", g.name, slot, r.region, off, w)
+				break
+			}
+		}
+	}
+}
+
+// stateExample records a failed state check, naming what the slot held.
+func (s *sim) stateExample(a *active, kind, group string, slot int32, region, off int, got uint32) {
+	au := &s.res.Audit
+	if len(au.Examples) >= maxAuditExamples {
+		return
+	}
+	what := "no state (a scrub pattern or never written)"
+	if got&markerBit != 0 {
+		what = "state of an unknown writer"
+		if pt := int(got>>16) & 0xff; pt < len(s.tr.Tenants) {
+			what = fmt.Sprintf("state of tenant %q of domain %q", s.tr.Tenants[pt].Name, s.domainOf[pt])
+		}
+	}
+	au.Examples = append(au.Examples, fmt.Sprintf("%s %s slot %d region %d byte %d: %#08x (%s), handed to tenant %q of domain %q",
+		kind, group, slot, region, off, got, what, a.req.Tenant, s.domainOf[a.tenant]))
 }

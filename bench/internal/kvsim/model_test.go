@@ -277,3 +277,34 @@ func TestMiniature(t *testing.T) {
 		}
 	}
 }
+
+// The audit reads every admitted lease's state slot: scrubbed when it
+// restored nothing, its own domain's state when it did. The unsafe
+// baseline hands out slots with the state of the lease before, another
+// tenant's among them.
+func TestHybridAuditState(t *testing.T) {
+	tr, err := ParseTrace(strings.NewReader(hybridTrace), "hybrid")
+	require.NoError(t, err)
+	for _, policy := range []string{"zero", "canary", Baseline} {
+		t.Run(policy, func(t *testing.T) {
+			m := modelPool(t, "qwen3-next-80b-a3b")
+			m.MaxLeases, m.CheckpointSlots = 1, 2 // three slots: reused all along
+			cfg := hybridConfig(m, policy)
+			cfg.MaxBatch, cfg.Domains = 1, DomainsPerTenant
+			res, err := Run(tr, cfg)
+			require.NoError(t, err)
+			au := res.Audit
+			assert.EqualValues(t, 7, au.StateSlotsChecked, "one slot per admission")
+			assert.Zero(t, au.ForeignStateSlots, "restored slots hold their domain's state")
+			assert.Positive(t, res.Checkpoints.Hits)
+			if policy == Baseline {
+				assert.Positive(t, au.StaleStateSlots)
+				assert.Positive(t, au.CrossTenantStateSlots, "r5, tenant b, gets a slot of tenant a")
+				assert.Contains(t, au.Summary, "state slots held stale state")
+				return
+			}
+			assert.True(t, au.Passed, au.Summary)
+			assert.Contains(t, au.Summary, "7 state slots checked")
+		})
+	}
+}

@@ -201,10 +201,18 @@ type AuditResult struct {
 	PoolCanaryFaults uint64 `json:"pool_canary_faults"`
 	// Prefix hits: pages shared from the cache, checked for the KV of
 	// the lease's own domain.
-	HitPagesChecked uint64   `json:"hit_pages_checked"`
-	ForeignHitPages uint64   `json:"foreign_hit_pages"` // another domain's KV
-	EmptyHitPages   uint64   `json:"empty_hit_pages"`   // no KV: scrubbed or never written
-	Examples        []string `json:"examples,omitempty"`
+	HitPagesChecked uint64 `json:"hit_pages_checked"`
+	ForeignHitPages uint64 `json:"foreign_hit_pages"` // another domain's KV
+	EmptyHitPages   uint64 `json:"empty_hit_pages"`   // no KV: scrubbed or never written
+	// A hybrid model's state slots, checked at each admission: a fresh
+	// slot must hold the policy's scrub word (StaleStateSlots: it held
+	// state, CrossTenantStateSlots of another tenant), a restored one its
+	// own domain's state (ForeignStateSlots: it did not).
+	StateSlotsChecked     uint64   `json:"state_slots_checked,omitempty"`
+	StaleStateSlots       uint64   `json:"stale_state_slots,omitempty"`
+	CrossTenantStateSlots uint64   `json:"cross_tenant_state_slots,omitempty"`
+	ForeignStateSlots     uint64   `json:"foreign_state_slots,omitempty"`
+	Examples              []string `json:"examples,omitempty"`
 }
 
 // PrefixResult is what the prefix cache saved in a run. Pages are full

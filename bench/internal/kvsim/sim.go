@@ -319,6 +319,7 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 			Growth: GrowthResult{Truncated: map[string]uint64{}}},
 	}
 	s.served = newBoundIndexFor(tr, cfg)
+	s.stateGroups = stateGroupsOf(cfg, lay)
 	// The policy's pattern over the pool's element types (the unsafe
 	// baseline's is the zero policy's).
 	s.spec = pool.FillSpec()
@@ -353,8 +354,9 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 	s.finish()
 	au := &s.res.Audit
 	// Prefix sharing does not depend on scrubbing: a hit page with
-	// another domain's KV fails even the unsafe baseline.
-	if au.Enabled && !au.Passed && (!unsafe || au.ForeignHitPages+au.EmptyHitPages > 0) {
+	// another domain's KV, or a restored slot without its domain's state,
+	// fails even the unsafe baseline.
+	if au.Enabled && !au.Passed && (!unsafe || au.ForeignHitPages+au.EmptyHitPages+au.ForeignStateSlots > 0) {
 		return s.res, fmt.Errorf("%w: policy %s: %s", ErrAuditFailed, cfg.Policy, au.Summary)
 	}
 	return s.res, nil
@@ -393,7 +395,8 @@ type active struct {
 	tenant int
 	lease  *kvcache.Lease
 	table  []int32
-	hit    int // leading prompt tokens shared from the prefix cache
+	slots  []int32 // its slot in each state group (a hybrid model's pool)
+	hit    int     // leading prompt tokens shared from the prefix cache
 	// prompt is what this lease was admitted with as its prompt: the
 	// request's, or after a preemption its prompt and the tokens it had
 	// generated, which it computes again (after the hit) before it
@@ -428,6 +431,8 @@ type sim struct {
 	// their wall time; peakState the most state bytes checkpoints held at
 	// a sample.
 	hybrid      bool
+	stateGroups []stateGroup // a hybrid model's state groups, whose slots the engine marks and the audit reads
+	stateBuf    []byte
 	ckptCalls   uint64
 	ckptTime    time.Duration
 	peakState   int64
@@ -723,6 +728,11 @@ func (s *sim) start(a *active, q *queued, keys int) error {
 	if a.table, err = a.lease.AppendBlockTable(a.table[:0]); err != nil {
 		return err
 	}
+	if len(s.stateGroups) > 0 {
+		if err := s.stateSlots(a); err != nil {
+			return err
+		}
+	}
 	a.hit = a.lease.HitTokens()
 	a.prompt, a.generated = a.req.Prompt, 0
 	if q.resumed {
@@ -757,6 +767,11 @@ func (s *sim) start(a *active, q *queued, keys int) error {
 	}
 	if s.cfg.Audit {
 		s.audit(a, 0)
+		if len(s.stateGroups) > 0 {
+			start := time.Now()
+			s.auditState(a)
+			s.auditTime += time.Since(start)
+		}
 	}
 	if s.host != nil {
 		rb := int(slices.Max(s.lay.kvRegions))
@@ -805,6 +820,9 @@ func (s *sim) decode() error {
 			budget -= n
 			if err := s.write(a, n); err != nil {
 				return err
+			}
+			if s.host != nil && len(s.stateGroups) > 0 {
+				s.writeState(a) // the state now holds what a computed
 			}
 			if a.written < prompt {
 				if s.hybrid {
@@ -1289,7 +1307,11 @@ func (s *sim) finish() {
 	default:
 		au.Method = "off"
 	}
-	bad := au.StalePages + au.CanaryFailures + au.ReadErrors + au.PoolCanaryFaults + au.ForeignHitPages + au.EmptyHitPages
+	if s.cfg.Audit && len(s.stateGroups) > 0 {
+		au.Method = strings.Replace(au.Method, "every prefix hit)", "every prefix hit, every state slot)", 1)
+	}
+	bad := au.StalePages + au.CanaryFailures + au.ReadErrors + au.PoolCanaryFaults + au.ForeignHitPages + au.EmptyHitPages +
+		au.StaleStateSlots + au.ForeignStateSlots
 	au.Passed = bad == 0
 	switch {
 	case !au.Enabled:
@@ -1297,12 +1319,19 @@ func (s *sim) finish() {
 	case au.Passed:
 		au.Summary = fmt.Sprintf("passed: %d reused pages checked, %d canary checks, none held data; "+
 			"%d prefix-hit pages checked, all held their own domain's KV", au.PagesChecked, au.CanaryChecks, au.HitPagesChecked)
+		if au.StateSlotsChecked > 0 {
+			au.Summary += fmt.Sprintf("; %d state slots checked, each scrubbed or its own domain's restored checkpoint", au.StateSlotsChecked)
+		}
 	default:
 		au.Summary = fmt.Sprintf("FAILED: %d of %d reused pages held stale KV (%d another tenant's), %d canary failures",
 			au.StalePages, au.PagesChecked, au.CrossTenantPages, au.CanaryFailures+au.PoolCanaryFaults)
 		if n := au.ForeignHitPages + au.EmptyHitPages; n > 0 {
 			au.Summary += fmt.Sprintf("; %d of %d prefix-hit pages held another domain's KV (%d) or none (%d)",
 				n, au.HitPagesChecked, au.ForeignHitPages, au.EmptyHitPages)
+		}
+		if n := au.StaleStateSlots + au.ForeignStateSlots; n > 0 {
+			au.Summary += fmt.Sprintf("; %d of %d state slots held stale state (%d, %d another tenant's) or restored no state of their domain (%d)",
+				n, au.StateSlotsChecked, au.StaleStateSlots, au.CrossTenantStateSlots, au.ForeignStateSlots)
 		}
 	}
 }
