@@ -686,6 +686,7 @@ func TestModelPreset(t *testing.T) {
 		{[]string{"-model", "llama-3.1-8b", "-checkpoint-slots", "4"}, "-checkpoint-slots"},
 		{[]string{"-model", "glm-5.3-flash", "-state-shrink", "0"}, "-state-shrink"},
 		{[]string{"-model", "glm-5.3-flash", "-max-leases", "-1"}, "-max-leases"},
+		{[]string{"-model", "glm-5.3-flash", "-host-tier-tokens", "1M"}, "-host-tier-tokens"}, // a tier keeps pages, not checkpoints
 	} {
 		code, _, stderr := runKvbench(t, append(tc.args, noGeometry...)...)
 		assert.Equal(t, 2, code, "%v", tc.args)

@@ -233,6 +233,7 @@ func TestModelPoolValidate(t *testing.T) {
 		"no max leases":         func(m *ModelPool, c *RunConfig) { m.MaxLeases = 0 },
 		"negative slots":        func(m *ModelPool, c *RunConfig) { m.CheckpointSlots = -1 },
 		"prefill under a page":  func(m *ModelPool, c *RunConfig) { c.PrefillTokens = 8 },
+		"a host tier":           func(m *ModelPool, c *RunConfig) { c.HostTierPages = 64 },
 		"miniature of another":  func(m *ModelPool, c *RunConfig) { m.Miniature = modelPool(t, "llama-3.1-8b").Miniature },
 		"slots without a state": func(m *ModelPool, c *RunConfig) { *m = *modelPool(t, "llama-3.1-8b"); m.MaxLeases = 4 },
 		"sliding window": func(m *ModelPool, c *RunConfig) {
