@@ -29,10 +29,10 @@ The window's ring. kvfence holds a sliding-window group as a ring of
 ceil(window_tokens / B) + 1 pages per lease, logical page i in ring slot
 i mod R, that slides with the lease's written watermark (Lease.
 slide_windows scrubs the pages whose tokens all lie window_tokens or more
-before it). vLLM's worker writes a whole step's KV before it attends (the
-step's tokens, then the model's window of sliding_window - 1 tokens before
-each of them), so the ring must hold every position from the oldest token
-a step in flight still reads to the last slot the newest step writes:
+before it). vLLM's worker writes a whole step's KV before it attends, and
+each query of the step reads itself and the sliding_window - 1 tokens
+before it, so the ring must hold every position from the oldest token a
+step in flight still reads to the last slot the newest step writes:
 window_tokens >= sliding_window - 1 + reach, where reach is the most
 tokens a request has scheduled past its processed ones (the steps in
 flight, this step, its lookahead). KVCacheManager checks that bound when

@@ -463,7 +463,8 @@ class KVCacheManager:
         reflects exactly start tokens once the work before it is done, on
         which the copy waits), then the watermark committed to need and
         the windows slid there, so that each ring holds the pages this
-        step writes. None, or the Refusal of a step no ring can hold."""
+        step writes (when a page leaves a window). None, or the Refusal of
+        a step no ring can hold."""
         if need - settled > self.max_reach:
             return Refusal(ERROR, None, "request %s would have %d tokens scheduled past its %d processed ones; the "
                                         "sliding windows' rings hold %d beside the window (kv_cache_groups)"
@@ -483,12 +484,16 @@ class KVCacheManager:
             except KvfenceError as e:
                 logger.warning("kvfence: request %s: no state checkpoint at %d tokens: %s", rid,
                                start, e)
-        if self.windows and need > held.written:
+        if need >= held.next_slide:
+            # A window's oldest page leaves it: the watermark goes to the
+            # step's end, and the ring slides there before the step writes
+            # it. Until the next page leaves, the watermark may lag what
+            # the worker writes: the pages those writes land in are the
+            # ring's past the window, which no slide scrubs before then.
             lease.commit(need)
             held.written = need
-            if need >= held.next_slide:
-                lease.slide_windows()
-                held.next_slide = self._next_slide(need)
+            lease.slide_windows()
+            held.next_slide = self._next_slide(need)
         return None
 
     def _checkpoint(self, held, tokens):
