@@ -101,8 +101,9 @@ func openWorker() (*worker, error) {
 }
 
 // loop progresses the worker until close: whenever UCX has work
-// (progress returns something, arm says busy) it goes round again,
-// otherwise it waits in Go's poller for the event fd.
+// (progress returns something; arm says busy, for a while: busyRounds)
+// it goes round again, otherwise it waits in Go's poller for the event
+// fd.
 //
 // RawConn.Read resets the poller's readiness before it calls f, and
 // parks only when f returns false: so the worker is armed inside f, and
@@ -123,6 +124,7 @@ func (w *worker) loop() {
 		return
 	}
 	var backoff time.Duration
+	busy := 0 // rounds in a row that UCX said busy and progress did nothing
 	nudge := time.AfterFunc(time.Hour, w.signal)
 	nudge.Stop()
 	defer nudge.Stop()
@@ -137,14 +139,18 @@ func (w *worker) loop() {
 				return true
 			}
 			if w.progressLocked() {
-				backoff = 0
+				backoff, busy = 0, 0
 				return true // more may follow at once
 			}
-			if C.ucp_worker_arm(w.w.worker) != C.UCS_OK {
-				return true // UCS_ERR_BUSY: events came in meanwhile
+			armed := C.ucp_worker_arm(w.w.worker) == C.UCS_OK
+			if armed {
+				busy = 0
+			} else if busy++; busy < busyRounds {
+				runtime.Gosched()
+				return true
 			}
 			w.sleeping = true
-			if len(w.ops) > 0 {
+			if !armed || len(w.ops) > 0 {
 				backoff = min(max(2*backoff, 50*time.Microsecond), time.Millisecond)
 				nudge.Reset(backoff)
 			}
@@ -155,6 +161,16 @@ func (w *worker) loop() {
 		}
 	}
 }
+
+// busyRounds is how many rounds in a row the loop goes round again, each
+// after a yield, when UCX says it cannot sleep (ucp_worker_arm: busy:
+// shared memory says so while a sender is midway through a write into
+// its receive queue, or a signal of one is pending) and yet progress
+// finds nothing to do; then it waits on the timer, as when operations are
+// in flight. Going round at once without end held a core that the sender,
+// on a machine of few cores, needed to finish: the process's CPU time
+// then equalled the handoff's.
+const busyRounds = 64
 
 // progressLocked progresses the worker until it has nothing to do and
 // hands out the events, and reports whether anything happened.
