@@ -5,6 +5,7 @@ package ucxx_test
 import (
 	"fmt"
 	"net"
+	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -27,7 +28,8 @@ import (
 // own put bandwidth over the same transports: ucx_perftest's ucp_put_bw
 // between two processes, one message of the transfer's size
 // (perftest-GB/s, x-perftest), and 4 MiB messages, the size of the
-// handoff's chunks (perftest-4MiB-GB/s, x-perftest-4MiB).
+// handoff's chunks (perftest-4MiB-GB/s, x-perftest-4MiB), with UCX
+// configured as this package configures it.
 func BenchmarkHandoff(b *testing.B) {
 	benchkit.Handoff(b, func(recv *handoff.Receiver) handoff.Transport {
 		srv, err := ucxx.NewServer(recv, ucxx.Options{})
@@ -79,7 +81,14 @@ func perftestOnce(msg, iters int64) (float64, error) {
 	ln.Close()
 	args := []string{"-p", port, "-t", "ucp_put_bw", "-s", strconv.FormatInt(msg, 10),
 		"-n", strconv.FormatInt(iters, 10), "-w", "1"}
+	// UCX configured as this package configures it (shim.c): TCP's
+	// segments at 256K unless the environment sizes them.
+	env := os.Environ()
+	if os.Getenv("UCX_TCP_TX_SEG_SIZE") == "" && os.Getenv("UCX_TCP_RX_SEG_SIZE") == "" {
+		env = append(env, "UCX_TCP_TX_SEG_SIZE=256K", "UCX_TCP_RX_SEG_SIZE=256K")
+	}
 	srv := exec.Command("ucx_perftest", args...)
+	srv.Env = env
 	if err := srv.Start(); err != nil {
 		return 0, err
 	}
@@ -88,7 +97,9 @@ func perftestOnce(msg, iters int64) (float64, error) {
 		srv.Wait()
 	}()
 	time.Sleep(200 * time.Millisecond) // for the server to listen
-	out, err := exec.Command("ucx_perftest", append([]string{"127.0.0.1"}, args...)...).CombinedOutput()
+	cli := exec.Command("ucx_perftest", append([]string{"127.0.0.1"}, args...)...)
+	cli.Env = env
+	out, err := cli.CombinedOutput()
 	if err != nil {
 		return 0, fmt.Errorf("%w: %s", err, out)
 	}
