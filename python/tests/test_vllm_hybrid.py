@@ -68,14 +68,15 @@ MODELS = {
 }
 
 
-def make(model="mixed", pages=96, tenants=("a", "b"), base=ReplayScheduler, budget=16, ring=None, max_leases=24,
-         sizing=None, threshold=0, declared_budget=None, **kw):
+def make(model="mixed", pages=96, tenants=("a", "b"), base=ReplayScheduler, budget=16, ring=None, max_leases=8,
+         sizing=None, threshold=0, declared_budget=None, checkpoint_slots=16, **kw):
     batches = 2 if base is ReplayAsyncScheduler else 1
     spec_kw, groups = MODELS[model]
     if ring is None:
         ring = W - 1 + batches * budget + 1  # the bound, rounded up to a page
     cfg = {"cache": cache_spec(ring=ring, **spec_kw), "max_leases": max_leases, "pages": pages,
            "max_context_tokens": MAX_LEN, "allow_undersized_pool": True,
+           "prefix": {"checkpoint_slots": checkpoint_slots},
            "tenants": [t if isinstance(t, dict) else {"name": t} for t in tenants]}
     if sizing:
         cfg["sizing"] = sizing
@@ -220,6 +221,10 @@ def run(e, *reqs, max_steps=500):
     return {r.request_id: e.check.hits.get(r.request_id) for r in reqs}
 
 
+def checkpoints(pool):
+    return pool.stats()["checkpoints"]
+
+
 def hits(sched):
     """Prefix-cache hit tokens the scheduler recorded, per update."""
     return sum(s.hits for s in sched.prefix_stats if s is not None)
@@ -249,12 +254,15 @@ def test_identical_prompts_reuse_the_checkpoint_at_the_prefill_checkpoint(model)
     # 16 tokens a step; the chunk ends at 28, the prompt's last page
     # boundary before its last token, where the state is kept.
     assert chunks[:3] == [16, 12, 2], chunks
+    assert checkpoints(pool)["taken"] == 2  # where the second and third chunks started
     again = Request("a-1", toks, max_tokens=3, tenant="a")
     sched.add_request(again)
     out = e.step()
     assert out.num_scheduled_tokens["a-1"] == 2 and mgr.estimate_cached_tokens(again) == 28
     lease = mgr.lease_of("a-1")
     assert lease.hit_tokens() == 28
+    c = checkpoints(pool)
+    assert (c["hits"], c["hit_tokens"], c["taken"]) == (1, 28, 2)
     e.run()
     other = Request("b-0", toks, max_tokens=3, tenant="b")
     assert run(e, other) == {"b-0": 0}, "another tenant's identical prompt hit"
@@ -326,6 +334,21 @@ def test_concurrent_requests_of_two_tenants():
     run(e, *reqs)
     assert set(e.finished().values()) == {"length"} and len(e.finished()) == 10
     assert hits(sched) > 0
+    end_clean(pool, mgr, e)
+
+
+def test_checkpoints_past_the_tenants_bound_are_skipped_and_counted():
+    # Tenant a keeps one checkpoint: its first, at 16; the one at 28 is
+    # refused (counted by kvfence), and the request runs on. An identical
+    # prompt hits 16.
+    pool, mgr, sched = make(tenants=({"name": "a", "max_checkpoints": 1}, "b"))
+    e = engine(sched)
+    toks = prompt(30, 12)
+    assert run(e, Request("a-0", toks, max_tokens=2, tenant="a")) == {"a-0": 0}
+    c = checkpoints(pool)
+    assert (c["taken"], c["capacity_skips"], c["live"]) == (1, 1, 1)
+    assert run(e, Request("a-1", toks, max_tokens=2, tenant="a")) == {"a-1": 16}
+    assert e.finished() == {"a-0": "length", "a-1": "length"}
     end_clean(pool, mgr, e)
 
 

@@ -15,14 +15,16 @@ window's row repeats its ring every R positions), never more than the
 cdiv(max_model_len, block_size) columns of the worker's block table.
 
 Hybrid pools (window or state groups) share prefixes through state
-checkpoints only (kvcache/checkpoint.go): the manager takes one when a
-step starts on a page boundary of the prompt, before that step runs, as
-vLLM's "align" cache mode keeps a state per block boundary where a
-prefill chunk ends (the plugin has the scheduler end chunks there, and at
-the lease's PrefillCheckpoint); it never publishes pages by
-Lease.cache_prefix there, whose checkpoint would copy a state of other
-tokens. A window's ring slides with the watermark, which the manager
-commits to the end of each step before the worker writes it (_advance).
+checkpoints only (kvcache/checkpoint.go): the manager takes one
+(Lease.checkpoint_state) when a step starts on a page boundary of the
+prompt, before that step runs, as vLLM's "align" cache mode keeps a
+state per block boundary where a prefill chunk ends (the plugin has the
+scheduler end chunks there, and at Lease.prefill_checkpoint()); it never
+publishes pages by Lease.cache_prefix there, whose checkpoint would copy
+the state as it is, which may be that of other tokens. A window's ring
+slides with the watermark, which the manager commits to the end of a
+step before the worker writes it when a page leaves the window
+(_advance).
 """
 
 import array
@@ -326,7 +328,7 @@ class KVCacheManager:
             held.rings[g.group] = [ring[(k - first) % r] for k in range(r)]
         held.slots = {name: lease.group_table(name)[1][0] for name in self.states}
         held.checkpointed = held.hit
-        held.stop = (held.prompt - 1) // self.block_size * self.block_size if held.sharing else 0
+        held.stop = lease.prefill_checkpoint() if held.sharing else 0
         held.next_slide = self._next_slide(held.written)
 
     def _next_slide(self, written):
@@ -497,10 +499,10 @@ class KVCacheManager:
         return None
 
     def _checkpoint(self, held, tokens):
-        """Lease.cache_prefix(tokens) on a hybrid pool, at a page boundary,
-        is Lease.checkpoint_state(tokens) after all work of the pool's
-        context (kvcache: cacheHybridPrefix), and publishes nothing else."""
-        held.lease.cache_prefix(tokens)
+        """The lease's checkpoint at tokens, the copy ordered after all
+        work of the pool's CUDA context (stream 0, event 0): every step
+        scheduled before, which may be in flight."""
+        held.lease.checkpoint_state(tokens, stream=0, event=0)
 
     def checkpoint_stop(self, request, start, end):
         """Where a prefill chunk of request from start to end should end
