@@ -387,14 +387,25 @@ func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32) (*checkp
 	if b.len() > 0 {
 		return nil, b, nil
 	}
+	// A page of l's that another lease's copy stood for, since evicted,
+	// is published again from l's own page (it holds the same KV):
+	// publication goes on from the first such page, as far as before.
+	upTo := pages
+	for i := l.hitPages; i < min(pages, l.published); i++ {
+		if p.chainEntryLocked(l, i) == nil {
+			upTo = max(pages, l.published)
+			l.published = i
+			break
+		}
+	}
 	if tokens != nil {
 		// The trie takes the pages' tokens from the lease (as Preempt's).
 		own := l.tokens
 		l.tokens = tokens
-		p.publishLocked(l, pages)
+		p.publishLocked(l, upTo)
 		l.tokens = own
 	} else {
-		p.publishLocked(l, pages)
+		p.publishLocked(l, upTo)
 	}
 	// The chain: each page's entry, l's own or the one of the same
 	// content another lease published first.
@@ -987,11 +998,11 @@ func (l *Lease) cacheHybridPrefix(n int) (int, error) {
 }
 
 // checkpointedLocked is the pages of l's prefix up to its deepest page
-// in the cache with a checkpoint: what a later request can use of it.
+// in the cache with a checkpoint (its own copy of the page, or the one
+// of another lease that stands for it): what a later request can use.
 func (p *Pool) checkpointedLocked(l *Lease) int {
-	x := &p.mu.prefix
 	for i := l.published; i > 0; i-- {
-		if e := x.byPage[l.holds[0].pages[i-1]]; e != nil && e.ckpt != nil {
+		if e := p.chainEntryLocked(l, i-1); e != nil && e.ckpt != nil {
 			return i
 		}
 	}

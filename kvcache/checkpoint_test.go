@@ -582,3 +582,40 @@ func TestCheckpointPagesAreEvents(t *testing.T) {
 	require.NoError(t, big.Release())
 	require.NoError(t, p.Check())
 }
+
+// A lease whose checkpoint chained onto another lease's copy of its
+// pages checkpoints again after that copy was evicted: its own pages are
+// published in their place (they hold the same KV), and CachePrefix
+// reports the checkpointed prefix through either copy.
+func TestCheckpointAfterTheChainsOtherCopyWasEvicted(t *testing.T) {
+	p := newPool(t, checkpointConfig(8, 4, 1))
+	tokens := promptTokens(1, 16, 1, 16)
+	a, err := p.TryAdmit(Request{ID: "a", Tenant: "a", PromptTokens: 16, TokenIDs: tokens})
+	require.NoError(t, err)
+	require.NoError(t, a.Commit(10))
+	_, err = a.Preempt(tokens[:10]) // pages 0-1 published, no checkpoint (10 tokens end no page)
+	require.NoError(t, err)
+	b, err := p.TryAdmit(Request{ID: "b", Tenant: "a", PromptTokens: 16, TokenIDs: tokens})
+	require.NoError(t, err)
+	require.Zero(t, b.HitTokens(), "no checkpoint to hit")
+	prefillTo(t, p, b, "b", 8)
+	n, err := b.CachePrefix(8) // chains onto a's pages 0-1
+	require.NoError(t, err)
+	require.Equal(t, 8, n)
+	c, err := p.TryAdmit(Request{ID: "c", Tenant: "b", PromptTokens: 16})
+	require.NoError(t, err, "evicts b's checkpoint and a's pages")
+	require.Zero(t, p.Stats().Checkpoints.Live)
+	prefillTo(t, p, b, "b", 12)
+	n, err = b.CachePrefix(12)
+	require.NoError(t, err)
+	require.Equal(t, 12, n)
+	require.NoError(t, p.Check())
+	require.NoError(t, c.Release())
+	require.NoError(t, b.Release())
+	again, err := p.TryAdmit(Request{ID: "again", Tenant: "a", PromptTokens: 16, TokenIDs: tokens})
+	require.NoError(t, err)
+	require.Equal(t, 12, again.HitTokens())
+	require.NoError(t, stateErr(p, again, "b@12", 12))
+	require.NoError(t, again.Release())
+	require.NoError(t, p.Check())
+}
