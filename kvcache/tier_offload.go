@@ -100,6 +100,7 @@ func (p *Pool) placeOffloadLocked(w *tierWrite) {
 		order[i] = i
 	}
 	slices.SortFunc(order, func(a, b int) int { return int(w.candPages[a] - w.candPages[b]) })
+	start, first := len(w.slots), len(w.items) // one slot an item from here
 	for _, i := range order {
 		e, page := w.cands[i], w.candPages[i]
 		slots, ok := p.takeSlotsLocked(e.dom, 1, w)
@@ -118,6 +119,19 @@ func (p *Pool) placeOffloadLocked(w *tierWrite) {
 		w.items = append(w.items, it)
 		w.pages = append(w.pages, page)
 		w.slots = append(w.slots, slots[0])
+	}
+	// The slots came off the free stack one by one, in the order frees
+	// left them there (a clear frees in LRU order, so a batch taken again
+	// would come out reversed): hand them out ascending, in page order,
+	// so that adjacent pages still copy into adjacent slots as one run,
+	// here and when an admission copies the chain back.
+	if placed := w.slots[start:]; !slices.IsSorted(placed) {
+		slices.Sort(placed)
+		for i, s := range placed {
+			it := w.items[first+i]
+			it.slot0[0] = s
+			t.meta[s].owner = it.dom.ID // all writing: only their owners move
+		}
 	}
 	clear(w.cands)
 	w.cands, w.candPages = w.cands[:0], w.candPages[:0]

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -198,9 +199,14 @@ type tierDevice struct {
 	// hold, if set, stops the next copy at its entry: it sends on
 	// entered, then waits for proceed.
 	hold *fillGate
+	// seen, if set, is told of every copy before it runs.
+	seen func(c cudaops.HostCopy, toHost bool)
 }
 
 func (d *tierDevice) copy(c cudaops.HostCopy, toHost bool, run func(cudaops.HostCopy) error) error {
+	if d.seen != nil {
+		d.seen(c, toHost)
+	}
 	if g := d.hold; g != nil {
 		d.hold = nil
 		g.entered <- struct{}{}
@@ -243,6 +249,42 @@ func tierSlotsSum(t testing.TB, p *Pool) TierStats {
 	require.Equal(t, s.Slots, s.Free+s.Cached+s.Swapped+s.InFlight+s.Quarantined+s.Retired, "%+v", s)
 	require.NoError(t, p.Check())
 	return s
+}
+
+// A chain's pages go to adjacent slots in page order however the free
+// slots lie (here after a clear freed them in LRU order, which reversed
+// them on the free stack), so that an offload and an onload each copy
+// the chain as one run per region.
+func TestTierCopiesAdjacentSlots(t *testing.T) {
+	p, d := newTierDevicePool(t, tierConfig(12, 16))
+	toks := tierTokens(1, 8*4+1)
+	var copies []cudaops.HostCopy
+	d.seen = func(c cudaops.HostCopy, _ bool) {
+		copies = append(copies, cudaops.HostCopy{Pages: slices.Clone(c.Pages), Slots: slices.Clone(c.Slots)})
+	}
+	oneRun := func(c cudaops.HostCopy) {
+		t.Helper()
+		require.Len(t, c.Pages, 8)
+		for i := 1; i < len(c.Pages); i++ {
+			require.Equal(t, c.Pages[i-1]+1, c.Pages[i], "pages %v", c.Pages)
+			require.Equal(t, c.Slots[i-1]+1, c.Slots[i], "pages %v into slots %v", c.Pages, c.Slots)
+		}
+	}
+	for round := range 3 {
+		copies = copies[:0]
+		publishPrompt(t, p, "A", "a", toks, 0xa1)
+		flushDevice(t, p, "a")
+		l, err := p.TryAdmit(Request{ID: "A2", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks})
+		require.NoError(t, err)
+		require.Equal(t, 32, l.HitTokens(), "round %d", round)
+		checkKV(t, l, 0xa1, 0, 8)
+		require.NoError(t, l.Release())
+		require.Len(t, copies, 2, "an offload and an onload")
+		oneRun(copies[0])
+		oneRun(copies[1])
+		require.NoError(t, p.ClearPrefixCache())
+		tierSlotsSum(t, p)
+	}
 }
 
 func TestTierEvents(t *testing.T) {
