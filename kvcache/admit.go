@@ -464,7 +464,9 @@ func (p *Pool) takeLocked(l *Lease, t *tenancy.Tenant, a *admission) {
 		handles, pages := p.shareMatchedLocked(l, t, gi, h.handles[:0], h.pages[:0])
 		fresh := h.dec.Demand.Take
 		if gi == 0 && p.tier != nil {
-			fresh -= len(l.onload.pages) // allocated for the onloads already
+			if l.onload != nil {
+				fresh -= len(l.onload.pages) // allocated for the onloads already
+			}
 		}
 		var err error
 		h.handles, h.pages, err = g.alloc.AllocIDs(handles, pages, fresh, t.Domain.ID)

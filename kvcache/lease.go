@@ -74,7 +74,7 @@ type Lease struct {
 	// tokens a swap gave back (HitTokens), set when its copy landed.
 	match    leaseMatch
 	wait     waiter
-	onload   tierRead
+	onload   *tierRead // nil until its first admission into a pool with a tier
 	restored int
 	// restore is the state checkpoint the admission in progress copies
 	// into the lease before handing it out (checkpoint.go), guarded by

@@ -288,7 +288,7 @@ func (p *Pool) shareMatchedLocked(l *Lease, t *tenancy.Tenant, gi int, handles [
 		return handles, table
 	}
 	x := &p.mu.prefix
-	if p.tier != nil {
+	if l.onload != nil {
 		l.onload.reset()
 	}
 	for _, e := range l.match.entries {
@@ -501,6 +501,7 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 	if withTokens {
 		parent = p.contentNodeLocked(l, l.published-1)
 	}
+	adapter := x.adapterID(l.adapter)
 	i := l.published
 	for ; i < upTo; i++ {
 		page := l.holds[0].pages[i]
@@ -519,7 +520,7 @@ func (p *Pool) publishLocked(l *Lease, upTo int) {
 			continue
 		}
 		e = x.newEntry()
-		e.key, e.dom, e.page, e.leases, e.adapter = l.keys[i], l.domain, page, 1, l.adapter
+		e.key, e.dom, e.page, e.leases, e.adapter = l.keys[i], l.domain, page, 1, adapter
 		e.tenants = append(e.tenants, tenantRef{t: l.tenant, refs: 1})
 		if i > 0 {
 			e.parent = l.keys[i-1]

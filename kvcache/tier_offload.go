@@ -318,7 +318,7 @@ func (p *Pool) emitStoredLocked(entries []*cacheEntry, medium Medium) {
 		}
 		run := entries[i:j]
 		e := run[0]
-		ev := KVEvent{Kind: KVStored, Medium: medium, Domain: e.dom.Name, Parent: e.parent, Adapter: e.adapter,
+		ev := KVEvent{Kind: KVStored, Medium: medium, Domain: e.dom.Name, Parent: e.parent, Adapter: p.mu.prefix.adapters[e.adapter],
 			Keys: s.keysLocked(len(run)), Tokens: len(run) * p.tpp}
 		var toks []int32
 		for _, r := range run {

@@ -54,7 +54,16 @@ func (r *tierRead) reset() {
 
 // pending reports whether the admission has copies to run or slots to
 // fill before it ends.
-func (r *tierRead) pending() bool { return len(r.pages) > 0 || len(r.fill) > 0 }
+func (r *tierRead) pending() bool { return r != nil && (len(r.pages) > 0 || len(r.fill) > 0) }
+
+// tierRead returns l's onload scratch, made on first use: a Lease that
+// never meets a tier does without.
+func (l *Lease) tierRead() *tierRead {
+	if l.onload == nil {
+		l.onload = new(tierRead)
+	}
+	return l.onload
+}
 
 // onloadPageLocked gives lease l a fresh page for matched entry e, which
 // only the tier holds, and records its copy: the page is one of those
@@ -67,7 +76,7 @@ func (p *Pool) onloadPageLocked(l *Lease, e *cacheEntry, owner allocator.Owner) 
 	}
 	it := e.tier
 	p.tier.pin(it)
-	r := &l.onload
+	r := l.tierRead()
 	r.entries = append(r.entries, e)
 	r.items = append(r.items, it)
 	r.pages = append(r.pages, h.Page)
@@ -89,7 +98,7 @@ func (p *Pool) planSwapInLocked(l *Lease, req *Request) {
 	if it == nil || it.pins > 0 {
 		return
 	}
-	sw, r := it.swap, &l.onload
+	sw, r := it.swap, l.tierRead()
 	to := sw.first + len(it.slots)
 	if sw.tenant != l.tenant || sw.adapter != req.Adapter || len(req.PageExtra) > 0 ||
 		len(req.TokenIDs) < sw.written || !tokensEqual(req.TokenIDs[:sw.written], sw.tokens) ||
@@ -139,7 +148,7 @@ func (p *Pool) runTierRead(r *tierRead) {
 // returns its outcome, with Pool.mu released.
 func (p *Pool) onloadLocked(a *admission) error {
 	l := a.l
-	r := &l.onload
+	r := l.onload
 	t := p.tier
 	t.busy++
 	p.mu.Unlock()
@@ -168,7 +177,7 @@ func (p *Pool) onloadLocked(a *admission) error {
 // read leave the tier, their slots filled.
 func (p *Pool) finishTierReadLocked(a *admission) (b scrubBatch, ended bool) {
 	l, t := a.l, p.tier
-	r := &l.onload
+	r := l.onload
 	ok := r.err == nil && !p.mu.closed
 	onloaded := 0
 	if ok {
@@ -260,7 +269,7 @@ func (p *Pool) attachOnloadedLocked(l *Lease, e *cacheEntry, page int32) {
 	e.leases = 1
 	e.tenants = append(e.tenants[:0], tenantRef{t: l.tenant, refs: 1})
 	if p.mu.events.enabled() {
-		ev := KVEvent{Kind: KVStored, Domain: e.dom.Name, Parent: e.parent, Adapter: e.adapter,
+		ev := KVEvent{Kind: KVStored, Domain: e.dom.Name, Parent: e.parent, Adapter: x.adapters[e.adapter],
 			Keys: append(p.mu.events.keysLocked(1), e.key), Tokens: p.tpp}
 		if e.tokens != nil {
 			ev.TokenIDs = p.mu.events.tokensLocked(e.tokens)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"testing"
+	"unsafe"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -292,7 +293,14 @@ func TestTierEvents(t *testing.T) {
 	cfg.Prefix = PrefixConfig{EventBuffer: 256, EventTokens: true}
 	p := newPool(t, cfg)
 	toks := tierTokens(2, 3*4+1)
-	publishPrompt(t, p, "A", "a", toks, 0xa2)
+	// Under an adapter, which every event of the pages names.
+	const lora = "lora-7"
+	l, err := p.TryAdmit(Request{ID: "A", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks, Adapter: lora})
+	require.NoError(t, err)
+	require.NoError(t, l.Commit(len(toks)))
+	_, err = l.CachePrefix(len(toks))
+	require.NoError(t, err)
+	require.NoError(t, l.Release())
 	next := func() KVEvent {
 		t.Helper()
 		select {
@@ -306,6 +314,7 @@ func TestTierEvents(t *testing.T) {
 	ev := next()
 	require.Equal(t, KVStored, ev.Kind)
 	require.Equal(t, MediumDevice, ev.Medium)
+	require.Equal(t, lora, ev.Adapter)
 	keys := ev.Keys
 	require.Len(t, keys, 3)
 
@@ -317,6 +326,7 @@ func TestTierEvents(t *testing.T) {
 	require.Equal(t, KVStored, ev.Kind)
 	require.Equal(t, MediumHost, ev.Medium)
 	require.Equal(t, "tenant:a", ev.Domain)
+	assert.Equal(t, lora, ev.Adapter)
 	assert.Equal(t, keys, ev.Keys)
 	assert.True(t, ev.Parent.IsZero())
 	assert.Equal(t, toks[:12], ev.TokenIDs)
@@ -326,12 +336,13 @@ func TestTierEvents(t *testing.T) {
 	assert.ElementsMatch(t, keys, ev.Keys)
 
 	// Onloaded: stored on the device again.
-	l, err := p.TryAdmit(Request{ID: "A2", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks})
+	l, err = p.TryAdmit(Request{ID: "A2", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks, Adapter: lora})
 	require.NoError(t, err)
 	require.Equal(t, 12, l.HitTokens())
 	ev = next()
 	assert.Equal(t, KVStored, ev.Kind)
 	assert.Equal(t, MediumDevice, ev.Medium)
+	assert.Equal(t, lora, ev.Adapter)
 	assert.Equal(t, keys, ev.Keys, "one event: the pages chain")
 	assert.Equal(t, toks[:12], ev.TokenIDs)
 	require.NoError(t, l.Release())
@@ -419,4 +430,10 @@ func TestTierFullMidOffload(t *testing.T) {
 	checkKV(t, l, 0xa6, 0, 4)
 	require.NoError(t, l.Release())
 	tierSlotsSum(t, p)
+}
+
+// The host tier's fields keep cacheEntry within its size class of whole
+// cache lines (see cacheEntrySize).
+func TestCacheEntrySize(t *testing.T) {
+	assert.LessOrEqual(t, unsafe.Sizeof(cacheEntry{}), uintptr(cacheEntrySize))
 }
