@@ -291,11 +291,16 @@ func (p *Pool) shareMatchedLocked(l *Lease, t *tenancy.Tenant, gi int, handles [
 	if l.onload != nil {
 		l.onload.reset()
 	}
-	for _, e := range l.match.entries {
-		if e.page < 0 {
-			h := p.onloadPageLocked(l, e, t.Domain.ID)
-			handles = append(handles, h)
-			table = append(table, h.Page)
+	m := l.match.entries
+	for i := 0; i < len(m); i++ {
+		e := m[i]
+		if e.page < 0 { // a run only the host tier holds: fresh pages
+			j := i + 1
+			for j < len(m) && m[j].page < 0 {
+				j++
+			}
+			handles, table = p.onloadRunLocked(l, m[i:j], t.Domain.ID, handles, table)
+			i = j - 1
 			continue
 		}
 		h, err := p.groups[0].alloc.Retain(e.page, e.dom.ID)

@@ -14,7 +14,7 @@ import (
 // the walk no sooner than one the device holds. Admission decides and
 // takes the whole request as it always does, all or nothing: a matched
 // entry the device holds is shared, one only the tier holds gets a fresh
-// page of the lease (onloadPageLocked), counted in what the admission
+// page of the lease (onloadRunLocked), counted in what the admission
 // takes and charges. Then, before the lease is handed out, the admission
 // copies the tier's slots into those pages outside Pool.mu (stepOnload,
 // the items pinned: no eviction or clear reuses their slots meanwhile),
@@ -65,23 +65,28 @@ func (l *Lease) tierRead() *tierRead {
 	return l.onload
 }
 
-// onloadPageLocked gives lease l a fresh page for matched entry e, which
-// only the tier holds, and records its copy: the page is one of those
-// the admission was granted (its take counts it), so the allocator has
-// it. It pins e's item until the copy ends.
-func (p *Pool) onloadPageLocked(l *Lease, e *cacheEntry, owner allocator.Owner) allocator.Handle {
-	h, ok := p.groups[0].alloc.AllocOne(owner)
-	if !ok {
-		panic("kvcache: a page granted for an onload and free, but the allocator refused it")
+// onloadRunLocked gives lease l a fresh page for each of entries, a run
+// of its matched entries that only the tier holds, in one allocation,
+// appends their handles and pages to handles and table, and records
+// their copies: the pages are among those the admission was granted (its
+// take counts them), so the allocator has them. It pins the entries'
+// items until the copy ends.
+func (p *Pool) onloadRunLocked(l *Lease, entries []*cacheEntry, owner allocator.Owner, handles []allocator.Handle, table []int32) ([]allocator.Handle, []int32) {
+	base := len(table)
+	handles, table, err := p.groups[0].alloc.AllocIDs(handles, table, len(entries), owner)
+	if err != nil {
+		panic(fmt.Sprintf("kvcache: %d pages granted for onloads, but the allocator refused them: %v", len(entries), err))
 	}
-	it := e.tier
-	p.tier.pin(it)
-	r := l.tierRead()
-	r.entries = append(r.entries, e)
-	r.items = append(r.items, it)
-	r.pages = append(r.pages, h.Page)
-	r.slots = append(r.slots, it.slots[0])
-	return h
+	t, r := p.tier, l.tierRead()
+	r.pages = append(r.pages, table[base:]...)
+	for _, e := range entries {
+		it := e.tier
+		t.pin(it)
+		r.entries = append(r.entries, e)
+		r.items = append(r.items, it)
+		r.slots = append(r.slots, it.slots[0])
+	}
+	return handles, table
 }
 
 // planSwapInLocked restores, into the fresh pages of l just admitted for
