@@ -329,28 +329,17 @@ func (h *Host) WritePage(r int, p int32, src []byte) error {
 
 // WritePagePart implements PartWriter.
 func (h *Host) WritePagePart(r int, p int32, off int, src []byte) error {
-	h.afterFills()
-	h.mu.RLock()
-	defer h.mu.RUnlock()
-	if h.mu.closed {
-		return ErrClosed
-	}
-	if r < 0 || r >= len(h.mu.regions) {
-		return fmt.Errorf("%w: region %d of %d", ErrInvalidArgument, r, len(h.mu.regions))
-	}
-	dst, err := h.page(r, p, int(h.mu.regions[r].PageBytes))
-	if err != nil {
-		return err
-	}
-	if off < 0 || off > len(dst) || len(src) > len(dst)-off {
-		return fmt.Errorf("%w: %d bytes at offset %d of a page of %d", ErrInvalidArgument, len(src), off, len(dst))
-	}
-	memfill.CopyStreaming(dst[off:], src)
-	return nil
+	return h.pagePart(r, p, off, len(src), func(part []byte) { memfill.CopyStreaming(part, src) })
 }
 
 // ReadPagePart implements PartReader.
 func (h *Host) ReadPagePart(r int, p int32, off int, dst []byte) error {
+	return h.pagePart(r, p, off, len(dst), func(part []byte) { copy(dst, part) })
+}
+
+// pagePart checks n bytes at offset off of page p of region r and calls
+// f with them, after the fills issued before and under the read lock.
+func (h *Host) pagePart(r int, p int32, off, n int, f func(part []byte)) error {
 	h.afterFills()
 	h.mu.RLock()
 	defer h.mu.RUnlock()
@@ -360,14 +349,14 @@ func (h *Host) ReadPagePart(r int, p int32, off int, dst []byte) error {
 	if r < 0 || r >= len(h.mu.regions) {
 		return fmt.Errorf("%w: region %d of %d", ErrInvalidArgument, r, len(h.mu.regions))
 	}
-	src, err := h.page(r, p, int(h.mu.regions[r].PageBytes))
+	page, err := h.page(r, p, int(h.mu.regions[r].PageBytes))
 	if err != nil {
 		return err
 	}
-	if off < 0 || off > len(src) || len(dst) > len(src)-off {
-		return fmt.Errorf("%w: %d bytes at offset %d of a page of %d", ErrInvalidArgument, len(dst), off, len(src))
+	if off < 0 || off > len(page) || n > len(page)-off {
+		return fmt.Errorf("%w: %d bytes at offset %d of a page of %d", ErrInvalidArgument, n, off, len(page))
 	}
-	copy(dst, src[off:])
+	f(page[off : off+n])
 	return nil
 }
 

@@ -278,11 +278,7 @@ func (p *Pool) checkpointAttempt(l *Lease, n int, after cudaops.Ordering, tokens
 
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	l.pins--
-	p.mu.pins--
-	if l.pins == 0 && (l.draining || p.mu.closed) {
-		p.quiet.Broadcast()
-	}
+	p.unpinLocked(l)
 	c.copying = false
 	last := c.chain[len(c.chain)-1]
 	if err == nil && (c.dropped || last.ckpt != nil || p.mu.closed || !p.chainIndexedLocked(c)) {
@@ -578,13 +574,7 @@ func (p *Pool) unpinChainLocked(c *checkpoint) {
 // linkCheckpointLocked puts c on the book, at the LRU list's tail.
 func (p *Pool) linkCheckpointLocked(c *checkpoint) {
 	b := &p.mu.ckpts
-	c.prev, c.next = b.lruTail, nil
-	if b.lruTail != nil {
-		b.lruTail.next = c
-	} else {
-		b.lruHead = c
-	}
-	b.lruTail = c
+	b.lruAppend(c)
 	b.n++
 	tc := b.tenant(c.tenant)
 	tc.n++
@@ -598,17 +588,7 @@ func (p *Pool) linkCheckpointLocked(c *checkpoint) {
 // unlinkCheckpointLocked takes c off the book and the LRU list.
 func (p *Pool) unlinkCheckpointLocked(c *checkpoint) {
 	b := &p.mu.ckpts
-	if c.prev != nil {
-		c.prev.next = c.next
-	} else {
-		b.lruHead = c.next
-	}
-	if c.next != nil {
-		c.next.prev = c.prev
-	} else {
-		b.lruTail = c.prev
-	}
-	c.prev, c.next = nil, nil
+	b.lruRemove(c)
 	b.n--
 	tc := b.tenant(c.tenant)
 	tc.n--
@@ -625,18 +605,36 @@ func (p *Pool) unlinkCheckpointLocked(c *checkpoint) {
 // was just used.
 func (p *Pool) touchCheckpointLocked(c *checkpoint) {
 	b := &p.mu.ckpts
-	if b.lruTail == c {
-		return
+	if b.lruTail != c {
+		b.lruRemove(c)
+		b.lruAppend(c)
 	}
+}
+
+// lruAppend puts c at the LRU list's tail.
+func (b *checkpointBook) lruAppend(c *checkpoint) {
+	c.prev, c.next = b.lruTail, nil
+	if b.lruTail != nil {
+		b.lruTail.next = c
+	} else {
+		b.lruHead = c
+	}
+	b.lruTail = c
+}
+
+// lruRemove takes c off the LRU list.
+func (b *checkpointBook) lruRemove(c *checkpoint) {
 	if c.prev != nil {
 		c.prev.next = c.next
 	} else {
 		b.lruHead = c.next
 	}
-	c.next.prev = c.prev
-	c.prev, c.next = b.lruTail, nil
-	b.lruTail.next = c
-	b.lruTail = c
+	if c.next != nil {
+		c.next.prev = c.prev
+	} else {
+		b.lruTail = c.prev
+	}
+	c.prev, c.next = nil, nil
 }
 
 // dropCheckpointUnitsLocked releases c's units into quarantine, appended
@@ -763,11 +761,7 @@ func (p *Pool) restore(l *Lease) error {
 	}
 	took := monoNow() - start
 	p.mu.Lock()
-	l.pins--
-	p.mu.pins--
-	if l.pins == 0 && (l.draining || p.mu.closed) {
-		p.quiet.Broadcast()
-	}
+	p.unpinLocked(l)
 	l.restore = nil
 	b := p.endRestoreLocked(c)
 	if err == nil && l.state.Load() == leaseLive {

@@ -278,12 +278,17 @@ func (p *Pool) drainLocked(l *Lease) bool {
 // unpin ends one copy on l's pages.
 func (p *Pool) unpin(l *Lease) {
 	p.mu.Lock()
+	p.unpinLocked(l)
+	p.mu.Unlock()
+}
+
+// unpinLocked is unpin with Pool.mu held.
+func (p *Pool) unpinLocked(l *Lease) {
 	l.pins--
 	p.mu.pins--
 	if l.pins == 0 && (l.draining || p.mu.closed) {
 		p.quiet.Broadcast()
 	}
-	p.mu.Unlock()
 }
 
 // logCanaryLocked logs a canary audit that found free pages written: they
