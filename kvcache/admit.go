@@ -187,10 +187,14 @@ func (p *Pool) admit(a *admission) error {
 	}
 	p.mu.Lock()
 	err := p.runLocked(a)
-	if err == nil && l.restore != nil {
-		// A hybrid hit: the state at its end goes into the lease before
-		// the engine sees it.
-		err = p.restore(l)
+	if l.restore != nil {
+		if err == nil {
+			// A hybrid hit: the state at its end goes into the lease
+			// before the engine sees it.
+			err = p.restore(l)
+		} else {
+			p.cancelRestore(l) // granted, then its onload failed
+		}
 	}
 	return err
 }
@@ -232,19 +236,7 @@ func (p *Pool) stepsLocked(a *admission, st step) error {
 			l.keysFor, l.match.valid = dom, false
 		case stepEvict:
 			b := a.evicted
-			p.beginTierWriteLocked(&a.offload)
-			p.mu.Unlock()
-			if !a.offload.empty() {
-				p.runTierWrite(&a.offload) // before the scrub: it reads the evicted pages
-			}
-			err := p.fillAndWait(b)
-			p.mu.Lock()
-			if fill := p.finishTierWriteLocked(&a.offload, nil); len(fill) > 0 {
-				p.mu.Unlock()
-				p.scrubTier(fill)
-				p.mu.Lock()
-			}
-			a.offload.reset()
+			err := p.scrubEvictedLocked(b, &a.offload)
 			for gi := range p.groups {
 				p.groups[gi].evicting -= len(b.spaces[gi])
 			}
@@ -276,6 +268,28 @@ func (p *Pool) stepsLocked(a *admission, st step) error {
 			return p.endAdmissionLocked(a)
 		}
 	}
+}
+
+// scrubEvictedLocked runs, with Pool.mu released meanwhile, what an
+// eviction left (counted in p.fills by the caller, who then finishes the
+// scrub): the host tier's write w of what it keeps (before the scrub: it
+// reads the evicted pages and units), then the fill of b. It returns the
+// fill's error.
+func (p *Pool) scrubEvictedLocked(b scrubBatch, w *tierWrite) error {
+	p.beginTierWriteLocked(w)
+	p.mu.Unlock()
+	if !w.empty() {
+		p.runTierWrite(w)
+	}
+	err := p.fillAndWait(b)
+	p.mu.Lock()
+	if fill := p.finishTierWriteLocked(w, nil); len(fill) > 0 {
+		p.mu.Unlock()
+		p.scrubTier(fill)
+		p.mu.Lock()
+	}
+	w.reset()
+	return err
 }
 
 // endAdmissionLocked ends an admission in progress, unlocks Pool.mu and

@@ -51,8 +51,12 @@ import (
 type checkpoint struct {
 	tokens int
 	// chain is the cache entries of pages [0, tokens/tpp), each pinned
-	// by the checkpoint; the last one holds it.
+	// by the checkpoint while the device holds it; the last one holds it
+	// (last). In the host tier (tier set: the device evicted it) it pins
+	// nothing, and chain is nil.
 	chain []*cacheEntry
+	last  *cacheEntry
+	tier  *tierItem
 	// units are its units in each group (nil for the per-token group),
 	// in the order of a handoff of tokens tokens.
 	units  [][]allocator.Handle
@@ -246,16 +250,15 @@ func (l *Lease) prepareKeys(pages int, tokens []int32) error {
 // for it (scrubbed here, and done is false: the caller tries again).
 func (p *Pool) checkpointAttempt(l *Lease, n int, after cudaops.Ordering, tokens []int32, mover cudaops.PageMover) (done bool, err error) {
 	p.mu.Lock()
-	c, b, err := p.prepareCheckpointLocked(l, n, tokens)
+	var w tierWrite
+	c, b, err := p.prepareCheckpointLocked(l, n, tokens, &w)
 	switch {
 	case err != nil:
 		p.mu.Unlock()
 		return true, err
 	case b.len() > 0:
 		p.fills.Add(1)
-		p.mu.Unlock()
-		err := p.fillAndWait(b)
-		p.mu.Lock()
+		err := p.scrubEvictedLocked(b, &w)
 		p.finishScrubLocked(b, err)
 		p.fills.Done()
 		p.mu.Unlock()
@@ -318,7 +321,7 @@ func (p *Pool) checkpointAttempt(l *Lease, n int, after cudaops.Ordering, tokens
 // taken and its pages pinned, loose (not on the book yet); or units
 // evicted for it, in b, for the caller to scrub before it tries again;
 // or nothing where the checkpoint exists already; or why not.
-func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32) (*checkpoint, scrubBatch, error) {
+func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32, w *tierWrite) (*checkpoint, scrubBatch, error) {
 	p.assertHeld()
 	var b scrubBatch
 	if err := p.stateErrLocked(); err != nil {
@@ -352,7 +355,11 @@ func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32) (*checkp
 	}
 	if last := p.chainEntryLocked(l, pages-1); last != nil && last.ckpt != nil {
 		p.mu.ckpts.stats.Existing++
-		p.touchCheckpointLocked(last.ckpt)
+		if it := last.ckpt.tier; it != nil {
+			p.tier.touch(it) // being written, or in the tier
+		} else {
+			p.touchCheckpointLocked(last.ckpt)
+		}
 		return nil, b, nil
 	}
 	// Room first: a checkpoint not taken publishes nothing.
@@ -378,17 +385,22 @@ func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32) (*checkp
 		if len(b.spaces) == 0 {
 			b = b.batchFor(p)
 		}
-		p.evictCheckpointsLocked(&b, gi, short[gi], nil)
+		p.evictCheckpointsLocked(&b, gi, short[gi], w)
+	}
+	if p.tier != nil {
+		p.placeOffloadLocked(w) // the checkpoints evicted go to the tier
 	}
 	if b.len() > 0 {
 		return nil, b, nil
 	}
-	// A page of l's that another lease's copy stood for, since evicted,
-	// is published again from l's own page (it holds the same KV):
-	// publication goes on from the first such page, as far as before.
+	// A page of l's that another lease's copy stood for, since evicted
+	// (from the device: the host tier may hold it still), is published
+	// again from l's own page (it holds the same KV): publication goes on
+	// from the first such page, as far as before. A checkpoint pins pages
+	// the device holds.
 	upTo := pages
 	for i := l.hitPages; i < min(pages, l.published); i++ {
-		if p.chainEntryLocked(l, i) == nil {
+		if e := p.chainEntryLocked(l, i); e == nil || e.page < 0 {
 			upTo = max(pages, l.published)
 			l.published = i
 			break
@@ -408,7 +420,7 @@ func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32) (*checkp
 	chain := make([]*cacheEntry, pages)
 	for i := range pages {
 		e := p.chainEntryLocked(l, i)
-		if i >= l.published || e == nil || e.detached {
+		if i >= l.published || e == nil || e.detached || e.page < 0 {
 			return nil, b, fmt.Errorf("%w: lease %q's page %d is not in the prefix cache (cleared since it was admitted?)", ErrInvalidArgument, l.id, i)
 		}
 		chain[i] = e
@@ -423,7 +435,7 @@ func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32) (*checkp
 			}
 		}
 	}
-	c := &checkpoint{tokens: n, chain: chain, dom: l.domain, tenant: l.tenant, units: make([][]allocator.Handle, len(p.groups))}
+	c := &checkpoint{tokens: n, chain: chain, last: chain[len(chain)-1], dom: l.domain, tenant: l.tenant, units: make([][]allocator.Handle, len(p.groups))}
 	for gi := 1; gi < len(p.groups); gi++ {
 		g := &p.groups[gi]
 		hs, err := g.alloc.Alloc(nil, es[gi].Units, l.domain.ID)
@@ -654,13 +666,15 @@ func (p *Pool) dropCheckpointUnitsLocked(c *checkpoint, b *scrubBatch) {
 	}
 }
 
-// dropCheckpointLocked ends c: off its entry, the book and the LRU list,
-// its pages unpinned, and its units into b (quarantined), or, while a
-// restore from it runs, when the last restore ends (loose meanwhile).
-func (p *Pool) dropCheckpointLocked(c *checkpoint, b *scrubBatch) {
+// dropCheckpointLocked ends c on the device: off the book and the LRU
+// list, its pages unpinned, and its units into b (quarantined), or, while
+// a restore from it runs, when the last restore ends (loose meanwhile).
+// An eviction's c, with a tier write w, goes to the host tier
+// (offerCheckpointLocked) and stays on its page; otherwise it leaves it.
+func (p *Pool) dropCheckpointLocked(c *checkpoint, b *scrubBatch, w *tierWrite) {
 	p.assertHeld()
-	if last := c.chain[len(c.chain)-1]; last.ckpt == c {
-		last.ckpt = nil
+	if c.last.ckpt == c && (c.restoring > 0 || !p.offerCheckpointLocked(c, w)) {
+		c.last.ckpt = nil
 	}
 	p.unlinkCheckpointLocked(c)
 	p.unpinChainLocked(c)
@@ -677,26 +691,22 @@ func (p *Pool) dropCheckpointLocked(c *checkpoint, b *scrubBatch) {
 // units of group gi until at least n of those are freed, or none is left
 // to evict, their units (every group's) appended to b. It returns the
 // units of gi freed. A checkpoint being restored, or the one at the end
-// of keep (an admission's match, about to be restored), stays.
-func (p *Pool) evictCheckpointsLocked(b *scrubBatch, gi, n int, keep []*cacheEntry) (freed int) {
+// of the evicting admission's match (its page marked pinned by the
+// caller: about to be restored), stays. With a tier write off, the host
+// tier takes what it evicts (dropCheckpointLocked).
+func (p *Pool) evictCheckpointsLocked(b *scrubBatch, gi, n int, off *tierWrite) (freed int) {
 	p.assertHeld()
 	if p.mu.ckpts.evictable[gi] == 0 {
 		return 0
-	}
-	for _, e := range keep {
-		e.pinned = true
 	}
 	for c := p.mu.ckpts.lruHead; c != nil && freed < n; {
 		next := c.next
 		if p.evictableCheckpoint(c) && len(c.units[gi]) > 0 {
 			freed += len(c.units[gi])
-			p.dropCheckpointLocked(c, b)
+			p.dropCheckpointLocked(c, b, off)
 			p.mu.ckpts.stats.Evicted++
 		}
 		c = next
-	}
-	for _, e := range keep {
-		e.pinned = false
 	}
 	return freed
 }
@@ -704,10 +714,10 @@ func (p *Pool) evictCheckpointsLocked(b *scrubBatch, gi, n int, keep []*cacheEnt
 // evictCheckpointLocked evicts the least recently used checkpoint that
 // can be, for the pages it pins, and returns it (nil: none can be). The
 // caller has marked its keep entries pinned.
-func (p *Pool) evictCheckpointLocked(b *scrubBatch) *checkpoint {
+func (p *Pool) evictCheckpointLocked(b *scrubBatch, off *tierWrite) *checkpoint {
 	for c := p.mu.ckpts.lruHead; c != nil; c = c.next {
 		if p.evictableCheckpoint(c) {
-			p.dropCheckpointLocked(c, b)
+			p.dropCheckpointLocked(c, b, off)
 			p.mu.ckpts.stats.Evicted++
 			return c
 		}
@@ -719,7 +729,13 @@ func (p *Pool) evictCheckpointLocked(b *scrubBatch) *checkpoint {
 // from it in flight, and not the checkpoint of an evicting admission's
 // match (its last entry marked pinned).
 func (p *Pool) evictableCheckpoint(c *checkpoint) bool {
-	return c.restoring == 0 && !c.chain[len(c.chain)-1].pinned
+	return c.restoring == 0 && !c.last.pinned
+}
+
+// usable reports whether an admission may restore c: the device holds it,
+// or the host tier has written it.
+func (c *checkpoint) usable() bool {
+	return c.tier == nil || c.tier.ready && !c.tier.doomed
 }
 
 // matchCheckpointLocked cuts l's prefix match, in a hybrid pool, back to
@@ -729,7 +745,7 @@ func (p *Pool) evictableCheckpoint(c *checkpoint) bool {
 func (p *Pool) matchCheckpointLocked(l *Lease) {
 	m := &l.match
 	k := len(m.entries)
-	for k > 0 && m.entries[k-1].ckpt == nil {
+	for k > 0 && (m.entries[k-1].ckpt == nil || !m.entries[k-1].ckpt.usable()) {
 		k--
 	}
 	m.cut += len(m.entries) - k
@@ -750,6 +766,9 @@ func (p *Pool) matchCheckpointLocked(l *Lease) {
 func (p *Pool) restore(l *Lease) error {
 	p.mu.Lock()
 	c := l.restore
+	if c.tier != nil {
+		return p.restoreFromTierLocked(l, c)
+	}
 	spans := p.checkpointSpansLocked(c, l, true)
 	p.mu.Unlock()
 	// The checkpoint's units and the lease's fresh ones are the pool's
@@ -766,13 +785,7 @@ func (p *Pool) restore(l *Lease) error {
 	b := p.endRestoreLocked(c)
 	if err == nil && l.state.Load() == leaseLive {
 		p.mu.ckpts.stats.RestoreNanos += uint64(took)
-		for gi, e := range p.lay.handoffExtents(c.tokens) {
-			if e.Kind == GroupSlidingWindow {
-				l.holds[gi].first = e.First
-			}
-		}
-		l.written.Store(int64(c.tokens))
-		p.assertLocked("restore")
+		p.restoredLocked(l, c.tokens)
 	}
 	if b.len() > 0 {
 		p.fills.Add(1)
@@ -789,17 +802,119 @@ func (p *Pool) restore(l *Lease) error {
 	return fmt.Errorf("%w: restoring a state checkpoint of %d tokens into request %q: %w", ErrDevice, c.tokens, l.id, err)
 }
 
-// beginRestoreLocked pins c, and l, for a restore of c into l.
+// beginRestoreLocked pins c, and l, for a restore of c into l: on the
+// device, c's units are not evicted meanwhile; in the host tier, its
+// item is read (no eviction or clear reuses its slot).
 func (p *Pool) beginRestoreLocked(l *Lease, c *checkpoint) {
 	l.pins++
 	p.mu.pins++
+	l.restore = c
+	if it := c.tier; it != nil {
+		p.tier.pin(it)
+		p.tier.touch(it)
+		return
+	}
 	if c.restoring++; c.restoring == 1 {
 		for gi, hs := range c.units {
 			p.mu.ckpts.evictable[gi] -= len(hs)
 		}
 	}
-	l.restore = c
 	p.touchCheckpointLocked(c)
+}
+
+// cancelRestore lets go of the checkpoint an admission was granted with
+// (beginRestoreLocked) and did not restore: it was refused after the
+// grant (its onload failed, or Close came), its lease ended.
+func (p *Pool) cancelRestore(l *Lease) {
+	p.mu.Lock()
+	c := l.restore
+	l.restore = nil
+	p.unpinLocked(l)
+	var b scrubBatch
+	var fill []int32
+	if it := c.tier; it != nil {
+		fill = p.unpinTierLocked(it, nil)
+	} else {
+		b = p.endRestoreLocked(c)
+	}
+	if b.len() > 0 {
+		p.fills.Add(1)
+		p.mu.Unlock()
+		p.scrub(b, cudaops.Ordering{})
+	} else {
+		p.mu.Unlock()
+	}
+	p.scrubTier(fill)
+}
+
+// restoreFromTierLocked is restore of c, a checkpoint in the host tier,
+// entered with Pool.mu held: its slot is copied into l's units (one copy
+// per group), and, failing, l ends and its admission is refused with
+// ErrOnloadFailed, the checkpoint dropped from the tier (filled before
+// its slot is reused), as a failed onload of pages is.
+func (p *Pool) restoreFromTierLocked(l *Lease, c *checkpoint) error {
+	t, it := p.tier, c.tier
+	es := p.lay.handoffExtents(c.tokens)
+	local := int(it.slots[0] - t.sp[spaceCheckpoints].base)
+	var pages, units [MaxCacheGroups][]int32
+	bytes := 0
+	for gi := 1; gi < len(p.groups); gi++ {
+		e, h := es[gi], &l.holds[gi]
+		for j := range e.Units {
+			pages[gi] = append(pages[gi], h.handles[(e.First+j)%len(h.handles)].Page)
+			units[gi] = append(units[gi], int32(local*t.ckptUnits[gi]+j))
+		}
+		bytes += e.Units * int(p.groups[gi].pageBytes)
+	}
+	t.busy++
+	p.mu.Unlock()
+	start := monoNow()
+	var err error
+	for gi := 1; gi < len(p.groups) && err == nil; gi++ {
+		if len(pages[gi]) > 0 {
+			err = t.copy(spaceCheckpoints, gi, pages[gi], units[gi], false, cudaops.Ordering{})
+		}
+	}
+	took := monoNow() - start
+	p.mu.Lock()
+	p.unpinLocked(l)
+	l.restore = nil
+	doomed := it.doomed
+	fill := p.unpinTierLocked(it, nil)
+	switch {
+	case err != nil:
+		t.stats.CheckpointRestoresFailed++
+		if !doomed {
+			fill = p.dropItemLocked(it, fill) // filled before its slot is reused
+		}
+	case l.state.Load() == leaseLive:
+		p.mu.ckpts.stats.RestoreNanos += uint64(took)
+		t.stats.CheckpointsRestored++
+		t.stats.CheckpointRestoreBytes += uint64(bytes)
+		t.domain(c.dom).hitCkpts++
+		p.restoredLocked(l, c.tokens)
+	}
+	p.tierIdleLocked(1)
+	p.mu.Unlock()
+	p.scrubTier(fill)
+	if err == nil {
+		return nil
+	}
+	l.Abort() // handed out to nobody: its pages are scrubbed
+	return &AdmissionError{Err: ErrOnloadFailed, RequestID: l.id, Tenant: l.tenant.Name,
+		Cause: fmt.Errorf("%w: restoring a state checkpoint of %d tokens from the host tier: %w", ErrDevice, c.tokens, err)}
+}
+
+// restoredLocked sets l's watermark to the tokens of the checkpoint
+// restored into it, its windows starting where they did there.
+func (p *Pool) restoredLocked(l *Lease, tokens int) {
+	for gi, e := range p.lay.handoffExtents(tokens) {
+		if e.Kind == GroupSlidingWindow {
+			l.holds[gi].first = e.First
+		}
+	}
+	l.written.Store(int64(tokens))
+	p.assertLocked("restore")
 }
 
 // endRestoreLocked lets c be evicted again once its last restore ended,
@@ -872,7 +987,7 @@ func (p *Pool) checkCheckpointsLocked(c *checker, refs [][]int) {
 			c.failf("checkpoint of %d tokens has %d pages and units in %d groups", k.tokens, len(k.chain), len(k.units))
 			return
 		}
-		if held := k.chain[len(k.chain)-1].ckpt == k; held != onBook || onBook && k.dropped {
+		if held := k.last.ckpt == k && k.last == k.chain[len(k.chain)-1]; held != onBook || onBook && k.dropped {
 			c.failf("checkpoint of %d tokens: on the book %v, held by its last page %v, dropped %v", k.tokens, onBook, held, k.dropped)
 		}
 		if !onBook && k.dropped && k.restoring == 0 && !k.copying {
@@ -937,9 +1052,9 @@ func (p *Pool) checkCheckpointsLocked(c *checker, refs [][]int) {
 				c.failf("page %d, pinned by %d checkpoints and held by no lease, is on the LRU list (%v) or detached (%v)", e.page, e.pins, e.inLRU, e.detached)
 			}
 		}
-		if k := e.ckpt; k != nil && (e.detached || k.chain[len(k.chain)-1] != e) {
-			c.failf("page %d (detached %v) holds a checkpoint of %d tokens ending at page %d (dropped %v, restoring %d)",
-				e.page, e.detached, k.tokens, k.chain[len(k.chain)-1].page, k.dropped, k.restoring)
+		if k := e.ckpt; k != nil && (e.detached || k.last != e || k.tier == nil && (k.chain[len(k.chain)-1] != e || k.dropped)) {
+			c.failf("page %d (detached %v) holds a checkpoint of %d tokens ending at page %d (dropped %v, restoring %d, in the host tier %v)",
+				e.page, e.detached, k.tokens, k.last.page, k.dropped, k.restoring, k.tier != nil)
 		}
 	}
 	if pinnedCached != b.pinnedCached {

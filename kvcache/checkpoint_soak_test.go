@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -84,10 +85,22 @@ func soakWriteKV(t testing.TB, p *Pool, l *Lease, dom string, prompt []int32, fr
 	}
 }
 
+// soakTier, in checkpointSoak, gives the pool a host tier of as many
+// pages as the pool (and a smaller pool, and more system prompts than it
+// keeps, so that pages and checkpoints go to the tier and come back),
+// holding checkpoints checkpoints, under policy; skipOneIn > 0 makes the
+// tier skip one fill of a checkpoint slot in that many.
+type soakTier struct {
+	checkpoints int
+	policy      ScrubPolicy
+	skipOneIn   int
+}
+
 // checkpointSoak runs steps of the soak on a miniature of preset over
-// the device newDev makes, and returns the first unit found holding what
-// it should not (nil if none). A failure of the machinery fails t.
-func checkpointSoak(t *testing.T, preset string, steps int, dev cudaops.Device) error {
+// dev, with the host tier tier (nil: none), and returns the first unit
+// found holding what it should not, or the canary mismatch a tier's
+// skipped fill caused (nil if none). A failure of the machinery fails t.
+func checkpointSoak(t *testing.T, preset string, steps int, dev cudaops.Device, tier *soakTier) error {
 	full, err := Preset(preset)
 	require.NoError(t, err)
 	spec, err := full.Miniature(1, 128)
@@ -97,13 +110,37 @@ func checkpointSoak(t *testing.T, preset string, steps int, dev cudaops.Device) 
 		tenants = append(tenants, TenantConfig{Name: fmt.Sprint("t", i), Domain: fmt.Sprint("d", i%4)})
 	}
 	tpp := spec.TokensPerPage()
-	p := newPool(t, Config{Cache: spec, Pages: 64 * 1024 / tpp, MaxLeases: 6, MaxContextTokens: 8192, AllowUndersizedPool: true,
+	cfg := Config{Cache: spec, Pages: 64 * 1024 / tpp, MaxLeases: 6, MaxContextTokens: 8192, AllowUndersizedPool: true,
 		Prefix: PrefixConfig{CheckpointSlots: 6}, Tenants: tenants,
-		Scrub: ScrubPolicy{Kind: isolation.ScrubPoison}, Device: dev})
+		Scrub: ScrubPolicy{Kind: isolation.ScrubPoison}, Device: dev}
+	if tier != nil {
+		cfg.Pages = 64
+		cfg.HostTier = HostTierConfig{Pages: cfg.Pages, Checkpoints: tier.checkpoints}
+		cfg.Scrub = tier.policy
+	}
+	p := newPool(t, cfg)
+	fills := 0
+	if tier != nil && tier.skipOneIn > 0 {
+		base := p.tier.sp[spaceCheckpoints].base
+		p.tier.testSkipFill = func(s []int32) []int32 {
+			var kept []int32
+			for _, slot := range s {
+				if slot < base {
+					kept = append(kept, slot)
+				} else if fills++; fills%tier.skipOneIn != 0 {
+					kept = append(kept, slot)
+				}
+			}
+			return kept
+		}
+	}
 	rng := rand.New(rand.NewPCG(uint64(len(preset)), 31))
 	systems := make([][]int32, 5)
+	if tier != nil {
+		systems = make([][]int32, 16) // more than the device keeps
+	}
 	for i := range systems {
-		systems[i] = promptTokens(i+1, (1+i)*tpp, 0, (1+i)*tpp)
+		systems[i] = promptTokens(i+1, (1+i%5)*tpp, 0, (1+i%5)*tpp)
 	}
 	taken := map[string]string{} // domain + checkpointed prefix → the tag of the last taken there
 	key := func(dom string, prefix []int32) string { return fmt.Sprint(dom, prefix) }
@@ -113,9 +150,17 @@ func checkpointSoak(t *testing.T, preset string, steps int, dev cudaops.Device) 
 		tokens []int32
 	}
 	var live []running
+	// caught is the fault a detector run's skipped fill raised, which
+	// ends the soak.
+	var caught error
+	detector := tier != nil && tier.skipOneIn > 0
 	checkpoint := func(r running, n int, tag string) {
 		before := p.Stats().Checkpoints.Taken
 		err := r.l.CheckpointState(n, cudaops.Ordering{})
+		if detector && errors.Is(err, ErrPoolFaulted) {
+			caught = err
+			return
+		}
 		if err != nil {
 			require.ErrorIs(t, err, ErrCheckpointCapacity)
 			return
@@ -131,6 +176,9 @@ func checkpointSoak(t *testing.T, preset string, steps int, dev cudaops.Device) 
 			live = slices.Delete(live, i, i+1)
 			if w := r.l.Written(); w%tpp == 0 && rng.IntN(2) == 0 {
 				kept, err := r.l.Preempt(r.tokens[:w])
+				if detector && errors.Is(err, ErrPoolFaulted) {
+					return err
+				}
 				require.NoError(t, err)
 				if kept == w {
 					taken[key(r.dom, r.tokens[:w])] = fmt.Sprintf("%s@%d", r.l.ID(), w)
@@ -147,6 +195,9 @@ func checkpointSoak(t *testing.T, preset string, steps int, dev cudaops.Device) 
 		prompt := append(slices.Clone(sys), promptTokens(0, 0, step%40, 1+rng.IntN(3*tpp))...)
 		id := fmt.Sprint("s", step)
 		l, err := p.TryAdmit(Request{ID: id, Tenant: tenant, PromptTokens: len(prompt), MaxNewTokens: 2 * tpp, TokenIDs: prompt})
+		if detector && errors.Is(err, ErrPoolFaulted) {
+			return err // a canary mismatch faults the pool: caught
+		}
 		require.NoError(t, err, "step %d", step)
 		hit := l.HitTokens()
 		tag := ""
@@ -174,6 +225,9 @@ func checkpointSoak(t *testing.T, preset string, steps int, dev cudaops.Device) 
 			soakWriteKV(t, p, l, dom, prompt, at/tpp, n/tpp)
 			prefillTo(t, p, l, id, n)
 			checkpoint(r, n, fmt.Sprintf("%s@%d", id, n))
+			if caught != nil {
+				return caught
+			}
 			at = n
 		}
 		soakWriteKV(t, p, l, dom, prompt, at/tpp, (len(prompt)+tpp-1)/tpp)
@@ -185,6 +239,14 @@ func checkpointSoak(t *testing.T, preset string, steps int, dev cudaops.Device) 
 		prefillTo(t, p, l, id, w)
 		live = append(live, r)
 		require.NoError(t, p.Check(), "step %d", step)
+		if detector {
+			if _, err := p.AuditFreePages(); err != nil {
+				return err
+			}
+			if f := p.Fault(); f != nil {
+				return f
+			}
+		}
 	}
 	for _, r := range live {
 		require.NoError(t, r.l.Release())
@@ -195,6 +257,16 @@ func checkpointSoak(t *testing.T, preset string, steps int, dev cudaops.Device) 
 	require.Positive(t, s.Evicted, "the soak must evict checkpoints")
 	t.Logf("%s: %d hits (%d tokens), %d misses, %d taken, %d evicted, %d not taken for room",
 		preset, s.Hits, s.HitTokens, s.Misses, s.Taken, s.Evicted, s.CapacitySkips)
+	if tier != nil {
+		ts := p.Stats().Tier
+		t.Logf("%s tier: %+v", preset, ts)
+		require.Positive(t, ts.CheckpointsStored, "the soak must store checkpoints in the tier")
+		require.Positive(t, ts.CheckpointsRestored, "the soak must restore checkpoints from the tier")
+		require.Positive(t, ts.Offloads, "the soak must offload pages")
+		require.Positive(t, ts.Onloads, "the soak must onload pages")
+		t.Logf("%s tier: %d checkpoints stored, %d restored, %d evicted, %d dropped; %d pages offloaded, %d onloaded",
+			preset, ts.CheckpointsStored, ts.CheckpointsRestored, ts.CheckpointsEvicted, ts.CheckpointsDropped, ts.Offloads, ts.Onloads)
+	}
 	if _, err := p.AuditFreePages(); err != nil {
 		return fmt.Errorf("after the soak: %w", err)
 	}
@@ -208,7 +280,40 @@ func TestCheckpointCanarySoak(t *testing.T) {
 	}
 	for _, preset := range checkpointSoakPresets {
 		t.Run(preset, func(t *testing.T) {
-			require.NoError(t, checkpointSoak(t, preset, steps, cudaops.NewHost()))
+			require.NoError(t, checkpointSoak(t, preset, steps, cudaops.NewHost(), nil))
+		})
+	}
+}
+
+// The soak with a host tier a quarter of the pool, fewer checkpoint
+// slots there than checkpoints: checkpoints and pages go to the tier and
+// come back all along, every unit read back before use, under every
+// scrub policy.
+func TestCheckpointTierCanarySoak(t *testing.T) {
+	steps := 600
+	if testing.Short() {
+		steps = 150
+	}
+	for _, preset := range checkpointSoakPresets {
+		for _, policy := range []ScrubPolicy{{Kind: isolation.ScrubPoison}, {Kind: isolation.ScrubCanary}} {
+			t.Run(preset+"/"+policy.Kind.String(), func(t *testing.T) {
+				require.NoError(t, checkpointSoak(t, preset, steps, cudaops.NewHost(), &soakTier{checkpoints: 48, policy: policy}))
+			})
+		}
+	}
+}
+
+// The detector run: a tier that skips the fill of one checkpoint slot in
+// 5 is caught (the canary check of a free slot before it is taken, or
+// the audit of the free slots).
+func TestCheckpointTierSoakCatchesASkippedSlotFill(t *testing.T) {
+	for _, preset := range checkpointSoakPresets {
+		t.Run(preset, func(t *testing.T) {
+			err := checkpointSoak(t, preset, 600, cudaops.NewHost(), &soakTier{checkpoints: 48, policy: ScrubPolicy{Kind: isolation.ScrubCanary}, skipOneIn: 5})
+			require.Error(t, err, "a tier that skips one checkpoint slot fill in 5 went unnoticed")
+			var mismatch *isolation.CanaryError
+			require.ErrorAs(t, err, &mismatch)
+			t.Logf("caught: %v", err)
 		})
 	}
 }
@@ -246,7 +351,7 @@ func (d *skipSideFills) FillSpans(spans []cudaops.Span, spec cudaops.FillSpec, a
 func TestCheckpointSoakCatchesASkippedSlotFill(t *testing.T) {
 	for _, preset := range checkpointSoakPresets {
 		t.Run(preset, func(t *testing.T) {
-			err := checkpointSoak(t, preset, 400, &skipSideFills{Host: cudaops.NewHost(), every: 7})
+			err := checkpointSoak(t, preset, 400, &skipSideFills{Host: cudaops.NewHost(), every: 7}, nil)
 			require.Error(t, err, "a device that skips one slot fill in 7 went unnoticed")
 			t.Logf("caught: %v", err)
 		})

@@ -173,10 +173,11 @@ type Config struct {
 	// (tier.go): cached pages the device's LRU evicts are kept there
 	// instead of dropped and copied back into admissions whose prefix
 	// continues there, and Preempt swaps a request's private pages to it.
-	// The zero value has none. A pool with sliding-window or state groups
-	// cannot have one yet (ErrTierUnsupported), nor a device that cannot
-	// copy pages to host memory (cudaops.HostCopier: the Host and CUDA
-	// devices can).
+	// The zero value has none. In a pool with sliding-window or state
+	// groups it also keeps the state checkpoints the device evicts
+	// (HostTierConfig.Checkpoints). A device that cannot copy pages to
+	// host memory cannot have one (ErrTierUnsupported; the Host and CUDA
+	// devices can: cudaops.HostCopier).
 	HostTier HostTierConfig
 	// Device holds the pages. Nil means a new Host device owned (and
 	// closed) by the pool. A device with no regions gets the spec's
@@ -285,7 +286,8 @@ func (c *Config) sizes(lay *layout) (pages []int, err error) {
 type validated struct {
 	lay       *layout
 	pages     []int // each group's pages (slots), the per-token group's first
-	tierSlots int   // the host tier's, 0 for none
+	tierSlots int   // the host tier's page slots, 0 for none
+	tierCkpts int   // its checkpoint slots
 }
 
 // validate checks everything but the device.
@@ -327,11 +329,7 @@ func (c *Config) validate() (validated, error) {
 	}
 	v := validated{lay: lay, pages: pages}
 	if c.HostTier.enabled() {
-		if lay.perLeaseGroups() {
-			return validated{}, fmt.Errorf("%w: %w: the pool has the %s cache group(s), whose state the host tier does not keep yet",
-				ErrInvalidConfig, ErrTierUnsupported, lay.perLeaseNames())
-		}
-		if v.tierSlots, err = c.HostTier.slots(lay.groups[0].pageBytes); err != nil {
+		if v.tierSlots, v.tierCkpts, err = c.HostTier.slots(lay); err != nil {
 			return validated{}, err
 		}
 	}
@@ -376,7 +374,8 @@ func (c *Config) checkHostMemory(v validated) error {
 	// The host tier is host memory whatever the device (page-locked on
 	// CUDA), with its slots' metadata.
 	host = satAdd(host, satMul(int64(v.tierSlots), v.lay.groups[0].pageBytes))
-	meta += int64(v.tierSlots) * metadataBytesPerPage
+	host = satAdd(host, satMul(int64(v.tierCkpts), checkpointSlotBytes(v.lay)))
+	meta += int64(v.tierSlots+v.tierCkpts) * metadataBytesPerPage
 	host = min(host, math.MaxInt64-meta)
 	if need := meta + host; need > avail {
 		return fmt.Errorf("%w: a pool of %d pages needs %d bytes of host memory (%d for page metadata, %d for host page memory), "+

@@ -183,9 +183,11 @@
 // least recently used pages within each domain's share
 // (TenantConfig.TierPages), fills every slot it frees with the pool's
 // scrub policy before anything else is written to it, and Check covers it:
-// free + cached + in flight + quarantined + retired = its slots. A pool
-// with sliding-window or state groups cannot have one yet
-// (ErrTierUnsupported).
+// free + cached + in flight + quarantined + retired = its slots. In a
+// pool with sliding-window or state groups it keeps, in slots of their
+// own (HostTierConfig.Checkpoints), the state checkpoints the device
+// evicts: a hybrid hit's state comes from there as it would from the
+// device, copied into the lease's fresh units before it is handed out.
 //
 // # Operations
 //

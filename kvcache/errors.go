@@ -72,20 +72,21 @@ var (
 	// ErrDevice: the device failed a page copy (a handoff read or write).
 	// The error also wraps the device's own error.
 	ErrDevice = errors.New("kvcache: device operation failed")
-	// ErrTierUnsupported: a host tier (Config.HostTier) on a pool that
-	// cannot have one: its device cannot copy pages to host memory
-	// (cudaops.HostCopier), or it has sliding-window or state groups,
-	// whose state the tier does not keep yet. It comes wrapped in
-	// ErrInvalidConfig.
+	// ErrTierUnsupported: a host tier (Config.HostTier) on a pool whose
+	// device cannot copy pages to host memory (cudaops.HostCopier). It
+	// comes wrapped in ErrInvalidConfig.
 	ErrTierUnsupported = errors.New("kvcache: host tier not supported")
 	// ErrOnloadFailed: an admission whose prefix continued in the host
-	// tier could not copy it into its pages: nothing was handed out, its
-	// pages were scrubbed and the tier's copies of them dropped (an
-	// *AdmissionError, retryable: the next attempt computes them).
+	// tier could not copy it (its pages, or the state checkpoint at its
+	// end) into its pages: nothing was handed out, its pages were
+	// scrubbed and the tier's copies of them dropped (an *AdmissionError,
+	// retryable: the next attempt computes them).
 	ErrOnloadFailed = errors.New("kvcache: copy from the host tier failed")
 	// ErrOffloadFailed: a copy into the host tier failed; what it carried
-	// was not kept there (logged and counted in TierStats: the eviction or
-	// preemption it belonged to went on without it).
+	// (pages, a swap, a state checkpoint) was not kept there. No call
+	// returns it: an offload rides on an eviction or a preemption that
+	// succeeds without it, so it is the error of the log record and the
+	// count in TierStats (OffloadsFailed, SwapsFailed, CheckpointsFailed).
 	ErrOffloadFailed = errors.New("kvcache: copy into the host tier failed")
 	// ErrCorrupt: Check found the pool's accounting inconsistent. It always
 	// means a bug in kvfence; Check joins one such error per problem.

@@ -3,6 +3,7 @@ package kvcache
 import (
 	"encoding/binary"
 	"fmt"
+	"slices"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
@@ -158,7 +159,7 @@ func (p *Pool) AuditFreePages() (pages int, err error) {
 		}
 	}
 	if t := p.tier; t != nil {
-		for _, s := range t.free {
+		for _, s := range slices.Concat(t.sp[spacePages].free, t.sp[spaceCheckpoints].free) {
 			if err := t.checkCanary(s, books.OwnerName(t.meta[s].owner)); err != nil {
 				return pages, fmt.Errorf("free host-tier slot %d: %w", s, err)
 			}

@@ -162,7 +162,7 @@ func New(cfg Config) (_ *Pool, err error) {
 	}
 	p.q = q
 	if v.tierSlots > 0 {
-		if p.tier, err = newHostTier(p, cfg.HostTier, v.tierSlots); err != nil {
+		if p.tier, err = newHostTier(p, cfg.HostTier, v.tierSlots, v.tierCkpts); err != nil {
 			if owned {
 				dev.Close()
 			}

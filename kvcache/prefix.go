@@ -220,12 +220,21 @@ func (p *Pool) weighMatchLocked(l *Lease, t *tenancy.Tenant) (newToTenant, cache
 // cache is being cleared) every evicted entry leaves the index.
 func (p *Pool) evictLocked(gi int, b *scrubBatch, n int, keep []*cacheEntry, off *tierWrite) (freed int) {
 	p.assertHeld()
-	if gi != 0 {
-		return p.evictCheckpointsLocked(b, gi, n, keep)
-	}
 	x := &p.mu.prefix
 	for _, e := range keep {
 		e.pinned = true
+	}
+	defer func() {
+		for _, e := range keep {
+			e.pinned = false
+		}
+	}()
+	if gi != 0 {
+		freed = p.evictCheckpointsLocked(b, gi, n, off)
+		if p.tier != nil && off != nil {
+			p.placeOffloadLocked(off) // while keep is pinned: the tier evicts none of it
+		}
+		return freed
 	}
 	pages := b.spaces[0]
 	start := len(pages)
@@ -258,16 +267,13 @@ func (p *Pool) evictLocked(gi int, b *scrubBatch, n int, keep []*cacheEntry, off
 			break
 		}
 		b.spaces[0] = pages
-		if p.evictCheckpointLocked(b) == nil {
+		if p.evictCheckpointLocked(b, off) == nil {
 			break
 		}
 		pages = b.spaces[0]
 	}
 	if p.tier != nil && off != nil {
 		p.placeOffloadLocked(off) // while keep is pinned: the tier evicts none of it
-	}
-	for _, e := range keep {
-		e.pinned = false
 	}
 	if err := p.groups[0].alloc.Evict(pages[start:]); err != nil {
 		panic(fmt.Sprintf("kvcache: evicting cached pages: %v", err)) // every LRU page is Cached
@@ -432,7 +438,7 @@ func (p *Pool) clearLocked(b *scrubBatch) {
 	// pinned join the LRU list.
 	for c := p.mu.ckpts.lruHead; c != nil; {
 		next := c.next
-		p.dropCheckpointLocked(c, b)
+		p.dropCheckpointLocked(c, b, nil)
 		p.mu.ckpts.stats.Evicted++
 		c = next
 	}

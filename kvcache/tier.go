@@ -24,10 +24,17 @@ import (
 //
 // # Model
 //
-// The tier holds pages of the per-token group, in slots numbered
-// [0, HostTierConfig pages), laid out region by region in memory the
-// device allocated for its copies (cudaops.HostCopier: page-locked on
-// CUDA, Go memory on the Host). A slot is in one state:
+// The tier holds pages of the per-token group in the slots of its page
+// space, numbered [0, HostTierConfig pages), and, in a pool with window
+// or state groups, state checkpoints in the slots of its checkpoint
+// space, numbered after them: a slot there holds a whole checkpoint, its
+// units in every group but the per-token one. Each space is laid out
+// region by region (tierSlab) in memory the device allocated for its
+// copies (cudaops.HostCopier: page-locked on CUDA, Go memory on the
+// Host), so that a run of adjacent pages of a region is one copy. The
+// spaces share everything but their free stacks and LRU lists: states,
+// items, fills, canary checks and the domains' bounds. A slot is in one
+// state:
 //
 //	free ──take──▶ writing ──copy landed──▶ cached ──evict──▶ quarantined ──fill──▶ free
 //	                  │                       │ ▲                                  └─canary──▶ retired
@@ -36,11 +43,13 @@ import (
 //
 // What holds slots is an item (tierItem): a cached page's one slot, under
 // the entry of the prefix index it was published as (the same cacheEntry:
-// its domain, key, parent and tokens), or a preempted request's swapped
-// pages (tierSwap). Items that are written are on the tier's LRU list
-// and on their domain's; eviction takes the least recently used item no
-// copy reads, of the domain that is at its bound first
-// (TenantConfig.TierPages), else of any domain. A slot an eviction frees
+// its domain, key, parent and tokens), a preempted request's swapped
+// pages (tierSwap), or a state checkpoint's one slot, on the entry of its
+// last page (checkpoint.tier). Items that are written are on their
+// space's LRU list and on their domain's there; eviction takes the least
+// recently used item of the space no copy reads, of the domain that is at
+// its bound first (TenantConfig.TierPages: the same share of each space),
+// else of any domain. A slot an eviction frees
 // is filled with the pool's scrub policy before anything else is written
 // to it or it returns to the free list, and under the canary policy a
 // free slot is verified before it is taken: the same rule as the
@@ -54,20 +63,25 @@ import (
 // another domain, nor under a key it was not written under, forged or
 // colliding. An entry stays in the index while the device or the tier
 // holds its page (cacheEntry.page, cacheEntry.tier) and leaves it when
-// neither does. A swap is found by its domain and request ID and is
-// swapped back only for the same tenant, adapter and written tokens.
+// neither does, taking a checkpoint in the tier at it along
+// (dropEntryLocked): a checkpoint is reached only by a match that walked
+// its whole prefix in its domain. A swap is found by its domain and
+// request ID and is swapped back only for the same tenant, adapter and
+// written tokens.
 //
 // # Invariants (checkLocked)
 //
 //   - free + writing + cached + quarantined + retired = slots, and the
-//     free stack holds exactly the free slots;
+//     free stacks hold exactly the free slots, each its space's;
 //   - every cached slot belongs to one written item and every writing slot
 //     to one item or copy in flight; quarantined slots are fills in flight;
 //   - an item is on the LRU lists exactly when it is written and not
 //     dropped (eviction passes over those copies read); each domain's use
 //     is the slots of its items;
 //   - an entry's tier item names it back, in its domain; a swap is in
-//     the swap table under its own key.
+//     the swap table under its own key; a checkpoint's item is the one
+//     its page's entry holds, and that entry's page is on the device or
+//     in the tier.
 //
 // All of it is guarded by Pool.mu; copies and fills run outside it, on
 // slots no one else may touch in their state, counted in busy, which
@@ -79,36 +93,55 @@ import (
 type HostTierConfig struct {
 	Pages int
 	Bytes int64
+	// Checkpoints is, in a pool with sliding-window or state groups (and
+	// only there), how many state checkpoints the tier keeps: at least
+	// one, since a cached prefix of a hybrid model is of no use without
+	// its checkpoint. Each takes a checkpoint's most units in every group
+	// but the per-token one (Stats.Tier.CheckpointSlotBytes); with Bytes
+	// they come first and the pages take the rest.
+	Checkpoints int
 	// NoSwap keeps Preempt from swapping a request's private pages to the
 	// tier: it then keeps only what the prefix cache holds.
 	NoSwap bool
 }
 
 // enabled reports whether the config asks for a tier.
-func (c HostTierConfig) enabled() bool { return c.Pages != 0 || c.Bytes != 0 }
+func (c HostTierConfig) enabled() bool { return c.Pages != 0 || c.Bytes != 0 || c.Checkpoints != 0 }
 
 // maxTierSlots bounds the tier's slots as the allocator bounds pages.
 const maxTierSlots = allocator.MaxPages
 
-// slots validates c for pages of pageBytes and returns its slots.
-func (c HostTierConfig) slots(pageBytes int64) (int, error) {
+// slots validates c for a pool of layout lay and returns its page and
+// checkpoint slots.
+func (c HostTierConfig) slots(lay *layout) (pages, ckpts int, err error) {
+	pageBytes, hybrid := lay.groups[0].pageBytes, lay.perLeaseGroups()
 	switch {
 	case c.Pages != 0 && c.Bytes != 0:
-		return 0, fmt.Errorf("%w: HostTier: set Pages (%d) or Bytes (%d), not both", ErrInvalidConfig, c.Pages, c.Bytes)
-	case c.Pages < 0 || c.Bytes < 0:
-		return 0, fmt.Errorf("%w: HostTier: negative size (Pages %d, Bytes %d)", ErrInvalidConfig, c.Pages, c.Bytes)
+		return 0, 0, fmt.Errorf("%w: HostTier: set Pages (%d) or Bytes (%d), not both", ErrInvalidConfig, c.Pages, c.Bytes)
+	case c.Pages < 0 || c.Bytes < 0 || c.Checkpoints < 0:
+		return 0, 0, fmt.Errorf("%w: HostTier: negative size (Pages %d, Bytes %d, Checkpoints %d)", ErrInvalidConfig, c.Pages, c.Bytes, c.Checkpoints)
+	case c.Pages == 0 && c.Bytes == 0:
+		return 0, 0, fmt.Errorf("%w: HostTier: Checkpoints %d with no size: set Pages or Bytes", ErrInvalidConfig, c.Checkpoints)
+	case !hybrid && c.Checkpoints != 0:
+		return 0, 0, fmt.Errorf("%w: HostTier.Checkpoints = %d, but the pool has no window or state group to checkpoint", ErrInvalidConfig, c.Checkpoints)
+	case hybrid && c.Checkpoints == 0:
+		return 0, 0, fmt.Errorf("%w: HostTier.Checkpoints = 0: the pool's %s group(s) need the state checkpoints of the prefixes the tier keeps "+
+			"(%d bytes each); set how many it holds", ErrInvalidConfig, lay.perLeaseNames(), checkpointSlotBytes(lay))
+	case c.Checkpoints > maxTierSlots:
+		return 0, 0, fmt.Errorf("%w: HostTier of %d checkpoints, above %d", ErrInvalidConfig, c.Checkpoints, maxTierSlots)
 	}
 	n := int64(c.Pages)
 	if c.Bytes != 0 {
-		n = c.Bytes / pageBytes
-		if n == 0 {
-			return 0, fmt.Errorf("%w: HostTier.Bytes %d holds no page of %d bytes", ErrInvalidConfig, c.Bytes, pageBytes)
+		ckptBytes := satMul(int64(c.Checkpoints), checkpointSlotBytes(lay))
+		if n = (c.Bytes - min(ckptBytes, c.Bytes)) / pageBytes; n == 0 {
+			return 0, 0, fmt.Errorf("%w: HostTier.Bytes %d holds no page of %d bytes beside %d checkpoints of %d",
+				ErrInvalidConfig, c.Bytes, pageBytes, c.Checkpoints, checkpointSlotBytes(lay))
 		}
 	}
-	if n > maxTierSlots {
-		return 0, fmt.Errorf("%w: HostTier of %d pages, above %d", ErrInvalidConfig, n, maxTierSlots)
+	if n+int64(c.Checkpoints) > maxTierSlots {
+		return 0, 0, fmt.Errorf("%w: HostTier of %d pages and %d checkpoints, above %d slots", ErrInvalidConfig, n, c.Checkpoints, maxTierSlots)
 	}
-	return int(n), nil
+	return int(n), c.Checkpoints, nil
 }
 
 // tierState is a slot's state.
@@ -123,6 +156,47 @@ const (
 	numTierStates
 )
 
+// The tier's slot spaces. A slot of spacePages holds one per-token page
+// (every region of group 0); a slot of spaceCheckpoints one state
+// checkpoint: its units in every group but the per-token one, as many as
+// a checkpoint takes at most in each (checkpointUnits). Slots are
+// numbered across spaces: spacePages's first, then spaceCheckpoints's.
+const (
+	spacePages = iota
+	spaceCheckpoints
+	numTierSpaces
+)
+
+// tierSlab is the host memory of one device region in a space: slot
+// after slot, each units units of unitBytes (the region's PageBytes):
+// unit j of local slot s at (s·units + j)·unitBytes, the layout of a
+// cudaops.HostCopy whose slots are those unit indices.
+type tierSlab struct {
+	group, region int
+	unitBytes     int64
+	units         int
+	mem           []byte
+}
+
+// part returns the slab's bytes of local slot s.
+func (b *tierSlab) part(s int32) []byte {
+	n := int64(b.units) * b.unitBytes
+	return b.mem[int64(s)*n:][:n]
+}
+
+// tierSpace is one space's slots [base, base+n). Its free stack and LRU
+// list are guarded by Pool.mu.
+type tierSpace struct {
+	base      int32
+	n         int
+	slotBytes int64
+	slabs     []tierSlab
+	free      []int32   // a stack: the next slot taken is last
+	head      *tierItem // the LRU list, least recently used first
+	tail      *tierItem
+	lruSlots  int
+}
+
 // tierSlot is a slot's metadata: its state and the domain whose page it
 // holds or last held (for canary reports).
 type tierSlot struct {
@@ -130,20 +204,23 @@ type tierSlot struct {
 	owner allocator.Owner
 }
 
-// tierItem holds slots: a cached page's one (entry set) or a swap's
-// (swap set). Guarded by Pool.mu.
+// tierItem holds slots of one space: a cached page's one (entry set), a
+// swap's (swap set), or a state checkpoint's one (ckpt set). Guarded by
+// Pool.mu.
 type tierItem struct {
-	prev, next   *tierItem // the tier's LRU list, least recently used first
-	dprev, dnext *tierItem // its domain's
+	prev, next   *tierItem // its space's LRU list, least recently used first
+	dprev, dnext *tierItem // its domain's in the space
 	aprev, anext *tierItem // every live item, for Check
 	dom          *tenancy.Domain
 	entry        *cacheEntry
 	swap         *tierSwap
+	ckpt         *checkpoint
 	slots        []int32
-	slot0        [1]int32 // slots' array for a cached page
-	// pins counts copies reading the item (onloads); ready is set once
-	// its slots are written; doomed marks an item dropped while copies
-	// still read or write it: the last of them frees it.
+	slot0        [1]int32 // slots' array for a cached page or a checkpoint
+	space        uint8
+	// pins counts copies reading the item (onloads, restores); ready is
+	// set once its slots are written; doomed marks an item dropped while
+	// copies still read or write it: the last of them frees it.
 	pins          int
 	ready, doomed bool
 	inLRU         bool
@@ -151,33 +228,36 @@ type tierItem struct {
 
 // tierDomain is one domain's part of the tier, indexed by domain ID − 1.
 type tierDomain struct {
-	head, tail                          *tierItem // its LRU list
-	lruSlots                            int       // slots of the items on it
-	used                                int       // slots its items hold, written or being written
-	bound                               int       // the most it may hold: the sum of its tenants' TierPages, the tier when none sets one
+	sp                                  [numTierSpaces]domainSpace
 	hitPages, storedPages, evictedPages uint64
+	// checkpoints stored, restored (hits) and evicted
+	storedCkpts, hitCkpts, evictedCkpts uint64
+}
+
+// domainSpace is a domain's part of one space.
+type domainSpace struct {
+	head, tail *tierItem // its LRU list
+	lruSlots   int       // slots of the items on it
+	used       int       // slots its items hold, written or being written
+	bound      int       // the most it may hold (updateTierBoundsLocked)
 }
 
 // hostTier is the pool's host tier; nil in a pool without one.
 type hostTier struct {
 	// Set once in newHostTier.
 	dev       cudaops.HostCopier
-	slots     int
-	regions   []int   // the per-token group's device regions
-	rpb       []int64 // their page bytes
-	pageBytes int64
-	mem       []byte   // from dev.AllocHost
-	slabs     [][]byte // slabs[k]: region regions[k] of every slot
+	slots     int    // spacePages's slots
+	pageBytes int64  // a page slot's bytes
+	mem       []byte // from dev.AllocHost: every space's slabs
+	ckptUnits []int  // per group: the units a checkpoint slot holds (checkpointUnits)
 	swapOn    bool
 	spec      cudaops.FillSpec
 	canary    bool
 
 	// Guarded by Pool.mu.
-	meta           []tierSlot
-	free           []int32 // a stack: the next slot taken is last
+	sp             [numTierSpaces]tierSpace
+	meta           []tierSlot // every space's slots
 	count          [numTierStates]int
-	head, tail     *tierItem // the LRU list
-	lruSlots       int
 	all            *tierItem // every live item
 	items          int
 	reading        int // slots of items copies read
@@ -196,36 +276,81 @@ type hostTier struct {
 	testSkipFill func(slots []int32) []int32
 }
 
-// newHostTier builds the tier of slots slots for p (group 0's regions),
-// or returns an error wrapping ErrTierUnsupported.
-func newHostTier(p *Pool, c HostTierConfig, slots int) (*hostTier, error) {
+// checkpointUnits is, per cache group, the units a state checkpoint takes
+// at most there (a handoff's extents at a checkpoint past every window):
+// 0 for the per-token group.
+func checkpointUnits(lay *layout) []int {
+	n := 0
+	for _, g := range lay.groups {
+		n = max(n, g.window)
+	}
+	n = (n/lay.tpp + 1) * lay.tpp // a page boundary past every window
+	units := make([]int, len(lay.groups))
+	for gi, e := range lay.handoffExtents(n) {
+		if gi > 0 {
+			units[gi] = e.Units
+		}
+	}
+	return units
+}
+
+// checkpointSlotBytes is the host memory one checkpoint slot takes.
+func checkpointSlotBytes(lay *layout) int64 {
+	var n int64
+	for gi, u := range checkpointUnits(lay) {
+		n += int64(u) * lay.groups[gi].pageBytes
+	}
+	return n
+}
+
+// newHostTier builds the tier of pages page slots and ckpts checkpoint
+// slots for p, or returns an error wrapping ErrTierUnsupported.
+func newHostTier(p *Pool, c HostTierConfig, pages, ckpts int) (*hostTier, error) {
 	hc, ok := p.dev.(cudaops.HostCopier)
 	if !ok {
 		return nil, fmt.Errorf("%w: %w: the device (%s) cannot copy pages to host memory (cudaops.HostCopier)", ErrInvalidConfig, ErrTierUnsupported, p.dev.Name())
 	}
-	g := &p.groups[0]
-	t := &hostTier{dev: hc, slots: slots, pageBytes: g.pageBytes, swapOn: !c.NoSwap,
-		spec: p.q.Spec(), canary: p.q.NeedsVerify(),
+	t := &hostTier{dev: hc, slots: pages, pageBytes: p.groups[0].pageBytes, swapOn: !c.NoSwap,
+		spec: p.q.Spec(), canary: p.q.NeedsVerify(), ckptUnits: checkpointUnits(p.lay),
 		tenantPages: make(map[*tenancy.Tenant]int), swaps: make(map[swapKey]*tierItem)}
-	for k := range g.count {
-		t.regions = append(t.regions, g.first+k)
-		t.rpb = append(t.rpb, p.lay.regions[g.first+k].PageBytes)
+	t.sp[spacePages] = tierSpace{n: pages, slotBytes: t.pageBytes}
+	t.sp[spaceCheckpoints] = tierSpace{base: int32(pages), n: ckpts, slotBytes: checkpointSlotBytes(p.lay)}
+	var total int64
+	for si := range t.sp {
+		total += int64(t.sp[si].n) * t.sp[si].slotBytes
 	}
-	mem, err := hc.AllocHost(int64(slots) * g.pageBytes)
+	mem, err := hc.AllocHost(total)
 	if err != nil {
-		return nil, fmt.Errorf("%w: host tier of %d pages (%d bytes): %w", ErrInvalidConfig, slots, int64(slots)*g.pageBytes, err)
+		return nil, fmt.Errorf("%w: host tier of %d pages and %d checkpoints (%d bytes): %w", ErrInvalidConfig, pages, ckpts, total, err)
 	}
 	t.mem = mem
 	off := int64(0)
-	for _, rb := range t.rpb {
-		n := int64(slots) * rb
-		t.slabs = append(t.slabs, mem[off:off+n:off+n])
-		off += n
+	for gi := range p.groups {
+		g := &p.groups[gi]
+		si, units := spacePages, 1
+		if gi > 0 {
+			si, units = spaceCheckpoints, t.ckptUnits[gi]
+		}
+		sp := &t.sp[si]
+		if sp.n == 0 || units == 0 {
+			continue
+		}
+		for k := range g.count {
+			r := g.first + k
+			rb := p.lay.regions[r].PageBytes
+			n := int64(sp.n) * int64(units) * rb
+			sp.slabs = append(sp.slabs, tierSlab{group: gi, region: r, unitBytes: rb, units: units, mem: mem[off : off+n : off+n]})
+			off += n
+		}
 	}
+	slots := pages + ckpts
 	t.meta = make([]tierSlot, slots)
-	t.free = make([]int32, slots)
-	for i := range t.free {
-		t.free[i] = int32(slots - 1 - i) // slot 0 is taken first
+	for si := range t.sp {
+		sp := &t.sp[si]
+		sp.free = make([]int32, sp.n)
+		for i := range sp.free {
+			sp.free[i] = sp.base + int32(sp.n-1-i) // the space's first slot is taken first
+		}
 	}
 	t.count[tierFree] = slots
 	// Host memory is whatever it was: fill every slot once, as a new
@@ -238,9 +363,23 @@ func newHostTier(p *Pool, c HostTierConfig, slots int) (*hostTier, error) {
 	return t, nil
 }
 
-// slot returns region k's bytes of slot s.
-func (t *hostTier) slot(k int, s int32) []byte {
-	return t.slabs[k][int64(s)*t.rpb[k]:][:t.rpb[k]]
+// space returns the space of slot s.
+func (t *hostTier) space(s int32) *tierSpace {
+	if s >= t.sp[spaceCheckpoints].base {
+		return &t.sp[spaceCheckpoints]
+	}
+	return &t.sp[spacePages]
+}
+
+// parts calls f with each slab's bytes of slot s (the slab's index k in
+// its space).
+func (t *hostTier) parts(s int32, f func(k int, b []byte) bool) {
+	sp := t.space(s)
+	for k := range sp.slabs {
+		if !f(k, sp.slabs[k].part(s-sp.base)) {
+			return
+		}
+	}
 }
 
 // fill writes the scrub pattern over slots, outside Pool.mu: they are
@@ -251,14 +390,14 @@ func (t *hostTier) fill(slots []int32) {
 	}
 	for _, s := range slots {
 		w := t.spec.WordFor(s)
-		for k := range t.slabs {
-			b := t.slot(k, s)
+		t.parts(s, func(_ int, b []byte) bool {
 			if len(b) >= streamingFillBytes {
 				memfill.WordsStreaming(b, w)
 			} else {
 				memfill.Words(b, w)
 			}
-		}
+			return true
+		})
 	}
 }
 
@@ -303,16 +442,19 @@ func (p *Pool) verifyTierLocked(slots []int32) []int32 {
 // names owner, the domain that held the slot last.
 func (t *hostTier) checkCanary(s int32, owner string) error {
 	want := t.spec.WordFor(s)
-	for k := range t.slabs {
-		b := t.slot(k, s)
+	sp := t.space(s)
+	var err error
+	t.parts(s, func(k int, b []byte) bool {
 		for off := 0; off < len(b); off += 4 {
 			if got := binary.LittleEndian.Uint32(b[off:]); got != want {
-				return &isolation.CanaryError{Page: s, Region: t.regions[k], Offset: int64(off), Want: want, Got: got,
+				err = &isolation.CanaryError{Page: s, Region: sp.slabs[k].region, Offset: int64(off), Want: want, Got: got,
 					PrevOwner: owner}
+				return false
 			}
 		}
-	}
-	return nil
+		return true
+	})
+	return err
 }
 
 // move counts n slots going from state a to b.
@@ -337,31 +479,36 @@ func (t *hostTier) setState(slots []int32, from, to tierState, owner allocator.O
 	t.move(from, to, len(slots))
 }
 
-// popFree takes n free slots off the stack, ascending (so that a batch's
-// copies run over adjacent slots where it can).
-func (t *hostTier) popFree(dst []int32, n int) []int32 {
+// popFree takes n free slots of sp off its stack, ascending (so that a
+// batch's copies run over adjacent slots where it can).
+func (sp *tierSpace) popFree(dst []int32, n int) []int32 {
 	start := len(dst)
 	for range n {
-		s := t.free[len(t.free)-1]
-		t.free = t.free[:len(t.free)-1]
+		s := sp.free[len(sp.free)-1]
+		sp.free = sp.free[:len(sp.free)-1]
 		dst = append(dst, s)
 	}
 	slices.Sort(dst[start:])
 	return dst
 }
 
-// pushFree returns filled slots to the free stack, the first listed on
-// top.
+// pushFree returns filled slots to their spaces' free stacks, the first
+// listed on top.
 func (t *hostTier) pushFree(slots []int32) {
 	for i := len(slots) - 1; i >= 0; i-- {
-		t.free = append(t.free, slots[i])
+		sp := t.space(slots[i])
+		sp.free = append(sp.free, slots[i])
 	}
 }
 
 // domain returns d's part of the tier, growing the table for a new one.
 func (t *hostTier) domain(d *tenancy.Domain) *tierDomain {
 	for int(d.ID) > len(t.doms) {
-		t.doms = append(t.doms, tierDomain{bound: t.slots})
+		var td tierDomain
+		for si := range td.sp {
+			td.sp[si].bound = t.sp[si].n
+		}
+		t.doms = append(t.doms, td)
 	}
 	return &t.doms[d.ID-1]
 }
@@ -400,17 +547,18 @@ func (t *hostTier) freeItem(it *tierItem) {
 	t.spare = it
 }
 
-// lruPush makes it the most recently used item of the tier and of its
-// domain.
+// lruPush makes it the most recently used item of its space and of its
+// domain there.
 func (t *hostTier) lruPush(it *tierItem) {
-	it.prev, it.next, it.inLRU = t.tail, nil, true
-	if t.tail != nil {
-		t.tail.next = it
+	sp := &t.sp[it.space]
+	it.prev, it.next, it.inLRU = sp.tail, nil, true
+	if sp.tail != nil {
+		sp.tail.next = it
 	} else {
-		t.head = it
+		sp.head = it
 	}
-	t.tail = it
-	d := t.domain(it.dom)
+	sp.tail = it
+	d := &t.domain(it.dom).sp[it.space]
 	it.dprev, it.dnext = d.tail, nil
 	if d.tail != nil {
 		d.tail.dnext = it
@@ -418,22 +566,23 @@ func (t *hostTier) lruPush(it *tierItem) {
 		d.head = it
 	}
 	d.tail = it
-	t.lruSlots += len(it.slots)
+	sp.lruSlots += len(it.slots)
 	d.lruSlots += len(it.slots)
 }
 
 func (t *hostTier) lruRemove(it *tierItem) {
+	sp := &t.sp[it.space]
 	if it.prev != nil {
 		it.prev.next = it.next
 	} else {
-		t.head = it.next
+		sp.head = it.next
 	}
 	if it.next != nil {
 		it.next.prev = it.prev
 	} else {
-		t.tail = it.prev
+		sp.tail = it.prev
 	}
-	d := t.domain(it.dom)
+	d := &t.domain(it.dom).sp[it.space]
 	if it.dprev != nil {
 		it.dprev.dnext = it.dnext
 	} else {
@@ -445,7 +594,7 @@ func (t *hostTier) lruRemove(it *tierItem) {
 		d.tail = it.dprev
 	}
 	it.prev, it.next, it.dprev, it.dnext, it.inLRU = nil, nil, nil, nil, false
-	t.lruSlots -= len(it.slots)
+	sp.lruSlots -= len(it.slots)
 	d.lruSlots -= len(it.slots)
 }
 
@@ -484,16 +633,27 @@ func (p *Pool) unpinTierLocked(it *tierItem, fill []int32) []int32 {
 }
 
 // evictable reports whether eviction may take it: no copy reads it and
-// its entry is not matched by the admission that evicts.
+// its entry (a checkpoint's page) is not matched by the admission that
+// evicts.
 func (it *tierItem) evictable() bool {
-	return it.pins == 0 && (it.entry == nil || !it.entry.pinned)
+	switch {
+	case it.pins > 0:
+		return false
+	case it.entry != nil:
+		return !it.entry.pinned
+	case it.ckpt != nil:
+		return !it.ckpt.last.pinned
+	}
+	return true
 }
 
 // unlinkItemLocked takes it out of what finds it: its entry no longer in
 // the tier (and out of the prefix index if the device holds no copy
-// either: then no lookup or walk reaches it), its swap out of the table.
-// A cached page that was written leaves with a KVRemoved event.
-func (p *Pool) unlinkItemLocked(it *tierItem) {
+// either: then no lookup or walk reaches it, and a checkpoint in the tier
+// at it goes too, its slot appended to fill), its swap out of the table,
+// its checkpoint off its page. A cached page that was written leaves
+// with a KVRemoved event.
+func (p *Pool) unlinkItemLocked(it *tierItem, fill []int32) []int32 {
 	t, x := p.tier, &p.mu.prefix
 	if e := it.entry; e != nil {
 		e.tier = nil
@@ -502,13 +662,38 @@ func (p *Pool) unlinkItemLocked(it *tierItem) {
 			p.mu.events.gatherRemovedLocked(e.dom.Name, e.key, MediumHost) // the caller emits
 		}
 		if e.page < 0 {
-			x.drop(e) // neither the device nor the tier holds it
+			fill = p.dropEntryLocked(e, fill) // neither the device nor the tier holds it
 		}
 		it.entry = nil
 	}
 	if sw := it.swap; sw != nil && t.swaps[sw.key] == it {
 		delete(t.swaps, sw.key)
 	}
+	if c := it.ckpt; c != nil {
+		if c.last.ckpt == c {
+			c.last.ckpt = nil
+		}
+		x.epoch++     // a match holding c is stale
+		it.ckpt = nil // c.tier stays: a restore that pinned it still reads it
+	}
+	return fill
+}
+
+// dropEntryLocked takes e, which neither the device nor the tier holds a
+// page of any more, out of the prefix index, and with it a checkpoint in
+// the tier at it (no match can reach it): its slot is appended to fill,
+// quarantined, for the caller to fill (see releaseItemLocked).
+func (p *Pool) dropEntryLocked(e *cacheEntry, fill []int32) []int32 {
+	if c := e.ckpt; c != nil {
+		if c.tier != nil {
+			p.tier.domain(c.dom).evictedCkpts++
+			p.tier.stats.CheckpointsEvicted++
+			fill = p.dropItemLocked(c.tier, fill)
+		}
+		e.ckpt = nil // a checkpoint on its way to the tier stays off it
+	}
+	p.mu.prefix.drop(e) // last: e is a spare from here on
+	return fill
 }
 
 // dropItemLocked takes it out of the tier (unlinkItemLocked). Its slots
@@ -523,7 +708,7 @@ func (p *Pool) dropItemLocked(it *tierItem, fill []int32) []int32 {
 	if it.inLRU {
 		p.tier.lruRemove(it)
 	}
-	p.unlinkItemLocked(it)
+	fill = p.unlinkItemLocked(it, fill)
 	if it.pins > 0 || !it.ready {
 		return fill
 	}
@@ -540,7 +725,7 @@ func (p *Pool) releaseItemLocked(it *tierItem, fill []int32) []int32 {
 		from = tierWriting
 	}
 	t.setState(it.slots, from, tierQuarantined, 0)
-	t.domain(it.dom).used -= len(it.slots)
+	t.domain(it.dom).sp[it.space].used -= len(it.slots)
 	fill = append(fill, it.slots...)
 	t.busy += len(it.slots)
 	t.freeItem(it)
@@ -582,22 +767,23 @@ func (p *Pool) tierIdleLocked(n int) {
 	}
 }
 
-// takeSlotsLocked takes n slots for a new item of dom, or none (ok
-// false): free slots (verified under the canary policy) and the slots of
-// the least recently used items it evicts (recycled: appended to w.fill,
-// to be filled before anything is written to them). It evicts from dom
-// while dom would pass its bound, then from any domain, and never an
-// item whose entry is pinned (matched by the admission that evicts). The
-// slots it returns are writing, owned by dom and counted in its use;
-// recycled slots it does not use go to w.surplus, quarantined, which the
-// caller frees once w.fill has run. A refusal changes nothing unless
-// everything it could evict was pinned, or a canary check failed: then
-// the items it evicted are gone, their slots surplus.
-func (p *Pool) takeSlotsLocked(dom *tenancy.Domain, n int, w *tierWrite) (slots []int32, ok bool) {
+// takeSlotsLocked takes n slots of space si for a new item of dom, or
+// none (ok false): free slots (verified under the canary policy) and the
+// slots of the least recently used items of the space it evicts
+// (recycled: appended to w.fill, to be filled before anything is written
+// to them). It evicts from dom while dom would pass its bound in the
+// space, then from any domain, and never an item whose entry is pinned
+// (matched by the admission that evicts). The slots it returns are
+// writing, owned by dom and counted in its use; recycled slots it does
+// not use go to w.surplus, quarantined, which the caller frees once
+// w.fill has run. A refusal changes nothing unless everything it could
+// evict was pinned, or a canary check failed: then the items it evicted
+// are gone, their slots surplus.
+func (p *Pool) takeSlotsLocked(si int, dom *tenancy.Domain, n int, w *tierWrite) (slots []int32, ok bool) {
 	t := p.tier
-	d := t.domain(dom)
+	sp, d := &t.sp[si], &t.domain(dom).sp[si]
 	over := d.used + n - d.bound
-	if n < 1 || n > t.slots || over > d.lruSlots || n > len(t.free)+t.lruSlots {
+	if n < 1 || n > sp.n || over > d.lruSlots || n > len(sp.free)+sp.lruSlots {
 		return nil, false // no eviction can make room
 	}
 	start := len(w.fill)
@@ -610,23 +796,23 @@ func (p *Pool) takeSlotsLocked(dom *tenancy.Domain, n int, w *tierWrite) (slots 
 			break
 		}
 		over -= len(it.slots)
-		w.fill = p.recycleItemLocked(it, w.fill)
+		w.fill = p.recycleItemLocked(it, w.fill, w)
 	}
-	for len(w.fill)-start+len(t.free) < n {
-		it := t.head
+	for len(w.fill)-start+len(sp.free) < n {
+		it := sp.head
 		for it != nil && !it.evictable() {
 			it = it.next
 		}
 		if it == nil {
 			break
 		}
-		w.fill = p.recycleItemLocked(it, w.fill)
+		w.fill = p.recycleItemLocked(it, w.fill, w)
 	}
 	rec := w.fill[start:]
 	for _, s := range rec {
 		w.fillOwners = append(w.fillOwners, p.tenantsLocked().OwnerName(t.meta[s].owner))
 	}
-	slots = t.popFree(nil, min(max(n-len(rec), 0), len(t.free)))
+	slots = sp.popFree(nil, min(max(n-len(rec), 0), len(sp.free)))
 	slots = p.verifyTierLocked(slots)
 	t.setState(slots, tierFree, tierWriting, dom.ID)
 	if len(rec)+len(slots) < n || over > 0 {
@@ -648,26 +834,34 @@ func (p *Pool) takeSlotsLocked(dom *tenancy.Domain, n int, w *tierWrite) (slots 
 
 // recycleItemLocked evicts it, an item on the LRU lists, for its slots:
 // they are appended to rec, writing and no longer its domain's, for the
-// caller to fill before it writes them.
-func (p *Pool) recycleItemLocked(it *tierItem, rec []int32) []int32 {
+// caller to fill before it writes them. A checkpoint whose page leaves
+// the index with it goes too, its slot into w.drop.
+func (p *Pool) recycleItemLocked(it *tierItem, rec []int32, w *tierWrite) []int32 {
 	t := p.tier
-	t.domain(it.dom).evictedPages += uint64(len(it.slots))
-	t.stats.EvictedSlots += uint64(len(it.slots))
+	td := t.domain(it.dom)
+	if it.ckpt != nil {
+		td.evictedCkpts++
+		t.stats.CheckpointsEvicted++
+	} else {
+		td.evictedPages += uint64(len(it.slots))
+	}
 	if it.swap != nil {
 		t.stats.SwapsEvicted++
 	}
+	t.stats.EvictedSlots += uint64(len(it.slots))
 	t.lruRemove(it)
-	p.unlinkItemLocked(it)
+	w.drop = p.unlinkItemLocked(it, w.drop)
 	rec = append(rec, it.slots...)
 	t.setState(it.slots, tierCached, tierWriting, 0)
-	t.domain(it.dom).used -= len(it.slots)
+	td.sp[it.space].used -= len(it.slots)
 	t.freeItem(it)
 	return rec
 }
 
-// updateTierBoundsLocked recomputes every domain's bound from its
-// tenants' TierPages: their sum, or the whole tier while one of them sets
-// none.
+// updateTierBoundsLocked recomputes every domain's bounds from its
+// tenants' TierPages: in the page space their sum, or the whole space
+// while one of them sets none; in the checkpoint space the same share of
+// its slots, rounded up.
 func (p *Pool) updateTierBoundsLocked() {
 	t := p.tier
 	if t == nil {
@@ -684,9 +878,16 @@ func (p *Pool) updateTierBoundsLocked() {
 	}
 	for _, dom := range p.tenantsLocked().Domains() {
 		d := t.domain(dom)
-		d.bound = t.slots
+		for si := range d.sp {
+			d.sp[si].bound = t.sp[si].n
+		}
 		if !unbounded[dom] && dom.Tenants > 0 {
-			d.bound = min(t.slots, sums[dom])
+			pages := min(t.slots, sums[dom])
+			d.sp[spacePages].bound = pages
+			if t.slots > 0 {
+				n := t.sp[spaceCheckpoints].n
+				d.sp[spaceCheckpoints].bound = int((int64(pages)*int64(n) + int64(t.slots) - 1) / int64(t.slots))
+			}
 		}
 	}
 }
@@ -717,14 +918,23 @@ func (p *Pool) clearTierLocked(fill []int32) []int32 {
 	if t == nil {
 		return fill
 	}
-	for it := t.all; it != nil; {
-		next := it.anext
-		if !it.doomed {
-			t.stats.EvictedSlots += uint64(len(it.slots))
-			t.domain(it.dom).evictedPages += uint64(len(it.slots))
-			fill = p.dropItemLocked(it, fill)
+	// Checkpoints first: a page leaving the index takes its checkpoint
+	// with it, which must not be the next item of this walk.
+	for _, ckpts := range []bool{true, false} {
+		for it := t.all; it != nil; {
+			next := it.anext
+			if !it.doomed && (it.ckpt != nil) == ckpts {
+				t.stats.EvictedSlots += uint64(len(it.slots))
+				if ckpts {
+					t.domain(it.dom).evictedCkpts++
+					t.stats.CheckpointsEvicted++
+				} else {
+					t.domain(it.dom).evictedPages += uint64(len(it.slots))
+				}
+				fill = p.dropItemLocked(it, fill)
+			}
+			it = next
 		}
-		it = next
 	}
 	return fill
 }
@@ -774,13 +984,19 @@ func (p *Pool) closeTier() error {
 // and the rest zero, in a pool without one.
 type TierStats struct {
 	Enabled bool
-	// Slots is the tier's size in per-token pages, SlotBytes one slot.
-	// Slots = Free + Cached + Swapped + InFlight + Quarantined + Retired.
-	Slots     int
-	SlotBytes int64
-	Free      int
-	Cached    int // cached pages no copy reads
-	Swapped   int // slots of preempted requests' swaps no copy reads
+	// Slots is the tier's size in slots: per-token pages (SlotBytes each)
+	// and, in a pool with window or state groups, CheckpointSlots state
+	// checkpoints (CheckpointSlotBytes each).
+	// Slots = Free + Cached + Swapped + Checkpoints + InFlight +
+	// Quarantined + Retired.
+	Slots               int
+	SlotBytes           int64
+	CheckpointSlots     int
+	CheckpointSlotBytes int64
+	Free                int
+	Cached              int // cached pages no copy reads
+	Swapped             int // slots of preempted requests' swaps no copy reads
+	Checkpoints         int // state checkpoints no copy reads
 	// InFlight is the slots copies write (offloads, swaps) or read
 	// (onloads, swaps back).
 	InFlight    int
@@ -803,6 +1019,17 @@ type TierStats struct {
 	// tokens, in another domain, or for another tenant).
 	SwapsOut, SwapOutPages, SwapsFull, SwapsFailed uint64
 	SwapsIn, SwapInPages, SwapsEvicted             uint64
+	// State checkpoints (a hybrid pool's): those the device evicted that
+	// the tier stored (CheckpointsStored), had no room for
+	// (CheckpointsDropped) or whose copy failed (CheckpointsFailed);
+	// admissions that restored one from the tier (CheckpointsRestored,
+	// CheckpointRestoreBytes), those whose copy failed
+	// (CheckpointRestoresFailed: refused with ErrOnloadFailed), and the
+	// checkpoints the tier evicted or dropped (CheckpointsEvicted: for
+	// room, or their page left the cache).
+	CheckpointsStored, CheckpointsDropped, CheckpointsFailed              uint64
+	CheckpointsRestored, CheckpointRestoreBytes, CheckpointRestoresFailed uint64
+	CheckpointsEvicted                                                    uint64
 	// EvictedSlots, ScrubbedSlots and RetiredSlots count slots the tier
 	// evicted, filled with the scrub policy and retired (a canary
 	// mismatch).
@@ -819,14 +1046,18 @@ func (p *Pool) tierStatsLocked() TierStats {
 		return TierStats{}
 	}
 	s := t.stats
-	s.Enabled, s.Slots, s.SlotBytes = true, t.slots, t.pageBytes
+	s.Enabled, s.Slots, s.SlotBytes = true, len(t.meta), t.pageBytes
+	s.CheckpointSlots, s.CheckpointSlotBytes = t.sp[spaceCheckpoints].n, t.sp[spaceCheckpoints].slotBytes
 	s.Free, s.Quarantined, s.Retired = t.count[tierFree], t.count[tierQuarantined], t.count[tierRetired]
 	s.InFlight = t.count[tierWriting] + t.reading
 	for it := t.all; it != nil; it = it.anext {
 		if it.ready && it.pins == 0 && !it.doomed {
-			if it.swap != nil {
+			switch {
+			case it.swap != nil:
 				s.Swapped += len(it.slots)
-			} else {
+			case it.ckpt != nil:
+				s.Checkpoints += len(it.slots)
+			default:
 				s.Cached += len(it.slots)
 			}
 		}
@@ -841,6 +1072,7 @@ func (p *Pool) checkTierLocked(c *checker) {
 	if t == nil {
 		return
 	}
+	slots := len(t.meta)
 	var count [numTierStates]int
 	for s, m := range t.meta {
 		if m.state >= numTierStates {
@@ -856,23 +1088,30 @@ func (p *Pool) checkTierLocked(c *checker) {
 	for _, n := range t.count {
 		sum += n
 	}
-	if sum != t.slots {
-		c.failf("host tier: free + writing + cached + quarantined + retired = %d, the tier has %d slots", sum, t.slots)
+	if sum != slots || t.sp[spacePages].n+t.sp[spaceCheckpoints].n != slots {
+		c.failf("host tier: free + writing + cached + quarantined + retired = %d, the tier has %d slots (%d pages, %d checkpoints)",
+			sum, slots, t.sp[spacePages].n, t.sp[spaceCheckpoints].n)
 	}
-	seen := make([]bool, t.slots)
-	for _, s := range t.free {
-		if s < 0 || int(s) >= t.slots || seen[s] || t.meta[s].state != tierFree {
-			c.failf("host tier: free stack holds slot %d twice or not free", s)
-			break
+	seen := make([]bool, slots)
+	free := 0
+	for si := range t.sp {
+		sp := &t.sp[si]
+		for _, s := range sp.free {
+			if s < sp.base || int(s) >= int(sp.base)+sp.n || seen[s] || t.meta[s].state != tierFree {
+				c.failf("host tier: space %d's free stack holds slot %d: twice, not free, or not the space's", si, s)
+				break
+			}
+			seen[s] = true
 		}
-		seen[s] = true
+		free += len(sp.free)
 	}
-	if len(t.free) != t.count[tierFree] {
-		c.failf("host tier: free stack holds %d slots, %d are free", len(t.free), t.count[tierFree])
+	if free != t.count[tierFree] {
+		c.failf("host tier: free stacks hold %d slots, %d are free", free, t.count[tierFree])
 	}
 	clear(seen)
-	cached, writing, reading, items, lru := 0, 0, 0, 0, 0
-	used := make([]int, len(t.doms))
+	cached, writing, reading, items := 0, 0, 0, 0
+	var lru [numTierSpaces]int
+	used := make([][numTierSpaces]int, len(t.doms))
 	for it := t.all; it != nil; it = it.anext {
 		if items++; items > t.items {
 			c.failf("host tier: the item list cycles")
@@ -891,32 +1130,51 @@ func (p *Pool) checkTierLocked(c *checker) {
 		if it.pins > 0 {
 			reading += len(it.slots)
 		}
+		if int(it.space) >= numTierSpaces {
+			c.failf("host tier: an item of domain %q in space %d", it.dom.Name, it.space)
+			continue
+		}
 		for _, s := range it.slots {
-			if s < 0 || int(s) >= t.slots || seen[s] {
+			if s < 0 || int(s) >= slots || seen[s] {
 				c.failf("host tier: slot %d held twice", s)
 				continue
 			}
 			seen[s] = true
-			if m := t.meta[s]; m.state != want || m.owner != it.dom.ID {
-				c.failf("host tier: slot %d of an item of domain %q is %d, owner %d", s, it.dom.Name, m.state, m.owner)
+			if m := t.meta[s]; m.state != want || m.owner != it.dom.ID || t.space(s) != &t.sp[it.space] {
+				c.failf("host tier: slot %d of an item of domain %q in space %d is %d, owner %d", s, it.dom.Name, it.space, m.state, m.owner)
 			}
 		}
 		if d := int(it.dom.ID) - 1; d < len(used) {
-			used[d] += len(it.slots)
+			used[d][it.space] += len(it.slots)
 		}
 		if it.inLRU != (it.ready && !it.doomed) {
 			c.failf("host tier: an item of domain %q is on the LRU list %v, ready %v, dropped %v", it.dom.Name, it.inLRU, it.ready, it.doomed)
 		}
 		if it.inLRU {
-			lru += len(it.slots)
+			lru[it.space] += len(it.slots)
+		}
+		holders := 0
+		for _, b := range []bool{it.entry != nil, it.swap != nil, it.ckpt != nil} {
+			if b {
+				holders++
+			}
 		}
 		switch {
-		case (it.entry == nil) == (it.swap == nil) && !it.doomed:
-			c.failf("host tier: an item of domain %q holds a cached page and a swap, or neither", it.dom.Name)
+		case holders != 1 && !(it.doomed && holders == 0):
+			c.failf("host tier: an item of domain %q holds %d of a cached page, a swap and a checkpoint", it.dom.Name, holders)
+		case (it.ckpt != nil) != (it.space == spaceCheckpoints) && !it.doomed:
+			c.failf("host tier: an item of domain %q in space %d, a checkpoint %v", it.dom.Name, it.space, it.ckpt != nil)
 		case it.entry != nil && (it.entry.tier != it || it.entry.dom != it.dom || it.entry.spare || len(it.slots) != 1):
 			c.failf("host tier: an item's entry (page %d) does not name it back in domain %q", it.entry.page, it.dom.Name)
 		case it.swap != nil && it.ready && !it.doomed && t.swaps[it.swap.key] != it:
 			c.failf("host tier: the swap of request %q is not in the swap table", it.swap.key.id)
+		case it.ckpt != nil:
+			k := it.ckpt
+			if k.tier != it || k.last == nil || k.last.ckpt != k || k.last.spare || k.last.dom != it.dom || k.dom != it.dom || len(it.slots) != 1 {
+				c.failf("host tier: a checkpoint of %d tokens in domain %q is not the one its page holds", k.tokens, it.dom.Name)
+			} else if k.last.page < 0 && (k.last.tier == nil || k.last.tier.doomed) {
+				c.failf("host tier: a checkpoint of %d tokens in domain %q hangs off a page neither the device nor the tier holds", k.tokens, it.dom.Name)
+			}
 		}
 	}
 	if items != t.items {
@@ -931,25 +1189,30 @@ func (p *Pool) checkTierLocked(c *checker) {
 	if reading != t.reading {
 		c.failf("host tier: copies read %d slots, counted %d", reading, t.reading)
 	}
-	if lru != t.lruSlots {
-		c.failf("host tier: the LRU list holds %d slots, counted %d", lru, t.lruSlots)
+	for si := range t.sp {
+		sp := &t.sp[si]
+		if lru[si] != sp.lruSlots {
+			c.failf("host tier: space %d's LRU list holds %d slots, counted %d", si, lru[si], sp.lruSlots)
+		}
 	}
 	for i := range t.doms {
-		d := &t.doms[i]
-		if i < len(used) && d.used != used[i] {
-			c.failf("host tier: domain %d uses %d slots, its items hold %d", i+1, d.used, used[i])
-		}
-		n, prev := 0, (*tierItem)(nil)
-		for it := d.head; it != nil; it = it.dnext {
-			if it.dprev != prev || int(it.dom.ID) != i+1 || !it.inLRU {
-				c.failf("host tier: domain %d's LRU list broken", i+1)
-				break
+		for si := range t.doms[i].sp {
+			d := &t.doms[i].sp[si]
+			if i < len(used) && d.used != used[i][si] {
+				c.failf("host tier: domain %d uses %d slots of space %d, its items hold %d", i+1, d.used, si, used[i][si])
 			}
-			n += len(it.slots)
-			prev = it
-		}
-		if n != d.lruSlots || d.tail != prev {
-			c.failf("host tier: domain %d's LRU list holds %d slots, counted %d", i+1, n, d.lruSlots)
+			n, prev := 0, (*tierItem)(nil)
+			for it := d.head; it != nil; it = it.dnext {
+				if it.dprev != prev || int(it.dom.ID) != i+1 || !it.inLRU || int(it.space) != si {
+					c.failf("host tier: domain %d's LRU list of space %d broken", i+1, si)
+					break
+				}
+				n += len(it.slots)
+				prev = it
+			}
+			if n != d.lruSlots || d.tail != prev {
+				c.failf("host tier: domain %d's LRU list of space %d holds %d slots, counted %d", i+1, si, n, d.lruSlots)
+			}
 		}
 	}
 	for k, it := range t.swaps {

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"slices"
 
+	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
 	"github.com/kvfence/kvfence/kvcache/internal/tenancy"
 )
@@ -23,9 +24,10 @@ import (
 // The hook is the eviction itself (evictLocked): an entry whose device
 // page is evicted stays in the prefix index if the tier holds it, or is
 // written to the tier (placeOffloadLocked), and leaves the index only if
-// neither. It takes the entry, not the group: a second cacheable group
-// (state checkpoints) would offer its evicted entries the same way, with
-// slots of its own page size.
+// neither. A state checkpoint the device evicts (checkpoint.go) is
+// offered the same way (offerCheckpointLocked): it stays on its page,
+// unusable until its copy lands in a slot of the checkpoint space, and
+// leaves it if the tier has no room or the copy fails.
 
 // tierWrite is one batch of writes into the tier.
 type tierWrite struct {
@@ -38,6 +40,18 @@ type tierWrite struct {
 	// group).
 	items        []*tierItem
 	pages, slots []int32
+	// ckCands are state checkpoints the device evicted, not yet in the
+	// tier (their units, released and quarantined already, are read by
+	// the copy before their scrub). A placed one is an item of items
+	// whose slot is in ckSlots; ckFrom[g] are the device units of group g
+	// the copy reads, ckTo[g] the unit indices of the checkpoint space's
+	// slabs of g it writes.
+	ckCands      []*checkpoint
+	ckSlots      []int32
+	ckFrom, ckTo [MaxCacheGroups][]int32
+	// drop is slots of checkpoints dropped from the tier because their
+	// page left the index: quarantined, filled with fill and then freed.
+	drop []int32
 	// fill is the recycled slots to fill before the copy (items' slots
 	// and surplus), surplus those of them no item uses, freed once filled.
 	fill, surplus []int32
@@ -56,12 +70,17 @@ type tierWrite struct {
 func (w *tierWrite) reset() {
 	clear(w.cands)
 	clear(w.items)
+	clear(w.ckCands)
 	*w = tierWrite{cands: w.cands[:0], candPages: w.candPages[:0], items: w.items[:0], pages: w.pages[:0],
-		slots: w.slots[:0], fill: w.fill[:0], surplus: w.surplus[:0], bad: w.bad[:0], fillOwners: w.fillOwners[:0]}
+		slots: w.slots[:0], fill: w.fill[:0], surplus: w.surplus[:0], bad: w.bad[:0], fillOwners: w.fillOwners[:0],
+		ckCands: w.ckCands[:0], ckSlots: w.ckSlots[:0], drop: w.drop[:0], ckFrom: w.ckFrom, ckTo: w.ckTo}
+	for gi := range w.ckFrom {
+		w.ckFrom[gi], w.ckTo[gi] = w.ckFrom[gi][:0], w.ckTo[gi][:0]
+	}
 }
 
 // empty reports whether w has nothing to run.
-func (w *tierWrite) empty() bool { return len(w.items) == 0 && len(w.fill) == 0 }
+func (w *tierWrite) empty() bool { return len(w.items) == 0 && len(w.fill) == 0 && len(w.drop) == 0 }
 
 // offerLocked is the eviction hook: e's device page is being evicted.
 // It reports whether e stays in the prefix index, its device page gone
@@ -91,10 +110,11 @@ func (p *Pool) offerLocked(e *cacheEntry, w *tierWrite) bool {
 // cannot take (its domain at its bound with nothing to evict, everything
 // else pinned or being written) leaves the index.
 func (p *Pool) placeOffloadLocked(w *tierWrite) {
+	p.placeCheckpointsLocked(w)
 	if len(w.cands) == 0 {
 		return
 	}
-	t, x := p.tier, &p.mu.prefix
+	t := p.tier
 	order := make([]int, len(w.cands))
 	for i := range order {
 		order[i] = i
@@ -103,13 +123,13 @@ func (p *Pool) placeOffloadLocked(w *tierWrite) {
 	start, first := len(w.slots), len(w.items) // one slot an item from here
 	for _, i := range order {
 		e, page := w.cands[i], w.candPages[i]
-		slots, ok := p.takeSlotsLocked(e.dom, 1, w)
+		slots, ok := p.takeSlotsLocked(spacePages, e.dom, 1, w)
 		if !ok {
 			t.stats.OffloadsDropped++
 			if p.mu.events.enabled() {
 				p.mu.events.gatherRemovedLocked(e.dom.Name, e.key, MediumDevice)
 			}
-			x.drop(e)
+			w.drop = p.dropEntryLocked(e, w.drop)
 			continue
 		}
 		it := t.newItem(e.dom)
@@ -137,6 +157,58 @@ func (p *Pool) placeOffloadLocked(w *tierWrite) {
 	w.cands, w.candPages = w.cands[:0], w.candPages[:0]
 }
 
+// offerCheckpointLocked is the eviction hook of a state checkpoint: the
+// device evicts c (off the book, its pages unpinned, its units released
+// into quarantine by the caller after this). With a checkpoint space in
+// the tier and w, c becomes a candidate of w, still on its page but
+// unusable until its copy lands (placeCheckpointsLocked decides), and it
+// reports true; else false, and the caller takes it off its page.
+func (p *Pool) offerCheckpointLocked(c *checkpoint, w *tierWrite) bool {
+	if t := p.tier; t == nil || w == nil || t.sp[spaceCheckpoints].n == 0 {
+		return false
+	}
+	w.ckCands = append(w.ckCands, c)
+	return true
+}
+
+// placeCheckpointsLocked takes a checkpoint slot for each of w's
+// checkpoint candidates and makes it an item being written, the copies
+// of its units recorded; a candidate the tier cannot take (its domain at
+// its bound with nothing to evict, everything else read) leaves its page.
+func (p *Pool) placeCheckpointsLocked(w *tierWrite) {
+	t := p.tier
+	for _, c := range w.ckCands {
+		units := c.units
+		c.units = make([][]allocator.Handle, len(p.groups)) // the device's no more
+		c.chain = nil                                       // it pins no page any more
+		if c.last.ckpt != c {
+			continue // its page left the index meanwhile (dropEntryLocked)
+		}
+		slots, ok := p.takeSlotsLocked(spaceCheckpoints, c.dom, 1, w)
+		if !ok {
+			t.stats.CheckpointsDropped++
+			c.last.ckpt = nil
+			p.mu.prefix.epoch++
+			continue
+		}
+		it := t.newItem(c.dom)
+		it.space, it.ckpt, it.slot0[0] = spaceCheckpoints, c, slots[0]
+		it.slots = it.slot0[:]
+		c.tier = it
+		w.items = append(w.items, it)
+		w.ckSlots = append(w.ckSlots, slots[0])
+		local := int(slots[0] - t.sp[spaceCheckpoints].base)
+		for gi, hs := range units {
+			for j, h := range hs {
+				w.ckFrom[gi] = append(w.ckFrom[gi], h.Page)
+				w.ckTo[gi] = append(w.ckTo[gi], int32(local*t.ckptUnits[gi]+j))
+			}
+		}
+	}
+	clear(w.ckCands)
+	w.ckCands = w.ckCands[:0]
+}
+
 // beginTierWriteLocked counts w, if it has anything to run, as work in
 // flight until finishTierWriteLocked.
 func (p *Pool) beginTierWriteLocked(w *tierWrite) {
@@ -151,6 +223,7 @@ func (p *Pool) beginTierWriteLocked(w *tierWrite) {
 func (p *Pool) runTierWrite(w *tierWrite) {
 	t := p.tier
 	t.fill(w.fill)
+	t.fill(w.drop)
 	if t.canary {
 		for i, s := range w.fill {
 			owner := ""
@@ -169,20 +242,38 @@ func (p *Pool) runTierWrite(w *tierWrite) {
 	}
 	if w.err != nil {
 		t.fill(w.slots) // nothing was copied; the slots go back filled
+		t.fill(w.ckSlots)
 		return
 	}
 	start := monoNow()
-	w.err = t.copy(w.pages, w.slots, true, w.after)
+	if len(w.pages) > 0 {
+		w.err = t.copy(spacePages, 0, w.pages, w.slots, true, w.after)
+	}
+	for gi := range w.ckFrom {
+		if w.err == nil && len(w.ckFrom[gi]) > 0 {
+			w.err = t.copy(spaceCheckpoints, gi, w.ckFrom[gi], w.ckTo[gi], true, w.after)
+		}
+	}
 	if w.err != nil {
 		t.fill(w.slots)
+		t.fill(w.ckSlots)
 		return
 	}
 	t.offloadLatency.record(monoNow() - start)
 }
 
-// copy copies device pages to slots (toHost) or slots to pages.
-func (t *hostTier) copy(pages, slots []int32, toHost bool, after cudaops.Ordering) error {
-	c := cudaops.HostCopy{Regions: t.regions, Host: t.slabs, Pages: pages, Slots: slots}
+// copy copies device pages of group gi to the unit indices units of
+// space si's slabs of the group (toHost), or back: for the page space a
+// unit is a slot, for the checkpoint space unit j of local slot s is
+// s·checkpointUnits + j (tierSlab).
+func (t *hostTier) copy(si, gi int, pages, units []int32, toHost bool, after cudaops.Ordering) error {
+	c := cudaops.HostCopy{Pages: pages, Slots: units}
+	for k := range t.sp[si].slabs {
+		if b := &t.sp[si].slabs[k]; b.group == gi {
+			c.Regions = append(c.Regions, b.region)
+			c.Host = append(c.Host, b.mem)
+		}
+	}
 	if toHost {
 		return t.dev.CopyToHost(c, after)
 	}
@@ -207,6 +298,10 @@ func (p *Pool) finishTierWriteLocked(w *tierWrite, fill []int32) []int32 {
 		p.retireSlotsLocked(w)
 	}
 	p.freeFilledLocked(w.surplus)
+	if len(w.drop) > 0 {
+		p.freeFilledLocked(w.drop)
+		p.tierIdleLocked(len(w.drop))
+	}
 	events := p.mu.events.enabled()
 	failed := 0
 	var stored []*cacheEntry // landed, for the events
@@ -222,14 +317,23 @@ func (p *Pool) finishTierWriteLocked(w *tierWrite, fill []int32) []int32 {
 			fill = p.releaseItemLocked(it, fill)
 		case w.err != nil:
 			failed += len(it.slots)
-			if it.swap != nil {
+			switch {
+			case it.swap != nil:
 				t.stats.SwapsFailed++
+			case it.ckpt != nil:
+				t.stats.CheckpointsFailed++
 			}
-			p.failedWriteLocked(it)
+			fill = p.failedWriteLocked(it, fill)
 		default:
 			it.ready = true
 			t.setState(it.slots, tierWriting, tierCached, 0)
 			t.lruPush(it)
+			if it.ckpt != nil {
+				p.mu.prefix.epoch++ // usable now: a match may restore it
+				t.domain(it.dom).storedCkpts++
+				t.stats.CheckpointsStored++
+				break
+			}
 			if e := it.entry; e != nil {
 				p.mu.prefix.epoch++ // usable now: a match may reach further
 				t.domain(it.dom).storedPages++
@@ -263,11 +367,12 @@ func (p *Pool) finishTierWriteLocked(w *tierWrite, fill []int32) []int32 {
 
 // failedWriteLocked ends an item whose copy failed: its slots were
 // filled again (runTierWrite) and return to the free list (but for those
-// retireSlotsLocked retired); it leaves the tier.
-func (p *Pool) failedWriteLocked(it *tierItem) {
+// retireSlotsLocked retired); it leaves the tier. An item its leaving
+// drops (a checkpoint on its page) is appended to fill.
+func (p *Pool) failedWriteLocked(it *tierItem, fill []int32) []int32 {
 	t := p.tier
 	it.doomed = true
-	p.unlinkItemLocked(it)
+	fill = p.unlinkItemLocked(it, fill)
 	n := 0
 	for _, s := range it.slots {
 		if t.meta[s].state == tierWriting {
@@ -277,8 +382,9 @@ func (p *Pool) failedWriteLocked(it *tierItem) {
 	}
 	t.setState(it.slots[:n], tierWriting, tierQuarantined, 0)
 	p.freeFilledLocked(it.slots[:n])
-	t.domain(it.dom).used -= len(it.slots)
+	t.domain(it.dom).sp[it.space].used -= len(it.slots)
 	t.freeItem(it)
+	return fill
 }
 
 // retireSlotsLocked retires w's recycled slots that failed their canary
@@ -377,7 +483,7 @@ func (p *Pool) planSwapOutLocked(l *Lease, tokens []int32, w *tierWrite) bool {
 		p.tierIdleLocked(len(w.fill) - n) // the write's work from here
 		t.stats.SwapsEvicted++
 	}
-	slots, ok := p.takeSlotsLocked(l.domain, to-first, w)
+	slots, ok := p.takeSlotsLocked(spacePages, l.domain, to-first, w)
 	if !ok {
 		t.stats.SwapsFull++
 		return false

@@ -142,7 +142,7 @@ func (p *Pool) runTierRead(r *tierRead) {
 	}
 	t := p.tier
 	start := monoNow()
-	r.err = t.copy(r.pages, r.slots, false, cudaops.Ordering{})
+	r.err = t.copy(spacePages, 0, r.pages, r.slots, false, cudaops.Ordering{})
 	if r.err == nil {
 		t.onloadLatency.record(monoNow() - start)
 	}
@@ -296,7 +296,7 @@ func (p *Pool) tierDomainStatsLocked(d *tenancy.Domain, s *DomainStats) {
 		return
 	}
 	td := t.domain(d)
-	s.TierPages, s.TierBound = td.used, td.bound
+	s.TierPages, s.TierBound = td.sp[spacePages].used, td.sp[spacePages].bound
 	s.TierHitPages, s.TierStoredPages, s.TierEvictedPages = td.hitPages, td.storedPages, td.evictedPages
 	s.TierHitTokens = td.hitPages * uint64(p.tpp)
 }

@@ -164,13 +164,28 @@ func TestTierConfig(t *testing.T) {
 	p := newPool(t, tierConfig(8, 0).withTier(HostTierConfig{Bytes: 10 * 256}))
 	assert.Equal(t, 10, p.Stats().Tier.Slots)
 
-	// A hybrid pool (a sliding-window group) with a tier is refused, for
-	// now, with its own error.
+	// A hybrid pool's tier keeps checkpoints: it must say how many, and
+	// only it may.
 	_, err := New(hybridConfig(16, 4).withTier(HostTierConfig{Pages: 4}))
-	assert.ErrorIs(t, err, ErrTierUnsupported)
 	assert.ErrorIs(t, err, ErrInvalidConfig)
+	assert.ErrorContains(t, err, "HostTier.Checkpoints = 0")
+	_, err = New(tierConfig(8, 4).withTier(HostTierConfig{Pages: 4, Checkpoints: 2}))
+	assert.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = New(hybridConfig(16, 4).withTier(HostTierConfig{Checkpoints: 2}))
+	assert.ErrorIs(t, err, ErrInvalidConfig)
+	_, err = New(hybridConfig(16, 4).withTier(HostTierConfig{Pages: 4, Checkpoints: -1}))
+	assert.ErrorIs(t, err, ErrInvalidConfig)
+	ck := checkpointSlotBytes(hybridConfigLayout(t))
+	_, err = New(hybridConfig(16, 4).withTier(HostTierConfig{Bytes: 3 * ck, Checkpoints: 3}))
+	assert.ErrorIs(t, err, ErrInvalidConfig, "bytes for the checkpoints, none for a page")
+	h := newPool(t, hybridConfig(16, 4).withTier(HostTierConfig{Bytes: 3*ck + 5*h0PageBytes(t), Checkpoints: 3}))
+	s := h.Stats().Tier
+	assert.Equal(t, 8, s.Slots)
+	assert.Equal(t, 3, s.CheckpointSlots)
+	assert.Equal(t, ck, s.CheckpointSlotBytes)
+	require.NoError(t, h.Check())
 
-	// So is a device that cannot copy pages to host memory.
+	// A device that cannot copy pages to host memory has none.
 	_, err = New(Config{Geometry: tinyGeometry, Pages: 8, MaxContextTokens: 32, Device: noHostCopy{cudaops.NewHost()},
 		HostTier: HostTierConfig{Pages: 4}})
 	assert.ErrorIs(t, err, ErrTierUnsupported)
@@ -247,7 +262,7 @@ func newTierDevicePool(t *testing.T, cfg Config) (*Pool, *tierDevice) {
 func tierSlotsSum(t testing.TB, p *Pool) TierStats {
 	t.Helper()
 	s := p.Stats().Tier
-	require.Equal(t, s.Slots, s.Free+s.Cached+s.Swapped+s.InFlight+s.Quarantined+s.Retired, "%+v", s)
+	require.Equal(t, s.Slots, s.Free+s.Cached+s.Swapped+s.Checkpoints+s.InFlight+s.Quarantined+s.Retired, "%+v", s)
 	require.NoError(t, p.Check())
 	return s
 }
