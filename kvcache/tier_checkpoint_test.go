@@ -1,9 +1,11 @@
 package kvcache
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -214,4 +216,77 @@ func TestTierCheckpointShare(t *testing.T) {
 	ts = tierSlotsSum(t, p)
 	require.Equal(t, 4, ts.Checkpoints, "b takes the rest, and a's one stays")
 	require.NoError(t, p.Check())
+}
+
+// A checkpoint in the tier is its domain's: a tenant moved to another
+// domain while it sits there finds nothing, the tenants of the domain
+// find it, and keys crafted from another domain's prompt reach nothing.
+func TestTierCheckpointIsolation(t *testing.T) {
+	p := newPool(t, tierCheckpointConfig(24, 2, 32, 2, TenantConfig{Name: "a", Domain: "x"}, TenantConfig{Name: "b", Domain: "x"},
+		TenantConfig{Name: "c", Domain: "y"}))
+	ck0 := promptTokens(0, 20, 0, 20)
+	checkpointed(t, p, "ck0", "a", ck0, 16)
+	checkpointed(t, p, "ck1", "a", promptTokens(1, 20, 1, 20), 16) // ck0 to the tier
+	flushDevice(t, p, "c")
+	require.Equal(t, 2, tierSlotsSum(t, p).Checkpoints, "both in the tier")
+
+	require.NoError(t, p.UpdateTenant(TenantConfig{Name: "a", Domain: "z"}))
+	l, err := p.TryAdmit(Request{ID: "moved", Tenant: "a", PromptTokens: 20, TokenIDs: ck0})
+	require.NoError(t, err)
+	require.Zero(t, l.HitTokens(), "a moved out of x: x's checkpoint is not its")
+	require.NoError(t, stateErr(p, l, "", 0))
+	require.NoError(t, l.Release())
+
+	// Keys derived in x, presented by a tenant of y: the lookup is y's.
+	keys, err := p.PageKeys("b", "", ck0, nil)
+	require.NoError(t, err)
+	l, err = p.TryAdmit(Request{ID: "crafted", Tenant: "c", PromptTokens: 20, PageKeys: keys})
+	require.NoError(t, err)
+	require.Zero(t, l.HitTokens())
+	require.NoError(t, stateErr(p, l, "", 0))
+	require.NoError(t, l.Release())
+
+	l, err = p.TryAdmit(Request{ID: "b", Tenant: "b", PromptTokens: 20, TokenIDs: ck0})
+	require.NoError(t, err)
+	require.Equal(t, 16, l.HitTokens(), "b shares x")
+	require.NoError(t, stateErr(p, l, "ck0@16", 16))
+	require.NoError(t, l.Release())
+	require.NoError(t, p.Check())
+	_, err = p.AuditFreePages()
+	require.NoError(t, err)
+}
+
+// Close waits for a restore from the tier in flight; the admission ends
+// refused or its lease with the pool, and nothing is left behind.
+func TestTierCheckpointCloseWithRestoreInFlight(t *testing.T) {
+	p, d := newTierDevicePool(t, tierCheckpointConfig(24, 2, 32, 2))
+	ck0 := promptTokens(0, 20, 0, 20)
+	checkpointed(t, p, "ck0", "a", ck0, 16)
+	checkpointed(t, p, "ck1", "a", promptTokens(1, 20, 1, 20), 16)
+	gate := &fillGate{entered: make(chan struct{}, 1), proceed: make(chan struct{})}
+	d.hold = gate
+	admitted := make(chan error, 1)
+	go func() {
+		l, err := p.Admit(context.Background(), Request{ID: "again", Tenant: "a", PromptTokens: 20, TokenIDs: ck0})
+		if err == nil {
+			err = l.Release()
+		}
+		admitted <- err
+	}()
+	<-gate.entered
+	closed := make(chan error, 1)
+	go func() { closed <- p.Close() }()
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) with a restore in flight", err)
+	case <-time.After(20 * time.Millisecond):
+	}
+	close(gate.proceed)
+	require.NoError(t, <-closed)
+	require.ErrorIs(t, <-admitted, ErrPoolClosed)
+	s := p.Stats()
+	require.Equal(t, s.Tier.Slots, s.Tier.Free, "a closed pool's tier keeps nothing")
+	require.NoError(t, p.Check())
+	_, err := p.AuditFreePages()
+	require.NoError(t, err)
 }
