@@ -73,8 +73,10 @@ var (
 	// The error also wraps the device's own error.
 	ErrDevice = errors.New("kvcache: device operation failed")
 	// ErrTierUnsupported: a host tier (Config.HostTier) on a pool whose
-	// device cannot copy pages to host memory (cudaops.HostCopier). It
-	// comes wrapped in ErrInvalidConfig.
+	// device cannot copy pages to host memory (cudaops.HostCopier), or of
+	// a pool with sliding-window or state groups without room for their
+	// state checkpoints (HostTierConfig.Checkpoints). It comes wrapped in
+	// ErrInvalidConfig.
 	ErrTierUnsupported = errors.New("kvcache: host tier not supported")
 	// ErrOnloadFailed: an admission whose prefix continued in the host
 	// tier could not copy it (its pages, or the state checkpoint at its

@@ -125,8 +125,8 @@ func (c HostTierConfig) slots(lay *layout) (pages, ckpts int, err error) {
 	case !hybrid && c.Checkpoints != 0:
 		return 0, 0, fmt.Errorf("%w: HostTier.Checkpoints = %d, but the pool has no window or state group to checkpoint", ErrInvalidConfig, c.Checkpoints)
 	case hybrid && c.Checkpoints == 0:
-		return 0, 0, fmt.Errorf("%w: HostTier.Checkpoints = 0: the pool's %s group(s) need the state checkpoints of the prefixes the tier keeps "+
-			"(%d bytes each); set how many it holds", ErrInvalidConfig, lay.perLeaseNames(), checkpointSlotBytes(lay))
+		return 0, 0, fmt.Errorf("%w: %w: the host tier of a pool with the %s group(s) keeps the state checkpoints of its prefixes: "+
+			"set HostTier.Checkpoints, how many it holds (%d bytes each)", ErrInvalidConfig, ErrTierUnsupported, lay.perLeaseNames(), checkpointSlotBytes(lay))
 	case c.Checkpoints > maxTierSlots:
 		return 0, 0, fmt.Errorf("%w: HostTier of %d checkpoints, above %d", ErrInvalidConfig, c.Checkpoints, maxTierSlots)
 	}

@@ -168,7 +168,8 @@ func TestTierConfig(t *testing.T) {
 	// only it may.
 	_, err := New(hybridConfig(16, 4).withTier(HostTierConfig{Pages: 4}))
 	assert.ErrorIs(t, err, ErrInvalidConfig)
-	assert.ErrorContains(t, err, "HostTier.Checkpoints = 0")
+	assert.ErrorIs(t, err, ErrTierUnsupported, "a hybrid pool's tier without checkpoints")
+	assert.ErrorContains(t, err, "set HostTier.Checkpoints")
 	_, err = New(tierConfig(8, 4).withTier(HostTierConfig{Pages: 4, Checkpoints: 2}))
 	assert.ErrorIs(t, err, ErrInvalidConfig)
 	_, err = New(hybridConfig(16, 4).withTier(HostTierConfig{Checkpoints: 2}))
