@@ -210,3 +210,88 @@ func BenchmarkWarmAdmissionTier(b *testing.B) {
 	b.ReportMetric(memcpy/1000, "µs/memcpy")
 	b.ReportMetric((perOp-memcpy)/warmOp, "x_warm")
 }
+
+// BenchmarkHybridWarmAdmissionTier is BenchmarkHybridWarmAdmission's
+// request (a 2,048-token prompt whose first 127 pages and the state at
+// their end are cached) with the pages and the checkpoint in the host
+// tier: the admission onloads the pages and restores the checkpoint's
+// state slot and window pages from host memory. Its cost beyond a memcpy
+// of those bytes (x_warm) is set against the hybrid warm admission on the
+// device beyond its own copy of the checkpoint, both timed in the same
+// run, interleaved (the target of the tier's warm admission: ≤ 1.5).
+func BenchmarkHybridWarmAdmissionTier(b *testing.B) {
+	hybrid, _, toks := checkpointBenchPools(b)
+	dev := &discardFills{Host: cudaops.NewHost()}
+	b.Cleanup(func() { dev.Close() })
+	p, err := New(Config{Cache: hybridBenchSpec(), Pages: 256, MaxLeases: 2, MaxContextTokens: 4096, Device: dev,
+		Prefix: PrefixConfig{CheckpointSlots: 1}, Tenants: []TenantConfig{{Name: "a"}},
+		HostTier: HostTierConfig{Pages: 256, Checkpoints: 1}})
+	require.NoError(b, err)
+	defer p.Close()
+	l, err := p.TryAdmit(Request{ID: "history", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks})
+	require.NoError(b, err)
+	at := l.PrefillCheckpoint()
+	require.NoError(b, l.Commit(at))
+	_, err = l.SlideWindows(cudaops.Ordering{})
+	require.NoError(b, err)
+	_, err = l.CachePrefix(at)
+	require.NoError(b, err)
+	require.NoError(b, l.Release())
+	var fl Lease
+	flush := Request{ID: "flush", Tenant: "a", PromptTokens: 256 * 16}
+	evict := func() {
+		require.NoError(b, p.TryAdmitInto(flush, &fl))
+		require.NoError(b, fl.Release())
+	}
+	evict() // the pages and the checkpoint go to the tier
+	require.Equal(b, 1, p.Stats().Tier.Checkpoints)
+
+	req := Request{ID: "turn", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks}
+	var lease Lease
+	cycle := func(p *Pool) func() {
+		return func() {
+			if err := p.TryAdmitInto(req, &lease); err != nil {
+				b.Fatal(err)
+			}
+			if err := lease.Release(); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	warmCycle, tierCycle := cycle(hybrid), cycle(p)
+	timePerOp(200, warmCycle)
+	const hits = 127
+	var timed, warmTimed float64
+	n := 0
+	for b.Loop() {
+		warmTimed += timePerOp(1, warmCycle)
+		timed += timePerOp(1, tierCycle)
+		n++
+		if lease.HitTokens() != hits*16 {
+			b.Fatalf("hit %d tokens, want %d pages", lease.HitTokens(), hits)
+		}
+		evict()
+	}
+	if s := p.Stats().Tier; s.CheckpointsRestored != uint64(n) || s.Onloads != uint64(hits*n) {
+		b.Fatalf("%d checkpoints restored and %d pages onloaded in %d cycles", s.CheckpointsRestored, s.Onloads, n)
+	}
+	// The bytes each copies: the tier's, the pages and the checkpoint
+	// (the window's units at the hit and the state slot); the device's,
+	// the checkpoint.
+	ckpt := int64(0)
+	for gi, e := range p.Spec().HandoffExtents(hits * 16) {
+		if gi > 0 {
+			ckpt += int64(e.Units) * p.groups[gi].pageBytes
+		}
+	}
+	tierBase, devBase := newMemcpyBench(hits*p.PageBytes()+ckpt), newMemcpyBench(ckpt)
+	timePerOp(100, func() { tierBase.time(); devBase.time() })
+	tierMemcpy := timePerOp(500, func() { tierBase.time() })
+	devMemcpy := timePerOp(500, func() { devBase.time() })
+	perOp, warmOp := timed/float64(n), warmTimed/float64(n)
+	b.ReportMetric(perOp/1000, "µs/op")
+	b.ReportMetric(warmOp/1000, "µs/warm")
+	b.ReportMetric(tierMemcpy/1000, "µs/memcpy")
+	b.ReportMetric(devMemcpy/1000, "µs/ckpt_memcpy")
+	b.ReportMetric((perOp-tierMemcpy)/(warmOp-devMemcpy), "x_warm")
+}
