@@ -288,7 +288,8 @@ func (p *Pool) growAttemptLocked(a *admission) step {
 // It returns the tokens kept: the full pages published or already shared,
 // or, when the pool has a host tier that took the rest of its written
 // pages (a swap, all of them or none; HostTierConfig.NoSwap turns it off;
-// a lease with extra key material, Request.PageExtra, is not swapped),
+// a lease with extra key material, Request.PageExtra, or of a pool with
+// window or state groups, is not swapped),
 // every written token. To resume, admit the request again, with the same
 // ID, tenant and adapter, with TokenIDs = tokens (and the rest of its
 // output budget): HitTokens then says how much prefill to skip. A swap

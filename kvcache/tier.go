@@ -101,7 +101,10 @@ type HostTierConfig struct {
 	// they come first and the pages take the rest.
 	Checkpoints int
 	// NoSwap keeps Preempt from swapping a request's private pages to the
-	// tier: it then keeps only what the prefix cache holds.
+	// tier: it then keeps only what the prefix cache holds. A pool with
+	// window or state groups never swaps: pages are of no use without the
+	// state at their end, which Preempt keeps in a checkpoint, at a page
+	// boundary, in the prefix cache.
 	NoSwap bool
 }
 
@@ -310,7 +313,7 @@ func newHostTier(p *Pool, c HostTierConfig, pages, ckpts int) (*hostTier, error)
 	if !ok {
 		return nil, fmt.Errorf("%w: %w: the device (%s) cannot copy pages to host memory (cudaops.HostCopier)", ErrInvalidConfig, ErrTierUnsupported, p.dev.Name())
 	}
-	t := &hostTier{dev: hc, slots: pages, pageBytes: p.groups[0].pageBytes, swapOn: !c.NoSwap,
+	t := &hostTier{dev: hc, slots: pages, pageBytes: p.groups[0].pageBytes, swapOn: !c.NoSwap && !p.hybrid(),
 		spec: p.q.Spec(), canary: p.q.NeedsVerify(), ckptUnits: checkpointUnits(p.lay),
 		tenantPages: make(map[*tenancy.Tenant]int), swaps: make(map[swapKey]*tierItem)}
 	t.sp[spacePages] = tierSpace{n: pages, slotBytes: t.pageBytes}

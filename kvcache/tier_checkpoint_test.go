@@ -290,3 +290,25 @@ func TestTierCheckpointCloseWithRestoreInFlight(t *testing.T) {
 	_, err := p.AuditFreePages()
 	require.NoError(t, err)
 }
+
+// A hybrid pool's Preempt keeps what its checkpoint covers and swaps
+// nothing: private pages are of no use without the state at their end.
+func TestTierHybridPreemptDoesNotSwap(t *testing.T) {
+	p := newPool(t, tierCheckpointConfig(24, 2, 32, 2))
+	tokens := promptTokens(0, 22, 0, 22)
+	l, err := p.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: 22, MaxNewTokens: 4, TokenIDs: tokens})
+	require.NoError(t, err)
+	prefillTo(t, p, l, "r", 22)
+	kept, err := l.Preempt(tokens)
+	require.NoError(t, err)
+	require.Zero(t, kept, "22 tokens end inside a page: no checkpoint, nothing a resumed request can use")
+	s := tierSlotsSum(t, p)
+	require.Zero(t, s.SwapsOut)
+	require.Zero(t, s.Swapped)
+	l, err = p.TryAdmit(Request{ID: "r", Tenant: "a", PromptTokens: 22, MaxNewTokens: 4, TokenIDs: tokens})
+	require.NoError(t, err)
+	require.Zero(t, l.HitTokens())
+	require.NoError(t, stateErr(p, l, "", 0))
+	require.NoError(t, l.Release())
+	require.NoError(t, p.Check())
+}
