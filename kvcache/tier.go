@@ -194,10 +194,15 @@ type tierSpace struct {
 	n         int
 	slotBytes int64
 	slabs     []tierSlab
-	free      []int32   // a stack: the next slot taken is last
-	head      *tierItem // the LRU list, least recently used first
-	tail      *tierItem
-	lruSlots  int
+	// regions[g] and host[g] are the device regions of group g and its
+	// slabs' memory, the Regions and Host of a cudaops.HostCopy of the
+	// group's units (tierSlab; nil for a group not in the space).
+	regions  [][]int
+	host     [][][]byte
+	free     []int32   // a stack: the next slot taken is last
+	head     *tierItem // the LRU list, least recently used first
+	tail     *tierItem
+	lruSlots int
 }
 
 // tierSlot is a slot's metadata: its state and the domain whose page it
@@ -344,6 +349,14 @@ func newHostTier(p *Pool, c HostTierConfig, pages, ckpts int) (*hostTier, error)
 			n := int64(sp.n) * int64(units) * rb
 			sp.slabs = append(sp.slabs, tierSlab{group: gi, region: r, unitBytes: rb, units: units, mem: mem[off : off+n : off+n]})
 			off += n
+		}
+	}
+	for si := range t.sp {
+		sp := &t.sp[si]
+		sp.regions, sp.host = make([][]int, len(p.groups)), make([][][]byte, len(p.groups))
+		for _, b := range sp.slabs {
+			sp.regions[b.group] = append(sp.regions[b.group], b.region)
+			sp.host[b.group] = append(sp.host[b.group], b.mem)
 		}
 	}
 	slots := pages + ckpts

@@ -267,13 +267,8 @@ func (p *Pool) runTierWrite(w *tierWrite) {
 // unit is a slot, for the checkpoint space unit j of local slot s is
 // s·checkpointUnits + j (tierSlab).
 func (t *hostTier) copy(si, gi int, pages, units []int32, toHost bool, after cudaops.Ordering) error {
-	c := cudaops.HostCopy{Pages: pages, Slots: units}
-	for k := range t.sp[si].slabs {
-		if b := &t.sp[si].slabs[k]; b.group == gi {
-			c.Regions = append(c.Regions, b.region)
-			c.Host = append(c.Host, b.mem)
-		}
-	}
+	sp := &t.sp[si]
+	c := cudaops.HostCopy{Regions: sp.regions[gi], Host: sp.host[gi], Pages: pages, Slots: units}
 	if toHost {
 		return t.dev.CopyToHost(c, after)
 	}
