@@ -96,8 +96,11 @@ extern "C" {
  * "tier_pages", its figures in the stats JSON ("tier", and per domain),
  * events' "medium", swaps on preemption, and the statuses
  * KVF_ERR_TIER_UNSUPPORTED, KVF_ERR_ONLOAD_FAILED and
- * KVF_ERR_OFFLOAD_FAILED. */
-#define KVF_ABI_VERSION 12
+ * KVF_ERR_OFFLOAD_FAILED; version 13 adds the host tier of a pool with
+ * sliding-window or state groups: "host_tier": {"checkpoints": N} and the
+ * stats' tier checkpoint figures ("checkpoint_slots",
+ * "checkpoint_slot_bytes", "checkpoints", "checkpoints_stored", ...). */
+#define KVF_ABI_VERSION 13
 
 /* The longest message kvf_last_error_message can return, NUL included;
  * longer messages are truncated. */
@@ -173,7 +176,7 @@ enum {
     KVF_ERR_UNAVAILABLE = 78, /* the library was built without UCX (build it with cgo, libucx-dev and -tags ucx) */
 
     /* The host tier. Since ABI 12. */
-    KVF_ERR_TIER_UNSUPPORTED = 79, /* a host tier on a pool that cannot have one (window or state groups, a remote device) */
+    KVF_ERR_TIER_UNSUPPORTED = 79, /* a host tier on a pool that cannot have one (a remote device; window or state groups without "checkpoints") */
     KVF_ERR_ONLOAD_FAILED = 80,    /* an admission could not copy its prefix from the host tier: nothing admitted; retryable */
     KVF_ERR_OFFLOAD_FAILED = 81    /* a copy into the host tier failed (logged and counted in the stats; no call returns it yet) */
 };
@@ -337,7 +340,8 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  *    "sizing": {"mode": "full"},      (or {"mode": "on_demand",
  *                                        "headroom_tokens": 256})
  *    "growth_watermark": 0.01,
- *    "host_tier": {"pages": 65536},   (or "bytes": N; "no_swap": true)
+ *    "host_tier": {"pages": 65536},   (or "bytes": N; "checkpoints": N;
+ *                                        "no_swap": true)
  *    "device": {"kind": "host"}}      (or {"kind": "cuda", "ordinal": 0},
  *                                        or {"kind": "remote", ...}: below)
  *
@@ -373,9 +377,25 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  * "no_swap" is true. The tier evicts least recently used within each
  * domain's share: a tenant's "tier_pages" (its domain may keep the sum of
  * its tenants' shares; a tenant without one lets its domain use the whole
- * tier), and fills every slot it frees with the scrub policy. A pool with
- * window or state groups, or over remote ranks, cannot have one
- * (KVF_ERR_TIER_UNSUPPORTED).
+ * tier), and fills every slot it frees with the scrub policy. A pool over
+ * remote ranks cannot have one (KVF_ERR_TIER_UNSUPPORTED).
+ *
+ * In a pool with sliding-window or state groups (since ABI 13; before, it
+ * could have no tier) the tier also keeps the state checkpoints the
+ * device evicts (kvf_lease_checkpoint_state), "checkpoints" of them, each
+ * in a slot of its own of "checkpoint_slot_bytes" (a checkpoint's window
+ * pages and state slots at most): an admission whose prefix reaches one
+ * there gets it copied into its own fresh units before the call returns,
+ * as a checkpoint restored on the device (the hit covers it:
+ * kvf_lease_hit_tokens; a failed copy refuses the admission with
+ * KVF_ERR_ONLOAD_FAILED, nothing allocated). The tier's checkpoints are
+ * their domain's alone, bounded by the same share as its pages
+ * ("tier_pages" as a share of each space), and leave the tier with the
+ * page they end on. "checkpoints" is required there (at least 1; 0 or
+ * omitted is KVF_ERR_TIER_UNSUPPORTED, as an ABI 12 library reports) and
+ * refused in a pool without such groups (KVF_ERR_INVALID_CONFIG); with
+ * "bytes" the checkpoints take their bytes first and the pages the
+ * rest.
  *
  * "cache" (since ABI 4), instead of "geometry", describes any model's
  * caches as groups of regions (kvcache.CacheSpec; capi/README.md has the
@@ -494,7 +514,16 @@ KVF_API kvf_status kvf_pool_update_tenant_json(kvf_pool pool, const char *tenant
  *    "evicted_slots", "scrubbed_slots", "retired_slots"}
  * and, for each prefix-cache domain, "tier_pages", "tier_bound",
  * "tier_hit_pages", "tier_hit_tokens", "tier_stored_pages" and
- * "tier_evicted_pages". */
+ * "tier_evicted_pages". Since ABI 13 "tier" has a hybrid pool's state
+ * checkpoints too (all 0 in any other pool): "checkpoint_slots" and
+ * "checkpoint_slot_bytes" (the tier's checkpoint space; "slots" counts
+ * them, so slots = free + cached + swapped + checkpoints + in_flight +
+ * quarantined + retired), "checkpoints" (held, no copy reading them),
+ * "checkpoints_stored", "checkpoints_dropped" (no room),
+ * "checkpoints_failed" (the copy in failed), "checkpoints_restored",
+ * "checkpoint_restore_bytes", "checkpoint_restores_failed" (admissions
+ * refused with KVF_ERR_ONLOAD_FAILED) and "checkpoints_evicted" (for
+ * room, or with their page). */
 KVF_API kvf_status kvf_pool_stats_json(kvf_pool pool, char *buf, size_t buf_len, size_t *needed);
 
 /* Verifies the pool's accounting (free + in use + cached + quarantined +

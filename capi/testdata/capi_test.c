@@ -1,5 +1,5 @@
 /*
- * capi_test.c (with capi_test_v2.inc to _v12.inc) drives every
+ * capi_test.c (with capi_test_v2.inc to _v13.inc) drives every
  * function of kvfence.h, every bad-input case the header documents, and
  * concurrent use from several threads. It exits 0 if
  * every check passed; each failed check prints its line and the library's
@@ -546,6 +546,7 @@ static void test_long_strings(void) {
 #include "capi_test_v10.inc"
 #include "capi_test_v11.inc"
 #include "capi_test_v12.inc"
+#include "capi_test_v13.inc"
 
 int main(void) {
     test_library();
@@ -580,6 +581,7 @@ int main(void) {
     test_checkpoints();
     test_ucx_handoff();
     test_host_tier();
+    test_host_tier_checkpoints();
     if (failures) {
         fprintf(stderr, "capi_test: %d of %d checks failed\n", failures, checks);
         return 1;

@@ -10,8 +10,8 @@ import weakref
 
 from . import _lib, _views
 from ._lib import STREAM_LEGACY
-from .errors import (BufferTooSmall, InvalidArgument, InvalidRequest, InvalidTenant, PoolClosed, UnknownTenant, check,
-                     from_last_error)
+from .errors import (BufferTooSmall, InvalidArgument, InvalidConfig, InvalidRequest, InvalidTenant, PoolClosed,
+                     UnknownTenant, check, from_last_error)
 
 PHASES = ("admitted", "prefilling", "prefilled", "exported", "importing", "released", "aborted")
 
@@ -297,6 +297,11 @@ class Pool:
             config["cache"] = adopt.cache_spec()
             config.setdefault("pages", adopt.num_blocks)
         self.config = config
+        tier = config.get("host_tier")
+        if isinstance(tier, dict) and "checkpoints" in tier and _lib.abi_version() < 13:
+            # An older library refuses the key as unknown; say why.
+            raise InvalidConfig("kvfence: host_tier's \"checkpoints\" (a hybrid pool's state checkpoints in the tier) "
+                                "needs a library of ABI 13 (this one is %d)" % _lib.abi_version(), InvalidConfig.status)
         dev = config.get("device") or {}
         kind = dev.get("kind", "host")
         self.device = ("cuda", int(dev.get("ordinal", 0))) if kind == "cuda" else ("remote" if kind == "remote" else "cpu")
@@ -386,7 +391,14 @@ class Pool:
     def tier_stats(self):
         """The host tier's figures (the stats' "tier", ABI 12): slots by
         state, pages copied each way, swaps; {"enabled": False} without
-        one, or on an older library."""
+        one, or on an older library. Since ABI 13 they have a hybrid
+        pool's state checkpoints in the tier (the config's
+        "host_tier": {"checkpoints": N}): "checkpoint_slots",
+        "checkpoint_slot_bytes", "checkpoints" (held), "checkpoints_stored",
+        "checkpoints_dropped", "checkpoints_failed", "checkpoints_restored",
+        "checkpoint_restore_bytes", "checkpoint_restores_failed",
+        "checkpoints_evicted"; "slots" counts both spaces (free + cached +
+        swapped + checkpoints + in_flight + quarantined + retired)."""
         return self.stats().get("tier", {"enabled": False})
 
     def stats(self):

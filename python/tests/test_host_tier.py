@@ -2,7 +2,9 @@
 pages evict is kept in host memory and copied back into the pages of the
 next admission that shares it, which gives the same attention output
 without recomputing it, in every engine layout; another tenant's domain
-never gets it; a preempted request's pages swap there and back."""
+never gets it; a preempted request's pages swap there and back. In a
+pool with window or state groups (ABI 13) the tier keeps the state
+checkpoints the device evicts, and a hit restores one byte for byte."""
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ import torch
 import kvfence
 from caches import BLOCK, Cache
 from conftest import TinyModel, contiguous_attention, paged_attention, tolerance
+from test_checkpoints import AT, STATE_BYTES, advance, prompt, restored_wrong, write
+from test_checkpoints import config as hybrid_config
 
 SHARED = [(29 * i + 3) % 1000 for i in range(4 * BLOCK)]  # 4 full pages
 
@@ -94,6 +98,79 @@ def test_a_preempted_request_swaps_to_the_tier_and_back():
         cache.pool.check()
     finally:
         cache.close()
+
+
+def hybrid_tier_config(tier):
+    """test_checkpoints' hybrid pool with two leases and no checkpoint
+    slots of its own (a second checkpoint evicts the first), and a tier."""
+    cfg = hybrid_config()
+    cfg["max_leases"], cfg["max_context_tokens"], cfg["host_tier"] = 2, 256, tier
+    return cfg
+
+
+def checkpointed(pool, rid, seed):
+    """seed's prompt prefilled to AT with seed's bytes, checkpointed there."""
+    with pool.admit_tokens(rid, "acme", prompt(seed), max_new_tokens=8) as lease:
+        lease.begin_prefill()
+        advance(lease, AT)
+        write(pool, lease, seed, AT // 4)
+        lease.checkpoint_state(AT)
+
+
+def test_a_checkpoint_evicted_into_the_tier_is_restored():
+    with kvfence.Pool(hybrid_tier_config({"pages": 32, "checkpoints": 2})) as pool:
+        t = pool.tier_stats()
+        assert t["slots"] == 34 and t["checkpoint_slots"] == 2 and t["checkpoint_slot_bytes"] == STATE_BYTES
+        checkpointed(pool, "ck-1", 1)
+        checkpointed(pool, "ck-2", 2)  # takes ck-1's slot: ck-1's checkpoint goes to the tier
+        t = pool.tier_stats()
+        assert t["checkpoints_stored"] == 1 and t["checkpoints"] == 1
+        assert pool.stats()["checkpoints"]["live"] == 1
+
+        def hit(rid, tenant, seed):
+            with pool.admit_tokens(rid, tenant, prompt(seed), max_new_tokens=8) as lease:
+                n = lease.hit_tokens()
+                if n:
+                    assert lease.info()["written_tokens"] == AT
+                    assert restored_wrong(pool, lease, seed) == []
+                return n
+
+        assert hit("again-1", "acme", 1) == AT, "its pages on the device, its state from the tier"
+        t = pool.tier_stats()
+        assert t["checkpoints_restored"] == 1 and t["checkpoint_restore_bytes"] == STATE_BYTES
+        assert hit("other", "globex", 1) == 0, "another domain got the tier's checkpoint"
+
+        # A request of every page evicts the device's pages and checkpoint:
+        # both prompts come back from the tier alone.
+        pool.admit("hog", "globex", pool.num_pages * 4).free()
+        assert pool.stats()["checkpoints"]["live"] == 0
+        assert pool.tier_stats()["checkpoints"] == 2
+        assert hit("back-2", "acme", 2) == AT and hit("back-1", "acme", 1) == AT
+        t = pool.tier_stats()
+        assert t["checkpoints_restored"] == 3 and t["onloads"] >= 10
+        assert sum(t[k] for k in ("free", "cached", "swapped", "checkpoints", "in_flight", "quarantined",
+                                  "retired")) == t["slots"]
+        pool.check()
+
+
+def test_hybrid_tier_config():
+    with pytest.raises(kvfence.TierUnsupported) as e:
+        kvfence.Pool(hybrid_tier_config({"pages": 32}))
+    assert "HostTier.Checkpoints" in str(e.value)
+    with pytest.raises(kvfence.InvalidConfig) as e:
+        kvfence.Pool(hybrid_tier_config({"pages": 32, "checkpoints": -1}))
+    assert "Checkpoints -1" in str(e.value)
+    with pytest.raises(kvfence.InvalidConfig) as e:
+        kvfence.Pool({"geometry": {"tokens_per_page": 4, "layers": 1, "kv_heads": 1, "head_dim": 4, "dtype": "fp16"},
+                      "pages": 8, "max_context_tokens": 32, "host_tier": {"pages": 4, "checkpoints": 1}})
+    assert "no window or state group" in str(e.value)
+
+
+def test_tier_checkpoints_need_abi_13(monkeypatch):
+    monkeypatch.setattr(kvfence._lib, "abi_version", lambda: 12)
+    with pytest.raises(kvfence.InvalidConfig) as e:
+        kvfence.Pool(hybrid_tier_config({"pages": 32, "checkpoints": 2}))
+    assert "needs a library of ABI 13 (this one is 12)" in str(e.value)
 
 
 def test_tier_statuses():

@@ -38,11 +38,14 @@ type ConfigJSON struct {
 }
 
 // HostTierJSON is kvcache.HostTierConfig: the host tier's size in pages
-// or bytes (omitted: none), and whether preemption swaps to it.
+// or bytes (omitted: none), the state checkpoints it holds in a pool with
+// window or state groups (since ABI 13; required there), and whether
+// preemption swaps to it.
 type HostTierJSON struct {
-	Pages  int   `json:"pages,omitempty"`
-	Bytes  int64 `json:"bytes,omitempty"`
-	NoSwap bool  `json:"no_swap,omitempty"`
+	Pages       int   `json:"pages,omitempty"`
+	Bytes       int64 `json:"bytes,omitempty"`
+	Checkpoints int   `json:"checkpoints,omitempty"`
+	NoSwap      bool  `json:"no_swap,omitempty"`
 }
 
 // SizingJSON is kvcache.Sizing with the mode by name: "full",
@@ -325,8 +328,9 @@ func parseConfigDoc(data []byte) (kvcache.Config, DeviceJSON, error) {
 		AllowUndersizedPool: cj.AllowUndersizedPool,
 		Scrub:               kvcache.ScrubPolicy{Kind: kind, Pattern: uint32(cj.Scrub.Pattern)},
 		Prefix:              cj.Prefix.config(),
-		HostTier:            kvcache.HostTierConfig{Pages: cj.HostTier.Pages, Bytes: cj.HostTier.Bytes, NoSwap: cj.HostTier.NoSwap},
-		GrowthWatermark:     cj.GrowthWatermark,
+		HostTier: kvcache.HostTierConfig{Pages: cj.HostTier.Pages, Bytes: cj.HostTier.Bytes,
+			Checkpoints: cj.HostTier.Checkpoints, NoSwap: cj.HostTier.NoSwap},
+		GrowthWatermark: cj.GrowthWatermark,
 	}
 	if cfg.Sizing, err = cj.Sizing.sizing(); err != nil {
 		return fail("sizing: %w", err)

@@ -267,9 +267,12 @@ func TestStatsJSON(t *testing.T) {
 		`"stored_pages":0,"evicted_pages":0,"tier_pages":0,"tier_bound":0,"tier_hit_pages":0,"tier_hit_tokens":0,"tier_stored_pages":0,"tier_evicted_pages":0}],"events_sent":0,"events_dropped":0},"checkpoints":{"live":0,"restoring":0,` +
 		`"state_bytes":0,"taken":0,"existing":0,"hits":0,"hit_tokens":0,"misses":0,"miss_tokens":0,"evicted":0,` +
 		`"capacity_skips":0,"restore_nanos":0,"copy_nanos":0},` +
-		`"tier":{"enabled":false,"slots":0,"slot_bytes":0,"free":0,"cached":0,"swapped":0,"in_flight":0,"quarantined":0,"retired":0,` +
+		`"tier":{"enabled":false,"slots":0,"slot_bytes":0,"checkpoint_slots":0,"checkpoint_slot_bytes":0,` +
+		`"free":0,"cached":0,"swapped":0,"checkpoints":0,"in_flight":0,"quarantined":0,"retired":0,` +
 		`"offloads":0,"offload_bytes":0,"offloads_dropped":0,"offloads_failed":0,"onloads":0,"onload_bytes":0,"onloads_failed":0,` +
 		`"swaps_out":0,"swap_out_pages":0,"swaps_full":0,"swaps_failed":0,"swaps_in":0,"swap_in_pages":0,"swaps_evicted":0,` +
+		`"checkpoints_stored":0,"checkpoints_dropped":0,"checkpoints_failed":0,"checkpoints_restored":0,` +
+		`"checkpoint_restore_bytes":0,"checkpoint_restores_failed":0,"checkpoints_evicted":0,` +
 		`"evicted_slots":0,"scrubbed_slots":0,"retired_slots":0},"closed":false,"fault":""}`
 	if string(js) != want {
 		t.Errorf("stats\n%s\nwant\n%s", js, want)

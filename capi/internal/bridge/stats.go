@@ -133,44 +133,61 @@ type DomainDoc struct {
 }
 
 // TierDoc is kvcache.TierStats without its latency histograms: the
-// slots by state (slots = free + cached + swapped + in_flight +
-// quarantined + retired), what was copied each way, and the swaps.
+// slots by state (slots = free + cached + swapped + checkpoints +
+// in_flight + quarantined + retired: since ABI 13 slots counts the
+// checkpoint slots too), what was copied each way, the swaps and (since
+// ABI 13) a hybrid pool's state checkpoints.
 type TierDoc struct {
-	Enabled         bool   `json:"enabled"`
-	Slots           int    `json:"slots"`
-	SlotBytes       int64  `json:"slot_bytes"`
-	Free            int    `json:"free"`
-	Cached          int    `json:"cached"`
-	Swapped         int    `json:"swapped"`
-	InFlight        int    `json:"in_flight"`
-	Quarantined     int    `json:"quarantined"`
-	Retired         int    `json:"retired"`
-	Offloads        uint64 `json:"offloads"`
-	OffloadBytes    uint64 `json:"offload_bytes"`
-	OffloadsDropped uint64 `json:"offloads_dropped"`
-	OffloadsFailed  uint64 `json:"offloads_failed"`
-	Onloads         uint64 `json:"onloads"`
-	OnloadBytes     uint64 `json:"onload_bytes"`
-	OnloadsFailed   uint64 `json:"onloads_failed"`
-	SwapsOut        uint64 `json:"swaps_out"`
-	SwapOutPages    uint64 `json:"swap_out_pages"`
-	SwapsFull       uint64 `json:"swaps_full"`
-	SwapsFailed     uint64 `json:"swaps_failed"`
-	SwapsIn         uint64 `json:"swaps_in"`
-	SwapInPages     uint64 `json:"swap_in_pages"`
-	SwapsEvicted    uint64 `json:"swaps_evicted"`
-	EvictedSlots    uint64 `json:"evicted_slots"`
-	ScrubbedSlots   uint64 `json:"scrubbed_slots"`
-	RetiredSlots    uint64 `json:"retired_slots"`
+	Enabled             bool   `json:"enabled"`
+	Slots               int    `json:"slots"`
+	SlotBytes           int64  `json:"slot_bytes"`
+	CheckpointSlots     int    `json:"checkpoint_slots"`
+	CheckpointSlotBytes int64  `json:"checkpoint_slot_bytes"`
+	Free                int    `json:"free"`
+	Cached              int    `json:"cached"`
+	Swapped             int    `json:"swapped"`
+	Checkpoints         int    `json:"checkpoints"`
+	InFlight            int    `json:"in_flight"`
+	Quarantined         int    `json:"quarantined"`
+	Retired             int    `json:"retired"`
+	Offloads            uint64 `json:"offloads"`
+	OffloadBytes        uint64 `json:"offload_bytes"`
+	OffloadsDropped     uint64 `json:"offloads_dropped"`
+	OffloadsFailed      uint64 `json:"offloads_failed"`
+	Onloads             uint64 `json:"onloads"`
+	OnloadBytes         uint64 `json:"onload_bytes"`
+	OnloadsFailed       uint64 `json:"onloads_failed"`
+	SwapsOut            uint64 `json:"swaps_out"`
+	SwapOutPages        uint64 `json:"swap_out_pages"`
+	SwapsFull           uint64 `json:"swaps_full"`
+	SwapsFailed         uint64 `json:"swaps_failed"`
+	SwapsIn             uint64 `json:"swaps_in"`
+	SwapInPages         uint64 `json:"swap_in_pages"`
+	SwapsEvicted        uint64 `json:"swaps_evicted"`
+	// State checkpoints (since ABI 13): see kvcache.TierStats.
+	CheckpointsStored        uint64 `json:"checkpoints_stored"`
+	CheckpointsDropped       uint64 `json:"checkpoints_dropped"`
+	CheckpointsFailed        uint64 `json:"checkpoints_failed"`
+	CheckpointsRestored      uint64 `json:"checkpoints_restored"`
+	CheckpointRestoreBytes   uint64 `json:"checkpoint_restore_bytes"`
+	CheckpointRestoresFailed uint64 `json:"checkpoint_restores_failed"`
+	CheckpointsEvicted       uint64 `json:"checkpoints_evicted"`
+	EvictedSlots             uint64 `json:"evicted_slots"`
+	ScrubbedSlots            uint64 `json:"scrubbed_slots"`
+	RetiredSlots             uint64 `json:"retired_slots"`
 }
 
 func tierDoc(t kvcache.TierStats) TierDoc {
-	return TierDoc{Enabled: t.Enabled, Slots: t.Slots, SlotBytes: t.SlotBytes, Free: t.Free, Cached: t.Cached,
-		Swapped: t.Swapped, InFlight: t.InFlight, Quarantined: t.Quarantined, Retired: t.Retired,
+	return TierDoc{Enabled: t.Enabled, Slots: t.Slots, SlotBytes: t.SlotBytes,
+		CheckpointSlots: t.CheckpointSlots, CheckpointSlotBytes: t.CheckpointSlotBytes, Free: t.Free, Cached: t.Cached,
+		Swapped: t.Swapped, Checkpoints: t.Checkpoints, InFlight: t.InFlight, Quarantined: t.Quarantined, Retired: t.Retired,
 		Offloads: t.Offloads, OffloadBytes: t.OffloadBytes, OffloadsDropped: t.OffloadsDropped, OffloadsFailed: t.OffloadsFailed,
 		Onloads: t.Onloads, OnloadBytes: t.OnloadBytes, OnloadsFailed: t.OnloadsFailed,
 		SwapsOut: t.SwapsOut, SwapOutPages: t.SwapOutPages, SwapsFull: t.SwapsFull, SwapsFailed: t.SwapsFailed,
 		SwapsIn: t.SwapsIn, SwapInPages: t.SwapInPages, SwapsEvicted: t.SwapsEvicted,
+		CheckpointsStored: t.CheckpointsStored, CheckpointsDropped: t.CheckpointsDropped, CheckpointsFailed: t.CheckpointsFailed,
+		CheckpointsRestored: t.CheckpointsRestored, CheckpointRestoreBytes: t.CheckpointRestoreBytes,
+		CheckpointRestoresFailed: t.CheckpointRestoresFailed, CheckpointsEvicted: t.CheckpointsEvicted,
 		EvictedSlots: t.EvictedSlots, ScrubbedSlots: t.ScrubbedSlots, RetiredSlots: t.RetiredSlots}
 }
 
