@@ -48,7 +48,13 @@
 // offloaded and onloaded, the copies' latency, failed copies, swaps by
 // outcome, and per sharing domain (summed as the prefix-cache series are)
 // the pages it holds there and the tokens admissions onloaded from it,
-// which vllm:prefix_cache_hits_total counts too.
+// which vllm:prefix_cache_hits_total counts too. In a pool with window or
+// state groups the tier keeps state checkpoints too, in slots of their
+// own (HostTierConfig.Checkpoints): the slots series count both spaces
+// (the state "checkpoints" is theirs, kvfence_host_tier_checkpoint_slots
+// their part of the capacity), and kvfence_host_tier_checkpoints_total
+// and kvfence_host_tier_checkpoint_restore_bytes_total count what became
+// of them; a pool without such groups sends none of these three.
 package metrics
 
 import (
@@ -83,7 +89,9 @@ type Collector struct {
 	pool *kvcache.Pool
 	opts Options
 	tier bool // the pool has a host tier
-	d    descs
+	// tierCkpts: that tier keeps state checkpoints (a hybrid pool's)
+	tierCkpts bool
+	d         descs
 }
 
 type descs struct {
@@ -114,12 +122,14 @@ type descs struct {
 	tierFailures, tierDropped, tierSwaps            *prometheus.Desc
 	tierEvicted, tierScrubbed, tierRetired          *prometheus.Desc
 	tierDomainPages, tierHits                       *prometheus.Desc
+	tierCkptSlots, tierCkpts, tierCkptRestoreBytes  *prometheus.Desc
 }
 
 // NewCollector returns a collector over pool; register it with a
 // prometheus.Registerer.
 func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
-	c := &Collector{pool: pool, opts: opts, tier: pool.Stats().Tier.Enabled}
+	tier := pool.Stats().Tier
+	c := &Collector{pool: pool, opts: opts, tier: tier.Enabled, tierCkpts: tier.CheckpointSlots > 0}
 	d := func(name, help string, labels ...string) *prometheus.Desc {
 		return prometheus.NewDesc(name, help, labels, opts.ConstLabels)
 	}
@@ -194,8 +204,8 @@ func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
 		pubReplays:  d("kvfence_kv_event_replays_total", "Replay requests served."),
 		pubReplayed: d("kvfence_kv_event_replayed_batches_total", "Batches sent again by replays."),
 		tierSlots: d("kvfence_host_tier_slots",
-			"Slots of the host tier (one per-token page each) by state: free, cached, swapped (preempted requests' pages), in_flight (copies write or read them), quarantined, retired.", "state"),
-		tierCapacity: d("kvfence_host_tier_capacity_slots", "Slots of the host tier, all states."),
+			"Slots of the host tier (one per-token page each, or in a pool with window or state groups one state checkpoint) by state: free, cached, swapped (preempted requests' pages), checkpoints (state checkpoints; hybrid pools only), in_flight (copies write or read them), quarantined, retired.", "state"),
+		tierCapacity: d("kvfence_host_tier_capacity_slots", "Slots of the host tier, all states: its page slots and, in a pool with window or state groups, its checkpoint slots (kvfence_host_tier_checkpoint_slots)."),
 		tierPages: d("kvfence_host_tier_pages_total",
 			"Pages copied by direction: offload (evicted device pages kept in the tier), onload (copied back into admissions' pages), swap_out, swap_in.", "direction"),
 		tierBytes: d("kvfence_host_tier_bytes_total", "Bytes copied into (offload) and out of (onload) the host tier by evictions and admissions.", "direction"),
@@ -212,6 +222,11 @@ func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
 		tierRetired:     d("kvfence_host_tier_retired_slots_total", "Slots retired (a canary mismatch)."),
 		tierDomainPages: d("kvfence_host_tier_domain_pages", "Host-tier slots the sharing domain holds (cached pages and swaps).", "domain"),
 		tierHits:        d("kvfence_host_tier_hit_tokens_total", "Prompt tokens admissions onloaded from the host tier (also counted in vllm:prefix_cache_hits_total).", "domain"),
+		tierCkptSlots: d("kvfence_host_tier_checkpoint_slots",
+			"Slots of the host tier that hold state checkpoints, one whole checkpoint each (of kvfence_host_tier_capacity_slots)."),
+		tierCkpts: d("kvfence_host_tier_checkpoints_total",
+			"State checkpoints by outcome: stored (evicted by the device, kept in the tier), dropped (no room), failed (the copy in failed), restored (copied into an admitted lease: a hit), restore_failed (the copy back failed: the admission refused), evicted (for room, or with their page).", "outcome"),
+		tierCkptRestoreBytes: d("kvfence_host_tier_checkpoint_restore_bytes_total", "Bytes of state checkpoints copied out of the host tier into admitted leases."),
 	}
 	return c
 }
@@ -245,6 +260,11 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	if c.tier {
 		for _, x := range []*prometheus.Desc{d.tierSlots, d.tierCapacity, d.tierPages, d.tierBytes, d.tierCopySeconds,
 			d.tierFailures, d.tierDropped, d.tierSwaps, d.tierEvicted, d.tierScrubbed, d.tierRetired, d.tierDomainPages, d.tierHits} {
+			ch <- x
+		}
+	}
+	if c.tierCkpts {
+		for _, x := range []*prometheus.Desc{d.tierCkptSlots, d.tierCkpts, d.tierCkptRestoreBytes} {
 			ch <- x
 		}
 	}
@@ -439,11 +459,23 @@ func (c *Collector) collectTier(ch chan<- prometheus.Metric, s kvcache.Stats,
 	for _, st := range []struct {
 		name string
 		n    int
-	}{{"free", t.Free}, {"cached", t.Cached}, {"swapped", t.Swapped}, {"in_flight", t.InFlight},
+	}{{"free", t.Free}, {"cached", t.Cached}, {"swapped", t.Swapped}, {"checkpoints", t.Checkpoints}, {"in_flight", t.InFlight},
 		{"quarantined", t.Quarantined}, {"retired", t.Retired}} {
-		gauge(d.tierSlots, float64(st.n), st.name)
+		if st.name != "checkpoints" || c.tierCkpts {
+			gauge(d.tierSlots, float64(st.n), st.name)
+		}
 	}
 	gauge(d.tierCapacity, float64(t.Slots))
+	if c.tierCkpts {
+		gauge(d.tierCkptSlots, float64(t.CheckpointSlots))
+		counter(d.tierCkpts, t.CheckpointsStored, "stored")
+		counter(d.tierCkpts, t.CheckpointsDropped, "dropped")
+		counter(d.tierCkpts, t.CheckpointsFailed, "failed")
+		counter(d.tierCkpts, t.CheckpointsRestored, "restored")
+		counter(d.tierCkpts, t.CheckpointRestoresFailed, "restore_failed")
+		counter(d.tierCkpts, t.CheckpointsEvicted, "evicted")
+		counter(d.tierCkptRestoreBytes, t.CheckpointRestoreBytes)
+	}
 	counter(d.tierPages, t.Offloads, "offload")
 	counter(d.tierPages, t.Onloads-t.SwapInPages, "onload")
 	counter(d.tierPages, t.SwapOutPages, "swap_out")

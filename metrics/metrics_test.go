@@ -592,6 +592,12 @@ func TestCollectorReportsHostTier(t *testing.T) {
 	assert.Equal(t, 16.0, got["kvfence_host_tier_hit_tokens_total/team"])
 	assert.Equal(t, 16.0, got["vllm:prefix_cache_hits_total/team"], "tier hits are prefix-cache hits")
 	assert.Zero(t, got["kvfence_host_tier_domain_pages/private"])
+	n, err := testutil.GatherAndCount(reg, "kvfence_host_tier_checkpoint_slots", "kvfence_host_tier_checkpoints_total",
+		"kvfence_host_tier_checkpoint_restore_bytes_total")
+	require.NoError(t, err)
+	assert.Zero(t, n, "a pool without window or state groups keeps no checkpoints in its tier")
+	_, ok := got["kvfence_host_tier_slots/checkpoints"]
+	assert.False(t, ok)
 
 	one, err := kvcache.New(kvcache.Config{Geometry: geometry, Pages: 8, MaxContextTokens: 32,
 		Tenants: []kvcache.TenantConfig{{Name: "a"}}})
@@ -599,7 +605,87 @@ func TestCollectorReportsHostTier(t *testing.T) {
 	defer one.Close()
 	reg = prometheus.NewPedanticRegistry()
 	require.NoError(t, reg.Register(metrics.NewCollector(one, metrics.Options{})))
-	n, err := testutil.GatherAndCount(reg, "kvfence_host_tier_slots", "kvfence_host_tier_pages_total")
+	n, err = testutil.GatherAndCount(reg, "kvfence_host_tier_slots", "kvfence_host_tier_pages_total")
 	require.NoError(t, err)
 	assert.Zero(t, n)
+}
+
+// TestCollectorReportsHostTierCheckpoints: the host tier of a hybrid pool
+// keeps the state checkpoints the device evicts; its series say what its
+// Stats say: the checkpoint slots (of the capacity, which counts both
+// spaces, as the slots by state do), the checkpoints held, stored,
+// restored by a hit and evicted for room, and the bytes restored.
+func TestCollectorReportsHostTierCheckpoints(t *testing.T) {
+	spec := kvcache.CacheSpec{Model: "hybrid", Groups: []kvcache.CacheGroup{
+		{Name: "kv", Kind: kvcache.GroupPerToken, TokensPerPage: 4,
+			Regions: kvcache.MLALatent([]int{0, 1}, 12, 4, kvcache.BF16, 4)},
+		{Name: "swa", Kind: kvcache.GroupSlidingWindow, TokensPerPage: 4, WindowTokens: 8,
+			Regions: kvcache.AttentionKVOf([]int{2}, 1, 8, kvcache.BF16, 4)},
+		{Name: "state", Kind: kvcache.GroupState,
+			Regions: kvcache.LinearAttentionState([]int{3}, 8, 4, kvcache.BF16, 2, 4, 4, kvcache.FP32)},
+	}}
+	// Two slots, shared by leases and checkpoints: a second checkpoint
+	// evicts the first from the device. The tier keeps one.
+	p, err := kvcache.New(kvcache.Config{Cache: spec, Pages: 32, MaxLeases: 2, MaxContextTokens: 64,
+		Tenants: []kvcache.TenantConfig{{Name: "a"}}, HostTier: kvcache.HostTierConfig{Pages: 16, Checkpoints: 1}})
+	require.NoError(t, err)
+	defer p.Close()
+	reg := prometheus.NewPedanticRegistry()
+	require.NoError(t, reg.Register(metrics.NewCollector(p, metrics.Options{})))
+	admit := func(id string, prompt []int32) *kvcache.Lease {
+		l, err := p.TryAdmit(kvcache.Request{ID: id, Tenant: "a", PromptTokens: len(prompt), TokenIDs: prompt})
+		require.NoError(t, err)
+		return l
+	}
+	checkpointed := func(id string, prompt []int32) {
+		l := admit(id, prompt)
+		require.NoError(t, l.Commit(8))
+		_, err := l.SlideWindows(cudaops.Ordering{})
+		require.NoError(t, err)
+		require.NoError(t, l.CheckpointState(8, cudaops.Ordering{}))
+		require.NoError(t, l.Release())
+	}
+	first := tokens(500, 20)
+	checkpointed("c1", first)
+	checkpointed("c2", tokens(900, 20)) // c1's checkpoint to the tier
+	l := admit("again", first)
+	require.Equal(t, 8, l.HitTokens(), "restored from the tier")
+	require.NoError(t, l.Release())
+	checkpointed("c3", tokens(1300, 20)) // c2's to the tier, which evicts c1's
+
+	s := p.Stats().Tier
+	require.Positive(t, s.CheckpointRestoreBytes)
+	want := fmt.Sprintf(`
+# HELP kvfence_host_tier_checkpoint_slots Slots of the host tier that hold state checkpoints, one whole checkpoint each (of kvfence_host_tier_capacity_slots).
+# TYPE kvfence_host_tier_checkpoint_slots gauge
+kvfence_host_tier_checkpoint_slots 1
+# HELP kvfence_host_tier_checkpoints_total State checkpoints by outcome: stored (evicted by the device, kept in the tier), dropped (no room), failed (the copy in failed), restored (copied into an admitted lease: a hit), restore_failed (the copy back failed: the admission refused), evicted (for room, or with their page).
+# TYPE kvfence_host_tier_checkpoints_total counter
+kvfence_host_tier_checkpoints_total{outcome="dropped"} 0
+kvfence_host_tier_checkpoints_total{outcome="evicted"} 1
+kvfence_host_tier_checkpoints_total{outcome="failed"} 0
+kvfence_host_tier_checkpoints_total{outcome="restore_failed"} 0
+kvfence_host_tier_checkpoints_total{outcome="restored"} 1
+kvfence_host_tier_checkpoints_total{outcome="stored"} 2
+# HELP kvfence_host_tier_checkpoint_restore_bytes_total Bytes of state checkpoints copied out of the host tier into admitted leases.
+# TYPE kvfence_host_tier_checkpoint_restore_bytes_total counter
+kvfence_host_tier_checkpoint_restore_bytes_total %d
+`, s.CheckpointRestoreBytes)
+	require.NoError(t, testutil.GatherAndCompare(reg, strings.NewReader(want), "kvfence_host_tier_checkpoint_slots",
+		"kvfence_host_tier_checkpoints_total", "kvfence_host_tier_checkpoint_restore_bytes_total"))
+	assert.Equal(t, 17.0, testutil.ToFloat64(only(t, reg, "kvfence_host_tier_capacity_slots")), "16 pages and 1 checkpoint")
+	assert.Equal(t, 1.0, testutil.ToFloat64(only(t, reg, "kvfence_host_tier_slots", "state", "checkpoints")))
+	sum := 0.0
+	for _, st := range []string{"free", "cached", "swapped", "checkpoints", "in_flight", "quarantined", "retired"} {
+		sum += testutil.ToFloat64(only(t, reg, "kvfence_host_tier_slots", "state", st))
+	}
+	assert.Equal(t, 17.0, sum, "the slots add up, both spaces")
+	require.NoError(t, p.Check())
+	problems, err := testutil.GatherAndLint(reg)
+	require.NoError(t, err)
+	for _, pr := range problems {
+		if !strings.HasPrefix(pr.Metric, "vllm:") {
+			t.Errorf("lint: %s: %s", pr.Metric, pr.Text)
+		}
+	}
 }
