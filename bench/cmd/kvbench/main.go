@@ -89,9 +89,12 @@ type options struct {
 	budget                       string
 	poolPages                    []int
 	tierPages                    []int // host-tier sizes to compare; 0: none
-	maxContext, maxBatch         int
-	geometry                     kvcache.Geometry
-	reportGeometry               *kvcache.Geometry
+	// tierCkpts is a hybrid model's host-tier checkpoints
+	// (-host-tier-checkpoints); 0: tierCheckpoints derives them.
+	tierCkpts            int
+	maxContext, maxBatch int
+	geometry             kvcache.Geometry
+	reportGeometry       *kvcache.Geometry
 	// model runs pools of a preset's cache spec (kvsim.ModelPool),
 	// stateShrink its miniature's state divisor.
 	model          *kvsim.ModelPool
@@ -131,6 +134,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	poolTokens := fs.String("pool-tokens", "", "pool sizes in tokens instead of -pool-pages, comma-separated, with an optional k, M, G (powers of 1000) or Ki, Mi, Gi suffix (e.g. 1M,3M,10M,50M); rounded up to whole pages")
 	tierTokens := fs.String("host-tier-tokens", "0", "host-tier sizes in tokens to compare, comma-separated, suffixes as -pool-tokens (0: no tier): each pool size runs with each; "+
 		"cached pages the device evicts are kept in the tier and copied back into admissions whose prefix continues there")
+	fs.IntVar(&o.tierCkpts, "host-tier-checkpoints", 0, "-model with a state group and -host-tier-tokens: state checkpoints the tier keeps beside its pages (kvcache HostTierConfig.Checkpoints): "+
+		"those the device evicts go there and hits restore them. 0: the device pool's ratio, its checkpoint room per page times the tier's pages, rounded up "+
+		"(the room: -checkpoint-slots, or -max-leases when that is 0, at most -max-checkpoints if set; e.g. 256 slots in a pool of 1M tokens give a tier of 10M tokens 2560)")
 	fs.IntVar(&o.maxContext, "max-context", 262144, "engine context window in tokens")
 	fs.IntVar(&o.geometry.TokensPerPage, "page-tokens", 16, "tokens per page")
 	fs.IntVar(&o.geometry.Layers, "layers", 4, "model layers (regions = 2 × layers)")
@@ -305,12 +311,18 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		if pages > 0 && !o.prefixCache {
 			return nil, badFlag("host-tier-tokens", "the host tier keeps the prefix cache's pages, which -prefix-cache off turns off")
 		}
-		if pages > 0 && o.model.Hybrid() {
-			return nil, badFlag("host-tier-tokens", "the host tier keeps per-token pages, not the state checkpoints a hybrid model's prefixes need (-model %s)", *model)
-		}
 		if !slices.Contains(o.tierPages, int(pages)) {
 			o.tierPages = append(o.tierPages, int(pages))
 		}
+	}
+	switch {
+	case o.tierCkpts < 0:
+		return nil, badFlag("host-tier-checkpoints", "%d, want ≥ 0 (0: the device pool's ratio)", o.tierCkpts)
+	case set["host-tier-checkpoints"] && !o.model.Hybrid():
+		return nil, badFlag("host-tier-checkpoints", "sizes the state checkpoints of a hybrid model's host tier, and %s",
+			map[bool]string{true: "-model " + *model + " has no state group", false: "no -model is given"}[*model != ""])
+	case set["host-tier-checkpoints"] && slices.Max(o.tierPages) == 0:
+		return nil, badFlag("host-tier-checkpoints", "sizes the state checkpoints of the host tier, and -host-tier-tokens gives none")
 	}
 	if *reportGeometry != "" {
 		g, err := parseGeometry(*reportGeometry, o.tokensPerPage())
@@ -358,6 +370,31 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, badFlag("duration", "%v is more than 10M steps of %v", o.duration, o.step)
 	}
 	return o, nil
+}
+
+// tierCheckpoints is the state checkpoints a hybrid model's host tier of
+// tier pages keeps under a pool of pages pages: -host-tier-checkpoints,
+// else the pool's checkpoint room per page (its checkpoint slots, or its
+// leases' slots when it has none, at most MaxCheckpoints) times the
+// tier's pages, rounded up: the tier holds a checkpoint for as many of
+// its pages as the device does. 0 without a tier or a hybrid model.
+func (o *options) tierCheckpoints(pages, tier int) int {
+	m := o.model
+	switch {
+	case tier == 0 || !m.Hybrid():
+		return 0
+	case o.tierCkpts > 0:
+		return o.tierCkpts
+	}
+	room := m.CheckpointSlots
+	if room == 0 {
+		room = m.MaxLeases
+	}
+	if m.MaxCheckpoints > 0 {
+		room = min(room, m.MaxCheckpoints)
+	}
+	n := (int64(tier)*int64(room) + int64(pages) - 1) / int64(pages)
+	return int(min(max(n, 1), math.MaxInt32))
 }
 
 // tokensPerPage is the pools' page size: the model's, or -page-tokens.
@@ -627,9 +664,17 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 	if maxTier > 0 {
 		tiers = fmt.Sprintf(", host tiers of %v pages", o.tierPages)
 	}
-	hostPool := int64(maxPool+maxTier) * o.geometry.PageBytes()
+	hostPool, maxTierCkpts := int64(maxPool+maxTier)*o.geometry.PageBytes(), 0
+	for _, pages := range o.poolPages {
+		for _, tier := range o.tierPages {
+			maxTierCkpts = max(maxTierCkpts, o.tierCheckpoints(pages, tier))
+		}
+	}
+	if maxTierCkpts > 0 {
+		tiers += fmt.Sprintf(" and up to %d state checkpoints", maxTierCkpts)
+	}
 	if m := o.model; m != nil {
-		hostPool = m.Miniature.BytesFor(maxPool+maxTier, m.MaxLeases+m.CheckpointSlots)
+		hostPool = m.Miniature.BytesFor(maxPool+maxTier, m.MaxLeases+m.CheckpointSlots+maxTierCkpts)
 	}
 	fmt.Fprintf(stdout, "kvbench: %d requests, %v of serving, policies %s, pools of %v pages%s (up to %s of host memory), prefix cache %s, domains %s, sizing %s, %s budgets\n",
 		len(tr.Requests), o.duration, strings.Join(o.policies, ","), o.poolPages, tiers,
@@ -711,7 +756,8 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 					base := kvsim.RunConfig{ReportGeometry: o.reportGeometry, PoolPages: pages, MaxContext: o.maxContext,
 						Step: o.step, MaxBatch: o.maxBatch, QueueTimeout: o.queueTimeout, Duration: o.duration,
 						Audit: o.audit, WriteKV: o.writeKV, OpenDevice: open, PrefixCache: o.prefixCache,
-						Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens, Sizing: sizing, HostTierPages: tier}
+						Domains: domains, Seed: o.seed, PrefillTokens: o.prefillTokens, Sizing: sizing, HostTierPages: tier,
+						HostTierCheckpoints: o.tierCheckpoints(pages, tier)}
 					if o.model != nil {
 						base.Model = o.model
 					} else {
@@ -728,6 +774,7 @@ func bench(o *options, args []string, stdout, stderr io.Writer, tty bool) error 
 						m := *o.model
 						m.PerTokenOnly = true
 						cfg.Model, cfg.Policy, cfg.Audit, cfg.WriteKV = &m, o.policies[0], false, false
+						cfg.HostTierCheckpoints = 0 // its pages alone: no state to keep
 						progress(&cfg, fmt.Sprintf("per-token only/%s/%s", pool, domains))
 						res, err := kvsim.Run(tr, cfg)
 						if err != nil {

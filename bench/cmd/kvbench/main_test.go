@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/kvfence/kvfence/bench/internal/kvsim"
 	"github.com/kvfence/kvfence/kvcache"
 )
 
@@ -686,7 +687,10 @@ func TestModelPreset(t *testing.T) {
 		{[]string{"-model", "llama-3.1-8b", "-checkpoint-slots", "4"}, "-checkpoint-slots"},
 		{[]string{"-model", "glm-5.3-flash", "-state-shrink", "0"}, "-state-shrink"},
 		{[]string{"-model", "glm-5.3-flash", "-max-leases", "-1"}, "-max-leases"},
-		{[]string{"-model", "glm-5.3-flash", "-host-tier-tokens", "1M"}, "-host-tier-tokens"}, // a tier keeps pages, not checkpoints
+		{[]string{"-model", "glm-5.3-flash", "-host-tier-tokens", "1M", "-host-tier-checkpoints", "-1"}, "-host-tier-checkpoints"},
+		{[]string{"-model", "glm-5.3-flash", "-host-tier-checkpoints", "4"}, "-host-tier-checkpoints"}, // no tier
+		{[]string{"-model", "llama-3.1-8b", "-host-tier-tokens", "1M", "-host-tier-checkpoints", "4"}, "-host-tier-checkpoints"},
+		{[]string{"-host-tier-tokens", "1M", "-host-tier-checkpoints", "4"}, "-host-tier-checkpoints"},
 	} {
 		code, _, stderr := runKvbench(t, append(tc.args, noGeometry...)...)
 		assert.Equal(t, 2, code, "%v", tc.args)
@@ -739,4 +743,74 @@ func TestHybridModel(t *testing.T) {
 	}
 	assert.Equal(t, rep.Runs[0].Checkpoints.PerTokenOnly, rep.Runs[1].Checkpoints.PerTokenOnly, "one per-token-only run for both policies")
 	assert.Equal(t, rep.Runs[0].Prefix.HitTokens, rep.Runs[1].Prefix.HitTokens, "hits do not depend on the policy")
+}
+
+// twoTurnTrace is a Mooncake trace of 12 conversations whose second turns
+// all come after every first turn: a small pool has evicted a
+// conversation's pages and state checkpoint by its second turn.
+func twoTurnTrace(t *testing.T) string {
+	var trace strings.Builder
+	for turn := range 2 {
+		for i := range 12 {
+			chain := []string{"0", strconv.Itoa(i + 1)}
+			if turn == 1 {
+				chain = append(chain, strconv.Itoa(100+i))
+			}
+			fmt.Fprintf(&trace, "{\"timestamp\": %d, \"input_length\": %d, \"output_length\": 4, \"hash_ids\": [%s]}\n",
+				200*(12*turn+i), 512*len(chain)-100, strings.Join(chain, ", "))
+		}
+	}
+	path := filepath.Join(t.TempDir(), "mooncake.jsonl")
+	require.NoError(t, os.WriteFile(path, []byte(trace.String()), 0o644))
+	return path
+}
+
+// A hybrid model's pool with a host tier (issue 32): the tier keeps the
+// state checkpoints the device evicts, as many as the device pool's
+// ratio gives it (2 checkpoint slots in 500 pages: 16 in a tier of 4,000),
+// and the second turns restore them from there: the tier's run hits more
+// than the pool alone, up to the trace's bound, and the report shows the
+// tier's checkpoint figures.
+func TestHybridModelHostTier(t *testing.T) {
+	dir := t.TempDir()
+	code, stdout, stderr := runKvbench(t, "-trace", twoTurnTrace(t), "-model", "qwen3-next-80b-a3b", "-state-shrink", "64",
+		"-pool-tokens", "8k", "-host-tier-tokens", "0,64k", "-max-leases", "4", "-checkpoint-slots", "2", "-policies", "zero",
+		"-audit", "-prefill-tokens", "512", "-out", dir, "-progress-interval", "0")
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	assert.Contains(t, stdout, "host tiers of [0 4000] pages and up to 16 state checkpoints")
+	assert.Contains(t, stdout, "host tier, state checkpoints (stored")
+	assert.Contains(t, stdout, "audit zero+4000t: passed")
+	rep := readKvsimReport(t, dir)
+	require.Len(t, rep.Runs, 2)
+	plain, tiered := rep.Runs[0], rep.Runs[1]
+	require.Nil(t, plain.Tier)
+	require.NotNil(t, tiered.Tier)
+	assert.Equal(t, 16, tiered.HostTierCheckpoints)
+	tc := tiered.Tier
+	assert.Equal(t, 16, tc.CheckpointSlots)
+	assert.Positive(t, tc.CheckpointsStored)
+	assert.Positive(t, tc.CheckpointsRestored)
+	assert.Greater(t, tiered.Prefix.HitRate, plain.Prefix.HitRate, "the second turns' checkpoints came back from the tier")
+	assert.LessOrEqual(t, tiered.Prefix.HitRate, tiered.Prefix.Bound.HitRate)
+
+	// -host-tier-checkpoints sets them.
+	dir = t.TempDir()
+	code, stdout, stderr = runKvbench(t, "-trace", twoTurnTrace(t), "-model", "qwen3-next-80b-a3b", "-state-shrink", "64",
+		"-pool-tokens", "8k", "-host-tier-tokens", "64k", "-host-tier-checkpoints", "3", "-max-leases", "4", "-checkpoint-slots", "2",
+		"-policies", "zero", "-prefill-tokens", "512", "-out", dir, "-progress-interval", "0")
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	rep = readKvsimReport(t, dir)
+	require.Len(t, rep.Runs, 1)
+	assert.Equal(t, 3, rep.Runs[0].HostTierCheckpoints)
+	assert.Equal(t, 3, rep.Runs[0].Tier.CheckpointSlots)
+}
+
+// readKvsimReport reads dir's report.json whole.
+func readKvsimReport(t *testing.T, dir string) kvsim.Report {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join(dir, "report.json"))
+	require.NoError(t, err)
+	var rep kvsim.Report
+	require.NoError(t, json.Unmarshal(raw, &rep))
+	return rep
 }

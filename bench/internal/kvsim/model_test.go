@@ -230,10 +230,15 @@ func TestModelPoolValidate(t *testing.T) {
 	tr, err := ParseTrace(strings.NewReader(hybridTrace), "hybrid")
 	require.NoError(t, err)
 	for name, mend := range map[string]func(m *ModelPool, c *RunConfig){
-		"no max leases":         func(m *ModelPool, c *RunConfig) { m.MaxLeases = 0 },
-		"negative slots":        func(m *ModelPool, c *RunConfig) { m.CheckpointSlots = -1 },
-		"prefill under a page":  func(m *ModelPool, c *RunConfig) { c.PrefillTokens = 8 },
-		"a host tier":           func(m *ModelPool, c *RunConfig) { c.HostTierPages = 64 },
+		"no max leases":            func(m *ModelPool, c *RunConfig) { m.MaxLeases = 0 },
+		"negative slots":           func(m *ModelPool, c *RunConfig) { m.CheckpointSlots = -1 },
+		"prefill under a page":     func(m *ModelPool, c *RunConfig) { c.PrefillTokens = 8 },
+		"a tier of no checkpoints": func(m *ModelPool, c *RunConfig) { c.HostTierPages = 64 },
+		"checkpoints, no tier":     func(m *ModelPool, c *RunConfig) { c.HostTierCheckpoints = 4 },
+		"tier checkpoints of a per-token model": func(m *ModelPool, c *RunConfig) {
+			*m = *modelPool(t, "llama-3.1-8b")
+			c.HostTierPages, c.HostTierCheckpoints = 64, 4
+		},
 		"miniature of another":  func(m *ModelPool, c *RunConfig) { m.Miniature = modelPool(t, "llama-3.1-8b").Miniature },
 		"slots without a state": func(m *ModelPool, c *RunConfig) { *m = *modelPool(t, "llama-3.1-8b"); m.MaxLeases = 4 },
 		"sliding window": func(m *ModelPool, c *RunConfig) {

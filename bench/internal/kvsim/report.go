@@ -28,8 +28,11 @@ import (
 // prefix_cache figures now leave out the re-admissions of preempted
 // requests (in growth). 6 added model (-model runs pools of the preset's
 // cache spec, a miniature of it) and each run's checkpoints (a hybrid
-// model's state checkpoints, with the per-token-only run's figures).
-const ReportVersion = 6
+// model's state checkpoints, with the per-token-only run's figures). 7
+// added each run's host_tier_checkpoints and the tier's checkpoint
+// figures (a hybrid model's host tier; host_tier_pages, host_tier_tokens
+// and tier came under 6).
+const ReportVersion = 7
 
 // Report is the whole output of one kvbench invocation.
 type Report struct {
@@ -422,6 +425,28 @@ func (r *Report) writeTierTable(w io.Writer, many Variety) {
 			fmtHitRate(run.Prefix.HitRate, run.Prefix.LookupPages), t.OffloadedPages, FormatBytes(float64(t.OffloadedBytes)), t.OffloadsDropped,
 			t.OnloadedPages, FormatBytes(float64(t.OnloadedBytes)), t.TierHitPages, t.EvictedSlots, t.CachedAtEnd,
 			fmtSeconds(t.OffloadSeconds), fmtSeconds(t.OnloadSeconds))
+	}
+	tw.Flush()
+	if !slices.ContainsFunc(r.Runs, func(run *RunResult) bool { return run.Tier != nil && run.Tier.CheckpointSlots > 0 }) {
+		return
+	}
+	fmt.Fprintln(w, "host tier, state checkpoints (stored: checkpoints the device evicted, copied into the tier; dropped: no room; "+
+		"restored: copied back into admitted leases by hits, counted in the state checkpoints' hits, bytes at the model's size; "+
+		"evicted: for room, or with their page):")
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "run	slots	stored	dropped	failed	restored	ckpt hits	evicted	at end	")
+	for _, run := range r.Runs {
+		t := run.Tier
+		if t == nil || t.CheckpointSlots == 0 {
+			continue
+		}
+		var hits uint64
+		if run.Checkpoints != nil {
+			hits = run.Checkpoints.Hits
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d (%s)\t%d\t%d\t%d\t\n", RunLabel(run, many), t.CheckpointSlots, t.CheckpointsStored,
+			t.CheckpointsDropped, t.CheckpointsFailed, t.CheckpointsRestored, FormatBytes(float64(t.CheckpointRestoreBytes)), hits,
+			t.CheckpointsEvicted, t.CheckpointsAtEnd)
 	}
 	tw.Flush()
 }

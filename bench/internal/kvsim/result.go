@@ -22,10 +22,13 @@ type RunResult struct {
 	Domains       string `json:"domains"` // DomainsPerTenant or DomainsShared
 	// HostTierPages and HostTierTokens size the pool's host tier (0: none);
 	// Tier is what it did.
-	HostTierPages     int         `json:"host_tier_pages"`
-	HostTierTokens    int         `json:"host_tier_tokens"`
-	Tier              *TierResult `json:"tier,omitempty"`
-	KVWritesSimulated bool        `json:"kv_writes_simulated"`
+	HostTierPages  int `json:"host_tier_pages"`
+	HostTierTokens int `json:"host_tier_tokens"`
+	// HostTierCheckpoints is the tier's checkpoint slots (a hybrid
+	// model's; RunConfig.HostTierCheckpoints).
+	HostTierCheckpoints int         `json:"host_tier_checkpoints,omitempty"`
+	Tier                *TierResult `json:"tier,omitempty"`
+	KVWritesSimulated   bool        `json:"kv_writes_simulated"`
 	// Sizing is SizingFull or SizingOnDemand; HeadroomTokens and
 	// GrowthWatermark are on-demand's (0 under full sizing).
 	Sizing          string  `json:"sizing"`
@@ -170,6 +173,20 @@ type TierResult struct {
 	CachedAtEnd     int     `json:"cached_at_end"`
 	OffloadSeconds  float64 `json:"offload_seconds"`
 	OnloadSeconds   float64 `json:"onload_seconds"`
+	// A hybrid model's state checkpoints in the tier
+	// (kvcache.TierStats): its slots, those the device evicted that it
+	// stored, had no room for (dropped) or failed to copy, restored by
+	// hits (counted in the checkpoints' hits too) and their bytes at the
+	// model's size, evicted (for room, or with their page), held at the
+	// end.
+	CheckpointSlots        int    `json:"checkpoint_slots,omitempty"`
+	CheckpointsStored      uint64 `json:"checkpoints_stored,omitempty"`
+	CheckpointsDropped     uint64 `json:"checkpoints_dropped,omitempty"`
+	CheckpointsFailed      uint64 `json:"checkpoints_failed,omitempty"`
+	CheckpointsRestored    uint64 `json:"checkpoints_restored,omitempty"`
+	CheckpointRestoreBytes uint64 `json:"checkpoint_restore_bytes,omitempty"`
+	CheckpointsEvicted     uint64 `json:"checkpoints_evicted,omitempty"`
+	CheckpointsAtEnd       int    `json:"checkpoints_at_end,omitempty"`
 }
 
 // UtilSample is the pool at one virtual instant, as fractions of its pages.

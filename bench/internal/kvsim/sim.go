@@ -132,6 +132,11 @@ type RunConfig struct {
 	// which counts as hits. 0: none. Preemptions do not swap to it (the
 	// simulated engine resumes a request by its page keys alone).
 	HostTierPages int
+	// HostTierCheckpoints is, with a hybrid Model and a host tier, how
+	// many state checkpoints the tier keeps (kvcache.HostTierConfig.
+	// Checkpoints): those the device evicts go there and are restored by
+	// hits, as pages are onloaded. Required (≥ 1) there, 0 otherwise.
+	HostTierCheckpoints int
 	// OpenDevice returns the device for one run's pool; nil means a new
 	// Host. The run closes it.
 	OpenDevice func() (cudaops.Device, error)
@@ -185,6 +190,8 @@ func (c *RunConfig) validate() error {
 	case c.Sizing != SizingOnDemand && (c.HeadroomTokens != 0 || c.GrowthWatermark != 0):
 		return bad("a headroom (%d tokens) or a growth watermark (%v) with %s sizing: they are for %s leases only",
 			c.HeadroomTokens, c.GrowthWatermark, SizingFull, SizingOnDemand)
+	case c.HostTierCheckpoints != 0 && !(c.Model.Hybrid() && c.HostTierPages > 0):
+		return bad("%d host-tier checkpoints without a hybrid model's host tier (host tier of %d pages)", c.HostTierCheckpoints, c.HostTierPages)
 	}
 	if m := c.Model; m != nil {
 		switch {
@@ -192,8 +199,9 @@ func (c *RunConfig) validate() error {
 			return bad("a geometry and a model: give one")
 		case c.ReportGeometry != nil:
 			return bad("a report geometry and a model: a model's bytes are reported at its own size")
-		case m.Hybrid() && c.HostTierPages > 0:
-			return bad("a host tier of %d pages on a hybrid model's pool: the tier holds per-token pages, not state checkpoints", c.HostTierPages)
+		case m.Hybrid() && c.HostTierPages > 0 && c.HostTierCheckpoints < 1:
+			return bad("a host tier of %d pages and %d checkpoints on a hybrid model's pool: its prefixes need their state checkpoints, want ≥ 1",
+				c.HostTierPages, c.HostTierCheckpoints)
 		case m.Hybrid() && c.PrefillTokens > 0 && c.PrefillTokens < m.Spec.TokensPerPage():
 			return bad("prefill budget of %d tokens per step on a hybrid model's pool, whose chunks end on pages of %d tokens: want 0 or ≥ a page",
 				c.PrefillTokens, m.Spec.TokensPerPage())
@@ -291,7 +299,7 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		AllowUndersizedPool: true, Tenants: tenants, Scrub: policy, Device: metered,
 		Prefix: kvcache.PrefixConfig{Disable: !cfg.PrefixCache},
 		Sizing: sizing, GrowthWatermark: cfg.GrowthWatermark,
-		HostTier: kvcache.HostTierConfig{Pages: cfg.HostTierPages, NoSwap: true},
+		HostTier: kvcache.HostTierConfig{Pages: cfg.HostTierPages, Checkpoints: cfg.HostTierCheckpoints, NoSwap: true},
 	}
 	if m := cfg.Model; m != nil {
 		pc.Cache = m.poolSpec()
@@ -314,7 +322,7 @@ func Run(tr *Trace, cfg RunConfig) (*RunResult, error) {
 		res: &RunResult{Policy: cfg.Policy, Unsafe: unsafe, Device: metered.Name(), PoolPages: cfg.PoolPages,
 			PoolTokens: cfg.PoolPages * lay.tpp, PoolBytes: lay.reportPool, HostPoolBytes: lay.hostPool,
 			KVWritesSimulated: cfg.WriteKV, Domains: cfg.Domains, Dropped: map[string]uint64{},
-			HostTierPages: cfg.HostTierPages, HostTierTokens: cfg.HostTierPages * lay.tpp,
+			HostTierPages: cfg.HostTierPages, HostTierTokens: cfg.HostTierPages * lay.tpp, HostTierCheckpoints: cfg.HostTierCheckpoints,
 			Sizing: cfg.Sizing, HeadroomTokens: cfg.HeadroomTokens, GrowthWatermark: cfg.GrowthWatermark,
 			Growth: GrowthResult{Truncated: map[string]uint64{}}},
 	}
@@ -1346,6 +1354,13 @@ func (s *sim) finishPrefix() {
 			OffloadSeconds: t.OffloadLatency.Sum.Seconds(), OnloadSeconds: t.OnloadLatency.Sum.Seconds()}
 		for _, d := range s.endStats.Prefix.Domains {
 			r.TierHitPages += d.TierHitPages
+		}
+		if t.CheckpointSlots > 0 {
+			r.CheckpointSlots, r.CheckpointsAtEnd = t.CheckpointSlots, t.Checkpoints
+			r.CheckpointsStored, r.CheckpointsDropped, r.CheckpointsFailed = t.CheckpointsStored, t.CheckpointsDropped, t.CheckpointsFailed
+			r.CheckpointsRestored, r.CheckpointsEvicted = t.CheckpointsRestored, t.CheckpointsEvicted
+			// At the model's size: a restore copies one checkpoint's state.
+			r.CheckpointRestoreBytes = t.CheckpointsRestored * uint64(stateBytes(s.cfg.Model.Spec))
 		}
 		s.res.Tier = r
 	}

@@ -81,3 +81,37 @@ func TestRunHostTierHandTrace(t *testing.T) {
 		})
 	}
 }
+
+// A hybrid model's host tier keeps the state checkpoints the device
+// evicts. With state slots for one lease and one checkpoint, r3's
+// checkpoint at 128 evicts r1's at 192 (hybridTrace): r4, r1's prompt
+// again, hits 128 on the device alone and 192 with a tier, whose
+// checkpoint it restores; the audit reads the restored state as any
+// other and passes, and the tier's figures count it.
+func TestRunHybridHostTier(t *testing.T) {
+	tr, err := ParseTrace(strings.NewReader(hybridTrace), "hybrid")
+	require.NoError(t, err)
+	run := func(tier, ckpts int) *RunResult {
+		m := modelPool(t, "qwen3-next-80b-a3b")
+		m.MaxLeases, m.CheckpointSlots = 1, 1
+		cfg := hybridConfig(m, "zero")
+		cfg.MaxBatch, cfg.Domains = 1, DomainsPerTenant
+		cfg.HostTierPages, cfg.HostTierCheckpoints = tier, ckpts
+		res, err := Run(tr, cfg)
+		require.NoError(t, err)
+		require.True(t, res.Audit.Passed, res.Audit.Summary)
+		return res
+	}
+	plain, tiered := run(0, 0), run(64, 2)
+	require.Nil(t, plain.Tier)
+	require.NotNil(t, tiered.Tier)
+	assert.Equal(t, 2, tiered.HostTierCheckpoints)
+	tc := tiered.Tier
+	assert.Equal(t, 2, tc.CheckpointSlots)
+	assert.Positive(t, tc.CheckpointsStored)
+	assert.Positive(t, tc.CheckpointsRestored)
+	assert.Equal(t, tc.CheckpointsRestored*uint64(tiered.Checkpoints.SlotBytes), tc.CheckpointRestoreBytes, "at the model's size")
+	assert.Zero(t, tc.CheckpointsDropped+tc.CheckpointsFailed)
+	assert.Greater(t, tiered.Prefix.HitTokens, plain.Prefix.HitTokens, "r4 restores r1's checkpoint from the tier")
+	assert.Greater(t, tiered.Checkpoints.HitTokens, plain.Checkpoints.HitTokens)
+}
