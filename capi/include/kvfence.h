@@ -374,7 +374,7 @@ KVF_API kvf_status kvf_last_error_message(char *buf, size_t buf_len, size_t *nee
  * (they count as hits: kvf_lease_hit_tokens); a copy that fails refuses
  * the admission with KVF_ERR_ONLOAD_FAILED, nothing allocated.
  * kvf_lease_preempt swaps a request's private written pages there unless
- * "no_swap" is true. The tier evicts least recently used within each
+ * "no_swap" is true (or the pool has window or state groups). The tier evicts least recently used within each
  * domain's share: a tenant's "tier_pages" (its domain may keep the sum of
  * its tenants' shares; a tenant without one lets its domain use the whole
  * tier), and fills every slot it frees with the scrub policy. A pool over
@@ -618,7 +618,10 @@ KVF_API kvf_status kvf_lease_grow(kvf_lease lease, int64_t tokens, int64_t wait_
  * domain, with those tokens as the prompt and the same adapter, copies
  * them back (kvf_lease_hit_tokens: all but the last prompt token). A swap
  * the tier has no room for, or whose copy fails, is counted in the stats
- * and the preemption keeps what the prefix cache holds. Since ABI 3. */
+ * and the preemption keeps what the prefix cache holds. A pool with
+ * sliding-window or state groups (a host tier since ABI 13) never swaps:
+ * pages are of no use without the state at their end, so its preemption
+ * keeps what a state checkpoint covers, as without a tier. Since ABI 3. */
 KVF_API kvf_status kvf_lease_preempt(kvf_lease lease, const int32_t *token_ids, size_t n_tokens,
                                      int64_t *kept_tokens);
 

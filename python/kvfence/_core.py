@@ -812,7 +812,8 @@ class Lease:
         it, all or none, and the tokens kept are then all of them: the
         request's next admit_tokens (same ID, tenant and adapter, those
         tokens as the prompt) copies them back, hit_tokens() all but the
-        last. Admit again with admit_tokens to resume. Token IDs whose
+        last; a pool with window or state groups never swaps (its pages
+        are of no use without the state at their end). Admit again with admit_tokens to resume. Token IDs whose
         prompt part is not the prompt the lease was admitted with raise
         InvalidArgument, and the lease stays live."""
         if token_ids is None or len(token_ids) == 0:
