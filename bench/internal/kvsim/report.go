@@ -430,7 +430,8 @@ func (r *Report) writeTierTable(w io.Writer, many Variety) {
 	if !slices.ContainsFunc(r.Runs, func(run *RunResult) bool { return run.Tier != nil && run.Tier.CheckpointSlots > 0 }) {
 		return
 	}
-	fmt.Fprintln(w, "host tier, state checkpoints (stored: checkpoints the device evicted, copied into the tier; dropped: no room; "+
+	fmt.Fprintln(w, "host tier, state checkpoints (slots: the checkpoints it holds, and their host memory at the model's size; "+
+		"stored: checkpoints the device evicted, copied into the tier; dropped: no room; "+
 		"restored: copied back into admitted leases by hits, counted in the state checkpoints' hits, bytes at the model's size; "+
 		"evicted: for room, or with their page):")
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
@@ -441,10 +442,12 @@ func (r *Report) writeTierTable(w io.Writer, many Variety) {
 			continue
 		}
 		var hits uint64
-		if run.Checkpoints != nil {
-			hits = run.Checkpoints.Hits
+		var slotBytes int64
+		if c := run.Checkpoints; c != nil {
+			hits, slotBytes = c.Hits, c.SlotBytes
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d (%s)\t%d\t%d\t%d\t\n", RunLabel(run, many), t.CheckpointSlots, t.CheckpointsStored,
+		fmt.Fprintf(tw, "%s\t%d (%s)\t%d\t%d\t%d\t%d (%s)\t%d\t%d\t%d\t\n", RunLabel(run, many), t.CheckpointSlots,
+			FormatBytes(float64(int64(t.CheckpointSlots)*slotBytes)), t.CheckpointsStored,
 			t.CheckpointsDropped, t.CheckpointsFailed, t.CheckpointsRestored, FormatBytes(float64(t.CheckpointRestoreBytes)), hits,
 			t.CheckpointsEvicted, t.CheckpointsAtEnd)
 	}
