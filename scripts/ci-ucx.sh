@@ -3,8 +3,8 @@
 # and ucx-utils when they are missing (CI runs as root), checks that the
 # package builds and reports UCX unavailable without it (no cgo, or
 # without the build tag ucx), and runs its tests with it: over TCP and
-# over shared memory (UCX_TLS=tcp; UCX_TLS=sm,self: posix and sysv for
-# the messages, cma for the writes), the conformance suite, the faults
+# over shared memory (UCX_TLS=tcp; UCX_TLS=sm,self: sysv and posix, over
+# which UCX emulates the puts), the conformance suite, the faults
 # and the two-process tests; examples/disagg -transport ucx; then
 # libkvfence built with UCX, its C test
 # program and the Python package's UCX test over both.

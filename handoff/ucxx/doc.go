@@ -72,6 +72,18 @@
 // Then the memory is unmapped and the loan returned, and only then is
 // the import completed, or aborted and scrubbed.
 //
+// What a put costs depends on the transport. Over InfiniBand and RoCE
+// (rc, dc) the NIC writes the bytes. Over TCP and shared memory, UCX 1.13
+// emulates puts with active messages (UCX_PROTO_INFO=y says "software
+// emulation"): the sender's worker copies each segment of a put into the
+// transport's buffer (a TCP segment; an element of the receiver's
+// shared-memory queue, sysv or posix), the receiver's worker, as it
+// progresses, copies it out to the address the put names and
+// acknowledges it, and a flush completes once every acknowledgement is
+// back. That is two copies in user space beside the kernel's, on the
+// two ends' cores; cma, which copies once (process_vm_readv), serves
+// only UCX's rendezvous, which ucxx does not use.
+//
 // Where the pages cannot be lent (the decode pool's pages are not host
 // memory) or Options.DataPath is PathMessages, the pages travel in the
 // handoff's data frames, as active messages from the prefill pages
@@ -113,10 +125,9 @@
 // does not yet: such pools take the message path, through host staging.
 //
 // On one machine the package is tested over UCX_TLS=tcp (loopback) and
-// over shared memory, UCX_TLS=sm,self (posix and sysv for the messages,
-// cma, that is process_vm_writev, for the puts), in one process and in
-// two (the peer binary in internal/peer); CI runs both
-// (scripts/ci-ucx.sh).
+// over shared memory, UCX_TLS=sm,self (sysv and posix, the puts emulated
+// over them), in one process and in two (the peer binary in
+// internal/peer); CI runs both (scripts/ci-ucx.sh).
 //
 // # Security
 //
@@ -127,9 +138,9 @@
 // receiver holding the key granted for this very transfer, and a receiver
 // admits only what such a sender manifested. What enforces a remote key
 // is the transport: an RDMA NIC refuses a write outside the memory
-// registered for the key, and after its unmap; TCP and shared memory do
-// not check (UCX's tcp transport writes where the peer says, cma writes
-// with the peer's process_vm_writev), so there the bounds checks of the
+// registered for the key, and after its unmap; over TCP and shared memory
+// nothing checks (the receiver's own UCX worker copies an emulated put's
+// bytes to the address the put names), so there the bounds checks of the
 // sender (this package's, and handoff's check of the grant) and the
 // revoke's handshake are what keep a sender's writes inside the import's
 // pages and within its life.
