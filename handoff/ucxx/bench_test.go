@@ -82,10 +82,14 @@ func perftestOnce(msg, iters int64) (float64, error) {
 	args := []string{"-p", port, "-t", "ucp_put_bw", "-s", strconv.FormatInt(msg, 10),
 		"-n", strconv.FormatInt(iters, 10), "-w", "1"}
 	// UCX configured as this package configures it (shim.c): TCP's
-	// segments at 256K unless the environment sizes them.
+	// segments at 1M and shared memory's at 32K unless the environment
+	// sizes them.
 	env := os.Environ()
-	if os.Getenv("UCX_TCP_TX_SEG_SIZE") == "" && os.Getenv("UCX_TCP_RX_SEG_SIZE") == "" {
-		env = append(env, "UCX_TCP_TX_SEG_SIZE=256K", "UCX_TCP_RX_SEG_SIZE=256K")
+	if os.Getenv("UCX_TCP_TX_SEG_SIZE") == "" && os.Getenv("UCX_TCP_RX_SEG_SIZE") == "" && tlsMayUse("tcp") {
+		env = append(env, "UCX_TCP_TX_SEG_SIZE=1M", "UCX_TCP_RX_SEG_SIZE=1M")
+	}
+	if os.Getenv("UCX_MM_SEG_SIZE") == "" && tlsMayUse("sm", "shm", "posix", "sysv") {
+		env = append(env, "UCX_MM_SEG_SIZE=32K")
 	}
 	srv := exec.Command("ucx_perftest", args...)
 	srv.Env = env
@@ -116,4 +120,21 @@ func perftestOnce(msg, iters int64) (float64, error) {
 		}
 	}
 	return 0, fmt.Errorf("no Final line in %s", out)
+}
+
+// tlsMayUse is shim.c's tls_may_use: whether UCX_TLS lets UCX use a
+// transport any of names selects.
+func tlsMayUse(names ...string) bool {
+	tls := os.Getenv("UCX_TLS")
+	if tls == "" {
+		return true
+	}
+	named := false
+	for _, n := range names {
+		named = named || strings.Contains(tls, n)
+	}
+	if tls[0] == '^' {
+		return !named
+	}
+	return named || strings.Contains(tls, "all")
 }

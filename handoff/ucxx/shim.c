@@ -110,18 +110,26 @@ static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 	push(arg, &e);
 }
 
-/* Whether UCX_TLS lets UCX use TCP: unset, an exclusion list ("^...")
- * that does not name it, or a list that does (tcp, all). Settings for a
+/* Whether UCX_TLS lets UCX use a transport that any of names (a NULL
+ * terminated list) selects: unset, an exclusion list ("^...") that names
+ * none of them, or a list that names one (or all). Settings for a
  * transport UCX does not open make it warn at every worker. */
-static int tls_may_use_tcp(void)
+static int tls_may_use(const char *const *names)
 {
 	const char *tls = getenv("UCX_TLS");
 	if (tls == NULL || *tls == '\0') {
 		return 1;
 	}
-	int names = strstr(tls, "tcp") != NULL || strstr(tls, "all") != NULL;
-	return tls[0] == '^' ? strstr(tls, "tcp") == NULL : names;
+	int named = 0;
+	for (; *names != NULL; names++) {
+		named |= strstr(tls, *names) != NULL;
+	}
+	return tls[0] == '^' ? !named : named || strstr(tls, "all") != NULL;
 }
+
+static const char *const tcp_names[] = {"tcp", NULL};
+/* sm and shm select posix and sysv, the transports of UCX_MM_*. */
+static const char *const mm_names[] = {"sm", "shm", "posix", "sysv", NULL};
 
 ucs_status_t kvf_open(kvf_worker **out)
 {
@@ -136,13 +144,25 @@ ucs_status_t kvf_open(kvf_worker **out)
 		return st;
 	}
 	/* UCX's TCP transport moves a put in segments of UCX_TCP_TX_SEG_SIZE
-	 * (8K by default), a syscall or more each: 256K segments move the
-	 * handoff's chunks at about 3x the rate for a quarter of the CPU
-	 * (BenchmarkPut). The environment still decides: only where it sets
-	 * neither size (their RX must not be below TX). */
-	if (getenv("UCX_TCP_TX_SEG_SIZE") == NULL && getenv("UCX_TCP_RX_SEG_SIZE") == NULL && tls_may_use_tcp()) {
-		(void)ucp_config_modify(config, "TX_SEG_SIZE", "256K"); /* only TCP has these */
-		(void)ucp_config_modify(config, "RX_SEG_SIZE", "256K");
+	 * (8K by default), each copied into a segment, sent, received into
+	 * one and copied out (UCX 1.13 emulates puts over TCP with active
+	 * messages), and acknowledged: 256K segments move the handoff's
+	 * chunks at about 3x the rate for a quarter of the CPU (BenchmarkPut),
+	 * 1M segments a whole handoff for 3-11 % less CPU again at the median
+	 * (BenchmarkHandoff). The environment still decides: only where it
+	 * sets neither size (their RX must not be below TX). */
+	if (getenv("UCX_TCP_TX_SEG_SIZE") == NULL && getenv("UCX_TCP_RX_SEG_SIZE") == NULL && tls_may_use(tcp_names)) {
+		(void)ucp_config_modify(config, "TX_SEG_SIZE", KVF_TCP_SEG_SIZE); /* only TCP has these */
+		(void)ucp_config_modify(config, "RX_SEG_SIZE", KVF_TCP_SEG_SIZE);
+	}
+	/* Shared memory (posix, sysv) moves an emulated put, and every
+	 * message, in elements of UCX_MM_SEG_SIZE (8K by default), each
+	 * copied into the receiver's queue, out of it, and acknowledged: 32K
+	 * elements take a quarter of that per byte. Not 64K or more: UCX 1.13
+	 * keeps an element's length in 16 bits, and a longer one arrives cut
+	 * (the handoff's checksums refuse it). */
+	if (getenv("UCX_MM_SEG_SIZE") == NULL && tls_may_use(mm_names)) {
+		(void)ucp_config_modify(config, "MM_SEG_SIZE", KVF_MM_SEG_SIZE);
 	}
 	ucp_params_t params = {
 	    .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME,

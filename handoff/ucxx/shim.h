@@ -26,6 +26,10 @@ enum {
 };
 
 #define KVF_AM_ID 0x4b56 /* "KV" */
+/* UCX's TCP segments and shared-memory elements where the environment
+ * sizes none (kvf_open). */
+#define KVF_TCP_SEG_SIZE "1M"
+#define KVF_MM_SEG_SIZE "32K"
 #define KVF_HEADER_MAX 16
 
 typedef struct {
