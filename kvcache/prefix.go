@@ -690,13 +690,21 @@ type DomainStats struct {
 	// The host tier's part (zero without one): the slots the domain holds
 	// there now and the most it may (TenantConfig.TierPages), pages
 	// admissions onloaded from it (counted in HitPages too, as hits),
-	// pages offloaded into it and evicted from it.
-	TierPages        int
-	TierBound        int
-	TierHitPages     uint64
-	TierHitTokens    uint64
-	TierStoredPages  uint64
-	TierEvictedPages uint64
+	// pages offloaded into it and evicted from it; in a hybrid pool, the
+	// state checkpoints it holds there and the most it may (the same
+	// share of the checkpoint slots), those stored, restored by hits and
+	// evicted.
+	TierPages              int
+	TierBound              int
+	TierHitPages           uint64
+	TierHitTokens          uint64
+	TierStoredPages        uint64
+	TierEvictedPages       uint64
+	TierCheckpoints        int
+	TierCheckpointBound    int
+	TierCheckpointsStored  uint64
+	TierCheckpointHits     uint64
+	TierCheckpointsEvicted uint64
 }
 
 // PrefixStats summarises the prefix cache.

@@ -97,6 +97,12 @@ func TestTierKeepsEvictedCheckpoints(t *testing.T) {
 	ts = tierSlotsSum(t, p)
 	require.EqualValues(t, 3, ts.CheckpointsRestored)
 	require.Positive(t, ts.Onloads)
+	for _, d := range p.Stats().Prefix.Domains {
+		if d.Name == "tenant:a" {
+			require.EqualValues(t, 3, d.TierCheckpointHits)
+			require.EqualValues(t, 2, d.TierCheckpointsStored)
+		}
+	}
 
 	// Cleared: every slot back, filled.
 	require.NoError(t, p.ClearPrefixCache())
@@ -163,9 +169,9 @@ func TestTierCheckpointCopyFails(t *testing.T) {
 	p, d := newTierDevicePool(t, tierCheckpointConfig(24, 2, 32, 2))
 	ck0, ck1 := promptTokens(0, 20, 0, 20), promptTokens(1, 20, 1, 20)
 	checkpointed(t, p, "ck0", "a", ck0, 16)
-	d.failToHost = errors.New("injected: DtoH failed")
+	d.failToHost, d.halfway = errors.New("injected: DtoH failed"), true // some units copied, not all
 	checkpointed(t, p, "ck1", "a", ck1, 16)
-	d.failToHost = nil
+	d.failToHost, d.halfway = nil, false
 	ts := tierSlotsSum(t, p)
 	require.EqualValues(t, 1, ts.CheckpointsFailed)
 	require.Zero(t, ts.Checkpoints)
@@ -214,8 +220,21 @@ func TestTierCheckpointShare(t *testing.T) {
 		checkpointed(t, p, fmt.Sprint("b", i), "b", promptTokens(10+i, 20, 10+i, 20), 16)
 	}
 	ts = tierSlotsSum(t, p)
-	require.Equal(t, 4, ts.Checkpoints, "b takes the rest, and a's one stays")
+	require.Equal(t, 4, ts.Checkpoints, "b, unbounded, fills the tier: a's is the least recently used")
 	require.NoError(t, p.Check())
+	doms := map[string]DomainStats{}
+	for _, d := range p.Stats().Prefix.Domains {
+		doms[d.Name] = d
+	}
+	a, b := doms["tenant:a"], doms["tenant:b"]
+	require.Equal(t, 1, a.TierCheckpointBound)
+	require.Zero(t, a.TierCheckpoints)
+	require.EqualValues(t, 5, a.TierCheckpointsStored, "ck0..ck4 went to the tier, each evicting the one before, the last for b's")
+	require.EqualValues(t, 5, a.TierCheckpointsEvicted)
+	require.Equal(t, 4, b.TierCheckpointBound)
+	require.Equal(t, 4, b.TierCheckpoints)
+	require.EqualValues(t, 4, b.TierCheckpointsStored)
+	require.Zero(t, a.TierCheckpointHits+b.TierCheckpointHits)
 }
 
 // A checkpoint in the tier is its domain's: a tenant moved to another

@@ -298,5 +298,7 @@ func (p *Pool) tierDomainStatsLocked(d *tenancy.Domain, s *DomainStats) {
 	td := t.domain(d)
 	s.TierPages, s.TierBound = td.sp[spacePages].used, td.sp[spacePages].bound
 	s.TierHitPages, s.TierStoredPages, s.TierEvictedPages = td.hitPages, td.storedPages, td.evictedPages
+	s.TierCheckpoints, s.TierCheckpointBound = td.sp[spaceCheckpoints].used, td.sp[spaceCheckpoints].bound
+	s.TierCheckpointsStored, s.TierCheckpointHits, s.TierCheckpointsEvicted = td.storedCkpts, td.hitCkpts, td.evictedCkpts
 	s.TierHitTokens = td.hitPages * uint64(p.tpp)
 }

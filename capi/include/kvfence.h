@@ -523,7 +523,10 @@ KVF_API kvf_status kvf_pool_update_tenant_json(kvf_pool pool, const char *tenant
  * "checkpoints_failed" (the copy in failed), "checkpoints_restored",
  * "checkpoint_restore_bytes", "checkpoint_restores_failed" (admissions
  * refused with KVF_ERR_ONLOAD_FAILED) and "checkpoints_evicted" (for
- * room, or with their page). */
+ * room, or with their page), and each domain "tier_checkpoints",
+ * "tier_checkpoint_bound" (its share of the checkpoint slots),
+ * "tier_checkpoints_stored", "tier_checkpoint_hits" and
+ * "tier_checkpoints_evicted". */
 KVF_API kvf_status kvf_pool_stats_json(kvf_pool pool, char *buf, size_t buf_len, size_t *needed);
 
 /* Verifies the pool's accounting (free + in use + cached + quarantined +

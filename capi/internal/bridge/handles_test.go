@@ -262,9 +262,9 @@ func TestStatsJSON(t *testing.T) {
 		`"quota_pages":32,"reserved_pages":0,"domain":"tenant:a"},{"name":"b","used_pages":0,"quota_pages":64,"reserved_pages":0,` +
 		`"domain":"tenant:b"}],"prefix":{"enabled":true,"domains":[{"name":"tenant:a","shared":false,"tenants":1,"indexed_pages":0,` +
 		`"cached_pages":0,"hit_pages":0,"miss_pages":0,"hit_tokens":0,"stored_pages":0,"evicted_pages":0,` +
-		`"tier_pages":0,"tier_bound":0,"tier_hit_pages":0,"tier_hit_tokens":0,"tier_stored_pages":0,"tier_evicted_pages":0},{"name":"tenant:b",` +
+		`"tier_pages":0,"tier_bound":0,"tier_hit_pages":0,"tier_hit_tokens":0,"tier_stored_pages":0,"tier_evicted_pages":0,"tier_checkpoints":0,"tier_checkpoint_bound":0,"tier_checkpoints_stored":0,"tier_checkpoint_hits":0,"tier_checkpoints_evicted":0},{"name":"tenant:b",` +
 		`"shared":false,"tenants":1,"indexed_pages":0,"cached_pages":0,"hit_pages":0,"miss_pages":0,"hit_tokens":0,` +
-		`"stored_pages":0,"evicted_pages":0,"tier_pages":0,"tier_bound":0,"tier_hit_pages":0,"tier_hit_tokens":0,"tier_stored_pages":0,"tier_evicted_pages":0}],"events_sent":0,"events_dropped":0},"checkpoints":{"live":0,"restoring":0,` +
+		`"stored_pages":0,"evicted_pages":0,"tier_pages":0,"tier_bound":0,"tier_hit_pages":0,"tier_hit_tokens":0,"tier_stored_pages":0,"tier_evicted_pages":0,"tier_checkpoints":0,"tier_checkpoint_bound":0,"tier_checkpoints_stored":0,"tier_checkpoint_hits":0,"tier_checkpoints_evicted":0}],"events_sent":0,"events_dropped":0},"checkpoints":{"live":0,"restoring":0,` +
 		`"state_bytes":0,"taken":0,"existing":0,"hits":0,"hit_tokens":0,"misses":0,"miss_tokens":0,"evicted":0,` +
 		`"capacity_skips":0,"restore_nanos":0,"copy_nanos":0},` +
 		`"tier":{"enabled":false,"slots":0,"slot_bytes":0,"checkpoint_slots":0,"checkpoint_slot_bytes":0,` +

@@ -130,6 +130,12 @@ type DomainDoc struct {
 	TierHitTokens    uint64 `json:"tier_hit_tokens"`
 	TierStoredPages  uint64 `json:"tier_stored_pages"`
 	TierEvictedPages uint64 `json:"tier_evicted_pages"`
+	// A hybrid pool's state checkpoints in the tier (since ABI 13).
+	TierCheckpoints        int    `json:"tier_checkpoints"`
+	TierCheckpointBound    int    `json:"tier_checkpoint_bound"`
+	TierCheckpointsStored  uint64 `json:"tier_checkpoints_stored"`
+	TierCheckpointHits     uint64 `json:"tier_checkpoint_hits"`
+	TierCheckpointsEvicted uint64 `json:"tier_checkpoints_evicted"`
 }
 
 // TierDoc is kvcache.TierStats without its latency histograms: the
@@ -220,7 +226,9 @@ func statsJSON(s kvcache.Stats, domainOf func(tenant string) string) StatsDoc {
 			IndexedPages: x.IndexedPages, CachedPages: x.CachedPages, HitPages: x.HitPages, MissPages: x.MissPages,
 			HitTokens: x.HitTokens, StoredPages: x.StoredPages, EvictedPages: x.EvictedPages,
 			TierPages: x.TierPages, TierBound: x.TierBound, TierHitPages: x.TierHitPages, TierHitTokens: x.TierHitTokens,
-			TierStoredPages: x.TierStoredPages, TierEvictedPages: x.TierEvictedPages})
+			TierStoredPages: x.TierStoredPages, TierEvictedPages: x.TierEvictedPages,
+			TierCheckpoints: x.TierCheckpoints, TierCheckpointBound: x.TierCheckpointBound, TierCheckpointsStored: x.TierCheckpointsStored,
+			TierCheckpointHits: x.TierCheckpointHits, TierCheckpointsEvicted: x.TierCheckpointsEvicted})
 	}
 	return d
 }
