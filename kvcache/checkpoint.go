@@ -787,13 +787,7 @@ func (p *Pool) restore(l *Lease) error {
 		p.mu.ckpts.stats.RestoreNanos += uint64(took)
 		p.restoredLocked(l, c.tokens)
 	}
-	if b.len() > 0 {
-		p.fills.Add(1)
-		p.mu.Unlock()
-		p.scrub(b, cudaops.Ordering{})
-	} else {
-		p.mu.Unlock()
-	}
+	p.unlockScrub(b)
 	if err == nil {
 		return nil
 	}
@@ -837,14 +831,20 @@ func (p *Pool) cancelRestore(l *Lease) {
 	} else {
 		b = p.endRestoreLocked(c)
 	}
-	if b.len() > 0 {
-		p.fills.Add(1)
-		p.mu.Unlock()
-		p.scrub(b, cudaops.Ordering{})
-	} else {
-		p.mu.Unlock()
-	}
+	p.unlockScrub(b)
 	p.scrubTier(fill)
+}
+
+// unlockScrub lets go of Pool.mu and scrubs b (a checkpoint's units a
+// restore's end released), if it holds any.
+func (p *Pool) unlockScrub(b scrubBatch) {
+	if b.len() == 0 {
+		p.mu.Unlock()
+		return
+	}
+	p.fills.Add(1)
+	p.mu.Unlock()
+	_ = p.scrub(b, cudaops.Ordering{}) // a failed fill faults the pool itself
 }
 
 // restoreFromTierLocked is restore of c, a checkpoint in the host tier,

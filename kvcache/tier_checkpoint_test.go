@@ -1,11 +1,9 @@
 package kvcache
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -282,31 +280,12 @@ func TestTierCheckpointCloseWithRestoreInFlight(t *testing.T) {
 	ck0 := promptTokens(0, 20, 0, 20)
 	checkpointed(t, p, "ck0", "a", ck0, 16)
 	checkpointed(t, p, "ck1", "a", promptTokens(1, 20, 1, 20), 16)
-	gate := &fillGate{entered: make(chan struct{}, 1), proceed: make(chan struct{})}
-	d.hold = gate
-	admitted := make(chan error, 1)
-	go func() {
-		l, err := p.Admit(context.Background(), Request{ID: "again", Tenant: "a", PromptTokens: 20, TokenIDs: ck0})
-		if err == nil {
-			err = l.Release()
-		}
-		admitted <- err
-	}()
-	<-gate.entered
-	closed := make(chan error, 1)
-	go func() { closed <- p.Close() }()
-	select {
-	case err := <-closed:
-		t.Fatalf("Close returned (%v) with a restore in flight", err)
-	case <-time.After(20 * time.Millisecond):
-	}
-	close(gate.proceed)
-	require.NoError(t, <-closed)
-	require.ErrorIs(t, <-admitted, ErrPoolClosed)
+	err := closeWithCopyHeld(t, p, d, Request{ID: "again", Tenant: "a", PromptTokens: 20, TokenIDs: ck0}) // its restore held
+	require.ErrorIs(t, err, ErrPoolClosed)
 	s := p.Stats()
 	require.Equal(t, s.Tier.Slots, s.Tier.Free, "a closed pool's tier keeps nothing")
 	require.NoError(t, p.Check())
-	_, err := p.AuditFreePages()
+	_, err = p.AuditFreePages()
 	require.NoError(t, err)
 }
 

@@ -102,40 +102,48 @@ func TestTierCloseWithCopiesInFlight(t *testing.T) {
 			if !toHost {
 				flushDevice(t, p, "a")
 			}
-			gate := &fillGate{entered: make(chan struct{}, 1), proceed: make(chan struct{})}
-			d.hold = gate
 			req := Request{ID: "A2", Tenant: "a", PromptTokens: len(toks), TokenIDs: toks}
 			if toHost {
 				req = Request{ID: "flush", Tenant: "a", PromptTokens: p.Pages() * p.tpp}
 			}
-			admitted := make(chan error, 1)
-			go func() {
-				l, err := p.Admit(context.Background(), req)
-				if err == nil {
-					err = l.Release()
-				}
-				admitted <- err
-			}()
-			<-gate.entered
-			closed := make(chan error, 1)
-			go func() { closed <- p.Close() }()
-			select {
-			case err := <-closed:
-				t.Fatalf("Close returned (%v) with a copy in flight", err)
-			case <-time.After(20 * time.Millisecond):
-			}
-			close(gate.proceed)
-			require.NoError(t, <-closed)
-			err := <-admitted
-			assert.ErrorIs(t, err, ErrPoolClosed)
+			assert.ErrorIs(t, closeWithCopyHeld(t, p, d, req), ErrPoolClosed)
 			s := p.Stats()
 			assert.Equal(t, 8, s.FreePages)
 			assert.Equal(t, 8, s.Tier.Free, "a closed pool's tier keeps nothing")
 			require.NoError(t, p.Check())
-			_, err = p.AuditFreePages()
+			_, err := p.AuditFreePages()
 			require.NoError(t, err)
 		})
 	}
+}
+
+// closeWithCopyHeld admits req (and releases its lease) with the next
+// copy of d held at its entry, closes p while it is held, requires that
+// Close waits for it, lets it go, and returns what the admission and
+// release came to.
+func closeWithCopyHeld(t *testing.T, p *Pool, d *tierDevice, req Request) error {
+	t.Helper()
+	gate := &fillGate{entered: make(chan struct{}, 1), proceed: make(chan struct{})}
+	d.hold = gate
+	admitted := make(chan error, 1)
+	go func() {
+		l, err := p.Admit(context.Background(), req)
+		if err == nil {
+			err = l.Release()
+		}
+		admitted <- err
+	}()
+	<-gate.entered
+	closed := make(chan error, 1)
+	go func() { closed <- p.Close() }()
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) with a copy in flight", err)
+	case <-time.After(20 * time.Millisecond):
+	}
+	close(gate.proceed)
+	require.NoError(t, <-closed)
+	return <-admitted
 }
 
 // A tier that skips one scrub in n is caught: under the canary policy a
