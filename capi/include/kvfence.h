@@ -100,8 +100,7 @@ extern "C" {
  * sliding-window or state groups: "host_tier": {"checkpoints": N} and the
  * stats' tier checkpoint figures ("checkpoint_slots",
  * "checkpoint_slot_bytes", "checkpoints", "checkpoints_stored", ...,
- * and each domain's "tier_checkpoints", ...), and the UCX options'
- * "data_path" values "rendezvous" and "puts". */
+ * and each domain's "tier_checkpoints", ...). */
 #define KVF_ABI_VERSION 13
 
 /* The longest message kvf_last_error_message can return, NUL included;
@@ -1080,13 +1079,9 @@ KVF_API kvf_status kvf_import_free(kvf_import imp);
  * encrypted (see handoff/ucxx's package doc). options_json (NULL for
  * defaults): {"connect_timeout_ms": 10000, "message_timeout_ms": 60000,
  * "revoke_timeout_ms": 2000, "max_message_bytes": 67108864,
- * "max_conns": 256 (a server's), "data_path": "auto" | "messages" |
- * "rendezvous" | "puts" (the last two since ABI 13; a server's:
- * "messages" never writes the pool's memory remotely; "rendezvous" has
- * the decode side receive each write into its pages itself, "puts" has
- * the prefill side write them with UCX's puts; "auto" takes rendezvous
- * where UCX runs over TCP alone and puts elsewhere: handoff/ucxx's
- * DataPath)}; bad JSON is KVF_ERR_INVALID_CONFIG. Without UCX in the library every create
+ * "max_conns": 256 (a server's), "data_path": "auto" | "messages" (a
+ * server's: "messages" never writes the pool's memory remotely)}; bad JSON
+ * is KVF_ERR_INVALID_CONFIG. Without UCX in the library every create
  * returns KVF_ERR_UNAVAILABLE.
  */
 

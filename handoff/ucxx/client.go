@@ -307,10 +307,6 @@ func (s *clientStream) OpenRemote(desc []byte, memBytes []int64) (handoff.Remote
 	if s.writer != nil {
 		return nil, fmt.Errorf("%w: ucxx: a second remote writer on one stream", handoff.ErrProtocol)
 	}
-	if len(desc) == 1 && desc[0] == descReceives {
-		s.writer = &remoteWriter{s: s, bytes: memBytes, receives: true}
-		return s.writer, nil
-	}
 	exts, err := parseDesc(desc, len(memBytes))
 	if err != nil {
 		return nil, err
@@ -364,15 +360,8 @@ type extentDesc struct {
 	rkey []byte
 }
 
-// The description of exposed memory is one byte that says how the
-// sender writes it: descReceives, alone (PathRendezvous: by rendezvous
-// messages that the receiver receives into it), or descPuts, then for
-// each extent its address u64, remote key length u16, remote key.
-const (
-	descPuts     = 'p'
-	descReceives = 'r'
-)
-
+// The description of exposed memory: for each extent, address u64,
+// remote key length u16, remote key.
 func appendDesc(dst []byte, addr uint64, rkey []byte) []byte {
 	dst = binary.LittleEndian.AppendUint64(dst, addr)
 	dst = binary.LittleEndian.AppendUint16(dst, uint16(len(rkey)))
@@ -380,10 +369,6 @@ func appendDesc(dst []byte, addr uint64, rkey []byte) []byte {
 }
 
 func parseDesc(b []byte, n int) ([]extentDesc, error) {
-	if len(b) == 0 || b[0] != descPuts {
-		return nil, fmt.Errorf("%w: ucxx: a description of exposed memory that is neither puts' nor receives'", handoff.ErrProtocol)
-	}
-	b = b[1:]
 	exts := make([]extentDesc, 0, n)
 	for len(b) > 0 {
 		if len(b) < 10 || len(exts) == n {
@@ -414,10 +399,6 @@ type remoteWriter struct {
 	rkeys []C.ucp_rkey_h
 	addrs []uint64
 	bytes []int64
-	// receives: the receiver receives the writes itself (PathRendezvous):
-	// each run goes as a rendezvous message that names its extent and
-	// offset; there are no keys, no addresses, and no flush.
-	receives bool
 
 	// Guarded by the worker's lock.
 	batches []*pending
@@ -443,21 +424,13 @@ func (c *conn) stopWritingLocked() {
 // Write implements handoff.RemoteWriter: one put per run of the puts'
 // parts that lie one after the other in this process's memory too, then
 // a flush of the endpoint, whose completion means they have landed.
-//
-// Where the receiver receives the writes itself (PathRendezvous), one
-// rendezvous message per run instead, and no flush: a send ends once
-// the receiver has taken its bytes (its receive posted; over TCP they
-// may still be on their way), and the receiver reads a message only once
-// every receive it posted before that message arrived has ended
-// (conn.recv), so the landed note that follows them is read only once
-// they have landed.
 func (w *remoteWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 	for _, p := range puts {
 		n := int64(0)
 		for _, src := range p.Src {
 			n += int64(len(src))
 		}
-		if p.Mem < 0 || p.Mem >= len(w.bytes) || p.Off < 0 || p.Off > w.bytes[p.Mem] || n > w.bytes[p.Mem]-p.Off {
+		if p.Mem < 0 || p.Mem >= len(w.addrs) || p.Off < 0 || p.Off > w.bytes[p.Mem] || n > w.bytes[p.Mem]-p.Off {
 			return nil, fmt.Errorf("%w: ucxx: a put of %d bytes at offset %d of extent %d: outside the memory the receiver granted",
 				handoff.ErrProtocol, n, p.Off, p.Mem)
 		}
@@ -479,9 +452,9 @@ func (w *remoteWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 		c.w.mu.Unlock()
 		return nil, err
 	}
-	var hdr [writeHeaderLen]byte
 	for _, put := range puts {
-		off := uint64(put.Off)
+		raddr := w.addrs[put.Mem] + uint64(put.Off)
+		rkey := w.rkeys[put.Mem]
 		for i := 0; i < len(put.Src) && p.err == nil; {
 			start := put.Src[i]
 			n := len(start)
@@ -490,25 +463,14 @@ func (w *remoteWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 				n += len(put.Src[j])
 			}
 			p.pin.Pin(&start[0])
-			if w.receives {
-				putHeader(hdr[:], kindWrite, c.peer)
-				binary.LittleEndian.PutUint32(hdr[headerLen:], uint32(put.Mem))
-				binary.LittleEndian.PutUint64(hdr[headerLen+4:], off)
-				p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
-					return C.kvf_am_write(c.w.w, c.ep, unsafe.Pointer(&hdr[0]), writeHeaderLen,
-						unsafe.Pointer(unsafe.SliceData(start)), C.size_t(n), tok)
-				}, p.complete))
-			} else {
-				raddr, rkey := w.addrs[put.Mem]+off, w.rkeys[put.Mem]
-				p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
-					return C.kvf_put(c.w.w, c.ep, unsafe.Pointer(unsafe.SliceData(start)), C.size_t(n), C.uint64_t(raddr), rkey, tok)
-				}, p.complete))
-			}
-			off += uint64(n)
+			p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
+				return C.kvf_put(c.w.w, c.ep, unsafe.Pointer(unsafe.SliceData(start)), C.size_t(n), C.uint64_t(raddr), rkey, tok)
+			}, p.complete))
+			raddr += uint64(n)
 			i = j
 		}
 	}
-	if p.err == nil && !w.receives {
+	if p.err == nil {
 		p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(c.w.w, c.ep, tok) }, p.complete))
 	}
 	p.seal()

@@ -26,21 +26,6 @@ func TestConformanceMessages(t *testing.T) {
 	conformance.Run(t, harness(ucxx.Options{DataPath: ucxx.PathMessages}))
 }
 
-// TestConformanceRendezvous is TestConformance with the pages written
-// as rendezvous messages that the receiver receives into its memory
-// (ucxx.PathRendezvous), whatever the transports: PathAuto's choice over
-// TCP alone.
-func TestConformanceRendezvous(t *testing.T) {
-	conformance.Run(t, harness(ucxx.Options{DataPath: ucxx.PathRendezvous}))
-}
-
-// TestConformancePuts is TestConformance with the pages written by
-// UCX's puts (ucxx.PathPuts) whatever the transports: PathAuto's choice
-// everywhere but over TCP alone.
-func TestConformancePuts(t *testing.T) {
-	conformance.Run(t, harness(ucxx.Options{DataPath: ucxx.PathPuts}))
-}
-
 func harness(opts ucxx.Options) conformance.Harness {
 	return conformance.Harness{
 		Serve: func(t testing.TB, recv *handoff.Receiver) conformance.Server {

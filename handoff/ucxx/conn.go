@@ -49,31 +49,15 @@ type conn struct {
 	credits    int                 // on the sender's end: messages it may send now
 	credit     bool                // on the receiver's end: it answers each message read with a credit
 
-	// On the receiver's end, when the sender's writes come as rendezvous
-	// messages (PathRendezvous): the exposed memory they are received
-	// into, while it is open to them, and the receives posted into it,
-	// numbered in posting order: all of the first doneUpTo have ended,
-	// and so have those in doneAfter.
-	landing     [][]byte
-	landingOpen bool
-	posted      uint64
-	doneUpTo    uint64
-	doneAfter   map[uint64]struct{}
-	received    chan struct{} // a receive ended (capacity 1)
-
 	arrived  chan struct{} // a message arrived, or the state changed (capacity 1)
 	credited chan struct{} // a credit arrived (capacity 1)
 	failed   chan struct{} // closed with err
 }
 
-// inMessage is a received message: its kind and bytes, and the writes
-// whose receives had been posted when it arrived (conn.posted), which
-// must have ended before it is read: a landed note is read only once
-// the writes it vouches for are in memory.
+// inMessage is a received message: its kind and bytes.
 type inMessage struct {
-	kind  byte
-	data  []byte
-	after uint64
+	kind byte
+	data []byte
 }
 
 // The message header (16 bytes): magic, version, kind, two zero bytes,
@@ -81,19 +65,13 @@ type inMessage struct {
 const (
 	headerLen  = 16
 	magic      = "KVFU"
-	version    = 2   // 2: the description of exposed memory says how it is written (puts, rendezvous)
+	version    = 1
 	kindMsg    = 'm' // a handoff message
 	kindEnd    = 'e' // the end of this side's messages
 	kindRevoke = 'r' // receiver → sender: stop writing my memory
 	kindAck    = 'a' // sender → receiver: nothing of mine writes it any more
 	kindCredit = 'c' // receiver → sender: one message read, send another
-	kindWrite  = 'w' // sender → receiver, by rendezvous: bytes for the exposed memory (PathRendezvous)
 )
-
-// A write's header is the message header followed by where its bytes
-// go: extent u32 (an index into the memory the receiver exposed), offset
-// u64. Its length is the message's.
-const writeHeaderLen = headerLen + 4 + 8
 
 // window is how many messages a sender may have sent that its receiver
 // has not read: messages go eagerly (shim.c), so without a bound a sender
@@ -120,8 +98,7 @@ func (c *conn) maxQueuedBytes() int { return window*c.max + 1<<20 }
 
 func newConn(w *worker, ctrl net.Conn, max int) *conn {
 	return &conn{w: w, ctrl: ctrl, max: max, credits: window, ops: make(map[uint64]struct{}),
-		arrived: make(chan struct{}, 1), credited: make(chan struct{}, 1), received: make(chan struct{}, 1),
-		failed: make(chan struct{})}
+		arrived: make(chan struct{}, 1), credited: make(chan struct{}, 1), failed: make(chan struct{})}
 }
 
 // registerLocked gives c an ID of its own at its worker, so that the
@@ -242,129 +219,9 @@ func (c *conn) arrivedLocked(header []byte, m inMessage) {
 	if m.kind == kindEnd {
 		c.peerEnded = true
 	}
-	m.after = c.posted
 	c.queued += len(m.data)
 	c.inbox = append(c.inbox, m)
 	c.signal()
-}
-
-// writeArrivedLocked takes a sender's write (PathRendezvous), whose
-// bytes ev holds (eager) or names (rendezvous: ev.data is UCX's
-// descriptor, to receive or release): they are received straight into
-// the exposed memory the header names, only if the write lies wholly
-// inside one extent of it, and only while it is open to writes. A write
-// after the memory was taken back is released unread (UCX ends the
-// sender's send all the same; nothing vouches for it any more: the
-// import has ended); anything else out of place fails the connection.
-func (c *conn) writeArrivedLocked(h []byte, ev *C.kvf_event) {
-	n := uint64(ev.len)
-	release := func() {
-		if ev.rndv != 0 {
-			C.ucp_am_data_release(c.w.w.worker, ev.data)
-		} else {
-			C.free(ev.data)
-		}
-	}
-	le := binary.LittleEndian
-	ext, off := uint64(le.Uint32(h[headerLen:])), le.Uint64(h[headerLen+4:])
-	switch {
-	case c.closed || c.err != nil:
-		release()
-		return
-	case h[4] != version || h[5] != kindWrite || h[6] != 0 || h[7] != 0:
-		release()
-		c.failLocked(fmt.Errorf("%w: ucxx: a message with header %q: not a ucxx peer", ErrHandshake, h))
-		return
-	case c.landing == nil:
-		release()
-		c.failLocked(fmt.Errorf("%w: ucxx: a write of %d bytes, and no memory was exposed for writes", handoff.ErrProtocol, n))
-		return
-	case !c.landingOpen:
-		release()
-		return
-	case ext >= uint64(len(c.landing)) || n == 0 || off > uint64(len(c.landing[ext])) || n > uint64(len(c.landing[ext]))-off:
-		release()
-		c.failLocked(fmt.Errorf("%w: ucxx: a write of %d bytes at offset %d of extent %d: outside the memory exposed",
-			handoff.ErrProtocol, n, off, ext))
-		return
-	}
-	dst := c.landing[ext][off : off+n]
-	if ev.rndv == 0 {
-		copy(dst, unsafe.Slice((*byte)(ev.data), n))
-		C.free(ev.data)
-		return
-	}
-	seq := c.posted
-	c.posted++
-	done := func(err error) {
-		c.receivedLocked(seq)
-		if err != nil {
-			c.failLocked(fmt.Errorf("%w: ucxx: receiving a write of %d bytes: %w", handoff.ErrTransport, n, err))
-		}
-	}
-	// Posted on the worker, not the endpoint: a receive is not abandoned
-	// when the endpoint closes (conn.abandonLocked), for UCX may still
-	// write its memory then; only its own end says that it no longer
-	// does, which closeLanding waits for before the memory goes back.
-	inProgress, err := c.w.postLocked(func(tok C.uint64_t) C.ucs_status_t {
-		return C.kvf_am_recv(c.w.w, ev.data, unsafe.Pointer(unsafe.SliceData(dst)), C.size_t(n), tok)
-	}, done)
-	if err != nil {
-		C.ucp_am_data_release(c.w.w.worker, ev.data) // the receive took nothing
-	}
-	if !inProgress {
-		done(err)
-	}
-}
-
-// receivedLocked accounts for the end of receive seq: the messages that
-// arrived after every receive up to it was posted may be read now.
-func (c *conn) receivedLocked(seq uint64) {
-	if seq != c.doneUpTo {
-		if c.doneAfter == nil {
-			c.doneAfter = make(map[uint64]struct{})
-		}
-		c.doneAfter[seq] = struct{}{}
-		return
-	}
-	c.doneUpTo++
-	for {
-		if _, ok := c.doneAfter[c.doneUpTo]; !ok {
-			break
-		}
-		delete(c.doneAfter, c.doneUpTo)
-		c.doneUpTo++
-	}
-	c.signal()
-	select {
-	case c.received <- struct{}{}:
-	default:
-	}
-}
-
-// closeLanding closes the exposed memory to writes (those that arrive
-// from now on are released unread) and waits until no receive into it is
-// in flight: at most timeout, after which the connection is cut; then
-// until UCX has ended them, which it does as the endpoint goes (or the
-// worker's close ends them: nothing writes once it is destroyed). Only
-// then may the memory be used for anything else.
-func (c *conn) closeLanding(timeout time.Duration) {
-	t := time.NewTimer(timeout)
-	defer t.Stop()
-	for {
-		c.w.mu.Lock()
-		c.landingOpen = false
-		left := c.doneUpTo < c.posted
-		c.w.mu.Unlock()
-		if !left {
-			return
-		}
-		select {
-		case <-c.received:
-		case <-t.C:
-			c.fail(fmt.Errorf("%w: ucxx: writes into the exposed memory did not end within %v of the revoke", handoff.ErrTransport, timeout))
-		}
-	}
 }
 
 func isEOF(err error) bool { return err == io.EOF }
@@ -380,7 +237,7 @@ func (c *conn) recv(timeout time.Duration, interrupt <-chan struct{}) ([]byte, e
 	var timer <-chan time.Time
 	for {
 		c.w.mu.Lock()
-		if len(c.inbox) > 0 && c.inbox[0].after <= c.doneUpTo {
+		if len(c.inbox) > 0 {
 			m := c.inbox[0]
 			c.inbox[0] = inMessage{}
 			c.inbox = c.inbox[1:]

@@ -1,9 +1,8 @@
 // Package ucxx is a handoff.Transport over UCX (openucx), the transfer
 // library under NIXL and most RDMA deployments of disaggregated serving:
 // the decode side exposes the import's pages to the sender, which writes
-// the prefill pages straight into them with UCX's remote puts (or, over
-// TCP, as rendezvous messages that the decode side receives into them),
-// over whatever UCX finds (InfiniBand, RoCE, TCP, shared memory, and CUDA
+// the prefill pages straight into them with UCX's remote puts, over
+// whatever UCX finds (InfiniBand, RoCE, TCP, shared memory, and CUDA
 // memory where UCX is built for it), with the handoff's manifest, MACs,
 // checksum and verdicts around the bytes as over every transport
 // (handoff's "Remote memory").
@@ -44,8 +43,7 @@
 // endpoint created from a worker address).
 //
 // Messages (the handoff's manifest, grant, landed notes, seal and
-// verdicts) are UCX active messages, sent eagerly (writes by rendezvous
-// alone: see Data path), each with a header
+// verdicts) are UCX active messages, sent eagerly, each with a header
 // naming the connection they are for at the receiving worker (a random
 // 64-bit ID). A sender may have window (4) messages unread by the
 // receiver; each one read earns a credit back, so a fast sender cannot
@@ -84,37 +82,7 @@
 // acknowledges it, and a flush completes once every acknowledgement is
 // back. That is two copies in user space beside the kernel's, on the
 // two ends' cores; cma, which copies once (process_vm_readv), serves
-// only UCX's rendezvous.
-//
-// Where every lane of the receiver's endpoint is UCX's TCP transport
-// (PathAuto; or wherever Options.DataPath is PathRendezvous), the
-// sender writes by rendezvous instead: each run of pages goes as one
-// active message sent by rendezvous (UCP_AM_SEND_FLAG_RNDV) whose header
-// names the connection, the extent and the offset it is for; the
-// receiver's worker hands its descriptor to the connection, which
-// receives it (ucp_am_recv_data_nbx) straight into that place of the
-// lent pages only if it lies wholly inside one extent and the memory is
-// still open to writes, and fails the connection otherwise. Nothing is
-// mapped and no key or address leaves the receiver (the grant's
-// description says only which way the sender writes). Over TCP the
-// bytes then move once each way, by the kernel (UCX's zero-copy send
-// and a receive into the pages), instead of through UCX's segments. A
-// send ends once the receiver has taken the bytes, not once they have
-// landed, so the receiver reads each message (a landed note) only once
-// every receive it had posted when the message arrived has ended. The
-// revoke closes the memory to writes (a later one is released unread),
-// asks the sender to stop as above, and waits for the receives in
-// flight: past RevokeTimeout it cuts the connection and waits for UCX to
-// end them, which it does as the endpoint goes; a receive is never
-// counted ended before UCX says so. Over shared memory the puts stay
-// (cma's rendezvous ran at 5.5-5.8 GiB/s against the puts' 9.8-10 in
-// ucx_perftest), and over InfiniBand and RoCE the NIC writes a put.
-// PathPuts keeps the puts everywhere. What rendezvous gains over TCP on
-// the machine of bench/README.md: the transport alone (BenchmarkPut,
-// 4 MiB chunks) 80 ms of CPU per 256 MiB against the puts' 100, at
-// 5.3-5.5 GB/s against 3.8; a whole handoff 3 % less CPU and 10 % more
-// GB/s at the medians, still about 1.6x tcpx's CPU
-// (bench/results/2026-12-04-ucx-3.txt).
+// only UCX's rendezvous, which ucxx does not use.
 //
 // Where the pages cannot be lent (the decode pool's pages are not host
 // memory) or Options.DataPath is PathMessages, the pages travel in the
@@ -177,15 +145,12 @@
 // receiver holding the key granted for this very transfer, and a receiver
 // admits only what such a sender manifested. What enforces a remote key
 // is the transport: an RDMA NIC refuses a write outside the memory
-// registered for the key, and after its unmap; over shared memory, and
-// over TCP with PathPuts, nothing checks (the receiver's own UCX worker
-// copies an emulated put's bytes to the address the put names), so there
-// the bounds checks of the sender (this package's, and handoff's check of
-// the grant) and the revoke's handshake are what keep a sender's writes
-// inside the import's pages and within its life. With rendezvous
-// (PathAuto over TCP) the receiver itself checks every write against the
-// memory it exposed before it receives a byte of it, and receives none
-// after the revoke: a sender cannot write outside the import's pages.
+// registered for the key, and after its unmap; over TCP and shared memory
+// nothing checks (the receiver's own UCX worker copies an emulated put's
+// bytes to the address the put names), so there the bounds checks of the
+// sender (this package's, and handoff's check of the grant) and the
+// revoke's handshake are what keep a sender's writes inside the import's
+// pages and within its life.
 //
 // # Bounds
 //

@@ -41,28 +41,14 @@ var (
 type DataPath int
 
 const (
-	// PathAuto writes the pages into the receiver's memory where the
-	// decode pool lends it (host memory): by rendezvous
-	// (PathRendezvous) where every lane of the connection's endpoint is
-	// UCX's TCP transport, over which UCX 1.13 has no put of its own and
-	// emulates one; with UCX's puts (remote memory access) otherwise. It
-	// sends them as messages where the pool lends nothing.
+	// PathAuto writes the pages into the receiver's memory (remote memory
+	// access, UCX's puts) where the decode pool lends it (host memory),
+	// and sends them as messages otherwise.
 	PathAuto DataPath = iota
 	// PathMessages always sends the pages as messages (UCX's active
 	// messages), as handoff/tcpx sends its frames: the receiver copies
 	// them into the decode pool.
 	PathMessages
-	// PathRendezvous writes the pages, where the decode pool lends them,
-	// as UCX rendezvous messages, each naming where in the lent memory
-	// it goes and received there by the decode side itself
-	// (ucp_am_recv_data_nbx): the bytes move once, by the transport's
-	// zero-copy operations, instead of through UCX's buffers as an
-	// emulated put's do. Where the pool lends nothing, as messages.
-	PathRendezvous
-	// PathPuts writes the pages, where the decode pool lends them, with
-	// UCX's puts (ucp_put_nbx) whatever the transports, TCP included.
-	// Where the pool lends nothing, as messages.
-	PathPuts
 )
 
 func (p DataPath) String() string {
@@ -71,10 +57,6 @@ func (p DataPath) String() string {
 		return "auto"
 	case PathMessages:
 		return "messages"
-	case PathRendezvous:
-		return "rendezvous"
-	case PathPuts:
-		return "puts"
 	}
 	return fmt.Sprintf("DataPath(%d)", int(p))
 }
@@ -119,7 +101,7 @@ func (o Options) withDefaults() (Options, error) {
 			handoff.ErrInvalidConfig, o.MaxMessageBytes, o.ConnectTimeout, o.MessageTimeout, o.RevokeTimeout)
 	case o.MaxConns < 0:
 		return o, fmt.Errorf("%w: ucxx: negative MaxConns %d", handoff.ErrInvalidConfig, o.MaxConns)
-	case o.DataPath < PathAuto || o.DataPath > PathPuts:
+	case o.DataPath != PathAuto && o.DataPath != PathMessages:
 		return o, fmt.Errorf("%w: ucxx: unknown %v", handoff.ErrInvalidConfig, o.DataPath)
 	}
 	if o.MaxMessageBytes == 0 {

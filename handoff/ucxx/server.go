@@ -14,7 +14,6 @@ import (
 	"log/slog"
 	"net"
 	"runtime"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -339,13 +338,10 @@ func (e *serverEnd) ExposeMemory(mems [][]byte) ([]byte, func(), error) {
 	if e.s.opts.DataPath == PathMessages {
 		return nil, nil, fmt.Errorf("%w: ucxx: the server sends pages as messages (PathMessages)", handoff.ErrNoRemoteMemory)
 	}
-	if e.s.opts.DataPath == PathRendezvous || e.s.opts.DataPath == PathAuto && tcpOnly(e.c.lanes()) {
-		return e.exposeForReceives(mems)
-	}
 	w := e.s.w
 	var pin runtime.Pinner // the pool's memory, whose address UCX keeps until the unmap
 	var memhs []C.ucp_mem_h
-	desc := []byte{descPuts}
+	var desc []byte
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	unmap := func() {
@@ -386,51 +382,6 @@ func (e *serverEnd) ExposeMemory(mems [][]byte) ([]byte, func(), error) {
 		})
 	}
 	return desc, revoke, nil
-}
-
-// exposeForReceives is ExposeMemory for PathRendezvous: nothing is
-// registered; the sender's writes come as rendezvous messages, each of
-// which this end receives itself into the extent and offset it names,
-// only inside mems (conn.writeArrivedLocked). The description says so,
-// and nothing else: no address or key of this process's leaves it.
-// revoke closes mems to writes, has the sender stop, and waits for the
-// receives in flight to end.
-func (e *serverEnd) exposeForReceives(mems [][]byte) ([]byte, func(), error) {
-	c := e.c
-	var pin runtime.Pinner // the pool's memory, which UCX writes until the receives end
-	for i, m := range mems {
-		if len(m) == 0 {
-			pin.Unpin()
-			return nil, nil, fmt.Errorf("%w: ucxx: extent %d is empty", handoff.ErrInvalidArgument, i)
-		}
-		pin.Pin(&m[0])
-	}
-	c.w.mu.Lock()
-	defer c.w.mu.Unlock()
-	switch {
-	case c.err != nil:
-		pin.Unpin()
-		return nil, nil, c.err
-	case c.landing != nil:
-		pin.Unpin()
-		return nil, nil, fmt.Errorf("%w: ucxx: memory exposed twice on one connection", handoff.ErrInvalidArgument)
-	}
-	c.landing, c.landingOpen = mems, true
-	var once sync.Once
-	revoke := func() {
-		once.Do(func() {
-			c.w.mu.Lock()
-			c.landingOpen = false
-			c.w.mu.Unlock()
-			e.takeBack()
-			c.closeLanding(e.s.opts.RevokeTimeout)
-			c.w.mu.Lock()
-			c.landing = [][]byte{} // closed: a late write is released unread
-			c.w.mu.Unlock()
-			pin.Unpin()
-		})
-	}
-	return []byte{descReceives}, revoke, nil
 }
 
 // takeBack has the sender stop writing the exposed memory: it asks, and
@@ -481,33 +432,4 @@ func (e *serverEnd) finish() {
 			return
 		}
 	}
-}
-
-// tcpOnly reports whether every lane of an endpoint, as lanes describes
-// them (ucp_ep_print_info: "lane[0]:  1:tcp/lo.0 md[0] ..."), is UCX's
-// TCP transport: where UCX 1.13 emulates a put with active messages
-// (two copies in user space beside the kernel's, for 111-131 ms of CPU
-// per 256 MiB on the machine of bench/README.md) while its rendezvous
-// moves the bytes with the kernel's copies alone (57-67 ms, ucx_perftest
-// tag_bw and ucp_am_bw; bench/results/2026-12-04-ucx-3.txt). Over shared
-// memory the emulated puts still beat the rendezvous (cma), and over
-// InfiniBand and RoCE the NIC writes a put: PathAuto keeps the puts
-// there.
-func tcpOnly(lanes string) bool {
-	n := 0
-	for _, line := range strings.Split(lanes, "\n") {
-		f := strings.Fields(line)
-		for i := 0; i+1 < len(f); i++ {
-			if !strings.HasPrefix(f[i], "lane[") {
-				continue
-			}
-			_, tl, _ := strings.Cut(f[i+1], ":")
-			if tl, _, _ = strings.Cut(tl, "/"); tl != "tcp" {
-				return false
-			}
-			n++
-			break
-		}
-	}
-	return n > 0
 }

@@ -34,7 +34,6 @@ void kvf_events(kvf_worker *w, kvf_event **evs, size_t *n)
 typedef struct {
 	kvf_worker *w;
 	uint64_t token;
-	uint8_t header[KVF_HEADER_MAX]; /* kvf_am_write's, which UCX 1.13 reads until the send ends */
 } kvf_req_ctx;
 
 static void done(void *request, ucs_status_t status, kvf_req_ctx *c)
@@ -46,12 +45,6 @@ static void done(void *request, ucs_status_t status, kvf_req_ctx *c)
 }
 
 static void send_cb(void *request, ucs_status_t status, void *user_data) { done(request, status, user_data); }
-
-static void recv_am_cb(void *request, ucs_status_t status, size_t length, void *user_data)
-{
-	(void)length; /* posted for the message's exact length */
-	done(request, status, user_data);
-}
 
 /* settle turns what an nbx call returned into the shim's convention,
  * freeing the callback's context when no callback will come. */
@@ -293,42 +286,6 @@ ucs_status_t kvf_am_send(kvf_worker *w, ucp_ep_h ep, const void *header, size_t 
 	p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
 	p.datatype = UCP_DATATYPE_IOV;
 	return settle(ucp_am_send_nbx(ep, KVF_AM_ID, header, header_len, iov, iovcnt, &p), c);
-}
-
-ucs_status_t kvf_am_write(kvf_worker *w, ucp_ep_h ep, const void *header, size_t header_len, const void *buf, size_t len,
-                          uint64_t token)
-{
-	if (header_len > KVF_HEADER_MAX) {
-		return UCS_ERR_INVALID_PARAM;
-	}
-	kvf_req_ctx *c = req_ctx(w, token);
-	if (c == NULL) {
-		return UCS_ERR_NO_MEMORY;
-	}
-	memcpy(c->header, header, header_len);
-	ucp_request_param_t p = send_param(c);
-	/* By rendezvous: the bytes move once, from buf straight into the
-	 * receiver's memory, by the transport's zero-copy operations (over
-	 * TCP, one send and one receive in the kernel), not through UCX's
-	 * buffers as an emulated put's do. Should the peer go quiet, the wait
-	 * is ended by the connection's failure (conn.abandonLocked). */
-	p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-	p.flags = UCP_AM_SEND_FLAG_RNDV;
-	return settle(ucp_am_send_nbx(ep, KVF_AM_ID, c->header, header_len, buf, len, &p), c);
-}
-
-ucs_status_t kvf_am_recv(kvf_worker *w, void *data_desc, void *buf, size_t len, uint64_t token)
-{
-	kvf_req_ctx *c = req_ctx(w, token);
-	if (c == NULL) {
-		return UCS_ERR_NO_MEMORY;
-	}
-	ucp_request_param_t p = {
-	    .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
-	    .cb = {.recv_am = recv_am_cb},
-	    .user_data = c,
-	};
-	return settle(ucp_am_recv_data_nbx(w->worker, data_desc, buf, len, &p), c);
 }
 
 ucs_status_t kvf_put(kvf_worker *w, ucp_ep_h ep, const void *buf, size_t len, uint64_t raddr, ucp_rkey_h rkey,

@@ -30,7 +30,7 @@ enum {
  * sizes none (kvf_open). */
 #define KVF_TCP_SEG_SIZE "1M"
 #define KVF_MM_SEG_SIZE "32K"
-#define KVF_HEADER_MAX 32
+#define KVF_HEADER_MAX 16
 
 typedef struct {
 	int kind;
@@ -75,14 +75,6 @@ ucs_status_t kvf_connect(kvf_worker *w, const void *addr, ucp_ep_h *out);
  * token will report its end, or an error. */
 ucs_status_t kvf_am_send(kvf_worker *w, ucp_ep_h ep, const void *header, size_t header_len, const ucp_dt_iov_t *iov,
                          size_t iovcnt, uint64_t token);
-/* kvf_am_write sends len bytes at buf as an active message by rendezvous:
- * the receiver fetches them into memory of its choosing (kvf_am_recv), or
- * releases them; the header is copied, to live until the send ends. */
-ucs_status_t kvf_am_write(kvf_worker *w, ucp_ep_h ep, const void *header, size_t header_len, const void *buf, size_t len,
-                          uint64_t token);
-/* kvf_am_recv receives the rendezvous message data_desc names (a
- * KVF_EV_AM event's data) into len bytes at buf, its exact length. */
-ucs_status_t kvf_am_recv(kvf_worker *w, void *data_desc, void *buf, size_t len, uint64_t token);
 ucs_status_t kvf_put(kvf_worker *w, ucp_ep_h ep, const void *buf, size_t len, uint64_t raddr, ucp_rkey_h rkey,
                      uint64_t token);
 ucs_status_t kvf_flush(kvf_worker *w, ucp_ep_h ep, uint64_t token);

@@ -274,24 +274,18 @@ func (w *worker) dispatchLocked() bool {
 //
 // ucxx sends every message eagerly (shim.c): one that would have to be
 // fetched (a rendezvous) is not a ucxx peer's, and fails its connection.
-// Writes into a receiver's exposed memory (a longer header) are the
-// exception: they go to the connection's writeArrivedLocked.
 func (w *worker) messageLocked(ev *C.kvf_event) {
-	h := C.GoBytes(unsafe.Pointer(&ev.header[0]), C.int(ev.header_len))
-	var c *conn
-	if (len(h) == headerLen || len(h) == writeHeaderLen) && string(h[:4]) == magic {
-		c = w.byID[binary.LittleEndian.Uint64(h[8:])]
-	}
-	if c != nil && len(h) == writeHeaderLen {
-		c.writeArrivedLocked(h, ev)
-		return
-	}
 	var m inMessage
 	if ev.rndv != 0 {
 		C.ucp_am_data_release(w.w.worker, ev.data)
 	} else if ev.data != nil {
 		m.data = C.GoBytes(ev.data, C.int(ev.len))
 		C.free(ev.data)
+	}
+	h := C.GoBytes(unsafe.Pointer(&ev.header[0]), C.int(ev.header_len))
+	var c *conn
+	if len(h) == headerLen && string(h[:4]) == magic {
+		c = w.byID[binary.LittleEndian.Uint64(h[8:])]
 	}
 	switch {
 	case c == nil:

@@ -1177,10 +1177,9 @@ class Receiver:
         port 0 picks one): a UCXServer, whose address a UCXTransport on
         the prefill side dials. The imported leases are taken with take().
         options (a dict): connect_timeout_ms, message_timeout_ms,
-        revoke_timeout_ms, max_message_bytes, max_conns, data_path
-        ("auto", "messages", "rendezvous" or "puts"; see kvfence.h).
-        UCX's environment (UCX_TLS, UCX_NET_DEVICES) picks the fabric.
-        Raises Unavailable when the library was built
+        revoke_timeout_ms, max_message_bytes, max_conns, data_path ("auto"
+        or "messages"). UCX's environment (UCX_TLS, UCX_NET_DEVICES)
+        picks the fabric. Raises Unavailable when the library was built
         without UCX. ABI 11."""
         if _lib.ucx_server_create is None:
             raise _lib_too_old("UCX handoffs", 11)

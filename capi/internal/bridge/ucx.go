@@ -45,7 +45,7 @@ type UCXJSON struct {
 	MessageTimeoutMS int64  `json:"message_timeout_ms,omitempty"`
 	RevokeTimeoutMS  int64  `json:"revoke_timeout_ms,omitempty"`
 	MaxConns         int64  `json:"max_conns,omitempty"`
-	DataPath         string `json:"data_path,omitempty"` // "auto" (default), "messages", "rendezvous" or "puts"
+	DataPath         string `json:"data_path,omitempty"` // "auto" (default) or "messages"
 }
 
 // ParseUCXOptions decodes a UCXJSON; empty data means defaults. Errors
@@ -72,13 +72,8 @@ func ParseUCXOptions(data []byte) (ucxx.Options, error) {
 		o.DataPath = ucxx.PathAuto
 	case "messages":
 		o.DataPath = ucxx.PathMessages
-	case "rendezvous":
-		o.DataPath = ucxx.PathRendezvous
-	case "puts":
-		o.DataPath = ucxx.PathPuts
 	default:
-		return ucxx.Options{}, fmt.Errorf("%w: UCX options JSON: data_path %q: want \"auto\", \"messages\", \"rendezvous\" or \"puts\"",
-			handoff.ErrInvalidConfig, uj.DataPath)
+		return ucxx.Options{}, fmt.Errorf("%w: UCX options JSON: data_path %q: want \"auto\" or \"messages\"", handoff.ErrInvalidConfig, uj.DataPath)
 	}
 	return o, nil
 }
