@@ -3,7 +3,6 @@ package kvcache
 import (
 	"encoding/binary"
 	"fmt"
-	"slices"
 
 	"github.com/kvfence/kvfence/allocator"
 	"github.com/kvfence/kvfence/cudaops"
@@ -159,11 +158,13 @@ func (p *Pool) AuditFreePages() (pages int, err error) {
 		}
 	}
 	if t := p.tier; t != nil {
-		for _, s := range slices.Concat(t.sp[spacePages].free, t.sp[spaceCheckpoints].free) {
-			if err := t.checkCanary(s, books.OwnerName(t.meta[s].owner)); err != nil {
-				return pages, fmt.Errorf("free host-tier slot %d: %w", s, err)
+		for si := range t.sp {
+			for _, s := range t.sp[si].free {
+				if err := t.checkCanary(s, books.OwnerName(t.meta[s].owner)); err != nil {
+					return pages, fmt.Errorf("free host-tier slot %d: %w", s, err)
+				}
+				pages++
 			}
-			pages++
 		}
 	}
 	return pages, nil

@@ -254,8 +254,6 @@ type domainSpace struct {
 type hostTier struct {
 	// Set once in newHostTier.
 	dev       cudaops.HostCopier
-	slots     int    // spacePages's slots
-	pageBytes int64  // a page slot's bytes
 	mem       []byte // from dev.AllocHost: every space's slabs
 	ckptUnits []int  // per group: the units a checkpoint slot holds (checkpointUnits)
 	swapOn    bool
@@ -318,10 +316,10 @@ func newHostTier(p *Pool, c HostTierConfig, pages, ckpts int) (*hostTier, error)
 	if !ok {
 		return nil, fmt.Errorf("%w: %w: the device (%s) cannot copy pages to host memory (cudaops.HostCopier)", ErrInvalidConfig, ErrTierUnsupported, p.dev.Name())
 	}
-	t := &hostTier{dev: hc, slots: pages, pageBytes: p.groups[0].pageBytes, swapOn: !c.NoSwap && !p.hybrid(),
+	t := &hostTier{dev: hc, swapOn: !c.NoSwap && !p.hybrid(),
 		spec: p.q.Spec(), canary: p.q.NeedsVerify(), ckptUnits: checkpointUnits(p.lay),
 		tenantPages: make(map[*tenancy.Tenant]int), swaps: make(map[swapKey]*tierItem)}
-	t.sp[spacePages] = tierSpace{n: pages, slotBytes: t.pageBytes}
+	t.sp[spacePages] = tierSpace{n: pages, slotBytes: p.groups[0].pageBytes}
 	t.sp[spaceCheckpoints] = tierSpace{base: int32(pages), n: ckpts, slotBytes: checkpointSlotBytes(p.lay)}
 	var total int64
 	for si := range t.sp {
@@ -898,11 +896,12 @@ func (p *Pool) updateTierBoundsLocked() {
 			d.sp[si].bound = t.sp[si].n
 		}
 		if !unbounded[dom] && dom.Tenants > 0 {
-			pages := min(t.slots, sums[dom])
+			all := t.sp[spacePages].n
+			pages := min(all, sums[dom])
 			d.sp[spacePages].bound = pages
-			if t.slots > 0 {
+			if all > 0 {
 				n := t.sp[spaceCheckpoints].n
-				d.sp[spaceCheckpoints].bound = int((int64(pages)*int64(n) + int64(t.slots) - 1) / int64(t.slots))
+				d.sp[spaceCheckpoints].bound = int((int64(pages)*int64(n) + int64(all) - 1) / int64(all))
 			}
 		}
 	}
@@ -1062,7 +1061,7 @@ func (p *Pool) tierStatsLocked() TierStats {
 		return TierStats{}
 	}
 	s := t.stats
-	s.Enabled, s.Slots, s.SlotBytes = true, len(t.meta), t.pageBytes
+	s.Enabled, s.Slots, s.SlotBytes = true, len(t.meta), t.sp[spacePages].slotBytes
 	s.CheckpointSlots, s.CheckpointSlotBytes = t.sp[spaceCheckpoints].n, t.sp[spaceCheckpoints].slotBytes
 	s.Free, s.Quarantined, s.Retired = t.count[tierFree], t.count[tierQuarantined], t.count[tierRetired]
 	s.InFlight = t.count[tierWriting] + t.reading

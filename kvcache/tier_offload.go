@@ -333,7 +333,7 @@ func (p *Pool) finishTierWriteLocked(w *tierWrite, fill []int32) []int32 {
 				p.mu.prefix.epoch++ // usable now: a match may reach further
 				t.domain(it.dom).storedPages++
 				t.stats.Offloads++
-				t.stats.OffloadBytes += uint64(t.pageBytes)
+				t.stats.OffloadBytes += uint64(t.sp[spacePages].slotBytes)
 				if events {
 					stored = append(stored, e)
 				}

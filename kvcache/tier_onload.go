@@ -213,7 +213,7 @@ func (p *Pool) finishTierReadLocked(a *admission) (b scrubBatch, ended bool) {
 		}
 		t.domain(l.domain).hitPages += uint64(onloaded)
 		t.stats.Onloads += uint64(len(r.pages))
-		t.stats.OnloadBytes += uint64(len(r.pages)) * uint64(t.pageBytes)
+		t.stats.OnloadBytes += uint64(len(r.pages)) * uint64(t.sp[spacePages].slotBytes)
 		if r.swap != nil {
 			l.restored = r.restored
 			t.stats.SwapsIn++
