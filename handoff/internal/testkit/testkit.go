@@ -5,11 +5,14 @@
 package testkit
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
+	"io"
+	"strings"
 	"testing"
 	"time"
 
@@ -269,4 +272,47 @@ func RecvWithin(t testing.TB, st handoff.Stream, bound time.Duration, what strin
 		t.Fatalf("%s: no message within %v", what, bound)
 		return nil
 	}
+}
+
+// ServeCommands runs the command loop of a decode-side peer process of
+// the two-process tests, reading a command a line from in and answering
+// each on out with "ok ..." or "err ...": "take ID" verifies the content
+// of the lease imported for request ID (VerifyContent) and releases it,
+// "sweep" audits the pool's free pages (Sweep), "stats" gives the
+// receiver's counts. It returns when in ends.
+func ServeCommands(in io.Reader, out io.Writer, pool *kvcache.Pool, recv *handoff.Receiver) error {
+	lines := bufio.NewScanner(in)
+	for lines.Scan() {
+		cmd, arg, _ := strings.Cut(lines.Text(), " ")
+		switch cmd {
+		case "take":
+			l, ok := recv.Take(arg)
+			if !ok {
+				fmt.Fprintln(out, "err no lease for", arg)
+				continue
+			}
+			err := VerifyContent(pool, l, arg)
+			written, phase := l.Written(), l.Phase()
+			if rerr := l.Release(); err == nil {
+				err = rerr
+			}
+			if err != nil {
+				fmt.Fprintln(out, "err", err)
+				continue
+			}
+			fmt.Fprintln(out, "ok", arg, phase, written)
+		case "sweep":
+			if err := Sweep(pool); err != nil {
+				fmt.Fprintln(out, "err", err)
+				continue
+			}
+			fmt.Fprintln(out, "ok sweep")
+		case "stats":
+			s := recv.Stats()
+			fmt.Fprintln(out, "ok imported", s.Imported, "refused", s.Refused)
+		default:
+			fmt.Fprintln(out, "err unknown command", cmd)
+		}
+	}
+	return lines.Err()
 }

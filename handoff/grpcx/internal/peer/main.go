@@ -10,12 +10,10 @@
 package main
 
 import (
-	"bufio"
 	"flag"
 	"fmt"
 	"net"
 	"os"
-	"strings"
 
 	"google.golang.org/grpc/credentials/insecure"
 
@@ -56,38 +54,5 @@ func run(pages int) error {
 	defer srv.Stop()
 	fmt.Println("addr", ln.Addr())
 
-	in := bufio.NewScanner(os.Stdin)
-	for in.Scan() {
-		cmd, arg, _ := strings.Cut(in.Text(), " ")
-		switch cmd {
-		case "take":
-			l, ok := recv.Take(arg)
-			if !ok {
-				fmt.Println("err no lease for", arg)
-				continue
-			}
-			err := testkit.VerifyContent(pool, l, arg)
-			written, phase := l.Written(), l.Phase()
-			if rerr := l.Release(); err == nil {
-				err = rerr
-			}
-			if err != nil {
-				fmt.Println("err", err)
-				continue
-			}
-			fmt.Println("ok", arg, phase, written)
-		case "sweep":
-			if err := testkit.Sweep(pool); err != nil {
-				fmt.Println("err", err)
-				continue
-			}
-			fmt.Println("ok sweep")
-		case "stats":
-			s := recv.Stats()
-			fmt.Println("ok imported", s.Imported, "refused", s.Refused)
-		default:
-			fmt.Println("err unknown command", cmd)
-		}
-	}
-	return in.Err()
+	return testkit.ServeCommands(os.Stdin, os.Stdout, pool, recv)
 }

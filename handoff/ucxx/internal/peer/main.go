@@ -17,12 +17,10 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"flag"
 	"fmt"
 	"os"
-	"strings"
 
 	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/handoff/internal/testkit"
@@ -72,40 +70,7 @@ func decode(pages int) error {
 	}
 	fmt.Println("addr", addr)
 
-	in := bufio.NewScanner(os.Stdin)
-	for in.Scan() {
-		cmd, arg, _ := strings.Cut(in.Text(), " ")
-		switch cmd {
-		case "take":
-			l, ok := recv.Take(arg)
-			if !ok {
-				fmt.Println("err no lease for", arg)
-				continue
-			}
-			err := testkit.VerifyContent(pool, l, arg)
-			written, phase := l.Written(), l.Phase()
-			if rerr := l.Release(); err == nil {
-				err = rerr
-			}
-			if err != nil {
-				fmt.Println("err", err)
-				continue
-			}
-			fmt.Println("ok", arg, phase, written)
-		case "sweep":
-			if err := testkit.Sweep(pool); err != nil {
-				fmt.Println("err", err)
-				continue
-			}
-			fmt.Println("ok sweep")
-		case "stats":
-			s := recv.Stats()
-			fmt.Println("ok imported", s.Imported, "refused", s.Refused)
-		default:
-			fmt.Println("err unknown command", cmd)
-		}
-	}
-	return in.Err()
+	return testkit.ServeCommands(os.Stdin, os.Stdout, pool, recv)
 }
 
 func prefill(pages int, addr string, prompt, stall int) error {
