@@ -1080,7 +1080,10 @@ KVF_API kvf_status kvf_import_free(kvf_import imp);
  * defaults): {"connect_timeout_ms": 10000, "message_timeout_ms": 60000,
  * "revoke_timeout_ms": 2000, "max_message_bytes": 67108864,
  * "max_conns": 256 (a server's), "data_path": "auto" | "messages" (a
- * server's: "messages" never writes the pool's memory remotely)}; bad JSON
+ * server's: "messages" never writes the pool's memory remotely; "auto"
+ * has the decode side receive each write into its pages itself where UCX
+ * runs over TCP alone, and the prefill side write them with UCX's puts
+ * elsewhere: handoff/ucxx's DataPath)}; bad JSON
  * is KVF_ERR_INVALID_CONFIG. Without UCX in the library every create
  * returns KVF_ERR_UNAVAILABLE.
  */

@@ -22,13 +22,14 @@ import (
 )
 
 // Transport is a handoff.Transport to one ucxx server: each Open
-// connects an endpoint of its own for the transfer, and the transfer's
-// end closes it. It owns a UCX context and worker, which Close
-// destroys. It is safe for concurrent use.
+// connects an endpoint of its own for the transfer, on a UCX worker of
+// its own, and the transfer's end closes it (see the package doc's
+// Model). It owns a UCX context and the workers, which Close destroys.
+// It is safe for concurrent use.
 type Transport struct {
 	addr string
 	opts Options
-	w    *worker
+	x    *ucxContext
 
 	mu struct {
 		sync.Mutex
@@ -51,11 +52,11 @@ func Dial(addr string, opts Options) (*Transport, error) {
 	if _, _, err := net.SplitHostPort(addr); err != nil {
 		return nil, fmt.Errorf("%w: ucxx: address %q: %w", handoff.ErrInvalidArgument, addr, err)
 	}
-	w, err := openWorker()
+	x, err := openContext()
 	if err != nil {
 		return nil, err
 	}
-	t := &Transport{addr: addr, opts: opts, w: w}
+	t := &Transport{addr: addr, opts: opts, x: x}
 	t.mu.open = make(map[*clientStream]struct{})
 	return t, nil
 }
@@ -64,9 +65,10 @@ func Dial(addr string, opts Options) (*Transport, error) {
 var errNoTransport = fmt.Errorf("%w: ucxx: transport not made by Dial (Dial failed?)", handoff.ErrInvalidArgument)
 
 // Close ends every transfer still open on t (each fails with
-// handoff.ErrTransport), refuses further Opens and destroys the worker.
+// handoff.ErrTransport), refuses further Opens and destroys the UCX
+// context and its workers.
 func (t *Transport) Close() error {
-	if t == nil || t.w == nil {
+	if t == nil || t.x == nil {
 		return errNoTransport
 	}
 	t.mu.Lock()
@@ -81,7 +83,7 @@ func (t *Transport) Close() error {
 	for s := range open {
 		s.Close()
 	}
-	t.w.close()
+	t.x.close()
 	return nil
 }
 
@@ -94,7 +96,7 @@ func (t *Transport) Close() error {
 // handoff.ErrInvalidArgument.
 func (t *Transport) Open(ctx context.Context) (handoff.Stream, error) {
 	switch {
-	case t == nil || t.w == nil:
+	case t == nil || t.x == nil:
 		return nil, errNoTransport
 	case ctx == nil:
 		return nil, fmt.Errorf("%w: ucxx: Open with a nil context", handoff.ErrInvalidArgument)
@@ -134,41 +136,49 @@ func (t *Transport) connect(ctx context.Context) (*conn, error) {
 	}
 	deadline, _ := cctx.Deadline()
 	nc.SetDeadline(deadline)
-	c := newConn(t.w, nc, t.opts.MaxMessageBytes)
-	t.w.mu.Lock()
+	w, err := t.x.worker()
+	if err != nil {
+		nc.Close()
+		return nil, err
+	}
+	c := newConn(w, nc, t.opts.MaxMessageBytes)
+	w.mu.Lock()
 	c.registerLocked()
-	t.w.mu.Unlock()
+	w.mu.Unlock()
 	fail := func(err error) (*conn, error) {
 		c.close()
 		return nil, err
 	}
-	if err := writeHello(nc, c.id, t.w.address); err != nil {
+	if err := writeHello(nc, c.id, w.address); err != nil {
 		return fail(err)
 	}
 	peer, addr, err := readHello(nc)
 	if err != nil {
 		return fail(err)
 	}
-	t.w.mu.Lock()
+	w.mu.Lock()
 	err = c.connectLocked(addr, peer)
-	t.w.mu.Unlock()
+	w.mu.Unlock()
 	if err != nil {
 		return fail(err)
 	}
 	nc.SetDeadline(time.Time{})
 	go c.watch()
 	p := newPending()
-	t.w.mu.Lock()
+	w.mu.Lock()
 	c.onRevoke = c.stopWritingLocked
-	p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(t.w.w, c.ep, tok) }, p.complete))
+	p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(w.w, c.ep, tok) }, p.complete))
 	p.seal()
-	t.w.mu.Unlock()
+	w.mu.Unlock()
 	if !c.wait(p, time.Until(deadline)) {
 		return fail(fmt.Errorf("%w: ucxx: not connected to %s in %v", handoff.ErrTransport, t.addr, t.opts.ConnectTimeout))
 	}
 	if p.err != nil {
 		return fail(c.failure("connecting", p.err))
 	}
+	w.mu.Lock()
+	c.learnLanesLocked()
+	w.mu.Unlock()
 	return c, nil
 }
 
@@ -307,6 +317,10 @@ func (s *clientStream) OpenRemote(desc []byte, memBytes []int64) (handoff.Remote
 	if s.writer != nil {
 		return nil, fmt.Errorf("%w: ucxx: a second remote writer on one stream", handoff.ErrProtocol)
 	}
+	if len(desc) == 1 && desc[0] == descReceives {
+		s.writer = &remoteWriter{s: s, bytes: memBytes, receives: true}
+		return s.writer, nil
+	}
 	exts, err := parseDesc(desc, len(memBytes))
 	if err != nil {
 		return nil, err
@@ -325,7 +339,7 @@ func (s *clientStream) OpenRemote(desc []byte, memBytes []int64) (handoff.Remote
 			w.destroyLocked()
 			return nil, fmt.Errorf("%w: ucxx: the remote key of extent %d does not unpack: %w", handoff.ErrProtocol, i, statusErr(st))
 		}
-		w.rkeys = append(w.rkeys, rkey)
+		c.rkeys = append(c.rkeys, rkey)
 		w.addrs[i] = e.addr
 	}
 	s.writer = w
@@ -360,8 +374,15 @@ type extentDesc struct {
 	rkey []byte
 }
 
-// The description of exposed memory: for each extent, address u64,
-// remote key length u16, remote key.
+// The description of exposed memory is one byte that says how the
+// sender writes it: descReceives, alone (over TCP alone: by rendezvous
+// messages that the receiver receives into it), or descPuts, then for
+// each extent its address u64, remote key length u16, remote key.
+const (
+	descPuts     = 'p'
+	descReceives = 'r'
+)
+
 func appendDesc(dst []byte, addr uint64, rkey []byte) []byte {
 	dst = binary.LittleEndian.AppendUint64(dst, addr)
 	dst = binary.LittleEndian.AppendUint16(dst, uint16(len(rkey)))
@@ -369,6 +390,10 @@ func appendDesc(dst []byte, addr uint64, rkey []byte) []byte {
 }
 
 func parseDesc(b []byte, n int) ([]extentDesc, error) {
+	if len(b) == 0 || b[0] != descPuts {
+		return nil, fmt.Errorf("%w: ucxx: a description of exposed memory that is neither puts' nor receives'", handoff.ErrProtocol)
+	}
+	b = b[1:]
 	exts := make([]extentDesc, 0, n)
 	for len(b) > 0 {
 		if len(b) < 10 || len(exts) == n {
@@ -396,9 +421,12 @@ const closeFlush = time.Second
 // Close, and every error, returns only once no put reads the pages.
 type remoteWriter struct {
 	s     *clientStream
-	rkeys []C.ucp_rkey_h
 	addrs []uint64
 	bytes []int64
+	// receives: the receiver receives the writes itself (over TCP alone):
+	// each run goes as a rendezvous message that names its extent and
+	// offset; there are no keys, no addresses, and no flush.
+	receives bool
 
 	// Guarded by the worker's lock.
 	batches []*pending
@@ -424,13 +452,21 @@ func (c *conn) stopWritingLocked() {
 // Write implements handoff.RemoteWriter: one put per run of the puts'
 // parts that lie one after the other in this process's memory too, then
 // a flush of the endpoint, whose completion means they have landed.
+//
+// Where the receiver receives the writes itself (over TCP alone), one
+// rendezvous message per run instead, and no flush: a send ends once
+// the receiver has taken its bytes (its receive posted; over TCP they
+// may still be on their way), and the receiver reads a message only once
+// every receive it posted before that message arrived has ended
+// (conn.recv), so the landed note that follows them is read only once
+// they have landed.
 func (w *remoteWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 	for _, p := range puts {
 		n := int64(0)
 		for _, src := range p.Src {
 			n += int64(len(src))
 		}
-		if p.Mem < 0 || p.Mem >= len(w.addrs) || p.Off < 0 || p.Off > w.bytes[p.Mem] || n > w.bytes[p.Mem]-p.Off {
+		if p.Mem < 0 || p.Mem >= len(w.bytes) || p.Off < 0 || p.Off > w.bytes[p.Mem] || n > w.bytes[p.Mem]-p.Off {
 			return nil, fmt.Errorf("%w: ucxx: a put of %d bytes at offset %d of extent %d: outside the memory the receiver granted",
 				handoff.ErrProtocol, n, p.Off, p.Mem)
 		}
@@ -452,9 +488,9 @@ func (w *remoteWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 		c.w.mu.Unlock()
 		return nil, err
 	}
+	var hdr [writeHeaderLen]byte
 	for _, put := range puts {
-		raddr := w.addrs[put.Mem] + uint64(put.Off)
-		rkey := w.rkeys[put.Mem]
+		off := uint64(put.Off)
 		for i := 0; i < len(put.Src) && p.err == nil; {
 			start := put.Src[i]
 			n := len(start)
@@ -463,14 +499,25 @@ func (w *remoteWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 				n += len(put.Src[j])
 			}
 			p.pin.Pin(&start[0])
-			p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
-				return C.kvf_put(c.w.w, c.ep, unsafe.Pointer(unsafe.SliceData(start)), C.size_t(n), C.uint64_t(raddr), rkey, tok)
-			}, p.complete))
-			raddr += uint64(n)
+			if w.receives {
+				putHeader(hdr[:], kindWrite, c.peer)
+				binary.LittleEndian.PutUint32(hdr[headerLen:], uint32(put.Mem))
+				binary.LittleEndian.PutUint64(hdr[headerLen+4:], off)
+				p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
+					return C.kvf_am_write(c.w.w, c.ep, unsafe.Pointer(&hdr[0]), writeHeaderLen,
+						unsafe.Pointer(unsafe.SliceData(start)), C.size_t(n), tok)
+				}, p.complete))
+			} else {
+				raddr, rkey := w.addrs[put.Mem]+off, c.rkeys[put.Mem]
+				p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
+					return C.kvf_put(c.w.w, c.ep, unsafe.Pointer(unsafe.SliceData(start)), C.size_t(n), C.uint64_t(raddr), rkey, tok)
+				}, p.complete))
+			}
+			off += uint64(n)
 			i = j
 		}
 	}
-	if p.err == nil {
+	if p.err == nil && !w.receives {
 		p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(c.w.w, c.ep, tok) }, p.complete))
 	}
 	p.seal()
@@ -534,12 +581,4 @@ func (w *remoteWriter) Close() error {
 	return err
 }
 
-func (w *remoteWriter) destroyLocked() {
-	if w.s.c.w.w == nil {
-		return // the worker is gone, and its keys with it
-	}
-	for _, k := range w.rkeys {
-		C.ucp_rkey_destroy(k)
-	}
-	w.rkeys = nil
-}
+func (w *remoteWriter) destroyLocked() { w.s.c.dropRkeysLocked() }

@@ -14,7 +14,8 @@ import (
 
 // TestConformance runs the handoff conformance suite over ucxx, on the
 // transports UCX_TLS names (scripts/ci-ucx.sh runs it over TCP and over
-// shared memory): the pages are written into the decode pool's memory.
+// shared memory): the pages are written into the decode pool's memory,
+// by rendezvous over TCP and by UCX's puts over shared memory.
 func TestConformance(t *testing.T) {
 	conformance.Run(t, harness(ucxx.Options{}))
 }

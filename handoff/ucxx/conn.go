@@ -36,28 +36,45 @@ type conn struct {
 	max  int // Options.MaxMessageBytes
 
 	// Guarded by w.mu.
-	inbox      []inMessage
-	queued     int   // bytes of eager messages in inbox
-	err        error // the connection failed; every later call fails with it
-	ended      bool  // the peer's end of messages has been read
-	peerEnded  bool  // the peer's end of messages has arrived: it reads nothing more
-	closed     bool
-	revoked    bool                // on the sender's end: the receiver has taken its memory back
-	onRevoke   func()              // on the sender's end: the receiver takes its memory back
-	revokeAcks chan struct{}       // on the receiver's end: closed when the sender has stopped writing
-	ops        map[uint64]struct{} // the endpoint's operations in flight, by token
-	credits    int                 // on the sender's end: messages it may send now
-	credit     bool                // on the receiver's end: it answers each message read with a credit
+	inbox       []inMessage
+	queued      int   // bytes of eager messages in inbox
+	err         error // the connection failed; every later call fails with it
+	ended       bool  // the peer's end of messages has been read
+	peerEnded   bool  // the peer's end of messages has arrived: it reads nothing more
+	closed      bool
+	revoked     bool           // on the sender's end: the receiver has taken its memory back
+	onRevoke    func()         // on the sender's end: the receiver takes its memory back
+	revokeAcks  chan struct{}  // on the receiver's end: closed when the sender has stopped writing, or the connection ended
+	revokeAcked bool           // on the receiver's end: the sender has acknowledged the revoke
+	credits     int            // on the sender's end: messages it may send now
+	rkeys       []C.ucp_rkey_h // on the sender's end: the receiver's remote keys, unpacked on ep
+	credit      bool           // on the receiver's end: it answers each message read with a credit
+
+	// On the receiver's end, when the sender's writes come as rendezvous
+	// messages (over TCP alone): the exposed memory they are received
+	// into, while it is open to them, and the receives posted into it,
+	// numbered in posting order: all of the first doneUpTo have ended,
+	// and so have those in doneAfter.
+	landing     [][]byte
+	landingOpen bool
+	posted      uint64
+	doneUpTo    uint64
+	doneAfter   map[uint64]struct{}
+	received    chan struct{} // a receive ended (capacity 1)
 
 	arrived  chan struct{} // a message arrived, or the state changed (capacity 1)
 	credited chan struct{} // a credit arrived (capacity 1)
 	failed   chan struct{} // closed with err
 }
 
-// inMessage is a received message: its kind and bytes.
+// inMessage is a received message: its kind and bytes, and the writes
+// whose receives had been posted when it arrived (conn.posted), which
+// must have ended before it is read: a landed note is read only once
+// the writes it vouches for are in memory.
 type inMessage struct {
-	kind byte
-	data []byte
+	kind  byte
+	data  []byte
+	after uint64
 }
 
 // The message header (16 bytes): magic, version, kind, two zero bytes,
@@ -65,13 +82,19 @@ type inMessage struct {
 const (
 	headerLen  = 16
 	magic      = "KVFU"
-	version    = 1
+	version    = 2   // 2: the description of exposed memory says how it is written (puts, rendezvous)
 	kindMsg    = 'm' // a handoff message
 	kindEnd    = 'e' // the end of this side's messages
 	kindRevoke = 'r' // receiver → sender: stop writing my memory
 	kindAck    = 'a' // sender → receiver: nothing of mine writes it any more
 	kindCredit = 'c' // receiver → sender: one message read, send another
+	kindWrite  = 'w' // sender → receiver, by rendezvous: bytes for the exposed memory (over TCP alone)
 )
+
+// A write's header is the message header followed by where its bytes
+// go: extent u32 (an index into the memory the receiver exposed), offset
+// u64. Its length is the message's.
+const writeHeaderLen = headerLen + 4 + 8
 
 // window is how many messages a sender may have sent that its receiver
 // has not read: messages go eagerly (shim.c), so without a bound a sender
@@ -97,8 +120,9 @@ const maxQueued = 4 * window
 func (c *conn) maxQueuedBytes() int { return window*c.max + 1<<20 }
 
 func newConn(w *worker, ctrl net.Conn, max int) *conn {
-	return &conn{w: w, ctrl: ctrl, max: max, credits: window, ops: make(map[uint64]struct{}),
-		arrived: make(chan struct{}, 1), credited: make(chan struct{}, 1), failed: make(chan struct{})}
+	return &conn{w: w, ctrl: ctrl, max: max, credits: window,
+		arrived: make(chan struct{}, 1), credited: make(chan struct{}, 1), received: make(chan struct{}, 1),
+		failed: make(chan struct{})}
 }
 
 // registerLocked gives c an ID of its own at its worker, so that the
@@ -134,7 +158,10 @@ func (c *conn) connectLocked(addr []byte, peer uint64) error {
 // watch reads the connection the two ends met over until it closes: the
 // peer has ended the transfer, or its process is gone. What the peer
 // sent before it closed may still be in UCX's queues: the worker is
-// progressed first, so that it is delivered before the failure.
+// progressed first, so that it is delivered before the failure. A peer
+// that ended its messages before it closed has ended the transfer as the
+// protocol says: that is no failure, and this end closes in its own
+// time (gracefully, and its worker serves on).
 func (c *conn) watch() {
 	io.Copy(io.Discard, c.ctrl)
 	c.w.mu.Lock()
@@ -145,6 +172,9 @@ func (c *conn) watch() {
 	for C.ucp_worker_progress(c.w.w.worker) != 0 {
 	}
 	c.w.dispatchLocked()
+	if c.peerEnded {
+		return
+	}
 	c.failLocked(fmt.Errorf("%w: ucxx: the peer closed the connection", handoff.ErrTransport))
 }
 
@@ -155,16 +185,56 @@ func (c *conn) signal() {
 	}
 }
 
-// failLocked ends the connection with err (the first failure wins) and
-// closes its endpoint: every operation on it completes, with an error,
-// and every wait on it returns.
+// failLocked ends the connection with err (the first failure wins):
+// its worker is destroyed, which ends every operation on it (UCX reads
+// and writes no memory for them from now on), and every wait on it
+// returns.
 func (c *conn) failLocked(err error) {
+	c.setErrLocked(err)
+	if c.closed {
+		return
+	}
+	c.closed = true
+	c.forgetLocked()
+	c.dropRkeysLocked()
+	c.w.destroyLocked()
+}
+
+// dropRkeysLocked destroys the remote keys unpacked on the endpoint,
+// while its worker lives.
+func (c *conn) dropRkeysLocked() {
+	if c.w.closed {
+		return // no key outlives its worker
+	}
+	for _, k := range c.rkeys {
+		C.ucp_rkey_destroy(k)
+	}
+	c.rkeys = nil
+}
+
+// setErrLocked records the connection's end, unless one is recorded.
+func (c *conn) setErrLocked(err error) {
 	if c.err == nil {
 		c.err = err
 		close(c.failed)
 		c.signal()
 	}
-	c.closeLocked()
+}
+
+// forgetLocked takes the connection off its worker, which delivers
+// nothing more to it, and closes the connection the ends met over (which
+// ends watch). The messages that arrived stay to be read before the
+// connection's error.
+func (c *conn) forgetLocked() {
+	if c.revokeAcks != nil {
+		close(c.revokeAcks)
+		c.revokeAcks = nil
+	}
+	c.ctrl.Close()
+	delete(c.w.byID, c.id)
+	if c.ep != nil {
+		delete(c.w.byEP, c.ep)
+	}
 }
 
 // arrivedLocked takes a message from the peer.
@@ -189,6 +259,7 @@ func (c *conn) arrivedLocked(header []byte, m inMessage) {
 		return
 	case kindAck:
 		if c.revokeAcks != nil {
+			c.revokeAcked = true
 			close(c.revokeAcks)
 			c.revokeAcks = nil
 		}
@@ -219,9 +290,129 @@ func (c *conn) arrivedLocked(header []byte, m inMessage) {
 	if m.kind == kindEnd {
 		c.peerEnded = true
 	}
+	m.after = c.posted
 	c.queued += len(m.data)
 	c.inbox = append(c.inbox, m)
 	c.signal()
+}
+
+// writeArrivedLocked takes a sender's write (over TCP alone), whose
+// bytes ev holds (eager) or names (rendezvous: ev.data is UCX's
+// descriptor, to receive or release): they are received straight into
+// the exposed memory the header names, only if the write lies wholly
+// inside one extent of it, and only while it is open to writes. A write
+// after the memory was taken back is released unread (UCX ends the
+// sender's send all the same; nothing vouches for it any more: the
+// import has ended); anything else out of place fails the connection.
+func (c *conn) writeArrivedLocked(h []byte, ev *C.kvf_event) {
+	n := uint64(ev.len)
+	release := func() {
+		if ev.rndv != 0 {
+			C.ucp_am_data_release(c.w.w.worker, ev.data)
+		} else {
+			C.free(ev.data)
+		}
+	}
+	le := binary.LittleEndian
+	ext, off := uint64(le.Uint32(h[headerLen:])), le.Uint64(h[headerLen+4:])
+	switch {
+	case c.closed || c.err != nil:
+		release()
+		return
+	case h[4] != version || h[5] != kindWrite || h[6] != 0 || h[7] != 0:
+		release()
+		c.failLocked(fmt.Errorf("%w: ucxx: a message with header %q: not a ucxx peer", ErrHandshake, h))
+		return
+	case c.landing == nil:
+		release()
+		c.failLocked(fmt.Errorf("%w: ucxx: a write of %d bytes, and no memory was exposed for writes", handoff.ErrProtocol, n))
+		return
+	case !c.landingOpen:
+		release()
+		return
+	case ext >= uint64(len(c.landing)) || n == 0 || off > uint64(len(c.landing[ext])) || n > uint64(len(c.landing[ext]))-off:
+		release()
+		c.failLocked(fmt.Errorf("%w: ucxx: a write of %d bytes at offset %d of extent %d: outside the memory exposed",
+			handoff.ErrProtocol, n, off, ext))
+		return
+	}
+	dst := c.landing[ext][off : off+n]
+	if ev.rndv == 0 {
+		copy(dst, unsafe.Slice((*byte)(ev.data), n))
+		C.free(ev.data)
+		return
+	}
+	seq := c.posted
+	c.posted++
+	done := func(err error) {
+		c.receivedLocked(seq)
+		if err != nil {
+			c.failLocked(fmt.Errorf("%w: ucxx: receiving a write of %d bytes: %w", handoff.ErrTransport, n, err))
+		}
+	}
+	// A receive ends when UCX completes it, or when the worker is
+	// destroyed (the connection failed): UCX writes its memory no more
+	// either way, which closeLanding waits for before the memory goes
+	// back.
+	inProgress, err := c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
+		return C.kvf_am_recv(c.w.w, ev.data, unsafe.Pointer(unsafe.SliceData(dst)), C.size_t(n), tok)
+	}, done)
+	if err != nil && !c.w.closed {
+		C.ucp_am_data_release(c.w.w.worker, ev.data) // the receive took nothing
+	}
+	if !inProgress {
+		done(err)
+	}
+}
+
+// receivedLocked accounts for the end of receive seq: the messages that
+// arrived after every receive up to it was posted may be read now.
+func (c *conn) receivedLocked(seq uint64) {
+	if seq != c.doneUpTo {
+		if c.doneAfter == nil {
+			c.doneAfter = make(map[uint64]struct{})
+		}
+		c.doneAfter[seq] = struct{}{}
+		return
+	}
+	c.doneUpTo++
+	for {
+		if _, ok := c.doneAfter[c.doneUpTo]; !ok {
+			break
+		}
+		delete(c.doneAfter, c.doneUpTo)
+		c.doneUpTo++
+	}
+	c.signal()
+	select {
+	case c.received <- struct{}{}:
+	default:
+	}
+}
+
+// closeLanding closes the exposed memory to writes (those that arrive
+// from now on are released unread) and waits until no receive into it is
+// in flight: at most timeout, after which the connection is cut; then
+// until UCX has ended them, which it does as the endpoint goes (or the
+// worker's close ends them: nothing writes once it is destroyed). Only
+// then may the memory be used for anything else.
+func (c *conn) closeLanding(timeout time.Duration) {
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	for {
+		c.w.mu.Lock()
+		c.landingOpen = false
+		left := c.doneUpTo < c.posted
+		c.w.mu.Unlock()
+		if !left {
+			return
+		}
+		select {
+		case <-c.received:
+		case <-t.C:
+			c.fail(fmt.Errorf("%w: ucxx: writes into the exposed memory did not end within %v of the revoke", handoff.ErrTransport, timeout))
+		}
+	}
 }
 
 func isEOF(err error) bool { return err == io.EOF }
@@ -237,7 +428,7 @@ func (c *conn) recv(timeout time.Duration, interrupt <-chan struct{}) ([]byte, e
 	var timer <-chan time.Time
 	for {
 		c.w.mu.Lock()
-		if len(c.inbox) > 0 {
+		if len(c.inbox) > 0 && c.inbox[0].after <= c.doneUpTo {
 			m := c.inbox[0]
 			c.inbox[0] = inMessage{}
 			c.inbox = c.inbox[1:]
@@ -428,92 +619,70 @@ func (c *conn) fail(err error) {
 	c.failLocked(err)
 }
 
-// close closes the endpoint (force: outstanding operations are
-// cancelled) and drops what it had queued.
-func (c *conn) close() {
-	c.w.mu.Lock()
-	defer c.w.mu.Unlock()
-	if c.err == nil {
-		c.err = fmt.Errorf("%w: ucxx: connection closed", handoff.ErrTransport)
-		close(c.failed)
-		c.signal()
-	}
-	c.closeLocked()
-}
+// errConnClosed is what calls on a connection get once it has been
+// closed.
+var errConnClosed = fmt.Errorf("%w: ucxx: connection closed", handoff.ErrTransport)
 
-func (c *conn) closeLocked() {
-	if c.closed {
-		return
-	}
-	c.closed = true // the messages that arrived stay to be read before the failure
-	if c.revokeAcks != nil {
-		close(c.revokeAcks)
-		c.revokeAcks = nil
-	}
-	c.ctrl.Close() // ends watch
-	delete(c.w.byID, c.id)
-	if c.ep == nil {
-		return
-	}
-	delete(c.w.byEP, c.ep)
-	inProgress, _ := c.w.postLocked(func(tok C.uint64_t) C.ucs_status_t {
-		return C.kvf_ep_close(c.w.w, c.ep, 1, tok)
-	}, func(error) { c.abandonLocked() })
-	if !inProgress {
-		c.abandonLocked()
-	}
-}
+// close ends the connection at once: its worker is destroyed.
+func (c *conn) close() { c.fail(errConnClosed) }
 
 // postLocked posts an operation on the connection's endpoint (see
-// worker.postLocked), and keeps track of it until it ends.
+// worker.postLocked).
 func (c *conn) postLocked(post func(token C.uint64_t) C.ucs_status_t, done func(error)) (inProgress bool, err error) {
-	var tok uint64
-	inProgress, err = c.w.postLocked(func(t C.uint64_t) C.ucs_status_t {
-		tok = uint64(t)
-		return post(t)
-	}, func(err error) {
-		delete(c.ops, tok)
-		done(err)
-	})
-	if inProgress {
-		c.ops[tok] = struct{}{}
-	}
-	return inProgress, err
+	return c.w.postLocked(post, done)
 }
 
-// errAbandoned ends the operations of an endpoint that has been closed.
-var errAbandoned = fmt.Errorf("%w: ucxx: the connection was closed under the operation", handoff.ErrTransport)
+// errAbandoned ends the operations of a worker that has been destroyed.
+var errAbandoned = fmt.Errorf("%w: ucxx: the connection ended under the operation", handoff.ErrTransport)
 
-// abandonLocked ends, with errAbandoned, the operations the endpoint's
-// close did not end: UCX 1.13 cancels the operations it queues, but on
-// an endpoint in error mode NONE (shim.c) it may never end others, such
-// as a flush that waits on a peer that is gone. Nothing reads or writes
-// their memory any more once the endpoint is closed; were UCX to end
-// one later after all, its completion finds no one waiting (postLocked's
-// token is gone) and is dropped.
-func (c *conn) abandonLocked() {
-	for tok := range c.ops {
-		delete(c.ops, tok)
-		if done, ok := c.w.ops[tok]; ok {
-			delete(c.w.ops, tok)
-			done(errAbandoned)
-		}
-	}
-}
-
-// closeGracefully closes a connection whose transfer has ended: it first
-// flushes the endpoint (at most timeout), so that the messages it sent
-// have reached the peer before the peer sees the connection close.
+// closeGracefully closes a connection whose transfer has ended: the
+// endpoint is flushed, so that the messages it sent reach the peer
+// before the peer sees the connection close, and closed, at most
+// timeout; then the worker serves another connection. A connection that
+// failed, or whose endpoint does not close in time, destroys its
+// worker instead.
 func (c *conn) closeGracefully(timeout time.Duration) {
+	w := c.w
 	p := newPending()
-	c.w.mu.Lock()
-	if c.err == nil && c.ep != nil {
-		p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(c.w.w, c.ep, tok) }, p.complete))
+	w.mu.Lock()
+	if c.closed {
+		w.mu.Unlock()
+		return
+	}
+	c.setErrLocked(errConnClosed)
+	c.closed = true
+	c.forgetLocked()
+	c.dropRkeysLocked()
+	if c.ep != nil {
+		p.add(w.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_ep_close(w.w, c.ep, tok) }, p.complete))
 	}
 	p.seal()
-	c.w.mu.Unlock()
-	c.wait(p, timeout)
-	c.close()
+	w.mu.Unlock()
+	w.drive(p.done)
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-p.done:
+	case <-t.C:
+		w.close() // which ends p
+	}
+	w.mu.Lock()
+	clean := p.err == nil && !w.closed && len(w.ops) == 0 && len(w.byEP) == 0
+	w.mu.Unlock()
+	if !clean {
+		w.close()
+		return
+	}
+	w.x.release(w)
+}
+
+// learnLanesLocked looks at the transports the endpoint uses, once it
+// is connected, and tells the worker whether it must poll them (see
+// worker.polls), and reports whether they are all TCP.
+func (c *conn) learnLanesLocked() (tcp bool) {
+	tcp = tcpOnly(c.lanesLocked())
+	c.w.polls = !tcp
+	return tcp
 }
 
 // lanes describes the transports the connection's endpoint uses
@@ -521,6 +690,10 @@ func (c *conn) closeGracefully(timeout time.Duration) {
 func (c *conn) lanes() string {
 	c.w.mu.Lock()
 	defer c.w.mu.Unlock()
+	return c.lanesLocked()
+}
+
+func (c *conn) lanesLocked() string {
 	if c.closed || c.ep == nil {
 		return ""
 	}

@@ -1,8 +1,9 @@
 // Package ucxx is a handoff.Transport over UCX (openucx), the transfer
 // library under NIXL and most RDMA deployments of disaggregated serving:
 // the decode side exposes the import's pages to the sender, which writes
-// the prefill pages straight into them with UCX's remote puts, over
-// whatever UCX finds (InfiniBand, RoCE, TCP, shared memory, and CUDA
+// the prefill pages straight into them with UCX's remote puts (or, over
+// TCP, as rendezvous messages that the decode side receives into them),
+// over whatever UCX finds (InfiniBand, RoCE, TCP, shared memory, and CUDA
 // memory where UCX is built for it), with the handoff's manifest, MACs,
 // checksum and verdicts around the bytes as over every transport
 // (handoff's "Remote memory").
@@ -20,14 +21,25 @@
 //
 // # Model
 //
-// A Transport and a Server each own a UCX context and worker, which a
-// goroutine progresses: it polls while operations move, and sleeps in Go's
-// poller on the worker's event file descriptor otherwise. Every UCX call
-// is made with the worker's lock held (UCS_THREAD_MODE_SERIALIZED);
-// UCX's callbacks only queue events, which the progress loop hands to
-// the goroutines waiting for them, so no Go code runs on a UCX callback
-// and UCX keeps no Go pointer (the memory of an operation in flight is
-// pinned with runtime.Pinner until it ends).
+// A Transport and a Server each own a UCX context (UCX's configuration,
+// transports and memory registrations), and each of their connections a
+// UCX worker of its own, which a goroutine progresses: it polls while
+// operations move, and sleeps in Go's poller on the worker's event file
+// descriptor otherwise. A connection ends with its worker. One that ends
+// as the protocol says (its operations completed, its endpoint flushed
+// and closed) hands the worker on to a later connection (a context keeps
+// a few idle). One that fails (the peer gone, a timeout, a cut, Close)
+// destroys it at once, and with it every operation still in flight:
+// from then on UCX reads no page a sender lent to its writes and writes
+// none a receiver exposed, whatever the peer still sends. That is the
+// only end UCX 1.13 gives an endpoint in error mode NONE (below): it
+// refuses to force one closed, and a close that flushes waits for a peer
+// that may never answer. Every UCX call is made with the worker's lock
+// held (UCS_THREAD_MODE_SERIALIZED); UCX's callbacks only queue events,
+// which the progress loop hands to the goroutines waiting for them, so
+// no Go code runs on a UCX callback and UCX keeps no Go pointer (the
+// memory of an operation in flight is pinned with runtime.Pinner until
+// it ends).
 //
 // One transfer is one connection, as with handoff/tcpx. The two ends
 // meet over TCP (Server.Listen's address): each sends a hello with its
@@ -36,14 +48,16 @@
 // connect. (UCX 1.13's sockaddr connection manager would choose network
 // transports only, never shared memory.) That TCP connection stays open,
 // silent, until the transfer ends: its close tells either end at once
-// that the other has gone, which UCX itself would learn only from a
-// keepalive, and on shared memory not at all (the endpoints use UCX's
+// that the other has gone (a failure, unless the other had ended its
+// messages first), which UCX itself would learn only from a keepalive,
+// and on shared memory not at all (the endpoints use UCX's
 // error mode NONE with a handler: in 1.13 error mode PEER leaves out
 // shared memory and every transport's remote memory access on an
 // endpoint created from a worker address).
 //
 // Messages (the handoff's manifest, grant, landed notes, seal and
-// verdicts) are UCX active messages, sent eagerly, each with a header
+// verdicts) are UCX active messages, sent eagerly (writes by rendezvous
+// alone: see Data path), each with a header
 // naming the connection they are for at the receiving worker (a random
 // 64-bit ID). A sender may have window (4) messages unread by the
 // receiver; each one read earns a credit back, so a fast sender cannot
@@ -82,7 +96,43 @@
 // acknowledges it, and a flush completes once every acknowledgement is
 // back. That is two copies in user space beside the kernel's, on the
 // two ends' cores; cma, which copies once (process_vm_readv), serves
-// only UCX's rendezvous, which ucxx does not use.
+// only UCX's rendezvous.
+//
+// Where every lane of the receiver's endpoint is UCX's TCP transport
+// (PathAuto), the
+// sender writes by rendezvous instead: each run of pages goes as one
+// active message sent by rendezvous (UCP_AM_SEND_FLAG_RNDV) whose header
+// names the connection, the extent and the offset it is for; the
+// receiver's worker hands its descriptor to the connection, which
+// receives it (ucp_am_recv_data_nbx) straight into that place of the
+// lent pages only if it lies wholly inside one extent and the memory is
+// still open to writes, and fails the connection otherwise. Nothing is
+// mapped and no key or address leaves the receiver (the grant's
+// description says only which way the sender writes). Over TCP the
+// bytes then move once each way, by the kernel (UCX's zero-copy send
+// and a receive into the pages), instead of through UCX's segments. A
+// send ends once the receiver has taken the bytes, not once they have
+// landed, so the receiver reads each message (a landed note) only once
+// every receive it had posted when the message arrived has ended. The
+// revoke closes the memory to writes (a later one is released unread),
+// asks the sender to stop as above, and waits for the receives in
+// flight: past RevokeTimeout it cuts the connection, whose worker's end
+// ends them; a receive is counted ended only once UCX has said so or the
+// worker is destroyed. Over shared memory the puts stay
+// (cma's rendezvous ran at 5.5-5.8 GiB/s against the puts' 9.8-10 in
+// ucx_perftest), and over InfiniBand and RoCE the NIC writes a put.
+// Over TCP, UCX's emulated puts are not only dearer: a put that arrives
+// after its sender's side of the connection failed (the prefill process
+// killed mid-write, its worker destroyed) aborts the receiving process,
+// for UCX's put handler treats the failure of the acknowledgement it
+// sends as fatal (ucp_put_handler, "unexpected error: Endpoint timeout",
+// in UCX 1.13 and in UCX's main branch alike); a rendezvous receive
+// ends with an error instead. So ucxx never puts over TCP alone. What rendezvous gains over TCP on
+// the machine of bench/README.md: the transport alone (BenchmarkPut,
+// 4 MiB chunks) 80 ms of CPU per 256 MiB against the puts' 100, at
+// 5.3-5.5 GB/s against 3.8; a whole handoff 3 % less CPU and 10 % more
+// GB/s at the medians, still about 1.6x tcpx's CPU
+// (bench/results/2026-12-04-ucx-3.txt).
 //
 // Where the pages cannot be lent (the decode pool's pages are not host
 // memory) or Options.DataPath is PathMessages, the pages travel in the
@@ -145,12 +195,15 @@
 // receiver holding the key granted for this very transfer, and a receiver
 // admits only what such a sender manifested. What enforces a remote key
 // is the transport: an RDMA NIC refuses a write outside the memory
-// registered for the key, and after its unmap; over TCP and shared memory
-// nothing checks (the receiver's own UCX worker copies an emulated put's
-// bytes to the address the put names), so there the bounds checks of the
-// sender (this package's, and handoff's check of the grant) and the
-// revoke's handshake are what keep a sender's writes inside the import's
-// pages and within its life.
+// registered for the key, and after its unmap; over shared memory
+// nothing checks (the receiver's own UCX worker
+// copies an emulated put's bytes to the address the put names), so there
+// the bounds checks of the sender (this package's, and handoff's check of
+// the grant) and the revoke's handshake are what keep a sender's writes
+// inside the import's pages and within its life. With rendezvous
+// (PathAuto over TCP) the receiver itself checks every write against the
+// memory it exposed before it receives a byte of it, and receives none
+// after the revoke: a sender cannot write outside the import's pages.
 //
 // # Bounds
 //

@@ -29,3 +29,20 @@ func Cut(st handoff.Stream) {
 	}
 	c.fail(fmt.Errorf("%w: cut by the test", handoff.ErrTransport))
 }
+
+// ForgeWrite sends src by rendezvous as a write at offset off of extent
+// ext of the receiver's exposed memory (as over TCP alone), past none of the
+// sender's checks of the grant, as a sender that lies would, and waits
+// for the send to end. It writes after the receiver's revoke too.
+func ForgeWrite(st handoff.Stream, ext int, off int64, src []byte) error {
+	c := st.(*clientStream).c
+	c.w.mu.Lock()
+	c.revoked = false
+	c.w.mu.Unlock()
+	w := &remoteWriter{s: st.(*clientStream), bytes: []int64{1 << 62, 1 << 62}, receives: true}
+	wait, err := w.Write([]handoff.RemotePut{{Mem: ext, Off: off, Src: [][]byte{src}}})
+	if err != nil {
+		return err
+	}
+	return wait()
+}

@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -181,8 +182,8 @@ func TestStaleImportStopsTheWrites(t *testing.T) {
 }
 
 // rawServer serves connections with serve instead of a receiver's Serve.
-func rawServer(t *testing.T, serve func(ctx context.Context, ep handoff.Endpoint) error) *ucxx.Transport {
-	srv, err := ucxx.NewRawServer(serve, ucxx.Options{})
+func rawServer(t *testing.T, serve func(ctx context.Context, ep handoff.Endpoint) error, opts ucxx.Options) *ucxx.Transport {
+	srv, err := ucxx.NewRawServer(serve, opts)
 	require.NoError(t, err)
 	t.Cleanup(func() { srv.Close() })
 	addr, err := srv.Listen("127.0.0.1:0")
@@ -215,10 +216,11 @@ func exposeOne(mem []byte, change func([]byte) []byte) func(ctx context.Context,
 
 // A put outside the memory the receiver granted is refused before
 // anything is posted, naming the cause; the writer and the connection
-// stay usable, and a put inside lands.
+// stay usable, and a put inside lands: by UCX's puts, or by rendezvous
+// over TCP alone.
 func TestPutOutsideTheGrant(t *testing.T) {
 	mem := make([]byte, 4096)
-	tr := rawServer(t, exposeOne(mem, nil))
+	tr := rawServer(t, exposeOne(mem, nil), ucxx.Options{})
 	st, err := tr.Open(context.Background())
 	require.NoError(t, err)
 	defer st.Close()
@@ -257,14 +259,101 @@ func TestRemoteKeyThatDoesNotUnpack(t *testing.T) {
 		"a key length past end": func(d []byte) []byte { d[8], d[9] = 0xff, 0xff; return d },
 	} {
 		t.Run(name, func(t *testing.T) {
-			tr := rawServer(t, exposeOne(mem, change))
+			var receives atomic.Bool
+			tr := rawServer(t, exposeOne(mem, func(d []byte) []byte {
+				if d[0] != 'p' {
+					receives.Store(true)
+					return d
+				}
+				return change(d)
+			}), ucxx.Options{})
 			st, err := tr.Open(context.Background())
 			require.NoError(t, err)
 			defer st.Close()
 			desc, err := st.Recv()
 			require.NoError(t, err)
+			if receives.Load() {
+				t.Skip("no remote keys: over TCP alone the writes go by rendezvous")
+			}
 			_, err = st.(handoff.MemoryStream).OpenRemote(desc, []int64{int64(len(mem))})
 			assert.ErrorIs(t, err, handoff.ErrProtocol)
+		})
+	}
+}
+
+// A write that a sender sends by rendezvous outside the memory the
+// receiver exposed (past an extent's end, into an extent that does not
+// exist), or after the receiver took the memory back, is never received:
+// the receiver's connection fails naming the cause (a late write is
+// released unread, and the sender's send fails), and the memory holds
+// only what was written inside it.
+func TestWriteOutsideTheExposedMemory(t *testing.T) {
+	src := []byte("sixteen bytes!!!")
+	for name, forge := range map[string]func(st handoff.Stream) error{
+		"past the end":          func(st handoff.Stream) error { return ucxx.ForgeWrite(st, 0, 4090, src) },
+		"a second extent":       func(st handoff.Stream) error { return ucxx.ForgeWrite(st, 1, 0, src) },
+		"an offset past it":     func(st handoff.Stream) error { return ucxx.ForgeWrite(st, 0, 1<<40, src) },
+		"after the revoke":      nil,
+		"one byte past the end": func(st handoff.Stream) error { return ucxx.ForgeWrite(st, 0, 4096, src[:1]) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			mem := make([]byte, 4096)
+			failed := make(chan error, 1)
+			revoked := make(chan struct{})
+			tr := rawServer(t, func(ctx context.Context, ep handoff.Endpoint) error {
+				desc, revoke, err := ep.(handoff.MemoryEndpoint).ExposeMemory([][]byte{mem})
+				if err != nil {
+					return err
+				}
+				if err := ep.Send(desc); err != nil {
+					revoke()
+					return err
+				}
+				if forge == nil { // the memory goes back before the sender writes
+					_, err := ep.Recv() // the sender is ready
+					revoke()
+					close(revoked)
+					if err == nil {
+						_, err = ep.Recv()
+					}
+					failed <- err
+					return nil
+				}
+				for {
+					if _, err := ep.Recv(); err != nil {
+						revoke()
+						failed <- err
+						return nil
+					}
+				}
+			}, ucxx.Options{})
+			st, err := tr.Open(context.Background())
+			require.NoError(t, err)
+			defer st.Close()
+			desc, err := st.Recv()
+			require.NoError(t, err)
+			if desc[0] != 'r' {
+				st.Close()
+				t.Skip("writes go by rendezvous over TCP alone; here by UCX's puts")
+			}
+			require.NoError(t, ucxx.ForgeWrite(st, 0, 16, src), "a write inside the memory")
+			if forge == nil {
+				require.NoError(t, st.Send([]byte("ready")))
+				<-revoked
+				ucxx.ForgeWrite(st, 0, 32, src) // released unread: UCX ends the send either way
+				st.Close()
+				<-failed
+				assert.Equal(t, src, mem[16:32])
+				assert.Equal(t, make([]byte, len(mem)-32), mem[32:], "a write landed after the revoke")
+				return
+			}
+			forge(st)
+			err = <-failed
+			assert.ErrorIs(t, err, handoff.ErrProtocol)
+			assert.ErrorContains(t, err, "outside the memory exposed")
+			assert.Equal(t, src, mem[16:32])
+			assert.Equal(t, make([]byte, len(mem)), append(append([]byte{}, mem[:16]...), append(make([]byte, 16), mem[32:]...)...),
+				"a write outside landed")
 		})
 	}
 }
@@ -367,6 +456,33 @@ func TestKilledDecodePeer(t *testing.T) {
 	assert.True(t, exp.Live(), "the pages stay pinned for a retry")
 	require.NoError(t, exp.Abort())
 	require.NoError(t, testkit.Sweep(prefill))
+}
+
+// The prefill process dies right after it posted a chunk of writes, their
+// bytes in flight (over TCP, rendezvous messages whose receives the
+// decode side has posted or is about to; over shared memory, emulated
+// puts): this process, the decode side, carries on (UCX's put handler
+// would have aborted it over TCP, where ucxx therefore never puts), fails
+// the import as a transport failure within seconds, ends the receives
+// with the connection's worker, and scrubs the pages: the decode pool
+// ends clean. Run twice: the second import's connection is served by a
+// worker of the server's like the first's.
+func TestPrefillPeerDiesMidWrite(t *testing.T) {
+	decode := newPool(t, 4096)
+	recv, srv, _ := serve(t, handoff.ReceiverConfig{Pool: decode}, ucxx.Options{})
+	addr, err := srv.Listen("127.0.0.1:0") // a second listener, for the peer
+	require.NoError(t, err)
+	for i := 1; i <= 2; i++ {
+		_, next, cmd := peer(t, "-role", "prefill", "-addr", addr, "-prompt", strconv.Itoa(1500*16), "-stall", "3", "-die")
+		require.Equal(t, "dying", next())
+		cmd.Wait()
+		require.Eventually(t, func() bool { return refusedBy(recv, "transport") == uint64(i) }, 10*time.Second, time.Millisecond,
+			"the receiver did not fail the import: %+v", recv.Stats())
+		require.Eventually(t, func() bool { return decode.Stats().InUsePages == 0 }, 10*time.Second, time.Millisecond)
+		_, ok := recv.Take("killed")
+		assert.False(t, ok)
+		require.NoError(t, testkit.Sweep(decode))
+	}
 }
 
 // The prefill process killed in the middle of its writes: the receiver

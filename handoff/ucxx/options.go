@@ -41,9 +41,14 @@ var (
 type DataPath int
 
 const (
-	// PathAuto writes the pages into the receiver's memory (remote memory
-	// access, UCX's puts) where the decode pool lends it (host memory),
-	// and sends them as messages otherwise.
+	// PathAuto writes the pages into the receiver's memory where the
+	// decode pool lends it (host memory): as rendezvous messages that the
+	// receiver receives into it where every lane of the connection's
+	// endpoint is UCX's TCP transport, over which UCX has no put of its
+	// own and emulates one (see the package doc: such puts cost more,
+	// and one that arrives after its sender's connection failed aborts
+	// the receiving process); with UCX's puts (remote memory access)
+	// otherwise. It sends them as messages where the pool lends nothing.
 	PathAuto DataPath = iota
 	// PathMessages always sends the pages as messages (UCX's active
 	// messages), as handoff/tcpx sends its frames: the receiver copies
@@ -101,7 +106,7 @@ func (o Options) withDefaults() (Options, error) {
 			handoff.ErrInvalidConfig, o.MaxMessageBytes, o.ConnectTimeout, o.MessageTimeout, o.RevokeTimeout)
 	case o.MaxConns < 0:
 		return o, fmt.Errorf("%w: ucxx: negative MaxConns %d", handoff.ErrInvalidConfig, o.MaxConns)
-	case o.DataPath != PathAuto && o.DataPath != PathMessages:
+	case o.DataPath < PathAuto || o.DataPath > PathMessages:
 		return o, fmt.Errorf("%w: ucxx: unknown %v", handoff.ErrInvalidConfig, o.DataPath)
 	}
 	if o.MaxMessageBytes == 0 {

@@ -14,6 +14,7 @@ import (
 	"log/slog"
 	"net"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -23,13 +24,14 @@ import (
 )
 
 // Server accepts ucxx connections and imports each one's transfer with a
-// receiver (handoff.Receiver.Serve, one goroutine per connection). It
-// owns a UCX context and worker, which Close destroys. It is safe for
+// receiver (handoff.Receiver.Serve, one goroutine per connection), each
+// on a UCX worker of its own (see the package doc's Model). It owns a
+// UCX context and the workers, which Close destroys. It is safe for
 // concurrent use.
 type Server struct {
 	serve  func(context.Context, handoff.Endpoint) error
 	opts   Options
-	w      *worker
+	x      *ucxContext
 	ctx    context.Context
 	cancel context.CancelFunc
 	conns  sync.WaitGroup // connections being served, from their accept
@@ -66,11 +68,11 @@ func newServer(serve func(context.Context, handoff.Endpoint) error, opts Options
 	if err != nil {
 		return nil, err
 	}
-	w, err := openWorker()
+	x, err := openContext()
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{serve: serve, opts: opts, w: w}
+	s := &Server{serve: serve, opts: opts, x: x}
 	s.mu.listeners = make(map[net.Listener]struct{})
 	s.mu.accepted = make(map[net.Conn]struct{})
 	s.mu.active = make(map[*conn]struct{})
@@ -88,7 +90,7 @@ var errNoServer = fmt.Errorf("%w: ucxx: server not made by NewServer (NewServer 
 // each one's connection here carries the two ends' hellos, and stays
 // open as long as the transfer does.
 func (s *Server) Listen(addr string) (string, error) {
-	if s == nil || s.w == nil {
+	if s == nil || s.x == nil {
 		return "", errNoServer
 	}
 	ln, err := net.Listen("tcp", addr)
@@ -150,7 +152,7 @@ func (s *Server) closing() bool {
 // Stats returns the server's connection counts; a nil or zero Server's
 // are zero.
 func (s *Server) Stats() ServerStats {
-	if s == nil || s.w == nil {
+	if s == nil || s.x == nil {
 		return ServerStats{}
 	}
 	s.mu.Lock()
@@ -218,14 +220,18 @@ func (s *Server) meet(nc net.Conn) (*conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := newConn(s.w, nc, s.opts.MaxMessageBytes)
+	w, err := s.x.worker()
+	if err != nil {
+		return nil, err
+	}
+	c := newConn(w, nc, s.opts.MaxMessageBytes)
 	c.credit = true
-	s.w.mu.Lock()
+	w.mu.Lock()
 	c.registerLocked()
 	err = c.connectLocked(addr, peer)
-	s.w.mu.Unlock()
+	w.mu.Unlock()
 	if err == nil {
-		err = writeHello(nc, c.id, s.w.address)
+		err = writeHello(nc, c.id, w.address)
 	}
 	if err != nil {
 		c.close()
@@ -240,7 +246,7 @@ func (s *Server) meet(nc net.Conn) (*conn, error) {
 // and returns ctx's error.
 func (s *Server) Shutdown(ctx context.Context) error {
 	switch {
-	case s == nil || s.w == nil:
+	case s == nil || s.x == nil:
 		return errNoServer
 	case ctx == nil:
 		return fmt.Errorf("%w: ucxx: Shutdown with a nil context", handoff.ErrInvalidArgument)
@@ -253,7 +259,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	}()
 	select {
 	case <-served:
-		s.w.close()
+		s.x.close()
 		return nil
 	case <-ctx.Done():
 		s.Close()
@@ -265,7 +271,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 // transfers fail: the receiver aborts each import through the scrubber)
 // and returns once each one's goroutine has, with the worker destroyed.
 func (s *Server) Close() error {
-	if s == nil || s.w == nil {
+	if s == nil || s.x == nil {
 		return errNoServer
 	}
 	s.stopListening()
@@ -283,7 +289,7 @@ func (s *Server) Close() error {
 		c.fail(fmt.Errorf("%w: ucxx: server closed", handoff.ErrTransport))
 	}
 	s.conns.Wait()
-	s.w.close()
+	s.x.close()
 	return nil
 }
 
@@ -338,20 +344,33 @@ func (e *serverEnd) ExposeMemory(mems [][]byte) ([]byte, func(), error) {
 	if e.s.opts.DataPath == PathMessages {
 		return nil, nil, fmt.Errorf("%w: ucxx: the server sends pages as messages (PathMessages)", handoff.ErrNoRemoteMemory)
 	}
-	w := e.s.w
+	e.c.w.mu.Lock()
+	tcp := e.c.learnLanesLocked()
+	e.c.w.mu.Unlock()
+	if tcp && e.s.opts.DataPath == PathAuto {
+		return e.exposeForReceives(mems)
+	}
+	x := e.s.x
+	if err := x.hold(); err != nil {
+		return nil, nil, err
+	}
 	var pin runtime.Pinner // the pool's memory, whose address UCX keeps until the unmap
 	var memhs []C.ucp_mem_h
-	var desc []byte
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	desc := []byte{descPuts}
 	unmap := func() {
 		for _, m := range memhs {
-			C.ucp_mem_unmap(w.w.ctx, m)
+			C.ucp_mem_unmap(x.c.ctx, m)
 		}
 		pin.Unpin()
+		x.unhold()
 	}
-	if e.c.err != nil {
-		return nil, nil, e.c.err
+	c := e.c
+	c.w.mu.Lock()
+	err := c.err
+	c.w.mu.Unlock()
+	if err != nil {
+		unmap()
+		return nil, nil, err
 	}
 	for i, m := range mems {
 		if len(m) == 0 {
@@ -362,7 +381,7 @@ func (e *serverEnd) ExposeMemory(mems [][]byte) ([]byte, func(), error) {
 		var memh C.ucp_mem_h
 		var rkey unsafe.Pointer
 		var rkeyLen C.size_t
-		if st := C.kvf_mem_map(w.w, unsafe.Pointer(unsafe.SliceData(m)), C.size_t(len(m)), &memh, &rkey, &rkeyLen); st != C.UCS_OK {
+		if st := C.kvf_mem_map(x.c, unsafe.Pointer(unsafe.SliceData(m)), C.size_t(len(m)), &memh, &rkey, &rkeyLen); st != C.UCS_OK {
 			unmap()
 			return nil, nil, fmt.Errorf("%w: ucxx: registering %d bytes: %w", handoff.ErrNoRemoteMemory, len(m), statusErr(st))
 		}
@@ -374,42 +393,88 @@ func (e *serverEnd) ExposeMemory(mems [][]byte) ([]byte, func(), error) {
 	revoke := func() {
 		once.Do(func() {
 			e.takeBack()
-			w.mu.Lock()
-			defer w.mu.Unlock()
-			if w.w != nil {
-				unmap()
-			}
+			unmap()
 		})
 	}
 	return desc, revoke, nil
 }
 
+// exposeForReceives is ExposeMemory over TCP alone: nothing is
+// registered; the sender's writes come as rendezvous messages, each of
+// which this end receives itself into the extent and offset it names,
+// only inside mems (conn.writeArrivedLocked). The description says so,
+// and nothing else: no address or key of this process's leaves it.
+// revoke closes mems to writes, has the sender stop, and waits for the
+// receives in flight to end.
+func (e *serverEnd) exposeForReceives(mems [][]byte) ([]byte, func(), error) {
+	c := e.c
+	var pin runtime.Pinner // the pool's memory, which UCX writes until the receives end
+	for i, m := range mems {
+		if len(m) == 0 {
+			pin.Unpin()
+			return nil, nil, fmt.Errorf("%w: ucxx: extent %d is empty", handoff.ErrInvalidArgument, i)
+		}
+		pin.Pin(&m[0])
+	}
+	c.w.mu.Lock()
+	defer c.w.mu.Unlock()
+	switch {
+	case c.err != nil:
+		pin.Unpin()
+		return nil, nil, c.err
+	case c.landing != nil:
+		pin.Unpin()
+		return nil, nil, fmt.Errorf("%w: ucxx: memory exposed twice on one connection", handoff.ErrInvalidArgument)
+	}
+	c.landing, c.landingOpen = mems, true
+	var once sync.Once
+	revoke := func() {
+		once.Do(func() {
+			c.w.mu.Lock()
+			c.landingOpen = false
+			c.w.mu.Unlock()
+			e.takeBack()
+			c.closeLanding(e.s.opts.RevokeTimeout)
+			c.w.mu.Lock()
+			c.landing = [][]byte{} // closed: a late write is released unread
+			c.w.mu.Unlock()
+			pin.Unpin()
+		})
+	}
+	return []byte{descReceives}, revoke, nil
+}
+
 // takeBack has the sender stop writing the exposed memory: it asks, and
 // waits for the sender's acknowledgement (every write it posted has
-// completed, and it posts none from now on) or the connection's end, at
-// most Options.RevokeTimeout; past that it cuts the connection, which a
-// sender that cannot be heard from can write through no more.
+// completed, and it posts none from now on), at most
+// Options.RevokeTimeout. Without one (the time passed, the connection
+// failed) the connection ends, and its worker with it: a sender that
+// cannot be heard from writes nothing through it any more, and nothing
+// it sent before is delivered.
 func (e *serverEnd) takeBack() {
 	c := e.c
 	acks := make(chan struct{})
 	c.w.mu.Lock()
 	if c.err != nil {
 		c.w.mu.Unlock()
-		return
+		return // failed: the worker is destroyed (failLocked)
 	}
 	c.revokeAcks = acks
 	c.w.mu.Unlock()
-	if err := c.send(kindRevoke, nil, e.s.opts.RevokeTimeout); err != nil {
-		c.fail(err)
-		return
+	err := c.send(kindRevoke, nil, e.s.opts.RevokeTimeout)
+	if err == nil {
+		t := time.NewTimer(e.s.opts.RevokeTimeout)
+		defer t.Stop()
+		select {
+		case <-acks:
+		case <-t.C:
+		}
+		err = fmt.Errorf("%w: ucxx: the sender did not stop writing within %v of the revoke", handoff.ErrTransport, e.s.opts.RevokeTimeout)
 	}
-	t := time.NewTimer(e.s.opts.RevokeTimeout)
-	defer t.Stop()
-	select {
-	case <-acks:
-	case <-c.failed:
-	case <-t.C:
-		c.fail(fmt.Errorf("%w: ucxx: the sender did not stop writing within %v of the revoke", handoff.ErrTransport, e.s.opts.RevokeTimeout))
+	c.w.mu.Lock()
+	defer c.w.mu.Unlock()
+	if !c.revokeAcked {
+		c.failLocked(err) // a connection that failed already has: with its lock held, its worker is gone
 	}
 }
 
@@ -432,4 +497,33 @@ func (e *serverEnd) finish() {
 			return
 		}
 	}
+}
+
+// tcpOnly reports whether every lane of an endpoint, as lanes describes
+// them (ucp_ep_print_info: "lane[0]:  1:tcp/lo.0 md[0] ..."), is UCX's
+// TCP transport: where UCX 1.13 emulates a put with active messages
+// (two copies in user space beside the kernel's, for 111-131 ms of CPU
+// per 256 MiB on the machine of bench/README.md) while its rendezvous
+// moves the bytes with the kernel's copies alone (57-67 ms, ucx_perftest
+// tag_bw and ucp_am_bw; bench/results/2026-12-04-ucx-3.txt). Over shared
+// memory the emulated puts still beat the rendezvous (cma), and over
+// InfiniBand and RoCE the NIC writes a put: PathAuto keeps the puts
+// there.
+func tcpOnly(lanes string) bool {
+	n := 0
+	for _, line := range strings.Split(lanes, "\n") {
+		f := strings.Fields(line)
+		for i := 0; i+1 < len(f); i++ {
+			if !strings.HasPrefix(f[i], "lane[") {
+				continue
+			}
+			_, tl, _ := strings.Cut(f[i+1], ":")
+			if tl, _, _ = strings.Cut(tl, "/"); tl != "tcp" {
+				return false
+			}
+			n++
+			break
+		}
+	}
+	return n > 0
 }

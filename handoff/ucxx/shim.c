@@ -34,6 +34,7 @@ void kvf_events(kvf_worker *w, kvf_event **evs, size_t *n)
 typedef struct {
 	kvf_worker *w;
 	uint64_t token;
+	uint8_t header[KVF_HEADER_MAX]; /* kvf_am_write's, which UCX 1.13 reads until the send ends */
 } kvf_req_ctx;
 
 static void done(void *request, ucs_status_t status, kvf_req_ctx *c)
@@ -45,6 +46,12 @@ static void done(void *request, ucs_status_t status, kvf_req_ctx *c)
 }
 
 static void send_cb(void *request, ucs_status_t status, void *user_data) { done(request, status, user_data); }
+
+static void recv_am_cb(void *request, ucs_status_t status, size_t length, void *user_data)
+{
+	(void)length; /* posted for the message's exact length */
+	done(request, status, user_data);
+}
 
 /* settle turns what an nbx call returned into the shim's convention,
  * freeing the callback's context when no callback will come. */
@@ -131,16 +138,16 @@ static const char *const tcp_names[] = {"tcp", NULL};
 /* sm and shm select posix and sysv, the transports of UCX_MM_*. */
 static const char *const mm_names[] = {"sm", "shm", "posix", "sysv", NULL};
 
-ucs_status_t kvf_open(kvf_worker **out)
+ucs_status_t kvf_context_open(kvf_context **out)
 {
-	kvf_worker *w = calloc(1, sizeof *w);
-	if (w == NULL) {
+	kvf_context *c = calloc(1, sizeof *c);
+	if (c == NULL) {
 		return UCS_ERR_NO_MEMORY;
 	}
 	ucp_config_t *config;
 	ucs_status_t st = ucp_config_read(NULL, NULL, &config);
 	if (st != UCS_OK) {
-		free(w);
+		free(c);
 		return st;
 	}
 	/* UCX's TCP transport moves a put in segments of UCX_TCP_TX_SEG_SIZE
@@ -164,29 +171,47 @@ ucs_status_t kvf_open(kvf_worker **out)
 	if (getenv("UCX_MM_SEG_SIZE") == NULL && tls_may_use(mm_names)) {
 		(void)ucp_config_modify(config, "MM_SEG_SIZE", KVF_MM_SEG_SIZE);
 	}
+	/* mt_workers_shared: each connection's worker runs on the goroutines
+	 * of its own connection, several at once, and they share the
+	 * context's memory registrations. */
 	ucp_params_t params = {
 	    .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED | UCP_PARAM_FIELD_NAME,
 	    .features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
-	    .mt_workers_shared = 0,
+	    .mt_workers_shared = 1,
 	    .name = "kvfence",
 	};
-	st = ucp_init(&params, config, &w->ctx);
+	st = ucp_init(&params, config, &c->ctx);
 	ucp_config_release(config);
 	if (st != UCS_OK) {
-		free(w);
+		free(c);
 		return st;
 	}
 	ucp_context_attr_t cattr = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
-	if (ucp_context_query(w->ctx, &cattr) == UCS_OK) {
-		w->mem_types = cattr.memory_types;
+	if (ucp_context_query(c->ctx, &cattr) == UCS_OK) {
+		c->mem_types = cattr.memory_types;
+	}
+	*out = c;
+	return UCS_OK;
+}
+
+void kvf_context_close(kvf_context *c)
+{
+	ucp_cleanup(c->ctx);
+	free(c);
+}
+
+ucs_status_t kvf_worker_open(kvf_context *c, kvf_worker **out)
+{
+	kvf_worker *w = calloc(1, sizeof *w);
+	if (w == NULL) {
+		return UCS_ERR_NO_MEMORY;
 	}
 	ucp_worker_params_t wparams = {
 	    .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
 	    .thread_mode = UCS_THREAD_MODE_SERIALIZED,
 	};
-	st = ucp_worker_create(w->ctx, &wparams, &w->worker);
+	ucs_status_t st = ucp_worker_create(c->ctx, &wparams, &w->worker);
 	if (st != UCS_OK) {
-		ucp_cleanup(w->ctx);
 		free(w);
 		return st;
 	}
@@ -199,7 +224,6 @@ ucs_status_t kvf_open(kvf_worker **out)
 	if ((st = ucp_worker_set_am_recv_handler(w->worker, &am)) != UCS_OK ||
 	    (st = ucp_worker_get_efd(w->worker, &w->efd)) != UCS_OK) {
 		ucp_worker_destroy(w->worker);
-		ucp_cleanup(w->ctx);
 		free(w);
 		return st;
 	}
@@ -207,10 +231,11 @@ ucs_status_t kvf_open(kvf_worker **out)
 	return UCS_OK;
 }
 
-void kvf_close(kvf_worker *w)
+void kvf_worker_close(kvf_worker *w)
 {
+	/* The requests still in flight are cancelled on the way: their
+	 * callbacks queue events, freed below with the rest. */
 	ucp_worker_destroy(w->worker);
-	ucp_cleanup(w->ctx);
 	for (size_t i = 0; i < w->n; i++) {
 		if (w->ev[i].kind == KVF_EV_AM && !w->ev[i].rndv) {
 			free(w->ev[i].data);
@@ -228,7 +253,9 @@ ucs_status_t kvf_connect(kvf_worker *w, const void *addr, ucp_ep_h *out)
 	 * an endpoint created from a worker address, every transport's remote
 	 * memory access. Failures the transports see still reach the handler
 	 * (their requests complete with the error); a peer that goes quiet is
-	 * the liveness connection's to detect (conn.watch). */
+	 * the liveness connection's to detect (conn.watch). An endpoint in
+	 * this mode cannot be forced closed (UCX refuses): a connection that
+	 * fails destroys its worker instead (kvf_worker_close). */
 	ucp_ep_params_t params = {
 	    .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
 	                  UCP_EP_PARAM_FIELD_ERR_HANDLER,
@@ -288,6 +315,42 @@ ucs_status_t kvf_am_send(kvf_worker *w, ucp_ep_h ep, const void *header, size_t 
 	return settle(ucp_am_send_nbx(ep, KVF_AM_ID, header, header_len, iov, iovcnt, &p), c);
 }
 
+ucs_status_t kvf_am_write(kvf_worker *w, ucp_ep_h ep, const void *header, size_t header_len, const void *buf, size_t len,
+                          uint64_t token)
+{
+	if (header_len > KVF_HEADER_MAX) {
+		return UCS_ERR_INVALID_PARAM;
+	}
+	kvf_req_ctx *c = req_ctx(w, token);
+	if (c == NULL) {
+		return UCS_ERR_NO_MEMORY;
+	}
+	memcpy(c->header, header, header_len);
+	ucp_request_param_t p = send_param(c);
+	/* By rendezvous: the bytes move once, from buf straight into the
+	 * receiver's memory, by the transport's zero-copy operations (over
+	 * TCP, one send and one receive in the kernel), not through UCX's
+	 * buffers as an emulated put's do. Should the peer go quiet, the wait
+	 * is ended by the connection's failure, which destroys the worker. */
+	p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+	p.flags = UCP_AM_SEND_FLAG_RNDV;
+	return settle(ucp_am_send_nbx(ep, KVF_AM_ID, c->header, header_len, buf, len, &p), c);
+}
+
+ucs_status_t kvf_am_recv(kvf_worker *w, void *data_desc, void *buf, size_t len, uint64_t token)
+{
+	kvf_req_ctx *c = req_ctx(w, token);
+	if (c == NULL) {
+		return UCS_ERR_NO_MEMORY;
+	}
+	ucp_request_param_t p = {
+	    .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
+	    .cb = {.recv_am = recv_am_cb},
+	    .user_data = c,
+	};
+	return settle(ucp_am_recv_data_nbx(w->worker, data_desc, buf, len, &p), c);
+}
+
 ucs_status_t kvf_put(kvf_worker *w, ucp_ep_h ep, const void *buf, size_t len, uint64_t raddr, ucp_rkey_h rkey,
                      uint64_t token)
 {
@@ -309,21 +372,17 @@ ucs_status_t kvf_flush(kvf_worker *w, ucp_ep_h ep, uint64_t token)
 	return settle(ucp_ep_flush_nbx(ep, &p), c);
 }
 
-ucs_status_t kvf_ep_close(kvf_worker *w, ucp_ep_h ep, int force, uint64_t token)
+ucs_status_t kvf_ep_close(kvf_worker *w, ucp_ep_h ep, uint64_t token)
 {
 	kvf_req_ctx *c = req_ctx(w, token);
 	if (c == NULL) {
 		return UCS_ERR_NO_MEMORY;
 	}
 	ucp_request_param_t p = send_param(c);
-	if (force) {
-		p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-		p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-	}
 	return settle(ucp_ep_close_nbx(ep, &p), c);
 }
 
-ucs_status_t kvf_mem_map(kvf_worker *w, void *addr, size_t len, ucp_mem_h *memh, void **rkey, size_t *rkey_len)
+ucs_status_t kvf_mem_map(kvf_context *c, void *addr, size_t len, ucp_mem_h *memh, void **rkey, size_t *rkey_len)
 {
 	ucp_mem_map_params_t params = {
 	    .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_PROT,
@@ -331,12 +390,12 @@ ucs_status_t kvf_mem_map(kvf_worker *w, void *addr, size_t len, ucp_mem_h *memh,
 	    .length = len,
 	    .prot = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE | UCP_MEM_MAP_PROT_REMOTE_WRITE,
 	};
-	ucs_status_t st = ucp_mem_map(w->ctx, &params, memh);
+	ucs_status_t st = ucp_mem_map(c->ctx, &params, memh);
 	if (st != UCS_OK) {
 		return st;
 	}
-	if ((st = ucp_rkey_pack(w->ctx, *memh, rkey, rkey_len)) != UCS_OK) {
-		ucp_mem_unmap(w->ctx, *memh);
+	if ((st = ucp_rkey_pack(c->ctx, *memh, rkey, rkey_len)) != UCS_OK) {
+		ucp_mem_unmap(c->ctx, *memh);
 	}
 	return st;
 }

@@ -22,19 +22,36 @@ import (
 	"github.com/kvfence/kvfence/handoff"
 )
 
-// This file and shim.c are the package's cgo: a UCX context and worker
-// (worker), the progress loop that drives it, and the operations the
-// connections post on it. Everything above (conn.go, client.go,
-// server.go) is Go.
+// This file and shim.c are the package's cgo: a UCX context (ucxContext)
+// and its workers, the progress loop that drives each, and the
+// operations the connections post on them. Everything above (conn.go,
+// client.go, server.go) is Go.
 //
-// One worker serves a Transport or a Server: every UCX call on it is made
-// with w.mu held (the worker is UCS_THREAD_MODE_SERIALIZED), by the
-// goroutine that posts an operation or by the progress loop. UCX's
-// callbacks only queue events (shim.c); the loop drains the queue after
-// each progress, under w.mu, and hands each event to whoever waits for
-// it: an operation's completion, a connection's message or failure.
-// Those handlers run with w.mu held: they do little (close a channel,
-// queue a message, post a small send) and never block.
+// A Transport or a Server owns a context: UCX's configuration, its
+// transports and the memory registrations. Each connection has a worker
+// of its own, for as long as it lives, and ends with it:
+//
+//   - A connection that ends as the protocol says (every operation
+//     completed, the endpoint flushed and closed) gives its worker back
+//     to the context, which keeps a few idle for the next connections
+//     (a worker takes 1-4 ms of CPU to make and 1-2 to destroy).
+//   - A connection that fails (its peer gone, a timeout, a cut, Close)
+//     destroys its worker at once, and with it every operation still in
+//     flight: once ucp_worker_destroy has returned, UCX reads and writes
+//     no memory for them (the pages a sender lent to its puts, the pages
+//     a receiver exposed), whatever the peer still sends. UCX 1.13 gives
+//     an endpoint in error mode NONE (shim.c's kvf_connect says why
+//     ucxx's are) no other end: it refuses a forced close, and a close
+//     that flushes waits for a peer that may never answer.
+//
+// Every UCX call on a worker is made with w.mu held (the worker is
+// UCS_THREAD_MODE_SERIALIZED), by the goroutine that posts an operation
+// or by the progress loop. UCX's callbacks only queue events (shim.c);
+// the loop drains the queue after each progress, under w.mu, and hands
+// each event to whoever waits for it: an operation's completion, a
+// connection's message or failure. Those handlers run with w.mu held:
+// they do little (close a channel, queue a message, post a small send,
+// destroy the worker) and never block.
 
 // available is nil: this build has UCX.
 var available error
@@ -51,12 +68,133 @@ func statusErr(st C.ucs_status_t) error {
 	return ucsError(st)
 }
 
-// worker is a UCX context, its worker, and the loop that progresses it.
+// ucxContext is a UCX context and the workers idle on it.
+type ucxContext struct {
+	c *C.kvf_context
+
+	mu struct {
+		sync.Mutex
+		idle   []*worker // workers whose connection ended cleanly, ready for another
+		holds  int       // workers not yet destroyed, idle or not, and memory still mapped
+		closed bool
+	}
+	drained chan struct{} // closed once closed and nothing holds the context
+}
+
+// maxIdleWorkers bounds the workers a context keeps for the next
+// connections.
+const maxIdleWorkers = 4
+
+// openContext creates a context from UCX's environment (UCX_TLS,
+// UCX_NET_DEVICES, ...), and a worker on it for the first connection: a
+// configuration UCX cannot serve fails here, and the first transfer does
+// not pay for the worker.
+func openContext() (*ucxContext, error) {
+	var c *C.kvf_context
+	if st := C.kvf_context_open(&c); st != C.UCS_OK {
+		return nil, fmt.Errorf("%w: ucxx: UCX context: %w", handoff.ErrTransport, statusErr(st))
+	}
+	x := &ucxContext{c: c, drained: make(chan struct{})}
+	w, err := x.worker()
+	if err != nil {
+		x.close()
+		return nil, err
+	}
+	x.release(w)
+	return x, nil
+}
+
+// worker returns an idle worker, or a new one.
+func (x *ucxContext) worker() (*worker, error) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.mu.closed {
+		return nil, errWorkerClosed
+	}
+	if n := len(x.mu.idle); n > 0 {
+		w := x.mu.idle[n-1]
+		x.mu.idle = x.mu.idle[:n-1]
+		w.mu.Lock()
+		w.polls = true
+		w.mu.Unlock()
+		return w, nil
+	}
+	w, err := openWorker(x)
+	if err != nil {
+		return nil, err
+	}
+	x.mu.holds++
+	return w, nil
+}
+
+// hold keeps the context from being destroyed until unhold: memory
+// mapped on it is unmapped on it.
+func (x *ucxContext) hold() error {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.mu.closed {
+		return errWorkerClosed
+	}
+	x.mu.holds++
+	return nil
+}
+
+// release takes back a worker whose connection ended cleanly: no
+// operation of it is in flight, and its endpoint is closed. It is kept
+// for the next connection, or destroyed.
+func (x *ucxContext) release(w *worker) {
+	x.mu.Lock()
+	if !x.mu.closed && len(x.mu.idle) < maxIdleWorkers {
+		x.mu.idle = append(x.mu.idle, w)
+		x.mu.Unlock()
+		return
+	}
+	x.mu.Unlock()
+	w.close()
+}
+
+// unhold undoes a hold, or a worker's when it is destroyed.
+func (x *ucxContext) unhold() {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.mu.holds--; x.mu.holds == 0 && x.mu.closed {
+		close(x.drained)
+	}
+}
+
+// close destroys the idle workers, waits for the others to be destroyed
+// and for the memory mapped on the context to be unmapped (their
+// connections end first: the Transport's and Server's Close see to
+// that), and then destroys the context.
+func (x *ucxContext) close() {
+	x.mu.Lock()
+	if x.mu.closed {
+		x.mu.Unlock()
+		<-x.drained
+		return
+	}
+	x.mu.closed = true
+	idle := x.mu.idle
+	x.mu.idle = nil
+	if x.mu.holds == 0 {
+		close(x.drained)
+	}
+	x.mu.Unlock()
+	for _, w := range idle {
+		w.close()
+	}
+	<-x.drained
+	C.kvf_context_close(x.c)
+}
+
+// worker is a UCX worker and the loop that progresses it, serving one
+// connection at a time.
 type worker struct {
+	x       *ucxContext
 	mu      sync.Mutex
-	w       *C.kvf_worker
-	file    *os.File // a duplicate of the worker's event fd, in Go's poller
-	address []byte   // the worker's address, which peers connect to
+	w       *C.kvf_worker // nil once destroyed
+	file    *os.File      // a duplicate of the worker's event fd, in Go's poller
+	address []byte        // the worker's address, which peers connect to
 
 	// Guarded by mu.
 	ops      map[uint64]func(error) // posted operations' completions by token
@@ -64,38 +202,47 @@ type worker struct {
 	byID     map[uint64]*conn       // and by their ID (the messages for them)
 	token    uint64
 	sleeping bool // the loop waits for the event fd: a new operation signals it
-	closed   bool
+	closed   bool // destroyed
+	// polls: while operations are in flight, the worker is progressed
+	// without waiting for its event fd, by the goroutines that wait for
+	// them (drive) and by the loop on a timer, for some transport of its
+	// connection (shared memory) moves them in progress alone and never
+	// signals. Over TCP alone the fd signals every move, and polling
+	// would only spin: each progress an epoll_wait and a receive of
+	// whatever bytes are in, where sleeping until more is in costs
+	// none. True until the connection's lanes say otherwise
+	// (conn.learnLanesLocked).
+	polls bool
 
 	loopDone chan struct{}
 }
 
-// openWorker creates a context and worker from UCX's environment
-// (UCX_TLS, UCX_NET_DEVICES, ...) and starts its progress loop.
-func openWorker() (*worker, error) {
+// openWorker creates a worker of x and starts its progress loop.
+func openWorker(x *ucxContext) (*worker, error) {
 	var cw *C.kvf_worker
-	if st := C.kvf_open(&cw); st != C.UCS_OK {
-		return nil, fmt.Errorf("%w: ucxx: UCX context: %w", handoff.ErrTransport, statusErr(st))
+	if st := C.kvf_worker_open(x.c, &cw); st != C.UCS_OK {
+		return nil, fmt.Errorf("%w: ucxx: UCX worker: %w", handoff.ErrTransport, statusErr(st))
 	}
 	fd, err := syscall.Dup(int(cw.efd))
 	if err == nil {
 		err = syscall.SetNonblock(fd, true)
 	}
 	if err != nil {
-		C.kvf_close(cw)
+		C.kvf_worker_close(cw)
 		return nil, fmt.Errorf("%w: ucxx: the worker's event fd: %w", handoff.ErrTransport, err)
 	}
 	var addr unsafe.Pointer
 	var addrLen C.size_t
 	if st := C.kvf_address(cw, &addr, &addrLen); st != C.UCS_OK {
 		syscall.Close(fd)
-		C.kvf_close(cw)
+		C.kvf_worker_close(cw)
 		return nil, fmt.Errorf("%w: ucxx: the worker's address: %w", handoff.ErrTransport, statusErr(st))
 	}
 	address := C.GoBytes(addr, C.int(addrLen))
 	C.free(addr)
-	w := &worker{w: cw, file: os.NewFile(uintptr(fd), "ucx-worker"), address: address,
+	w := &worker{x: x, w: cw, file: os.NewFile(uintptr(fd), "ucx-worker"), address: address,
 		ops: make(map[uint64]func(error)), byEP: make(map[C.ucp_ep_h]*conn), byID: make(map[uint64]*conn),
-		loopDone: make(chan struct{})}
+		polls: true, loopDone: make(chan struct{})}
 	go w.loop()
 	return w, nil
 }
@@ -119,6 +266,7 @@ func openWorker() (*worker, error) {
 // would have to spin.
 func (w *worker) loop() {
 	defer close(w.loopDone)
+	defer w.file.Close()
 	rc, err := w.file.SyscallConn()
 	if err != nil {
 		return
@@ -150,7 +298,7 @@ func (w *worker) loop() {
 				return true
 			}
 			w.sleeping = true
-			if !armed || len(w.ops) > 0 {
+			if !armed || w.polls && len(w.ops) > 0 {
 				backoff = min(max(2*backoff, 50*time.Microsecond), time.Millisecond)
 				nudge.Reset(backoff)
 			}
@@ -197,7 +345,7 @@ func (w *worker) drive(done <-chan struct{}) {
 		default:
 		}
 		w.mu.Lock()
-		if w.closed {
+		if w.closed || !w.polls {
 			w.mu.Unlock()
 			return
 		}
@@ -226,7 +374,7 @@ func (w *worker) signal() {
 // wakeLocked has the loop look at the worker again, after an operation
 // was posted that progress must drive.
 func (w *worker) wakeLocked() {
-	if w.sleeping {
+	if w.sleeping && !w.closed {
 		w.sleeping = false
 		C.ucp_worker_signal(w.w.worker)
 	}
@@ -243,6 +391,15 @@ func (w *worker) dispatchLocked() bool {
 	}
 	defer C.free(unsafe.Pointer(evs))
 	for _, ev := range unsafe.Slice(evs, int(n)) {
+		if w.closed {
+			// A handler destroyed the worker: what follows concerns
+			// nobody (its operations have ended), and a rendezvous
+			// descriptor went with the worker.
+			if ev.kind == C.KVF_EV_AM && ev.rndv == 0 {
+				C.free(ev.data)
+			}
+			continue
+		}
 		switch ev.kind {
 		case C.KVF_EV_DONE:
 			if done, ok := w.ops[uint64(ev.token)]; ok {
@@ -257,7 +414,7 @@ func (w *worker) dispatchLocked() bool {
 			w.messageLocked(&ev)
 		}
 	}
-	if w.w.overflow != 0 {
+	if !w.closed && w.w.overflow != 0 {
 		// An event was lost for want of memory: nothing it concerned can
 		// be trusted to end, so every connection fails now.
 		w.w.overflow = 0
@@ -274,18 +431,24 @@ func (w *worker) dispatchLocked() bool {
 //
 // ucxx sends every message eagerly (shim.c): one that would have to be
 // fetched (a rendezvous) is not a ucxx peer's, and fails its connection.
+// Writes into a receiver's exposed memory (a longer header) are the
+// exception: they go to the connection's writeArrivedLocked.
 func (w *worker) messageLocked(ev *C.kvf_event) {
+	h := C.GoBytes(unsafe.Pointer(&ev.header[0]), C.int(ev.header_len))
+	var c *conn
+	if (len(h) == headerLen || len(h) == writeHeaderLen) && string(h[:4]) == magic {
+		c = w.byID[binary.LittleEndian.Uint64(h[8:])]
+	}
+	if c != nil && len(h) == writeHeaderLen {
+		c.writeArrivedLocked(h, ev)
+		return
+	}
 	var m inMessage
 	if ev.rndv != 0 {
 		C.ucp_am_data_release(w.w.worker, ev.data)
 	} else if ev.data != nil {
 		m.data = C.GoBytes(ev.data, C.int(ev.len))
 		C.free(ev.data)
-	}
-	h := C.GoBytes(unsafe.Pointer(&ev.header[0]), C.int(ev.header_len))
-	var c *conn
-	if len(h) == headerLen && string(h[:4]) == magic {
-		c = w.byID[binary.LittleEndian.Uint64(h[8:])]
 	}
 	switch {
 	case c == nil:
@@ -364,25 +527,33 @@ func (p *pending) seal() {
 	}
 }
 
-// close stops the loop and destroys the worker. Its connections must
-// have been closed.
-func (w *worker) close() {
-	w.mu.Lock()
+// destroyLocked destroys the worker: every operation still in flight
+// ends (with errAbandoned) and UCX touches no memory for any of them
+// from now on. Its loop stops at its next round; destroyLocked does not
+// wait for it, so the loop itself may call it (a connection that fails
+// in a message's handler).
+func (w *worker) destroyLocked() {
 	if w.closed {
-		w.mu.Unlock()
 		return
 	}
 	w.closed = true
-	C.ucp_worker_signal(w.w.worker)
-	w.mu.Unlock()
-	w.file.Close() // ends the loop's wait, if it waits
-	<-w.loopDone
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	C.kvf_worker_close(w.w)
+	w.w = nil
+	// The loop, which owns the file, closes it as it ends: a Close here
+	// would wait for the loop's read, whose callback waits for w.mu.
+	w.file.SetReadDeadline(time.Unix(1, 0)) // ends the loop's wait, if it waits
 	for tok, done := range w.ops {
 		delete(w.ops, tok)
-		done(errWorkerClosed)
+		done(errAbandoned)
 	}
-	C.kvf_close(w.w)
-	w.w = nil
+	w.x.unhold()
+}
+
+// close destroys the worker and waits for its loop to end; not from the
+// loop.
+func (w *worker) close() {
+	w.mu.Lock()
+	w.destroyLocked()
+	w.mu.Unlock()
+	<-w.loopDone
 }

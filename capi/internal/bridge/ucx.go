@@ -73,7 +73,8 @@ func ParseUCXOptions(data []byte) (ucxx.Options, error) {
 	case "messages":
 		o.DataPath = ucxx.PathMessages
 	default:
-		return ucxx.Options{}, fmt.Errorf("%w: UCX options JSON: data_path %q: want \"auto\" or \"messages\"", handoff.ErrInvalidConfig, uj.DataPath)
+		return ucxx.Options{}, fmt.Errorf("%w: UCX options JSON: data_path %q: want \"auto\" or \"messages\"",
+			handoff.ErrInvalidConfig, uj.DataPath)
 	}
 	return o, nil
 }

@@ -59,6 +59,18 @@ func TestHandoffOverUCXThroughBridge(t *testing.T) {
 	}
 }
 
+// Each data_path names its handoff/ucxx DataPath.
+func TestUCXDataPaths(t *testing.T) {
+	for j, want := range map[string]ucxx.DataPath{
+		``: ucxx.PathAuto, `{"data_path": "auto"}`: ucxx.PathAuto, `{"data_path": "messages"}`: ucxx.PathMessages,
+	} {
+		o, err := ParseUCXOptions([]byte(j))
+		if err != nil || o.DataPath != want {
+			t.Errorf("options %s: %v, %v; want %v", j, o.DataPath, err, want)
+		}
+	}
+}
+
 // Bad options and handles are refused with their statuses.
 func TestUCXRefusals(t *testing.T) {
 	for _, j := range []string{`{"data_path": "rdma"}`, `{"max_conns": -1}`, `{"unknown": 1}`, `{} {}`} {

@@ -13,7 +13,8 @@
 // and exits at end of input. As the prefill side (-role prefill -addr
 // HOST:PORT) it exports a prompt of -prompt tokens, sends it, prints
 // "stalled" after -stall chunks of writes into the decode pool's memory
-// (or data frames), and waits there to be killed.
+// (or data frames), and waits there to be killed; with -die it posts the
+// -stall-th chunk and kills itself at once instead, its bytes in flight.
 package main
 
 import (
@@ -21,6 +22,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"syscall"
 
 	"github.com/kvfence/kvfence/handoff"
 	"github.com/kvfence/kvfence/handoff/internal/testkit"
@@ -36,10 +38,11 @@ func main() {
 	addr := flag.String("addr", "", "prefill: the decode server's address")
 	prompt := flag.Int("prompt", 2000*16, "prefill: the prompt's tokens")
 	stall := flag.Int("stall", 4, "prefill: stall after this many chunks")
+	die := flag.Bool("die", false, "prefill: post the -stall-th chunk and die (SIGKILL) instead of stalling")
 	flag.Parse()
 	var err error
 	if *role == "prefill" {
-		err = prefill(*pages, *addr, *prompt, *stall)
+		err = prefill(*pages, *addr, *prompt, *stall, *die)
 	} else {
 		err = decode(*pages)
 	}
@@ -73,7 +76,7 @@ func decode(pages int) error {
 	return testkit.ServeCommands(os.Stdin, os.Stdout, pool, recv)
 }
 
-func prefill(pages int, addr string, prompt, stall int) error {
+func prefill(pages int, addr string, prompt, stall int, die bool) error {
 	pool, err := testkit.NewPool(testkit.PoolConfig{Pages: pages, Tenants: tenants})
 	if err != nil {
 		return err
@@ -96,15 +99,17 @@ func prefill(pages int, addr string, prompt, stall int) error {
 	if err != nil {
 		return err
 	}
-	return exp.Send(context.Background(), &stalling{inner: tr, after: stall})
+	return exp.Send(context.Background(), &stalling{inner: tr, after: stall, die: die})
 }
 
 // stalling passes a transport's streams on, and stops the sender for
 // good at its stall-th page operation (a write into the receiver's
-// memory, or a data frame).
+// memory, or a data frame): it waits, or (die) posts the operation and
+// kills its process.
 type stalling struct {
 	inner handoff.Transport
 	after int
+	die   bool
 	n     int
 }
 
@@ -116,11 +121,25 @@ func (s *stalling) Open(ctx context.Context) (handoff.Stream, error) {
 	return &stallingStream{ViewStream: st.(handoff.ViewStream), s: s}, nil
 }
 
-func (s *stalling) op() {
+// op counts a page operation, about to be posted: at the stall-th it
+// waits to be killed, or reports that the process dies once it is posted.
+func (s *stalling) op() (die bool) {
 	if s.n++; s.n == s.after {
+		if s.die {
+			return true
+		}
 		fmt.Println("stalled")
 		select {} // until killed
 	}
+	return false
+}
+
+// dieNow kills the process, as the kernel's OOM killer or a crash would:
+// no deferred call runs, and whatever was posted is in flight.
+func dieNow() {
+	fmt.Println("dying")
+	syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	select {}
 }
 
 type stallingStream struct {
@@ -129,7 +148,10 @@ type stallingStream struct {
 }
 
 func (st *stallingStream) SendViews(head []byte, views [][]byte, done func()) error {
-	st.s.op()
+	if st.s.op() {
+		go st.ViewStream.SendViews(head, views, done)
+		dieNow()
+	}
 	return st.ViewStream.SendViews(head, views, done)
 }
 
@@ -147,6 +169,9 @@ type stallingWriter struct {
 }
 
 func (w *stallingWriter) Write(puts []handoff.RemotePut) (func() error, error) {
-	w.s.op()
+	if w.s.op() {
+		w.RemoteWriter.Write(puts) // posted: its bytes are on their way
+		dieNow()
+	}
 	return w.RemoteWriter.Write(puts)
 }
