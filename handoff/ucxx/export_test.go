@@ -46,3 +46,18 @@ func ForgeWrite(st handoff.Stream, ext int, off int64, src []byte) error {
 	}
 	return wait()
 }
+
+// Workers reports how many UCX workers the transport's or the server's
+// context has made and destroyed.
+func Workers(v any) (made, destroyed int) {
+	var x *ucxContext
+	switch v := v.(type) {
+	case *Transport:
+		x = v.x
+	case *Server:
+		x = v.x
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.mu.made, x.mu.destroyed
+}

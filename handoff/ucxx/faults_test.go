@@ -5,6 +5,7 @@ package ucxx_test
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -132,6 +133,47 @@ func (w *hookedWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 		w.h.before(w.h.n)
 	}
 	return w.RemoteWriter.Write(puts)
+}
+
+// A connection that ends as the protocol says hands its UCX worker on to
+// a later one, on both ends (the receiver's may still be closing when the
+// next connection comes: it then makes a second); one that fails
+// destroys its worker (which ends whatever it still had in flight), and
+// the next connection gets a new one.
+func TestWorkersServeOnOrEnd(t *testing.T) {
+	prefill, decode := newPool(t, 2048), newPool(t, 2048)
+	recv, srv, tr := serve(t, handoff.ReceiverConfig{Pool: decode}, ucxx.Options{})
+	s := newSender(t)
+	handoff := func(id string) {
+		require.NoError(t, export(t, s, prefill, id, 100*16).Send(context.Background(), tr))
+		l, ok := recv.Take(id)
+		require.True(t, ok)
+		require.NoError(t, l.Release())
+	}
+	workers := func(v any) [2]int {
+		made, destroyed := ucxx.Workers(v)
+		return [2]int{made, destroyed}
+	}
+	for i := range 5 {
+		handoff(fmt.Sprint("clean-", i))
+	}
+	assert.Equal(t, [2]int{1, 0}, workers(tr), "the sender's workers (made, destroyed) after 5 clean handoffs")
+	made, destroyed := ucxx.Workers(srv)
+	assert.LessOrEqual(t, made, 2, "the receiver's workers made in 5 handoffs, one after the other")
+	assert.Zero(t, destroyed, "the receiver's workers destroyed in 5 clean handoffs")
+
+	st, err := tr.Open(context.Background())
+	require.NoError(t, err)
+	ucxx.Cut(st)
+	st.Close()
+	assert.Equal(t, [2]int{1, 1}, workers(tr), "the sender's workers after a cut")
+	require.Eventually(t, func() bool { return workers(srv)[1] == 1 }, 10*time.Second, time.Millisecond,
+		"the receiver's workers after a cut: %v", workers(srv))
+	handoff("after-the-cut")
+	assert.Equal(t, [2]int{2, 1}, workers(tr), "the sender's workers after a handoff that followed the cut")
+	assert.Equal(t, 1, workers(srv)[1], "the receiver's workers destroyed after a clean handoff that followed the cut")
+	require.NoError(t, testkit.Sweep(prefill))
+	require.NoError(t, testkit.Sweep(decode))
 }
 
 // A grant whose remote keys (or anything else) changed on the way is

@@ -77,6 +77,8 @@ type ucxContext struct {
 		idle   []*worker // workers whose connection ended cleanly, ready for another
 		holds  int       // workers not yet destroyed, idle or not, and memory still mapped
 		closed bool
+
+		made, destroyed int // workers, for tests (export_test.go)
 	}
 	drained chan struct{} // closed once closed and nothing holds the context
 }
@@ -124,6 +126,7 @@ func (x *ucxContext) worker() (*worker, error) {
 		return nil, err
 	}
 	x.mu.holds++
+	x.mu.made++
 	return w, nil
 }
 
@@ -546,6 +549,9 @@ func (w *worker) destroyLocked() {
 		delete(w.ops, tok)
 		done(errAbandoned)
 	}
+	w.x.mu.Lock()
+	w.x.mu.destroyed++
+	w.x.mu.Unlock()
 	w.x.unhold()
 }
 
