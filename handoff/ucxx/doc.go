@@ -127,12 +127,13 @@
 // for UCX's put handler treats the failure of the acknowledgement it
 // sends as fatal (ucp_put_handler, "unexpected error: Endpoint timeout",
 // in UCX 1.13 and in UCX's main branch alike); a rendezvous receive
-// ends with an error instead. So ucxx never puts over TCP alone. What rendezvous gains over TCP on
-// the machine of bench/README.md: the transport alone (BenchmarkPut,
-// 4 MiB chunks) 80 ms of CPU per 256 MiB against the puts' 100, at
-// 5.3-5.5 GB/s against 3.8; a whole handoff 3 % less CPU and 10 % more
-// GB/s at the medians, still about 1.6x tcpx's CPU
-// (bench/results/2026-12-04-ucx-3.txt).
+// ends with an error instead. So ucxx never puts over TCP alone. What
+// rendezvous gains over TCP on the machine of bench/README.md: the
+// transport alone (BenchmarkPut, 4 MiB chunks) 80 ms of CPU per 256 MiB
+// against the puts' 100, at 5.3-5.5 GB/s against 3.8; a whole handoff
+// 7 % less CPU and 7 % more GB/s at the medians (less CPU in each of 6
+// rounds), still about 1.5x tcpx's CPU
+// (bench/results/2026-12-05-ucx-4.txt).
 //
 // Where the pages cannot be lent (the decode pool's pages are not host
 // memory) or Options.DataPath is PathMessages, the pages travel in the
