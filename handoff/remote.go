@@ -30,10 +30,14 @@ import (
 // The receiver sums each unit where it landed (kvcache.PageLoan.Landed)
 // as the landed notes come, and completes the import against the seal's
 // checksum only once the transport has taken the memory back from the
-// sender (revoke): the bytes vouched for are the bytes the decode lease
-// holds. A receiver whose pool or transport cannot lend memory (pages on
-// a device that is not host memory, ErrNoRemoteMemory) accepts with a
-// plain verdict instead, and the units come in data frames.
+// sender (revoke), so that no write lands after the verdict. A unit is
+// summed once, when its note comes: a sender that wrote it again after
+// its note (which breaks the protocol, and takes the transfer's key)
+// would leave bytes the seal did not vouch for, in its own import's
+// pages and no other's. A receiver whose pool or transport cannot lend
+// memory (pages on a device that is not host memory, ErrNoRemoteMemory)
+// accepts with a plain verdict instead, and the units come in data
+// frames.
 
 // MemoryEndpoint is an Endpoint whose transport can let the sender write
 // the decode pool's memory directly.
