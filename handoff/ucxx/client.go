@@ -167,7 +167,7 @@ func (t *Transport) connect(ctx context.Context) (*conn, error) {
 	p := newPending()
 	w.mu.Lock()
 	c.onRevoke = c.stopWritingLocked
-	p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(w.w, c.ep, tok) }, p.complete))
+	p.add(c.w.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(w.w, c.ep, tok) }, p.complete))
 	p.seal()
 	w.mu.Unlock()
 	if !c.wait(p, time.Until(deadline)) {
@@ -336,7 +336,7 @@ func (s *clientStream) OpenRemote(desc []byte, memBytes []int64) (handoff.Remote
 		var rkey C.ucp_rkey_h
 		st := unpackRkey(c.ep, e.rkey, &rkey)
 		if st != C.UCS_OK {
-			w.destroyLocked()
+			c.dropRkeysLocked()
 			return nil, fmt.Errorf("%w: ucxx: the remote key of extent %d does not unpack: %w", handoff.ErrProtocol, i, statusErr(st))
 		}
 		c.rkeys = append(c.rkeys, rkey)
@@ -443,7 +443,7 @@ var errRevoked = fmt.Errorf("%w: ucxx: the receiver has taken its memory back", 
 func (c *conn) stopWritingLocked() {
 	c.revoked = true
 	ack := func(error) { c.postControlLocked(kindAck) }
-	inProgress, err := c.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(c.w.w, c.ep, tok) }, ack)
+	inProgress, err := c.w.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(c.w.w, c.ep, tok) }, ack)
 	if !inProgress && err == nil {
 		ack(nil)
 	}
@@ -503,13 +503,13 @@ func (w *remoteWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 				putHeader(hdr[:], kindWrite, c.peer)
 				binary.LittleEndian.PutUint32(hdr[headerLen:], uint32(put.Mem))
 				binary.LittleEndian.PutUint64(hdr[headerLen+4:], off)
-				p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
+				p.add(c.w.postLocked(func(tok C.uint64_t) C.ucs_status_t {
 					return C.kvf_am_write(c.w.w, c.ep, unsafe.Pointer(&hdr[0]), writeHeaderLen,
 						unsafe.Pointer(unsafe.SliceData(start)), C.size_t(n), tok)
 				}, p.complete))
 			} else {
 				raddr, rkey := w.addrs[put.Mem]+off, c.rkeys[put.Mem]
-				p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
+				p.add(c.w.postLocked(func(tok C.uint64_t) C.ucs_status_t {
 					return C.kvf_put(c.w.w, c.ep, unsafe.Pointer(unsafe.SliceData(start)), C.size_t(n), C.uint64_t(raddr), rkey, tok)
 				}, p.complete))
 			}
@@ -518,7 +518,7 @@ func (w *remoteWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 		}
 	}
 	if p.err == nil && !w.receives {
-		p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(c.w.w, c.ep, tok) }, p.complete))
+		p.add(c.w.postLocked(func(tok C.uint64_t) C.ucs_status_t { return C.kvf_flush(c.w.w, c.ep, tok) }, p.complete))
 	}
 	p.seal()
 	live := w.batches[:0] // the batches still in flight, for Close
@@ -576,9 +576,7 @@ func (w *remoteWriter) Close() error {
 		}
 	}
 	c.w.mu.Lock()
-	w.destroyLocked()
+	c.dropRkeysLocked()
 	c.w.mu.Unlock()
 	return err
 }
-
-func (w *remoteWriter) destroyLocked() { w.s.c.dropRkeysLocked() }

@@ -354,7 +354,7 @@ func (c *conn) writeArrivedLocked(h []byte, ev *C.kvf_event) {
 	// destroyed (the connection failed): UCX writes its memory no more
 	// either way, which closeLanding waits for before the memory goes
 	// back.
-	inProgress, err := c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
+	inProgress, err := c.w.postLocked(func(tok C.uint64_t) C.ucs_status_t {
 		return C.kvf_am_recv(c.w.w, ev.data, unsafe.Pointer(unsafe.SliceData(dst)), C.size_t(n), tok)
 	}, done)
 	if err != nil && !c.w.closed {
@@ -392,10 +392,9 @@ func (c *conn) receivedLocked(seq uint64) {
 
 // closeLanding closes the exposed memory to writes (those that arrive
 // from now on are released unread) and waits until no receive into it is
-// in flight: at most timeout, after which the connection is cut; then
-// until UCX has ended them, which it does as the endpoint goes (or the
-// worker's close ends them: nothing writes once it is destroyed). Only
-// then may the memory be used for anything else.
+// in flight: at most timeout, after which the connection fails, and its
+// worker's destruction ends them (nothing writes once it is destroyed).
+// Only then may the memory be used for anything else.
 func (c *conn) closeLanding(timeout time.Duration) {
 	t := time.NewTimer(timeout)
 	defer t.Stop()
@@ -509,7 +508,7 @@ func (c *conn) send(kind byte, parts [][]byte, timeout time.Duration) error {
 		C.free(block)
 		return err
 	}
-	p.add(c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
+	p.add(c.w.postLocked(func(tok C.uint64_t) C.ucs_status_t {
 		var iovp *C.ucp_dt_iov_t
 		if n > 0 {
 			iovp = &iov[0]
@@ -573,7 +572,7 @@ func (c *conn) postControlLocked(kind byte) {
 		return
 	}
 	putHeader(unsafe.Slice((*byte)(block), headerLen), kind, c.peer)
-	inProgress, err := c.postLocked(func(tok C.uint64_t) C.ucs_status_t {
+	inProgress, err := c.w.postLocked(func(tok C.uint64_t) C.ucs_status_t {
 		return C.kvf_am_send(c.w.w, c.ep, block, headerLen, nil, 0, tok)
 	}, func(error) { C.free(block) })
 	if !inProgress {
@@ -626,12 +625,6 @@ var errConnClosed = fmt.Errorf("%w: ucxx: connection closed", handoff.ErrTranspo
 // close ends the connection at once: its worker is destroyed.
 func (c *conn) close() { c.fail(errConnClosed) }
 
-// postLocked posts an operation on the connection's endpoint (see
-// worker.postLocked).
-func (c *conn) postLocked(post func(token C.uint64_t) C.ucs_status_t, done func(error)) (inProgress bool, err error) {
-	return c.w.postLocked(post, done)
-}
-
 // errAbandoned ends the operations of a worker that has been destroyed.
 var errAbandoned = fmt.Errorf("%w: ucxx: the connection ended under the operation", handoff.ErrTransport)
 
@@ -668,6 +661,7 @@ func (c *conn) closeGracefully(timeout time.Duration) {
 	}
 	w.mu.Lock()
 	clean := p.err == nil && !w.closed && len(w.ops) == 0 && len(w.byEP) == 0
+	w.polls = true // until the next connection's lanes say otherwise
 	w.mu.Unlock()
 	if !clean {
 		w.close()

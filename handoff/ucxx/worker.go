@@ -116,9 +116,6 @@ func (x *ucxContext) worker() (*worker, error) {
 	if n := len(x.mu.idle); n > 0 {
 		w := x.mu.idle[n-1]
 		x.mu.idle = x.mu.idle[:n-1]
-		w.mu.Lock()
-		w.polls = true
-		w.mu.Unlock()
 		return w, nil
 	}
 	w, err := openWorker(x)
@@ -156,10 +153,23 @@ func (x *ucxContext) release(w *worker) {
 	w.close()
 }
 
-// unhold undoes a hold, or a worker's when it is destroyed.
+// unhold undoes a hold.
 func (x *ucxContext) unhold() {
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	x.unholdLocked()
+}
+
+// destroyed accounts for a worker that has been destroyed, and undoes
+// its hold.
+func (x *ucxContext) destroyed() {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.mu.destroyed++
+	x.unholdLocked()
+}
+
+func (x *ucxContext) unholdLocked() {
 	if x.mu.holds--; x.mu.holds == 0 && x.mu.closed {
 		close(x.drained)
 	}
@@ -549,10 +559,7 @@ func (w *worker) destroyLocked() {
 		delete(w.ops, tok)
 		done(errAbandoned)
 	}
-	w.x.mu.Lock()
-	w.x.mu.destroyed++
-	w.x.mu.Unlock()
-	w.x.unhold()
+	w.x.destroyed()
 }
 
 // close destroys the worker and waits for its loop to end; not from the
