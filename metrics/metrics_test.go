@@ -340,10 +340,10 @@ func TestCollectorCountsHandoffOutcomesAndPublishedEvents(t *testing.T) {
 	assert.Equal(t, 2.0, testutil.ToFloat64(only(t, reg, "kvfence_kv_events_total", "outcome", "sent")))
 }
 
-// A pool made from a cache spec reports every group's pages by state; a
-// pool of one group adds no series (its pages are kvfence_pool_pages).
-func TestCollectorReportsEveryCacheGroup(t *testing.T) {
-	spec := kvcache.CacheSpec{Model: "hybrid", Groups: []kvcache.CacheGroup{
+// hybridSpec is a small hybrid model: per-token pages, a sliding
+// window's, and a state slot.
+func hybridSpec() kvcache.CacheSpec {
+	return kvcache.CacheSpec{Model: "hybrid", Groups: []kvcache.CacheGroup{
 		{Name: "kv", Kind: kvcache.GroupPerToken, TokensPerPage: 4,
 			Regions: kvcache.MLALatent([]int{0, 1}, 12, 4, kvcache.BF16, 4)},
 		{Name: "swa", Kind: kvcache.GroupSlidingWindow, TokensPerPage: 4, WindowTokens: 8,
@@ -351,6 +351,12 @@ func TestCollectorReportsEveryCacheGroup(t *testing.T) {
 		{Name: "state", Kind: kvcache.GroupState,
 			Regions: kvcache.LinearAttentionState([]int{3}, 8, 4, kvcache.BF16, 2, 4, 4, kvcache.FP32)},
 	}}
+}
+
+// A pool made from a cache spec reports every group's pages by state; a
+// pool of one group adds no series (its pages are kvfence_pool_pages).
+func TestCollectorReportsEveryCacheGroup(t *testing.T) {
+	spec := hybridSpec()
 	p, err := kvcache.New(kvcache.Config{Cache: spec, Pages: 16, MaxLeases: 3, MaxContextTokens: 64,
 		Tenants: []kvcache.TenantConfig{{Name: "a"}}})
 	require.NoError(t, err)
@@ -404,14 +410,7 @@ func TestCollectorReportsEveryCacheGroup(t *testing.T) {
 // with their tokens, evicted, and the copy and restore time, each equal
 // to the pool's Stats; a pool of one group sends no checkpoint series.
 func TestCollectorReportsStateCheckpoints(t *testing.T) {
-	spec := kvcache.CacheSpec{Model: "hybrid", Groups: []kvcache.CacheGroup{
-		{Name: "kv", Kind: kvcache.GroupPerToken, TokensPerPage: 4,
-			Regions: kvcache.MLALatent([]int{0, 1}, 12, 4, kvcache.BF16, 4)},
-		{Name: "swa", Kind: kvcache.GroupSlidingWindow, TokensPerPage: 4, WindowTokens: 8,
-			Regions: kvcache.AttentionKVOf([]int{2}, 1, 8, kvcache.BF16, 4)},
-		{Name: "state", Kind: kvcache.GroupState,
-			Regions: kvcache.LinearAttentionState([]int{3}, 8, 4, kvcache.BF16, 2, 4, 4, kvcache.FP32)},
-	}}
+	spec := hybridSpec()
 	// Two slots, shared by leases and checkpoints; tenant a keeps one
 	// checkpoint at most.
 	p, err := kvcache.New(kvcache.Config{Cache: spec, Pages: 32, MaxLeases: 2, MaxContextTokens: 64,
@@ -616,14 +615,7 @@ func TestCollectorReportsHostTier(t *testing.T) {
 // spaces, as the slots by state do), the checkpoints held, stored,
 // restored by a hit and evicted for room, and the bytes restored.
 func TestCollectorReportsHostTierCheckpoints(t *testing.T) {
-	spec := kvcache.CacheSpec{Model: "hybrid", Groups: []kvcache.CacheGroup{
-		{Name: "kv", Kind: kvcache.GroupPerToken, TokensPerPage: 4,
-			Regions: kvcache.MLALatent([]int{0, 1}, 12, 4, kvcache.BF16, 4)},
-		{Name: "swa", Kind: kvcache.GroupSlidingWindow, TokensPerPage: 4, WindowTokens: 8,
-			Regions: kvcache.AttentionKVOf([]int{2}, 1, 8, kvcache.BF16, 4)},
-		{Name: "state", Kind: kvcache.GroupState,
-			Regions: kvcache.LinearAttentionState([]int{3}, 8, 4, kvcache.BF16, 2, 4, 4, kvcache.FP32)},
-	}}
+	spec := hybridSpec()
 	// Two slots, shared by leases and checkpoints: a second checkpoint
 	// evicts the first from the device. The tier keeps one.
 	p, err := kvcache.New(kvcache.Config{Cache: spec, Pages: 32, MaxLeases: 2, MaxContextTokens: 64,
