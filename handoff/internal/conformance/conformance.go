@@ -424,8 +424,11 @@ func contextCancelled(t *testing.T, h Harness) {
 // the receiver's TransferTimeout: the sender hears incomplete_transfer,
 // and the request may be sent again.
 func silentSender(t *testing.T, h Harness) {
-	const bound = 10 * time.Second // generous: the timeout is 50 ms
-	e := setup(t, h, 512, 1024, handoff.ReceiverConfig{TransferTimeout: 50 * time.Millisecond})
+	// The timeout bounds the whole transfer, the second one's too, which
+	// must fit in it on a loaded machine under -race (50 ms did not: 40
+	// pages sent again timed out under three test processes at once).
+	const bound = 10 * time.Second // generous: the timeout is 500 ms
+	e := setup(t, h, 512, 1024, handoff.ReceiverConfig{TransferTimeout: 500 * time.Millisecond})
 	tr := e.srv.Dial(t)
 	exp := e.export(t, "silent", 40*16)
 	manifest, err := exp.ManifestBytes()
