@@ -165,7 +165,9 @@
 // this transfer. The sender checks that the grant places every unit once,
 // inside its extents and on bytes of its own, then writes each chunk of
 // units (MemoryStream, RemoteWriter: one put per run; a state slot is
-// one chunk, whatever its size), summed one chunk ahead as before, and
+// one chunk, whatever its size; a writer whose puts each cost a round
+// trip asks for large ones, PutSizer, and gets chunks that hold that
+// much of every region), summed one chunk ahead as before, and
 // once a chunk's writes have landed sends a landed note: the units, with
 // their generations, as a data frame's head. The receiver checks each
 // note as it checks a data frame and sums the landed units where they lie

@@ -81,6 +81,16 @@ type RemoteWriter interface {
 	Close() error
 }
 
+// PutSizer is a RemoteWriter that says how many bytes a put should carry,
+// at least, for its transport to move them at its pace: one that sends
+// each put as a message with a round trip of its own (UCX's rendezvous
+// over TCP) moves a model's many small pages, a put per region, at a
+// fraction of it. The sender then plans chunks large enough that each
+// region's put in them carries that many bytes, where the units allow.
+type PutSizer interface {
+	MinPutBytes() int64
+}
+
 // RemotePut writes Src, the concatenation of its parts, at offset Off of
 // the receiver's extent Mem (an index into the grant's extents).
 type RemotePut struct {
@@ -359,8 +369,12 @@ func (e *Export) accepted(st Stream) ([]byte, error) {
 // remoteChunkBytes is about how much one remote write carries: a few
 // data frames' worth (a frame's worth is little for a put, and each write
 // ends in a round trip, the flush, before its landed note goes out), and
-// at least one unit.
-func (e *Export) remoteChunkBytes() int64 { return 4 * int64(e.s.cfg.FrameBytes) }
+// at least one unit; more where the writer asks for puts of minPut bytes
+// at least (PutSizer): minPut for each of the group's regions, whose
+// pages a chunk's puts write region by region.
+func (e *Export) remoteChunkBytes(regions int, minPut int64) int64 {
+	return max(4*int64(e.s.cfg.FrameBytes), int64(regions)*minPut)
+}
 
 // remoteChunk is a chunk of units of one group: units first … first+n-1,
 // whose views are regions views per unit, and the done that gives them
@@ -374,16 +388,20 @@ type remoteChunk struct {
 	wait     func() error // the chunk's writes, once posted
 }
 
-// remoteChunks plans the chunks of the export: per group, runs of as many
-// whole units as fit in remoteChunkBytes, at least one (a state slot of
-// hundreds of MiB is one chunk: a put has no size limit).
-func (e *Export) remoteChunks() []remoteChunk {
+// maxMinPut bounds what a PutSizer may ask for.
+const maxMinPut = 1 << 30
+
+// remoteChunks plans the chunks of the export for a writer that asks for
+// puts of minPut bytes at least: per group, runs of as many whole units
+// as fit in remoteChunkBytes, at least one (a state slot of hundreds of
+// MiB is one chunk: a put has no size limit).
+func (e *Export) remoteChunks(minPut int64) []remoteChunk {
 	var cs []remoteChunk
 	spec := e.out.Spec()
 	first, lane := 0, 0
 	for gi, ext := range e.out.Extents() {
-		per := max(1, int(e.remoteChunkBytes()/max(ext.UnitBytes, 1)))
 		regions := len(spec.Groups[gi].Regions)
+		per := max(1, int(e.remoteChunkBytes(regions, minPut)/max(ext.UnitBytes, 1)))
 		for j := 0; j < ext.Units; j += per {
 			cs = append(cs, remoteChunk{first: first + j, n: min(per, ext.Units-j), regions: regions, lane: lane})
 		}
@@ -419,7 +437,11 @@ func (e *Export) sendRemote(st Stream, msg []byte) error {
 	}
 	n := e.out.Units()
 	sums := make([]uint64, n)
-	chunks := e.remoteChunks()
+	var minPut int64
+	if ps, ok := w.(PutSizer); ok {
+		minPut = min(max(ps.MinPutBytes(), 0), maxMinPut)
+	}
+	chunks := e.remoteChunks(minPut)
 	var inFlight []*remoteChunk
 	// settle waits for the oldest chunk's writes and sends its landed note.
 	settle := func() error {

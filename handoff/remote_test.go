@@ -33,11 +33,14 @@ type memTransport struct {
 	toSender, toReceiver func(msg []byte) []byte
 	// put, if set, sees each put before it is written; false skips it.
 	put func(p handoff.RemotePut) bool
+	// minPut is what the writers ask for as puts' least size (PutSizer).
+	minPut int64
 
 	mu                     sync.Mutex
 	exposed, revoked       int
 	writes, writesRefused  int
-	lateWrites             int // writes attempted after their memory was revoked
+	batchBytes             []int64 // the bytes of each Write's puts, in order
+	lateWrites             int     // writes attempted after their memory was revoked
 	lastPipe               *memPipe
 	kinds                  map[byte]int // messages the receiver got, by kind
 	revokeWaitedForStopped bool
@@ -188,10 +191,14 @@ func (w *memWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 			return nil, fmt.Errorf("%w: memPipe: a put of %d bytes at %d of extent %d: outside the granted memory", handoff.ErrProtocol, n, put.Off, put.Mem)
 		}
 	}
+	var batch int64
 	for i, put := range puts {
 		t.mu.Lock()
 		t.writes++
 		t.mu.Unlock()
+		for _, s := range put.Src {
+			batch += int64(len(s))
+		}
 		if skip[i] {
 			continue
 		}
@@ -200,10 +207,15 @@ func (w *memWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 			off += int64(copy(p.mems[put.Mem][off:], s))
 		}
 	}
+	t.mu.Lock()
+	t.batchBytes = append(t.batchBytes, batch)
+	t.mu.Unlock()
 	return func() error { return nil }, nil
 }
 
 func (w *memWriter) Close() error { return nil }
+
+func (w *memWriter) MinPutBytes() int64 { return w.p.t.minPut }
 
 type memServerEnd struct{ p *memPipe }
 
@@ -326,6 +338,31 @@ func TestRemoteRoundTrip(t *testing.T) {
 	assert.ErrorIs(t, exp.Send(ctx, tr), handoff.ErrReplay)
 	require.NoError(t, exp.Abort())
 	tr.serves.Wait()
+	sweep(t, prefill, decode)
+}
+
+// A writer whose puts should carry 16 KiB at least (PutSizer; a put a
+// region per chunk, 2 regions of 256-byte pages here) is given chunks of
+// 32 KiB, 64 units, instead of 16 KiB (4 frames of 4 KiB): half as many
+// writes, each but the last of 32 KiB; the transfer is the same.
+func TestRemoteChunksMeetMinPutBytes(t *testing.T) {
+	prefill, decode, recv, tr, s := remoteSetup(t)
+	tr.minPut = 16 << 10
+	const units = 701
+	exp := exportOf(t, s, prefill, "sized", (units-1)*16+5)
+	require.NoError(t, exp.Send(context.Background(), tr))
+	dl, ok := recv.Take("sized")
+	require.True(t, ok)
+	require.NoError(t, testkit.VerifyContent(decode, dl, "sized"))
+	require.NoError(t, dl.Release())
+	tr.serves.Wait()
+	pageBytes := testkit.Geometry.PageBytes()
+	require.Len(t, tr.batchBytes, (units+63)/64, "a write per chunk of 64 units")
+	for i, b := range tr.batchBytes[:len(tr.batchBytes)-1] {
+		assert.Equal(t, 64*pageBytes, b, "write %d", i)
+	}
+	assert.Equal(t, int64(units%64)*pageBytes, tr.batchBytes[len(tr.batchBytes)-1])
+	assert.Equal(t, len(tr.batchBytes), tr.kinds['L'], "a landed note per chunk")
 	sweep(t, prefill, decode)
 }
 

@@ -75,3 +75,13 @@ func BenchmarkHandoffHybrid(b *testing.B) {
 		return serveBench(b, srv, tcpx.Insecure())
 	})
 }
+
+// BenchmarkHandoffLayered is BenchmarkHandoff of a model's many regions
+// (benchkit.Layered: 32 layers, 64 regions of 32 KiB pages, 256 MiB).
+func BenchmarkHandoffLayered(b *testing.B) {
+	benchkit.HandoffOf(b, benchkit.Layered, func(recv *handoff.Receiver) handoff.Transport {
+		srv, err := tcpx.NewServer(recv, tcpx.Insecure(), tcpx.Options{})
+		require.NoError(b, err)
+		return serveBench(b, srv, tcpx.Insecure())
+	})
+}

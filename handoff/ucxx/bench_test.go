@@ -31,7 +31,13 @@ import (
 // handoff's chunks (perftest-4MiB-GB/s, x-perftest-4MiB), with UCX
 // configured as this package configures it.
 func BenchmarkHandoff(b *testing.B) {
-	benchkit.Handoff(b, func(recv *handoff.Receiver) handoff.Transport {
+	benchkit.Handoff(b, connect(b), perftest("perftest", 0), perftest("perftest-4MiB", 4<<20))
+}
+
+// connect returns benchkit's connect over ucxx: a server on loopback and
+// a transport dialled to it, both closed when b ends.
+func connect(b *testing.B) func(recv *handoff.Receiver) handoff.Transport {
+	return func(recv *handoff.Receiver) handoff.Transport {
 		srv, err := ucxx.NewServer(recv, ucxx.Options{})
 		require.NoError(b, err)
 		b.Cleanup(func() { srv.Close() })
@@ -41,7 +47,7 @@ func BenchmarkHandoff(b *testing.B) {
 		require.NoError(b, err)
 		b.Cleanup(func() { tr.Close() })
 		return tr
-	}, perftest("perftest", 0), perftest("perftest-4MiB", 4<<20))
+	}
 }
 
 // perftest is ucx_perftest's ucp_put_bw between two processes over the
@@ -137,4 +143,17 @@ func tlsMayUse(names ...string) bool {
 		return !named
 	}
 	return named || strings.Contains(tls, "all")
+}
+
+// BenchmarkHandoffLayered is BenchmarkHandoff of a model's many regions
+// (benchkit.Layered: 32 layers, 64 regions of 32 KiB pages, 256 MiB):
+// each chunk's writes are a put per region.
+func BenchmarkHandoffLayered(b *testing.B) {
+	benchkit.HandoffOf(b, benchkit.Layered, connect(b))
+}
+
+// BenchmarkHandoffHybrid is BenchmarkHandoff of the incident's model
+// (benchkit.Hybrid: a miniature of glm-5.3-flash, every group).
+func BenchmarkHandoffHybrid(b *testing.B) {
+	benchkit.HandoffOf(b, benchkit.Hybrid(), connect(b))
 }

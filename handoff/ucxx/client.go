@@ -204,6 +204,7 @@ type clientStream struct {
 var (
 	_ handoff.ViewStream   = (*clientStream)(nil)
 	_ handoff.MemoryStream = (*clientStream)(nil)
+	_ handoff.PutSizer     = (*remoteWriter)(nil)
 )
 
 // fail wraps err, of the operation what, in handoff.ErrTransport (unless
@@ -431,6 +432,24 @@ type remoteWriter struct {
 	// Guarded by the worker's lock.
 	batches []*pending
 	closed  bool
+}
+
+// rendezvousPutBytes is what a put should carry, at least, where each
+// is a rendezvous message (MinPutBytes): on the machine of
+// bench/README.md a handoff of 32 layers' pages (64 regions of 32 KiB, a
+// put each per chunk of 4 MiB) moved at 2.1-2.2 GB/s for 234-236 ms of
+// CPU per 256 MiB, and at 3.2-3.3 GB/s for 124-131 ms in chunks of 1 MiB
+// a region (bench/results/2026-12-05-ucx-5.txt).
+const rendezvousPutBytes = 1 << 20
+
+// MinPutBytes implements handoff.PutSizer: over TCP alone each put is a
+// rendezvous message, with a round trip of its own, and small ones cost
+// more than they move; a put (UCX's, or the NIC's) is posted without one.
+func (w *remoteWriter) MinPutBytes() int64 {
+	if w.receives {
+		return rendezvousPutBytes
+	}
+	return 0
 }
 
 // errRevoked is a write after the receiver took its memory back.

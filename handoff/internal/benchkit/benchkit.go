@@ -51,6 +51,15 @@ type Workload struct {
 // tokens, 256 MiB.
 var PerToken = Workload{Spec: kvcache.GeometrySpec(Geometry), Prompt: Prompt}
 
+// Layered is BenchmarkHandoffLayered's workload: PerToken's 256 MiB in
+// the layout of a real model's cache, llama-3.1-8b's (32 layers × 8 KV
+// heads × 128 dims of bf16, 16 tokens a page): 64 regions (each layer's
+// K and V) of 32 KiB pages, a unit of 2 MiB, 2,048 tokens. A transport
+// that writes region by region writes a region's run of pages at a time:
+// PerToken's are 1 MiB in a chunk of 4 MiB, these 64 KiB.
+var Layered = Workload{Spec: kvcache.GeometrySpec(kvcache.Geometry{TokensPerPage: 16, Layers: 32, KVHeads: 8,
+	HeadDim: 128, DType: kvcache.BF16}), Prompt: 2048}
+
 // HybridPrompt is the prompt of the Hybrid workload.
 const HybridPrompt = 16_384
 
