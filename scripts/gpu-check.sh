@@ -21,6 +21,14 @@
 #   ordering     legacy, per-thread and engine streams, an engine kernel
 #                still writing at release; a Group over every GPU; remote
 #                ranks in worker processes
+#   torch        python/tests/test_torch_device.py under the machine's own
+#                PyTorch and pytest, over the carried libkvfence.so:
+#                pools over KV tensors torch allocated on the GPU (vLLM's
+#                and the MLA layout), scaled_dot_product_attention over
+#                pages gathered by kvfence's block tables, a release on
+#                torch.cuda.current_stream() while a kernel still writes
+#                the pages, and every reused page holding only the scrub
+#                pattern
 #   gpuinfo      the NVML probe
 #   kvbench      a short kvbench -device cuda run with the isolation audit
 #   capi         the C ABI test program, on a CUDA pool
@@ -88,6 +96,11 @@ go test -c "${strip[@]}" -o "$bin/gpuinfo.test" ./cudaops/gpuinfo
 go build "${strip[@]}" -o "$bin/kvbench" ./bench/cmd/kvbench
 go build -buildmode=c-shared "${strip[@]}" -o "$bin/lib/libkvfence.so" ./capi
 rm -f "$bin/lib/libkvfence.h"
+# The Python package and its device test, for the torch step.
+mkdir -p "$bin/py/tests"
+cp -r python/kvfence "$bin/py/"
+find "$bin/py" -name __pycache__ -prune -exec rm -rf {} +
+cp python/tests/test_torch_device.py "$bin/py/tests/"
 gcc -std=c11 -Wall -Wextra -Werror -I capi/include capi/testdata/capi_test.c -L "$bin/lib" -lkvfence -lpthread \
 	-Wl,-rpath,'$ORIGIN/lib' -s -o "$bin/capi_test"
 
@@ -198,6 +211,8 @@ step conformance 100 ./cudaops.test -test.v -test.count=1 -test.run '^(TestCUDAC
 step sanitizer 90 ./sanitize.sh
 step bench 120 ./cudaops.test -test.run '^$' -test.bench '^BenchmarkCUDAFill$' -test.benchtime 300ms -test.count 1
 step ordering 60 ./cudaops.test -test.v -test.count=1 -test.run '^(TestCUDAOrderingGPU|TestCUDAGroupGPU|TestRemoteRanksGPU)$'
+step torch 60 env KVFENCE_LIB="$work/lib/libkvfence.so" PYTHONPATH="$work/py" \
+	python3 -m pytest -q -s -rA -p no:cacheprovider py/tests/test_torch_device.py
 step gpuinfo 20 ./gpuinfo.test -test.v -test.count=1
 step kvbench 45 ./kvbench -device cuda -duration 5s -pool-pages 2048 -audit -out "$out/kvbench"
 step capi 30 ./capi_test
