@@ -587,3 +587,78 @@ func (d *CUDA) SetCopyStaging(n int) {
 	}
 	d.copyStaging = n
 }
+
+// CopyBaseline is BenchmarkCUDAStagedCopies' reference: a device buffer
+// and page-locked host memory of the same size, copied whole each way by
+// one plain cuMemcpyDtoHAsync or cuMemcpyHtoDAsync on the device's
+// stream, waited for.
+type CopyBaseline struct {
+	d    *CUDA
+	dev  uint64
+	host []byte
+}
+
+// NewCopyBaseline allocates a CopyBaseline of n bytes.
+func (d *CUDA) NewCopyBaseline(n int) (*CopyBaseline, error) {
+	d.life.RLock()
+	defer d.life.RUnlock()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	g, err := d.enter()
+	if err != nil {
+		return nil, err
+	}
+	defer g.leave()
+	dev, err := d.drv.memAlloc(uint64(n))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrOutOfMemory, err)
+	}
+	host, err := d.drv.memAllocHost(n)
+	if err != nil {
+		_ = d.drv.memFree(dev)
+		return nil, fmt.Errorf("%w: %w", ErrOutOfMemory, err)
+	}
+	return &CopyBaseline{d: d, dev: dev, host: host}, nil
+}
+
+// ToHost copies the device buffer into the host memory and waits.
+func (c *CopyBaseline) ToHost() error {
+	return c.copy(func(s uintptr) error { return c.d.drv.memcpyDtoHAsync(c.host, c.dev, s) })
+}
+
+// ToDevice copies the host memory into the device buffer and waits.
+func (c *CopyBaseline) ToDevice() error {
+	return c.copy(func(s uintptr) error { return c.d.drv.memcpyHtoDAsync(c.dev, c.host, s) })
+}
+
+func (c *CopyBaseline) copy(queue func(s uintptr) error) error {
+	d := c.d
+	d.life.RLock()
+	defer d.life.RUnlock()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	g, err := d.enter()
+	if err != nil {
+		return err
+	}
+	defer g.leave()
+	if err := queue(d.stream); err != nil {
+		return fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	if err := d.drv.streamSynchronize(d.stream); err != nil {
+		return fmt.Errorf("%w: %w", ErrDriver, err)
+	}
+	return nil
+}
+
+// Close frees the buffers.
+func (c *CopyBaseline) Close() {
+	d := c.d
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if g, err := d.enter(); err == nil {
+		_ = d.drv.memFree(c.dev)
+		_ = d.drv.memFreeHost(c.host)
+		g.leave()
+	}
+}

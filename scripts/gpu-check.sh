@@ -18,6 +18,9 @@
 #                fills under compute-sanitizer --tool memcheck
 #   bench        BenchmarkCUDAFill: GB/s, x-memset, launches/op,
 #                kernel-only times (Llama-3.1-8B and DeepSeek-V3 pages)
+#   staged       BenchmarkCUDAStagedCopies: a handoff's staged copies of a
+#                Llama-3.1-8B prompt each way, GB/s and x-memcpy (against
+#                one plain cuMemcpyDtoHAsync / HtoDAsync of its bytes)
 #   ordering     legacy, per-thread and engine streams, an engine kernel
 #                still writing at release; a Group over every GPU; remote
 #                ranks in worker processes
@@ -210,6 +213,7 @@ step() {
 step conformance 100 ./cudaops.test -test.v -test.count=1 -test.run '^(TestCUDAConformance|TestCUDAFillKernelGPU|TestOpenCUDAHere)$'
 step sanitizer 90 ./sanitize.sh
 step bench 120 ./cudaops.test -test.run '^$' -test.bench '^BenchmarkCUDAFill$' -test.benchtime 300ms -test.count 1
+step staged 45 ./cudaops.test -test.run '^$' -test.bench '^BenchmarkCUDAStagedCopies$' -test.benchtime 300ms -test.count 1
 step ordering 60 ./cudaops.test -test.v -test.count=1 -test.run '^(TestCUDAOrderingGPU|TestCUDAGroupGPU|TestRemoteRanksGPU)$'
 step torch 60 env KVFENCE_LIB="$work/lib/libkvfence.so" PYTHONPATH="$work/py" \
 	python3 -m pytest -q -s -rA -p no:cacheprovider py/tests/test_torch_device.py
@@ -221,7 +225,7 @@ if [ -x ./gorgoniacu.test ]; then
 fi
 
 echo "== benchmark"
-grep -E '^Benchmark' "$out/bench.txt"
+grep -hE '^Benchmark' "$out/bench.txt" "$out/staged.txt"
 {
 	printf '%s\n' "${summary[@]}"
 	if [ "$rc" -eq 0 ]; then
