@@ -308,6 +308,17 @@ func exportOf(t *testing.T, s *handoff.Sender, p *kvcache.Pool, id string, promp
 	return exp
 }
 
+// sendVerified sends exp over tr and checks that the decode lease of id
+// holds exactly the prefill's pages, then releases it.
+func sendVerified(t *testing.T, exp *handoff.Export, tr handoff.Transport, recv *handoff.Receiver, decode *kvcache.Pool, id string) {
+	t.Helper()
+	require.NoError(t, exp.Send(context.Background(), tr))
+	dl, ok := recv.Take(id)
+	require.True(t, ok, "no decode lease for %s", id)
+	require.NoError(t, testkit.VerifyContent(decode, dl, id))
+	require.NoError(t, dl.Release())
+}
+
 // The pages of prompts of one token, one page and many chunks are
 // written into the decode pool's memory, not sent: no data frame, a
 // landed note per chunk, the memory exposed and revoked once per
@@ -318,12 +329,8 @@ func TestRemoteRoundTrip(t *testing.T) {
 	for i, prompt := range []int{1, 16, 700*16 + 5} {
 		id := fmt.Sprint("remote-", i)
 		exp := exportOf(t, s, prefill, id, prompt)
-		require.NoError(t, exp.Send(ctx, tr))
+		sendVerified(t, exp, tr, recv, decode, id)
 		assert.False(t, exp.Live())
-		dl, ok := recv.Take(id)
-		require.True(t, ok)
-		require.NoError(t, testkit.VerifyContent(decode, dl, id))
-		require.NoError(t, dl.Release())
 	}
 	tr.serves.Wait()
 	writes, late, exposed, revoked := tr.counts()
@@ -349,12 +356,7 @@ func TestRemoteChunksMeetMinPutBytes(t *testing.T) {
 	prefill, decode, recv, tr, s := remoteSetup(t)
 	tr.minPut = 16 << 10
 	const units = 701
-	exp := exportOf(t, s, prefill, "sized", (units-1)*16+5)
-	require.NoError(t, exp.Send(context.Background(), tr))
-	dl, ok := recv.Take("sized")
-	require.True(t, ok)
-	require.NoError(t, testkit.VerifyContent(decode, dl, "sized"))
-	require.NoError(t, dl.Release())
+	sendVerified(t, exportOf(t, s, prefill, "sized", (units-1)*16+5), tr, recv, decode, "sized")
 	tr.serves.Wait()
 	pageBytes := testkit.Geometry.PageBytes()
 	require.Len(t, tr.batchBytes, (units+63)/64, "a write per chunk of 64 units")
@@ -371,12 +373,7 @@ func TestRemoteChunksMeetMinPutBytes(t *testing.T) {
 func TestRemoteFallsBackToDataFrames(t *testing.T) {
 	prefill, decode, recv, tr, s := remoteSetup(t)
 	tr.refuse = fmt.Errorf("%w: not here", handoff.ErrNoRemoteMemory)
-	exp := exportOf(t, s, prefill, "frames", 300*16)
-	require.NoError(t, exp.Send(context.Background(), tr))
-	dl, ok := recv.Take("frames")
-	require.True(t, ok)
-	require.NoError(t, testkit.VerifyContent(decode, dl, "frames"))
-	require.NoError(t, dl.Release())
+	sendVerified(t, exportOf(t, s, prefill, "frames", 300*16), tr, recv, decode, "frames")
 	tr.serves.Wait()
 	assert.Positive(t, tr.kinds['D'])
 	assert.Zero(t, tr.kinds['L'])
