@@ -167,7 +167,8 @@
 // units (MemoryStream, RemoteWriter: one put per run; a state slot is
 // one chunk, whatever its size; a writer whose puts each cost a round
 // trip asks for large ones, PutSizer, and gets chunks that hold that
-// much of every region), summed one chunk ahead as before, and
+// much of every region, up to 32 frames where the pages are a GPU's and
+// each chunk is staged), summed one chunk ahead as before, and
 // once a chunk's writes have landed sends a landed note: the units, with
 // their generations, as a data frame's head. The receiver checks each
 // note as it checks a data frame and sums the landed units where they lie

@@ -371,10 +371,22 @@ func (e *Export) accepted(st Stream) ([]byte, error) {
 // ends in a round trip, the flush, before its landed note goes out), and
 // at least one unit; more where the writer asks for puts of minPut bytes
 // at least (PutSizer): minPut for each of the group's regions, whose
-// pages a chunk's puts write region by region.
+// pages a chunk's puts write region by region, up to stagedChunkFrames
+// where the units are staged.
 func (e *Export) remoteChunkBytes(regions int, minPut int64) int64 {
-	return max(4*int64(e.s.cfg.FrameBytes), int64(regions)*minPut)
+	b := max(4*int64(e.s.cfg.FrameBytes), int64(regions)*minPut)
+	if !e.out.Viewable() {
+		b = min(b, stagedChunkFrames*int64(e.s.cfg.FrameBytes))
+	}
+	return b
 }
+
+// stagedChunkFrames bounds, in frames, a chunk whose units are not host
+// memory (a GPU's): each is copied into memory of the sender's own before
+// it is written, two at a time, and a PutSizer's wish over a model's many
+// regions (1 MiB each of glm-5's 156) would otherwise stage hundreds of
+// MiB a transfer.
+const stagedChunkFrames = 32
 
 // remoteChunk is a chunk of units of one group: units first … first+n-1,
 // whose views are regions views per unit, and the done that gives them

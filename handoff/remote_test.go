@@ -368,6 +368,25 @@ func TestRemoteChunksMeetMinPutBytes(t *testing.T) {
 	sweep(t, prefill, decode)
 }
 
+// Where the prefill's pages are not host memory (a GPU's), a chunk is
+// staged in the sender's memory before it is written, and a PutSizer's
+// wish is bounded: 2 MiB asked for (1 MiB for each of 2 regions) gives
+// chunks of 32 frames of 4 KiB, 256 units, not the whole prompt.
+func TestRemoteStagedChunksBounded(t *testing.T) {
+	prefill := pool(t, testkit.PoolConfig{Pages: 1024, Opaque: true})
+	decode := pool(t, testkit.PoolConfig{Pages: 2048})
+	recv := receiver(t, decode)
+	tr := newMemTransport(recv)
+	s := sender(t, func(c *handoff.SenderConfig) { c.FrameBytes = 4 << 10; c.ReclaimAfter = time.Minute })
+	tr.minPut = 1 << 20
+	const units = 700
+	sendVerified(t, exportOf(t, s, prefill, "staged", units*16), tr, recv, decode, "staged")
+	tr.serves.Wait()
+	pageBytes := testkit.Geometry.PageBytes()
+	assert.Equal(t, []int64{256 * pageBytes, 256 * pageBytes, (units - 512) * pageBytes}, tr.batchBytes)
+	sweep(t, prefill, decode)
+}
+
 // A transport that cannot expose the memory makes the receiver accept
 // with a plain verdict: the pages come in data frames.
 func TestRemoteFallsBackToDataFrames(t *testing.T) {

@@ -53,7 +53,15 @@ type PoolConfig struct {
 	// must reach page memory behind the leases (to tamper with a page in
 	// flight) keeps it. Nil: a Host of the pool's own.
 	Device *cudaops.Host
+	// Opaque, if set, gives the pool its device through the Device
+	// interface alone (no page views, no part writes): to the handoff its
+	// pages are not host memory, as a GPU's are not, and go through
+	// copies.
+	Opaque bool
 }
+
+// opaqueDevice is a device seen through the Device interface alone.
+type opaqueDevice struct{ cudaops.Device }
 
 // NewPool builds a canary-scrubbed pool on its own Host device. The pool
 // fills every page with its canary at construction and the canary policy
@@ -64,6 +72,10 @@ func NewPool(c PoolConfig) (*kvcache.Pool, error) {
 	dev := c.Device
 	if dev == nil {
 		dev = cudaops.NewHost()
+	}
+	var pd cudaops.Device = dev
+	if c.Opaque {
+		pd = opaqueDevice{dev}
 	}
 	if !c.Spec.IsZero() {
 		maxCtx := c.MaxContext
@@ -81,7 +93,7 @@ func NewPool(c PoolConfig) (*kvcache.Pool, error) {
 			Cache: c.Spec, Pages: c.Pages, MaxContextTokens: maxCtx, AllowUndersizedPool: c.Undersized,
 			MaxLeases: maxLeases,
 			Tenants:   append([]kvcache.TenantConfig{{Name: Auditor}}, c.Tenants...),
-			Scrub:     policy, Device: dev,
+			Scrub:     policy, Device: pd,
 		})
 	}
 	g := c.Geometry
@@ -100,7 +112,7 @@ func NewPool(c PoolConfig) (*kvcache.Pool, error) {
 	return kvcache.New(kvcache.Config{
 		Geometry: g, Pages: c.Pages, MaxContextTokens: maxCtx, AllowUndersizedPool: c.Undersized,
 		Tenants: append([]kvcache.TenantConfig{{Name: Auditor}}, c.Tenants...),
-		Scrub:   policy, Device: dev,
+		Scrub:   policy, Device: pd,
 	})
 }
 
