@@ -437,9 +437,9 @@ type remoteWriter struct {
 // rendezvousPutBytes is what a put should carry, at least, where each
 // is a rendezvous message (MinPutBytes): on the machine of
 // bench/README.md a handoff of 32 layers' pages (64 regions of 32 KiB, a
-// put each per chunk of 4 MiB) moved at 2.1-2.2 GB/s for 234-236 ms of
-// CPU per 256 MiB, and at 3.2-3.3 GB/s for 124-131 ms in chunks of 1 MiB
-// a region (bench/results/2026-12-05-ucx-5.txt).
+// put each per chunk of 4 MiB) moved at 1.9-2.1 GB/s for 243-254 ms of
+// CPU per 256 MiB, and at 3.0-3.8 GB/s for 123-142 ms in chunks of 1 MiB
+// a region (6 rounds, bench/results/2026-12-05-ucx-5.txt).
 const rendezvousPutBytes = 1 << 20
 
 // MinPutBytes implements handoff.PutSizer: over TCP alone each put is a
