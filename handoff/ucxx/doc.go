@@ -99,8 +99,8 @@
 // only UCX's rendezvous.
 //
 // Where every lane of the receiver's endpoint is UCX's TCP transport
-// (PathAuto), the
-// sender writes by rendezvous instead: each run of pages goes as one
+// (PathAuto), the sender writes by rendezvous instead: each run of pages
+// goes as one
 // active message sent by rendezvous (UCP_AM_SEND_FLAG_RNDV) whose header
 // names the connection, the extent and the offset it is for; the
 // receiver's worker hands its descriptor to the connection, which
@@ -109,14 +109,14 @@
 // still open to writes, and fails the connection otherwise. Nothing is
 // mapped and no key or address leaves the receiver (the grant's
 // description says only which way the sender writes). A message costs a
-// round trip (the rendezvous), and a model's cache is many regions (a
-// chunk of 4 MiB of llama-3.1-8b's 64 regions is a message of 64 KiB a
-// region), so this writer asks for puts of 1 MiB at least
+// round trip (the rendezvous), and a model's cache has many regions: a
+// chunk of 4 MiB of llama-3.1-8b's 64 regions would be a message of 64
+// KiB a region. So this writer asks for puts of 1 MiB at least
 // (handoff.PutSizer), and the sender's chunks hold 1 MiB of every region
 // (up to 32 MiB a chunk where the prefill's pages are a GPU's and go
-// through a copy):
-// 256 MiB in that layout moved at 3.0-3.8 GB/s for 123-142 ms of CPU
-// against 1.9-2.1 GB/s and 243-254 ms in chunks of 4 MiB. Over TCP the
+// through a copy); 256 MiB in that layout moved at 3.0-3.8 GB/s for
+// 123-142 ms of CPU, against 1.9-2.1 GB/s and 243-254 ms in chunks of 4
+// MiB. Over TCP the
 // bytes then move once each way, by the kernel (UCX's zero-copy send
 // and a receive into the pages), instead of through UCX's segments. A
 // send ends once the receiver has taken the bytes, not once they have
