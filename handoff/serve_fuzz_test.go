@@ -239,27 +239,41 @@ func fuzzServe(f *testing.F, c testkit.PoolConfig, prompt, frameBytes int) {
 				t.Fatalf("Serve returned (%v) holding %d messages; it held %d at once, released %d twice", err, held, most, badFree)
 			}
 		}
-		dl, delivered := r.Take(id)
-		switch {
-		case err != nil && bytes.Equal(script, genuine):
-			t.Fatalf("Serve refused the recorded transfer: %v", err)
-		case err == nil && !delivered:
-			t.Fatal("Serve succeeded and delivered nothing")
-		case err != nil && delivered:
-			t.Fatalf("Serve failed (%v) and delivered a lease", err)
-		case err != nil && len(se.verdicts) > 0 && se.verdicts[len(se.verdicts)-1][2] == 0:
-			t.Fatalf("Serve failed (%v) with a yes as its last verdict", err)
+		checkServed(t, r, decode, id, err, bytes.Equal(script, genuine), se.verdicts)
+	})
+}
+
+// checkServed checks what a fuzzed Serve of request id, which returned
+// err after sending verdicts, left: the genuine transfer imported; a
+// lease if and only if Serve succeeded, holding exactly the prefill's
+// pages; no yes as the last verdict of a failure; every free page of the
+// decode pool holding its canary once the lease is released.
+func checkServed(t *testing.T, r *handoff.Receiver, decode *kvcache.Pool, id string, err error, genuine bool, verdicts [][]byte) {
+	t.Helper()
+	dl, delivered := r.Take(id)
+	last := []byte(nil)
+	if len(verdicts) > 0 {
+		last = verdicts[len(verdicts)-1]
+	}
+	switch {
+	case err != nil && genuine:
+		t.Fatalf("Serve refused the recorded transfer: %v", err)
+	case err == nil && !delivered:
+		t.Fatal("Serve succeeded and delivered nothing")
+	case err != nil && delivered:
+		t.Fatalf("Serve failed (%v) and delivered a lease", err)
+	case err != nil && len(last) > 2 && last[0] == 'V' && last[2] == 0:
+		t.Fatalf("Serve failed (%v) with a yes as its last verdict", err)
+	}
+	if delivered {
+		if err := testkit.VerifyContent(decode, dl, id); err != nil {
+			t.Fatalf("delivered lease: %v", err)
 		}
-		if delivered {
-			if err := testkit.VerifyContent(decode, dl, id); err != nil {
-				t.Fatalf("delivered lease: %v", err)
-			}
-			if err := dl.Release(); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if err := testkit.Sweep(decode); err != nil {
+		if err := dl.Release(); err != nil {
 			t.Fatal(err)
 		}
-	})
+	}
+	if err := testkit.Sweep(decode); err != nil {
+		t.Fatal(err)
+	}
 }
