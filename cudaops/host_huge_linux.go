@@ -14,5 +14,10 @@ func adviseHuge(mem []byte) {
 	if len(mem) < hugeRegionBytes {
 		return
 	}
-	unix.Madvise(mem, unix.MADV_HUGEPAGE)
+	madviseHuge(mem)
 }
+
+// madviseHuge is the system call, a variable so that a test can see
+// which memory was advised: the kernel's own record (smaps' "hg" flag)
+// outlives the memory, which the Go heap may hand out again.
+var madviseHuge = func(mem []byte) { unix.Madvise(mem, unix.MADV_HUGEPAGE) }
