@@ -172,13 +172,16 @@
 // once a chunk's writes have landed sends a landed note: the units, with
 // their generations, as a data frame's head. The receiver checks each
 // note as it checks a data frame and sums the landed units where they lie
-// (kvcache.PageLoan.Landed) while the next chunk is written; at the seal
-// it has the transport take the memory back (revoke: the sender
-// acknowledges that it writes no more, or its connection is cut), returns
-// the loan, and completes the import against the seal's checksum. Every
-// failure takes the memory back the same way before the import is
-// aborted, so no page is scrubbed or reused while a sender can still
-// write it. A pool whose pages are not host memory, or a transport that
-// cannot expose them (ErrNoRemoteMemory), accepts with the plain verdict,
-// and the units come in data frames.
+// (kvcache.PageLoan.Landed) while the next chunk is written. Where the
+// fabric moves the bytes, those sums are the transfer's one cost per
+// byte on the hosts' cores, so on a machine of 16 cores or more both
+// ends split each chunk's units among 2 to 4 goroutines (sums.go). At
+// the seal the receiver has the transport take the memory back (revoke:
+// the sender acknowledges that it writes no more, or its connection is
+// cut), returns the loan, and completes the import against the seal's
+// checksum. Every failure takes the memory back the same way before the
+// import is aborted, so no page is scrubbed or reused while a sender can
+// still write it. A pool whose pages are not host memory, or a transport
+// that cannot expose them (ErrNoRemoteMemory), accepts with the plain
+// verdict, and the units come in data frames.
 package handoff

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"sync"
 	"sync/atomic"
 
 	"github.com/kvfence/kvfence/kvcache"
@@ -426,7 +427,7 @@ func (e *Export) remoteChunks(minPut int64) []remoteChunk {
 // sendRemote writes the units into the memory the receiver granted,
 // chunk by chunk: each chunk's units are lent by the pool (UnitViews;
 // staged through ReadUnits where they are not host memory), summed one
-// chunk ahead on a goroutine of their own as sendViews does, and written
+// chunk ahead on goroutines of their own (sumChunk), and written
 // with one put per run of units adjacent in the receiver's memory; once a
 // chunk's writes have landed, its landed note goes out. Two chunks are in
 // flight at a time. Then the seal.
@@ -560,11 +561,45 @@ func (e *Export) lendChunk(c *remoteChunk) error {
 	return nil
 }
 
-// sumChunk sets the sums of c's units.
+// sumChunk sets the sums of c's units (inSpans: on several goroutines
+// where the machine has the cores).
 func sumChunk(c *remoteChunk, sums []uint64) {
-	for i := range c.n {
-		sums[c.first+i] = kvcache.PageChecksumOf(c.views[i*c.regions : (i+1)*c.regions])
+	var bytes int64
+	for _, v := range c.views {
+		bytes += int64(len(v))
 	}
+	inSpans(c.n, bytes, func(_, lo, hi int) {
+		for i := lo; i < hi; i++ {
+			sums[c.first+i] = kvcache.PageChecksumOf(c.views[i*c.regions : (i+1)*c.regions])
+		}
+	})
+}
+
+// landedInSpans has loan sum units [first, first+k) of m, which landed,
+// in spans (inSpans); the first span's error of those that failed.
+func landedInSpans(loan *kvcache.PageLoan, m *Manifest, first, k int) error {
+	var bytes int64
+	u := 0
+	for _, e := range m.Extents {
+		lo, hi := max(first, u), min(first+k, u+e.Units)
+		bytes += int64(max(hi-lo, 0)) * e.UnitBytes
+		u += e.Units
+	}
+	var (
+		mu      sync.Mutex
+		err     error
+		errSpan = -1
+	)
+	inSpans(k, bytes, func(i, lo, hi int) {
+		if e := loan.Landed(first+lo, hi-lo); e != nil {
+			mu.Lock()
+			if errSpan < 0 || i < errSpan {
+				err, errSpan = e, i
+			}
+			mu.Unlock()
+		}
+	})
+	return err
 }
 
 // puts appends to dst the writes of chunk c's units: per lane (region),
@@ -672,7 +707,7 @@ func (r *Receiver) receiveRemote(ep MemoryEndpoint, m *Manifest, in *kvcache.Inc
 			if err := write.wait(); err != nil {
 				return nil, true, end(err)
 			}
-			write.start(func() error { return loan.Landed(first, k) })
+			write.start(func() error { return landedInSpans(loan, m, first, k) })
 			next += k
 		case msgSeal:
 			if len(msg) != sealLen {

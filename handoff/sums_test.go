@@ -1,0 +1,77 @@
+package handoff_test
+
+import (
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/kvfence/kvfence/handoff"
+)
+
+// inSpans covers every unit once, in consecutive spans numbered from 0,
+// as many as the workers, the units and the bytes allow.
+func TestInSpans(t *testing.T) {
+	cases := []struct {
+		workers   int
+		minBytes  int64
+		n         int
+		bytes     int64
+		wantSpans int
+	}{
+		{workers: 1, minBytes: 1, n: 100, bytes: 1 << 30, wantSpans: 1},
+		{workers: 4, minBytes: 1, n: 100, bytes: 1 << 30, wantSpans: 4},
+		{workers: 4, minBytes: 1, n: 3, bytes: 1 << 30, wantSpans: 3},           // no more spans than units
+		{workers: 4, minBytes: 1 << 20, n: 100, bytes: 2<<20 + 1, wantSpans: 2}, // at least minBytes each
+		{workers: 4, minBytes: 1 << 20, n: 100, bytes: 1 << 19, wantSpans: 1},
+		{workers: 3, minBytes: 1, n: 10, bytes: 10, wantSpans: 3},
+		{workers: 4, minBytes: 1, n: 1, bytes: 1 << 30, wantSpans: 1},
+		{workers: 4, minBytes: 1, n: 0, bytes: 0, wantSpans: 1}, // nothing to split: one empty call
+	}
+	for _, c := range cases {
+		t.Run(fmt.Sprintf("w%d-min%d-n%d-b%d", c.workers, c.minBytes, c.n, c.bytes), func(t *testing.T) {
+			defer handoff.SetSumSpansForTest(c.workers, c.minBytes)()
+			var mu sync.Mutex
+			spans := map[int][2]int{}
+			handoff.InSpansForTest(c.n, c.bytes, func(i, lo, hi int) {
+				mu.Lock()
+				defer mu.Unlock()
+				_, dup := spans[i]
+				assert.False(t, dup, "span %d called twice", i)
+				spans[i] = [2]int{lo, hi}
+			})
+			require.Len(t, spans, c.wantSpans)
+			next := 0
+			for i := range c.wantSpans {
+				s, ok := spans[i]
+				require.True(t, ok, "no span %d", i)
+				require.Equal(t, next, s[0], "span %d does not start where %d ended", i, i-1)
+				require.True(t, s[1] > s[0] || c.n == 0, "span %d is empty", i)
+				next = s[1]
+			}
+			require.Equal(t, c.n, next, "the spans end short")
+		})
+	}
+}
+
+// A machine sums a chunk on one goroutine per 8 cores, 1 to 4.
+func TestDefaultSumWorkers(t *testing.T) {
+	for procs, want := range map[int]int{1: 1, 2: 1, 8: 1, 16: 2, 31: 3, 32: 4, 256: 4} {
+		assert.Equal(t, want, handoff.DefaultSumWorkersForTest(procs), "GOMAXPROCS %d", procs)
+	}
+}
+
+// The remote transfers' tests again, every chunk's units summed on three
+// goroutines by both ends: the same transfers succeed, and the same
+// faults (pages never written, a page changed after it was summed) are
+// refused.
+func TestRemoteSumsInSpans(t *testing.T) {
+	defer handoff.SetSumSpansForTest(3, 1)()
+	t.Run("RoundTrip", TestRemoteRoundTrip)
+	t.Run("ChunksMeetMinPutBytes", TestRemoteChunksMeetMinPutBytes)
+	t.Run("StagedChunksBounded", TestRemoteStagedChunksBounded)
+	t.Run("Faults", TestRemoteFaults)
+	t.Run("Hybrid", TestRemoteHybrid)
+}
