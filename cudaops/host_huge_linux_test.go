@@ -25,12 +25,12 @@ func TestLargeHostRegionsAskForHugePages(t *testing.T) {
 		t.Skip("no transparent huge pages on this kernel")
 	}
 	var advised [][]byte
-	syscall := madviseHuge
+	advise := madviseHuge
 	madviseHuge = func(mem []byte) {
 		advised = append(advised, mem)
-		syscall(mem)
+		advise(mem)
 	}
-	defer func() { madviseHuge = syscall }()
+	defer func() { madviseHuge = advise }()
 	h := NewHost()
 	defer h.Close()
 	_, err := h.AllocRegion(4, hugeRegionBytes/4)

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"slices"
-	"sync"
 	"sync/atomic"
 
 	"github.com/kvfence/kvfence/kvcache"
@@ -568,15 +567,16 @@ func sumChunk(c *remoteChunk, sums []uint64) {
 	for _, v := range c.views {
 		bytes += int64(len(v))
 	}
-	inSpans(c.n, bytes, func(_, lo, hi int) {
+	inSpans(c.n, bytes, func(lo, hi int) error {
 		for i := lo; i < hi; i++ {
 			sums[c.first+i] = kvcache.PageChecksumOf(c.views[i*c.regions : (i+1)*c.regions])
 		}
+		return nil
 	})
 }
 
 // landedInSpans has loan sum units [first, first+k) of m, which landed,
-// in spans (inSpans); the first span's error of those that failed.
+// in spans (inSpans).
 func landedInSpans(loan *kvcache.PageLoan, m *Manifest, first, k int) error {
 	var bytes int64
 	u := 0
@@ -585,21 +585,7 @@ func landedInSpans(loan *kvcache.PageLoan, m *Manifest, first, k int) error {
 		bytes += int64(max(hi-lo, 0)) * e.UnitBytes
 		u += e.Units
 	}
-	var (
-		mu      sync.Mutex
-		err     error
-		errSpan = -1
-	)
-	inSpans(k, bytes, func(i, lo, hi int) {
-		if e := loan.Landed(first+lo, hi-lo); e != nil {
-			mu.Lock()
-			if errSpan < 0 || i < errSpan {
-				err, errSpan = e, i
-			}
-			mu.Unlock()
-		}
-	})
-	return err
+	return inSpans(k, bytes, func(lo, hi int) error { return loan.Landed(first+lo, hi-lo) })
 }
 
 // puts appends to dst the writes of chunk c's units: per lane (region),

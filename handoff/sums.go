@@ -35,25 +35,32 @@ func init() {
 func defaultSumWorkers(procs int) int { return min(4, max(1, procs/8)) }
 
 // inSpans splits units [0, n), bytes bytes in all, into up to sumWorkers
-// consecutive spans of about minSpanBytes at least and calls f(i, lo, hi)
-// for span i, each on a goroutine of its own, and returns once every call
-// has. The caller only waits: a span it ran itself would keep the
-// goroutine it had just made runnable queued behind it on its own core
-// for a while (the scheduler steals a just-readied goroutine late), and
-// two spans would then run one after the other.
-func inSpans(n int, bytes int64, f func(i, lo, hi int)) {
+// consecutive spans of about minSpanBytes at least, calls f(lo, hi) for
+// each on a goroutine of its own, and returns once every call has, with
+// the error of the first span (in unit order) that failed. The caller
+// only waits: a span it ran itself would keep the goroutine it had just
+// made runnable queued behind it on its own core for a while (the
+// scheduler steals a just-readied goroutine late), and two spans would
+// then run one after the other.
+func inSpans(n int, bytes int64, f func(lo, hi int) error) error {
 	w := int(min(sumWorkers.Load(), int64(n), bytes/max(minSpanBytes.Load(), 1)))
 	if w <= 1 {
-		f(0, 0, n)
-		return
+		return f(0, n)
 	}
+	errs := make([]error, w)
 	var wg sync.WaitGroup
 	for i := range w {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			f(i, i*n/w, (i+1)*n/w)
+			errs[i] = f(i*n/w, (i+1)*n/w)
 		}()
 	}
 	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -2,6 +2,7 @@ package handoff_test
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 
@@ -11,8 +12,9 @@ import (
 	"github.com/kvfence/kvfence/handoff"
 )
 
-// inSpans covers every unit once, in consecutive spans numbered from 0,
-// as many as the workers, the units and the bytes allow.
+// inSpans covers every unit once, in consecutive spans, as many as the
+// workers, the units and the bytes allow, and returns the error of the
+// first span that failed.
 func TestInSpans(t *testing.T) {
 	cases := []struct {
 		workers   int
@@ -34,19 +36,17 @@ func TestInSpans(t *testing.T) {
 		t.Run(fmt.Sprintf("w%d-min%d-n%d-b%d", c.workers, c.minBytes, c.n, c.bytes), func(t *testing.T) {
 			defer handoff.SetSumSpansForTest(c.workers, c.minBytes)()
 			var mu sync.Mutex
-			spans := map[int][2]int{}
-			handoff.InSpansForTest(c.n, c.bytes, func(i, lo, hi int) {
+			var spans [][2]int
+			require.NoError(t, handoff.InSpansForTest(c.n, c.bytes, func(lo, hi int) error {
 				mu.Lock()
 				defer mu.Unlock()
-				_, dup := spans[i]
-				assert.False(t, dup, "span %d called twice", i)
-				spans[i] = [2]int{lo, hi}
-			})
+				spans = append(spans, [2]int{lo, hi})
+				return nil
+			}))
 			require.Len(t, spans, c.wantSpans)
+			slices.SortFunc(spans, func(a, b [2]int) int { return a[0] - b[0] })
 			next := 0
-			for i := range c.wantSpans {
-				s, ok := spans[i]
-				require.True(t, ok, "no span %d", i)
+			for i, s := range spans {
 				require.Equal(t, next, s[0], "span %d does not start where %d ended", i, i-1)
 				require.True(t, s[1] > s[0] || c.n == 0, "span %d is empty", i)
 				next = s[1]
@@ -54,6 +54,17 @@ func TestInSpans(t *testing.T) {
 			require.Equal(t, c.n, next, "the spans end short")
 		})
 	}
+	t.Run("errors", func(t *testing.T) {
+		defer handoff.SetSumSpansForTest(4, 1)()
+		errAt := func(lo int) error { return fmt.Errorf("span at %d", lo) }
+		err := handoff.InSpansForTest(8, 8, func(lo, hi int) error {
+			if lo >= 4 {
+				return errAt(lo)
+			}
+			return nil
+		})
+		require.EqualError(t, err, "span at 4", "the first failed span's error, in unit order")
+	})
 }
 
 // A machine sums a chunk on one goroutine per 8 cores, 1 to 4.
