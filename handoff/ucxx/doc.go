@@ -128,7 +128,12 @@
 // ends them; a receive is counted ended only once UCX has said so or the
 // worker is destroyed. Over shared memory the puts stay
 // (cma's rendezvous ran at 5.5-5.8 GiB/s against the puts' 9.8-10 in
-// ucx_perftest), and over InfiniBand and RoCE the NIC writes a put.
+// ucx_perftest; a receiver that took the writes as eager messages and
+// copied each into place and summed it in one pass, in C, moved a
+// handoff at 6.0-6.5 GB/s against the puts' 7.5-8.1, for that pass runs
+// on the receiver's progress thread, which sets the pace:
+// bench/results/2026-12-05-ucx-7.txt), and over InfiniBand and RoCE the
+// NIC writes a put.
 // Over TCP, UCX's emulated puts are not only dearer: a put that arrives
 // after its sender's side of the connection failed (the prefill process
 // killed mid-write, its worker destroyed) aborts the receiving process,
