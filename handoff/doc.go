@@ -173,6 +173,14 @@
 // their generations, as a data frame's head. The receiver checks each
 // note as it checks a data frame and sums the landed units where they lie
 // (kvcache.PageLoan.Landed) while the next chunk is written. Where the
+// transport lands the bytes on the receiver's own threads (UCX's
+// emulated puts over shared memory, its receives over TCP), it has the
+// receiver sum each block right where and when it landed, in the cache
+// of the core that wrote it (LandingWatcher, kvcache.PageLoan.Watch),
+// and the note's sums take those; a block summed before all of it had
+// landed shows as a checksum that falls short of the seal's, and its
+// units are summed again from memory once the memory is taken back,
+// before the verdict (kvcache.PageLoan.Resum). Where the
 // fabric moves the bytes, those sums are the transfer's one cost per
 // byte on the hosts' cores, so on a machine of 16 cores or more both
 // ends split each chunk's units among 2 to 4 goroutines (sums.go). At

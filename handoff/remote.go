@@ -28,16 +28,21 @@ import (
 //	                   … then the seal, as after data frames
 //
 // The receiver sums each unit where it landed (kvcache.PageLoan.Landed)
-// as the landed notes come, and completes the import against the seal's
+// as the landed notes come, or each block of it as soon as it lands
+// where the transport writes on this process's own threads
+// (LandingWatcher; a unit one of whose blocks was summed before all of
+// it had landed is summed again once nothing writes,
+// kvcache.PageLoan.Resum), and completes the import against the seal's
 // checksum only once the transport has taken the memory back from the
-// sender (revoke), so that no write lands after the verdict. A unit is
-// summed once, when its note comes: a sender that wrote it again after
-// its note (which breaks the protocol, and takes the transfer's key)
-// would leave bytes the seal did not vouch for, in its own import's
-// pages and no other's. A receiver whose pool or transport cannot lend
-// memory (pages on a device that is not host memory, ErrNoRemoteMemory)
-// accepts with a plain verdict instead, and the units come in data
-// frames.
+// sender (revoke), so that no write lands after the verdict. A byte is
+// summed once, when its unit's note comes or its block lands: a sender
+// that wrote it again after that (which breaks the protocol, and takes
+// the transfer's key) would leave bytes the seal did not vouch for, in
+// its own import's pages and no other's; so would a transport that
+// corrupted a byte after it landed. A receiver whose pool or transport
+// cannot lend memory (pages on a device that is not host memory,
+// ErrNoRemoteMemory) accepts with a plain verdict instead, and the units
+// come in data frames.
 
 // MemoryEndpoint is an Endpoint whose transport can let the sender write
 // the decode pool's memory directly.
@@ -54,6 +59,22 @@ type MemoryEndpoint interface {
 	// ErrNoRemoteMemory says the transport cannot expose this memory: the
 	// pages then come in data frames.
 	ExposeMemory(mems [][]byte) (desc []byte, revoke func(), err error)
+}
+
+// LandingWatcher is a MemoryEndpoint whose transport writes the sender's
+// bytes into the exposed memory on this process's own threads (UCX's
+// emulated puts over shared memory copy them there as the worker
+// progresses): the receiver can then sum each block on the thread that
+// wrote it, while it is still in that core's cache, instead of reading it
+// again from memory when its landed note comes
+// (kvcache.PageLoan.Watch).
+type LandingWatcher interface {
+	MemoryEndpoint
+	// WatchLanding has the transport call scan each time it may have
+	// written into the memory of its last ExposeMemory, on the thread
+	// that wrote, from one goroutine at a time, until that memory's
+	// revoke: once revoke has returned, scan is never called again.
+	WatchLanding(scan func())
 }
 
 // MemoryStream is a Stream whose transport can write into the receiver's
@@ -654,20 +675,31 @@ func (r *Receiver) receiveRemote(ep MemoryEndpoint, m *Manifest, in *kvcache.Inc
 		return nil, true, fmt.Errorf("%w: exposing the import's memory: %w", ErrTransport, err)
 	}
 	g.desc = desc
+	// The loan's watch marks the memory: before the grant, so before
+	// the sender can write it.
+	if watcher, ok := ep.(LandingWatcher); ok {
+		if scan := loan.Watch(); scan != nil {
+			watcher.WatchLanding(scan)
+		}
+	}
 	var write overlappedWrite
 	// end takes the memory back from the sender before the pages are
 	// vouched for or scrubbed: the sums in flight end, the transport
-	// revokes, the loan goes back.
-	end := func(err error) error {
+	// revokes, the units summed too soon (if the sums fall short of the
+	// seal's, seal) are summed again, the loan goes back.
+	end := func(err error, seal *uint32) error {
 		if werr := write.wait(); err == nil {
 			err = werr
 		}
 		revoke()
+		if err == nil && seal != nil {
+			loan.Resum(*seal)
+		}
 		loan.Return()
 		return err
 	}
 	if err := ep.Send(appendGrant(nil, r.cfg.Key, &g)); err != nil {
-		return nil, true, end(fmt.Errorf("%w: grant: %w", ErrTransport, err))
+		return nil, true, end(fmt.Errorf("%w: grant: %w", ErrTransport, err), nil)
 	}
 	units := m.Units()
 	var wantGens []byte
@@ -677,39 +709,39 @@ func (r *Receiver) receiveRemote(ep MemoryEndpoint, m *Manifest, in *kvcache.Inc
 		switch {
 		case errors.Is(err, io.EOF):
 			return nil, true, end(fmt.Errorf("%w: request %q: stream ended after %d of %d units without a seal",
-				kvcache.ErrIncompleteTransfer, m.RequestID, next, units))
+				kvcache.ErrIncompleteTransfer, m.RequestID, next, units), nil)
 		case err != nil && timedOut.Load():
 			return nil, true, end(fmt.Errorf("%w: request %q: no message awaited any more after %d of %d units (%v)",
-				kvcache.ErrIncompleteTransfer, m.RequestID, next, units, err))
+				kvcache.ErrIncompleteTransfer, m.RequestID, next, units, err), nil)
 		case err != nil:
-			return nil, true, end(fmt.Errorf("%w: request %q after %d of %d units: %w", ErrTransport, m.RequestID, next, units, err))
+			return nil, true, end(fmt.Errorf("%w: request %q after %d of %d units: %w", ErrTransport, m.RequestID, next, units, err), nil)
 		}
 		switch firstByte(msg) {
 		case msgLanded:
 			first, k, err := parseLanded(msg, m, next, &wantGens)
 			if err != nil {
-				return nil, true, end(err)
+				return nil, true, end(err, nil)
 			}
 			if err := write.wait(); err != nil {
-				return nil, true, end(err)
+				return nil, true, end(err, nil)
 			}
 			write.start(func() error { return landedInSpans(loan, m, first, k) })
 			next += k
 		case msgSeal:
 			if len(msg) != sealLen {
-				return nil, true, end(fmt.Errorf("%w: seal of %d bytes", ErrProtocol, len(msg)))
+				return nil, true, end(fmt.Errorf("%w: seal of %d bytes", ErrProtocol, len(msg)), nil)
 			}
 			sum, err := parseSeal(msg, r.cfg.Key, m.TransferID, units)
 			if err == nil && next != units {
 				err = fmt.Errorf("%w: request %q sealed after %d of %d units landed", kvcache.ErrIncompleteTransfer, m.RequestID, next, units)
 			}
-			if err := end(err); err != nil {
+			if err := end(err, &sum); err != nil {
 				return nil, true, err
 			}
 			lease, err := in.CompleteWithChecksum(sum)
 			return lease, true, err
 		default:
-			return nil, true, end(fmt.Errorf("%w: message kind %q in a transfer whose units are written remotely", ErrProtocol, firstByte(msg)))
+			return nil, true, end(fmt.Errorf("%w: message kind %q in a transfer whose units are written remotely", ErrProtocol, firstByte(msg)), nil)
 		}
 	}
 }

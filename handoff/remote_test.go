@@ -35,9 +35,14 @@ type memTransport struct {
 	put func(p handoff.RemotePut) bool
 	// minPut is what the writers ask for as puts' least size (PutSizer).
 	minPut int64
+	// tailFirst has each put's last 8 bytes land, and the receiver's
+	// watch scan, before the rest: a writer whose bytes do not land in
+	// address order (a NIC's).
+	tailFirst bool
 
 	mu                     sync.Mutex
 	exposed, revoked       int
+	watched, scans         int // WatchLanding calls; the scans they set up, run
 	writes, writesRefused  int
 	batchBytes             []int64 // the bytes of each Write's puts, in order
 	lateWrites             int     // writes attempted after their memory was revoked
@@ -84,6 +89,7 @@ type memPipe struct {
 	mu      sync.Mutex
 	mems    [][]byte
 	revoked bool
+	scan    func() // WatchLanding's: run after each put lands, under mu
 }
 
 var errPipeGone = fmt.Errorf("%w: memPipe closed", handoff.ErrTransport)
@@ -202,15 +208,45 @@ func (w *memWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 		if skip[i] {
 			continue
 		}
+		mem := p.mems[put.Mem]
+		if t.tailFirst {
+			last := put.Src[len(put.Src)-1]
+			end := put.Off + int64(batchLen(put))
+			if len(last) >= 8 {
+				copy(mem[end-8:end], last[len(last)-8:])
+				p.scanLocked()
+			}
+		}
 		off := put.Off
 		for _, s := range put.Src {
-			off += int64(copy(p.mems[put.Mem][off:], s))
+			off += int64(copy(mem[off:], s))
 		}
+		p.scanLocked()
 	}
 	t.mu.Lock()
 	t.batchBytes = append(t.batchBytes, batch)
 	t.mu.Unlock()
 	return func() error { return nil }, nil
+}
+
+// batchLen is a put's bytes.
+func batchLen(put handoff.RemotePut) (n int) {
+	for _, s := range put.Src {
+		n += len(s)
+	}
+	return n
+}
+
+// scanLocked runs the receiver's watch, if it set one, as a transport
+// that lands the bytes on its own thread does after each move.
+func (p *memPipe) scanLocked() {
+	if p.scan == nil {
+		return
+	}
+	p.scan()
+	p.t.mu.Lock()
+	p.t.scans++
+	p.t.mu.Unlock()
 }
 
 func (w *memWriter) Close() error { return nil }
@@ -276,6 +312,7 @@ func (e *memServerEnd) ExposeMemory(mems [][]byte) ([]byte, func(), error) {
 		p.mu.Lock()
 		p.revoked = true
 		p.mems = nil
+		p.scan = nil
 		p.mu.Unlock()
 		p.t.mu.Lock()
 		p.t.revoked++
@@ -283,8 +320,18 @@ func (e *memServerEnd) ExposeMemory(mems [][]byte) ([]byte, func(), error) {
 	}, nil
 }
 
+func (e *memServerEnd) WatchLanding(scan func()) {
+	p := e.p
+	p.mu.Lock()
+	p.scan = scan
+	p.mu.Unlock()
+	p.t.mu.Lock()
+	p.t.watched++
+	p.t.mu.Unlock()
+}
+
 var (
-	_ handoff.MemoryEndpoint = (*memServerEnd)(nil)
+	_ handoff.LandingWatcher = (*memServerEnd)(nil)
 	_ handoff.MemoryStream   = (*memClient)(nil)
 )
 
@@ -594,4 +641,37 @@ func TestRemoteHybrid(t *testing.T) {
 	tr.serves.Wait()
 	assert.Zero(t, tr.kinds['D']+tr.kinds['P'], "no data frames")
 	sweep(t, prefill, decode)
+}
+
+// The receiver watches the lent memory where the transport lands the
+// bytes on its own threads (LandingWatcher) and its pages hold whole
+// checksum blocks (6 KiB pages here): the transport scans after each
+// write, and every page is verified. Where a put's last bytes land
+// before the rest (tailFirst), some blocks are summed too soon; their
+// units are summed again from memory before the import is completed,
+// and the transfers still succeed.
+func TestRemoteLandingWatched(t *testing.T) {
+	g := kvcache.Geometry{TokensPerPage: 16, Layers: 2, KVHeads: 2, HeadDim: 96, DType: kvcache.FP16}
+	for _, tailFirst := range []bool{false, true} {
+		t.Run(fmt.Sprint("tailFirst=", tailFirst), func(t *testing.T) {
+			prefill := pool(t, testkit.PoolConfig{Geometry: g, Pages: 128})
+			decode := pool(t, testkit.PoolConfig{Geometry: g, Pages: 256})
+			recv := receiver(t, decode)
+			tr := newMemTransport(recv)
+			tr.tailFirst = tailFirst
+			s := sender(t, func(c *handoff.SenderConfig) { c.FrameBytes = 64 << 10; c.ReclaimAfter = time.Minute })
+			for i, prompt := range []int{1, 16, 100*16 + 5} {
+				id := fmt.Sprint("watched-", i)
+				sendVerified(t, exportOf(t, s, prefill, id, prompt), tr, recv, decode, id)
+			}
+			tr.serves.Wait()
+			tr.mu.Lock()
+			watched, scans := tr.watched, tr.scans
+			tr.mu.Unlock()
+			assert.Equal(t, 3, watched)
+			assert.Positive(t, scans)
+			require.NoError(t, testkit.Sweep(prefill))
+			require.NoError(t, testkit.Sweep(decode))
+		})
+	}
 }

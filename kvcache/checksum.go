@@ -34,7 +34,7 @@ const checksumBlock = 4 << 10
 func PageChecksum(page []byte) uint64 {
 	var small [64 * 8]byte // the block sums of a page up to 256 KiB
 	cur := partCursor{parts: [][]byte{page}}
-	sum, _ := cur.pageSum(len(page), nil, small[:0])
+	sum, _ := cur.pageSum(len(page), nil, small[:0], nil)
 	return sum
 }
 
@@ -52,7 +52,7 @@ func PageChecksumOf(parts [][]byte) uint64 {
 	var small [64 * 8]byte
 	var block []byte
 	cur := partCursor{parts: parts}
-	sum, _ := cur.pageSum(n, &block, small[:0])
+	sum, _ := cur.pageSum(n, &block, small[:0], nil)
 	return sum
 }
 
@@ -126,6 +126,14 @@ func (c *partCursor) next(max int) []byte {
 	return seg
 }
 
+// skip moves past the next n bytes; the caller asks for no more than is
+// left.
+func (c *partCursor) skip(n int) {
+	for n > 0 {
+		n -= len(c.next(n))
+	}
+}
+
 // take returns the next n bytes, contiguous: a slice of the part that
 // holds them, or, when they straddle parts, a copy in *scratch (grown as
 // needed).
@@ -146,11 +154,21 @@ func (c *partCursor) take(n int, scratch *[]byte) []byte {
 
 // pageSum is PageChecksum of the next pageBytes bytes, which straddle
 // parts anywhere: each block is hashed where it lies, or stitched in
-// *block first. sums is scratch for the block sums, returned for reuse.
-func (c *partCursor) pageSum(pageBytes int, block *[]byte, sums []byte) (uint64, []byte) {
+// *block first, unless known (if not nil) has its sum already (block b
+// of the page: a loan's watch, landing.go). sums is scratch for the block
+// sums, returned for reuse.
+func (c *partCursor) pageSum(pageBytes int, block *[]byte, sums []byte, known func(b int) (uint64, bool)) (uint64, []byte) {
 	sums = sums[:0]
 	for off := 0; off < pageBytes; off += checksumBlock {
-		sums = binary.LittleEndian.AppendUint64(sums, xxh3.Hash(c.take(min(checksumBlock, pageBytes-off), block)))
+		n := min(checksumBlock, pageBytes-off)
+		if known != nil {
+			if s, ok := known(off / checksumBlock); ok {
+				c.skip(n)
+				sums = binary.LittleEndian.AppendUint64(sums, s)
+				continue
+			}
+		}
+		sums = binary.LittleEndian.AppendUint64(sums, xxh3.Hash(c.take(n, block)))
 	}
 	return xxh3.Hash(sums), sums
 }

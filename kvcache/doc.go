@@ -227,7 +227,9 @@
 // memory itself to a transport the same way: pinned until the transport
 // calls done; and Incoming.LendPages an import's, for a transport that
 // writes them out of band (remote memory access): pinned until
-// PageLoan.Return, each unit summed where it landed (PageLoan.Landed).
+// PageLoan.Return, each unit summed where it landed (PageLoan.Landed),
+// or each of its blocks as it lands, where the transport's own threads
+// write them (PageLoan.Watch, landing.go).
 //
 // A Lease's own fields are immutable while it lives, except the written
 // watermark, the state and the handoff phase (phase.go), which are

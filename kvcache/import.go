@@ -334,7 +334,7 @@ func (p *Pool) writeGroupUnits(gi int, us []handoffUnit, parts [][]byte, sums []
 	var block, region, blockSums []byte // scratch
 	for i, u := range us {
 		ahead := cur // sums the unit, ahead of the writes
-		sums[i], blockSums = ahead.pageSum(int(g.pageBytes), &block, blockSums)
+		sums[i], blockSums = ahead.pageSum(int(g.pageBytes), &block, blockSums, nil)
 		for r := g.first; r < g.first+g.count; r++ {
 			rb := int(p.lay.regions[r].PageBytes)
 			var err error
@@ -383,7 +383,7 @@ func (p *Pool) writeStaged(sc cudaops.StagedCopier, gi int, us []handoffUnit, pa
 				unit[k] = dst
 			}
 			landing := partCursor{parts: unit}
-			sums[first+j], blockSums = landing.pageSum(ub, &block, blockSums)
+			sums[first+j], blockSums = landing.pageSum(ub, &block, blockSums, nil)
 		}
 	})
 	if err != nil {

@@ -24,11 +24,14 @@ type PageLoan struct {
 	// unitParts[u] is unit u's memory, one slice per region of its group,
 	// in order: a unit is summed over its regions, as WriteUnits sums it.
 	unitParts [][][]byte
+	// watch, once Watch has set it, has the scan's block sums (landing.go).
+	watch *landingWatch
 
 	mu struct {
 		sync.Mutex
-		landed   []bool
-		returned bool
+		landed    []bool
+		anyLanded bool
+		returned  bool
 	}
 }
 
@@ -181,12 +184,27 @@ func (l *PageLoan) Landed(first, n int) error {
 	for u := first; u < first+n; u++ {
 		l.mu.landed[u] = true
 	}
+	l.mu.anyLanded = true
+	w := l.watch
 	l.mu.Unlock()
 	// Summed without a lock: the units are the import's until Return,
 	// which is called only after the caller's last Landed has returned.
 	sums := make([]uint64, n)
+	var small [64 * 8]byte
+	var block []byte
 	for i := range sums {
-		sums[i] = PageChecksumOf(l.unitParts[first+i])
+		u := first + i
+		if w == nil {
+			sums[i] = PageChecksumOf(l.unitParts[u])
+			continue
+		}
+		parts := l.unitParts[u]
+		bytes := 0
+		for _, p := range parts {
+			bytes += len(p)
+		}
+		cur := partCursor{parts: parts}
+		sums[i], _ = cur.pageSum(bytes, &block, small[:0], w.known(u))
 	}
 	in.mu.Lock()
 	copy(in.mu.sums[first:], sums)
@@ -208,6 +226,9 @@ func (l *PageLoan) Return() {
 	}
 	l.mu.returned = true
 	landed := l.mu.landed
+	if l.watch != nil {
+		l.watch.stopped.Store(true)
+	}
 	l.mu.Unlock()
 	in := l.in
 	in.mu.Lock()

@@ -313,7 +313,7 @@ type serverEnd struct {
 	ended         bool // the sender's end of messages was read
 }
 
-var _ handoff.MemoryEndpoint = (*serverEnd)(nil)
+var _ handoff.LandingWatcher = (*serverEnd)(nil)
 
 // Recv implements handoff.Endpoint: the sender's next message, valid
 // until the next Recv; io.EOF after the sender's CloseSend. It waits at
@@ -392,11 +392,34 @@ func (e *serverEnd) ExposeMemory(mems [][]byte) ([]byte, func(), error) {
 	var once sync.Once
 	revoke := func() {
 		once.Do(func() {
+			e.unwatch()
 			e.takeBack()
 			unmap()
 		})
 	}
 	return desc, revoke, nil
+}
+
+// WatchLanding implements handoff.LandingWatcher: the worker calls scan
+// after each progress that did something, under its lock, on the
+// goroutine that progressed it. Over shared memory that progress is what
+// copies the sender's puts out of the worker's queue into the memory,
+// and over TCP alone what receives them into it; over InfiniBand and
+// RoCE the NIC writes, and the scan finds what landed since the last
+// progress. The memory's revoke ends the watch before it takes the
+// memory back.
+func (e *serverEnd) WatchLanding(scan func()) {
+	e.c.w.mu.Lock()
+	e.c.w.landed = scan
+	e.c.w.mu.Unlock()
+}
+
+// unwatch ends WatchLanding's watch: from its return the scan is not
+// called again.
+func (e *serverEnd) unwatch() {
+	e.c.w.mu.Lock()
+	e.c.w.landed = nil
+	e.c.w.mu.Unlock()
 }
 
 // exposeForReceives is ExposeMemory over TCP alone: nothing is
@@ -432,6 +455,7 @@ func (e *serverEnd) exposeForReceives(mems [][]byte) ([]byte, func(), error) {
 		once.Do(func() {
 			c.w.mu.Lock()
 			c.landingOpen = false
+			c.w.landed = nil
 			c.w.mu.Unlock()
 			e.takeBack()
 			c.closeLanding(e.s.opts.RevokeTimeout)

@@ -226,6 +226,11 @@ type worker struct {
 	// none. True until the connection's lanes say otherwise
 	// (conn.learnLanesLocked).
 	polls bool
+	// landed, if set, is called after each progress that did something,
+	// on the goroutine that progressed: the exposed memory's watch
+	// (serverEnd.WatchLanding), which sums the blocks UCX copied or
+	// received into it while they are in that core's cache.
+	landed func()
 
 	loopDone chan struct{}
 }
@@ -339,6 +344,9 @@ func (w *worker) progressLocked() bool {
 	n := 0
 	for C.ucp_worker_progress(w.w.worker) != 0 {
 		n++
+		if w.landed != nil {
+			w.landed()
+		}
 	}
 	return w.dispatchLocked() || n > 0
 }

@@ -1,0 +1,265 @@
+package kvcache
+
+import (
+	"encoding/binary"
+	"math/rand/v2"
+	"sync/atomic"
+
+	"github.com/zeebo/xxh3"
+)
+
+// Sums taken as the bytes land.
+//
+// A transport whose own threads copy the sender's bytes into the lent
+// memory (UCX's emulated puts over shared memory: the receiver's worker
+// copies each element out of its queue as it progresses) leaves each
+// block it wrote in the cache of the core that wrote it. Summed there and
+// then, a block costs a fraction of what it costs read back from memory
+// when its unit's landed note comes, on whichever core: on a machine
+// whose cores are shared by both ends of a handoff, that read is what
+// stands between the handoff and the transport's own speed. PageLoan.Watch
+// arranges it:
+//
+//   - it writes a mark into the last 8 bytes of every checksum block
+//     (4 KiB of a unit, checksum.go) that lies wholly in one region's
+//     page, a value drawn at random for the loan and distinct per block;
+//   - the transport calls the scan Watch returns each time it may have
+//     written into the memory, on the thread that wrote: the scan walks
+//     each run of pages from where it stopped and sums every block whose
+//     mark is gone, for its last bytes have been written and, written in
+//     address order (a copy, a receive), so has all of it;
+//   - Landed takes a unit's block sums from the scan where it has them
+//     and sums the rest (blocks the scan has not reached, blocks that
+//     straddle two regions) from memory.
+//
+// A sum taken too soon is wrong, never trusted: a writer that does not
+// fill a block in address order (a NIC, whose writes may become visible
+// in any order) can have a block summed before all of it landed. Its
+// unit's sum then differs from the sender's, and so does the content
+// checksum; Resum, called once nothing writes the memory any more, sums
+// every unit that used a scanned block again from memory before the
+// import is completed against the seal. A block whose bytes end with its
+// mark by chance (one in 2^64) is never seen to land and is summed from
+// memory. What a scan sums is the block as first written: a sender that
+// writes a byte twice breaks the protocol, as one that writes a unit
+// after its landed note always did (handoff's remote.go), and leaves
+// bytes the seal did not vouch for in its own import's pages, no other's.
+
+// scanIdleRuns is how many runs in a row a scan visits in which nothing
+// new landed before it stops: a sender writes a chunk region by region,
+// so the bytes land in one run, then the next; a scan starts at the run
+// that took bytes last and need not visit every run of a model's many
+// regions each time.
+const scanIdleRuns = 4
+
+// landingWatch is a loan's watch (PageLoan.Watch).
+type landingWatch struct {
+	seed uint64
+	// base[u] is the index of unit u's first checksum block in sums and
+	// ready: unit u's block b is base[u]+b.
+	base []int
+	// sums[i] is block i's sum once ready's bit i is set; the scan writes
+	// it before it sets the bit, and Landed reads it after it saw the bit.
+	sums  []uint64
+	ready []atomic.Uint64
+	// early[u]: Landed took some block sum of unit u from the scan (each
+	// Landed writes its own units'; Resum reads them after the last).
+	early   []bool
+	stopped atomic.Bool // the loan was returned: scans do nothing
+
+	// The scan's alone (the transport calls it from one goroutine at a
+	// time).
+	runs []watchedRun
+	cur  int // the run the scan last found bytes landing in
+}
+
+// watchedRun is a PageRun's watched blocks.
+type watchedRun struct {
+	mem    []byte
+	page   int // the region's page bytes
+	first  int // the run's first unit
+	units  int
+	blocks []pageBlock // the blocks the region's page holds whole, by offset
+	next   int         // the run's first block not yet seen to land, counted over its units
+}
+
+// pageBlock is a checksum block that lies wholly in a region's page.
+type pageBlock struct {
+	off, n int // where in the page, how long
+	b      int // which block of its unit
+}
+
+// Watch has the loan sum each block of its memory as it lands (see
+// "Sums taken as the bytes land" above): it marks the memory, and returns
+// the scan the transport calls, on the thread that wrote, each time it
+// may have written into the memory, from one goroutine at a time, until
+// it no longer writes it (before Return). It must be called before any
+// writer can write the memory (before the sender has what it needs to),
+// for it writes into it; it returns nil
+// where no block lies wholly in one page, or once a unit has landed or
+// the loan was returned. A second call returns the first's scan.
+func (l *PageLoan) Watch() (scan func()) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	switch {
+	case l.mu.returned:
+		return nil
+	case l.watch != nil:
+		return l.watch.scan
+	case l.mu.anyLanded:
+		return nil
+	}
+	w := &landingWatch{seed: rand.Uint64(), base: make([]int, len(l.unitParts)+1)}
+	for u, parts := range l.unitParts {
+		n := 0
+		for _, p := range parts {
+			n += len(p)
+		}
+		w.base[u+1] = w.base[u] + (n+checksumBlock-1)/checksumBlock
+	}
+	groups := l.in.pool.groups
+	for _, run := range l.runs {
+		parts := l.unitParts[run.First]
+		k := run.Region - groups[l.in.units[run.First].group].first
+		blocks := wholeBlocks(parts, k)
+		if len(blocks) == 0 {
+			continue
+		}
+		wr := watchedRun{mem: run.Mem, page: len(parts[k]), first: run.First, units: run.Units, blocks: blocks}
+		for j := range run.Units {
+			for _, blk := range blocks {
+				at := j*wr.page + blk.off + blk.n - 8
+				binary.LittleEndian.PutUint64(wr.mem[at:], w.mark(w.base[run.First+j]+blk.b))
+			}
+		}
+		w.runs = append(w.runs, wr)
+	}
+	if len(w.runs) == 0 {
+		return nil
+	}
+	blocks := w.base[len(l.unitParts)]
+	w.sums = make([]uint64, blocks)
+	w.ready = make([]atomic.Uint64, (blocks+63)/64)
+	w.early = make([]bool, len(l.unitParts))
+	l.watch = w
+	return w.scan
+}
+
+// wholeBlocks lists the checksum blocks of a unit whose regions' pages
+// are parts that lie wholly in parts[k], each at least 8 bytes long (the
+// mark's).
+func wholeBlocks(parts [][]byte, k int) []pageBlock {
+	start, unit := 0, 0
+	for i, p := range parts {
+		if i < k {
+			start += len(p)
+		}
+		unit += len(p)
+	}
+	end := start + len(parts[k])
+	var blocks []pageBlock
+	for b := (start + checksumBlock - 1) / checksumBlock; b*checksumBlock < unit; b++ {
+		lo, hi := b*checksumBlock, min((b+1)*checksumBlock, unit)
+		if hi > end {
+			break
+		}
+		if hi-lo >= 8 {
+			blocks = append(blocks, pageBlock{off: lo - start, n: hi - lo, b: b})
+		}
+	}
+	return blocks
+}
+
+// mark is block i's mark.
+func (w *landingWatch) mark(i int) uint64 { return w.seed ^ uint64(i+1)*0x9e3779b97f4a7c15 }
+
+// scan sums the blocks that have landed since the last scan, starting
+// in the run that took bytes last.
+func (w *landingWatch) scan() {
+	if w.stopped.Load() {
+		return
+	}
+	start, idle := w.cur, 0
+	for i := range w.runs {
+		r := start + i
+		if r >= len(w.runs) {
+			r -= len(w.runs)
+		}
+		if w.advance(&w.runs[r]) {
+			w.cur, idle = r, 0
+		} else if idle++; idle == scanIdleRuns {
+			return
+		}
+	}
+}
+
+// advance sums run r's blocks that have landed, in order from the first
+// one not seen yet, and reports whether there were any.
+func (w *landingWatch) advance(r *watchedRun) bool {
+	moved := false
+	for r.next < r.units*len(r.blocks) {
+		j, blk := r.next/len(r.blocks), r.blocks[r.next%len(r.blocks)]
+		at := j*r.page + blk.off
+		b := r.mem[at : at+blk.n : at+blk.n]
+		i := w.base[r.first+j] + blk.b
+		if binary.LittleEndian.Uint64(b[len(b)-8:]) == w.mark(i) {
+			break
+		}
+		w.sums[i] = xxh3.Hash(b)
+		w.ready[i/64].Or(1 << (i % 64))
+		r.next++
+		moved = true
+	}
+	return moved
+}
+
+// known returns unit u's block sums as the scan took them, for
+// partCursor.pageSum.
+func (w *landingWatch) known(u int) func(b int) (uint64, bool) {
+	return func(b int) (uint64, bool) {
+		i := w.base[u] + b
+		if w.ready[i/64].Load()&(1<<(i%64)) == 0 {
+			return 0, false
+		}
+		w.early[u] = true
+		return w.sums[i], true
+	}
+}
+
+// Resum, called once nothing writes the loan's memory any more (after
+// the transport's revoke) and before Return, sums again from memory
+// every unit that landed with some block summed as it landed (Watch), if
+// the units' sums do not make the content checksum want: a block summed
+// before all of it had landed is then summed as it is now, and the
+// import is completed (CompleteWithChecksum) against what its memory
+// holds. It must not run beside Landed, and reports how many units it
+// summed again.
+func (l *PageLoan) Resum(want uint32) int {
+	l.mu.Lock()
+	w, returned := l.watch, l.mu.returned
+	l.mu.Unlock()
+	if w == nil || returned {
+		return 0
+	}
+	in := l.in
+	in.mu.Lock()
+	mismatch := in.mu.received == len(in.units) && ContentChecksum(in.mu.sums) != want
+	in.mu.Unlock()
+	if !mismatch {
+		return 0
+	}
+	var units []int
+	var sums []uint64
+	for u, early := range w.early {
+		if early {
+			units = append(units, u)
+			sums = append(sums, PageChecksumOf(l.unitParts[u]))
+		}
+	}
+	in.mu.Lock()
+	for i, u := range units {
+		in.mu.sums[u] = sums[i]
+	}
+	in.mu.Unlock()
+	return len(units)
+}

@@ -1,0 +1,225 @@
+package kvcache
+
+import (
+	"encoding/binary"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// watchGeometry's region pages are 6 KiB: a unit (2 layers, K and V) is
+// 24 KiB, six checksum blocks, of which blocks 1 and 4 straddle two
+// regions and the other four lie in one page each.
+var watchGeometry = Geometry{TokensPerPage: 16, Layers: 2, KVHeads: 2, HeadDim: 96, DType: FP16}
+
+// watchSetup is lendSetup over watchGeometry's pools: a prompt of units
+// pages, exported, and its import begun with its pages lent.
+func watchSetup(t *testing.T, units int) (dst *Pool, out *Outgoing, in *Incoming, l *PageLoan) {
+	t.Helper()
+	pool := func() *Pool {
+		p, err := New(Config{
+			Device:           canaryDevice(t, watchGeometry, 16, ScrubPolicy{Kind: ScrubCanary}),
+			Geometry:         watchGeometry,
+			Pages:            16,
+			MaxContextTokens: 16 * 16,
+			Tenants:          []TenantConfig{{Name: "a"}},
+			Scrub:            ScrubPolicy{Kind: ScrubCanary},
+		})
+		require.NoError(t, err)
+		t.Cleanup(func() { p.Close() })
+		return p
+	}
+	src, dst := pool(), pool()
+	prompt := units * 16
+	out, err := prefilled(t, src, "r", prompt).Export(time.Now().Add(time.Minute))
+	require.NoError(t, err)
+	in, err = dst.TryBeginImport(Request{ID: "r", Tenant: "a", PromptTokens: prompt}, out.Domain(), mustChecksum(t, out))
+	require.NoError(t, err)
+	l, err = in.LendPages()
+	require.NoError(t, err)
+	return dst, out, in, l
+}
+
+// earlyBlocks counts the block sums Landed took from the scan.
+func earlyBlocks(l *PageLoan) (n int) {
+	w := l.watch
+	for i := range w.sums {
+		if w.ready[i/64].Load()&(1<<(i%64)) != 0 {
+			n++
+		}
+	}
+	return n
+}
+
+// writeRunsScanned is writeRuns a page at a time, each write followed by
+// a scan, as a transport whose own thread copies the bytes in calls it.
+func writeRunsScanned(t *testing.T, dst *Pool, out *Outgoing, l *PageLoan, scan func()) {
+	t.Helper()
+	page := int(dst.lay.regions[0].PageBytes)
+	unit := make([]byte, out.UnitBytes(0))
+	for _, run := range l.Runs() {
+		for i := range run.Units {
+			require.NoError(t, out.ReadUnits(run.First+i, unit))
+			copy(run.Mem[i*page:(i+1)*page], unit[run.Region*page:])
+			scan()
+		}
+	}
+}
+
+// The blocks that lie in one page are marked, summed by the scan as they
+// land and taken from it by Landed; those that straddle two regions are
+// summed from memory; the import completes against the sender's
+// checksum with nothing summed again.
+func TestWatchSumsBlocksAsTheyLand(t *testing.T) {
+	dst, out, in, l := watchSetup(t, 5)
+	scan := l.Watch()
+	require.NotNil(t, scan)
+	w := l.watch
+	assert.Len(t, w.sums, 5*6)
+	marked := 0
+	for _, run := range w.runs {
+		for j := range run.units {
+			for _, blk := range run.blocks {
+				at := j*run.page + blk.off + blk.n - 8
+				assert.Equal(t, w.mark(w.base[run.first+j]+blk.b), binary.LittleEndian.Uint64(run.mem[at:]))
+				marked++
+			}
+		}
+	}
+	assert.Equal(t, 5*4, marked, "blocks 0, 2, 3 and 5 of each unit")
+	scan() // nothing landed: nothing summed
+	assert.Zero(t, earlyBlocks(l))
+
+	writeRunsScanned(t, dst, out, l, scan)
+	require.NoError(t, l.Landed(0, 5))
+	assert.Equal(t, 5*4, earlyBlocks(l))
+	assert.Zero(t, l.Resum(mustChecksum(t, out)), "the sums make the sender's checksum")
+	l.Return()
+	lease, err := in.CompleteWithChecksum(mustChecksum(t, out))
+	require.NoError(t, err)
+	require.NoError(t, lease.Release())
+	require.NoError(t, out.Ack())
+	require.NoError(t, dst.Check())
+}
+
+// A block whose last bytes landed before the rest is summed too soon:
+// the import's sums then miss the sender's checksum (without Resum,
+// Complete refuses it), and Resum sums its unit again from memory, after
+// which the import completes.
+func TestWatchSumTakenTooSoonIsSummedAgain(t *testing.T) {
+	for _, resum := range []bool{true, false} {
+		dst, out, in, l := watchSetup(t, 3)
+		scan := l.Watch()
+		require.NotNil(t, scan)
+		// Unit 1's block 2 (region 1's page from 2 KiB on) gets its last
+		// 8 bytes first, the canary still before them. Region 1 and unit
+		// 1 alike, the bytes' place in its run and in its unit is the
+		// page's size on, plus 6 KiB less 8.
+		run := l.watch.runs[1]
+		unit := make([]byte, out.UnitBytes(1))
+		require.NoError(t, out.ReadUnits(1, unit))
+		tail := run.page + 2<<10 + 4<<10 - 8
+		copy(run.mem[tail:tail+8], unit[tail:])
+		scan()
+		writeRunsScanned(t, dst, out, l, scan)
+		require.NoError(t, l.Landed(0, 3))
+		want := mustChecksum(t, out)
+		if resum {
+			assert.Equal(t, 3, l.Resum(want), "every unit that took a block's sum from the scan")
+			assert.Zero(t, l.Resum(want), "a second Resum finds the sums right")
+		}
+		l.Return()
+		lease, err := in.CompleteWithChecksum(want)
+		if !resum {
+			assert.ErrorIs(t, err, ErrChecksumMismatch, "the early sum was wrong: the test shows nothing without it")
+			require.NoError(t, out.Abort())
+			require.NoError(t, dst.Check())
+			continue
+		}
+		require.NoError(t, err)
+		require.NoError(t, lease.Release())
+		require.NoError(t, out.Ack())
+		require.NoError(t, dst.Check())
+	}
+}
+
+// Bytes that are wrong where they lie stay wrong once summed again: the
+// import is refused.
+func TestWatchResumRefusesWrongBytes(t *testing.T) {
+	dst, out, in, l := watchSetup(t, 3)
+	scan := l.Watch()
+	writeRunsScanned(t, dst, out, l, scan)
+	assert.Equal(t, 3*4, earlyBlocks(l))
+	l.watch.runs[0].mem[100] ^= 1 // unit 0's block 0 is wrong,
+	l.watch.sums[0] ^= 1          // and so is its sum from the scan
+	require.NoError(t, l.Landed(0, 3))
+	want := mustChecksum(t, out)
+	assert.Equal(t, 3, l.Resum(want), "every unit with an early block")
+	l.Return()
+	_, err := in.CompleteWithChecksum(want)
+	assert.ErrorIs(t, err, ErrChecksumMismatch)
+	require.NoError(t, out.Abort())
+	require.NoError(t, dst.Check())
+}
+
+// A block never seen to land (no scan; or bytes that end in its mark) is
+// summed from memory by Landed.
+func TestWatchUnseenBlocksSummedFromMemory(t *testing.T) {
+	dst, out, in, l := watchSetup(t, 2)
+	scan := l.Watch()
+	require.NotNil(t, scan)
+	w := l.watch
+	writeRuns(t, dst, out, l) // no scan
+	// Unit 0's block 0 ends in its mark, as sent: the scan cannot see it.
+	mark := w.mark(w.base[0])
+	run := w.runs[0]
+	binary.LittleEndian.PutUint64(run.mem[4<<10-8:], mark)
+	scan()
+	assert.Zero(t, w.ready[0].Load()&1, "block 0 of unit 0 looks unwritten")
+	require.NoError(t, l.Landed(0, 2))
+	// Region 0's run stops at the block it cannot see: unit 1's block 0
+	// too is summed from memory.
+	assert.Equal(t, 2*4-2, earlyBlocks(l))
+	// The bytes are not what the sender sent (the mark replaced 8 of
+	// them): summed from memory, they are refused.
+	want := mustChecksum(t, out)
+	assert.Equal(t, 2, l.Resum(want))
+	l.Return()
+	_, err := in.CompleteWithChecksum(want)
+	assert.ErrorIs(t, err, ErrChecksumMismatch)
+	require.NoError(t, out.Abort())
+	require.NoError(t, dst.Check())
+}
+
+// Watch marks nothing where no block lies in one page (pages of 32
+// bytes), after a unit landed, or once the loan was returned; a second
+// call is the first's watch.
+func TestWatchRefusals(t *testing.T) {
+	_, _, out0, in := lendSetup(t, 10)
+	l, err := in.LendPages()
+	require.NoError(t, err)
+	assert.Nil(t, l.Watch(), "32-byte pages: every block straddles regions")
+	l.Return()
+	require.NoError(t, out0.Abort())
+	require.NoError(t, in.Abort())
+
+	dst, out, _, l := watchSetup(t, 2)
+	writeRuns(t, dst, out, l)
+	require.NoError(t, l.Landed(0, 1))
+	assert.Nil(t, l.Watch(), "a unit landed")
+	l.Return()
+
+	_, _, _, l = watchSetup(t, 2)
+	scan := l.Watch()
+	require.NotNil(t, scan)
+	w := l.watch
+	require.NotNil(t, l.Watch())
+	assert.Same(t, w, l.watch)
+	l.Return()
+	assert.Nil(t, l.Watch(), "returned")
+	w.runs[0].mem[4<<10-1] ^= 0xff // a write after the loan ended
+	scan()
+	assert.Zero(t, earlyBlocks(l), "a returned loan's scan does nothing")
+}
