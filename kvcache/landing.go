@@ -47,9 +47,8 @@ import (
 
 // scanIdleRuns is how many runs in a row a scan visits in which nothing
 // new landed before it stops: a sender writes a chunk region by region,
-// so the bytes land in one run, then the next; a scan starts at the run
-// that took bytes last and need not visit every run of a model's many
-// regions each time.
+// so the bytes land in one run, then the next, and a scan need not visit
+// every run of a model's many regions each time (scan).
 const scanIdleRuns = 4
 
 // landingWatch is a loan's watch (PageLoan.Watch).
@@ -69,8 +68,9 @@ type landingWatch struct {
 
 	// The scan's alone (the transport calls it from one goroutine at a
 	// time).
-	runs []watchedRun
-	cur  int // the run the scan last found bytes landing in
+	runs  []watchedRun
+	cur   int // the run the scan last found bytes landing in
+	sweep int // the run the scan looks at next when none after cur took bytes
 }
 
 // watchedRun is a PageRun's watched blocks.
@@ -173,24 +173,53 @@ func wholeBlocks(parts [][]byte, k int) []pageBlock {
 // mark is block i's mark.
 func (w *landingWatch) mark(i int) uint64 { return w.seed ^ uint64(i+1)*0x9e3779b97f4a7c15 }
 
-// scan sums the blocks that have landed since the last scan, starting
-// in the run that took bytes last.
+// scan sums the blocks that have landed since the last scan. They lie
+// where the bytes landed last (cur) and in the runs that follow, for a
+// writer writes a chunk region by region; when nothing landed there the
+// writer has moved on (the next chunk starts again at its group's first
+// region), and the scan looks a few runs further round the ring each
+// time (sweep), so that it finds the new place within a few scans
+// whatever the number of runs, at a few reads a scan.
 func (w *landingWatch) scan() {
 	if w.stopped.Load() {
 		return
 	}
-	start, idle := w.cur, 0
-	for i := range w.runs {
-		r := start + i
-		if r >= len(w.runs) {
-			r -= len(w.runs)
+	if w.follow(w.cur) {
+		return
+	}
+	for range min(scanIdleRuns, len(w.runs)) {
+		r := w.sweep
+		if w.sweep++; w.sweep == len(w.runs) {
+			w.sweep = 0
 		}
-		if w.advance(&w.runs[r]) {
-			w.cur, idle = r, 0
-		} else if idle++; idle == scanIdleRuns {
+		if w.follow(r) {
 			return
 		}
 	}
+}
+
+// follow sums what landed in run r and, if anything did, in the runs
+// after it, until scanIdleRuns in a row took nothing; it reports whether
+// r took anything.
+func (w *landingWatch) follow(r int) bool {
+	if !w.advance(&w.runs[r]) {
+		return false
+	}
+	w.cur = r
+	for i, idle := r+1, 0; idle < scanIdleRuns; i++ {
+		if i == len(w.runs) {
+			i = 0
+		}
+		if i == r {
+			break
+		}
+		if w.advance(&w.runs[i]) {
+			w.cur, idle = i, 0
+		} else {
+			idle++
+		}
+	}
+	return true
 }
 
 // advance sums run r's blocks that have landed, in order from the first

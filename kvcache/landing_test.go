@@ -2,6 +2,7 @@ package kvcache
 
 import (
 	"encoding/binary"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -222,4 +223,70 @@ func TestWatchRefusals(t *testing.T) {
 	w.runs[0].mem[4<<10-1] ^= 0xff // a write after the loan ended
 	scan()
 	assert.Zero(t, earlyBlocks(l), "a returned loan's scan does nothing")
+}
+
+// A writer that moves on to a run the scan has not looked at lately (the
+// next chunk starts again at its group's first region, with another
+// group's idle runs between) is found within a few scans, whatever the
+// number of runs: every block is summed within runs/scanIdleRuns+2 scans
+// of landing.
+func TestWatchScanFindsWhereTheWriterMovedOn(t *testing.T) {
+	const runs, units, blocks = 10, 2, 3 // each run: 2 units of a page of 3 blocks
+	page := blocks * checksumBlock
+	w := &landingWatch{seed: 12345, base: make([]int, runs*units+1)}
+	for u := range runs * units {
+		w.base[u+1] = w.base[u] + blocks
+	}
+	var pb []pageBlock
+	for b := range blocks {
+		pb = append(pb, pageBlock{off: b * checksumBlock, n: checksumBlock, b: b})
+	}
+	for r := range runs {
+		run := watchedRun{mem: make([]byte, units*page), page: page, first: r * units, units: units, blocks: pb}
+		for j := range units {
+			for _, blk := range pb {
+				binary.LittleEndian.PutUint64(run.mem[j*page+blk.off+blk.n-8:], w.mark(w.base[r*units+j]+blk.b))
+			}
+		}
+		w.runs = append(w.runs, run)
+	}
+	w.sums = make([]uint64, runs*units*blocks)
+	w.ready = make([]atomic.Uint64, (len(w.sums)+63)/64)
+	w.early = make([]bool, runs*units)
+
+	// Runs 0-4 are one group's regions, 5-9 another's: the first group's
+	// units 0 then 1, region by region, then the second's.
+	type write struct{ run, unit, block int }
+	var order []write
+	for _, r := range []struct{ runs []int }{{[]int{0, 1, 2, 3, 4}}, {[]int{5, 6, 7, 8, 9}}} {
+		for j := range units {
+			for _, run := range r.runs {
+				for b := range blocks {
+					order = append(order, write{run, j, b})
+				}
+			}
+		}
+	}
+	maxLag := runs/scanIdleRuns + 2
+	var pending []int // written blocks not yet summed, by index
+	ready := func(i int) bool { return w.ready[i/64].Load()&(1<<(i%64)) != 0 }
+	for n, wr := range order {
+		run := &w.runs[wr.run]
+		at := wr.unit*page + wr.block*checksumBlock
+		for k := range checksumBlock {
+			run.mem[at+k] = byte(n + k + 1)
+		}
+		pending = append(pending, w.base[run.first+wr.unit]+wr.block)
+		w.scan()
+		for i := 0; i < len(pending); i++ {
+			if ready(pending[i]) {
+				pending = append(pending[:i], pending[i+1:]...)
+				i--
+			}
+		}
+		require.LessOrEqual(t, len(pending), maxLag, "blocks written but not summed after write %d (%+v)", n, wr)
+	}
+	for i := range w.sums {
+		require.True(t, ready(i), "block %d", i)
+	}
 }
