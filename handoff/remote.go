@@ -70,6 +70,11 @@ type MemoryEndpoint interface {
 // (kvcache.PageLoan.Watch).
 type LandingWatcher interface {
 	MemoryEndpoint
+	// LandsHere reports whether the transport writes the memory of its
+	// last ExposeMemory on this process's own threads; where a NIC or
+	// another process writes it, there is no core's cache to find the
+	// bytes in, and the receiver does not watch.
+	LandsHere() bool
 	// WatchLanding has the transport call scan each time it may have
 	// written into the memory of its last ExposeMemory, on the thread
 	// that wrote, from one goroutine at a time, until that memory's
@@ -677,7 +682,7 @@ func (r *Receiver) receiveRemote(ep MemoryEndpoint, m *Manifest, in *kvcache.Inc
 	g.desc = desc
 	// The loan's watch marks the memory: before the grant, so before
 	// the sender can write it.
-	if watcher, ok := ep.(LandingWatcher); ok {
+	if watcher, ok := ep.(LandingWatcher); ok && watcher.LandsHere() {
 		if scan := loan.Watch(); scan != nil {
 			watcher.WatchLanding(scan)
 		}

@@ -39,6 +39,9 @@ type memTransport struct {
 	// watch scan, before the rest: a writer whose bytes do not land in
 	// address order (a NIC's).
 	tailFirst bool
+	// noWatch has the server say that its memory is not written on the
+	// receiver's threads (LandsHere): the receiver then does not watch.
+	noWatch bool
 
 	mu                     sync.Mutex
 	exposed, revoked       int
@@ -319,6 +322,8 @@ func (e *memServerEnd) ExposeMemory(mems [][]byte) ([]byte, func(), error) {
 		p.t.mu.Unlock()
 	}, nil
 }
+
+func (e *memServerEnd) LandsHere() bool { return !e.p.t.noWatch }
 
 func (e *memServerEnd) WatchLanding(scan func()) {
 	p := e.p
@@ -670,6 +675,13 @@ func TestRemoteLandingWatched(t *testing.T) {
 			tr.mu.Unlock()
 			assert.Equal(t, 3, watched)
 			assert.Positive(t, scans)
+
+			tr.noWatch = true
+			sendVerified(t, exportOf(t, s, prefill, "unwatched", 100*16), tr, recv, decode, "unwatched")
+			tr.serves.Wait()
+			tr.mu.Lock()
+			assert.Equal(t, watched, tr.watched, "a transport whose memory lands elsewhere is not watched")
+			tr.mu.Unlock()
 			require.NoError(t, testkit.Sweep(prefill))
 			require.NoError(t, testkit.Sweep(decode))
 		})

@@ -26,8 +26,11 @@ import (
 //   - the transport calls the scan Watch returns each time it may have
 //     written into the memory, on the thread that wrote: the scan walks
 //     each run of pages from where it stopped and sums every block whose
-//     mark is gone, for its last bytes have been written and, written in
-//     address order (a copy, a receive), so has all of it;
+//     last byte is no longer the mark's, for, written in address order (a
+//     copy, a receive), all of it has then landed; a block whose last byte
+//     still is (a write that stopped within the last 8 bytes, or a byte
+//     equal to the mark's by chance) waits until the next block's mark is
+//     touched;
 //   - Landed takes a unit's block sums from the scan where it has them
 //     and sums the rest (blocks the scan has not reached, blocks that
 //     straddle two regions) from memory.
@@ -231,7 +234,15 @@ func (w *landingWatch) advance(r *watchedRun) bool {
 		at := j*r.page + blk.off
 		b := r.mem[at : at+blk.n : at+blk.n]
 		i := w.base[r.first+j] + blk.b
-		if binary.LittleEndian.Uint64(b[len(b)-8:]) == w.mark(i) {
+		tail, mark := binary.LittleEndian.Uint64(b[len(b)-8:]), w.mark(i)
+		if tail == mark {
+			break // nothing of its last 8 bytes has landed
+		}
+		if tail>>56 == mark>>56 && !w.passed(r) {
+			// Its last byte is still the mark's: the write stopped
+			// within the last 8 bytes (a receive or a queue element
+			// ended there), or that byte is the mark's by chance (1 in
+			// 256). It has landed whole once the writer is past it.
 			break
 		}
 		w.sums[i] = xxh3.Hash(b)
@@ -240,6 +251,18 @@ func (w *landingWatch) advance(r *watchedRun) bool {
 		moved = true
 	}
 	return moved
+}
+
+// passed reports whether the writer has gone past run r's next block:
+// the last 8 bytes of the watched block after it are no longer its mark.
+func (w *landingWatch) passed(r *watchedRun) bool {
+	k := r.next + 1
+	if k >= r.units*len(r.blocks) {
+		return false
+	}
+	j, blk := k/len(r.blocks), r.blocks[k%len(r.blocks)]
+	at := j*r.page + blk.off + blk.n - 8
+	return binary.LittleEndian.Uint64(r.mem[at:]) != w.mark(w.base[r.first+j]+blk.b)
 }
 
 // known returns unit u's block sums as the scan took them, for

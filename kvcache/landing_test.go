@@ -8,6 +8,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/zeebo/xxh3"
 )
 
 // watchGeometry's region pages are 6 KiB: a unit (2 layers, K and V) is
@@ -231,7 +232,50 @@ func TestWatchRefusals(t *testing.T) {
 // number of runs: every block is summed within runs/scanIdleRuns+2 scans
 // of landing.
 func TestWatchScanFindsWhereTheWriterMovedOn(t *testing.T) {
-	const runs, units, blocks = 10, 2, 3 // each run: 2 units of a page of 3 blocks
+	const runs, units, blocks = 10, 2, 3
+	page := blocks * checksumBlock
+	w := testWatch(runs, units, blocks)
+
+	// Runs 0-4 are one group's regions, 5-9 another's: the first group's
+	// units 0 then 1, region by region, then the second's.
+	type write struct{ run, unit, block int }
+	var order []write
+	for _, r := range []struct{ runs []int }{{[]int{0, 1, 2, 3, 4}}, {[]int{5, 6, 7, 8, 9}}} {
+		for j := range units {
+			for _, run := range r.runs {
+				for b := range blocks {
+					order = append(order, write{run, j, b})
+				}
+			}
+		}
+	}
+	maxLag := runs/scanIdleRuns + 2
+	var pending []int // written blocks not yet summed, by index
+	ready := w.isReady
+	for n, wr := range order {
+		run := &w.runs[wr.run]
+		at := wr.unit*page + wr.block*checksumBlock
+		for k := range checksumBlock {
+			run.mem[at+k] = byte(n + k + 1)
+		}
+		pending = append(pending, w.base[run.first+wr.unit]+wr.block)
+		w.scan()
+		for i := 0; i < len(pending); i++ {
+			if ready(pending[i]) {
+				pending = append(pending[:i], pending[i+1:]...)
+				i--
+			}
+		}
+		require.LessOrEqual(t, len(pending), maxLag, "blocks written but not summed after write %d (%+v)", n, wr)
+	}
+	for i := range w.sums {
+		require.True(t, ready(i), "block %d", i)
+	}
+}
+
+// testWatch is a watch of runs runs of units pages of blocks whole
+// checksum blocks each, one region a run, marked.
+func testWatch(runs, units, blocks int) *landingWatch {
 	page := blocks * checksumBlock
 	w := &landingWatch{seed: 12345, base: make([]int, runs*units+1)}
 	for u := range runs * units {
@@ -253,40 +297,40 @@ func TestWatchScanFindsWhereTheWriterMovedOn(t *testing.T) {
 	w.sums = make([]uint64, runs*units*blocks)
 	w.ready = make([]atomic.Uint64, (len(w.sums)+63)/64)
 	w.early = make([]bool, runs*units)
+	return w
+}
 
-	// Runs 0-4 are one group's regions, 5-9 another's: the first group's
-	// units 0 then 1, region by region, then the second's.
-	type write struct{ run, unit, block int }
-	var order []write
-	for _, r := range []struct{ runs []int }{{[]int{0, 1, 2, 3, 4}}, {[]int{5, 6, 7, 8, 9}}} {
-		for j := range units {
-			for _, run := range r.runs {
-				for b := range blocks {
-					order = append(order, write{run, j, b})
-				}
-			}
-		}
+func (w *landingWatch) isReady(i int) bool { return w.ready[i/64].Load()&(1<<(i%64)) != 0 }
+
+// A block is summed only once its last byte has landed: not while a
+// write has stopped within its last 8 bytes, nor, when its last byte is
+// the mark's by chance, before the writer is past it.
+func TestWatchWaitsForABlocksLastByte(t *testing.T) {
+	w := testWatch(1, 1, 3)
+	mem := w.runs[0].mem
+	data := make([]byte, len(mem))
+	for k := range data {
+		data[k] = byte(k*7 + 1)
 	}
-	maxLag := runs/scanIdleRuns + 2
-	var pending []int // written blocks not yet summed, by index
-	ready := func(i int) bool { return w.ready[i/64].Load()&(1<<(i%64)) != 0 }
-	for n, wr := range order {
-		run := &w.runs[wr.run]
-		at := wr.unit*page + wr.block*checksumBlock
-		for k := range checksumBlock {
-			run.mem[at+k] = byte(n + k + 1)
-		}
-		pending = append(pending, w.base[run.first+wr.unit]+wr.block)
-		w.scan()
-		for i := 0; i < len(pending); i++ {
-			if ready(pending[i]) {
-				pending = append(pending[:i], pending[i+1:]...)
-				i--
-			}
-		}
-		require.LessOrEqual(t, len(pending), maxLag, "blocks written but not summed after write %d (%+v)", n, wr)
-	}
-	for i := range w.sums {
-		require.True(t, ready(i), "block %d", i)
-	}
+	// Block 0 lands all but its last 3 bytes, then the rest.
+	copy(mem[:checksumBlock-3], data)
+	w.scan()
+	assert.False(t, w.isReady(0), "a block whose last bytes are still to land")
+	copy(mem[checksumBlock-3:checksumBlock], data[checksumBlock-3:])
+	w.scan()
+	require.True(t, w.isReady(0))
+	assert.Equal(t, xxh3.Hash(data[:checksumBlock]), w.sums[0])
+
+	// Block 1's last byte is its mark's.
+	end := 2 * checksumBlock
+	data[end-1] = byte(w.mark(1) >> 56)
+	copy(mem[checksumBlock:end], data[checksumBlock:end])
+	w.scan()
+	assert.False(t, w.isReady(1), "a block whose last byte is the mark's, the writer not past it")
+	copy(mem[end:], data[end:])
+	w.scan()
+	require.True(t, w.isReady(1), "the writer went past it")
+	require.True(t, w.isReady(2))
+	assert.Equal(t, xxh3.Hash(data[checksumBlock:end]), w.sums[1])
+	assert.Equal(t, xxh3.Hash(data[end:]), w.sums[2])
 }

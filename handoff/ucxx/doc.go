@@ -130,10 +130,25 @@
 // (cma's rendezvous ran at 5.5-5.8 GiB/s against the puts' 9.8-10 in
 // ucx_perftest; a receiver that took the writes as eager messages and
 // copied each into place and summed it in one pass, in C, moved a
-// handoff at 6.0-6.5 GB/s against the puts' 7.5-8.1, for that pass runs
-// on the receiver's progress thread, which sets the pace:
+// handoff at 6.0-6.5 GB/s against the puts' 7.5-8.1:
 // bench/results/2026-12-05-ucx-7.txt), and over InfiniBand and RoCE the
 // NIC writes a put.
+//
+// Over shared memory and over TCP the bytes land on the receiver's own
+// threads: UCX's worker copies each element of an emulated put out of
+// its queue, or receives a rendezvous message, into the lent pages as
+// it progresses. So the server watches the memory it exposed
+// (handoff.LandingWatcher, kvcache.PageLoan.Watch): after each progress
+// that did something, the goroutine that progressed the worker sums
+// every 4 KiB block that has landed since, while the block is still in
+// its core's cache, and the landed notes take those sums instead of
+// reading the pages back from memory; a block summed before all of it
+// landed shows as a checksum short of the seal's, and its units are
+// summed again once the memory is taken back, before the verdict. That
+// read back was what held a handoff over shared memory below UCX's own
+// put rate on a machine whose two cores both ends share: a 256 MiB
+// handoff went from x0.73 of ucx_perftest's put bandwidth to x0.91, for
+// 55 ms of CPU instead of 69 (bench/results/2026-12-05-ucx-8.txt).
 // Over TCP, UCX's emulated puts are not only dearer: a put that arrives
 // after its sender's side of the connection failed (the prefill process
 // killed mid-write, its worker destroyed) aborts the receiving process,

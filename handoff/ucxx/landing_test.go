@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"os"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -35,7 +36,11 @@ func TestWatchLandingScansAsBytesLand(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		ep.(handoff.LandingWatcher).WatchLanding(func() {
+		lw := ep.(handoff.LandingWatcher)
+		if !lw.LandsHere() {
+			return fmt.Errorf("the bytes land elsewhere over %q", os.Getenv("UCX_TLS"))
+		}
+		lw.WatchLanding(func() {
 			scans.Add(1)
 			sawAll.Store(mem[0] == 0xab && mem[len(mem)-1] == 0xab)
 		})
@@ -56,7 +61,7 @@ func TestWatchLandingScansAsBytesLand(t *testing.T) {
 	st, err := tr.Open(context.Background())
 	require.NoError(t, err)
 	desc, err := st.Recv()
-	require.NoError(t, err)
+	require.NoError(t, err, "the server exposed nothing")
 	w, err := st.(handoff.MemoryStream).OpenRemote(desc, []int64{int64(len(mem))})
 	require.NoError(t, err)
 	wait, err := w.Write([]handoff.RemotePut{{Mem: 0, Off: 0, Src: [][]byte{src}}})

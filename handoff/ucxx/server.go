@@ -400,14 +400,21 @@ func (e *serverEnd) ExposeMemory(mems [][]byte) ([]byte, func(), error) {
 	return desc, revoke, nil
 }
 
+// LandsHere implements handoff.LandingWatcher: whether every lane of
+// the connection's endpoint is a transport whose bytes this process's
+// own threads land (landsHere): shared memory's queues and TCP.
+func (e *serverEnd) LandsHere() bool {
+	e.c.w.mu.Lock()
+	defer e.c.w.mu.Unlock()
+	return landsHere(e.c.lanesLocked())
+}
+
 // WatchLanding implements handoff.LandingWatcher: the worker calls scan
 // after each progress that did something, under its lock, on the
 // goroutine that progressed it. Over shared memory that progress is what
 // copies the sender's puts out of the worker's queue into the memory,
-// and over TCP alone what receives them into it; over InfiniBand and
-// RoCE the NIC writes, and the scan finds what landed since the last
-// progress. The memory's revoke ends the watch before it takes the
-// memory back.
+// and over TCP alone what receives them into it. The memory's revoke
+// ends the watch before it takes the memory back.
 func (e *serverEnd) WatchLanding(scan func()) {
 	e.c.w.mu.Lock()
 	e.c.w.landed = scan
@@ -534,6 +541,30 @@ func (e *serverEnd) finish() {
 // InfiniBand and RoCE the NIC writes a put: PathAuto keeps the puts
 // there.
 func tcpOnly(lanes string) bool {
+	return everyLane(lanes, func(tl string) bool { return tl == "tcp" })
+}
+
+// landsHere reports whether every lane of an endpoint, as lanes
+// describes them, is a transport whose bytes the receiving process's own
+// threads land: shared memory's queues (posix, sysv: its worker copies an
+// emulated put's elements out of them), cma (its worker reads the
+// sender's memory), TCP (its worker receives) and self. Over InfiniBand
+// and RoCE (rc, dc, ud) a NIC writes the memory; over xpmem and knem the
+// sender's process does.
+func landsHere(lanes string) bool {
+	return everyLane(lanes, func(tl string) bool {
+		switch tl {
+		case "tcp", "posix", "sysv", "cma", "self":
+			return true
+		}
+		return false
+	})
+}
+
+// everyLane reports whether lanes (ucp_ep_print_info: "lane[0]:
+// 1:tcp/lo.0 md[0] ...") describes at least one lane, and ok holds for
+// every lane's transport.
+func everyLane(lanes string, ok func(transport string) bool) bool {
 	n := 0
 	for _, line := range strings.Split(lanes, "\n") {
 		f := strings.Fields(line)
@@ -542,7 +573,7 @@ func tcpOnly(lanes string) bool {
 				continue
 			}
 			_, tl, _ := strings.Cut(f[i+1], ":")
-			if tl, _, _ = strings.Cut(tl, "/"); tl != "tcp" {
+			if tl, _, _ = strings.Cut(tl, "/"); !ok(tl) {
 				return false
 			}
 			n++
