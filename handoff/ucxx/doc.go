@@ -147,8 +147,10 @@
 // summed again once the memory is taken back, before the verdict. That
 // read back was what held a handoff over shared memory below UCX's own
 // put rate on a machine whose two cores both ends share: a 256 MiB
-// handoff went from x0.73 of ucx_perftest's put bandwidth to x0.91, for
-// 55 ms of CPU instead of 69 (bench/results/2026-12-05-ucx-8.txt).
+// handoff went from x0.72 of ucx_perftest's put bandwidth to x0.88 at the
+// median, for 59 ms of CPU instead of 68 (bench/results/2026-12-05-ucx-8.txt).
+// Where a NIC writes the memory (rc, dc, ud) the server does not watch
+// (LandsHere): no core has the bytes in its cache.
 // Over TCP, UCX's emulated puts are not only dearer: a put that arrives
 // after its sender's side of the connection failed (the prefill process
 // killed mid-write, its worker destroyed) aborts the receiving process,
