@@ -35,13 +35,13 @@ import (
 //     and sums the rest (blocks the scan has not reached, blocks that
 //     straddle two regions) from memory.
 //
-// A sum taken too soon is wrong, never trusted: a writer that does not
-// fill a block in address order (a NIC, whose writes may become visible
-// in any order) can have a block summed before all of it landed. Its
-// unit's sum then differs from the sender's, and so does the content
-// checksum; Resum, called once nothing writes the memory any more, sums
-// every unit that used a scanned block again from memory before the
-// import is completed against the seal. A block whose bytes end with its
+// A sum taken too soon is wrong, and caught: a writer that does not fill
+// a block in address order (a NIC, whose writes may become visible in
+// any order) can have a block summed before all of it landed. Its unit's
+// sum then differs from the sender's, and so does the content checksum;
+// Resum, called once nothing writes the memory any more, sums every unit
+// that used a scanned block again from memory before the import is
+// completed against the seal. A block whose bytes end with its
 // mark by chance (one in 2^64) is never seen to land and is summed from
 // memory. What a scan sums is the block as first written: a sender that
 // writes a byte twice breaks the protocol, as one that writes a unit
@@ -98,9 +98,9 @@ type pageBlock struct {
 // may have written into the memory, from one goroutine at a time, until
 // it no longer writes it (before Return). It must be called before any
 // writer can write the memory (before the sender has what it needs to),
-// for it writes into it; it returns nil
-// where no block lies wholly in one page, or once a unit has landed or
-// the loan was returned. A second call returns the first's scan.
+// for it writes into it. It returns nil where no block lies wholly in
+// one page, once a unit has landed, or once the loan was returned; a
+// second call returns the first's scan.
 func (l *PageLoan) Watch() (scan func()) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
