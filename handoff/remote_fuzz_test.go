@@ -84,15 +84,24 @@ func decodeRemoteScript(b []byte) []remoteOp {
 // landed unit no longer changes, which a transport that checks its
 // writes keeps (ucxx's receives over TCP), and a one-sided put does not;
 // it is left out here so that a delivered lease can be checked exactly.
+//
+// With watch set the endpoint lands the writes on the receiver's
+// threads as ucxx does over shared memory (LandsHere), and runs the
+// receiver's scan after each; and it refuses a write to a byte already
+// written, for the watch's premise (kvcache's landing.go) is that each
+// byte lands once.
 type scriptedMemEndpoint struct {
 	manifest []byte
 	ops      []remoteOp
 	key      *handoff.Key
+	watch    bool
 
 	mu          sync.Mutex
 	next        int
 	mems        [][]byte
-	unitOf      [][]int // [extent][byte]: the unit whose piece the byte is; -1 none
+	unitOf      [][]int  // [extent][byte]: the unit whose piece the byte is; -1 none
+	written     [][]bool // [extent][byte], with watch
+	scan        func()
 	landed      map[int]bool
 	exposed     int
 	revokes     int
@@ -129,7 +138,8 @@ func (e *scriptedMemEndpoint) Recv() ([]byte, error) {
 }
 
 // writeLocked carries out op if it lies inside an extent still exposed
-// and touches no landed unit.
+// and touches no landed unit (with watch: no byte already written), then
+// runs the receiver's scan, if it set one.
 func (e *scriptedMemEndpoint) writeLocked(op remoteOp) {
 	if e.mems == nil || e.revoked || op.mem >= len(e.mems) || op.off+len(op.data) > len(e.mems[op.mem]) {
 		return
@@ -139,7 +149,21 @@ func (e *scriptedMemEndpoint) writeLocked(op remoteOp) {
 			return
 		}
 	}
+	if e.watch {
+		written := e.written[op.mem][op.off : op.off+len(op.data)]
+		for _, w := range written {
+			if w {
+				return
+			}
+		}
+		for i := range written {
+			written[i] = true
+		}
+	}
 	copy(e.mems[op.mem][op.off:], op.data)
+	if e.scan != nil {
+		e.scan()
+	}
 }
 
 func (e *scriptedMemEndpoint) Send(msg []byte) error {
@@ -174,21 +198,32 @@ func (e *scriptedMemEndpoint) ExposeMemory(mems [][]byte) ([]byte, func(), error
 	e.exposed++
 	e.mems = mems
 	e.unitOf = make([][]int, len(mems))
+	e.written = make([][]bool, len(mems))
 	for i, m := range mems {
 		e.unitOf[i] = make([]int, len(m))
 		for j := range e.unitOf[i] {
 			e.unitOf[i][j] = -1
 		}
+		e.written[i] = make([]bool, len(m))
 	}
 	return []byte("mem"), func() {
 		e.mu.Lock()
 		defer e.mu.Unlock()
 		e.revokes++
 		e.revoked = true
+		e.scan = nil
 	}, nil
 }
 
-var _ handoff.MemoryEndpoint = (*scriptedMemEndpoint)(nil)
+func (e *scriptedMemEndpoint) LandsHere() bool { return e.watch }
+
+func (e *scriptedMemEndpoint) WatchLanding(scan func()) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.scan = scan
+}
+
+var _ handoff.LandingWatcher = (*scriptedMemEndpoint)(nil)
 
 // FuzzServeRemote is FuzzServe of a transfer whose pages the sender
 // writes into the decode pool's memory (remote.go): a genuine signed
@@ -201,8 +236,30 @@ var _ handoff.MemoryEndpoint = (*scriptedMemEndpoint)(nil)
 // the import's pages, and so the recorded writes' places, are the same
 // every time.
 func FuzzServeRemote(f *testing.F) {
-	const id, units = "fuzz", 40
-	c := testkit.PoolConfig{Pages: 64, Tenants: []kvcache.TenantConfig{{Name: "victim"}}}
+	// 40 units of 512 bytes in chunks of 16 KiB (4 frames of 4 KiB): two
+	// chunks, two landed notes.
+	fuzzServeRemote(f, testkit.PoolConfig{Pages: 64}, 40, false)
+}
+
+// FuzzServeRemoteWatched is FuzzServeRemote where the transport lands
+// the writes on the receiver's threads and the receiver watches them
+// (handoff.LandingWatcher, kvcache.PageLoan.Watch): pages of 6 KiB, whose
+// checksum blocks the watch sums as they land, whatever the order and
+// the pieces the writes come in; a block summed too soon must never let
+// through a page that is not the prefill's.
+func FuzzServeRemoteWatched(f *testing.F) {
+	// 3 units of 12 KiB (K and V, 6 KiB pages; of each unit's three
+	// blocks the middle one straddles the two): a chunk and a landed note
+	// a unit.
+	g := kvcache.Geometry{TokensPerPage: 16, Layers: 1, KVHeads: 2, HeadDim: 96, DType: kvcache.FP16}
+	fuzzServeRemote(f, testkit.PoolConfig{Geometry: g, Pages: 16}, 3, true)
+}
+
+// fuzzServeRemote is FuzzServeRemote over pools c of a prompt of units
+// pages, the endpoint watched or not.
+func fuzzServeRemote(f *testing.F, c testkit.PoolConfig, units int, watch bool) {
+	const id = "fuzz"
+	c.Tenants = []kvcache.TenantConfig{{Name: "victim"}}
 	prefill, err := testkit.NewPool(c)
 	if err != nil {
 		f.Fatal(err)
@@ -219,8 +276,6 @@ func FuzzServeRemote(f *testing.F) {
 		}
 		return decode, r
 	}
-	// 40 units of 512 bytes in chunks of 16 KiB (4 frames of 4 KiB): two
-	// chunks, two landed notes.
 	s, err := handoff.NewSender(handoff.SenderConfig{Key: testkit.Key(), TTL: time.Hour, FrameBytes: 4 << 10})
 	if err != nil {
 		f.Fatal(err)
@@ -293,12 +348,33 @@ func FuzzServeRemote(f *testing.F) {
 	rewrite := remoteOp{mem: rest[writes[0]].mem, off: rest[writes[0]].off, data: bytes.Repeat([]byte{0xa5}, 64)}
 	f.Add(encodeRemoteScript(append(append(append([]remoteOp{}, rest[:last]...), rewrite), rest[last]))) // a landed unit written again
 	f.Add(encodeRemoteScript(append([]remoteOp{{mem: 9, off: 0, data: []byte{1}}}, rest...)))            // a write outside the extents
+	if watch {
+		// Each page's whole block gets its last 8 bytes first (at 4 KiB
+		// of a K page, at the end of a V page): blocks summed too soon,
+		// to be summed again before the verdict.
+		var tailFirst []remoteOp
+		for _, op := range rest {
+			if op.msg != nil || len(op.data) != 6<<10 || op.mem > 1 {
+				tailFirst = append(tailFirst, op)
+				continue
+			}
+			end := []int{4 << 10, 6 << 10}[op.mem]
+			tailFirst = append(tailFirst,
+				remoteOp{mem: op.mem, off: op.off + end - 8, data: op.data[end-8 : end]},
+				remoteOp{mem: op.mem, off: op.off, data: op.data[:end-8]},
+				remoteOp{mem: op.mem, off: op.off + end, data: op.data[end:]})
+		}
+		f.Add(encodeRemoteScript(tailFirst))
+	}
+	early := append([]remoteOp{}, rest[:writes[0]]...) // bytes that are not the prefill's, landed before the genuine ones
+	early = append(early, remoteOp{mem: rest[writes[0]].mem, off: rest[writes[0]].off, data: bytes.Repeat([]byte{0x5a}, 100)})
+	f.Add(encodeRemoteScript(append(early, rest[writes[0]:]...)))
 	f.Add([]byte{})
 
 	f.Fuzz(func(t *testing.T, script []byte) {
 		decode, r := newDecode()
 		defer decode.Close()
-		ep := &scriptedMemEndpoint{manifest: manifest, ops: decodeRemoteScript(script), key: testkit.Key(), landed: map[int]bool{}}
+		ep := &scriptedMemEndpoint{manifest: manifest, ops: decodeRemoteScript(script), key: testkit.Key(), watch: watch, landed: map[int]bool{}}
 		err := r.Serve(context.Background(), ep)
 		ep.mu.Lock()
 		exposed, revokes, verdicts := ep.exposed, ep.revokes, ep.verdicts

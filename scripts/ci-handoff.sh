@@ -19,6 +19,9 @@ go test -run '^$' -fuzz '^FuzzServe$' -fuzztime "$fuzztime" ./handoff
 go test -run '^$' -fuzz '^FuzzServeHybrid$' -fuzztime "$fuzztime" ./handoff
 # And after a remote transfer's manifest, whatever messages and writes.
 go test -run '^$' -fuzz '^FuzzServeRemote$' -fuzztime "$fuzztime" ./handoff
+# And where the receiver sums each block as it lands (a transport that
+# writes on its threads): writes in any order and pieces.
+go test -run '^$' -fuzz '^FuzzServeRemoteWatched$' -fuzztime "$fuzztime" ./handoff
 # And tcpx's hello and frame reader, which read what any peer sends.
 go test -run '^$' -fuzz '^FuzzHello$' -fuzztime "$fuzztime" ./handoff/tcpx
 go test -run '^$' -fuzz '^FuzzFrameReader$' -fuzztime "$fuzztime" ./handoff/tcpx
