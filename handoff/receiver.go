@@ -72,6 +72,12 @@ type ReceiverStats struct {
 	Refused  uint64 // refused or failed imports, all reasons
 	// RefusedBy counts Refused by reason, indexed like ReasonNames.
 	RefusedBy [len(ReasonNames)]uint64
+	// UnitsResummed counts units summed again from memory before a
+	// verdict because a block of theirs was summed before all of it had
+	// landed (LandingWatcher; kvcache.PageLoan.Resum). It stays near zero
+	// where the transport lands bytes in address order; one that grows
+	// says the watch costs a second read instead of saving the first.
+	UnitsResummed uint64
 }
 
 // NewReceiver checks cfg and returns a receiver.

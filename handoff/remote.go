@@ -698,7 +698,11 @@ func (r *Receiver) receiveRemote(ep MemoryEndpoint, m *Manifest, in *kvcache.Inc
 		}
 		revoke()
 		if err == nil && seal != nil {
-			loan.Resum(*seal)
+			if n := loan.Resum(*seal); n > 0 {
+				r.mu.Lock()
+				r.mu.stats.UnitsResummed += uint64(n)
+				r.mu.Unlock()
+			}
 		}
 		loan.Return()
 		return err

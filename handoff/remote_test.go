@@ -675,6 +675,11 @@ func TestRemoteLandingWatched(t *testing.T) {
 			tr.mu.Unlock()
 			assert.Equal(t, 3, watched)
 			assert.Positive(t, scans)
+			if resummed := recv.Stats().UnitsResummed; tailFirst {
+				assert.Positive(t, resummed, "blocks summed too soon")
+			} else {
+				assert.Zero(t, resummed, "bytes that land in order")
+			}
 
 			tr.noWatch = true
 			sendVerified(t, exportOf(t, s, prefill, "unwatched", 100*16), tr, recv, decode, "unwatched")

@@ -113,6 +113,7 @@ type descs struct {
 	prefixStored, prefixEvicted                     *prometheus.Desc
 	events                                          *prometheus.Desc
 	handoff                                         *prometheus.Desc
+	handoffResummed                                 *prometheus.Desc
 	pubBatches, pubEvents, pubLost, pubResyncs      *prometheus.Desc
 	pubSubscribers, pubDrops, pubDisconnects        *prometheus.Desc
 	pubRefusals                                     *prometheus.Desc
@@ -192,6 +193,8 @@ func NewCollector(pool *kvcache.Pool, opts Options) *Collector {
 			"KV events the pool produced, by outcome: sent to its channel, or dropped because the channel was full.", "outcome"),
 		handoff: d("kvfence_handoff_transfers_total",
 			"Prefill-to-decode transfers by side (send, receive) and outcome (ok, or the failure's reason).", "side", "outcome"),
+		handoffResummed: d("kvfence_handoff_units_resummed_total",
+			"Units a receiver summed again from memory because a block was summed before all of it landed (a transport whose writes land out of order)."),
 		pubBatches:     d("kvfence_kv_event_batches_total", "Event batches published (the next sequence number)."),
 		pubEvents:      d("kvfence_kv_events_published_total", "KV events published."),
 		pubLost:        d("kvfence_kv_events_lost_total", "KV events the pool dropped before the publisher read them."),
@@ -250,6 +253,9 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	}
 	if len(c.opts.Receivers)+len(c.opts.Senders) > 0 {
 		ch <- d.handoff
+	}
+	if len(c.opts.Receivers) > 0 {
+		ch <- d.handoffResummed
 	}
 	if c.opts.Events != nil {
 		for _, x := range []*prometheus.Desc{d.pubBatches, d.pubEvents, d.pubLost, d.pubResyncs, d.pubSubscribers,
@@ -355,12 +361,14 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 
 	if len(c.opts.Receivers)+len(c.opts.Senders) > 0 {
 		var recv, sent [len(handoff.ReasonNames)]uint64
+		var resummed uint64
 		for _, r := range c.opts.Receivers {
 			rs := r.Stats()
 			recv[0] += rs.Imported
 			for i, n := range rs.RefusedBy {
 				recv[i] += n
 			}
+			resummed += rs.UnitsResummed
 		}
 		for _, snd := range c.opts.Senders {
 			ss := snd.Stats()
@@ -372,6 +380,9 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		for i, name := range handoff.ReasonNames {
 			counter(d.handoff, sent[i], "send", name)
 			counter(d.handoff, recv[i], "receive", name)
+		}
+		if len(c.opts.Receivers) > 0 {
+			counter(d.handoffResummed, resummed)
 		}
 	}
 	if p := c.opts.Events; p != nil {

@@ -332,6 +332,7 @@ func TestCollectorCountsHandoffOutcomesAndPublishedEvents(t *testing.T) {
 		assert.Equal(t, tc.want, testutil.ToFloat64(only(t, reg, "kvfence_handoff_transfers_total", "side", tc.side, "outcome", tc.outcome)),
 			"%s %s", tc.side, tc.outcome)
 	}
+	assert.Equal(t, 0.0, testutil.ToFloat64(only(t, reg, "kvfence_handoff_units_resummed_total")), "nothing landed out of order")
 	ps := pub.Stats()
 	assert.Equal(t, float64(ps.Events), testutil.ToFloat64(only(t, reg, "kvfence_kv_events_published_total")))
 	assert.Equal(t, 2.0, testutil.ToFloat64(only(t, reg, "kvfence_kv_events_published_total")), "two prompts stored")
