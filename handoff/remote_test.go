@@ -192,10 +192,7 @@ func (w *memWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 		return nil, fmt.Errorf("%w: memPipe: the receiver revoked its memory", handoff.ErrTransport)
 	}
 	for _, put := range puts {
-		n := 0
-		for _, s := range put.Src {
-			n += len(s)
-		}
+		n := putLen(put)
 		if put.Mem < 0 || put.Mem >= len(p.mems) || put.Off < 0 || put.Off+int64(n) > int64(len(p.mems[put.Mem])) {
 			return nil, fmt.Errorf("%w: memPipe: a put of %d bytes at %d of extent %d: outside the granted memory", handoff.ErrProtocol, n, put.Off, put.Mem)
 		}
@@ -205,16 +202,14 @@ func (w *memWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 		t.mu.Lock()
 		t.writes++
 		t.mu.Unlock()
-		for _, s := range put.Src {
-			batch += int64(len(s))
-		}
+		batch += int64(putLen(put))
 		if skip[i] {
 			continue
 		}
 		mem := p.mems[put.Mem]
 		if t.tailFirst {
 			last := put.Src[len(put.Src)-1]
-			end := put.Off + int64(batchLen(put))
+			end := put.Off + int64(putLen(put))
 			if len(last) >= 8 {
 				copy(mem[end-8:end], last[len(last)-8:])
 				p.scanLocked()
@@ -232,8 +227,8 @@ func (w *memWriter) Write(puts []handoff.RemotePut) (func() error, error) {
 	return func() error { return nil }, nil
 }
 
-// batchLen is a put's bytes.
-func batchLen(put handoff.RemotePut) (n int) {
+// putLen is a put's bytes.
+func putLen(put handoff.RemotePut) (n int) {
 	for _, s := range put.Src {
 		n += len(s)
 	}
@@ -687,8 +682,7 @@ func TestRemoteLandingWatched(t *testing.T) {
 			tr.mu.Lock()
 			assert.Equal(t, watched, tr.watched, "a transport whose memory lands elsewhere is not watched")
 			tr.mu.Unlock()
-			require.NoError(t, testkit.Sweep(prefill))
-			require.NoError(t, testkit.Sweep(decode))
+			sweep(t, prefill, decode)
 		})
 	}
 }

@@ -37,12 +37,17 @@ func canaryDevice(t *testing.T, g Geometry, pages int, policy ScrubPolicy) cudao
 
 func handoffPool(t *testing.T, pages int) *Pool {
 	t.Helper()
-	g := Geometry{TokensPerPage: 4, Layers: 2, KVHeads: 1, HeadDim: 4, DType: FP16}
+	return handoffPoolOf(t, Geometry{TokensPerPage: 4, Layers: 2, KVHeads: 1, HeadDim: 4, DType: FP16}, pages)
+}
+
+// handoffPoolOf is handoffPool of geometry g.
+func handoffPoolOf(t *testing.T, g Geometry, pages int) *Pool {
+	t.Helper()
 	p, err := New(Config{
 		Device:           canaryDevice(t, g, pages, ScrubPolicy{Kind: ScrubCanary}),
 		Geometry:         g,
 		Pages:            pages,
-		MaxContextTokens: pages * 4,
+		MaxContextTokens: pages * g.TokensPerPage,
 		Tenants:          []TenantConfig{{Name: "a"}},
 		Scrub:            ScrubPolicy{Kind: ScrubCanary},
 	})

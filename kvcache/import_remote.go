@@ -29,9 +29,8 @@ type PageLoan struct {
 
 	mu struct {
 		sync.Mutex
-		landed    []bool
-		anyLanded bool
-		returned  bool
+		landed   []bool
+		returned bool
 	}
 }
 
@@ -184,27 +183,17 @@ func (l *PageLoan) Landed(first, n int) error {
 	for u := first; u < first+n; u++ {
 		l.mu.landed[u] = true
 	}
-	l.mu.anyLanded = true
 	w := l.watch
 	l.mu.Unlock()
 	// Summed without a lock: the units are the import's until Return,
 	// which is called only after the caller's last Landed has returned.
 	sums := make([]uint64, n)
-	var small [64 * 8]byte
-	var block []byte
 	for i := range sums {
-		u := first + i
-		if w == nil {
-			sums[i] = PageChecksumOf(l.unitParts[u])
-			continue
+		var known func(b int) (uint64, bool)
+		if w != nil {
+			known = w.known(first + i)
 		}
-		parts := l.unitParts[u]
-		bytes := 0
-		for _, p := range parts {
-			bytes += len(p)
-		}
-		cur := partCursor{parts: parts}
-		sums[i], _ = cur.pageSum(bytes, &block, small[:0], w.known(u))
+		sums[i] = pageChecksumOf(l.unitParts[first+i], known)
 	}
 	in.mu.Lock()
 	copy(in.mu.sums[first:], sums)

@@ -3,6 +3,7 @@ package kvcache
 import (
 	"encoding/binary"
 	"math/rand/v2"
+	"slices"
 	"sync/atomic"
 
 	"github.com/zeebo/xxh3"
@@ -109,7 +110,7 @@ func (l *PageLoan) Watch() (scan func()) {
 		return nil
 	case l.watch != nil:
 		return l.watch.scan
-	case l.mu.anyLanded:
+	case slices.Contains(l.mu.landed, true):
 		return nil
 	}
 	w := &landingWatch{seed: rand.Uint64(), base: make([]int, len(l.unitParts)+1)}
@@ -266,7 +267,7 @@ func (w *landingWatch) passed(r *watchedRun) bool {
 }
 
 // known returns unit u's block sums as the scan took them, for
-// partCursor.pageSum.
+// pageChecksumOf.
 func (w *landingWatch) known(u int) func(b int) (uint64, bool) {
 	return func(b int) (uint64, bool) {
 		i := w.base[u] + b

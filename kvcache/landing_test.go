@@ -21,20 +21,7 @@ var watchGeometry = Geometry{TokensPerPage: 16, Layers: 2, KVHeads: 2, HeadDim: 
 // pages, exported, and its import begun with its pages lent.
 func watchSetup(t *testing.T, units int) (dst *Pool, out *Outgoing, in *Incoming, l *PageLoan) {
 	t.Helper()
-	pool := func() *Pool {
-		p, err := New(Config{
-			Device:           canaryDevice(t, watchGeometry, 16, ScrubPolicy{Kind: ScrubCanary}),
-			Geometry:         watchGeometry,
-			Pages:            16,
-			MaxContextTokens: 16 * 16,
-			Tenants:          []TenantConfig{{Name: "a"}},
-			Scrub:            ScrubPolicy{Kind: ScrubCanary},
-		})
-		require.NoError(t, err)
-		t.Cleanup(func() { p.Close() })
-		return p
-	}
-	src, dst := pool(), pool()
+	src, dst := handoffPoolOf(t, watchGeometry, 16), handoffPoolOf(t, watchGeometry, 16)
 	prompt := units * 16
 	out, err := prefilled(t, src, "r", prompt).Export(time.Now().Add(time.Minute))
 	require.NoError(t, err)
