@@ -102,7 +102,11 @@ type pageBlock struct {
 // for it writes into it. It returns nil where no block lies wholly in
 // one page, once a unit has landed, or once the loan was returned; a
 // second call returns the first's scan.
-func (l *PageLoan) Watch() (scan func()) {
+func (l *PageLoan) Watch() (scan func()) { return l.watchMarked(rand.Uint64()) }
+
+// watchMarked is Watch with the marks drawn from seed, so that a test
+// knows which blocks' last bytes are their marks' by chance.
+func (l *PageLoan) watchMarked(seed uint64) (scan func()) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	switch {
@@ -113,7 +117,7 @@ func (l *PageLoan) Watch() (scan func()) {
 	case slices.Contains(l.mu.landed, true):
 		return nil
 	}
-	w := &landingWatch{seed: rand.Uint64(), base: make([]int, len(l.unitParts)+1)}
+	w := &landingWatch{seed: seed, base: make([]int, len(l.unitParts)+1)}
 	for u, parts := range l.unitParts {
 		n := 0
 		for _, p := range parts {
