@@ -32,11 +32,12 @@ func watchSetup(t *testing.T, units int) (dst *Pool, out *Outgoing, in *Incoming
 	return dst, out, in, l
 }
 
-// watch is Watch with marks the tests know: a random seed would make a
-// block's last byte of the prefill's its mark's by chance, about one run
-// in 256, and that block would then (rightly) wait for the writer to pass
-// it, which the tests' counts do not allow for (TestWatchWaitsForABlocksLastByte
-// tests that case).
+// watch is Watch with marks the tests know. With a random seed, a
+// block's last byte of the prefill's is its mark's by chance (1 in 256 a
+// block; the test of a sum taken too soon failed 17 runs in 3,000), and
+// that block then rightly waits for the writer to pass it, which the
+// tests' exact counts do not allow for; TestWatchWaitsForABlocksLastByte
+// tests that case.
 func watch(l *PageLoan) (scan func()) { return l.watchMarked(12345) }
 
 // earlyBlocks counts the block sums Landed took from the scan.
