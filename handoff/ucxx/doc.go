@@ -163,7 +163,15 @@
 // against the puts' 100, at 5.3-5.5 GB/s against 3.8; a whole handoff
 // 7 % less CPU and 7 % more GB/s at the medians (less CPU in each of 6
 // rounds), still about 1.5x tcpx's CPU
-// (bench/results/2026-12-05-ucx-4.txt).
+// (bench/results/2026-12-05-ucx-4.txt). No handoff over UCX's TCP can
+// cost as little CPU as tcpx's: UCX's own ucx_perftest moves 256 MiB from
+// real pages over TCP for 69-72 ms of CPU (UCX 1.13 and 1.23 alike), and
+// with the scrub and the two checksums every handoff makes that is 87-94
+// against tcpx's whole handoff at 78-85, for tcpx writes each frame from
+// the cache its checksum just filled, which UCX's API gives no way to do
+// (bench/results/2026-12-05-ucx-10.txt, scripts/ucx-floor.sh). Where the
+// fabric is TCP alone, tcpx costs less; ucxx serves the fabrics UCX is for
+// (shared memory, where a handoff costs less CPU than tcpx's, and RDMA).
 //
 // Where the pages cannot be lent (the decode pool's pages are not host
 // memory) or Options.DataPath is PathMessages, the pages travel in the
