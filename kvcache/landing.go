@@ -134,11 +134,9 @@ func (l *PageLoan) watchMarked(seed uint64) (scan func()) {
 			continue
 		}
 		wr := watchedRun{mem: run.Mem, page: len(parts[k]), first: run.First, units: run.Units, blocks: blocks}
-		for j := range run.Units {
-			for _, blk := range blocks {
-				at := j*wr.page + blk.off + blk.n - 8
-				binary.LittleEndian.PutUint64(wr.mem[at:], w.mark(w.base[run.First+j]+blk.b))
-			}
+		for bk := range wr.units * len(blocks) {
+			b, i := w.block(&wr, bk)
+			binary.LittleEndian.PutUint64(b[len(b)-8:], w.mark(i))
 		}
 		w.runs = append(w.runs, wr)
 	}
@@ -180,6 +178,17 @@ func wholeBlocks(parts [][]byte, k int) []pageBlock {
 
 // mark is block i's mark.
 func (w *landingWatch) mark(i int) uint64 { return w.seed ^ uint64(i+1)*0x9e3779b97f4a7c15 }
+
+// block returns run r's block k, counted over the run's units, and its
+// index among the loan's blocks (its mark's and its sum's).
+func (w *landingWatch) block(r *watchedRun, k int) (b []byte, i int) {
+	j, blk := k/len(r.blocks), r.blocks[k%len(r.blocks)]
+	at := j*r.page + blk.off
+	return r.mem[at : at+blk.n : at+blk.n], w.base[r.first+j] + blk.b
+}
+
+// lastWord is a block's last 8 bytes, where its mark is written.
+func lastWord(b []byte) uint64 { return binary.LittleEndian.Uint64(b[len(b)-8:]) }
 
 // scan sums the blocks that have landed since the last scan. They lie
 // where the bytes landed last (cur) and in the runs that follow, for a
@@ -235,11 +244,8 @@ func (w *landingWatch) follow(r int) bool {
 func (w *landingWatch) advance(r *watchedRun) bool {
 	moved := false
 	for r.next < r.units*len(r.blocks) {
-		j, blk := r.next/len(r.blocks), r.blocks[r.next%len(r.blocks)]
-		at := j*r.page + blk.off
-		b := r.mem[at : at+blk.n : at+blk.n]
-		i := w.base[r.first+j] + blk.b
-		tail, mark := binary.LittleEndian.Uint64(b[len(b)-8:]), w.mark(i)
+		b, i := w.block(r, r.next)
+		tail, mark := lastWord(b), w.mark(i)
 		if tail == mark {
 			break // nothing of its last 8 bytes has landed
 		}
@@ -265,9 +271,8 @@ func (w *landingWatch) passed(r *watchedRun) bool {
 	if k >= r.units*len(r.blocks) {
 		return false
 	}
-	j, blk := k/len(r.blocks), r.blocks[k%len(r.blocks)]
-	at := j*r.page + blk.off + blk.n - 8
-	return binary.LittleEndian.Uint64(r.mem[at:]) != w.mark(w.base[r.first+j]+blk.b)
+	b, i := w.block(r, k)
+	return lastWord(b) != w.mark(i)
 }
 
 // known returns unit u's block sums as the scan took them, for
