@@ -11,11 +11,16 @@
 #                (TestCUDADeviceUsable); without a usable GPU run.sh stops
 #                here and exits 2, loudly: every test runs with
 #                KVFENCE_REQUIRE_GPU=1, which turns skips into failures
-#   conformance  the conformance suite in kernel and memset mode, and the
+#   conformance  the conformance suite in kernel and memset mode, the
 #                kernel's geometry check in every variant (adopted strides
-#                ≡ 8 mod 16, pages larger than a chunk, spans, the ring)
-#   sanitizer    the geometry check and the conformance suite's kernel
-#                fills under compute-sanitizer --tool memcheck
+#                ≡ 8 mod 16, pages larger than a chunk, spans, the ring),
+#                and kvcache/pooltest on GPU 0: a hybrid pool's handoff
+#                (staged copies, the state slot in ranges), state
+#                checkpoints (device-to-device copies) and host tier
+#                (page-locked copies), read back byte for byte, every
+#                free page audited for the scrub pattern
+#   sanitizer    the geometry check, the conformance suite's kernel fills
+#                and the pool paths under compute-sanitizer --tool memcheck
 #   bench        BenchmarkCUDAFill: GB/s, x-memset, launches/op,
 #                kernel-only times (Llama-3.1-8B and DeepSeek-V3 pages)
 #   staged       BenchmarkCUDAStagedCopies: a handoff's staged copies of a
@@ -117,12 +122,13 @@ cp -r "$sanitizer" "$bin/compute-sanitizer"
 )
 
 # The memcheck step, a script of its own so that run.sh can bound it with
-# timeout: the kernel's geometry check and the conformance suite's kernel
-# fills; it fails unless the tests pass and memcheck reports no error.
+# timeout: the kernel's geometry check, the conformance suite's kernel
+# fills and the pool's copy paths; it fails unless the tests pass and
+# memcheck reports no error.
 cat >"$bin/sanitize.sh" <<'SAN'
 #!/usr/bin/env bash
 set -u
-for run in '^TestCUDAFillKernelGPU$' '^TestCUDAConformance$/^kernel$/^(FillCorrectness|Spans|Pipelined)$'; do
+for run in '^TestCUDAFillKernelGPU$' '^TestCUDAConformance$/^kernel$/^(FillCorrectness|Spans|Pipelined)$' '^TestCUDAPoolPathsGPU$'; do
 	./compute-sanitizer/compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
 		./cudaops.test -test.run "$run" -test.v -test.count=1 || exit
 done
@@ -210,7 +216,7 @@ step() {
 	summary+=("$name: $verdict in $((SECONDS - t0)) s")
 }
 
-step conformance 100 ./cudaops.test -test.v -test.count=1 -test.run '^(TestCUDAConformance|TestCUDAFillKernelGPU|TestOpenCUDAHere)$'
+step conformance 100 ./cudaops.test -test.v -test.count=1 -test.run '^(TestCUDAConformance|TestCUDAFillKernelGPU|TestCUDAPoolPathsGPU|TestOpenCUDAHere)$'
 step sanitizer 90 ./sanitize.sh
 step bench 120 ./cudaops.test -test.run '^$' -test.bench '^BenchmarkCUDAFill$' -test.benchtime 300ms -test.count 1
 step staged 45 ./cudaops.test -test.run '^$' -test.bench '^BenchmarkCUDAStagedCopies$' -test.benchtime 300ms -test.count 1
