@@ -711,6 +711,9 @@ func validateRequest(req Request, tokensPerPage int) error {
 //	a tenant's usage dropped (its lease ended)     that tenant's waiters
 //	UpdateTenant                                   that tenant's waiters, first pool waiter
 //	a fault, ClearFault, Close                     every waiter
+//
+// A state checkpoint whose units are in quarantine waits in the queue too,
+// as a fill waiter that holds no claim (Pool.awaitScrubLocked).
 
 // waitReason says what a waiting admission waits for.
 type waitReason uint8
@@ -755,15 +758,7 @@ func (p *Pool) waitLocked(a *admission, t *tenancy.Tenant, reason waitReason) st
 		w.lease, a.w = a.l, w
 	}
 	if !w.queued {
-		q := &p.mu.waiters
-		w.prev, w.next, w.queued = q.tail, nil, true
-		if q.tail != nil {
-			q.tail.next = w
-		} else {
-			q.head = w
-		}
-		q.tail = w
-		q.len++
+		p.mu.waiters.push(w)
 	} else if w.reason == waitPool && reason != waitPool {
 		// It leaves the line for pages: whoever is first now may fit.
 		p.mu.poolWaiters--
@@ -785,7 +780,30 @@ func (p *Pool) dequeueLocked(a *admission) (wasPoolWaiter bool) {
 	if w == nil || !w.queued {
 		return false
 	}
-	q := &p.mu.waiters
+	p.mu.waiters.remove(w)
+	wasPoolWaiter = w.reason == waitPool
+	if wasPoolWaiter {
+		p.mu.poolWaiters--
+		p.wakePagesLocked() // the next in line
+	}
+	w.reason, w.tenant = 0, nil
+	return wasPoolWaiter
+}
+
+// push appends w to the queue.
+func (q *waitQueue) push(w *waiter) {
+	w.prev, w.next, w.queued = q.tail, nil, true
+	if q.tail != nil {
+		q.tail.next = w
+	} else {
+		q.head = w
+	}
+	q.tail = w
+	q.len++
+}
+
+// remove takes w, queued, out of the queue.
+func (q *waitQueue) remove(w *waiter) {
 	if w.prev != nil {
 		w.prev.next = w.next
 	} else {
@@ -797,13 +815,7 @@ func (p *Pool) dequeueLocked(a *admission) (wasPoolWaiter bool) {
 		q.tail = w.prev
 	}
 	q.len--
-	wasPoolWaiter = w.reason == waitPool
-	if wasPoolWaiter {
-		p.mu.poolWaiters--
-		p.wakePagesLocked() // the next in line
-	}
-	w.prev, w.next, w.queued, w.reason, w.tenant = nil, nil, false, 0, nil
-	return wasPoolWaiter
+	w.prev, w.next, w.queued = nil, nil, false
 }
 
 // queuedAheadLocked reports whether an admission waiting for pages came

@@ -144,7 +144,8 @@ func (p *Pool) hybrid() bool { return len(p.groups) > 1 }
 // which its groups have no units free or held by other checkpoints, is
 // not taken (ErrCheckpointCapacity, counted and logged once per tenant).
 // Least recently used checkpoints are evicted for its units, scrubbed
-// first.
+// first. Where only units still being scrubbed (a lease released just
+// before, on a GPU) can make its room, it waits for those scrubs to end.
 func (l *Lease) CheckpointState(n int, after cudaops.Ordering) error {
 	if err := l.live(); err != nil {
 		return err
@@ -196,13 +197,32 @@ func (l *Lease) checkpoint(n int, after cudaops.Ordering, tokens []int32) error 
 	if err := l.prepareKeys(n/tpp, tokens); err != nil {
 		return err
 	}
+	var wait scrubWait
 	for {
-		done, err := p.checkpointAttempt(l, n, after, tokens, mover)
+		done, err := p.checkpointAttempt(l, n, after, tokens, mover, &wait)
 		if done || err != nil {
 			return err
 		}
 	}
 }
+
+// scrubWait is how long a checkpoint waits for the units in quarantine
+// it needs: a release's units stay there until their scrub's fence
+// completes (microseconds after the engine's work on a GPU), and a
+// checkpoint taken just after a release, as an engine's next prefill
+// chunk takes it, would otherwise find no room. until[gi] is the count
+// of group gi's ended scrubs (group.scrubsEnded) at which every unit in
+// quarantine when it first waited has had its turn; 0 before it waits.
+// Past it, the checkpoint waits no longer and is refused as without the
+// wait, so a pool whose releases keep the quarantine full cannot hold it
+// forever.
+type scrubWait struct {
+	until [MaxCacheGroups]uint64
+}
+
+// errScrubsPending: the checkpoint's room is in quarantine; wait for a
+// scrub to end and try again.
+var errScrubsPending = errors.New("kvcache: the checkpoint's units are being scrubbed")
 
 // prepareKeys derives, outside Pool.mu, the keys of l's first pages full
 // pages it lacks, from tokens (nil: its prompt's), as CachePrefix does.
@@ -248,11 +268,14 @@ func (l *Lease) prepareKeys(pages int, tokens []int32) error {
 
 // checkpointAttempt takes the checkpoint once: done, or it evicted units
 // for it (scrubbed here, and done is false: the caller tries again).
-func (p *Pool) checkpointAttempt(l *Lease, n int, after cudaops.Ordering, tokens []int32, mover cudaops.PageMover) (done bool, err error) {
+func (p *Pool) checkpointAttempt(l *Lease, n int, after cudaops.Ordering, tokens []int32, mover cudaops.PageMover, wait *scrubWait) (done bool, err error) {
 	p.mu.Lock()
 	var w tierWrite
-	c, b, err := p.prepareCheckpointLocked(l, n, tokens, &w)
+	c, b, err := p.prepareCheckpointLocked(l, n, tokens, &w, wait)
 	switch {
+	case err == errScrubsPending:
+		p.awaitScrubLocked(l)
+		return false, nil
 	case err != nil:
 		p.mu.Unlock()
 		return true, err
@@ -320,8 +343,10 @@ func (p *Pool) checkpointAttempt(l *Lease, n int, after cudaops.Ordering, tokens
 // publishes the pages below n, and returns the checkpoint with its units
 // taken and its pages pinned, loose (not on the book yet); or units
 // evicted for it, in b, for the caller to scrub before it tries again;
-// or nothing where the checkpoint exists already; or why not.
-func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32, w *tierWrite) (*checkpoint, scrubBatch, error) {
+// or errScrubsPending, nothing changed, where only the units in
+// quarantine can make its room (within wait's bound); or nothing where
+// the checkpoint exists already; or why not.
+func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32, w *tierWrite, wait *scrubWait) (*checkpoint, scrubBatch, error) {
 	p.assertHeld()
 	var b scrubBatch
 	if err := p.stateErrLocked(); err != nil {
@@ -368,15 +393,32 @@ func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32, w *tierW
 	}
 	// Units in every group but the per-token one: free ones (verified
 	// under the canary policy), or evicted for it, in every group or none.
+	// Units in quarantine are free once their scrub ends: where eviction
+	// cannot make the room and they can, wait for them (scrubWait).
 	var short [MaxCacheGroups]int
+	pending := false
 	for gi := 1; gi < len(p.groups); gi++ {
 		g := &p.groups[gi]
 		free := g.alloc.Count(allocator.Free) - g.claimed
-		if short[gi] = es[gi].Units - free; short[gi] > p.mu.ckpts.evictable[gi] {
-			p.countCapacityLocked(l.tenant, fmt.Sprintf("group %q has no %d units free or held by evictable checkpoints", g.name, es[gi].Units))
-			return nil, b, fmt.Errorf("%w: group %q has %d units free for the checkpoint's %d, and checkpoints to evict hold %d",
-				ErrCheckpointCapacity, g.name, free, es[gi].Units, p.mu.ckpts.evictable[gi])
+		evictable, scrubbing := p.mu.ckpts.evictable[gi], g.alloc.Count(allocator.Quarantined)
+		if short[gi] = es[gi].Units - free; short[gi] <= evictable {
+			continue
 		}
+		if short[gi] <= evictable+scrubbing {
+			if wait.until[gi] == 0 {
+				wait.until[gi] = g.scrubsEnded + uint64(scrubbing)
+			}
+			if g.scrubsEnded < wait.until[gi] {
+				pending = true
+				continue
+			}
+		}
+		p.countCapacityLocked(l.tenant, fmt.Sprintf("group %q has no %d units free or held by evictable checkpoints", g.name, es[gi].Units))
+		return nil, b, fmt.Errorf("%w: group %q has %d units free for the checkpoint's %d, checkpoints to evict hold %d, and %d are being scrubbed",
+			ErrCheckpointCapacity, g.name, free, es[gi].Units, evictable, scrubbing)
+	}
+	if pending {
+		return nil, b, errScrubsPending
 	}
 	for gi := 1; gi < len(p.groups); gi++ {
 		if short[gi] <= 0 {
@@ -915,6 +957,21 @@ func (p *Pool) restoredLocked(l *Lease, tokens int) {
 	}
 	l.written.Store(int64(tokens))
 	p.assertLocked("restore")
+}
+
+// awaitScrubLocked waits, with Pool.mu unlocked, until a scrub ends or
+// units become evictable (or a fault or Close): it queues as a fill
+// waiter that holds no claim, which wakePagesLocked wakes and nobody
+// waits behind. It returns with Pool.mu unlocked.
+func (p *Pool) awaitScrubLocked(l *Lease) {
+	p.assertHeld()
+	w := &waiter{lease: l, reason: waitFill, wake: make(chan struct{}, 1)}
+	p.mu.waiters.push(w)
+	p.mu.Unlock()
+	<-w.wake
+	p.mu.Lock()
+	p.mu.waiters.remove(w)
+	p.mu.Unlock()
 }
 
 // endRestoreLocked lets c be evicted again once its last restore ended,

@@ -353,6 +353,57 @@ func TestCheckpointHitsEveryPromptPastAPage(t *testing.T) {
 	require.NoError(t, p.Check())
 }
 
+// A checkpoint whose only room is units still being scrubbed (a lease
+// released just before, its fence pending as on a GPU) waits for those
+// scrubs and is taken, instead of being refused for capacity: here the
+// pool's other window ring and state slot are in quarantine.
+func TestCheckpointWaitsForUnitsBeingScrubbed(t *testing.T) {
+	dev := newScripted()
+	t.Cleanup(func() { dev.Close() }) // after the pool's Close
+	cfg := checkpointConfig(64, 2, 0)
+	cfg.Device = dev
+	p := newPool(t, cfg)
+	tokens := promptTokens(1, 30, 1, 30)
+	x, err := p.TryAdmit(Request{ID: "x", Tenant: "a", PromptTokens: 30, TokenIDs: promptTokens(2, 30, 2, 30)})
+	require.NoError(t, err)
+	a, err := p.TryAdmit(Request{ID: "a", Tenant: "a", PromptTokens: 30, TokenIDs: tokens})
+	require.NoError(t, err)
+	require.NoError(t, a.BeginPrefill())
+	prefillTo(t, p, a, "a", 28)
+
+	dev.mu.Lock()
+	dev.mu.hold = true
+	dev.mu.Unlock()
+	t.Cleanup(dev.complete) // before the pool's Close, which waits for fills
+	require.NoError(t, x.Release())
+	for _, g := range p.Stats().Groups[1:] {
+		require.Zero(t, g.Free, "group %q: x's units must be the only room, in quarantine", g.Name)
+		require.Positive(t, g.Quarantined, "group %q", g.Name)
+	}
+	done := make(chan error, 1)
+	go func() { done <- a.CheckpointState(28, cudaops.Ordering{}) }()
+	select {
+	case err := <-done:
+		t.Fatalf("the checkpoint returned (%v) while the units it needs were still being scrubbed", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	require.NoError(t, p.Check())
+	dev.complete()
+	require.NoError(t, <-done)
+	s := p.Stats().Checkpoints
+	require.Equal(t, 1, s.Live)
+	require.Zero(t, s.CapacitySkips)
+	require.NoError(t, p.Check())
+	require.NoError(t, a.Release())
+
+	b, err := p.TryAdmit(Request{ID: "b", Tenant: "a", PromptTokens: 30, TokenIDs: tokens})
+	require.NoError(t, err)
+	require.Equal(t, 28, b.HitTokens())
+	require.NoError(t, stateErr(p, b, "a@28", 28))
+	require.NoError(t, b.Release())
+	require.NoError(t, p.Check())
+}
+
 // Checkpoints take the slots leases leave; an admission that needs a
 // checkpoint's slot evicts it (least recently used first), and the slot
 // it gets is scrubbed; the pages the checkpoint pinned join the LRU list.

@@ -108,6 +108,23 @@ func (f *heldFence) Wait() error { <-f.done; return f.err }
 func newScripted() *scriptedDevice { return &scriptedDevice{Host: cudaops.NewHost()} }
 
 func (d *scriptedDevice) Fill(pages []int32, spec cudaops.FillSpec, after cudaops.Ordering) (cudaops.Fence, error) {
+	return d.fill(after, func() error {
+		_, err := d.Host.Fill(pages, spec, after)
+		return err
+	})
+}
+
+// FillSpans is Fill for pools with several cache groups.
+func (d *scriptedDevice) FillSpans(spans []cudaops.Span, spec cudaops.FillSpec, after cudaops.Ordering) (cudaops.Fence, error) {
+	return d.fill(after, func() error {
+		_, err := d.Host.FillSpans(spans, spec, after)
+		return err
+	})
+}
+
+// fill runs a fill, host's, as the script says: stopped at its gate,
+// refused, or with a fence that fails or is held.
+func (d *scriptedDevice) fill(after cudaops.Ordering, host func() error) (cudaops.Fence, error) {
 	d.mu.Lock()
 	if g := d.mu.gate; g != nil {
 		d.mu.gate = nil
@@ -122,7 +139,7 @@ func (d *scriptedDevice) Fill(pages []int32, spec cudaops.FillSpec, after cudaop
 		d.mu.failNext = nil
 		return nil, err
 	}
-	if _, err := d.Host.Fill(pages, spec, after); err != nil {
+	if err := host(); err != nil {
 		return nil, err
 	}
 	f := &heldFence{done: make(chan struct{}), err: d.mu.failFence}

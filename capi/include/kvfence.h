@@ -830,7 +830,10 @@ KVF_API kvf_status kvf_lease_cache_prefix(kvf_lease lease, int64_t tokens, int64
  *   KVF_ERR_CHECKPOINT_CAPACITY: the pool's "max_checkpoints" or the
  *     tenant's is reached, the tenant's quota in a group would be passed,
  *     or a group has no slot free or held by an evictable checkpoint; the
- *     skip is counted ("capacity_skips") and logged once per tenant;
+ *     skip is counted ("capacity_skips") and logged once per tenant.
+ *     Where only slots still being scrubbed (a lease released just
+ *     before, its scrub in flight on the GPU) can make the room, the
+ *     call waits for those scrubs instead of refusing;
  *   KVF_ERR_LEASE_RELEASED, KVF_ERR_LEASE_PHASE (an exported or sealed
  *     lease), KVF_ERR_BAD_ORDERING (stream or event unusable, as for
  *     kvf_lease_release), KVF_ERR_INVALID_HANDLE.

@@ -866,7 +866,8 @@ class Lease:
         NoStateGroup (a pool without window or state groups),
         CheckpointCapacity (no room: the pool's or the tenant's
         max_checkpoints, the tenant's quota, no slot free or evictable;
-        counted in stats()["checkpoints"]["capacity_skips"]),
+        counted in stats()["checkpoints"]["capacity_skips"]; slots still
+        being scrubbed after a release are waited for, not refused),
         LeaseReleased, LeasePhase, BadOrdering."""
         if _lib.lease_checkpoint_state is None:
             raise InvalidArgument("kvfence: state checkpoints need a library of ABI 10 (this one is %d)"
