@@ -21,6 +21,9 @@
 #                free page audited for the scrub pattern
 #   sanitizer    the geometry check, the conformance suite's kernel fills
 #                and the pool paths under compute-sanitizer --tool memcheck
+#                (the machine's own where it has one, else the carried one;
+#                on a gVisor machine it refuses the device, and the step
+#                keeps its message)
 #   bench        BenchmarkCUDAFill: GB/s, x-memset, launches/op,
 #                kernel-only times (Llama-3.1-8B and DeepSeek-V3 pages)
 #   staged       BenchmarkCUDAStagedCopies: a handoff's staged copies of a
@@ -128,8 +131,18 @@ cp -r "$sanitizer" "$bin/compute-sanitizer"
 cat >"$bin/sanitize.sh" <<'SAN'
 #!/usr/bin/env bash
 set -u
+# The machine's own compute-sanitizer matches its driver (CUDA 13 on the
+# lent machines); the carried one (Debian's, older) is the fallback.
+sanitizer=./compute-sanitizer/compute-sanitizer
+for own in "$(command -v compute-sanitizer)" /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+	if [ -n "$own" ] && [ -x "$own" ]; then
+		sanitizer=$own
+		break
+	fi
+done
+echo "sanitizer: $sanitizer ($("$sanitizer" --version 2>&1 | grep -i version | head -1))"
 for run in '^TestCUDAFillKernelGPU$' '^TestCUDAConformance$/^kernel$/^(FillCorrectness|Spans|Pipelined)$' '^TestCUDAPoolPathsGPU$'; do
-	./compute-sanitizer/compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
+	"$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
 		./cudaops.test -test.run "$run" -test.v -test.count=1 || exit
 done
 SAN
