@@ -282,6 +282,13 @@ func TestCheckpointCanarySoak(t *testing.T) {
 		t.Run(preset, func(t *testing.T) {
 			require.NoError(t, checkpointSoak(t, preset, steps, cudaops.NewHost(), nil))
 		})
+		// Fills that end after the release returns, as a GPU's: units
+		// wait in quarantine while checkpoints and admissions want them.
+		t.Run(preset+"/async", func(t *testing.T) {
+			dev := cudaops.NewHostWith(cudaops.HostConfig{AsyncFills: true})
+			t.Cleanup(func() { dev.Close() }) // after the pool's Close
+			require.NoError(t, checkpointSoak(t, preset, steps, dev, nil))
+		})
 	}
 }
 
