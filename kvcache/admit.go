@@ -724,11 +724,13 @@ const (
 	waitFill                        // granted: the fills of evicted pages
 )
 
-// waiter is a waiting admission's or growth's place in the queue.
+// waiter is a waiting admission's, growth's or checkpoint's place in the
+// queue.
 type waiter struct {
 	prev, next *waiter
-	lease      *Lease // the admission's, or the growing one
+	lease      *Lease // the admission's, or the growing or checkpointing one
 	growth     bool   // a growth's: it passes the queue
+	checkpoint bool   // a state checkpoint's (awaitScrubLocked), always waitFill
 	queued     bool
 	reason     waitReason
 	tenant     *tenancy.Tenant

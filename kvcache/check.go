@@ -120,9 +120,10 @@ func (p *Pool) checkLocked() error {
 // attempts (admitted leases, and admissions waiting in the queue): a
 // match still valid at the index's epoch, which an attempt would use as
 // it is, holds only entries in the index, never a spare one (see
-// prefixIndex.recycle). A waiting growth's lease is live and checked in
-// the lease table, or it has ended and may be in the middle of its next
-// admission, which resets the match outside Pool.mu: it is skipped.
+// prefixIndex.recycle). A waiting growth's or checkpoint's lease is live
+// and checked in the lease table, or it has ended and may be in the
+// middle of its next admission, which resets the match outside Pool.mu:
+// it is skipped.
 func (p *Pool) checkMatchesLocked(c *checker) {
 	p.assertHeld()
 	x := &p.mu.prefix
@@ -143,7 +144,7 @@ func (p *Pool) checkMatchesLocked(c *checker) {
 		check(l)
 	}
 	for w := p.mu.waiters.head; w != nil; w = w.next {
-		if !w.growth {
+		if !w.growth && !w.checkpoint {
 			check(w.lease)
 		}
 	}

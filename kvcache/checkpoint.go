@@ -965,7 +965,7 @@ func (p *Pool) restoredLocked(l *Lease, tokens int) {
 // waits behind. It returns with Pool.mu unlocked.
 func (p *Pool) awaitScrubLocked(l *Lease) {
 	p.assertHeld()
-	w := &waiter{lease: l, reason: waitFill, wake: make(chan struct{}, 1)}
+	w := &waiter{lease: l, checkpoint: true, reason: waitFill, wake: make(chan struct{}, 1)}
 	p.mu.waiters.push(w)
 	p.mu.Unlock()
 	<-w.wake

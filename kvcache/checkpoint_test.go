@@ -404,6 +404,44 @@ func TestCheckpointWaitsForUnitsBeingScrubbed(t *testing.T) {
 	require.NoError(t, p.Check())
 }
 
+// A lease released while its checkpoint waits for scrubs: the pool stays
+// consistent meanwhile, and the checkpoint ends with ErrLeaseReleased
+// when they do, taking nothing.
+func TestCheckpointWaitingForScrubsOfAReleasedLease(t *testing.T) {
+	dev := newScripted()
+	t.Cleanup(func() { dev.Close() })
+	cfg := checkpointConfig(64, 2, 0)
+	cfg.Device = dev
+	p := newPool(t, cfg)
+	x, err := p.TryAdmit(Request{ID: "x", Tenant: "a", PromptTokens: 30, TokenIDs: promptTokens(2, 30, 2, 30)})
+	require.NoError(t, err)
+	a, err := p.TryAdmit(Request{ID: "a", Tenant: "a", PromptTokens: 30, TokenIDs: promptTokens(1, 30, 1, 30)})
+	require.NoError(t, err)
+	require.NoError(t, a.BeginPrefill())
+	prefillTo(t, p, a, "a", 28)
+	dev.mu.Lock()
+	dev.mu.hold = true
+	dev.mu.Unlock()
+	t.Cleanup(dev.complete)
+	require.NoError(t, x.Release())
+	done := make(chan error, 1)
+	go func() { done <- a.CheckpointState(28, cudaops.Ordering{}) }()
+	require.Eventually(t, func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.mu.waiters.len == 1
+	}, 10*time.Second, time.Millisecond, "the checkpoint never waited")
+	require.NoError(t, a.Release())
+	require.NoError(t, p.Check())
+	dev.complete()
+	require.ErrorIs(t, <-done, ErrLeaseReleased)
+	require.Zero(t, p.Stats().Checkpoints.Live)
+	require.Eventually(t, func() bool { return p.Stats().QuarantinedPages == 0 }, 10*time.Second, time.Millisecond)
+	require.NoError(t, p.Check())
+	_, err = p.AuditFreePages()
+	require.NoError(t, err)
+}
+
 // Checkpoints take the slots leases leave; an admission that needs a
 // checkpoint's slot evicts it (least recently used first), and the slot
 // it gets is scrubbed; the pages the checkpoint pinned join the LRU list.
