@@ -141,10 +141,13 @@ for own in "$(command -v compute-sanitizer)" /usr/local/cuda/bin/compute-sanitiz
 	fi
 done
 echo "sanitizer: $sanitizer ($("$sanitizer" --version 2>&1 | grep -i version | head -1))"
-for run in '^TestCUDAFillKernelGPU$' '^TestCUDAConformance$/^kernel$/^(FillCorrectness|Spans|Pipelined)$' '^TestCUDAPoolPathsGPU$'; do
+memcheck() {
 	"$sanitizer" --tool memcheck --error-exitcode 3 --print-limit 20 \
-		./cudaops.test -test.run "$run" -test.v -test.count=1 || exit
-done
+		./cudaops.test "$@" -test.v -test.count=1 || exit
+}
+memcheck -test.run '^TestCUDAFillKernelGPU$'
+memcheck -test.run '^TestCUDAConformance$/^kernel$/^(FillCorrectness|Spans|Pipelined)$'
+memcheck -test.run '^TestCUDAPoolPathsGPU$'
 SAN
 chmod +x "$bin/sanitize.sh"
 du -sh "$bin"/* "$bin"/compute-sanitizer/* >&2
@@ -256,6 +259,36 @@ grep -hE '^Benchmark' "$out/bench.txt" "$out/staged.txt"
 exit $rc
 RUN
 chmod +x "$carry/run.sh"
+
+# Every test the run names must exist: on the GPU a pattern that matches
+# no test passes having run nothing. Each -test.run and -test.bench
+# pattern in run.sh and sanitize.sh (its top level, before a subtest's /;
+# each name of an alternation ^(A|B)$ on its own) is listed against the
+# binary named on its line (sanitize.sh's memcheck runs cudaops.test).
+for script in "$carry/run.sh" "$bin/sanitize.sh"; do
+	while IFS= read -r line; do
+		binary=$(grep -oP '\./\w+\.test' <<<"$line" | head -1 || true)
+		binary=${binary:-./cudaops.test}
+		for p in $(grep -oP -- "-test\.(run|bench) '\K[^']*" <<<"$line" || true); do
+			top=${p%%/*}
+			if [ "$top" = '^$' ]; then
+				continue # no tests: the benchmarks alone
+			elif [[ $top =~ ^\^\((.*)\)\$$ ]]; then
+				names=${BASH_REMATCH[1]//|/ }
+			else
+				names=$top
+				names=${names#^}
+				names=${names%$}
+			fi
+			for name in $names; do
+				if ! (cd "$bin" && "$binary" -test.list "^$name\$" 2>/dev/null) | grep -qx "$name"; then
+					echo "gpu-check: ${binary#./} has no test or benchmark $name ($(basename "$script") names it)" >&2
+					exit 1
+				fi
+			done
+		done
+	done <"$script"
+done
 
 size=$(du -sb "$carry" | cut -f1)
 limit=$((64 << 20))
