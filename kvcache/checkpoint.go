@@ -211,8 +211,9 @@ func (l *Lease) checkpoint(n int, after cudaops.Ordering, tokens []int32) error 
 // completes (microseconds after the engine's work on a GPU), and a
 // checkpoint taken just after a release, as an engine's next prefill
 // chunk takes it, would otherwise find no room. until[gi] is the count
-// of group gi's ended scrubs (group.scrubsEnded) at which every unit in
-// quarantine when it first waited has had its turn; 0 before it waits.
+// of group gi's units out of quarantine (Quarantine.EndedLocked) at which
+// every unit in quarantine when it first waited has had its turn; 0
+// before it waits.
 // Past it, the checkpoint waits no longer and is refused as without the
 // wait, so a pool whose releases keep the quarantine full cannot hold it
 // forever.
@@ -405,10 +406,11 @@ func (p *Pool) prepareCheckpointLocked(l *Lease, n int, tokens []int32, w *tierW
 			continue
 		}
 		if short[gi] <= evictable+scrubbing {
+			ended := p.q.EndedLocked(gi)
 			if wait.until[gi] == 0 {
-				wait.until[gi] = g.scrubsEnded + uint64(scrubbing)
+				wait.until[gi] = ended + uint64(scrubbing)
 			}
-			if g.scrubsEnded < wait.until[gi] {
+			if ended < wait.until[gi] {
 				pending = true
 				continue
 			}

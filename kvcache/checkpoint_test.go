@@ -353,20 +353,22 @@ func TestCheckpointHitsEveryPromptPastAPage(t *testing.T) {
 	require.NoError(t, p.Check())
 }
 
-// A checkpoint whose only room is units still being scrubbed (a lease
-// released just before, its fence pending as on a GPU) waits for those
-// scrubs and is taken, instead of being refused for capacity: here the
-// pool's other window ring and state slot are in quarantine.
-func TestCheckpointWaitsForUnitsBeingScrubbed(t *testing.T) {
-	dev := newScripted()
+// checkpointBehindScrubs sets up a checkpoint whose only room is units
+// still being scrubbed (a lease released just before, its fence pending
+// as on a GPU): lease a, prefilled to 28 of its tokens, calls
+// CheckpointState(28) while the pool's other window ring and state slot
+// are in quarantine; it returns once the call waits in the queue, with
+// the call's result to come on done. dev.complete ends the scrubs.
+func checkpointBehindScrubs(t *testing.T) (p *Pool, dev *scriptedDevice, a *Lease, done <-chan error) {
+	t.Helper()
+	dev = newScripted()
 	t.Cleanup(func() { dev.Close() }) // after the pool's Close
 	cfg := checkpointConfig(64, 2, 0)
 	cfg.Device = dev
-	p := newPool(t, cfg)
-	tokens := promptTokens(1, 30, 1, 30)
+	p = newPool(t, cfg)
 	x, err := p.TryAdmit(Request{ID: "x", Tenant: "a", PromptTokens: 30, TokenIDs: promptTokens(2, 30, 2, 30)})
 	require.NoError(t, err)
-	a, err := p.TryAdmit(Request{ID: "a", Tenant: "a", PromptTokens: 30, TokenIDs: tokens})
+	a, err = p.TryAdmit(Request{ID: "a", Tenant: "a", PromptTokens: 30, TokenIDs: promptTokens(1, 30, 1, 30)})
 	require.NoError(t, err)
 	require.NoError(t, a.BeginPrefill())
 	prefillTo(t, p, a, "a", 28)
@@ -380,13 +382,28 @@ func TestCheckpointWaitsForUnitsBeingScrubbed(t *testing.T) {
 		require.Zero(t, g.Free, "group %q: x's units must be the only room, in quarantine", g.Name)
 		require.Positive(t, g.Quarantined, "group %q", g.Name)
 	}
-	done := make(chan error, 1)
-	go func() { done <- a.CheckpointState(28, cudaops.Ordering{}) }()
-	select {
-	case err := <-done:
-		t.Fatalf("the checkpoint returned (%v) while the units it needs were still being scrubbed", err)
-	case <-time.After(50 * time.Millisecond):
-	}
+	result := make(chan error, 1)
+	go func() { result <- a.CheckpointState(28, cudaops.Ordering{}) }()
+	returned, early := false, error(nil)
+	require.Eventually(t, func() bool {
+		select {
+		case early = <-result:
+			returned = true
+			return true
+		default:
+		}
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.mu.waiters.len == 1
+	}, 10*time.Second, time.Millisecond, "the checkpoint never waited")
+	require.False(t, returned, "the checkpoint returned (%v) while the units it needs were still being scrubbed", early)
+	return p, dev, a, result
+}
+
+// A checkpoint whose only room is units still being scrubbed waits for
+// those scrubs and is taken, instead of being refused for capacity.
+func TestCheckpointWaitsForUnitsBeingScrubbed(t *testing.T) {
+	p, dev, a, done := checkpointBehindScrubs(t)
 	require.NoError(t, p.Check())
 	dev.complete()
 	require.NoError(t, <-done)
@@ -396,7 +413,7 @@ func TestCheckpointWaitsForUnitsBeingScrubbed(t *testing.T) {
 	require.NoError(t, p.Check())
 	require.NoError(t, a.Release())
 
-	b, err := p.TryAdmit(Request{ID: "b", Tenant: "a", PromptTokens: 30, TokenIDs: tokens})
+	b, err := p.TryAdmit(Request{ID: "b", Tenant: "a", PromptTokens: 30, TokenIDs: promptTokens(1, 30, 1, 30)})
 	require.NoError(t, err)
 	require.Equal(t, 28, b.HitTokens())
 	require.NoError(t, stateErr(p, b, "a@28", 28))
@@ -408,29 +425,7 @@ func TestCheckpointWaitsForUnitsBeingScrubbed(t *testing.T) {
 // consistent meanwhile, and the checkpoint ends with ErrLeaseReleased
 // when they do, taking nothing.
 func TestCheckpointWaitingForScrubsOfAReleasedLease(t *testing.T) {
-	dev := newScripted()
-	t.Cleanup(func() { dev.Close() })
-	cfg := checkpointConfig(64, 2, 0)
-	cfg.Device = dev
-	p := newPool(t, cfg)
-	x, err := p.TryAdmit(Request{ID: "x", Tenant: "a", PromptTokens: 30, TokenIDs: promptTokens(2, 30, 2, 30)})
-	require.NoError(t, err)
-	a, err := p.TryAdmit(Request{ID: "a", Tenant: "a", PromptTokens: 30, TokenIDs: promptTokens(1, 30, 1, 30)})
-	require.NoError(t, err)
-	require.NoError(t, a.BeginPrefill())
-	prefillTo(t, p, a, "a", 28)
-	dev.mu.Lock()
-	dev.mu.hold = true
-	dev.mu.Unlock()
-	t.Cleanup(dev.complete)
-	require.NoError(t, x.Release())
-	done := make(chan error, 1)
-	go func() { done <- a.CheckpointState(28, cudaops.Ordering{}) }()
-	require.Eventually(t, func() bool {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		return p.mu.waiters.len == 1
-	}, 10*time.Second, time.Millisecond, "the checkpoint never waited")
+	p, dev, a, done := checkpointBehindScrubs(t)
 	require.NoError(t, a.Release())
 	require.NoError(t, p.Check())
 	dev.complete()
@@ -438,7 +433,7 @@ func TestCheckpointWaitingForScrubsOfAReleasedLease(t *testing.T) {
 	require.Zero(t, p.Stats().Checkpoints.Live)
 	require.Eventually(t, func() bool { return p.Stats().QuarantinedPages == 0 }, 10*time.Second, time.Millisecond)
 	require.NoError(t, p.Check())
-	_, err = p.AuditFreePages()
+	_, err := p.AuditFreePages()
 	require.NoError(t, err)
 }
 

@@ -52,11 +52,6 @@ type group struct {
 	// claimed ≤ free + evicting: every promised page is free or on its
 	// way.
 	claimed, evicting int
-	// scrubsEnded counts the group's pages whose scrub has ended, clean
-	// or retired, since New: a checkpoint waiting for units in quarantine
-	// waits until it has passed the count the quarantine held then.
-	// Guarded by Pool.mu.
-	scrubsEnded uint64
 }
 
 // hold is what a lease holds in one cache group.

@@ -234,9 +234,6 @@ func (p *Pool) finishScrub(b scrubBatch, fillErr error) error {
 // the free lists, a failed fill retires its pages and faults the pool.
 func (p *Pool) finishScrubLocked(b scrubBatch, fillErr error) error {
 	p.assertHeld()
-	for gi, pages := range b.spaces {
-		p.groups[gi].scrubsEnded += uint64(len(pages))
-	}
 	err := p.q.FinishLocked(b.spaces, fillErr)
 	if err != nil {
 		p.faultedLocked()

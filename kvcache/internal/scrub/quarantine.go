@@ -69,8 +69,9 @@ type Space struct {
 type space struct {
 	Space
 	regions      []cudaops.Region
-	bytesPerPage int64 // over the space's regions
-	inFlight     int   // guarded by the owner's lock: pages released and not yet cleaned or retired
+	bytesPerPage int64  // over the space's regions
+	inFlight     int    // guarded by the owner's lock: pages released and not yet cleaned or retired
+	ended        uint64 // guarded by the owner's lock: pages cleaned or retired since New
 }
 
 // New returns the quarantine of spaces on dev, whose regions hold the
@@ -243,6 +244,7 @@ func (q *Quarantine) cleanLocked(s int, pages []int32) {
 	}
 	sp := &q.spaces[s]
 	sp.inFlight -= len(pages)
+	sp.ended += uint64(len(pages))
 	if err := sp.Alloc.Clean(pages); err != nil {
 		panic(fmt.Sprintf("scrub: cleaning scrubbed pages: %v", err)) // pages were quarantined by us
 	}
@@ -256,10 +258,20 @@ func (q *Quarantine) retireLocked(s int, pages []int32) {
 	}
 	sp := &q.spaces[s]
 	sp.inFlight -= len(pages)
+	sp.ended += uint64(len(pages))
 	if err := sp.Alloc.Retire(pages); err != nil {
 		panic(fmt.Sprintf("scrub: retiring pages of a failed fill: %v", err))
 	}
 	q.stats.PagesRetired += uint64(len(pages))
+}
+
+// EndedLocked returns how many pages of space s have left quarantine,
+// cleaned or retired, since New: a count that only grows, for a caller
+// that waits until the pages in quarantine when it looked have had their
+// turn.
+func (q *Quarantine) EndedLocked(s int) uint64 {
+	q.assertHeld()
+	return q.spaces[s].ended
 }
 
 // failedLocked records a failed fill of n pages (already retired).

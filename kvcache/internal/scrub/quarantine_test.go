@@ -108,6 +108,9 @@ func TestQuarantineBooksAfterFailedFills(t *testing.T) {
 	assert.Equal(t, uint64(1), st.Fills)
 	assert.Equal(t, uint64(5), st.PagesScrubbed)
 	assert.Equal(t, uint64(5*64), st.BytesScrubbed)
+	// Pages out of quarantine, per space: retired and cleaned alike.
+	assert.Equal(t, uint64(3+2+4), q.EndedLocked(0))
+	assert.Equal(t, uint64(1+2+1), q.EndedLocked(1))
 	for _, p := range b3[0] {
 		assert.Equal(t, []byte{0, 0x80}, host.PageBytes(0, p)[:2], "page %d scrubbed with fp16 -0", p)
 	}
